@@ -1,0 +1,56 @@
+"""Developer sessions: tests, lint, bench, demo.
+
+Every session installs ``torch==2.13.0`` first (the CPU build these machines serve; any other
+version pulls a multi-GB CUDA build), then the package.  Virtualenvs are reused, so a second run
+starts in seconds.
+"""
+
+from __future__ import annotations
+
+import nox
+
+nox.options.reuse_existing_virtualenvs = True
+nox.options.sessions = ["tests", "lint"]
+
+TORCH = "torch==2.13.0"
+
+
+def _install(session: nox.Session, *extras: str) -> None:
+    session.install(TORCH)
+    target = f".[{','.join(extras)}]" if extras else "."
+    session.install("-e", target)
+
+
+def _one_thread(session: nox.Session) -> dict[str, str]:
+    # Several processes share 2 cores here: more than one torch thread each is much slower.
+    return {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+
+
+@nox.session
+def tests(session: nox.Session) -> None:
+    """Run the test suite (extra pytest arguments pass through)."""
+    _install(session, "dev")
+    session.run("pytest", *session.posargs, env=_one_thread(session))
+
+
+@nox.session
+def lint(session: nox.Session) -> None:
+    """ruff (with the async rules) and mypy."""
+    _install(session, "dev")
+    session.run("ruff", "check", "petals_core", "tests", "bench", "noxfile.py")
+    session.run("ruff", "format", "--check", "petals_core", "tests", "bench", "noxfile.py")
+    session.run("mypy")
+
+
+@nox.session
+def bench(session: nox.Session) -> None:
+    """Run benchmarks: ``nox -s bench`` runs all, ``nox -s bench -- transport`` one by name."""
+    _install(session)
+    session.run("python", "-m", "bench", *session.posargs, env=_one_thread(session))
+
+
+@nox.session
+def demo(session: nox.Session) -> None:
+    """Show what the project does so far (extra arguments pass to the demo)."""
+    _install(session)
+    session.run("python", "-m", "petals_core.demo", *session.posargs, env=_one_thread(session))

@@ -1,0 +1,27 @@
+"""petals_core: run and fine-tune large language models across machines owned by different people.
+
+The root package re-exports only what is cheap to import; the transport lives in
+``petals_core.transport`` and imports no torch.
+"""
+
+from ._errors import (
+    ClosedResourceError as ClosedResourceError,
+    CodecError as CodecError,
+    ConfigError as ConfigError,
+    ConnectionClosed as ConnectionClosed,
+    ConnectTimeout as ConnectTimeout,
+    IdentityFileError as IdentityFileError,
+    IdentityMismatch as IdentityMismatch,
+    InvalidMultiaddr as InvalidMultiaddr,
+    LocalProtocolError as LocalProtocolError,
+    NetworkError as NetworkError,
+    PeerUnreachable as PeerUnreachable,
+    PetalsError as PetalsError,
+    ProtocolError as ProtocolError,
+    RemoteError as RemoteError,
+    RemoteProtocolError as RemoteProtocolError,
+    StreamReset as StreamReset,
+    TransportError as TransportError,
+)
+
+__version__ = "0.1.0"

@@ -1,0 +1,96 @@
+"""One exception tree for the whole package.
+
+Errors are grouped by what failed, in the manner of httpcore: the codec, the peer's behaviour
+(protocol errors, remote errors), the network (timeouts, unreachable peers, resets), or the caller
+(using something already closed).  Foreign exceptions (trio, aioquic, cbor2, cryptography) are
+translated at the boundary and chained as ``__cause__``; none escapes the public API.
+"""
+
+from __future__ import annotations
+
+
+class PetalsError(Exception):
+    """Root of every error this package raises on purpose."""
+
+
+class ConfigError(PetalsError, ValueError):
+    """A configuration value, address or file is invalid."""
+
+
+class InvalidMultiaddr(ConfigError):
+    """A multiaddr string does not follow ``/ip4|ip6/<host>/udp/<port>/quic-v1[/p2p/<PeerID>]``."""
+
+
+class IdentityFileError(ConfigError):
+    """An identity file cannot be read, written or parsed."""
+
+
+class TransportError(PetalsError):
+    """Something went wrong moving bytes between peers."""
+
+
+class ProtocolError(TransportError):
+    """A peer (or we) broke the wire protocol."""
+
+
+class LocalProtocolError(ProtocolError):
+    """We were asked to send something the protocol does not allow (e.g. an unencodable value)."""
+
+
+class RemoteProtocolError(ProtocolError):
+    """The peer sent something the protocol does not allow."""
+
+
+class CodecError(ProtocolError):
+    """Bytes could not be decoded (or a value could not be encoded) as a wire message.
+
+    This is the only exception type that the ``*_untrusted`` decoders raise.
+    """
+
+
+class NetworkError(TransportError):
+    """The network or the peer's connection failed."""
+
+
+class ConnectTimeout(NetworkError, TimeoutError):
+    """No handshake completed within the connect timeout."""
+
+
+class PeerUnreachable(NetworkError):
+    """The peer could not be reached (no route, refused, or it stopped answering)."""
+
+
+class IdentityMismatch(NetworkError):
+    """The peer proved a key other than the one its PeerID names."""
+
+
+class ConnectionClosed(NetworkError):
+    """The QUIC connection ended; ``reason`` says why and ``error_code`` carries the wire code."""
+
+    def __init__(self, message: str, *, error_code: int | None = None) -> None:
+        super().__init__(message)
+        self.error_code = error_code
+
+
+class StreamReset(NetworkError):
+    """The peer reset the stream (e.g. it cancelled its side of a call)."""
+
+    def __init__(self, message: str, *, error_code: int | None = None) -> None:
+        super().__init__(message)
+        self.error_code = error_code
+
+
+class ClosedResourceError(TransportError):
+    """*You* closed this object (node, connection or call) and then used it."""
+
+
+class RemoteError(TransportError):
+    """A remote handler raised; the caller sees its type name and message.
+
+    The remote side keeps serving; only this call failed.
+    """
+
+    def __init__(self, remote_type: str, message: str) -> None:
+        super().__init__(f"{remote_type}: {message}")
+        self.remote_type = remote_type
+        self.remote_message = message

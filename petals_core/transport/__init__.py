@@ -1,0 +1,72 @@
+"""QUIC transport on trio: authenticated peers, multiplexed RPC streams, CBOR-framed tensors.
+
+Embeddable on its own: importing it imports neither torch nor transformers (torch is imported only
+when a tensor is actually encoded or built).
+
+A server::
+
+    handlers = Handlers()
+
+    @handlers.unary("echo")
+    async def echo(request, call):
+        return request
+
+    async with open_node(load_or_create_identity("node.key"), host="0.0.0.0", port=31337) as node:
+        print(node.listen_multiaddr)
+        await serve_rpc(node, handlers)
+
+A client::
+
+    async with open_node() as node:
+        connection = await node.connect("/ip4/10.0.0.2/udp/31337/quic-v1/p2p/Qm...")
+        with trio.fail_after(5):
+            reply = await call_unary(connection, "echo", {"x": torch.ones(3)})
+"""
+
+from .._errors import (
+    ClosedResourceError as ClosedResourceError,
+    CodecError as CodecError,
+    ConnectionClosed as ConnectionClosed,
+    ConnectTimeout as ConnectTimeout,
+    IdentityMismatch as IdentityMismatch,
+    LocalProtocolError as LocalProtocolError,
+    PeerUnreachable as PeerUnreachable,
+    ProtocolError as ProtocolError,
+    RemoteError as RemoteError,
+    RemoteProtocolError as RemoteProtocolError,
+    StreamReset as StreamReset,
+    TransportError as TransportError,
+)
+from ._codec import (
+    CodecLimits as CodecLimits,
+    Compressed as Compressed,
+    FrameDecoder as FrameDecoder,
+    RawTensor as RawTensor,
+    compress as compress,
+    decode_message_untrusted as decode_message_untrusted,
+    encode_frame as encode_frame,
+    encode_message as encode_message,
+)
+from ._config import ALPN as ALPN, TransportConfig as TransportConfig
+from ._identity import (
+    Identity as Identity,
+    PeerID as PeerID,
+    load_or_create_identity as load_or_create_identity,
+    verify_signature as verify_signature,
+)
+from ._multiaddr import Multiaddr as Multiaddr
+from ._node import (
+    Connection as Connection,
+    Node as Node,
+    NodeStatistics as NodeStatistics,
+    Stream as Stream,
+    open_node as open_node,
+)
+from ._rpc import (
+    Call as Call,
+    Handlers as Handlers,
+    ServerCall as ServerCall,
+    call_unary as call_unary,
+    open_call as open_call,
+    serve_rpc as serve_rpc,
+)

@@ -1,0 +1,602 @@
+"""Wire codec: length-prefixed CBOR maps that may carry tensors.
+
+Frames
+    A frame is a 4-byte big-endian payload length followed by the payload.  A payload is one
+    CBOR data item (RFC 8949): a map with text keys.  Values are null, booleans, integers in
+    [-2**64, 2**64), floats, text, byte strings, arrays, maps (text keys everywhere) and tensors.
+    Every length is definite, and nothing may follow the map.
+
+Tensors
+    A tensor is CBOR tag 42000 around an array, either ``[dtype, shape, data]`` or, compressed,
+    ``[dtype, shape, data, scheme, scales]``.  ``dtype`` is one of :data:`DTYPES`, ``shape`` an
+    array of non-negative integers and ``data`` the elements in C order, little-endian (bfloat16
+    as its raw 16 bits, bool as one byte, 0 or 1, per element).  When compressed, ``dtype`` and
+    ``shape`` still describe the original tensor, and ``scheme`` says what ``data`` holds:
+
+    - ``"float16"``: the elements as IEEE half floats; ``scales`` is empty.
+    - ``"blockwise8"``: the flattened elements cut into blocks of 256 (the last may be shorter);
+      ``data`` holds one int8 code per element and ``scales`` one little-endian float32 per
+      block.  An element decodes as ``code * scale`` with ``scale = absmax(block) / 127``, so it
+      is off by at most ``absmax(block) / 254`` before rounding to the original dtype (blocks
+      whose absmax is below 127 times the smallest normal float32, about 1.5e-36, have a scale
+      that underflows and decode as zeros).
+
+Nesting depth counts arrays and maps: the top-level map is at depth 1, and a tensor takes two
+levels (its array and its shape).  Container items are array elements plus map entries, the
+tensors' arrays included.  :func:`encode_message` applies the same limits as the decoder, so a
+message that encodes is one that a peer with the same limits accepts.
+
+:class:`CodecError` covers both directions: a value we cannot send, bytes we cannot accept.
+:func:`decode_message_untrusted` walks the item heads before cbor2 builds anything, so lengths,
+nesting and tags are checked against the limits and the frame's real size first, and no cbor2
+extension (shared or string references, sets, regular expressions, bignums...) is reachable.
+
+Only functions that build tensors import torch: a program without it still sends and receives
+tensors as :class:`RawTensor`.  Like torch, the codec assumes a little-endian host.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+import sys
+import warnings
+from collections.abc import Callable, Iterable, Mapping
+from typing import TYPE_CHECKING, Any, Final, Literal
+
+import attrs
+import cbor2
+from attrs import validators as v
+
+from petals_core._errors import CodecError
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = [
+    "DEFAULT_LIMITS",
+    "DTYPES",
+    "CodecLimits",
+    "Compressed",
+    "FrameDecoder",
+    "RawTensor",
+    "compress",
+    "decode_message_untrusted",
+    "encode_frame",
+    "encode_message",
+]
+
+Scheme = Literal["float16", "blockwise8"]
+
+#: Bytes per element of each dtype a tensor may have on the wire.
+_ITEM_BYTES: Final[Mapping[str, int]] = dict(
+    float32=4, float16=2, bfloat16=2, int64=8, int32=4, int8=1, uint8=1, bool=1
+)
+DTYPES: Final = frozenset(_ITEM_BYTES)
+_FLOAT_DTYPES: Final = frozenset({"float32", "float16", "bfloat16"})
+_SCHEMES: Final = ("float16", "blockwise8")
+
+_TENSOR_TAG: Final = 42_000
+_BLOCK_ELEMENTS: Final = 256
+_PREFIX_BYTES: Final = 4
+# Smaller buffers are copied into a tensor rather than shared: CPython shares its one-byte bytes
+# objects, and a tensor over one of those must never be written to.
+_ZERO_COPY_MIN_BYTES: Final = 4096
+
+# CBOR major types.
+_UINT, _NEGINT, _BYTES, _TEXT, _ARRAY, _MAP, _TAG, _SIMPLE = range(8)
+# false, true, null and half/single/double floats; the rest of major type 7 is refused.
+_ALLOWED_SIMPLE: Final = frozenset({0xF4, 0xF5, 0xF6, 0xF9, 0xFA, 0xFB})
+_MAX_NAME_BYTES: Final = 16  # room for the longest dtype or scheme name
+# The layout of a tensor's array: dtype, shape, data, then scheme and scales when compressed.
+_TENSOR_FIELDS: Final = (_TEXT, _ARRAY, _BYTES, _TEXT, _BYTES)
+
+
+def _count(minimum: int, maximum: int) -> Callable[[Any, Any, Any], Any]:
+    return v.and_(v.instance_of(int), v.ge(minimum), v.le(maximum))
+
+
+@attrs.frozen(kw_only=True)
+class CodecLimits:
+    """What one message may hold; a peer's message beyond any limit is refused."""
+
+    #: Largest payload of one frame (the 4-byte length prefix caps it below 4 GiB).
+    max_frame_bytes: int = attrs.field(default=512 << 20, validator=_count(1, 2**32 - 1))
+    #: Deepest nesting of arrays and maps (capped far below Python's recursion limit).
+    max_depth: int = attrs.field(default=32, validator=_count(1, 256))
+    #: Array elements plus map entries, summed over the whole message.
+    max_container_items: int = attrs.field(default=100_000, validator=_count(1, 2**63))
+    max_tensor_elements: int = attrs.field(default=2**31, validator=_count(1, 2**63))
+    max_tensor_dims: int = attrs.field(default=8, validator=_count(0, 64))
+    #: Largest text string (UTF-8); byte strings are bounded by the frame alone.
+    max_string_bytes: int = attrs.field(default=1 << 20, validator=_count(0, 2**32 - 1))
+
+
+DEFAULT_LIMITS: Final = CodecLimits()
+
+
+def _to_shape(sizes: Iterable[int]) -> tuple[int, ...]:
+    return tuple(sizes)
+
+
+@attrs.frozen(eq=True)
+class RawTensor:
+    """A tensor in its wire form, for programs that do not use torch.
+
+    ``data`` holds the elements as described in the module docstring; when ``compression`` is
+    set, it holds the compressed payload and ``scales`` the blockwise8 scales, while ``dtype``
+    and ``shape`` describe the original tensor.  Invalid fields raise :class:`CodecError`.
+    """
+
+    dtype: str
+    shape: tuple[int, ...] = attrs.field(converter=_to_shape)
+    data: bytes | memoryview = attrs.field(repr=False)
+    compression: Scheme | None = attrs.field(default=None, kw_only=True)
+    scales: bytes | memoryview = attrs.field(default=b"", kw_only=True, repr=False)
+
+    def __attrs_post_init__(self) -> None:
+        if self.dtype not in _ITEM_BYTES:
+            raise CodecError(f"unsupported tensor dtype {self.dtype!r}")
+        if not all(type(size) is int and size >= 0 for size in self.shape):
+            raise CodecError(f"tensor shape {self.shape!r} is not a tuple of non-negative ints")
+        data_bytes, scales_bytes = _payload_bytes(self.dtype, self.numel, self.compression)
+        if _buffer_bytes(self.data) != data_bytes or _buffer_bytes(self.scales) != scales_bytes:
+            raise CodecError(
+                f"{self.dtype} tensor of shape {self.shape} ({self.compression or 'plain'}) "
+                f"needs {data_bytes} data and {scales_bytes} scale bytes"
+            )
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    def to_torch(self) -> torch.Tensor:
+        """Build the torch tensor, decompressing if need be.
+
+        An uncompressed tensor of 4 KiB or more shares memory with ``data`` rather than copying.
+        """
+        import torch
+
+        dtype = getattr(torch, self.dtype)
+        if self.compression is None:
+            return _tensor_from_buffer(self.data, dtype, self.shape)
+        if self.compression == "float16":
+            return _tensor_from_buffer(self.data, torch.float16, self.shape).to(dtype)
+        blocks = -(-self.numel // _BLOCK_ELEMENTS)
+        scales = _tensor_from_buffer(self.scales, torch.float32, (blocks, 1))
+        padded = torch.zeros(blocks * _BLOCK_ELEMENTS, dtype=torch.float32)
+        padded[: self.numel] = _tensor_from_buffer(self.data, torch.int8, (self.numel,))
+        values = padded.view(blocks, _BLOCK_ELEMENTS).mul_(scales).view(-1)
+        return values[: self.numel].to(dtype).view(self.shape)
+
+
+@attrs.frozen(eq=False)
+class Compressed:
+    """Marks a floating-point torch tensor to be sent compressed with ``scheme``.
+
+    The receiver gets a tensor of the original dtype and shape back.  ``"float16"`` rounds to
+    half precision (values beyond its range become infinite); ``"blockwise8"`` quantizes to
+    8 bits per element plus one scale per 256 elements, and refuses non-finite values.
+    """
+
+    tensor: torch.Tensor
+    scheme: Scheme
+
+    def __attrs_post_init__(self) -> None:
+        if self.scheme not in _SCHEMES:
+            raise CodecError(f"unknown compression scheme {self.scheme!r}; use one of {_SCHEMES}")
+        if _torch_dtype_name(self.tensor) not in _FLOAT_DTYPES:
+            raise CodecError(f"only {sorted(_FLOAT_DTYPES)} torch tensors can be compressed")
+
+
+def compress(tensor: torch.Tensor, scheme: Scheme) -> Compressed:
+    """Mark ``tensor`` to be sent compressed; see :class:`Compressed`."""
+    return Compressed(tensor, scheme)
+
+
+def encode_message(msg: Mapping[str, Any], *, limits: CodecLimits = DEFAULT_LIMITS) -> bytes:
+    """Encode ``msg`` as one CBOR map; raises :class:`CodecError` for what a peer would refuse."""
+    if not isinstance(msg, Mapping):
+        raise CodecError(f"a message must be a mapping, not {type(msg).__name__}")
+    plain = _Encoder(limits).convert(msg, depth=1)
+    try:
+        payload = cbor2.dumps(plain)
+    except Exception as exc:
+        raise CodecError(f"cannot encode message: {exc}") from exc
+    if len(payload) > limits.max_frame_bytes:
+        raise CodecError(f"message of {len(payload)} bytes exceeds {limits.max_frame_bytes}")
+    return payload
+
+
+def encode_frame(msg: Mapping[str, Any], *, limits: CodecLimits = DEFAULT_LIMITS) -> bytes:
+    """Encode ``msg`` behind its 4-byte big-endian length."""
+    payload = encode_message(msg, limits=limits)
+    return len(payload).to_bytes(_PREFIX_BYTES, "big") + payload
+
+
+def decode_message_untrusted(
+    data: bytes | bytearray | memoryview,
+    *,
+    limits: CodecLimits = DEFAULT_LIMITS,
+    tensors: Literal["torch", "raw"] = "torch",
+) -> dict[str, Any]:
+    """Decode one frame payload from a peer.
+
+    Tensors come back as torch tensors, or as :class:`RawTensor` (still compressed, if they
+    were) when ``tensors="raw"``.  Whatever the bytes, the only exception is
+    :class:`CodecError`; an invalid ``tensors`` argument is a ``ValueError``.
+    """
+    if tensors not in ("torch", "raw"):
+        raise ValueError(f"tensors must be 'torch' or 'raw', not {tensors!r}")
+    try:
+        # cbor2 copies any other buffer into bytes anyway.
+        payload = data if isinstance(data, bytes) else bytes(data)
+        if len(payload) > limits.max_frame_bytes:
+            raise CodecError(f"message of {len(payload)} bytes exceeds {limits.max_frame_bytes}")
+        _check_structure_untrusted(payload, limits)
+        message: dict[str, Any] = cbor2.loads(
+            payload,
+            semantic_decoders=_TagDecoders(limits, tensors),
+            allow_indefinite=False,
+            allow_duplicate_keys=False,
+            strict_hashable_types=True,
+            # A backstop only: the walk above already enforced the depth, and cbor2 counts the
+            # tensor tag as one more level.
+            max_depth=limits.max_depth + 1,
+        )
+    except CodecError:
+        raise
+    except Exception as exc:
+        # cbor2 wraps what our tag decoder raised; report our own message where there is one.
+        detail = exc.__cause__ if isinstance(exc.__cause__, CodecError) else exc
+        raise CodecError(f"malformed message: {detail}") from exc
+    return message
+
+
+class FrameDecoder:
+    """Cuts a byte stream into frame payloads (sans-IO).
+
+    ``feed`` bytes as they arrive, then call ``next_frame`` until it returns None.  A declared
+    length above ``max_frame_bytes`` raises :class:`CodecError` from ``feed`` as soon as its
+    4-byte prefix is in, before any of its payload is buffered; from then on ``feed`` raises
+    again, and ``next_frame`` returns the frames before it, then raises too.
+    """
+
+    def __init__(self, limits: CodecLimits = DEFAULT_LIMITS) -> None:
+        self._max_frame_bytes = limits.max_frame_bytes
+        self._buffer = bytearray()
+        self._unchecked = 0  # where in the buffer the first frame prefix not yet checked starts
+
+    @property
+    def buffered_bytes(self) -> int:
+        """Bytes held for frames not yet returned."""
+        return len(self._buffer)
+
+    def feed(self, data: bytes | bytearray | memoryview) -> None:
+        self._check_prefixes()
+        self._buffer += data
+        self._check_prefixes()
+
+    def next_frame(self) -> bytes | None:
+        """The next complete payload, or None until one is complete."""
+        if self._unchecked == 0:  # no prefix, or a refused one
+            self._check_prefixes()
+            return None
+        end = _PREFIX_BYTES + int.from_bytes(self._buffer[:_PREFIX_BYTES], "big")
+        if len(self._buffer) < end:
+            return None
+        with memoryview(self._buffer) as view:
+            # bytes, not bytearray: cbor2 would copy anything else once more.
+            payload = bytes(view[_PREFIX_BYTES:end])
+        # Cheap however large the buffer: CPython's bytearray drops its head by moving a pointer.
+        del self._buffer[:end]
+        self._unchecked -= end
+        return payload
+
+    def _check_prefixes(self) -> None:
+        # Each prefix is checked once, as soon as it is complete.
+        while self._unchecked + _PREFIX_BYTES <= len(self._buffer):
+            prefix = self._buffer[self._unchecked : self._unchecked + _PREFIX_BYTES]
+            length = int.from_bytes(prefix, "big")
+            if length > self._max_frame_bytes:
+                raise CodecError(f"a {length}-byte frame exceeds {self._max_frame_bytes}")
+            self._unchecked += _PREFIX_BYTES + length
+
+
+class _Encoder:
+    """Turns a message into plain values for cbor2, applying the limits a peer will apply."""
+
+    def __init__(self, limits: CodecLimits) -> None:
+        self._limits = limits
+        self._items = 0
+
+    def convert(self, value: Any, depth: int) -> Any:
+        """``depth`` is the depth that ``value`` would have if it were a container."""
+        if value is None or isinstance(value, bool):
+            return value
+        if isinstance(value, float):
+            return float(value)
+        if isinstance(value, int):
+            if not -(2**64) <= value < 2**64:
+                raise CodecError(f"integer {value} does not fit in 64 bits")
+            return int(value)
+        if isinstance(value, str):
+            return self._text(value)
+        if isinstance(value, bytes | bytearray | memoryview):
+            return bytes(value)  # cbor2 would encode a memoryview as an array of ints
+        if isinstance(value, Mapping):
+            self._enter(depth, len(value))
+            result = {}
+            for key, item in value.items():
+                if not isinstance(key, str):
+                    raise CodecError(f"map keys must be str, not {type(key).__name__}")
+                result[self._text(key)] = self.convert(item, depth + 1)
+            return result
+        if isinstance(value, list | tuple):
+            self._enter(depth, len(value))
+            return [self.convert(item, depth + 1) for item in value]
+        if isinstance(value, RawTensor):
+            return self._tensor(value.shape, depth, value.compression, lambda: value)
+        if isinstance(value, Compressed):
+            tensor, scheme = value.tensor, value.scheme
+        elif _torch_dtype_name(value) is not None:
+            tensor, scheme = value, None
+        else:
+            raise CodecError(f"cannot encode a value of type {type(value).__name__}")
+        return self._tensor(tensor.shape, depth, scheme, lambda: _raw_from_torch(tensor, scheme))
+
+    def _enter(self, depth: int, items: int) -> None:
+        self._items += items
+        _check_container(depth, self._items, self._limits)
+
+    def _text(self, text: str) -> str:
+        try:
+            size = len(text.encode())
+        except UnicodeEncodeError as exc:
+            raise CodecError(f"text is not valid UTF-8: {exc}") from exc
+        if size > self._limits.max_string_bytes:
+            raise CodecError(f"text of {size} bytes exceeds {self._limits.max_string_bytes}")
+        return str(text)
+
+    def _tensor(
+        self,
+        shape: tuple[int, ...],
+        depth: int,
+        compression: Scheme | None,
+        build: Callable[[], RawTensor],
+    ) -> cbor2.CBORTag:
+        # Limits are checked on the shape before any bytes are copied or compressed.
+        self._enter(depth, len(_TENSOR_FIELDS) if compression else 3)
+        self._enter(depth + 1, len(shape))
+        _check_tensor_limits(shape, self._limits)
+        try:
+            raw = build()
+        except RuntimeError as exc:  # e.g. a meta tensor, or a device that failed
+            raise CodecError(f"cannot encode tensor: {exc}") from exc
+        fields = [raw.dtype, list(raw.shape), bytes(raw.data)]
+        if raw.compression is not None:
+            fields += [raw.compression, bytes(raw.scales)]
+        return cbor2.CBORTag(_TENSOR_TAG, fields)
+
+
+class _TagDecoders(dict[int, Callable[[Any, bool], Any]]):
+    """cbor2's semantic decoders for every tag number: ours for tensors, a refusal for the rest.
+
+    Covering every number keeps cbor2's own tag decoders (sets, references, regular
+    expressions...) out of reach even if the structure walk missed a tag.
+    """
+
+    def __init__(self, limits: CodecLimits, tensors: Literal["torch", "raw"]) -> None:
+        super().__init__({_TENSOR_TAG: self._decode_tensor})
+        self._limits = limits
+        self._tensors = tensors
+
+    def __missing__(self, tag: int) -> Callable[[Any, bool], Any]:
+        # Raised at lookup, so cbor2 refuses the tag before decoding what it wraps.
+        raise CodecError(f"unknown CBOR tag {tag}")
+
+    def _decode_tensor(self, fields: Any, immutable: bool) -> Any:
+        # The structure walk guaranteed the field types; what is left is their values.
+        dtype, shape, data = fields[:3]
+        compression, scales = fields[3:] if len(fields) == 5 else (None, b"")
+        _check_tensor_limits(shape, self._limits)
+        raw = RawTensor(dtype, shape, data, compression=compression, scales=scales)
+        if dtype == "bool" and compression is None and data.translate(None, b"\x00\x01"):
+            raise CodecError("bool tensor holds bytes other than 0 and 1")
+        return raw.to_torch() if self._tensors == "torch" else raw
+
+
+def _check_structure_untrusted(data: bytes, limits: CodecLimits) -> None:
+    """Walk the item heads of ``data``; refuse anything beyond ``limits`` or the format.
+
+    Strings are skipped rather than read, so this costs time per item, not per byte.
+    """
+    end = len(data)
+    initial, length, pos = _head(data, 0)
+    if initial >> 5 != _MAP:
+        raise CodecError("a message must be a CBOR map")
+    items = length
+    _check_container(1, items, limits)
+    # Items still due in each open container (maps count keys and values), and which are maps.
+    due = [2 * length]
+    is_map = [True]
+    while due:
+        if due[-1] == 0:
+            due.pop()
+            is_map.pop()
+            continue
+        is_key = is_map[-1] and due[-1] % 2 == 0
+        due[-1] -= 1
+        initial, argument, pos = _head(data, pos)
+        major = initial >> 5
+        if is_key and major != _TEXT:
+            raise CodecError("map keys must be text strings")
+        if major in (_BYTES, _TEXT):
+            if major == _TEXT and argument > limits.max_string_bytes:
+                raise CodecError(f"text of {argument} bytes exceeds {limits.max_string_bytes}")
+            pos = _skip(data, pos, argument)
+        elif major in (_ARRAY, _MAP):
+            items += argument
+            _check_container(len(due) + 1, items, limits)
+            count = 2 * argument if major == _MAP else argument
+            if count > end - pos:  # every item takes at least one byte
+                raise CodecError("container declares more items than the frame holds")
+            due.append(count)
+            is_map.append(major == _MAP)
+        elif major == _TAG:
+            if argument != _TENSOR_TAG:
+                raise CodecError(f"unknown CBOR tag {argument}")
+            pos, items = _check_tensor_untrusted(data, pos, len(due) + 1, items, limits)
+        elif major == _SIMPLE and initial not in _ALLOWED_SIMPLE:
+            raise CodecError("simple values other than false, true, null and floats")
+    if pos != end:
+        raise CodecError(f"{end - pos} bytes follow the message")
+
+
+def _check_tensor_untrusted(
+    data: bytes, pos: int, depth: int, items: int, limits: CodecLimits
+) -> tuple[int, int]:
+    """Check the layout of a tensor's array at ``pos``; return the position after it and the
+    updated item count.  The field values are checked when the tensor is built."""
+    initial, count, pos = _head(data, pos)
+    if initial >> 5 != _ARRAY or count not in (3, len(_TENSOR_FIELDS)):
+        raise CodecError("a tensor must be an array of 3 or 5 items")
+    items += count
+    _check_container(depth, items, limits)
+    for expected in _TENSOR_FIELDS[:count]:
+        initial, argument, pos = _head(data, pos)
+        if initial >> 5 != expected:
+            raise CodecError("tensor fields have the wrong types")
+        if expected == _ARRAY:
+            if argument > limits.max_tensor_dims:
+                raise CodecError(f"tensor of {argument} dims exceeds {limits.max_tensor_dims}")
+            items += argument
+            _check_container(depth + 1, items, limits)
+            for _ in range(argument):
+                initial, _, pos = _head(data, pos)
+                if initial >> 5 != _UINT:
+                    raise CodecError("tensor shape entries must be non-negative integers")
+        elif expected == _TEXT and argument > _MAX_NAME_BYTES:
+            raise CodecError("unknown tensor dtype or compression scheme")
+        else:
+            pos = _skip(data, pos, argument)
+    return pos, items
+
+
+def _head(data: bytes, pos: int) -> tuple[int, int, int]:
+    """Read the item head at ``pos``: its initial byte, its argument and the position after it."""
+    if pos >= len(data):
+        raise CodecError("message is truncated")
+    initial = data[pos]
+    info = initial & 0x1F
+    if info < 24:
+        return initial, info, pos + 1
+    if info > 27:
+        raise CodecError("indefinite lengths and reserved item heads are not allowed")
+    stop = pos + 1 + (1 << (info - 24))
+    if stop > len(data):
+        raise CodecError("message is truncated")
+    return initial, int.from_bytes(data[pos + 1 : stop], "big"), stop
+
+
+def _skip(data: bytes, pos: int, size: int) -> int:
+    if size > len(data) - pos:
+        raise CodecError("message is truncated")
+    return pos + size
+
+
+def _check_container(depth: int, items: int, limits: CodecLimits) -> None:
+    if depth > limits.max_depth:
+        raise CodecError(f"nesting deeper than {limits.max_depth}")
+    if items > limits.max_container_items:
+        raise CodecError(f"more than {limits.max_container_items} container items")
+
+
+def _check_tensor_limits(shape: Any, limits: CodecLimits) -> None:
+    if len(shape) > limits.max_tensor_dims:
+        raise CodecError(f"tensor of {len(shape)} dims exceeds {limits.max_tensor_dims}")
+    if math.prod(shape) > limits.max_tensor_elements:
+        raise CodecError(f"tensor exceeds {limits.max_tensor_elements} elements")
+
+
+def _payload_bytes(dtype: str, numel: int, compression: str | None) -> tuple[int, int]:
+    """Sizes of ``data`` and ``scales`` for a tensor of ``numel`` elements."""
+    if compression is None:
+        return numel * _ITEM_BYTES[dtype], 0
+    if compression not in _SCHEMES:
+        raise CodecError(f"unknown compression scheme {compression!r}")
+    if dtype not in _FLOAT_DTYPES:
+        raise CodecError(f"a {dtype} tensor cannot be compressed")
+    if compression == "float16":
+        return 2 * numel, 0
+    return numel, 4 * -(-numel // _BLOCK_ELEMENTS)
+
+
+def _buffer_bytes(buffer: bytes | memoryview) -> int:
+    with memoryview(buffer) as view:
+        if not view.c_contiguous:
+            raise CodecError("tensor buffers must be contiguous")
+        return view.nbytes
+
+
+def _torch_dtype_name(value: object) -> str | None:
+    """The wire name of ``value``'s dtype if it is a torch tensor, else None.
+
+    Only an already imported torch is consulted, so that the codec never imports it.
+    """
+    torch = sys.modules.get("torch")
+    if torch is None or not isinstance(value, torch.Tensor):
+        return None
+    return str(value.dtype).removeprefix("torch.")
+
+
+def _raw_from_torch(tensor: torch.Tensor, scheme: Scheme | None) -> RawTensor:
+    import torch
+
+    name = str(tensor.dtype).removeprefix("torch.")
+    if name not in _ITEM_BYTES or tensor.layout != torch.strided:
+        raise CodecError(f"cannot encode a {tensor.layout} tensor of {tensor.dtype}")
+    tensor = tensor.detach()
+    if scheme is None:
+        return RawTensor(name, tensor.shape, _tensor_bytes(tensor))
+    if scheme == "float16":
+        data = _tensor_bytes(tensor.to(torch.float16))
+        return RawTensor(name, tensor.shape, data, compression=scheme)
+    # Quantize where the tensor lives, so that only codes and scales cross to the CPU.
+    flat = tensor.reshape(-1).to(torch.float32)
+    blocks = -(-flat.numel() // _BLOCK_ELEMENTS)
+    padded = torch.nn.functional.pad(flat, (0, blocks * _BLOCK_ELEMENTS - flat.numel()))
+    padded = padded.view(blocks, _BLOCK_ELEMENTS)
+    scales = padded.abs().amax(dim=1) / 127
+    if not bool(torch.isfinite(scales).all()):
+        raise CodecError("blockwise8 compression needs finite values")
+    divisors = torch.where(scales > 0, scales, 1.0)  # an all-zero block has codes of 0
+    codes = torch.round(padded / divisors[:, None]).clamp_(-127, 127).to(torch.int8)
+    data = _tensor_bytes(codes.view(-1)[: flat.numel()])
+    return RawTensor(name, tensor.shape, data, compression=scheme, scales=_tensor_bytes(scales))
+
+
+def _tensor_bytes(tensor: torch.Tensor) -> bytes:
+    """The elements of ``tensor`` in C order, copied once to the CPU and without numpy."""
+    cpu = tensor.to("cpu").contiguous()
+    size = cpu.numel() * cpu.element_size()
+    return ctypes.string_at(cpu.data_ptr(), size) if size else b""
+
+
+def _tensor_from_buffer(
+    buffer: bytes | memoryview, dtype: torch.dtype, shape: tuple[int, ...]
+) -> torch.Tensor:
+    import torch
+
+    with memoryview(buffer) as view, view.cast("B") as octets:
+        if octets.nbytes == 0:
+            return torch.empty(shape, dtype=dtype)
+        if octets.nbytes < _ZERO_COPY_MIN_BYTES:
+            return torch.frombuffer(bytearray(octets), dtype=dtype).view(shape)
+    # torch warns about read-only buffers once per process; sharing one is the point here.
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "The given buffer is not writable", UserWarning)
+        flat = torch.frombuffer(buffer, dtype=dtype)
+    if flat.data_ptr() % flat.element_size():  # a misaligned slice of someone's buffer
+        flat = flat.clone()
+    return flat.view(shape)

@@ -1,0 +1,64 @@
+"""Transport settings: one frozen object, changed with ``attrs.evolve``."""
+
+from __future__ import annotations
+
+import attrs
+from attrs import validators as v
+
+from ._codec import DEFAULT_LIMITS, CodecLimits
+
+__all__ = ["ALPN", "TransportConfig"]
+
+#: ALPN token: names the protocol and its major version.  A peer of another major version fails the
+#: handshake with a clear error instead of misreading our frames.
+ALPN = "petals-core/1"
+
+_positive_s = v.gt(0.0)
+_DEFAULT_KEEPALIVE_S: float | None = 15.0
+
+
+def _positive_or_none(
+    instance: object, attribute: attrs.Attribute[float | None], value: float | None
+) -> None:
+    if value is not None and not value > 0:
+        raise ValueError(f"'{attribute.name}' must be > 0 or None: {value!r}")
+
+
+@attrs.frozen(kw_only=True)
+class TransportConfig:
+    """How a node's QUIC endpoint behaves.  Sizes in bytes, times in seconds."""
+
+    #: Largest UDP payload towards peers on other hosts (1500-byte MTU minus IPv6 and UDP headers).
+    max_datagram_bytes: int = attrs.field(default=1452, validator=v.and_(v.ge(1200), v.le(65527)))
+    #: Largest UDP payload towards loopback peers: larger datagrams mean far fewer packets to
+    #: encrypt and acknowledge.  Above 16 KiB aioquic's connections were seen to break.
+    loopback_datagram_bytes: int = attrs.field(
+        default=16384, validator=v.and_(v.ge(1200), v.le(16384))
+    )
+    #: A connection with no traffic for this long is closed (both sides apply their own value).
+    idle_timeout_s: float = attrs.field(default=60.0, validator=_positive_s)
+    #: Send a PING after this much quiet so NAT bindings and idle timers stay fresh; None: never.
+    keepalive_interval_s: float | None = attrs.field(
+        default=_DEFAULT_KEEPALIVE_S, validator=_positive_or_none
+    )
+    #: How long ``connect`` waits for the handshake.
+    connect_timeout_s: float = attrs.field(default=10.0, validator=_positive_s)
+    #: Unread bytes a peer may have in flight towards us on one stream / one connection.
+    stream_window_bytes: int = attrs.field(default=4 << 20, validator=v.ge(64 << 10))
+    connection_window_bytes: int = attrs.field(default=16 << 20, validator=v.ge(64 << 10))
+    #: Unacknowledged bytes we queue on one connection before senders wait.
+    send_buffer_bytes: int = attrs.field(default=8 << 20, validator=v.ge(64 << 10))
+    #: Connections this endpoint holds at once; new handshakes beyond it are ignored.
+    max_connections: int = attrs.field(default=1024, validator=v.gt(0))
+    #: Calls a peer may have open towards us at once on one connection; more are refused.
+    max_incoming_streams: int = attrs.field(default=100, validator=v.and_(v.gt(0), v.le(128)))
+    #: How finely the event loop can sleep (trio rounds shorter sleeps up to about 1 ms): the
+    #: pacer lets a burst cover this much time so pacing never waits on sub-tick timers.
+    timer_granularity_s: float = attrs.field(default=0.001, validator=v.gt(0))
+    #: Requested kernel socket buffer (the kernel may cap it); big bursts of datagrams on loopback
+    #: otherwise overflow the default buffer and look like loss.
+    socket_buffer_bytes: int = attrs.field(default=8 << 20, validator=v.ge(0))
+    #: Limits for decoding messages from peers.
+    codec_limits: CodecLimits = DEFAULT_LIMITS
+    #: "reno" or "cubic".
+    congestion_control: str = attrs.field(default="cubic", validator=v.in_(("reno", "cubic")))

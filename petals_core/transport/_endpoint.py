@@ -1,0 +1,558 @@
+"""Sans-IO QUIC endpoint: many connections behind one UDP socket, demultiplexed by connection ID.
+
+No sockets, no clock, no tasks: datagrams and ``now`` go in, datagrams to send and events come out.
+The trio driver (``_node.py``) owns the socket and the clock; tests ferry datagrams between two
+endpoints by hand, dropping and reordering some.
+
+Each connection is a :class:`~._quic.PeerQuicConnection`.  Both ends present a certificate carrying
+their node key; a connection is announced (:class:`ConnectionReady`) only once the peer proved a
+key, and, when the dialer named a PeerID, only if the key hashes to it.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from collections import deque
+from collections.abc import Iterator
+
+import attrs
+from aioquic.buffer import Buffer
+from aioquic.quic import events as qe
+from aioquic.quic.configuration import QuicConfiguration
+from aioquic.quic.packet import (
+    QuicErrorCode,
+    QuicPacketType,
+    encode_quic_version_negotiation,
+    pull_quic_header,
+)
+
+from .._errors import (
+    ConnectionClosed,
+    ConnectTimeout,
+    IdentityMismatch,
+    RemoteProtocolError,
+    StreamReset as StreamResetError,
+    TransportError,
+)
+from ._config import ALPN, TransportConfig
+from ._identity import Identity, PeerID, check_certificate_identity
+from ._quic import PeerQuicConnection
+
+__all__ = [
+    "ConnectionLost",
+    "ConnectionReady",
+    "Endpoint",
+    "EndpointEvent",
+    "StopSending",
+    "StreamData",
+    "StreamReset",
+]
+
+Address = tuple[str, int]
+
+# Application error codes on the wire (QUIC leaves their meaning to us).
+APP_CLOSED = 0x0
+APP_IDENTITY = 0x1
+APP_CANCELLED = 0x10
+APP_REFUSED = 0x11
+APP_PROTOCOL = 0x12
+
+_CID_BYTES = 8
+# TLS alert "no_application_protocol" arrives as a CRYPTO_ERROR of 0x100 + 120.
+_NO_ALPN = 0x100 + 120
+
+
+@attrs.frozen
+class ConnectionReady:
+    """The handshake finished and the peer proved the key behind ``peer_id``."""
+
+    handle: int
+    peer_id: PeerID
+    address: Address
+    is_client: bool
+
+
+@attrs.frozen
+class ConnectionLost:
+    """The connection is gone; ``error`` says why (a :class:`TransportError` subclass)."""
+
+    handle: int
+    error: TransportError
+
+
+@attrs.frozen
+class StreamData:
+    handle: int
+    stream_id: int
+    data: bytes
+    end_stream: bool
+
+
+@attrs.frozen
+class StreamReset:
+    """The peer abandoned its sending side of the stream."""
+
+    handle: int
+    stream_id: int
+    error_code: int
+
+
+@attrs.frozen
+class StopSending:
+    """The peer will read no more from this stream."""
+
+    handle: int
+    stream_id: int
+    error_code: int
+
+
+EndpointEvent = ConnectionReady | ConnectionLost | StreamData | StreamReset | StopSending
+
+
+def is_loopback(host: str) -> bool:
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        address = address.ipv4_mapped
+    return address.is_loopback
+
+
+@attrs.define(eq=False)
+class _Conn:
+    handle: int
+    quic: PeerQuicConnection
+    address: Address
+    is_client: bool
+    expected_peer_id: PeerID | None
+    connect_deadline: float | None
+    peer_id: PeerID | None = None
+    ready: bool = False
+    lost: bool = False
+    last_activity: float = 0.0
+    keepalive_at: float | None = None
+    # Streams the application holds: stream_id -> bytes delivered but not consumed yet.
+    open_streams: dict[int, int] = attrs.Factory(dict)
+    # Peer-opened streams the application let go of while aioquic still tracks them.
+    released: set[int] = attrs.Factory(set)
+
+
+class Endpoint:
+    """The connections of one node.  All methods are synchronous and take ``now`` explicitly."""
+
+    def __init__(self, identity: Identity, config: TransportConfig) -> None:
+        self.identity = identity
+        self.config = config
+        self._by_cid: dict[bytes, _Conn] = {}
+        self._by_handle: dict[int, _Conn] = {}
+        self._next_handle = 1
+        self._events: deque[EndpointEvent] = deque()
+        self._dirty: set[_Conn] = set()
+        self._stray_datagrams: list[tuple[bytes, Address]] = []
+        self._timer_hint: float | None = None
+
+    # -- configuration --------------------------------------------------------------------------
+
+    def _quic_configuration(self, *, is_client: bool, address: Address) -> QuicConfiguration:
+        config = self.config
+        datagram = (
+            config.loopback_datagram_bytes if is_loopback(address[0]) else config.max_datagram_bytes
+        )
+        return QuicConfiguration(
+            is_client=is_client,
+            alpn_protocols=[ALPN],
+            certificate=self.identity.certificate,
+            private_key=self.identity.private_key,
+            # Certificates are self-signed: trust comes from the key matching the PeerID, checked
+            # once the handshake proved possession of that key.
+            verify_mode=0,
+            idle_timeout=config.idle_timeout_s,
+            max_datagram_size=datagram,
+            max_data=config.connection_window_bytes,
+            max_stream_data=config.stream_window_bytes,
+            connection_id_length=_CID_BYTES,
+            congestion_control_algorithm=config.congestion_control,
+        )
+
+    def _new_conn(
+        self,
+        quic: PeerQuicConnection,
+        address: Address,
+        *,
+        is_client: bool,
+        expected: PeerID | None,
+        now: float,
+    ) -> _Conn:
+        handle = self._next_handle
+        self._next_handle += 1
+        conn = _Conn(
+            handle=handle,
+            quic=quic,
+            address=address,
+            is_client=is_client,
+            expected_peer_id=expected,
+            connect_deadline=now + self.config.connect_timeout_s,
+            last_activity=now,
+        )
+        self._by_handle[handle] = conn
+        self._by_cid[quic.host_cid] = conn
+        return conn
+
+    def _make_quic(
+        self, *, is_client: bool, address: Address, original_dcid: bytes | None = None
+    ) -> PeerQuicConnection:
+        return PeerQuicConnection(
+            configuration=self._quic_configuration(is_client=is_client, address=address),
+            stream_window_bytes=self.config.stream_window_bytes,
+            connection_window_bytes=self.config.connection_window_bytes,
+            pacing_burst_s=self.config.timer_granularity_s,
+            original_destination_connection_id=original_dcid,
+        )
+
+    # -- connections ----------------------------------------------------------------------------
+
+    def connect(self, address: Address, expected_peer_id: PeerID | None, now: float) -> int:
+        """Start a handshake with ``address``; returns the connection's handle."""
+        quic = self._make_quic(is_client=True, address=address)
+        conn = self._new_conn(quic, address, is_client=True, expected=expected_peer_id, now=now)
+        quic.connect(address, now=now)
+        self._after(conn, now)
+        return conn.handle
+
+    def close(
+        self, handle: int, now: float, *, error_code: int = APP_CLOSED, reason: str = ""
+    ) -> None:
+        """Close a connection politely; a :class:`ConnectionLost` follows once it drained."""
+        conn = self._by_handle.get(handle)
+        if conn is None or conn.lost:
+            return
+        conn.quic.close(error_code=error_code, reason_phrase=reason)
+        self._after(conn, now)
+
+    def peer_id(self, handle: int) -> PeerID | None:
+        conn = self._by_handle.get(handle)
+        return None if conn is None else conn.peer_id
+
+    def connection_count(self) -> int:
+        return len(self._by_handle)
+
+    # -- input ----------------------------------------------------------------------------------
+
+    def receive_datagram(self, data: bytes, address: Address, now: float) -> None:
+        """Feed one UDP payload that arrived from ``address``."""
+        try:
+            header = pull_quic_header(Buffer(data=data), host_cid_length=_CID_BYTES)
+        except ValueError:
+            return
+        conn = self._by_cid.get(header.destination_cid)
+        if conn is None:
+            conn = self._accept(data, header, address, now)
+            if conn is None:
+                return
+        conn.last_activity = now
+        conn.quic.receive_datagram(data, address, now=now)
+        self._after(conn, now)
+
+    def _accept(self, data: bytes, header: object, address: Address, now: float) -> _Conn | None:
+        packet_type = getattr(header, "packet_type", None)
+        version = getattr(header, "version", None)
+        supported = QuicConfiguration().supported_versions
+        if (
+            packet_type != QuicPacketType.VERSION_NEGOTIATION
+            and version is not None
+            and version not in supported
+        ):
+            # Never answer a version negotiation with another one (reflection loops).
+            self._stray_datagrams.append(
+                (
+                    encode_quic_version_negotiation(
+                        source_cid=header.destination_cid,  # type: ignore[attr-defined]
+                        destination_cid=header.source_cid,  # type: ignore[attr-defined]
+                        supported_versions=supported,
+                    ),
+                    address,
+                )
+            )
+            return None
+        if packet_type != QuicPacketType.INITIAL or len(data) < 1200:
+            return None
+        if len(self._by_handle) >= self.config.max_connections:
+            return None
+        original_dcid: bytes = header.destination_cid  # type: ignore[attr-defined]
+        quic = self._make_quic(is_client=False, address=address, original_dcid=original_dcid)
+        conn = self._new_conn(quic, address, is_client=False, expected=None, now=now)
+        self._by_cid[original_dcid] = conn
+        return conn
+
+    # -- timers ---------------------------------------------------------------------------------
+
+    def next_timer(self) -> float | None:
+        """When :meth:`handle_timers` must run next (None: no timer pending)."""
+        best: float | None = None
+        for conn in self._by_handle.values():
+            for at in (conn.quic.get_timer(), conn.keepalive_at, conn.connect_deadline):
+                if at is not None and (best is None or at < best):
+                    best = at
+        return best
+
+    def handle_timers(self, now: float) -> None:
+        """Run every timer due by ``now``."""
+        for conn in list(self._by_handle.values()):
+            touched = False
+            timer = conn.quic.get_timer()
+            if timer is not None and timer <= now:
+                conn.quic.handle_timer(now=now)
+                touched = True
+            if conn.connect_deadline is not None and conn.connect_deadline <= now:
+                self._fail(
+                    conn,
+                    ConnectTimeout(
+                        f"no handshake with {_format(conn.address)} within "
+                        f"{self.config.connect_timeout_s:g} s"
+                    ),
+                    now,
+                )
+                touched = True
+            if conn.keepalive_at is not None and conn.keepalive_at <= now and not conn.lost:
+                conn.quic.send_ping(0)
+                conn.last_activity = now
+                touched = True
+            if touched:
+                self._after(conn, now)
+
+    # -- output ---------------------------------------------------------------------------------
+
+    def datagrams_to_send(self, now: float) -> list[tuple[bytes, Address]]:
+        """Everything ready to go out now, from every connection with something to say."""
+        out = self._stray_datagrams
+        self._stray_datagrams = []
+        dirty, self._dirty = self._dirty, set()
+        for conn in dirty:
+            sent = conn.quic.datagrams_to_send(now=now)
+            if sent:
+                out.extend(sent)
+            self._drain_quic_events(conn, now)
+            for at in (conn.quic.get_timer(), conn.keepalive_at):
+                if at is not None and (self._timer_hint is None or at < self._timer_hint):
+                    self._timer_hint = at
+        return out
+
+    def take_timer_hint(self) -> float | None:
+        """The soonest timer among connections touched since the last call (for a driver that
+        sleeps until :meth:`next_timer` and must wake earlier when an operation armed one)."""
+        hint, self._timer_hint = self._timer_hint, None
+        return hint
+
+    def next_event(self) -> EndpointEvent | None:
+        return self._events.popleft() if self._events else None
+
+    def events(self) -> Iterator[EndpointEvent]:
+        while self._events:
+            yield self._events.popleft()
+
+    # -- streams --------------------------------------------------------------------------------
+
+    def open_stream(self, handle: int) -> int:
+        conn = self._live(handle)
+        stream_id = conn.quic.get_next_available_stream_id()
+        # aioquic creates a stream on its first write; create it now so the next caller gets
+        # another ID even before anything is sent.
+        conn.quic.send_stream_data(stream_id, b"")
+        conn.open_streams[stream_id] = 0
+        return stream_id
+
+    def send_stream_data(
+        self, handle: int, stream_id: int, data: bytes, now: float, *, end_stream: bool = False
+    ) -> None:
+        conn = self._live(handle)
+        try:
+            conn.quic.send_stream_data(stream_id, data, end_stream=end_stream)
+        except (ValueError, RuntimeError) as exc:
+            # aioquic refuses writes to a stream it already finished or discarded.
+            raise StreamResetError(f"stream {stream_id} is finished: {exc}") from exc
+        conn.last_activity = now
+        self._after(conn, now)
+
+    def consume(self, handle: int, stream_id: int, nbytes: int, now: float) -> None:
+        """The application took ``nbytes`` off the stream: the peer may send that much more."""
+        conn = self._by_handle.get(handle)
+        if conn is None or conn.lost:
+            return
+        held = conn.open_streams.get(stream_id)
+        if held is not None:
+            conn.open_streams[stream_id] = held - nbytes
+        conn.quic.consume(stream_id, nbytes)
+        self._after(conn, now)
+
+    def reset_stream(self, handle: int, stream_id: int, error_code: int, now: float) -> None:
+        """Abandon both directions of a stream (the peer's handler or reader sees a reset)."""
+        conn = self._by_handle.get(handle)
+        if conn is None or conn.lost:
+            return
+        stream = conn.quic._streams.get(stream_id)
+        if stream is not None and not stream.sender.is_finished:
+            conn.quic.reset_stream(stream_id, error_code)
+        conn.open_streams.setdefault(stream_id, 0)
+        self.release_stream(handle, stream_id, now, error_code=error_code)
+
+    def release_stream(
+        self, handle: int, stream_id: int, now: float, *, error_code: int = APP_CANCELLED
+    ) -> None:
+        """The application holds the stream no more.
+
+        If the peer is still sending, it is asked to stop (what we sent is still delivered); bytes
+        left unread no longer count against the window.
+        """
+        conn = self._by_handle.get(handle)
+        if conn is None:
+            return
+        unread = conn.open_streams.pop(stream_id, None)
+        if unread is None or conn.lost:
+            return
+        stream = conn.quic._streams.get(stream_id)
+        if stream is not None and not stream.receiver.is_finished:
+            conn.quic.stop_stream(stream_id, error_code)
+        conn.quic.forget_stream(stream_id, unread)
+        if not _locally_initiated(conn, stream_id):
+            # Late frames for it must not look like a new call; aioquic forgets the ID itself
+            # once both directions are finished, and then so do we.
+            conn.released.add(stream_id)
+            conn.released.intersection_update(conn.quic._streams)
+        self._after(conn, now)
+
+    def adopt_stream(self, handle: int, stream_id: int) -> None:
+        """Mark a peer-opened stream as held by the application."""
+        conn = self._by_handle.get(handle)
+        if conn is not None:
+            conn.open_streams.setdefault(stream_id, 0)
+
+    def send_buffered(self, handle: int) -> int:
+        """Unacknowledged bytes queued on the connection (what senders wait on)."""
+        conn = self._by_handle.get(handle)
+        if conn is None:
+            return 0
+        return sum(conn.quic.send_buffered(sid) for sid in conn.open_streams)
+
+    # -- internals ------------------------------------------------------------------------------
+
+    def _live(self, handle: int) -> _Conn:
+        conn = self._by_handle.get(handle)
+        if conn is None or conn.lost:
+            raise ConnectionClosed("the connection is closed")
+        return conn
+
+    def _after(self, conn: _Conn, now: float) -> None:
+        """Collect what an operation on ``conn`` produced and schedule its output."""
+        self._dirty.add(conn)
+        self._drain_quic_events(conn, now)
+        closing = conn.quic._close_event
+        if closing is not None and not conn.lost:
+            # The peer (or aioquic) ended the connection: say so now, not after the drain period.
+            conn.lost = True
+            conn.keepalive_at = conn.connect_deadline = None
+            self._events.append(ConnectionLost(conn.handle, _termination_error(conn, closing)))
+        interval = self.config.keepalive_interval_s
+        if conn.ready and interval is not None and not conn.lost:
+            conn.keepalive_at = conn.last_activity + interval
+
+    def _drain_quic_events(self, conn: _Conn, now: float) -> None:
+        quic = conn.quic
+        while (event := quic.next_event()) is not None:
+            if isinstance(event, qe.StreamDataReceived):
+                self._on_stream_data(conn, event, now)
+            elif isinstance(event, qe.StreamReset):
+                if event.stream_id in conn.open_streams:
+                    self._events.append(StreamReset(conn.handle, event.stream_id, event.error_code))
+            elif isinstance(event, qe.StopSendingReceived):
+                if event.stream_id in conn.open_streams:
+                    self._events.append(StopSending(conn.handle, event.stream_id, event.error_code))
+            elif isinstance(event, qe.HandshakeCompleted):
+                self._on_handshake(conn, now)
+            elif isinstance(event, qe.ConnectionIdIssued):
+                self._by_cid[event.connection_id] = conn
+            elif isinstance(event, qe.ConnectionIdRetired):
+                if self._by_cid.get(event.connection_id) is conn:
+                    del self._by_cid[event.connection_id]
+            elif isinstance(event, qe.ConnectionTerminated):
+                self._on_terminated(conn, event)
+
+    def _on_stream_data(self, conn: _Conn, event: qe.StreamDataReceived, now: float) -> None:
+        sid = event.stream_id
+        held = conn.open_streams.get(sid)
+        if held is None and (_locally_initiated(conn, sid) or sid in conn.released):
+            # A late packet for a stream we already let go: credit it back at once.
+            if event.data:
+                conn.quic.consume(sid, len(event.data))
+                conn.quic.forget_stream(sid, 0)
+            return
+        conn.open_streams[sid] = (held or 0) + len(event.data)
+        self._events.append(StreamData(conn.handle, sid, event.data, event.end_stream))
+
+    def _on_handshake(self, conn: _Conn, now: float) -> None:
+        cert = conn.quic.peer_certificate()
+        if cert is None:
+            self._fail(conn, IdentityMismatch("the peer presented no certificate"), now)
+            return
+        try:
+            conn.peer_id = check_certificate_identity(cert, conn.expected_peer_id)
+        except IdentityMismatch as exc:
+            self._fail(conn, exc, now)
+            return
+        conn.ready = True
+        conn.connect_deadline = None
+        self._events.append(
+            ConnectionReady(conn.handle, conn.peer_id, conn.address, conn.is_client)
+        )
+
+    def _fail(self, conn: _Conn, error: TransportError, now: float) -> None:
+        """Report ``conn`` lost with ``error`` at once and close it on the wire."""
+        if conn.lost:
+            return
+        conn.lost = True
+        conn.connect_deadline = None
+        conn.keepalive_at = None
+        code = APP_IDENTITY if isinstance(error, IdentityMismatch) else APP_CLOSED
+        conn.quic.close(error_code=code, reason_phrase=str(error)[:200])
+        self._dirty.add(conn)
+        self._events.append(ConnectionLost(conn.handle, error))
+
+    def _on_terminated(self, conn: _Conn, event: qe.ConnectionTerminated) -> None:
+        if not conn.lost:
+            conn.lost = True
+            self._events.append(ConnectionLost(conn.handle, _termination_error(conn, event)))
+        self._by_handle.pop(conn.handle, None)
+        for cid in [cid for cid, c in self._by_cid.items() if c is conn]:
+            del self._by_cid[cid]
+        self._dirty.discard(conn)
+
+
+def _locally_initiated(conn: _Conn, stream_id: int) -> bool:
+    return (stream_id & 1 == 0) == conn.is_client
+
+
+def _format(address: Address) -> str:
+    host, port = address
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def _termination_error(conn: _Conn, event: qe.ConnectionTerminated) -> TransportError:
+    code = event.error_code
+    reason = event.reason_phrase or ""
+    where = _format(conn.address)
+    if code == _NO_ALPN:
+        return RemoteProtocolError(
+            f"{where} does not speak {ALPN} (another protocol or major version)"
+        )
+    if code == QuicErrorCode.NO_ERROR and not reason:
+        if not conn.ready:
+            return ConnectionClosed(f"{where} closed the connection during the handshake")
+        return ConnectionClosed(f"connection to {where} closed", error_code=code)
+    if code == APP_IDENTITY and reason:
+        return IdentityMismatch(f"{where} refused our identity: {reason}")
+    if not conn.ready and code == QuicErrorCode.INTERNAL_ERROR and "idle" in reason.lower():
+        return ConnectTimeout(f"no handshake with {where}")
+    detail = f": {reason}" if reason else ""
+    return ConnectionClosed(
+        f"connection to {where} closed (code {code:#x}){detail}", error_code=code
+    )

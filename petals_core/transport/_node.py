@@ -1,0 +1,602 @@
+"""The trio edge of the transport: one UDP socket, one pump task, streams with backpressure.
+
+:func:`open_node` binds a socket and runs the pump for as long as its ``async with`` block; nothing
+it starts outlives the block.  :meth:`Node.connect` dials a multiaddr and returns a
+:class:`Connection` (one per peer, reused); :meth:`Connection.open_stream` opens a QUIC stream.
+Incoming streams go to whatever :meth:`Node.set_stream_handler` registered (``serve_rpc`` does) and
+are refused otherwise.
+"""
+
+from __future__ import annotations
+
+import errno
+import math
+import socket
+from collections import deque
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+
+import attrs
+import trio
+
+from .._errors import (
+    ClosedResourceError,
+    PeerUnreachable,
+    StreamReset,
+    TransportError,
+)
+from ._config import TransportConfig
+from ._endpoint import (
+    APP_CANCELLED,
+    APP_REFUSED,
+    Address,
+    ConnectionLost,
+    ConnectionReady,
+    Endpoint,
+    StopSending,
+    StreamData,
+    StreamReset as StreamResetEvent,
+)
+from ._identity import Identity, PeerID
+from ._multiaddr import Multiaddr, as_multiaddr
+
+__all__ = ["Connection", "Node", "NodeStatistics", "Stream", "open_node"]
+
+_RECV_BATCH = 256
+_MAX_UDP = 65536
+# Largest slice handed to aioquic at once, so one big write does not monopolise the send buffer.
+_WRITE_SLICE = 1 << 20
+
+
+@attrs.frozen
+class NodeStatistics:
+    connections: int
+    streams: int
+    datagrams_sent: int
+    datagrams_received: int
+    bytes_sent: int
+    bytes_received: int
+
+
+class Stream:
+    """One bidirectional QUIC stream: ordered bytes each way, half-closable, resettable."""
+
+    def __init__(self, connection: Connection, stream_id: int) -> None:
+        self.connection = connection
+        self.stream_id = stream_id
+        self._chunks: deque[bytes] = deque()
+        self._eof = False
+        self._error: TransportError | None = None
+        self._send_error: TransportError | None = None
+        self._readable = trio.Event()
+        self._closed = False
+        self._sent_eof = False
+        self._send_lock = trio.Lock()
+        self._reset_scope: trio.CancelScope | None = None
+        #: The error that broke this stream (reset, connection lost), once one did.
+        self.failure: TransportError | None = None
+
+    @property
+    def peer_id(self) -> PeerID:
+        return self.connection.peer_id
+
+    # -- receiving --------------------------------------------------------------------------------
+
+    async def receive_some(self, max_bytes: int | None = None) -> bytes:
+        """The next bytes from the peer; ``b""`` once it finished its side."""
+        while True:
+            if self._closed:
+                raise ClosedResourceError("this stream was closed")
+            if self._chunks:
+                chunk = self._chunks.popleft()
+                if max_bytes is not None and len(chunk) > max_bytes:
+                    self._chunks.appendleft(chunk[max_bytes:])
+                    chunk = chunk[:max_bytes]
+                self.connection._consumed(self.stream_id, len(chunk))
+                return chunk
+            if self._error is not None:
+                raise self._error
+            if self._eof:
+                return b""
+            self._readable = trio.Event()
+            await self._readable.wait()
+
+    # -- sending -----------------------------------------------------------------------------------
+
+    async def send_all(self, data: bytes | bytearray | memoryview) -> None:
+        """Queue ``data``; waits while the connection's unacknowledged bytes exceed their bound."""
+        async with self._send_lock:
+            view = memoryview(data).cast("B")
+            while True:
+                self._check_sendable()
+                room = await self.connection._wait_send_room()
+                self._check_sendable()
+                size = min(len(view), room, _WRITE_SLICE)
+                self.connection._send(self.stream_id, bytes(view[:size]), end_stream=False)
+                view = view[size:]
+                if not view:
+                    return
+
+    async def send_eof(self) -> None:
+        """Finish our side: the peer reads ``b""`` after the data already sent."""
+        async with self._send_lock:
+            self._check_sendable()
+            self._sent_eof = True
+            self.connection._send(self.stream_id, b"", end_stream=True)
+
+    def _check_sendable(self) -> None:
+        if self._closed:
+            raise ClosedResourceError("this stream was closed")
+        if self._sent_eof:
+            raise ClosedResourceError("send_eof() was already called on this stream")
+        if self._send_error is not None:
+            raise self._send_error
+
+    # -- ending ------------------------------------------------------------------------------------
+
+    def reset(self, error_code: int = APP_CANCELLED) -> None:
+        """Abandon the stream both ways at once (the peer sees :class:`StreamReset`)."""
+        if not self._closed:
+            self._closed = True
+            self._readable.set()
+            self.connection._reset(self.stream_id, error_code)
+
+    async def aclose(self) -> None:
+        """Let go of the stream.
+
+        After :meth:`send_eof` what we sent is still delivered and the peer is only asked to stop
+        sending; otherwise the stream is reset both ways (the peer never sees half a message
+        as if it were complete).
+        """
+        if self._closed:
+            return
+        if self._sent_eof and self._send_error is None:
+            self._closed = True
+            self._readable.set()
+            self.connection._release(self.stream_id)
+        else:
+            self.reset()
+        await trio.lowlevel.checkpoint()
+
+    async def __aenter__(self) -> Stream:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    def cancel_on_reset(self, scope: trio.CancelScope) -> None:
+        """Cancel ``scope`` if the peer resets this stream or the connection is lost."""
+        self._reset_scope = scope
+        if self.failure is not None:
+            scope.cancel()
+
+    # -- driven by the node ------------------------------------------------------------------------
+
+    def _broke(self, error: TransportError) -> None:
+        if self.failure is None:
+            self.failure = error
+        if self._reset_scope is not None:
+            self._reset_scope.cancel()
+
+    def _on_data(self, data: bytes, end_stream: bool) -> None:
+        if data:
+            self._chunks.append(data)
+        if end_stream:
+            self._eof = True
+        self._readable.set()
+
+    def _on_reset(self, error_code: int) -> None:
+        self._error = StreamReset(
+            f"the peer reset stream {self.stream_id} (code {error_code:#x})", error_code=error_code
+        )
+        self._broke(self._error)
+        self._readable.set()
+
+    def _on_stop_sending(self, error_code: int) -> None:
+        self._send_error = StreamReset(
+            f"the peer stopped reading stream {self.stream_id} (code {error_code:#x})",
+            error_code=error_code,
+        )
+        self._broke(self._send_error)
+        self.connection._wake_senders()
+
+    def _on_lost(self, error: TransportError) -> None:
+        if self._error is None:
+            self._error = error
+        if self._send_error is None:
+            self._send_error = error
+        self._broke(error)
+        self._readable.set()
+
+
+class Connection:
+    """A QUIC connection to one authenticated peer."""
+
+    def __init__(self, node: Node, handle: int, address: Address, *, we_dialed: bool) -> None:
+        self._node = node
+        self._we_dialed = we_dialed
+        self._handle = handle
+        self.address = address
+        self.peer_id: PeerID = None  # type: ignore[assignment]  # set once ready
+        self._streams: dict[int, Stream] = {}
+        self._ready = trio.Event()
+        self._error: TransportError | None = None
+        self._closed_by_us = False
+        self._send_room = trio.lowlevel.ParkingLot()
+        self._lost = trio.Event()
+        self._incoming = 0
+
+    @property
+    def multiaddr(self) -> Multiaddr:
+        return Multiaddr.from_socket_address(*self.address, peer_id=self.peer_id)
+
+    @property
+    def is_closed(self) -> bool:
+        return self._error is not None
+
+    async def open_stream(self) -> Stream:
+        """Open a new bidirectional stream to the peer."""
+        self._check_open()
+        stream_id = self._node._endpoint.open_stream(self._handle)
+        stream = Stream(self, stream_id)
+        self._streams[stream_id] = stream
+        await trio.lowlevel.checkpoint()
+        return stream
+
+    async def aclose(self) -> None:
+        """Close the connection; its streams fail with :class:`ClosedResourceError`."""
+        if self._error is None:
+            self._closed_by_us = True
+            self._node._endpoint.close(self._handle, trio.current_time(), reason="closed")
+            self._node._flush()
+        await trio.lowlevel.checkpoint()
+
+    async def wait_closed(self) -> TransportError:
+        """Wait until the connection ends; returns why."""
+        await self._lost.wait()
+        assert self._error is not None
+        return self._error
+
+    def _check_open(self) -> None:
+        if self._error is not None:
+            if self._closed_by_us:
+                raise ClosedResourceError("this connection was closed") from self._error
+            raise self._error
+
+    # -- used by streams ---------------------------------------------------------------------------
+
+    async def _wait_send_room(self) -> int:
+        node = self._node
+        limit = node.config.send_buffer_bytes
+        while True:
+            self._check_open()
+            buffered = node._endpoint.send_buffered(self._handle)
+            if buffered < limit:
+                await trio.lowlevel.checkpoint()
+                return limit - buffered
+            node._send_waiters.add(self)
+            await self._send_room.park()
+
+    def _wake_senders(self) -> None:
+        self._send_room.unpark_all()
+
+    def _send(self, stream_id: int, data: bytes, *, end_stream: bool) -> None:
+        self._check_open()
+        self._node._endpoint.send_stream_data(
+            self._handle, stream_id, data, trio.current_time(), end_stream=end_stream
+        )
+        self._node._flush()
+
+    def _consumed(self, stream_id: int, nbytes: int) -> None:
+        self._node._endpoint.consume(self._handle, stream_id, nbytes, trio.current_time())
+        self._node._flush()
+
+    def _reset(self, stream_id: int, error_code: int) -> None:
+        self._forget(stream_id)
+        self._node._endpoint.reset_stream(self._handle, stream_id, error_code, trio.current_time())
+        self._node._flush()
+
+    def _release(self, stream_id: int) -> None:
+        self._forget(stream_id)
+        self._node._endpoint.release_stream(self._handle, stream_id, trio.current_time())
+        self._node._flush()
+
+    def _forget(self, stream_id: int) -> None:
+        stream = self._streams.pop(stream_id, None)
+        if stream is not None and _peer_initiated(self, stream_id):
+            self._incoming -= 1
+
+    # -- driven by the node ------------------------------------------------------------------------
+
+    def _on_lost(self, error: TransportError) -> None:
+        self._error = error
+        for stream in self._streams.values():
+            stream._on_lost(error)
+        self._ready.set()
+        self._send_room.unpark_all()
+        self._lost.set()
+
+
+def _peer_initiated(connection: Connection, stream_id: int) -> bool:
+    # Client-initiated streams have even IDs (RFC 9000 section 2.1).
+    return (stream_id & 1 == 0) != connection._we_dialed
+
+
+class Node:
+    """A transport endpoint: identity, one UDP socket, its connections.  Use :func:`open_node`."""
+
+    def __init__(
+        self, identity: Identity, config: TransportConfig, sock: socket.socket, family: int
+    ) -> None:
+        self.identity = identity
+        self.config = config
+        self._sock = sock
+        self._family = family
+        self._endpoint = Endpoint(identity, config)
+        self._connections: dict[int, Connection] = {}
+        self._by_peer: dict[PeerID, Connection] = {}
+        self._send_waiters: set[Connection] = set()
+        self._outbox: deque[tuple[bytes, Address]] = deque()
+        self._outbox_ready = trio.Event()
+        self._pump_scope: trio.CancelScope | None = None
+        self._stream_handler: Callable[[Stream], None] | None = None
+        self._closed = False
+        self._stats = [0, 0, 0, 0]
+        host, port = sock.getsockname()[:2]
+        self.listen_multiaddr = Multiaddr.from_socket_address(
+            _normalise_host(host), port, peer_id=identity.peer_id
+        )
+
+    @property
+    def peer_id(self) -> PeerID:
+        return self.identity.peer_id
+
+    def statistics(self) -> NodeStatistics:
+        return NodeStatistics(
+            connections=len(self._connections),
+            streams=sum(len(c._streams) for c in self._connections.values()),
+            datagrams_sent=self._stats[0],
+            datagrams_received=self._stats[1],
+            bytes_sent=self._stats[2],
+            bytes_received=self._stats[3],
+        )
+
+    def set_stream_handler(self, handler: Callable[[Stream], None] | None) -> None:
+        """Route streams that peers open to ``handler`` (called synchronously; spawn a task)."""
+        self._stream_handler = handler
+
+    async def connect(self, address: Multiaddr | str) -> Connection:
+        """Dial ``address``; if it names a PeerID the peer must prove that key.
+
+        Reuses the live connection to that peer when there is one.
+        """
+        if self._closed:
+            raise ClosedResourceError("this node was closed")
+        maddr = as_multiaddr(address)
+        if maddr.peer_id is not None:
+            existing = self._by_peer.get(maddr.peer_id)
+            if existing is not None and existing._error is None:
+                await existing._ready.wait()
+                if existing._error is None:
+                    return existing
+        sockaddr = maddr.socket_address
+        handle = self._endpoint.connect(sockaddr, maddr.peer_id, trio.current_time())
+        connection = Connection(self, handle, sockaddr, we_dialed=True)
+        self._connections[handle] = connection
+        if maddr.peer_id is not None:
+            self._by_peer[maddr.peer_id] = connection
+        self._flush()
+        await connection._ready.wait()
+        connection._check_open()
+        return connection
+
+    async def aclose(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        now = trio.current_time()
+        for connection in list(self._connections.values()):
+            if connection._error is None:
+                connection._closed_by_us = True
+                self._endpoint.close(connection._handle, now, reason="node shutting down")
+        self._flush()
+        for connection in list(self._connections.values()):
+            connection._on_lost(ClosedResourceError("the node was closed"))
+        await trio.lowlevel.checkpoint()
+
+    # -- the pump ----------------------------------------------------------------------------------
+
+    async def _pump(self) -> None:
+        sock = self._sock
+        endpoint = self._endpoint
+        while True:
+            deadline = endpoint.next_timer()
+            if deadline is None:
+                deadline = math.inf
+            with trio.move_on_at(deadline) as self._pump_scope:
+                await trio.lowlevel.wait_readable(sock)
+            self._pump_scope = None
+            now = trio.current_time()
+            for _ in range(_RECV_BATCH):
+                try:
+                    data, addr = sock.recvfrom(_MAX_UDP)
+                except (BlockingIOError, InterruptedError):
+                    break
+                except OSError:
+                    # ICMP errors surface here on some systems; QUIC's own timers handle them.
+                    continue
+                self._stats[1] += 1
+                self._stats[3] += len(data)
+                endpoint.receive_datagram(data, _normalise_address(addr), now)
+            endpoint.handle_timers(now)
+            self._flush()
+            if self._send_waiters:
+                waiters, self._send_waiters = self._send_waiters, set()
+                for connection in waiters:
+                    connection._wake_senders()
+
+    async def _sender(self) -> None:
+        while True:
+            await self._outbox_ready.wait()
+            self._outbox_ready = trio.Event()
+            while self._outbox:
+                await trio.lowlevel.wait_writable(self._sock)
+                self._send_outbox()
+
+    def _flush(self) -> None:
+        """Send what the endpoint produced and hand its events to connections and streams."""
+        endpoint = self._endpoint
+        now = trio.current_time()
+        self._outbox.extend(endpoint.datagrams_to_send(now))
+        if self._outbox:
+            self._send_outbox()
+            if self._outbox:
+                self._outbox_ready.set()
+        for event in endpoint.events():
+            self._dispatch(event)
+        # An operation outside the pump may have armed a timer sooner than the pump sleeps for.
+        hint = endpoint.take_timer_hint()
+        scope = self._pump_scope
+        if hint is not None and scope is not None and hint < scope.deadline:
+            scope.deadline = hint
+
+    def _send_outbox(self) -> None:
+        sock = self._sock
+        outbox = self._outbox
+        while outbox:
+            data, address = outbox[0]
+            try:
+                sock.sendto(data, self._socket_address(address))
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:
+                outbox.popleft()
+                if exc.errno not in (errno.EMSGSIZE,):
+                    self._unreachable(address, exc)
+                continue
+            outbox.popleft()
+            self._stats[0] += 1
+            self._stats[2] += len(data)
+
+    def _unreachable(self, address: Address, exc: OSError) -> None:
+        now = trio.current_time()
+        for connection in list(self._connections.values()):
+            if connection.address == address and connection._error is None:
+                error = PeerUnreachable(f"cannot send to {address[0]} port {address[1]}: {exc}")
+                error.__cause__ = exc
+                connection._on_lost(error)
+                self._endpoint.close(connection._handle, now, reason="unreachable")
+
+    def _socket_address(self, address: Address) -> tuple[str, int]:
+        host, port = address
+        if self._family == socket.AF_INET6 and ":" not in host:
+            return (f"::ffff:{host}", port)
+        return address
+
+    def _dispatch(self, event: object) -> None:
+        if isinstance(event, StreamData):
+            connection = self._connections.get(event.handle)
+            if connection is None:
+                return
+            stream = connection._streams.get(event.stream_id)
+            if stream is None:
+                stream = self._incoming_stream(connection, event.stream_id)
+                if stream is None:
+                    return
+            stream._on_data(event.data, event.end_stream)
+        elif isinstance(event, StreamResetEvent | StopSending):
+            connection = self._connections.get(event.handle)
+            stream = None if connection is None else connection._streams.get(event.stream_id)
+            if stream is not None:
+                if isinstance(event, StopSending):
+                    stream._on_stop_sending(event.error_code)
+                else:
+                    stream._on_reset(event.error_code)
+        elif isinstance(event, ConnectionReady):
+            self._on_ready(event)
+        elif isinstance(event, ConnectionLost):
+            connection = self._connections.pop(event.handle, None)
+            if connection is not None:
+                if self._by_peer.get(connection.peer_id) is connection:
+                    del self._by_peer[connection.peer_id]
+                connection._on_lost(event.error)
+
+    def _on_ready(self, event: ConnectionReady) -> None:
+        connection = self._connections.get(event.handle)
+        if connection is None:
+            connection = Connection(self, event.handle, event.address, we_dialed=False)
+            self._connections[event.handle] = connection
+        connection.peer_id = event.peer_id
+        self._by_peer.setdefault(event.peer_id, connection)
+        connection._ready.set()
+
+    def _incoming_stream(self, connection: Connection, stream_id: int) -> Stream | None:
+        endpoint = self._endpoint
+        now = trio.current_time()
+        if not _peer_initiated(connection, stream_id):
+            return None
+        if self._stream_handler is None or connection._incoming >= self.config.max_incoming_streams:
+            endpoint.reset_stream(connection._handle, stream_id, APP_REFUSED, now)
+            return None
+        endpoint.adopt_stream(connection._handle, stream_id)
+        stream = Stream(connection, stream_id)
+        connection._streams[stream_id] = stream
+        connection._incoming += 1
+        self._stream_handler(stream)
+        return stream
+
+
+def _normalise_host(host: str) -> str:
+    return host[7:] if host.startswith("::ffff:") and "." in host else host
+
+
+def _normalise_address(addr: tuple[str, int] | tuple[str, int, int, int]) -> Address:
+    return (_normalise_host(addr[0]), addr[1])
+
+
+def _bind(host: str, port: int, buffer_bytes: int) -> tuple[socket.socket, int]:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_DGRAM)
+    try:
+        if family == socket.AF_INET6:
+            # Dual stack where the host allows it: one socket reaches IPv4 and IPv6 peers.
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+        for option in (socket.SO_RCVBUF, socket.SO_SNDBUF):
+            if buffer_bytes:
+                sock.setsockopt(socket.SOL_SOCKET, option, buffer_bytes)
+        sock.bind((host, port))
+        sock.setblocking(False)
+    except OSError as exc:
+        sock.close()
+        raise PeerUnreachable(f"cannot bind UDP {host} port {port}: {exc}") from exc
+    return sock, family
+
+
+@asynccontextmanager
+async def open_node(
+    identity: Identity | None = None,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    config: TransportConfig | None = None,
+) -> AsyncIterator[Node]:
+    """Bind a UDP socket on ``host``/``port`` and run a node for the duration of the block.
+
+    ``identity`` defaults to a fresh key (a new PeerID each run); servers pass a persistent one
+    from :func:`load_or_create_identity`.  ``host="::"`` listens on IPv6 and IPv4.
+    """
+    identity = identity if identity is not None else Identity.generate()
+    config = config if config is not None else TransportConfig()
+    sock, family = _bind(host, port, config.socket_buffer_bytes)
+    node = Node(identity, config, sock, family)
+    try:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(node._pump)
+            nursery.start_soon(node._sender)
+            try:
+                yield node
+            finally:
+                await node.aclose()
+                nursery.cancel_scope.cancel()
+    finally:
+        sock.close()

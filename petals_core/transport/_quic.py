@@ -1,0 +1,128 @@
+"""The one place that reaches into aioquic's internals.
+
+aioquic's ``QuicConnection`` is a complete sans-IO QUIC stack, but three things we need are not in
+its public API, so this subclass adds them (aioquic is pinned in pyproject; tests in
+``tests/transport/test_quic.py`` hold this contract):
+
+* **Mutual authentication.** A server asks the client for its certificate (aioquic supports it but
+  exposes it only as a private flag), and either side can read the certificate its peer proved.
+* **Receive credit driven by the application.** aioquic raises flow-control limits as data
+  *arrives*, so a peer could make us buffer without bound.  Here limits move only as the
+  application *consumes* data: at most ``stream_window_bytes`` unread per stream and
+  ``connection_window_bytes`` per connection.
+* **Send-buffer accounting and coarse pacing.** ``send_stream_data`` buffers without limit; we
+  expose how many bytes sit unacknowledged so the caller can wait.  aioquic's pacer releases at
+  most 16 datagrams per burst and asks for sub-millisecond timers that the event loop rounds up to
+  about a millisecond, which caps throughput at a few tens of MB/s; the pacer here allows a burst
+  that covers the driver's timer granularity.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from aioquic.quic.configuration import QuicConfiguration
+from aioquic.quic.connection import QuicConnection
+from aioquic.quic.recovery import QuicPacketPacer
+from cryptography import x509
+
+__all__ = ["PeerQuicConnection"]
+
+
+class _CoarsePacer(QuicPacketPacer):
+    """aioquic's token-bucket pacer with a bucket deep enough for a timer tick of ``burst_s``."""
+
+    def __init__(self, *, max_datagram_size: int, burst_s: float) -> None:
+        super().__init__(max_datagram_size=max_datagram_size)
+        self._burst_s = burst_s
+
+    def update_rate(self, congestion_window: int, smoothed_rtt: float) -> None:
+        super().update_rate(congestion_window, smoothed_rtt)
+        if self.packet_time is not None:
+            self.bucket_max = max(self.bucket_max, 2 * self._burst_s)
+            self.bucket_time = min(self.bucket_time, self.bucket_max)
+
+
+class PeerQuicConnection(QuicConnection):
+    """A ``QuicConnection`` with client certificates, bounded receive credit and send accounting."""
+
+    def __init__(
+        self,
+        *,
+        configuration: QuicConfiguration,
+        stream_window_bytes: int,
+        connection_window_bytes: int,
+        pacing_burst_s: float,
+        original_destination_connection_id: bytes | None = None,
+    ) -> None:
+        super().__init__(
+            configuration=configuration,
+            original_destination_connection_id=original_destination_connection_id,
+        )
+        self._stream_window = stream_window_bytes
+        self._connection_window = connection_window_bytes
+        self._stream_consumed: dict[int, int] = {}
+        self._connection_consumed = 0
+        self._loss._pacer = _CoarsePacer(
+            max_datagram_size=configuration.max_datagram_size, burst_s=pacing_burst_s
+        )
+
+    # -- authentication ---------------------------------------------------------------------------
+
+    def _initialize(self, peer_cid: bytes) -> None:
+        super()._initialize(peer_cid)
+        if not self._is_client:
+            self.tls._request_client_certificate = True
+
+    def peer_certificate(self) -> x509.Certificate | None:
+        """The certificate whose key the peer proved in the handshake, if any."""
+        tls = getattr(self, "tls", None)
+        return None if tls is None else tls._peer_certificate
+
+    # -- receive credit ----------------------------------------------------------------------------
+
+    def consume(self, stream_id: int, nbytes: int) -> None:
+        """Record that the application has taken ``nbytes`` off ``stream_id``: credit may grow."""
+        self._stream_consumed[stream_id] = self._stream_consumed.get(stream_id, 0) + nbytes
+        self._connection_consumed += nbytes
+
+    def forget_stream(self, stream_id: int, unread_bytes: int) -> None:
+        """The application is done with ``stream_id``; the ``unread_bytes`` it dropped are freed."""
+        self._stream_consumed.pop(stream_id, None)
+        self._connection_consumed += unread_bytes
+
+    def _write_connection_limits(self, builder: Any, space: Any) -> None:
+        limit = self._local_max_data
+        wanted = self._connection_consumed + self._connection_window
+        if wanted - limit.value >= self._connection_window // 4:
+            limit.value = wanted
+        # Hide the received byte count so aioquic's own "double when half used" rule stays idle.
+        used = limit.used
+        limit.used = 0
+        try:
+            super()._write_connection_limits(builder=builder, space=space)
+        finally:
+            limit.used = used
+
+    def _write_stream_limits(self, builder: Any, space: Any, stream: Any) -> None:
+        if stream.max_stream_data_local:
+            wanted = self._stream_consumed.get(stream.stream_id, 0) + self._stream_window
+            if wanted - stream.max_stream_data_local >= self._stream_window // 4:
+                stream.max_stream_data_local = wanted
+        receiver = stream.receiver
+        highest = receiver.highest_offset
+        receiver.highest_offset = 0
+        try:
+            super()._write_stream_limits(builder=builder, space=space, stream=stream)
+        finally:
+            receiver.highest_offset = highest
+
+    # -- send accounting ---------------------------------------------------------------------------
+
+    def send_buffered(self, stream_id: int) -> int:
+        """Bytes queued on ``stream_id`` that the peer has not acknowledged yet."""
+        stream = self._streams.get(stream_id)
+        if stream is None:
+            return 0
+        sender = stream.sender
+        return int(sender._buffer_stop - sender._buffer_start)

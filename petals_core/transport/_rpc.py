@@ -1,0 +1,322 @@
+"""Unary and bidirectional-streaming calls, one QUIC stream per call.
+
+On the wire a call is a stream of length-prefixed CBOR frames (see ``_codec``):
+
+* caller -> callee: ``{"call": method}``, then ``{"msg": {...}}`` frames, then end of stream;
+* callee -> caller: ``{"msg": {...}}`` frames, then end of stream; or, when the handler raised,
+  ``{"err": {"type", "message"}}`` and end of stream.
+
+Deadlines are trio cancel scopes around the call.  When the caller's scope is cancelled (or the call
+block exits early) the stream is reset, and the callee's handler is cancelled in turn.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from contextlib import asynccontextmanager
+from typing import Any
+
+import trio
+
+from .._errors import (
+    CodecError,
+    LocalProtocolError,
+    RemoteError,
+    RemoteProtocolError,
+    TransportError,
+)
+from ._codec import CodecLimits, FrameDecoder, decode_message_untrusted, encode_frame
+from ._endpoint import APP_CANCELLED, APP_PROTOCOL
+from ._identity import PeerID
+from ._node import Connection, Node, Stream
+
+__all__ = ["Call", "Handlers", "ServerCall", "call_unary", "open_call", "serve_rpc"]
+
+logger = logging.getLogger(__name__)
+
+_READ_BYTES = 1 << 20
+
+Message = dict[str, Any]
+UnaryHandler = Callable[[Message, "ServerCall"], Awaitable[Mapping[str, Any]]]
+StreamHandler = Callable[["ServerCall"], Awaitable[None]]
+
+
+class _Framed:
+    """Messages over one stream: frames out, frames in (decoded as untrusted)."""
+
+    def __init__(self, stream: Stream, limits: CodecLimits) -> None:
+        self.stream = stream
+        self._limits = limits
+        self._decoder = FrameDecoder(limits)
+        #: Set when the peer broke the protocol on this stream.
+        self.protocol_error: RemoteProtocolError | None = None
+
+    def fail(self, problem: str) -> RemoteProtocolError:
+        self.protocol_error = RemoteProtocolError(problem)
+        return self.protocol_error
+
+    def broken(self, exc: BaseException) -> bool:
+        """Whether ``exc`` is this stream failing (as opposed to code that merely used it)."""
+        return exc is self.protocol_error or self.stream.failure is exc
+
+    async def send(self, envelope: Mapping[str, Any]) -> None:
+        try:
+            frame = encode_frame(envelope)
+        except CodecError as exc:
+            raise LocalProtocolError(f"cannot encode message: {exc}") from exc
+        await self.stream.send_all(frame)
+
+    async def receive(self) -> Message | None:
+        """The next envelope, or None when the peer finished its side cleanly."""
+        while True:
+            try:
+                frame = self._decoder.next_frame()
+                if frame is not None:
+                    return decode_message_untrusted(frame, limits=self._limits)
+            except CodecError as exc:
+                raise self.fail(f"peer sent a malformed frame: {exc}") from exc
+            data = await self.stream.receive_some(_READ_BYTES)
+            if not data:
+                if self._decoder.buffered_bytes:
+                    raise self.fail("the peer ended the stream inside a frame")
+                return None
+            try:
+                self._decoder.feed(data)
+            except CodecError as exc:
+                raise self.fail(f"peer sent a malformed frame: {exc}") from exc
+
+
+def _unwrap(envelope: Message, method: str) -> Message:
+    """Turn a callee's envelope into the message, or raise what the callee reported."""
+    if "msg" in envelope and isinstance(envelope["msg"], dict):
+        return envelope["msg"]
+    error = envelope.get("err")
+    if isinstance(error, dict):
+        raise RemoteError(
+            str(error.get("type", "Error"))[:200], str(error.get("message", ""))[:4000]
+        )
+    raise RemoteProtocolError(f"unexpected reply to {method!r}: neither a message nor an error")
+
+
+class Call:
+    """The caller's side of a streaming call (from :func:`open_call`)."""
+
+    def __init__(self, framed: _Framed, method: str) -> None:
+        self._framed = framed
+        self.method = method
+        self._finished = False
+
+    @property
+    def peer_id(self) -> PeerID:
+        return self._framed.stream.peer_id
+
+    async def send(self, message: Mapping[str, Any]) -> None:
+        await self._framed.send({"msg": message})
+
+    async def send_eof(self) -> None:
+        """Tell the callee no more messages will come."""
+        await self._framed.stream.send_eof()
+
+    async def receive(self) -> Message:
+        """The callee's next message; raises ``trio.EndOfChannel`` once the callee finished."""
+        if self._finished:
+            raise trio.EndOfChannel
+        envelope = await self._framed.receive()
+        if envelope is None:
+            self._finished = True
+            raise trio.EndOfChannel
+        return _unwrap(envelope, self.method)
+
+    def __aiter__(self) -> AsyncIterator[Message]:
+        return self._iterate()
+
+    async def _iterate(self) -> AsyncIterator[Message]:
+        while True:
+            try:
+                yield await self.receive()
+            except trio.EndOfChannel:
+                return
+
+
+@asynccontextmanager
+async def open_call(
+    connection: Connection, method: str, *, limits: CodecLimits | None = None
+) -> AsyncIterator[Call]:
+    """Open a bidirectional streaming call; leaving the block early cancels it on both sides."""
+    stream = await connection.open_stream()
+    framed = _Framed(stream, limits or connection._node.config.codec_limits)
+    completed = False
+    try:
+        await framed.send({"call": method})
+        yield Call(framed, method)
+        completed = True
+    finally:
+        if completed:
+            await stream.aclose()
+        else:
+            stream.reset(APP_CANCELLED)
+
+
+async def call_unary(
+    connection: Connection,
+    method: str,
+    request: Mapping[str, Any],
+    *,
+    limits: CodecLimits | None = None,
+) -> Message:
+    """One request, one reply.  Put it in a ``trio.fail_after`` scope for a deadline."""
+    async with open_call(connection, method, limits=limits) as call:
+        await call.send(request)
+        await call.send_eof()
+        try:
+            reply = await call.receive()
+        except trio.EndOfChannel:
+            raise RemoteProtocolError(f"{method!r} ended without a reply") from None
+        return reply
+
+
+class ServerCall:
+    """The callee's side of a call, passed to handlers."""
+
+    def __init__(self, framed: _Framed, method: str) -> None:
+        self._framed = framed
+        self.method = method
+
+    @property
+    def peer_id(self) -> PeerID:
+        """Who called: the PeerID whose key the caller proved in the handshake."""
+        return self._framed.stream.peer_id
+
+    async def send(self, message: Mapping[str, Any]) -> None:
+        await self._framed.send({"msg": message})
+
+    async def receive(self) -> Message:
+        """The caller's next message; raises ``trio.EndOfChannel`` once the caller finished."""
+        envelope = await self._framed.receive()
+        if envelope is None:
+            raise trio.EndOfChannel
+        message = envelope.get("msg")
+        if not isinstance(message, dict):
+            raise RemoteProtocolError(f"call {self.method!r}: expected a message frame")
+        return message
+
+    def __aiter__(self) -> AsyncIterator[Message]:
+        return self._iterate()
+
+    async def _iterate(self) -> AsyncIterator[Message]:
+        while True:
+            try:
+                yield await self.receive()
+            except trio.EndOfChannel:
+                return
+
+
+class Handlers:
+    """A method table for :func:`serve_rpc`."""
+
+    def __init__(self) -> None:
+        self._table: dict[str, tuple[str, Callable[..., Awaitable[Any]]]] = {}
+
+    def add_unary(self, method: str, handler: UnaryHandler) -> None:
+        """``handler(request, call) -> reply``."""
+        self._table[method] = ("unary", handler)
+
+    def add_stream(self, method: str, handler: StreamHandler) -> None:
+        """``handler(call)``: receives and sends any number of messages."""
+        self._table[method] = ("stream", handler)
+
+    def unary(self, method: str) -> Callable[[UnaryHandler], UnaryHandler]:
+        def register(handler: UnaryHandler) -> UnaryHandler:
+            self.add_unary(method, handler)
+            return handler
+
+        return register
+
+    def stream(self, method: str) -> Callable[[StreamHandler], StreamHandler]:
+        def register(handler: StreamHandler) -> StreamHandler:
+            self.add_stream(method, handler)
+            return handler
+
+        return register
+
+    def lookup(self, method: str) -> tuple[str, Callable[..., Awaitable[Any]]] | None:
+        return self._table.get(method)
+
+
+async def serve_rpc(
+    node: Node,
+    handlers: Handlers,
+    *,
+    task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Answer calls that peers open on ``node`` until cancelled; handlers run in our nursery."""
+    async with trio.open_nursery() as nursery:
+        node.set_stream_handler(lambda stream: nursery.start_soon(_serve_stream, stream, handlers))
+        try:
+            task_status.started()
+            await trio.sleep_forever()
+        finally:
+            node.set_stream_handler(None)
+            nursery.cancel_scope.cancel()
+
+
+async def _serve_stream(stream: Stream, handlers: Handlers) -> None:
+    framed = _Framed(stream, stream.connection._node.config.codec_limits)
+    with trio.CancelScope() as scope:
+        # A reset from the caller (its cancellation) cancels the handler.
+        stream.cancel_on_reset(scope)
+        try:
+            await _answer(framed, handlers)
+        except TransportError as exc:
+            if framed.protocol_error is exc:
+                await _report(framed, "ProtocolError", str(exc))
+                stream.reset(APP_PROTOCOL)
+            else:
+                stream.reset(APP_CANCELLED)
+            return
+        except Exception:
+            # A bug here must cost one call, never the server.
+            logger.exception("serving a call failed")
+            stream.reset(APP_PROTOCOL)
+            return
+        await stream.aclose()
+    if scope.cancelled_caught:
+        stream.reset(APP_CANCELLED)
+
+
+async def _answer(framed: _Framed, handlers: Handlers) -> None:
+    header = await framed.receive()
+    method = None if header is None else header.get("call")
+    if not isinstance(method, str):
+        raise framed.fail("a call must start with a {'call': method} frame")
+    entry = handlers.lookup(method)
+    if entry is None:
+        await _report(framed, "UnknownMethod", f"no method {method!r} here")
+    else:
+        kind, handler = entry
+        call = ServerCall(framed, method)
+        try:
+            if kind == "unary":
+                try:
+                    request = await call.receive()
+                except trio.EndOfChannel:
+                    raise framed.fail(f"{method!r} expects a request message") from None
+                await call.send(await handler(request, call))
+            else:
+                await handler(call)
+        except Exception as exc:
+            if framed.broken(exc):
+                raise
+            # The handler failed (possibly on a call of its own to someone else): the caller
+            # gets the type and message, and we go on serving.
+            logger.debug("handler for %r raised", method, exc_info=True)
+            await _report(framed, type(exc).__name__, str(exc))
+    await framed.stream.send_eof()
+
+
+async def _report(framed: _Framed, error_type: str, message: str) -> None:
+    try:
+        await framed.send({"err": {"type": error_type, "message": message[:4000]}})
+    except TransportError:
+        pass

@@ -1,0 +1,221 @@
+"""The sans-IO endpoint, pair against pair in memory, with a virtual clock."""
+
+from __future__ import annotations
+
+import hashlib
+import random
+
+import attrs
+import pytest
+
+from petals_core._errors import ConnectTimeout, IdentityMismatch
+from petals_core.testing import MemoryNetwork, Pipe
+from petals_core.transport._config import TransportConfig
+from petals_core.transport._endpoint import (
+    ConnectionLost,
+    ConnectionReady,
+    Endpoint,
+    StreamData,
+    StreamReset,
+)
+from petals_core.transport._identity import Identity
+
+CLIENT = ("127.0.0.1", 1000)
+SERVER = ("127.0.0.1", 2000)
+
+
+class Recorder:
+    """An endpoint plus what its application saw, consuming stream data as it arrives."""
+
+    def __init__(self, config: TransportConfig, *, consume: bool = True) -> None:
+        self.identity = Identity.generate()
+        self.endpoint = Endpoint(self.identity, config)
+        self.consume = consume
+        self.ready: dict[int, ConnectionReady] = {}
+        self.lost: dict[int, ConnectionLost] = {}
+        self.received: dict[tuple[int, int], bytearray] = {}
+        self.finished: set[tuple[int, int]] = set()
+        self.resets: list[StreamReset] = []
+        self.now = 0.0
+
+    # Endpoint protocol for MemoryNetwork, collecting events as they appear.
+    def receive_datagram(self, data: bytes, address: tuple[str, int], now: float) -> None:
+        self.now = now
+        self.endpoint.receive_datagram(data, address, now)
+        self._events(now)
+
+    def datagrams_to_send(self, now: float) -> list[tuple[bytes, tuple[str, int]]]:
+        out = self.endpoint.datagrams_to_send(now)
+        self._events(now)
+        return out
+
+    def next_timer(self) -> float | None:
+        return self.endpoint.next_timer()
+
+    def handle_timers(self, now: float) -> None:
+        self.now = now
+        self.endpoint.handle_timers(now)
+        self._events(now)
+
+    def _events(self, now: float) -> None:
+        for event in self.endpoint.events():
+            if isinstance(event, ConnectionReady):
+                self.ready[event.handle] = event
+            elif isinstance(event, ConnectionLost):
+                self.lost[event.handle] = event
+            elif isinstance(event, StreamData):
+                key = (event.handle, event.stream_id)
+                self.endpoint.adopt_stream(event.handle, event.stream_id)
+                self.received.setdefault(key, bytearray()).extend(event.data)
+                if event.end_stream:
+                    self.finished.add(key)
+                if self.consume and event.data:
+                    self.endpoint.consume(event.handle, event.stream_id, len(event.data), now)
+            elif isinstance(event, StreamReset):
+                self.resets.append(event)
+
+
+def make_pair(
+    config: TransportConfig | None = None, *, pipe: Pipe | None = None, seed: int = 0
+) -> tuple[MemoryNetwork, Recorder, Recorder]:
+    config = config or TransportConfig(keepalive_interval_s=None)
+    net = MemoryNetwork(random.Random(seed), default=pipe or Pipe())
+    client, server = Recorder(config), Recorder(config)
+    net.attach(CLIENT, client)
+    net.attach(SERVER, server)
+    return net, client, server
+
+
+def handshake(net: MemoryNetwork, client: Recorder, server: Recorder) -> int:
+    handle = client.endpoint.connect(SERVER, server.identity.peer_id, net.now)
+    assert net.run_until(lambda: handle in client.ready and len(server.ready) == 1)
+    return handle
+
+
+def test_handshake_authenticates_both_ends() -> None:
+    net, client, server = make_pair()
+    handle = handshake(net, client, server)
+    assert client.ready[handle].peer_id == server.identity.peer_id
+    (server_side,) = server.ready.values()
+    assert server_side.peer_id == client.identity.peer_id
+    assert not server_side.is_client
+
+
+def test_wrong_peer_id_is_refused() -> None:
+    net, client, server = make_pair()
+    impostor = Identity.generate().peer_id
+    handle = client.endpoint.connect(SERVER, impostor, net.now)
+    assert net.run_until(lambda: handle in client.lost)
+    assert isinstance(client.lost[handle].error, IdentityMismatch)
+    assert handle not in client.ready
+    # The server sees the connection end too, and never serves it.
+    assert net.run_until(lambda: len(server.lost) == 1 or not server.ready)
+
+
+def test_connect_times_out_without_answer() -> None:
+    config = TransportConfig(connect_timeout_s=3.0, keepalive_interval_s=None)
+    net, client, server = make_pair(config)
+    net.detach(SERVER)
+    handle = client.endpoint.connect(SERVER, server.identity.peer_id, net.now)
+    assert net.run_until(lambda: handle in client.lost, max_time_s=30)
+    assert isinstance(client.lost[handle].error, ConnectTimeout)
+    assert 3.0 <= net.now < 4.0
+
+
+def _payload(index: int, size: int) -> bytes:
+    return random.Random(index).randbytes(size)
+
+
+def _send_streams(net: MemoryNetwork, client: Recorder, server: Recorder, count: int, size: int):
+    handle = handshake(net, client, server)
+    expected = {}
+    for index in range(count):
+        stream_id = client.endpoint.open_stream(handle)
+        data = _payload(index, size + index)
+        client.endpoint.send_stream_data(handle, stream_id, data, net.now, end_stream=True)
+        expected[stream_id] = hashlib.sha256(data).hexdigest()
+    (server_handle,) = server.ready
+    done = lambda: all((server_handle, sid) in server.finished for sid in expected)  # noqa: E731
+    assert net.run_until(done, max_time_s=120)
+    for stream_id, digest in expected.items():
+        got = bytes(server.received[(server_handle, stream_id)])
+        assert hashlib.sha256(got).hexdigest() == digest
+
+
+def test_many_streams() -> None:
+    net, client, server = make_pair()
+    _send_streams(net, client, server, count=40, size=20_000)
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_loss_and_reordering(seed: int) -> None:
+    pipe = Pipe(latency_s=0.002, loss=0.05, jitter_s=0.003)
+    net, client, server = make_pair(pipe=pipe, seed=seed)
+    _send_streams(net, client, server, count=8, size=100_000)
+    assert net.dropped > 0
+
+
+def test_dropping_chosen_datagrams_during_handshake() -> None:
+    # Lose the first two datagrams (the client's Initial and its retransmission's first try).
+    pipe = Pipe(drop=lambda index, data: index in (0, 2))
+    net, client, server = make_pair(pipe=pipe)
+    handshake(net, client, server)
+
+
+def test_receive_credit_follows_the_application() -> None:
+    config = TransportConfig(
+        keepalive_interval_s=None,
+        stream_window_bytes=256 << 10,
+        connection_window_bytes=1 << 20,
+    )
+    net, client, server = make_pair(config)
+    server.consume = False
+    handle = handshake(net, client, server)
+    stream_id = client.endpoint.open_stream(handle)
+    client.endpoint.send_stream_data(handle, stream_id, bytes(4 << 20), net.now)
+    net.run_until(lambda: False, max_time_s=5)
+    (server_handle,) = server.ready
+    received = len(server.received[(server_handle, stream_id)])
+    # The peer may only send what the application has room for, however long we wait.
+    assert 0 < received <= config.stream_window_bytes
+    assert client.endpoint.send_buffered(handle) >= (4 << 20) - received
+    # Consuming releases more.
+    server.endpoint.consume(server_handle, stream_id, received, net.now)
+    server.consume = True
+    net.run_until(lambda: len(server.received[(server_handle, stream_id)]) == 4 << 20)
+
+
+def test_idle_timeout_and_keepalive() -> None:
+    quiet = TransportConfig(idle_timeout_s=5.0, keepalive_interval_s=None)
+    net, client, server = make_pair(quiet)
+    handle = handshake(net, client, server)
+    assert net.run_until(lambda: handle in client.lost, max_time_s=30)
+    assert 5.0 <= net.now < 20.0
+
+    chatty = attrs.evolve(quiet, keepalive_interval_s=1.0)
+    net, client, server = make_pair(chatty)
+    handle = handshake(net, client, server)
+    net.run_until(lambda: handle in client.lost, max_time_s=30)
+    assert handle not in client.lost and net.now >= 30
+
+
+def test_reset_reaches_the_peer() -> None:
+    net, client, server = make_pair()
+    handle = handshake(net, client, server)
+    stream_id = client.endpoint.open_stream(handle)
+    client.endpoint.send_stream_data(handle, stream_id, b"hello", net.now)
+    assert net.run_until(lambda: any(k[1] == stream_id for k in server.received))
+    client.endpoint.reset_stream(handle, stream_id, 0x10, net.now)
+    assert net.run_until(lambda: server.resets)
+    assert server.resets[0].stream_id == stream_id and server.resets[0].error_code == 0x10
+
+
+def test_close_is_seen_by_both() -> None:
+    net, client, server = make_pair()
+    handle = handshake(net, client, server)
+    client.endpoint.close(handle, net.now, reason="bye")
+    assert net.run_until(lambda: handle in client.lost and len(server.lost) == 1)
+    # Both forget the connection after draining.
+    assert net.run_until(
+        lambda: client.endpoint.connection_count() == 0 and server.endpoint.connection_count() == 0
+    )

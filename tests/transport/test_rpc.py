@@ -1,0 +1,267 @@
+"""RPC over real UDP sockets on loopback: the trio node, streams and calls end to end."""
+
+from __future__ import annotations
+
+import hashlib
+import random
+import socket
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import attrs
+import pytest
+import trio
+
+from petals_core.transport import (
+    ClosedResourceError,
+    ConnectTimeout,
+    Handlers,
+    Identity,
+    IdentityMismatch,
+    Multiaddr,
+    Node,
+    RemoteError,
+    ServerCall,
+    TransportConfig,
+    call_unary,
+    open_call,
+    open_node,
+    serve_rpc,
+)
+
+DEADLINE_S = 60
+
+
+def _handlers(events: dict[str, trio.Event]) -> Handlers:
+    handlers = Handlers()
+
+    @handlers.unary("echo")
+    async def echo(request: dict, call: ServerCall) -> dict:
+        return {"echo": request, "caller": str(call.peer_id)}
+
+    @handlers.unary("boom")
+    async def boom(request: dict, call: ServerCall) -> dict:
+        raise ValueError(f"bad value {request.get('x')}")
+
+    @handlers.unary("hang")
+    async def hang(request: dict, call: ServerCall) -> dict:
+        events["hang_started"].set()
+        try:
+            await trio.sleep_forever()
+        finally:
+            events["hang_cancelled"].set()
+
+    @handlers.stream("sha256")
+    async def sha256(call: ServerCall) -> None:
+        digest = hashlib.sha256()
+        total = 0
+        async for message in call:
+            digest.update(message["chunk"])
+            total += len(message["chunk"])
+        await call.send({"sha256": digest.hexdigest(), "bytes": total})
+
+    @handlers.stream("counter")
+    async def counter(call: ServerCall) -> None:
+        async for message in call:
+            await call.send({"n": message["n"] + 1})
+
+    return handlers
+
+
+@asynccontextmanager
+async def server_and_client(
+    config: TransportConfig | None = None,
+) -> AsyncIterator[tuple[Node, Node, dict[str, trio.Event]]]:
+    events = {"hang_started": trio.Event(), "hang_cancelled": trio.Event()}
+    async with (
+        open_node(config=config) as server,
+        open_node(config=config) as client,
+        trio.open_nursery() as nursery,
+    ):
+        await nursery.start(serve_rpc, server, _handlers(events))
+        yield server, client, events
+        nursery.cancel_scope.cancel()
+
+
+async def test_unary_calls_and_caller_identity() -> None:
+    with trio.fail_after(DEADLINE_S):
+        async with server_and_client() as (server, client, _):
+            connection = await client.connect(server.listen_multiaddr)
+            assert connection.peer_id == server.peer_id
+            reply = await call_unary(connection, "echo", {"x": [1, 2, "three"]})
+            assert reply == {"echo": {"x": [1, 2, "three"]}, "caller": str(client.peer_id)}
+
+
+async def test_100_concurrent_unary_calls_share_one_connection() -> None:
+    with trio.fail_after(DEADLINE_S):
+        async with server_and_client() as (server, client, _):
+            results: dict[int, dict] = {}
+
+            async def one(index: int) -> None:
+                connection = await client.connect(server.listen_multiaddr)
+                results[index] = await call_unary(connection, "echo", {"i": index})
+
+            async with trio.open_nursery() as nursery:
+                for index in range(100):
+                    nursery.start_soon(one, index)
+            assert all(results[i]["echo"] == {"i": i} for i in range(100))
+            assert client.statistics().connections == 1
+
+
+async def test_eight_concurrent_4mib_streams_verified_by_hash() -> None:
+    chunk_bytes = 256 << 10
+    with trio.fail_after(DEADLINE_S):
+        async with server_and_client() as (server, client, _):
+            connection = await client.connect(server.listen_multiaddr)
+            outcome: dict[int, tuple[str, dict]] = {}
+
+            async def upload(index: int) -> None:
+                rng = random.Random(index)
+                digest = hashlib.sha256()
+                async with open_call(connection, "sha256") as call:
+                    for _ in range((4 << 20) // chunk_bytes):
+                        chunk = rng.randbytes(chunk_bytes)
+                        digest.update(chunk)
+                        await call.send({"chunk": chunk})
+                    await call.send_eof()
+                    outcome[index] = (digest.hexdigest(), await call.receive())
+
+            async with trio.open_nursery() as nursery:
+                for index in range(8):
+                    nursery.start_soon(upload, index)
+            for expected, reply in outcome.values():
+                assert reply == {"sha256": expected, "bytes": 4 << 20}
+
+
+async def test_bidirectional_stream_ping_pong() -> None:
+    with trio.fail_after(DEADLINE_S):
+        async with server_and_client() as (server, client, _):
+            connection = await client.connect(server.listen_multiaddr)
+            async with open_call(connection, "counter") as call:
+                n = 0
+                for _ in range(50):
+                    await call.send({"n": n})
+                    n = (await call.receive())["n"]
+                await call.send_eof()
+                assert [m async for m in call] == []
+            assert n == 50
+
+
+async def test_handler_exception_reaches_caller_and_server_keeps_serving() -> None:
+    with trio.fail_after(DEADLINE_S):
+        async with server_and_client() as (server, client, _):
+            connection = await client.connect(server.listen_multiaddr)
+            with pytest.raises(RemoteError) as info:
+                await call_unary(connection, "boom", {"x": 7})
+            assert info.value.remote_type == "ValueError"
+            assert info.value.remote_message == "bad value 7"
+            with pytest.raises(RemoteError) as info:
+                await call_unary(connection, "no_such_method", {})
+            assert info.value.remote_type == "UnknownMethod"
+            assert (await call_unary(connection, "echo", {"ok": True}))["echo"] == {"ok": True}
+
+
+async def test_cancelling_a_call_cancels_the_remote_handler() -> None:
+    with trio.fail_after(DEADLINE_S):
+        async with server_and_client() as (server, client, events):
+            connection = await client.connect(server.listen_multiaddr)
+            async with trio.open_nursery() as nursery:
+
+                async def caller() -> None:
+                    await call_unary(connection, "hang", {})
+
+                nursery.start_soon(caller)
+                await events["hang_started"].wait()
+                nursery.cancel_scope.cancel()
+            await events["hang_cancelled"].wait()
+            # The connection still works afterwards.
+            assert (await call_unary(connection, "echo", {}))["echo"] == {}
+
+
+async def test_wrong_peer_id_fails_with_identity_mismatch() -> None:
+    with trio.fail_after(DEADLINE_S):
+        async with server_and_client() as (server, client, _):
+            impostor = server.listen_multiaddr.with_peer_id(Identity.generate().peer_id)
+            with pytest.raises(IdentityMismatch):
+                await client.connect(impostor)
+            # The right PeerID still works.
+            await client.connect(server.listen_multiaddr)
+
+
+async def test_unreachable_address_fails_within_its_timeout() -> None:
+    # A bound socket that never answers: the handshake cannot complete.
+    silent = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    silent.bind(("127.0.0.1", 0))
+    try:
+        config = TransportConfig(connect_timeout_s=1.0)
+        address = Multiaddr.from_socket_address(*silent.getsockname(), Identity.generate().peer_id)
+        with trio.fail_after(DEADLINE_S):
+            async with open_node(config=config) as client:
+                start = trio.current_time()
+                with pytest.raises(ConnectTimeout):
+                    await client.connect(address)
+                assert 1.0 <= trio.current_time() - start < 10
+    finally:
+        silent.close()
+
+
+async def test_ipv6_loopback() -> None:
+    if not socket.has_ipv6:
+        pytest.skip("no IPv6 here")
+    with trio.fail_after(DEADLINE_S):
+        async with (
+            open_node(host="::1") as server,
+            open_node(host="::1") as client,
+            trio.open_nursery() as nursery,
+        ):
+            await nursery.start(serve_rpc, server, _handlers({}))
+            assert str(server.listen_multiaddr).startswith("/ip6/::1/udp/")
+            connection = await client.connect(str(server.listen_multiaddr))
+            assert (await call_unary(connection, "echo", {"v": 6}))["echo"] == {"v": 6}
+            nursery.cancel_scope.cancel()
+
+
+async def test_closed_connection_is_reported_as_closed_by_you() -> None:
+    with trio.fail_after(DEADLINE_S):
+        async with server_and_client() as (server, client, _):
+            connection = await client.connect(server.listen_multiaddr)
+            await connection.aclose()
+            with pytest.raises(ClosedResourceError):
+                await call_unary(connection, "echo", {})
+            # A new connect gives a fresh connection.
+            fresh = await client.connect(server.listen_multiaddr)
+            assert fresh is not connection
+            assert (await call_unary(fresh, "echo", {}))["echo"] == {}
+
+
+async def test_sender_waits_when_the_peer_does_not_read() -> None:
+    config = TransportConfig(
+        stream_window_bytes=256 << 10, connection_window_bytes=1 << 20, send_buffer_bytes=1 << 20
+    )
+    with trio.fail_after(DEADLINE_S):
+        async with open_node(config=config) as server, open_node(config=config) as client:
+            accepted: list = []
+            server.set_stream_handler(accepted.append)
+            connection = await client.connect(server.listen_multiaddr)
+            stream = await connection.open_stream()
+            sent = 0
+            with trio.move_on_after(2):
+                while True:
+                    await stream.send_all(bytes(64 << 10))
+                    sent += 64 << 10
+            # Memory stays bounded: what we queued is at most our bound plus the peer's window.
+            assert sent <= config.send_buffer_bytes + config.stream_window_bytes + (64 << 10)
+            (incoming,) = accepted
+            received = 0
+            while received < sent:
+                received += len(await incoming.receive_some())
+            assert received == sent
+            stream.reset()
+
+
+def test_config_is_frozen_and_validated() -> None:
+    config = TransportConfig()
+    with pytest.raises(attrs.exceptions.FrozenInstanceError):
+        config.idle_timeout_s = 1  # type: ignore[misc]
+    with pytest.raises(ValueError, match="max_datagram_bytes"):
+        TransportConfig(max_datagram_bytes=100)
