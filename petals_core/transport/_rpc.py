@@ -298,10 +298,7 @@ async def _answer(framed: _Framed, handlers: Handlers) -> None:
         call = ServerCall(framed, method)
         try:
             if kind == "unary":
-                try:
-                    request = await call.receive()
-                except trio.EndOfChannel:
-                    raise framed.fail(f"{method!r} expects a request message") from None
+                request = await _one_request(framed, call)
                 await call.send(await handler(request, call))
             else:
                 await handler(call)
@@ -313,6 +310,19 @@ async def _answer(framed: _Framed, handlers: Handlers) -> None:
             logger.debug("handler for %r raised", method, exc_info=True)
             await _report(framed, type(exc).__name__, str(exc))
     await framed.stream.send_eof()
+
+
+async def _one_request(framed: _Framed, call: ServerCall) -> Message:
+    """A unary call's request: exactly one message, then the caller's end of stream."""
+    try:
+        request = await call.receive()
+    except trio.EndOfChannel:
+        raise framed.fail(f"{call.method!r} expects a request message") from None
+    try:
+        await call.receive()
+    except trio.EndOfChannel:
+        return request
+    raise framed.fail(f"{call.method!r} is unary: one request message, then end of stream")
 
 
 async def _report(framed: _Framed, error_type: str, message: str) -> None:

@@ -1,0 +1,25 @@
+"""``python -m bench [NAME ...]``: run the named benchmarks, or all of them."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+
+BENCHMARKS = {
+    "transport": "bench.transport",
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(prog="nox -s bench --", description=__doc__)
+    parser.add_argument("names", nargs="*", help=f"benchmarks to run: {', '.join(BENCHMARKS)}")
+    args = parser.parse_args()
+    unknown = [name for name in args.names if name not in BENCHMARKS]
+    if unknown:
+        parser.error(f"unknown benchmark {', '.join(unknown)}; choose from {', '.join(BENCHMARKS)}")
+    for name in args.names or list(BENCHMARKS):
+        importlib.import_module(BENCHMARKS[name]).main()
+
+
+if __name__ == "__main__":
+    main()
