@@ -132,6 +132,9 @@ class _Conn:
     lost: bool = False
     last_activity: float = 0.0
     keepalive_at: float | None = None
+    # The soonest of aioquic's timer, the keep-alive and the connect deadline, as of the last
+    # time this connection's output was collected (aioquic's get_timer is not cheap).
+    timer_at: float | None = None
     # Streams the application holds: stream_id -> bytes delivered but not consumed yet.
     open_streams: dict[int, int] = attrs.Factory(dict)
     # Peer-opened streams the application let go of while aioquic still tracks them.
@@ -289,16 +292,23 @@ class Endpoint:
 
     def next_timer(self) -> float | None:
         """When :meth:`handle_timers` must run next (None: no timer pending)."""
+        for conn in self._dirty:
+            _refresh_timer(conn)
         best: float | None = None
         for conn in self._by_handle.values():
-            for at in (conn.quic.get_timer(), conn.keepalive_at, conn.connect_deadline):
-                if at is not None and (best is None or at < best):
-                    best = at
+            at = conn.timer_at
+            if at is not None and (best is None or at < best):
+                best = at
         return best
 
     def handle_timers(self, now: float) -> None:
         """Run every timer due by ``now``."""
-        for conn in list(self._by_handle.values()):
+        due = [
+            conn
+            for conn in self._by_handle.values()
+            if conn in self._dirty or (conn.timer_at is not None and conn.timer_at <= now)
+        ]
+        for conn in due:
             touched = False
             timer = conn.quic.get_timer()
             if timer is not None and timer <= now:
@@ -333,9 +343,9 @@ class Endpoint:
             if sent:
                 out.extend(sent)
             self._drain_quic_events(conn, now)
-            for at in (conn.quic.get_timer(), conn.keepalive_at):
-                if at is not None and (self._timer_hint is None or at < self._timer_hint):
-                    self._timer_hint = at
+            at = _refresh_timer(conn)
+            if at is not None and (self._timer_hint is None or at < self._timer_hint):
+                self._timer_hint = at
         return out
 
     def take_timer_hint(self) -> float | None:
@@ -382,8 +392,9 @@ class Endpoint:
         held = conn.open_streams.get(stream_id)
         if held is not None:
             conn.open_streams[stream_id] = held - nbytes
-        conn.quic.consume(stream_id, nbytes)
-        self._after(conn, now)
+        if conn.quic.consume(stream_id, nbytes):
+            # Only worth a packet once the peer's window should grow.
+            self._after(conn, now)
 
     def reset_stream(self, handle: int, stream_id: int, error_code: int, now: float) -> None:
         """Abandon both directions of a stream (the peer's handler or reader sees a reset)."""
@@ -525,6 +536,15 @@ class Endpoint:
         for cid in [cid for cid, c in self._by_cid.items() if c is conn]:
             del self._by_cid[cid]
         self._dirty.discard(conn)
+
+
+def _refresh_timer(conn: _Conn) -> float | None:
+    best = conn.quic.get_timer()
+    for at in (conn.keepalive_at, conn.connect_deadline):
+        if at is not None and (best is None or at < best):
+            best = at
+    conn.timer_at = best
+    return best
 
 
 def _locally_initiated(conn: _Conn, stream_id: int) -> bool:

@@ -429,6 +429,10 @@ class Node:
                 self._stats[3] += len(data)
                 endpoint.receive_datagram(data, _normalise_address(addr), now)
             endpoint.handle_timers(now)
+            self._dispatch_events()
+            # Let the tasks just woken answer first: their packets then carry our ACKs, and
+            # the flush below usually finds nothing left to send.
+            await trio.lowlevel.checkpoint()
             self._flush()
             if self._send_waiters:
                 waiters, self._send_waiters = self._send_waiters, set()
@@ -452,13 +456,16 @@ class Node:
             self._send_outbox()
             if self._outbox:
                 self._outbox_ready.set()
-        for event in endpoint.events():
-            self._dispatch(event)
+        self._dispatch_events()
         # An operation outside the pump may have armed a timer sooner than the pump sleeps for.
         hint = endpoint.take_timer_hint()
         scope = self._pump_scope
         if hint is not None and scope is not None and hint < scope.deadline:
             scope.deadline = hint
+
+    def _dispatch_events(self) -> None:
+        for event in self._endpoint.events():
+            self._dispatch(event)
 
     def _send_outbox(self) -> None:
         sock = self._sock

@@ -81,10 +81,24 @@ class PeerQuicConnection(QuicConnection):
 
     # -- receive credit ----------------------------------------------------------------------------
 
-    def consume(self, stream_id: int, nbytes: int) -> None:
-        """Record that the application has taken ``nbytes`` off ``stream_id``: credit may grow."""
-        self._stream_consumed[stream_id] = self._stream_consumed.get(stream_id, 0) + nbytes
+    def consume(self, stream_id: int, nbytes: int) -> bool:
+        """Record that the application took ``nbytes`` off ``stream_id``.
+
+        Returns whether the peer's credit should now grow (a window update is due).
+        """
+        consumed = self._stream_consumed.get(stream_id, 0) + nbytes
+        self._stream_consumed[stream_id] = consumed
         self._connection_consumed += nbytes
+        stream = self._streams.get(stream_id)
+        stream_due = stream is not None and (
+            consumed + self._stream_window - stream.max_stream_data_local
+            >= self._stream_window // 4
+        )
+        connection_due = (
+            self._connection_consumed + self._connection_window - self._local_max_data.value
+            >= self._connection_window // 4
+        )
+        return stream_due or connection_due
 
     def forget_stream(self, stream_id: int, unread_bytes: int) -> None:
         """The application is done with ``stream_id``; the ``unread_bytes`` it dropped are freed."""
