@@ -244,11 +244,17 @@ class Endpoint:
 
     def receive_datagram(self, data: bytes, address: Address, now: float) -> None:
         """Feed one UDP payload that arrived from ``address``."""
-        try:
-            header = pull_quic_header(Buffer(data=data), host_cid_length=_CID_BYTES)
-        except ValueError:
-            return
-        conn = self._by_cid.get(header.destination_cid)
+        if data and not data[0] & 0x80:
+            # Short header: the destination connection ID follows the first byte.
+            conn = self._by_cid.get(data[1 : 1 + _CID_BYTES])
+            if conn is None:
+                return
+        else:
+            try:
+                header = pull_quic_header(Buffer(data=data), host_cid_length=_CID_BYTES)
+            except ValueError:
+                return
+            conn = self._by_cid.get(header.destination_cid)
         if conn is None:
             conn = self._accept(data, header, address, now)
             if conn is None:
@@ -384,17 +390,22 @@ class Endpoint:
         conn.last_activity = now
         self._after(conn, now)
 
-    def consume(self, handle: int, stream_id: int, nbytes: int, now: float) -> None:
-        """The application took ``nbytes`` off the stream: the peer may send that much more."""
+    def consume(self, handle: int, stream_id: int, nbytes: int, now: float) -> bool:
+        """The application took ``nbytes`` off the stream: the peer may send that much more.
+
+        Returns whether that produced something to send (a window update).
+        """
         conn = self._by_handle.get(handle)
         if conn is None or conn.lost:
-            return
+            return False
         held = conn.open_streams.get(stream_id)
         if held is not None:
             conn.open_streams[stream_id] = held - nbytes
         if conn.quic.consume(stream_id, nbytes):
             # Only worth a packet once the peer's window should grow.
             self._after(conn, now)
+            return True
+        return False
 
     def reset_stream(self, handle: int, stream_id: int, error_code: int, now: float) -> None:
         """Abandon both directions of a stream (the peer's handler or reader sees a reset)."""

@@ -83,23 +83,37 @@ class Stream:
     # -- receiving --------------------------------------------------------------------------------
 
     async def receive_some(self, max_bytes: int | None = None) -> bytes:
-        """The next bytes from the peer; ``b""`` once it finished its side."""
+        """The bytes the peer sent that we have not read yet (at most ``max_bytes``), waiting for
+        some if there are none; ``b""`` once the peer finished its side."""
+        await trio.lowlevel.checkpoint_if_cancelled()
         while True:
             if self._closed:
                 raise ClosedResourceError("this stream was closed")
             if self._chunks:
-                chunk = self._chunks.popleft()
-                if max_bytes is not None and len(chunk) > max_bytes:
-                    self._chunks.appendleft(chunk[max_bytes:])
-                    chunk = chunk[:max_bytes]
-                self.connection._consumed(self.stream_id, len(chunk))
-                return chunk
+                data = self._take(max_bytes)
+                self.connection._consumed(self.stream_id, len(data))
+                await trio.lowlevel.cancel_shielded_checkpoint()
+                return data
             if self._error is not None:
                 raise self._error
             if self._eof:
                 return b""
             self._readable = trio.Event()
             await self._readable.wait()
+
+    def _take(self, max_bytes: int | None) -> bytes:
+        chunks = self._chunks
+        parts = []
+        size = 0
+        while chunks and (max_bytes is None or size < max_bytes):
+            chunk = chunks.popleft()
+            if max_bytes is not None and size + len(chunk) > max_bytes:
+                keep = max_bytes - size
+                chunks.appendleft(chunk[keep:])
+                chunk = chunk[:keep]
+            parts.append(chunk)
+            size += len(chunk)
+        return parts[0] if len(parts) == 1 else b"".join(parts)
 
     # -- sending -----------------------------------------------------------------------------------
 
@@ -288,8 +302,8 @@ class Connection:
         self._node._flush()
 
     def _consumed(self, stream_id: int, nbytes: int) -> None:
-        self._node._endpoint.consume(self._handle, stream_id, nbytes, trio.current_time())
-        self._node._flush()
+        if self._node._endpoint.consume(self._handle, stream_id, nbytes, trio.current_time()):
+            self._node._flush()
 
     def _reset(self, stream_id: int, error_code: int) -> None:
         self._forget(stream_id)
