@@ -119,24 +119,41 @@ class Stream:
 
     async def send_all(self, data: bytes | bytearray | memoryview) -> None:
         """Queue ``data``; waits while the connection's unacknowledged bytes exceed their bound."""
-        async with self._send_lock:
+        await self._lock_for_sending()
+        try:
             view = memoryview(data).cast("B")
-            while True:
+            while view:
                 self._check_sendable()
-                room = await self.connection._wait_send_room()
-                self._check_sendable()
+                room = self.connection._send_room()
+                if room <= 0:
+                    await self.connection._wait_send_room()
+                    continue
                 size = min(len(view), room, _WRITE_SLICE)
                 self.connection._send(self.stream_id, bytes(view[:size]), end_stream=False)
                 view = view[size:]
-                if not view:
-                    return
+        finally:
+            self._send_lock.release()
+        # The data left before this schedule point: the peer's answer, and the ACK our packet
+        # carried, are not held up behind other tasks.
+        await trio.lowlevel.cancel_shielded_checkpoint()
 
     async def send_eof(self) -> None:
         """Finish our side: the peer reads ``b""`` after the data already sent."""
-        async with self._send_lock:
+        await self._lock_for_sending()
+        try:
             self._check_sendable()
             self._sent_eof = True
             self.connection._send(self.stream_id, b"", end_stream=True)
+        finally:
+            self._send_lock.release()
+        await trio.lowlevel.cancel_shielded_checkpoint()
+
+    async def _lock_for_sending(self) -> None:
+        await trio.lowlevel.checkpoint_if_cancelled()
+        if self._send_lock.locked():
+            await self._send_lock.acquire()
+        else:
+            self._send_lock.acquire_nowait()
 
     def _check_sendable(self) -> None:
         if self._closed:
@@ -236,7 +253,7 @@ class Connection:
         self._ready = trio.Event()
         self._error: TransportError | None = None
         self._closed_by_us = False
-        self._send_room = trio.lowlevel.ParkingLot()
+        self._room_waiters = trio.lowlevel.ParkingLot()
         self._lost = trio.Event()
         self._incoming = 0
 
@@ -279,20 +296,19 @@ class Connection:
 
     # -- used by streams ---------------------------------------------------------------------------
 
-    async def _wait_send_room(self) -> int:
+    def _send_room(self) -> int:
+        """Bytes we may queue before the connection's send buffer is full."""
+        self._check_open()
         node = self._node
-        limit = node.config.send_buffer_bytes
-        while True:
-            self._check_open()
-            buffered = node._endpoint.send_buffered(self._handle)
-            if buffered < limit:
-                await trio.lowlevel.checkpoint()
-                return limit - buffered
-            node._send_waiters.add(self)
-            await self._send_room.park()
+        return node.config.send_buffer_bytes - node._endpoint.send_buffered(self._handle)
+
+    async def _wait_send_room(self) -> None:
+        """Wait until acknowledgements free some room (or the connection ends)."""
+        self._node._send_waiters.add(self)
+        await self._room_waiters.park()
 
     def _wake_senders(self) -> None:
-        self._send_room.unpark_all()
+        self._room_waiters.unpark_all()
 
     def _send(self, stream_id: int, data: bytes, *, end_stream: bool) -> None:
         self._check_open()
@@ -327,7 +343,7 @@ class Connection:
         for stream in self._streams.values():
             stream._on_lost(error)
         self._ready.set()
-        self._send_room.unpark_all()
+        self._room_waiters.unpark_all()
         self._lost.set()
 
 
@@ -444,8 +460,10 @@ class Node:
                 endpoint.receive_datagram(data, _normalise_address(addr), now)
             endpoint.handle_timers(now)
             self._dispatch_events()
-            # Let the tasks just woken answer first: their packets then carry our ACKs, and
-            # the flush below usually finds nothing left to send.
+            # Let the tasks just woken answer first (one schedule point to take their data,
+            # one to send the answer): their packets then carry our ACKs, and the flush below
+            # usually finds nothing left to send.
+            await trio.lowlevel.checkpoint()
             await trio.lowlevel.checkpoint()
             self._flush()
             if self._send_waiters:

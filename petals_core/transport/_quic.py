@@ -10,6 +10,8 @@ its public API, so this subclass adds them (aioquic is pinned in pyproject; test
   *arrives*, so a peer could make us buffer without bound.  Here limits move only as the
   application *consumes* data: at most ``stream_window_bytes`` unread per stream and
   ``connection_window_bytes`` per connection.
+* **ACKs ride along with data.**  aioquic sends an ACK only when its delayed-ACK timer fires, even
+  when a data packet leaves first; here a pending ACK goes out in the next data packet.
 * **Send-buffer accounting and coarse pacing.** ``send_stream_data`` buffers without limit; we
   expose how many bytes sit unacknowledged so the caller can wait.  aioquic's pacer releases at
   most 16 datagrams per burst and asks for sub-millisecond timers that the event loop rounds up to
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from aioquic import tls
 from aioquic.quic.configuration import QuicConfiguration
 from aioquic.quic.connection import QuicConnection
 from aioquic.quic.recovery import QuicPacketPacer
@@ -63,6 +66,7 @@ class PeerQuicConnection(QuicConnection):
         self._connection_window = connection_window_bytes
         self._stream_consumed: dict[int, int] = {}
         self._connection_consumed = 0
+        self._data_pending = False
         self._loss._pacer = _CoarsePacer(
             max_datagram_size=configuration.max_datagram_size, burst_s=pacing_burst_s
         )
@@ -130,6 +134,23 @@ class PeerQuicConnection(QuicConnection):
             super()._write_stream_limits(builder=builder, space=space, stream=stream)
         finally:
             receiver.highest_offset = highest
+
+    # -- acknowledgements ------------------------------------------------------------------------
+
+    def send_stream_data(self, stream_id: int, data: bytes, end_stream: bool = False) -> None:
+        super().send_stream_data(stream_id, data, end_stream)
+        self._data_pending = True
+
+    def datagrams_to_send(self, now: float) -> list[tuple[bytes, Any]]:
+        # aioquic writes an ACK only once its delayed-ACK timer is due, so a request/response
+        # exchange pays for extra ACK-only packets on both sides.  When data is about to go out,
+        # carry the pending ACK in it instead.
+        if self._data_pending:
+            self._data_pending = False
+            space = self._spaces.get(tls.Epoch.ONE_RTT)
+            if space is not None and space.ack_at is not None and space.ack_at > now:
+                space.ack_at = now
+        return super().datagrams_to_send(now)
 
     # -- send accounting ---------------------------------------------------------------------------
 
