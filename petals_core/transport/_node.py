@@ -117,24 +117,34 @@ class Stream:
 
     # -- sending -----------------------------------------------------------------------------------
 
-    async def send_all(self, data: bytes | bytearray | memoryview) -> None:
-        """Queue ``data``; waits while the connection's unacknowledged bytes exceed their bound."""
+    async def send_all(self, data: bytes | bytearray | memoryview, *, eof: bool = False) -> None:
+        """Queue ``data``; waits while the connection's unacknowledged bytes exceed their bound.
+
+        ``eof=True`` finishes our side with the last bytes (as :meth:`send_eof` would, without
+        a packet of its own).
+        """
         await self._lock_for_sending()
         try:
             view = memoryview(data).cast("B")
-            while view:
+            while True:
                 self._check_sendable()
+                # A schedule point before each slice lets the pump take in acknowledgements
+                # that arrived meanwhile, so the flush below finds the congestion window open.
+                await trio.lowlevel.checkpoint()
                 room = self.connection._send_room()
                 if room <= 0:
                     await self.connection._wait_send_room()
                     continue
                 size = min(len(view), room, _WRITE_SLICE)
-                self.connection._send(self.stream_id, bytes(view[:size]), end_stream=False)
+                last = size == len(view)
+                self._sent_eof = eof and last
+                self.connection._send(self.stream_id, bytes(view[:size]), end_stream=eof and last)
                 view = view[size:]
+                if last:
+                    break
         finally:
             self._send_lock.release()
-        # The data left before this schedule point: the peer's answer, and the ACK our packet
-        # carried, are not held up behind other tasks.
+        # Let the packets just queued leave (and the peer answer) before this task goes on.
         await trio.lowlevel.cancel_shielded_checkpoint()
 
     async def send_eof(self) -> None:
@@ -149,10 +159,10 @@ class Stream:
         await trio.lowlevel.cancel_shielded_checkpoint()
 
     async def _lock_for_sending(self) -> None:
-        await trio.lowlevel.checkpoint_if_cancelled()
         if self._send_lock.locked():
             await self._send_lock.acquire()
         else:
+            await trio.lowlevel.checkpoint_if_cancelled()
             self._send_lock.acquire_nowait()
 
     def _check_sendable(self) -> None:

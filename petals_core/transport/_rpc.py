@@ -60,12 +60,13 @@ class _Framed:
         """Whether ``exc`` is this stream failing (as opposed to code that merely used it)."""
         return exc is self.protocol_error or self.stream.failure is exc
 
-    async def send(self, envelope: Mapping[str, Any]) -> None:
+    async def send(self, *envelopes: Mapping[str, Any], eof: bool = False) -> None:
+        """Send the envelopes in one write (and then end our side if ``eof``)."""
         try:
-            frame = encode_frame(envelope)
+            frames = b"".join(encode_frame(envelope) for envelope in envelopes)
         except CodecError as exc:
             raise LocalProtocolError(f"cannot encode message: {exc}") from exc
-        await self.stream.send_all(frame)
+        await self.stream.send_all(frames, eof=eof)
 
     async def receive(self) -> Message | None:
         """The next envelope, or None when the peer finished its side cleanly."""
@@ -144,12 +145,25 @@ async def open_call(
     connection: Connection, method: str, *, limits: CodecLimits | None = None
 ) -> AsyncIterator[Call]:
     """Open a bidirectional streaming call; leaving the block early cancels it on both sides."""
+    async with _opened_call(connection, method, limits) as framed:
+        yield Call(framed, method)
+
+
+@asynccontextmanager
+async def _opened_call(
+    connection: Connection,
+    method: str,
+    limits: CodecLimits | None,
+    *first: Mapping[str, Any],
+    eof: bool = False,
+) -> AsyncIterator[_Framed]:
+    """A call's stream, its header (and any ``first`` envelopes) sent; reset if left early."""
     stream = await connection.open_stream()
     framed = _Framed(stream, limits or connection._node.config.codec_limits)
     completed = False
     try:
-        await framed.send({"call": method})
-        yield Call(framed, method)
+        await framed.send({"call": method}, *first, eof=eof)
+        yield framed
         completed = True
     finally:
         if completed:
@@ -166,14 +180,12 @@ async def call_unary(
     limits: CodecLimits | None = None,
 ) -> Message:
     """One request, one reply.  Put it in a ``trio.fail_after`` scope for a deadline."""
-    async with open_call(connection, method, limits=limits) as call:
-        await call.send(request)
-        await call.send_eof()
+    # Header, request and end of stream leave in one packet when they fit.
+    async with _opened_call(connection, method, limits, {"msg": request}, eof=True) as framed:
         try:
-            reply = await call.receive()
+            return await Call(framed, method).receive()
         except trio.EndOfChannel:
             raise RemoteProtocolError(f"{method!r} ended without a reply") from None
-        return reply
 
 
 class ServerCall:
@@ -270,8 +282,9 @@ async def _serve_stream(stream: Stream, handlers: Handlers) -> None:
             await _answer(framed, handlers)
         except TransportError as exc:
             if framed.protocol_error is exc:
+                # Say what was wrong, then stop reading: the peer's stream is beyond repair.
                 await _report(framed, "ProtocolError", str(exc))
-                stream.reset(APP_PROTOCOL)
+                await stream.aclose()
             else:
                 stream.reset(APP_CANCELLED)
             return
@@ -293,23 +306,23 @@ async def _answer(framed: _Framed, handlers: Handlers) -> None:
     entry = handlers.lookup(method)
     if entry is None:
         await _report(framed, "UnknownMethod", f"no method {method!r} here")
-    else:
-        kind, handler = entry
-        call = ServerCall(framed, method)
-        try:
-            if kind == "unary":
-                request = await _one_request(framed, call)
-                await call.send(await handler(request, call))
-            else:
-                await handler(call)
-        except Exception as exc:
-            if framed.broken(exc):
-                raise
-            # The handler failed (possibly on a call of its own to someone else): the caller
-            # gets the type and message, and we go on serving.
-            logger.debug("handler for %r raised", method, exc_info=True)
-            await _report(framed, type(exc).__name__, str(exc))
-    await framed.stream.send_eof()
+        return
+    kind, handler = entry
+    call = ServerCall(framed, method)
+    try:
+        if kind == "unary":
+            request = await _one_request(framed, call)
+            await framed.send({"msg": await handler(request, call)}, eof=True)
+        else:
+            await handler(call)
+            await framed.stream.send_eof()
+    except Exception as exc:
+        if framed.broken(exc):
+            raise
+        # The handler failed (possibly on a call of its own to someone else): the caller gets
+        # the type and message, and we go on serving.
+        logger.debug("handler for %r raised", method, exc_info=True)
+        await _report(framed, type(exc).__name__, str(exc))
 
 
 async def _one_request(framed: _Framed, call: ServerCall) -> Message:
@@ -326,7 +339,8 @@ async def _one_request(framed: _Framed, call: ServerCall) -> Message:
 
 
 async def _report(framed: _Framed, error_type: str, message: str) -> None:
+    """Tell the caller why its call failed, and end our side."""
     try:
-        await framed.send({"err": {"type": error_type, "message": message[:4000]}})
+        await framed.send({"err": {"type": error_type, "message": message[:4000]}}, eof=True)
     except TransportError:
         pass
