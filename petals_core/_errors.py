@@ -84,6 +84,13 @@ class ClosedResourceError(TransportError):
     """*You* closed this object (node, connection or call) and then used it."""
 
 
+class CallEnded(TransportError):
+    """The other side of a call finished its messages: there is nothing more to receive.
+
+    Iterating over a call (``async for message in call``) stops here instead of raising.
+    """
+
+
 class RemoteError(TransportError):
     """A remote handler raised; the caller sees its type name and message.
 

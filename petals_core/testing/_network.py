@@ -80,8 +80,9 @@ class MemoryNetwork:
                     (self.now + delay, next(self._order), source, destination, data),
                 )
 
-    def step(self) -> bool:
-        """Advance to the next delivery or timer and process it; False when nothing is pending."""
+    def step(self, *, until: float | None = None) -> bool:
+        """Advance to the next delivery or timer and process it; False when nothing is pending
+        (or, with ``until``, nothing before that time: then the clock stops at ``until``)."""
         self._collect()
         next_delivery = self._in_flight[0][0] if self._in_flight else None
         timers = [t for e in self._endpoints.values() if (t := e.next_timer()) is not None]
@@ -92,7 +93,9 @@ class MemoryNetwork:
         if next_timer is not None:
             next_timer += 1e-6
         candidates = [t for t in (next_delivery, next_timer) if t is not None]
-        if not candidates:
+        if not candidates or (until is not None and min(candidates) > until):
+            if until is not None:
+                self.now = max(self.now, until)
             return False
         self.now = max(self.now, min(candidates))
         while self._in_flight and self._in_flight[0][0] <= self.now:
@@ -116,6 +119,6 @@ class MemoryNetwork:
         for _ in range(max_steps):
             if condition():
                 return True
-            if self.now > deadline or not self.step():
+            if not self.step(until=deadline):
                 break
         return condition()

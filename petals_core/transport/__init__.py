@@ -24,6 +24,7 @@ A client::
 """
 
 from .._errors import (
+    CallEnded as CallEnded,
     ClosedResourceError as ClosedResourceError,
     CodecError as CodecError,
     ConnectionClosed as ConnectionClosed,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import attrs
 from attrs import validators as v
 
-from ._codec import DEFAULT_LIMITS, CodecLimits
+from ._codec import CodecLimits
 
 __all__ = ["ALPN", "TransportConfig"]
 
@@ -15,6 +15,8 @@ ALPN = "petals-core/1"
 
 _positive_s = v.gt(0.0)
 _DEFAULT_KEEPALIVE_S: float | None = 15.0
+# A long prefill's hidden states fit (e.g. 4096 tokens x 8192 x 2 bytes = 64 MiB).
+_DEFAULT_CODEC_LIMITS = CodecLimits(max_frame_bytes=128 << 20)
 
 
 def _positive_or_none(
@@ -50,8 +52,9 @@ class TransportConfig:
     send_buffer_bytes: int = attrs.field(default=8 << 20, validator=v.ge(64 << 10))
     #: Connections this endpoint holds at once; new handshakes beyond it are ignored.
     max_connections: int = attrs.field(default=1024, validator=v.gt(0))
-    #: Calls a peer may have open towards us at once on one connection; more are refused.
-    max_incoming_streams: int = attrs.field(default=100, validator=v.and_(v.gt(0), v.le(128)))
+    #: Calls a peer may have open towards us at once on one connection (the QUIC stream limit we
+    #: advertise: the peer's further calls wait for one of these to finish).
+    max_incoming_streams: int = attrs.field(default=100, validator=v.and_(v.gt(0), v.le(1024)))
     #: How finely the event loop can sleep (trio rounds shorter sleeps up to about 1 ms): the
     #: pacer lets a burst cover this much time so pacing never waits on sub-tick timers.
     timer_granularity_s: float = attrs.field(default=0.001, validator=v.gt(0))
@@ -59,6 +62,10 @@ class TransportConfig:
     #: otherwise overflow the default buffer and look like loss.
     socket_buffer_bytes: int = attrs.field(default=8 << 20, validator=v.ge(0))
     #: Limits for decoding messages from peers.
-    codec_limits: CodecLimits = DEFAULT_LIMITS
+    codec_limits: CodecLimits = _DEFAULT_CODEC_LIMITS
+    #: Frames larger than this are assembled one at a time per connection, so what a peer can
+    #: make us buffer is bounded by about ``max_incoming_streams * large_frame_bytes +
+    #: codec_limits.max_frame_bytes`` plus the receive windows.
+    large_frame_bytes: int = attrs.field(default=1 << 20, validator=v.ge(64 << 10))
     #: "reno" or "cubic".
     congestion_control: str = attrs.field(default="cubic", validator=v.in_(("reno", "cubic")))

@@ -50,12 +50,13 @@ __all__ = [
 
 Address = tuple[str, int]
 
-# Application error codes on the wire (QUIC leaves their meaning to us).
+# Application error codes on the wire (QUIC leaves their meaning to us), kept clear of the
+# transport's own codes (0x0-0x10, 0x100-0x1ff) so that a misfiled close cannot be misread.
 APP_CLOSED = 0x0
-APP_IDENTITY = 0x1
-APP_CANCELLED = 0x10
-APP_REFUSED = 0x11
-APP_PROTOCOL = 0x12
+APP_IDENTITY = 0x1001
+APP_CANCELLED = 0x1010
+APP_REFUSED = 0x1011
+APP_PROTOCOL = 0x1012
 
 _CID_BYTES = 8
 # TLS alert "no_application_protocol" arrives as a CRYPTO_ERROR of 0x100 + 120.
@@ -209,6 +210,7 @@ class Endpoint:
             configuration=self._quic_configuration(is_client=is_client, address=address),
             stream_window_bytes=self.config.stream_window_bytes,
             connection_window_bytes=self.config.connection_window_bytes,
+            max_incoming_streams=self.config.max_incoming_streams,
             pacing_burst_s=self.config.timer_granularity_s,
             original_destination_connection_id=original_dcid,
         )
@@ -369,8 +371,15 @@ class Endpoint:
 
     # -- streams --------------------------------------------------------------------------------
 
+    def can_open_stream(self, handle: int) -> bool:
+        """Whether :meth:`open_stream` may be called now (the peer allows another stream)."""
+        return self._live(handle).quic.can_open_stream()
+
     def open_stream(self, handle: int) -> int:
+        """Open a stream; only when :meth:`can_open_stream` says so."""
         conn = self._live(handle)
+        if not conn.quic.can_open_stream():
+            raise RuntimeError("the peer allows no more streams now: wait for can_open_stream")
         stream_id = conn.quic.get_next_available_stream_id()
         # aioquic creates a stream on its first write; create it now so the next caller gets
         # another ID even before anything is sent.
@@ -452,9 +461,7 @@ class Endpoint:
     def send_buffered(self, handle: int) -> int:
         """Unacknowledged bytes queued on the connection (what senders wait on)."""
         conn = self._by_handle.get(handle)
-        if conn is None:
-            return 0
-        return sum(conn.quic.send_buffered(sid) for sid in conn.open_streams)
+        return 0 if conn is None else conn.quic.send_buffered()
 
     # -- internals ------------------------------------------------------------------------------
 
@@ -482,12 +489,16 @@ class Endpoint:
         quic = conn.quic
         while (event := quic.next_event()) is not None:
             if isinstance(event, qe.StreamDataReceived):
-                self._on_stream_data(conn, event, now)
+                if not conn.lost:
+                    self._on_stream_data(conn, event, now)
             elif isinstance(event, qe.StreamReset):
-                if event.stream_id in conn.open_streams:
+                # aioquic counted the stream up to its final size against the connection;
+                # what never reached us will never be consumed, so it is credited back now.
+                conn.quic.credit_undelivered(event.stream_id)
+                if event.stream_id in conn.open_streams and not conn.lost:
                     self._events.append(StreamReset(conn.handle, event.stream_id, event.error_code))
             elif isinstance(event, qe.StopSendingReceived):
-                if event.stream_id in conn.open_streams:
+                if event.stream_id in conn.open_streams and not conn.lost:
                     self._events.append(StopSending(conn.handle, event.stream_id, event.error_code))
             elif isinstance(event, qe.HandshakeCompleted):
                 self._on_handshake(conn, now)
@@ -571,19 +582,21 @@ def _termination_error(conn: _Conn, event: qe.ConnectionTerminated) -> Transport
     code = event.error_code
     reason = event.reason_phrase or ""
     where = _format(conn.address)
+    detail = f": {reason}" if reason else ""
+    if event.frame_type is None:
+        # An application close (CONNECTION_CLOSE 0x1d): the codes are ours.
+        if code == APP_IDENTITY:
+            return IdentityMismatch(f"{where} refused our identity{detail}")
+        return ConnectionClosed(f"{where} closed the connection{detail}", error_code=code)
+    if code == QuicErrorCode.INTERNAL_ERROR and reason == "Idle timeout":
+        # aioquic's own idle timer; before the handshake it means nobody answered.
+        if not conn.ready:
+            return ConnectTimeout(f"no handshake with {where}")
+        return ConnectionClosed(f"connection to {where} timed out while idle", error_code=code)
     if code == _NO_ALPN:
         return RemoteProtocolError(
             f"{where} does not speak {ALPN} (another protocol or major version)"
         )
-    if code == QuicErrorCode.NO_ERROR and not reason:
-        if not conn.ready:
-            return ConnectionClosed(f"{where} closed the connection during the handshake")
-        return ConnectionClosed(f"connection to {where} closed", error_code=code)
-    if code == APP_IDENTITY and reason:
-        return IdentityMismatch(f"{where} refused our identity: {reason}")
-    if not conn.ready and code == QuicErrorCode.INTERNAL_ERROR and "idle" in reason.lower():
-        return ConnectTimeout(f"no handshake with {where}")
-    detail = f": {reason}" if reason else ""
     return ConnectionClosed(
         f"connection to {where} closed (code {code:#x}){detail}", error_code=code
     )

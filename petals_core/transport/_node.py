@@ -258,7 +258,8 @@ class Connection:
         self._we_dialed = we_dialed
         self._handle = handle
         self.address = address
-        self.peer_id: PeerID = None  # type: ignore[assignment]  # set once ready
+        # The PeerID dialed, until the handshake proves it (or the one the caller proved).
+        self.peer_id: PeerID = None  # type: ignore[assignment]
         self._streams: dict[int, Stream] = {}
         self._ready = trio.Event()
         self._error: TransportError | None = None
@@ -266,6 +267,8 @@ class Connection:
         self._room_waiters = trio.lowlevel.ParkingLot()
         self._lost = trio.Event()
         self._incoming = 0
+        # One stream at a time may assemble a frame over config.large_frame_bytes (see _rpc).
+        self._large_frames = trio.Semaphore(1)
 
     @property
     def multiaddr(self) -> Multiaddr:
@@ -276,9 +279,15 @@ class Connection:
         return self._error is not None
 
     async def open_stream(self) -> Stream:
-        """Open a new bidirectional stream to the peer."""
+        """Open a new bidirectional stream to the peer (waiting while it allows no more)."""
+        endpoint = self._node._endpoint
         self._check_open()
-        stream_id = self._node._endpoint.open_stream(self._handle)
+        while not endpoint.can_open_stream(self._handle):
+            # Woken by the pump as the peer raises its limit (or the connection ends).
+            self._node._send_waiters.add(self)
+            await self._room_waiters.park()
+            self._check_open()
+        stream_id = endpoint.open_stream(self._handle)
         stream = Stream(self, stream_id)
         self._streams[stream_id] = stream
         await trio.lowlevel.checkpoint()
@@ -424,6 +433,7 @@ class Node:
         connection = Connection(self, handle, sockaddr, we_dialed=True)
         self._connections[handle] = connection
         if maddr.peer_id is not None:
+            connection.peer_id = maddr.peer_id
             self._by_peer[maddr.peer_id] = connection
         self._flush()
         await connection._ready.wait()
@@ -638,14 +648,20 @@ async def open_node(
     config = config if config is not None else TransportConfig()
     sock, family = _bind(host, port, config.socket_buffer_bytes)
     node = Node(identity, config, sock, family)
+    # The block's own exception is raised as it is, not wrapped in the nursery's group.
+    raised: BaseException | None = None
     try:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(node._pump)
             nursery.start_soon(node._sender)
             try:
                 yield node
+            except BaseException as exc:
+                raised = exc
             finally:
                 await node.aclose()
                 nursery.cancel_scope.cancel()
     finally:
         sock.close()
+    if raised is not None:
+        raise raised

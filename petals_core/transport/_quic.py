@@ -55,6 +55,7 @@ class PeerQuicConnection(QuicConnection):
         configuration: QuicConfiguration,
         stream_window_bytes: int,
         connection_window_bytes: int,
+        max_incoming_streams: int,
         pacing_burst_s: float,
         original_destination_connection_id: bytes | None = None,
     ) -> None:
@@ -62,6 +63,11 @@ class PeerQuicConnection(QuicConnection):
             configuration=configuration,
             original_destination_connection_id=original_destination_connection_id,
         )
+        # The peer may hold this many of its streams open at once (advertised in the handshake,
+        # raised by one as each finishes); aioquic's fixed 128 is not configurable.
+        limit = self._local_max_streams_bidi
+        limit.value = limit.sent = max_incoming_streams
+        self._local_max_streams_uni.value = self._local_max_streams_uni.sent = 0
         self._stream_window = stream_window_bytes
         self._connection_window = connection_window_bytes
         self._stream_consumed: dict[int, int] = {}
@@ -109,6 +115,23 @@ class PeerQuicConnection(QuicConnection):
         self._stream_consumed.pop(stream_id, None)
         self._connection_consumed += unread_bytes
 
+    def can_open_stream(self) -> bool:
+        """Whether a new stream fits in the peer's MAX_STREAMS now.
+
+        aioquic would create a stream beyond it as "blocked" and later still send frames on it
+        (a reset or STOP_SENDING when the call is cancelled), which the peer rightly treats as a
+        fatal STREAM_LIMIT_ERROR; so streams are only opened within the limit.
+        """
+        return self.get_next_available_stream_id() // 4 < self._remote_max_streams_bidi
+
+    def credit_undelivered(self, stream_id: int) -> None:
+        """The peer reset ``stream_id``: bytes counted against the connection that will never be
+        delivered (lost in flight, or held behind a gap) no longer take up its window."""
+        stream = self._streams.get(stream_id)
+        if stream is not None:
+            receiver = stream.receiver
+            self._connection_consumed += receiver.highest_offset - receiver.starting_offset()
+
     def _write_connection_limits(self, builder: Any, space: Any) -> None:
         limit = self._local_max_data
         wanted = self._connection_consumed + self._connection_window
@@ -154,10 +177,15 @@ class PeerQuicConnection(QuicConnection):
 
     # -- send accounting ---------------------------------------------------------------------------
 
-    def send_buffered(self, stream_id: int) -> int:
-        """Bytes queued on ``stream_id`` that the peer has not acknowledged yet."""
-        stream = self._streams.get(stream_id)
-        if stream is None:
-            return 0
-        sender = stream.sender
-        return int(sender._buffer_stop - sender._buffer_start)
+    def send_buffered(self) -> int:
+        """Bytes queued on this connection's streams that the peer has not acknowledged yet.
+
+        Streams the application already let go of count until the peer acknowledged them; reset
+        streams do not (aioquic will never send their bytes).
+        """
+        total = 0
+        for stream in self._streams.values():
+            sender = stream.sender
+            if sender._reset_error_code is None:
+                total += sender._buffer_stop - sender._buffer_start
+        return int(total)

@@ -20,6 +20,7 @@ from typing import Any
 import trio
 
 from .._errors import (
+    CallEnded,
     CodecError,
     LocalProtocolError,
     RemoteError,
@@ -49,6 +50,9 @@ class _Framed:
         self.stream = stream
         self._limits = limits
         self._decoder = FrameDecoder(limits)
+        self._large_frames = stream.connection._large_frames
+        self._large_frame_bytes = stream.connection._node.config.large_frame_bytes
+        self._assembling_large = False
         #: Set when the peer broke the protocol on this stream.
         self.protocol_error: RemoteProtocolError | None = None
 
@@ -74,9 +78,16 @@ class _Framed:
             try:
                 frame = self._decoder.next_frame()
                 if frame is not None:
+                    self._check_large()
                     return decode_message_untrusted(frame, limits=self._limits)
             except CodecError as exc:
                 raise self.fail(f"peer sent a malformed frame: {exc}") from exc
+            if not self._check_large():
+                # Frames larger than large_frame_bytes are assembled one at a time per
+                # connection; while we wait, unread bytes hold the peer's window shut.  This
+                # is what bounds a connection's memory whatever frame sizes a peer declares.
+                await self._large_frames.acquire()
+                self._assembling_large = True
             data = await self.stream.receive_some(_READ_BYTES)
             if not data:
                 if self._decoder.buffered_bytes:
@@ -86,6 +97,19 @@ class _Framed:
                 self._decoder.feed(data)
             except CodecError as exc:
                 raise self.fail(f"peer sent a malformed frame: {exc}") from exc
+
+    def _check_large(self) -> bool:
+        """Whether this stream may buffer more; lets go of the large-frame turn when done."""
+        small = self._decoder.buffered_bytes < self._large_frame_bytes
+        if small and self._assembling_large:
+            self.release()
+        return small or self._assembling_large
+
+    def release(self) -> None:
+        """Give up the large-frame turn, if held (when the call ends, however it ends)."""
+        if self._assembling_large:
+            self._assembling_large = False
+            self._large_frames.release()
 
 
 def _unwrap(envelope: Message, method: str) -> Message:
@@ -120,13 +144,13 @@ class Call:
         await self._framed.stream.send_eof()
 
     async def receive(self) -> Message:
-        """The callee's next message; raises ``trio.EndOfChannel`` once the callee finished."""
+        """The callee's next message; raises ``CallEnded`` once the callee finished."""
         if self._finished:
-            raise trio.EndOfChannel
+            raise CallEnded(f"{self.method!r}: the callee sent all it had")
         envelope = await self._framed.receive()
         if envelope is None:
             self._finished = True
-            raise trio.EndOfChannel
+            raise CallEnded(f"{self.method!r}: the callee sent all it had")
         return _unwrap(envelope, self.method)
 
     def __aiter__(self) -> AsyncIterator[Message]:
@@ -136,7 +160,7 @@ class Call:
         while True:
             try:
                 yield await self.receive()
-            except trio.EndOfChannel:
+            except CallEnded:
                 return
 
 
@@ -166,6 +190,7 @@ async def _opened_call(
         yield framed
         completed = True
     finally:
+        framed.release()
         if completed:
             await stream.aclose()
         else:
@@ -184,7 +209,7 @@ async def call_unary(
     async with _opened_call(connection, method, limits, {"msg": request}, eof=True) as framed:
         try:
             return await Call(framed, method).receive()
-        except trio.EndOfChannel:
+        except CallEnded:
             raise RemoteProtocolError(f"{method!r} ended without a reply") from None
 
 
@@ -204,10 +229,10 @@ class ServerCall:
         await self._framed.send({"msg": message})
 
     async def receive(self) -> Message:
-        """The caller's next message; raises ``trio.EndOfChannel`` once the caller finished."""
+        """The caller's next message; raises ``CallEnded`` once the caller finished."""
         envelope = await self._framed.receive()
         if envelope is None:
-            raise trio.EndOfChannel
+            raise CallEnded(f"{self.method!r}: the caller sent all it had")
         message = envelope.get("msg")
         if not isinstance(message, dict):
             raise RemoteProtocolError(f"call {self.method!r}: expected a message frame")
@@ -220,7 +245,7 @@ class ServerCall:
         while True:
             try:
                 yield await self.receive()
-            except trio.EndOfChannel:
+            except CallEnded:
                 return
 
 
@@ -275,6 +300,13 @@ async def serve_rpc(
 
 async def _serve_stream(stream: Stream, handlers: Handlers) -> None:
     framed = _Framed(stream, stream.connection._node.config.codec_limits)
+    try:
+        await _serve_framed(framed, stream, handlers)
+    finally:
+        framed.release()
+
+
+async def _serve_framed(framed: _Framed, stream: Stream, handlers: Handlers) -> None:
     with trio.CancelScope() as scope:
         # A reset from the caller (its cancellation) cancels the handler.
         stream.cancel_on_reset(scope)
@@ -329,11 +361,11 @@ async def _one_request(framed: _Framed, call: ServerCall) -> Message:
     """A unary call's request: exactly one message, then the caller's end of stream."""
     try:
         request = await call.receive()
-    except trio.EndOfChannel:
+    except CallEnded:
         raise framed.fail(f"{call.method!r} expects a request message") from None
     try:
         await call.receive()
-    except trio.EndOfChannel:
+    except CallEnded:
         return request
     raise framed.fail(f"{call.method!r} is unary: one request message, then end of stream")
 

@@ -8,7 +8,7 @@ import random
 import attrs
 import pytest
 
-from petals_core._errors import ConnectTimeout, IdentityMismatch
+from petals_core._errors import ConnectionClosed, ConnectTimeout, IdentityMismatch
 from petals_core.testing import MemoryNetwork, Pipe
 from petals_core.transport._config import TransportConfig
 from petals_core.transport._endpoint import (
@@ -191,6 +191,8 @@ def test_idle_timeout_and_keepalive() -> None:
     handle = handshake(net, client, server)
     assert net.run_until(lambda: handle in client.lost, max_time_s=30)
     assert 5.0 <= net.now < 20.0
+    error = client.lost[handle].error
+    assert type(error) is ConnectionClosed and "idle" in str(error)
 
     chatty = attrs.evolve(quiet, keepalive_interval_s=1.0)
     net, client, server = make_pair(chatty)
@@ -219,3 +221,32 @@ def test_close_is_seen_by_both() -> None:
     assert net.run_until(
         lambda: client.endpoint.connection_count() == 0 and server.endpoint.connection_count() == 0
     )
+
+
+def test_resets_under_loss_return_their_credit() -> None:
+    """Bytes a peer counted against the window but never delivered (lost in flight, then the
+    stream was reset) must not shrink the connection's window for good."""
+    config = TransportConfig(
+        keepalive_interval_s=None,
+        stream_window_bytes=256 << 10,
+        connection_window_bytes=1 << 20,
+    )
+    net, client, server = make_pair(config)
+    handle = handshake(net, client, server)
+    (server_handle,) = server.ready
+    net.set_pipe(CLIENT, SERVER, Pipe(latency_s=0.005, loss=0.2))
+    for _ in range(60):
+        stream_id = client.endpoint.open_stream(handle)
+        client.endpoint.send_stream_data(handle, stream_id, bytes(60_000), net.now)
+        net.run_until(lambda: False, max_time_s=0.003)
+        client.endpoint.reset_stream(handle, stream_id, 0x10, net.now)
+        reset = lambda sid=stream_id: any(r.stream_id == sid for r in server.resets)  # noqa: E731
+        net.run_until(reset, max_time_s=2)
+        server.endpoint.release_stream(server_handle, stream_id, net.now)
+        net.run_until(lambda: False, max_time_s=1)
+    # On a clean link a 2 MiB upload (twice the connection window) must get through.
+    net.set_pipe(CLIENT, SERVER, Pipe(latency_s=0.005))
+    stream_id = client.endpoint.open_stream(handle)
+    client.endpoint.send_stream_data(handle, stream_id, bytes(2 << 20), net.now, end_stream=True)
+    assert net.run_until(lambda: (server_handle, stream_id) in server.finished, max_time_s=60)
+    assert len(server.received[(server_handle, stream_id)]) == 2 << 20

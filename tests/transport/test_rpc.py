@@ -265,3 +265,107 @@ def test_config_is_frozen_and_validated() -> None:
         config.idle_timeout_s = 1  # type: ignore[misc]
     with pytest.raises(ValueError, match="max_datagram_bytes"):
         TransportConfig(max_datagram_bytes=100)
+
+
+async def test_send_buffer_bound_covers_streams_already_let_go() -> None:
+    """Unacknowledged bytes of streams we finished and closed still count: a peer that never
+    reads cannot make us queue one buffer per call."""
+    config = TransportConfig(
+        stream_window_bytes=256 << 10, connection_window_bytes=1 << 20, send_buffer_bytes=1 << 20
+    )
+    with trio.fail_after(DEADLINE_S):
+        async with open_node(config=config) as server, open_node(config=config) as client:
+            held: list = []
+            server.set_stream_handler(held.append)  # accepts streams, never reads them
+            connection = await client.connect(server.listen_multiaddr)
+            finished = 0
+            with trio.move_on_after(2):
+                while True:
+                    stream = await connection.open_stream()
+                    await stream.send_all(bytes(256 << 10), eof=True)
+                    await stream.aclose()
+                    finished += 1
+            queued = client._endpoint.send_buffered(connection._handle)
+            assert queued <= config.send_buffer_bytes
+            # What went out is bounded by our buffer plus what the peer's windows let through.
+            assert finished * (256 << 10) <= config.send_buffer_bytes + (
+                config.connection_window_bytes
+            ) + (256 << 10)
+
+
+async def test_large_frames_are_assembled_one_at_a_time_per_connection() -> None:
+    config = TransportConfig(
+        stream_window_bytes=256 << 10,
+        connection_window_bytes=4 << 20,
+        send_buffer_bytes=1 << 20,
+        large_frame_bytes=64 << 10,
+    )
+    declared = 8 << 20
+    with trio.fail_after(DEADLINE_S):
+        async with (
+            open_node(config=config) as server,
+            open_node(config=config) as client,
+            trio.open_nursery() as nursery,
+        ):
+            await nursery.start(serve_rpc, server, Handlers())
+            connection = await client.connect(server.listen_multiaddr)
+            streams = [await connection.open_stream() for _ in range(3)]
+            for stream in streams:
+                # Each announces an 8 MiB frame and sends only part of it, slowly.
+                await stream.send_all(declared.to_bytes(4, "big"))
+            sent = [0, 0, 0]
+
+            async def push(index: int) -> None:
+                while sent[index] < 2 << 20:
+                    await streams[index].send_all(bytes(64 << 10))
+                    sent[index] += 64 << 10
+
+            with trio.move_on_after(3):
+                async with trio.open_nursery() as pushers:
+                    for index in range(3):
+                        pushers.start_soon(push, index)
+            received = server.statistics().bytes_received
+            # One stream may assemble its large frame; the others stop at about the threshold
+            # plus their windows, whatever they declared.
+            per_blocked = config.large_frame_bytes + 2 * config.stream_window_bytes
+            assert received <= (2 << 20) + 2 * per_blocked + (512 << 10)
+            for stream in streams:
+                stream.reset()
+            nursery.cancel_scope.cancel()
+
+
+async def test_exceptions_from_the_block_are_not_wrapped() -> None:
+    silent = Multiaddr.from_socket_address("127.0.0.1", 9, Identity.generate().peer_id)
+
+    async def dial_nobody() -> None:
+        async with open_node(config=TransportConfig(connect_timeout_s=0.5)) as client:
+            with trio.fail_after(DEADLINE_S):
+                await client.connect(silent)
+
+    with pytest.raises(ConnectTimeout):
+        await dial_nobody()
+
+
+async def test_calls_beyond_the_peers_stream_limit_wait_and_can_be_cancelled() -> None:
+    config = TransportConfig(max_incoming_streams=8)
+    with trio.fail_after(DEADLINE_S):
+        async with server_and_client(config) as (server, client, events):
+            connection = await client.connect(server.listen_multiaddr)
+            async with trio.open_nursery() as nursery:
+                for _ in range(40):
+                    nursery.start_soon(call_unary, connection, "hang", {})
+                await events["hang_started"].wait()
+                # 8 calls are being served; 32 wait for the peer to allow more streams.
+                nursery.cancel_scope.cancel()
+            # Cancelling calls that never got a stream broke nothing: the connection still works,
+            # and all 40 handlers' slots are free again.
+            replies = []
+
+            async def echo(index: int) -> None:
+                replies.append(await call_unary(connection, "echo", {"i": index}))
+
+            async with trio.open_nursery() as nursery:
+                for index in range(20):
+                    nursery.start_soon(echo, index)
+            assert sorted(r["echo"]["i"] for r in replies) == list(range(20))
+            assert not connection.is_closed
