@@ -235,6 +235,13 @@ class Endpoint:
         conn.quic.close(error_code=error_code, reason_phrase=reason)
         self._after(conn, now)
 
+    def fail(self, handle: int, error: TransportError, now: float) -> None:
+        """End a connection because of ``error`` (found outside the endpoint, e.g. by the socket);
+        a :class:`ConnectionLost` carrying it follows."""
+        conn = self._by_handle.get(handle)
+        if conn is not None:
+            self._fail(conn, error, now)
+
     def peer_id(self, handle: int) -> PeerID | None:
         conn = self._by_handle.get(handle)
         return None if conn is None else conn.peer_id

@@ -358,6 +358,8 @@ class Connection:
     # -- driven by the node ------------------------------------------------------------------------
 
     def _on_lost(self, error: TransportError) -> None:
+        if self._error is not None:
+            return
         self._error = error
         for stream in self._streams.values():
             stream._on_lost(error)
@@ -543,8 +545,8 @@ class Node:
             if connection.address == address and connection._error is None:
                 error = PeerUnreachable(f"cannot send to {address[0]} port {address[1]}: {exc}")
                 error.__cause__ = exc
-                connection._on_lost(error)
-                self._endpoint.close(connection._handle, now, reason="unreachable")
+                self._endpoint.fail(connection._handle, error, now)
+        self._dispatch_events()
 
     def _socket_address(self, address: Address) -> tuple[str, int]:
         host, port = address

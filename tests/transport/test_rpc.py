@@ -18,8 +18,10 @@ from petals_core.transport import (
     Handlers,
     Identity,
     IdentityMismatch,
+    LocalProtocolError,
     Multiaddr,
     Node,
+    PeerUnreachable,
     RemoteError,
     ServerCall,
     TransportConfig,
@@ -369,3 +371,21 @@ async def test_calls_beyond_the_peers_stream_limit_wait_and_can_be_cancelled() -
                     nursery.start_soon(echo, index)
             assert sorted(r["echo"]["i"] for r in replies) == list(range(20))
             assert not connection.is_closed
+
+
+async def test_unencodable_request_is_a_local_protocol_error() -> None:
+    with trio.fail_after(DEADLINE_S):
+        async with server_and_client() as (server, client, _):
+            connection = await client.connect(server.listen_multiaddr)
+            with pytest.raises(LocalProtocolError, match="cannot encode"):
+                await call_unary(connection, "echo", {"x": object()})
+            assert (await call_unary(connection, "echo", {"x": 1}))["echo"] == {"x": 1}
+
+
+async def test_address_of_another_family_is_unreachable() -> None:
+    # An IPv4-only node cannot send to an IPv6 address: the dial fails at once, clearly.
+    ipv6 = Multiaddr.from_socket_address("::1", 9, Identity.generate().peer_id)
+    with trio.fail_after(DEADLINE_S):
+        async with open_node(host="127.0.0.1") as client:
+            with pytest.raises(PeerUnreachable, match="cannot send"):
+                await client.connect(ipv6)
