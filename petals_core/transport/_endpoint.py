@@ -59,6 +59,8 @@ APP_REFUSED = 0x1011
 APP_PROTOCOL = 0x1012
 
 _CID_BYTES = 8
+# Unsendable bytes a stream may queue beyond the peer's window for it (see send_room).
+_STREAM_SEND_SLACK = 32 << 10
 # TLS alert "no_application_protocol" arrives as a CRYPTO_ERROR of 0x100 + 120.
 _NO_ALPN = 0x100 + 120
 
@@ -233,6 +235,18 @@ class Endpoint:
         if conn is None or conn.lost:
             return
         conn.quic.close(error_code=error_code, reason_phrase=reason)
+        conn.lost = True
+        conn.keepalive_at = conn.connect_deadline = None
+        detail = f": {reason}" if reason else ""
+        self._events.append(
+            ConnectionLost(
+                handle,
+                ConnectionClosed(
+                    f"we closed the connection to {_format(conn.address)}{detail}",
+                    error_code=error_code,
+                ),
+            )
+        )
         self._after(conn, now)
 
     def fail(self, handle: int, error: TransportError, now: float) -> None:
@@ -268,8 +282,15 @@ class Endpoint:
             conn = self._accept(data, header, address, now)
             if conn is None:
                 return
+            conn.quic.receive_datagram(data, address, now=now)
+            if not conn.quic.saw_client_hello():
+                # Junk shaped like an Initial must not hold a connection slot for the whole
+                # handshake timeout.  (Our ClientHello fits one datagram.)
+                self._forget(conn)
+                return
+        else:
+            conn.quic.receive_datagram(data, address, now=now)
         conn.last_activity = now
-        conn.quic.receive_datagram(data, address, now=now)
         self._after(conn, now)
 
     def _accept(self, data: bytes, header: object, address: Address, now: float) -> _Conn | None:
@@ -423,6 +444,22 @@ class Endpoint:
             return True
         return False
 
+    def hold_back(self, handle: int, stream_id: int, nbytes: int, now: float) -> None:
+        """``nbytes`` of the stream will stay unread for a while: they stop counting against the
+        connection's window (the stream's own window still bounds them)."""
+        conn = self._by_handle.get(handle)
+        if conn is None or conn.lost or not nbytes:
+            return
+        conn.quic.hold_back(stream_id, nbytes)
+        self._after(conn, now)
+
+    def send_room(self, handle: int, stream_id: int) -> int:
+        """Bytes the application may queue on the stream now: within the connection's send
+        budget, and within what the peer lets this stream send plus a small slack."""
+        conn = self._live(handle)
+        budget = self.config.send_buffer_bytes - conn.quic.send_buffered()
+        return min(budget, conn.quic.stream_send_room(stream_id, _STREAM_SEND_SLACK))
+
     def reset_stream(self, handle: int, stream_id: int, error_code: int, now: float) -> None:
         """Abandon both directions of a stream (the peer's handler or reader sees a reset)."""
         conn = self._by_handle.get(handle)
@@ -561,6 +598,9 @@ class Endpoint:
         if not conn.lost:
             conn.lost = True
             self._events.append(ConnectionLost(conn.handle, _termination_error(conn, event)))
+        self._forget(conn)
+
+    def _forget(self, conn: _Conn) -> None:
         self._by_handle.pop(conn.handle, None)
         for cid in [cid for cid, c in self._by_cid.items() if c is conn]:
             del self._by_cid[cid]

@@ -10,6 +10,7 @@ are refused otherwise.
 from __future__ import annotations
 
 import errno
+import logging
 import math
 import socket
 from collections import deque
@@ -42,6 +43,8 @@ from ._multiaddr import Multiaddr, as_multiaddr
 
 __all__ = ["Connection", "Node", "NodeStatistics", "Stream", "open_node"]
 
+logger = logging.getLogger(__name__)
+
 _RECV_BATCH = 256
 _MAX_UDP = 65536
 # Largest slice handed to aioquic at once, so one big write does not monopolise the send buffer.
@@ -73,6 +76,7 @@ class Stream:
         self._sent_eof = False
         self._send_lock = trio.Lock()
         self._reset_scope: trio.CancelScope | None = None
+        self._holding_back = False
         #: The error that broke this stream (reset, connection lost), once one did.
         self.failure: TransportError | None = None
 
@@ -85,6 +89,8 @@ class Stream:
     async def receive_some(self, max_bytes: int | None = None) -> bytes:
         """The bytes the peer sent that we have not read yet (at most ``max_bytes``), waiting for
         some if there are none; ``b""`` once the peer finished its side."""
+        if max_bytes is not None and max_bytes < 1:
+            raise ValueError(f"max_bytes must be at least 1, not {max_bytes}")
         await trio.lowlevel.checkpoint_if_cancelled()
         while True:
             if self._closed:
@@ -127,20 +133,20 @@ class Stream:
         try:
             view = memoryview(data).cast("B")
             while True:
-                self._check_sendable()
                 # A schedule point before each slice lets the pump take in acknowledgements
                 # that arrived meanwhile, so the flush below finds the congestion window open.
                 await trio.lowlevel.checkpoint()
-                room = self.connection._send_room()
+                self._check_sendable()
+                room = self.connection._send_room(self.stream_id)
                 if room <= 0:
                     await self.connection._wait_send_room()
                     continue
                 size = min(len(view), room, _WRITE_SLICE)
                 last = size == len(view)
-                self._sent_eof = eof and last
                 self.connection._send(self.stream_id, bytes(view[:size]), end_stream=eof and last)
                 view = view[size:]
                 if last:
+                    self._sent_eof = eof
                     break
         finally:
             self._send_lock.release()
@@ -152,8 +158,8 @@ class Stream:
         await self._lock_for_sending()
         try:
             self._check_sendable()
-            self._sent_eof = True
             self.connection._send(self.stream_id, b"", end_stream=True)
+            self._sent_eof = True
         finally:
             self._send_lock.release()
         await trio.lowlevel.cancel_shielded_checkpoint()
@@ -219,9 +225,18 @@ class Stream:
         if self._reset_scope is not None:
             self._reset_scope.cancel()
 
+    def hold_back(self, holding: bool) -> None:
+        """While ``holding``, bytes waiting here stop counting against the connection's window
+        (the reader waits its turn for something, and must not starve the other streams)."""
+        self._holding_back = holding
+        if holding:
+            self.connection._hold_back(self.stream_id, sum(len(c) for c in self._chunks))
+
     def _on_data(self, data: bytes, end_stream: bool) -> None:
         if data:
             self._chunks.append(data)
+            if self._holding_back:
+                self.connection._hold_back(self.stream_id, len(data))
         if end_stream:
             self._eof = True
         self._readable.set()
@@ -267,6 +282,8 @@ class Connection:
         self._room_waiters = trio.lowlevel.ParkingLot()
         self._lost = trio.Event()
         self._incoming = 0
+        # Other connect() calls waiting for this connection's handshake.
+        self._waiters = 0
         # One stream at a time may assemble a frame over config.large_frame_bytes (see _rpc).
         self._large_frames = trio.Semaphore(1)
 
@@ -281,6 +298,7 @@ class Connection:
     async def open_stream(self) -> Stream:
         """Open a new bidirectional stream to the peer (waiting while it allows no more)."""
         endpoint = self._node._endpoint
+        await trio.lowlevel.checkpoint_if_cancelled()
         self._check_open()
         while not endpoint.can_open_stream(self._handle):
             # Woken by the pump as the peer raises its limit (or the connection ends).
@@ -290,13 +308,15 @@ class Connection:
         stream_id = endpoint.open_stream(self._handle)
         stream = Stream(self, stream_id)
         self._streams[stream_id] = stream
-        await trio.lowlevel.checkpoint()
+        # From here on the caller owns the stream: no cancellation may strand it.
+        await trio.lowlevel.cancel_shielded_checkpoint()
         return stream
 
     async def aclose(self) -> None:
         """Close the connection; its streams fail with :class:`ClosedResourceError`."""
         if self._error is None:
             self._closed_by_us = True
+            self._on_lost(ClosedResourceError("this connection was closed"))
             self._node._endpoint.close(self._handle, trio.current_time(), reason="closed")
             self._node._flush()
         await trio.lowlevel.checkpoint()
@@ -315,11 +335,10 @@ class Connection:
 
     # -- used by streams ---------------------------------------------------------------------------
 
-    def _send_room(self) -> int:
-        """Bytes we may queue before the connection's send buffer is full."""
+    def _send_room(self, stream_id: int) -> int:
+        """Bytes we may queue on ``stream_id`` now (see :meth:`Endpoint.send_room`)."""
         self._check_open()
-        node = self._node
-        return node.config.send_buffer_bytes - node._endpoint.send_buffered(self._handle)
+        return self._node._endpoint.send_room(self._handle, stream_id)
 
     async def _wait_send_room(self) -> None:
         """Wait until acknowledgements free some room (or the connection ends)."""
@@ -339,6 +358,10 @@ class Connection:
     def _consumed(self, stream_id: int, nbytes: int) -> None:
         if self._node._endpoint.consume(self._handle, stream_id, nbytes, trio.current_time()):
             self._node._flush()
+
+    def _hold_back(self, stream_id: int, nbytes: int) -> None:
+        self._node._endpoint.hold_back(self._handle, stream_id, nbytes, trio.current_time())
+        self._node._flush()
 
     def _reset(self, stream_id: int, error_code: int) -> None:
         self._forget(stream_id)
@@ -390,6 +413,7 @@ class Node:
         self._outbox: deque[tuple[bytes, Address]] = deque()
         self._outbox_ready = trio.Event()
         self._pump_scope: trio.CancelScope | None = None
+        self._dispatching = False
         self._stream_handler: Callable[[Stream], None] | None = None
         self._closed = False
         self._stats = [0, 0, 0, 0]
@@ -427,7 +451,11 @@ class Node:
         if maddr.peer_id is not None:
             existing = self._by_peer.get(maddr.peer_id)
             if existing is not None and existing._error is None:
-                await existing._ready.wait()
+                existing._waiters += 1
+                try:
+                    await existing._ready.wait()
+                finally:
+                    existing._waiters -= 1
                 if existing._error is None:
                     return existing
         sockaddr = maddr.socket_address
@@ -438,7 +466,15 @@ class Node:
             connection.peer_id = maddr.peer_id
             self._by_peer[maddr.peer_id] = connection
         self._flush()
-        await connection._ready.wait()
+        try:
+            await connection._ready.wait()
+        except BaseException:
+            # Abandoned before the handshake finished: nobody else can be waiting on it
+            # unless they found it in _by_peer, and those wait for readiness themselves.
+            if not connection._ready.is_set() and connection._waiters == 0:
+                self._endpoint.close(handle, trio.current_time(), reason="dial abandoned")
+                self._flush()
+            raise
         connection._check_open()
         return connection
 
@@ -450,10 +486,9 @@ class Node:
         for connection in list(self._connections.values()):
             if connection._error is None:
                 connection._closed_by_us = True
+                connection._on_lost(ClosedResourceError("the node was closed"))
                 self._endpoint.close(connection._handle, now, reason="node shutting down")
         self._flush()
-        for connection in list(self._connections.values()):
-            connection._on_lost(ClosedResourceError("the node was closed"))
         await trio.lowlevel.checkpoint()
 
     # -- the pump ----------------------------------------------------------------------------------
@@ -518,8 +553,16 @@ class Node:
             scope.deadline = hint
 
     def _dispatch_events(self) -> None:
-        for event in self._endpoint.events():
-            self._dispatch(event)
+        # A handler that acts on a stream synchronously flushes, which lands here again: the
+        # outer loop goes on draining the same queue, in order.
+        if self._dispatching:
+            return
+        self._dispatching = True
+        try:
+            for event in self._endpoint.events():
+                self._dispatch(event)
+        finally:
+            self._dispatching = False
 
     def _send_outbox(self) -> None:
         sock = self._sock
@@ -603,8 +646,20 @@ class Node:
         stream = Stream(connection, stream_id)
         connection._streams[stream_id] = stream
         connection._incoming += 1
-        self._stream_handler(stream)
+        try:
+            self._stream_handler(stream)
+        except Exception:
+            # The handler is the application's; its failure costs this stream, not the node.
+            logger.exception("the stream handler raised; stream %d refused", stream_id)
+            stream.reset(APP_REFUSED)
+            return None
         return stream
+
+
+def _only_cancellation(exc: BaseException) -> bool:
+    if isinstance(exc, BaseExceptionGroup):
+        return exc.split(trio.Cancelled)[1] is None
+    return isinstance(exc, trio.Cancelled)
 
 
 def _normalise_host(host: str) -> str:
@@ -661,8 +716,14 @@ async def open_node(
             except BaseException as exc:
                 raised = exc
             finally:
-                await node.aclose()
                 nursery.cancel_scope.cancel()
+                with trio.CancelScope(shield=True):
+                    await node.aclose()
+    except BaseException as exc:
+        # Leaving the nursery inside a cancelled scope raises Cancelled (in a group); the
+        # block's own error, if it had one, is what the caller must see.
+        if raised is None or not _only_cancellation(exc):
+            raise
     finally:
         sock.close()
     if raised is not None:

@@ -1,8 +1,8 @@
 """The one place that reaches into aioquic's internals.
 
-aioquic's ``QuicConnection`` is a complete sans-IO QUIC stack, but three things we need are not in
-its public API, so this subclass adds them (aioquic is pinned in pyproject; tests in
-``tests/transport/test_quic.py`` hold this contract):
+aioquic's ``QuicConnection`` is a complete sans-IO QUIC stack, but several things we need are not
+in its public API, so this subclass adds them (aioquic is pinned in pyproject; the tests in
+``tests/transport`` hold this contract):
 
 * **Mutual authentication.** A server asks the client for its certificate (aioquic supports it but
   exposes it only as a private flag), and either side can read the certificate its peer proved.
@@ -71,6 +71,7 @@ class PeerQuicConnection(QuicConnection):
         self._stream_window = stream_window_bytes
         self._connection_window = connection_window_bytes
         self._stream_consumed: dict[int, int] = {}
+        self._held_back: dict[int, int] = {}
         self._connection_consumed = 0
         self._data_pending = False
         self._loss._pacer = _CoarsePacer(
@@ -83,6 +84,12 @@ class PeerQuicConnection(QuicConnection):
         super()._initialize(peer_cid)
         if not self._is_client:
             self.tls._request_client_certificate = True
+
+    def saw_client_hello(self) -> bool:
+        """Whether a server connection has processed a whole ClientHello (its first datagram
+        was a real handshake, not junk shaped like an Initial)."""
+        tls_context = getattr(self, "tls", None)
+        return tls_context is not None and tls_context.state != tls.State.SERVER_EXPECT_CLIENT_HELLO
 
     def peer_certificate(self) -> x509.Certificate | None:
         """The certificate whose key the peer proved in the handshake, if any."""
@@ -98,6 +105,12 @@ class PeerQuicConnection(QuicConnection):
         """
         consumed = self._stream_consumed.get(stream_id, 0) + nbytes
         self._stream_consumed[stream_id] = consumed
+        held_back = self._held_back.get(stream_id, 0)
+        if held_back:
+            # Part of this was already released from the connection window (see hold_back).
+            taken = min(held_back, nbytes)
+            self._held_back[stream_id] = held_back - taken
+            nbytes -= taken
         self._connection_consumed += nbytes
         stream = self._streams.get(stream_id)
         stream_due = stream is not None and (
@@ -110,10 +123,18 @@ class PeerQuicConnection(QuicConnection):
         )
         return stream_due or connection_due
 
+    def hold_back(self, stream_id: int, nbytes: int) -> None:
+        """``nbytes`` of ``stream_id`` stay unread for a while (the stream waits its turn): free
+        them from the connection window so other streams can go on; the stream's own window
+        still bounds them."""
+        self._held_back[stream_id] = self._held_back.get(stream_id, 0) + nbytes
+        self._connection_consumed += nbytes
+
     def forget_stream(self, stream_id: int, unread_bytes: int) -> None:
         """The application is done with ``stream_id``; the ``unread_bytes`` it dropped are freed."""
         self._stream_consumed.pop(stream_id, None)
-        self._connection_consumed += unread_bytes
+        held_back = self._held_back.pop(stream_id, 0)
+        self._connection_consumed += max(0, unread_bytes - held_back)
 
     def can_open_stream(self) -> bool:
         """Whether a new stream fits in the peer's MAX_STREAMS now.
@@ -176,6 +197,15 @@ class PeerQuicConnection(QuicConnection):
         return super().datagrams_to_send(now)
 
     # -- send accounting ---------------------------------------------------------------------------
+
+    def stream_send_room(self, stream_id: int, slack: int) -> int:
+        """Bytes we may still queue on ``stream_id``: what the peer's window for it allows, plus
+        ``slack``.  A stream whose reader stalls then holds at most ``slack`` unsendable bytes,
+        instead of filling the connection's send budget that other streams need."""
+        stream = self._streams.get(stream_id)
+        if stream is None:
+            return slack
+        return int(stream.max_stream_data_remote + slack - stream.sender._buffer_stop)
 
     def send_buffered(self) -> int:
         """Bytes queued on this connection's streams that the peer has not acknowledged yet.

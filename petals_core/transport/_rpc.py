@@ -86,7 +86,11 @@ class _Framed:
                 # Frames larger than large_frame_bytes are assembled one at a time per
                 # connection; while we wait, unread bytes hold the peer's window shut.  This
                 # is what bounds a connection's memory whatever frame sizes a peer declares.
-                await self._large_frames.acquire()
+                self.stream.hold_back(True)
+                try:
+                    await self._large_frames.acquire()
+                finally:
+                    self.stream.hold_back(False)
                 self._assembling_large = True
             data = await self.stream.receive_some(_READ_BYTES)
             if not data:
@@ -304,6 +308,9 @@ async def _serve_stream(stream: Stream, handlers: Handlers) -> None:
         await _serve_framed(framed, stream, handlers)
     finally:
         framed.release()
+        # However we got here (serve_rpc itself cancelled, say), the caller must not be left
+        # waiting on a stream nobody serves; a no-op if the call already ended cleanly.
+        stream.reset(APP_CANCELLED)
 
 
 async def _serve_framed(framed: _Framed, stream: Stream, handlers: Handlers) -> None:

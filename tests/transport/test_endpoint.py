@@ -250,3 +250,18 @@ def test_resets_under_loss_return_their_credit() -> None:
     client.endpoint.send_stream_data(handle, stream_id, bytes(2 << 20), net.now, end_stream=True)
     assert net.run_until(lambda: (server_handle, stream_id) in server.finished, max_time_s=60)
     assert len(server.received[(server_handle, stream_id)]) == 2 << 20
+
+
+def test_junk_initials_hold_no_connection() -> None:
+    net, client, server = make_pair()
+    rng = random.Random(3)
+    for index in range(50):
+        # A long-header Initial of QUIC v1 with random connection IDs and an undecryptable body.
+        header = bytes([0xC0]) + (1).to_bytes(4, "big") + bytes([8]) + rng.randbytes(8)
+        header += bytes([8]) + rng.randbytes(8) + bytes([0]) + (0x4000 | 1150).to_bytes(2, "big")
+        datagram = header + rng.randbytes(1200 - len(header))
+        server.endpoint.receive_datagram(datagram, ("127.0.0.1", 3000 + index), 0.0)
+    assert server.endpoint.connection_count() == 0
+    assert server.endpoint.datagrams_to_send(0.0) == []
+    # A real client still gets in.
+    handshake(net, client, server)

@@ -14,6 +14,7 @@ import trio
 
 from petals_core.transport import (
     ClosedResourceError,
+    Connection,
     ConnectTimeout,
     Handlers,
     Identity,
@@ -24,6 +25,8 @@ from petals_core.transport import (
     PeerUnreachable,
     RemoteError,
     ServerCall,
+    Stream,
+    StreamReset,
     TransportConfig,
     call_unary,
     open_call,
@@ -389,3 +392,120 @@ async def test_address_of_another_family_is_unreachable() -> None:
         async with open_node(host="127.0.0.1") as client:
             with pytest.raises(PeerUnreachable, match="cannot send"):
                 await client.connect(ipv6)
+
+
+async def test_concurrent_large_replies_do_not_deadlock() -> None:
+    """Frames over large_frame_bytes take turns; streams waiting for their turn must not starve
+    the one assembling (shared connection window, shared send budget)."""
+    config = TransportConfig(
+        stream_window_bytes=256 << 10,
+        connection_window_bytes=1 << 20,
+        send_buffer_bytes=1 << 20,
+        large_frame_bytes=64 << 10,
+    )
+    handlers = Handlers()
+
+    @handlers.unary("blob")
+    async def blob(request: dict, call: ServerCall) -> dict:
+        return {"blob": bytes([request["i"]]) * (3 << 20)}
+
+    with trio.fail_after(DEADLINE_S):
+        async with (
+            open_node(config=config) as server,
+            open_node(config=config) as client,
+            trio.open_nursery() as nursery,
+        ):
+            await nursery.start(serve_rpc, server, handlers)
+            connection = await client.connect(server.listen_multiaddr)
+            sizes: dict[int, int] = {}
+
+            async def fetch(index: int) -> None:
+                reply = await call_unary(connection, "blob", {"i": index})
+                assert set(reply["blob"]) == {index}
+                sizes[index] = len(reply["blob"])
+
+            async with trio.open_nursery() as fetchers:
+                for index in range(6):
+                    fetchers.start_soon(fetch, index)
+            assert sizes == {index: 3 << 20 for index in range(6)}
+            nursery.cancel_scope.cancel()
+
+
+async def test_cancelled_open_stream_and_connect_leak_nothing() -> None:
+    config = TransportConfig(max_incoming_streams=4)
+    with trio.fail_after(DEADLINE_S):
+        async with server_and_client(config) as (server, client, _):
+            connection = await client.connect(server.listen_multiaddr)
+            for _ in range(10):
+                with trio.move_on_after(0):
+                    await connection.open_stream()
+            assert connection._streams == {}
+            replies = [await call_unary(connection, "echo", {"i": i}) for i in range(8)]
+            assert [r["echo"]["i"] for r in replies] == list(range(8))
+            for _ in range(5):
+                with trio.CancelScope() as scope:
+                    # Cancel the dial right after it started, before any handshake finished.
+                    scope.deadline = trio.current_time()
+                    await client.connect(str(server.listen_multiaddr).split("/p2p/")[0])
+            assert client.statistics().connections == 1
+
+
+async def test_stopping_serve_rpc_ends_calls_in_flight() -> None:
+    events = {"hang_started": trio.Event(), "hang_cancelled": trio.Event()}
+    failures: list[BaseException] = []
+
+    async def caller(connection: Connection) -> None:
+        try:
+            await call_unary(connection, "hang", {})
+        except StreamReset as exc:
+            failures.append(exc)
+
+    with trio.fail_after(DEADLINE_S):
+        async with open_node() as server, open_node() as client:
+            async with trio.open_nursery() as calling, trio.open_nursery() as serving:
+                await serving.start(serve_rpc, server, _handlers(events))
+                connection = await client.connect(server.listen_multiaddr)
+                calling.start_soon(caller, connection)
+                await events["hang_started"].wait()
+                serving.cancel_scope.cancel()
+                # serve_rpc is gone: the caller must learn it, not wait forever.
+            assert len(failures) == 1
+            assert events["hang_cancelled"].is_set()
+
+
+async def test_a_raising_stream_handler_costs_one_stream_not_the_node() -> None:
+    def broken(stream: Stream) -> None:
+        raise KeyError("bug in the application's handler")
+
+    with trio.fail_after(DEADLINE_S):
+        async with open_node() as server, open_node() as client:
+            server.set_stream_handler(broken)
+            connection = await client.connect(server.listen_multiaddr)
+            stream = await connection.open_stream()
+            await stream.send_all(b"hello")
+            with pytest.raises(StreamReset):
+                await stream.receive_some()
+            # The server node is still up.
+            other = await client.connect(server.listen_multiaddr)
+            assert other is connection and not connection.is_closed
+
+
+async def test_block_error_survives_a_cancelled_scope() -> None:
+    async def fail_inside_a_cancelled_scope() -> None:
+        with trio.CancelScope() as scope:
+            scope.cancel()
+            async with open_node():
+                raise ValueError("from the block")
+
+    with pytest.raises(ValueError, match="from the block"):
+        await fail_inside_a_cancelled_scope()
+
+
+async def test_receive_some_refuses_a_zero_size() -> None:
+    with trio.fail_after(DEADLINE_S):
+        async with server_and_client() as (server, client, _):
+            connection = await client.connect(server.listen_multiaddr)
+            stream = await connection.open_stream()
+            with pytest.raises(ValueError, match="max_bytes"):
+                await stream.receive_some(0)
+            stream.reset()
