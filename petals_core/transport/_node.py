@@ -49,6 +49,7 @@ _RECV_BATCH = 256
 _MAX_UDP = 65536
 # Largest slice handed to aioquic at once, so one big write does not monopolise the send buffer.
 _WRITE_SLICE = 1 << 20
+_SMALL_WRITE = 64 << 10
 
 
 @attrs.frozen
@@ -98,7 +99,12 @@ class Stream:
             if self._chunks:
                 data = self._take(max_bytes)
                 self.connection._consumed(self.stream_id, len(data))
-                await trio.lowlevel.cancel_shielded_checkpoint()
+                if self._chunks:
+                    # More is waiting: let others run before the caller takes it.
+                    await trio.lowlevel.cancel_shielded_checkpoint()
+                # Otherwise no schedule point: the caller usually answers at once, and the pump
+                # (about to flush) then finds the answer, and our ACK, already gone.  The next
+                # call blocks anyway, since everything buffered was just taken.
                 return data
             if self._error is not None:
                 raise self._error
@@ -133,9 +139,11 @@ class Stream:
         try:
             view = memoryview(data).cast("B")
             while True:
-                # A schedule point before each slice lets the pump take in acknowledgements
-                # that arrived meanwhile, so the flush below finds the congestion window open.
-                await trio.lowlevel.checkpoint()
+                # A schedule point before each large slice lets the pump take in
+                # acknowledgements that arrived meanwhile, so the flush below finds the
+                # congestion window open (a small message just goes).
+                if len(view) > _SMALL_WRITE:
+                    await trio.lowlevel.checkpoint()
                 self._check_sendable()
                 room = self.connection._send_room(self.stream_id)
                 if room <= 0:
