@@ -486,15 +486,20 @@ class Endpoint:
         if unread is None or conn.lost:
             return
         stream = conn.quic._streams.get(stream_id)
+        # Something to send now: a STOP_SENDING, a connection window update, or (for a stream
+        # the peer opened, once finished both ways) the MAX_STREAMS that lets it open another.
+        due = conn.quic.forget_stream(stream_id, unread)
         if stream is not None and not stream.receiver.is_finished:
             conn.quic.stop_stream(stream_id, error_code)
-        conn.quic.forget_stream(stream_id, unread)
+            due = True
         if not _locally_initiated(conn, stream_id):
             # Late frames for it must not look like a new call; aioquic forgets the ID itself
             # once both directions are finished, and then so do we.
             conn.released.add(stream_id)
             conn.released.intersection_update(conn.quic._streams)
-        self._after(conn, now)
+            due = due or stream is None or stream.is_finished
+        if due:
+            self._after(conn, now)
 
     def adopt_stream(self, handle: int, stream_id: int) -> None:
         """Mark a peer-opened stream as held by the application."""

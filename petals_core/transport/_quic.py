@@ -117,11 +117,7 @@ class PeerQuicConnection(QuicConnection):
             consumed + self._stream_window - stream.max_stream_data_local
             >= self._stream_window // 4
         )
-        connection_due = (
-            self._connection_consumed + self._connection_window - self._local_max_data.value
-            >= self._connection_window // 4
-        )
-        return stream_due or connection_due
+        return stream_due or self._connection_update_due()
 
     def hold_back(self, stream_id: int, nbytes: int) -> None:
         """``nbytes`` of ``stream_id`` stay unread for a while (the stream waits its turn): free
@@ -130,11 +126,21 @@ class PeerQuicConnection(QuicConnection):
         self._held_back[stream_id] = self._held_back.get(stream_id, 0) + nbytes
         self._connection_consumed += nbytes
 
-    def forget_stream(self, stream_id: int, unread_bytes: int) -> None:
-        """The application is done with ``stream_id``; the ``unread_bytes`` it dropped are freed."""
+    def forget_stream(self, stream_id: int, unread_bytes: int) -> bool:
+        """The application is done with ``stream_id``; the ``unread_bytes`` it dropped are freed.
+
+        Returns whether the peer's connection credit should now grow.
+        """
         self._stream_consumed.pop(stream_id, None)
         held_back = self._held_back.pop(stream_id, 0)
         self._connection_consumed += max(0, unread_bytes - held_back)
+        return self._connection_update_due()
+
+    def _connection_update_due(self) -> bool:
+        return (
+            self._connection_consumed + self._connection_window - self._local_max_data.value
+            >= self._connection_window // 4
+        )
 
     def can_open_stream(self) -> bool:
         """Whether a new stream fits in the peer's MAX_STREAMS now.
