@@ -6,6 +6,7 @@ The root package re-exports only what is cheap to import; the transport lives in
 
 from ._errors import (
     CallEnded as CallEnded,
+    CheckpointError as CheckpointError,
     ClosedResourceError as ClosedResourceError,
     CodecError as CodecError,
     ConfigError as ConfigError,

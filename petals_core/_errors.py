@@ -25,6 +25,14 @@ class IdentityFileError(ConfigError):
     """An identity file cannot be read, written or parsed."""
 
 
+class CheckpointError(ConfigError):
+    """A checkpoint cannot be loaded as asked.
+
+    It is missing, not in safetensors, lacks a tensor or block, or the block index is out of
+    range; Hub and cache failures are chained as ``__cause__``.
+    """
+
+
 class TransportError(PetalsError):
     """Something went wrong moving bytes between peers."""
 

@@ -8,13 +8,37 @@ import sys
 import pytest
 
 HEAVY = ("torch", "transformers", "triton")
+# Our network layers (trio itself may come in through huggingface_hub's HTTP client).
+NETWORK = ("aioquic", "petals_core.transport", "petals_core.dht", "petals_core.client")
+
+
+def _imported_after(module: str, watched: tuple[str, ...]) -> list[str]:
+    code = f"import sys, {module}\nprint(','.join(m for m in {watched!r} if m in sys.modules))\n"
+    result = subprocess.run(
+        [sys.executable, "-c", code], check=True, timeout=120, capture_output=True, text=True
+    )
+    return [name for name in result.stdout.strip().split(",") if name]
 
 
 @pytest.mark.parametrize("module", ["petals_core", "petals_core.transport", "petals_core.testing"])
 def test_transport_imports_no_torch(module: str) -> None:
-    code = (
-        f"import sys, {module}\n"
-        f"heavy = [m for m in {HEAVY!r} if m in sys.modules]\n"
-        "assert not heavy, heavy\n"
-    )
-    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+    assert _imported_after(module, HEAVY) == []
+
+
+@pytest.mark.parametrize(
+    "module",
+    [
+        "petals_core.models.llama",
+        "petals_core.models.bloom",
+        "petals_core.models._loading",
+        "petals_core.models._config",
+        "petals_core.kernels",
+    ],
+)
+def test_model_code_knows_nothing_of_the_network(module: str) -> None:
+    assert _imported_after(module, NETWORK) == []
+
+
+def test_kernels_import_no_triton_on_cpu() -> None:
+    # Triton is loaded only when a CUDA tensor first needs a kernel.
+    assert _imported_after("petals_core.kernels", ("triton",)) == []

@@ -1,0 +1,132 @@
+"""Choose each kernel's implementation by device: Triton on CUDA, the torch reference elsewhere.
+
+The Triton kernels are imported only when a CUDA tensor first needs them, so CPU-only programs never
+import triton.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+
+import torch
+import torch.nn.functional as F
+
+from ._reference import (
+    attention_reference,
+    rms_norm_reference,
+    rotary_append_reference,
+    rotary_reference,
+)
+
+__all__ = ["attention", "rms_norm", "rotary", "rotary_append"]
+
+
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    query_offset: int,
+    scale: float | None = None,
+    alibi_slopes: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """See :func:`attention_reference` for shapes and semantics.
+
+    On CUDA: the flash-decoding kernel for up to 16 new tokens, the prefill kernel beyond.
+    Elsewhere, and whenever autograd needs a backward: for 16-bit inputs without ALiBi, torch's
+    fused SDPA (fp32 accumulation inside, and much faster than upcasting everything); otherwise
+    the reference, which fp32 callers get so that results match transformers' eager attention to
+    the last bits.
+    """
+    if _use_triton(q, k, v):
+        from . import _triton_attention
+
+        return _triton_attention.attention(
+            q, k, v, query_offset=query_offset, scale=scale, alibi_slopes=alibi_slopes
+        )
+    if alibi_slopes is None and q.dtype in (torch.float16, torch.bfloat16):
+        return _sdpa_attention(q, k, v, query_offset=query_offset, scale=scale)
+    return attention_reference(
+        q, k, v, query_offset=query_offset, scale=scale, alibi_slopes=alibi_slopes
+    )
+
+
+def _sdpa_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, query_offset: int, scale: float | None
+) -> torch.Tensor:
+    """The reference's semantics through torch's fused attention (fp32 accumulation inside)."""
+    new, length = q.shape[2], k.shape[2]
+    if length < query_offset + new:
+        raise ValueError(f"{length} keys cannot cover queries up to {query_offset + new}")
+    mask = None
+    causal = False
+    if query_offset == 0 and new == length:
+        causal = True
+    elif not (new == 1 and query_offset == length - 1):
+        # Query t sees keys 0 .. query_offset + t.
+        key_pos = torch.arange(length, device=q.device)
+        query_pos = query_offset + torch.arange(new, device=q.device)
+        mask = key_pos.view(1, -1) <= query_pos.view(-1, 1)  # (T, S)
+    return F.scaled_dot_product_attention(
+        q,
+        k,
+        v,
+        attn_mask=mask,
+        is_causal=causal,
+        scale=scale,
+        enable_gqa=q.shape[1] != k.shape[1],
+    )
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    if _use_triton(x, weight):
+        from . import _triton_norm
+
+        return _triton_norm.rms_norm(x, weight, eps)
+    return rms_norm_reference(x, weight, eps)
+
+
+def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    if _use_triton(x, cos, sin):
+        from . import _triton_rotary
+
+        return _triton_rotary.rotary(x, cos, sin)
+    return rotary_reference(x, cos, sin)
+
+
+def rotary_append(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    *,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    start: int,
+) -> torch.Tensor:
+    """See :func:`rotary_append_reference`: returns the rotated q; the cache gets k and v.
+
+    On CUDA one kernel launch does all three.
+    """
+    if _use_triton(q, k, v, cos, sin):
+        from . import _triton_rotary
+
+        return _triton_rotary.rotary_append(
+            q, k, v, cos, sin, keys=keys, values=values, start=start
+        )
+    return rotary_append_reference(q, k, v, cos, sin, keys=keys, values=values, start=start)
+
+
+def _use_triton(*tensors: torch.Tensor) -> bool:
+    """Triton for CUDA tensors, unless autograd will need a backward (the kernels have none;
+    training takes the torch path, which has one)."""
+    if not tensors[0].is_cuda or not _triton_installed():
+        return False
+    return not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
+
+
+@functools.cache
+def _triton_installed() -> bool:
+    return importlib.util.find_spec("triton") is not None

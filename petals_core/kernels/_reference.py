@@ -1,0 +1,115 @@
+"""Plain-torch references for every kernel: the semantics the Triton versions must match.
+
+Attention and RMSNorm compute in float32 and cast the result back to the input dtype, which is
+also what the Triton kernels do (and what keeps bf16 results stable).  Rotary follows transformers:
+it computes in the dtype of its inputs (callers pass cos/sin in the activations' dtype).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+__all__ = [
+    "alibi_slopes",
+    "attention_reference",
+    "rms_norm_reference",
+    "rotary_append_reference",
+    "rotary_reference",
+]
+
+
+def attention_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    query_offset: int,
+    scale: float | None = None,
+    alibi_slopes: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Causal attention of new queries over a cache prefix.
+
+    q: (B, n_head, T, head_dim), the queries of absolute positions query_offset .. query_offset+T-1
+    k, v: (B, n_kv_head, S, head_dim), keys/values of positions 0 .. S-1 (S >= query_offset + T)
+    alibi_slopes: (n_head,) float32, adds slope * key_position to the scores (BLOOM)
+    Query t sees keys 0 .. query_offset + t.  n_head must be a multiple of n_kv_head (GQA).
+    Returns (B, n_head, T, head_dim) in q's dtype.
+    """
+    n_head, new, head_dim = q.shape[1:]
+    n_kv_head, length = k.shape[1], k.shape[2]
+    if n_head % n_kv_head:
+        raise ValueError(f"{n_head} query heads cannot share {n_kv_head} key/value heads")
+    if length < query_offset + new:
+        raise ValueError(f"{length} keys cannot cover queries up to {query_offset + new}")
+    scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
+    group = n_head // n_kv_head
+    qf, kf, vf = q.float(), k.float(), v.float()
+    if group > 1:
+        kf = kf.repeat_interleave(group, dim=1)  # (B, n_head, S, head_dim)
+        vf = vf.repeat_interleave(group, dim=1)
+    scores = torch.matmul(qf, kf.transpose(-1, -2)).mul_(scale)  # (B, n_head, T, S)
+    key_pos = torch.arange(length, device=q.device)
+    if alibi_slopes is not None:
+        scores += alibi_slopes.float().view(1, n_head, 1, 1) * key_pos.view(1, 1, 1, -1)
+    if query_offset + new < length or new > 1:
+        # Keys after a query's own position are hidden (nothing to hide for a single query at
+        # the end of the cache).
+        query_pos = query_offset + torch.arange(new, device=q.device)
+        scores.masked_fill_(key_pos.view(1, -1) > query_pos.view(-1, 1), float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    return torch.matmul(probs, vf).to(q.dtype)
+
+
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """LLaMA's RMSNorm: x / rms(x) * weight, the mean over the last dimension, in float32."""
+    xf = x.float()
+    normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * normed.to(x.dtype)
+
+
+def rotary_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` (B, heads, T, head_dim) by per-position angles, halves layout (HF LLaMA).
+
+    cos, sin: (B or 1, T, head_dim), as transformers' rotary embedding returns them.
+    """
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos.unsqueeze(1) + rotated * sin.unsqueeze(1)
+
+
+def rotary_append_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    *,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    start: int,
+) -> torch.Tensor:
+    """Rotate q and k, and write the rotated k and v into the cache at ``start .. start+T-1``.
+
+    q: (B, n_head, T, head_dim); k, v: (B, n_kv_head, T, head_dim); cos, sin: (B or 1, T, head_dim)
+    keys, values: (B, n_kv_head, max_length, head_dim), written in place (cast to their dtype)
+    Returns the rotated q.
+    """
+    end = start + k.shape[2]
+    if start < 0 or end > keys.shape[2]:
+        raise ValueError(f"positions {start} .. {end - 1} do not fit a cache of {keys.shape[2]}")
+    keys[:, :, start:end] = rotary_reference(k, cos, sin)
+    values[:, :, start:end] = v
+    return rotary_reference(q, cos, sin)
+
+
+def alibi_slopes(n_head: int) -> torch.Tensor:
+    """BLOOM's ALiBi head slopes (float32, (n_head,)), for any number of heads."""
+    closest = 2 ** math.floor(math.log2(n_head))
+    base = 2 ** (-(2 ** -(math.log2(closest) - 3)))
+    slopes = [base ** (i + 1) for i in range(closest)]
+    if closest != n_head:
+        extra_base = 2 ** (-(2 ** -(math.log2(2 * closest) - 3)))
+        slopes += [extra_base ** (2 * i + 1) for i in range(min(closest, n_head - closest))]
+    return torch.tensor(slopes, dtype=torch.float32)

@@ -1,0 +1,530 @@
+"""Triton attention over the KV cache: flash-decoding for a few new tokens, flash-attention tiles
+for a prefill chunk.  Same semantics as :func:`attention_reference`.
+
+Scores live in the base-2 domain (the scale and ALiBi slopes are premultiplied by log2(e)) so the
+softmax uses ``exp2``.  Both kernels read keys and values through their strides, so a cache prefix
+view ``keys[:, :, :length]`` is never copied.
+
+On CUDA the dots take fp16/bf16 operands and accumulate in fp32 (tensor cores); fp32 inputs use
+IEEE dots, not tf32, to keep fp32 parity.  CPU tensors can only reach a kernel through Triton's
+interpreter, which multiplies bf16 bit patterns as integers, so there the operands are upcast
+first: bf16 products are exact in fp32, so only the rounding of the probabilities differs.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = [
+    "MAX_DECODE_ROWS",
+    "MAX_DECODE_TOKENS",
+    "attention",
+    "decode_attention",
+    "prefill_attention",
+]
+
+MAX_DECODE_TOKENS = 16
+# Query rows (heads of a group x new tokens) that one decode program holds in registers.
+MAX_DECODE_ROWS = 128
+_MAX_SPLITS = 128
+_LOG2E = math.log2(math.e)
+
+
+@triton.jit
+def _attend(
+    acc,
+    m_i,
+    l_i,
+    q,
+    k_base,
+    v_base,
+    stride_ks,
+    stride_vs,
+    slope,
+    query_pos,
+    lo,
+    hi,
+    head_dim,
+    qk_scale,
+    HAS_ALIBI: tl.constexpr,
+    MASKED: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    """Online-softmax update of (acc, m_i, l_i) with the keys lo .. hi-1, one BLOCK_N tile a step.
+
+    q: (rows, BLOCK_D); slope, query_pos: (rows,); MASKED applies the causal and range masks.
+    """
+    dims = tl.arange(0, BLOCK_D)
+    dim_mask = dims < head_dim
+    for start in range(lo, hi, BLOCK_N):
+        keys = start + tl.arange(0, BLOCK_N)
+        key_mask = keys < hi
+        k_t = tl.load(  # (BLOCK_D, BLOCK_N)
+            k_base + keys[None, :].to(tl.int64) * stride_ks + dims[:, None],
+            mask=key_mask[None, :] & dim_mask[:, None],
+            other=0.0,
+        )
+        scores = tl.dot(q, k_t.to(DOT_DTYPE), input_precision=PRECISION) * qk_scale
+        if HAS_ALIBI:
+            scores += slope[:, None] * keys[None, :].to(tl.float32)
+        if MASKED:
+            visible = key_mask[None, :] & (keys[None, :] <= query_pos[:, None])
+            scores = tl.where(visible, scores, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, 1))
+        # A row can see no key of this tile (split-K ranges, causal edge): keep it at zero, not NaN.
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.math.exp2(scores - m_safe[:, None])
+        alpha = tl.math.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(
+            v_base + keys[:, None].to(tl.int64) * stride_vs + dims[None, :],
+            mask=key_mask[:, None] & dim_mask[None, :],
+            other=0.0,
+        )
+        acc = tl.dot(
+            p.to(DOT_DTYPE), v.to(DOT_DTYPE), acc * alpha[:, None], input_precision=PRECISION
+        )
+        m_i = m_new
+    return acc, m_i, l_i
+
+
+# Arguments that change every step are not specialized (on divisibility by 16), not to recompile.
+@triton.jit(do_not_specialize=["query_offset", "num_splits"])
+def _decode_kernel(
+    # pointers
+    Q,
+    K,
+    V,
+    Out,
+    PartialAcc,
+    PartialMax,
+    PartialSum,
+    Slopes,
+    # sizes
+    n_head,
+    n_kv_head,
+    new_tokens,
+    query_offset,
+    head_dim,
+    split_size,
+    num_splits,
+    qk_scale,
+    # strides
+    stride_qb,
+    stride_qh,
+    stride_qt,
+    stride_kb,
+    stride_kh,
+    stride_ks,
+    stride_vb,
+    stride_vh,
+    stride_vs,
+    stride_ob,
+    stride_oh,
+    stride_ot,
+    # meta
+    HAS_ALIBI: tl.constexpr,
+    DIRECT: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    """One program: every query row (head of the group, new token) of one (batch, kv head) over one
+    split of the keys, so each key and value is read once per kv head."""
+    pid_bkv = tl.program_id(0)
+    split = tl.program_id(1)
+    batch = pid_bkv // n_kv_head
+    kv_head = pid_bkv % n_kv_head
+    group = n_head // n_kv_head
+
+    rows = tl.arange(0, BLOCK_R)
+    row_mask = rows < group * new_tokens
+    head = kv_head * group + rows // new_tokens
+    token = rows % new_tokens
+    dims = tl.arange(0, BLOCK_D)
+    dim_mask = dims < head_dim
+    tile_mask = row_mask[:, None] & dim_mask[None, :]
+
+    q_rows = batch.to(tl.int64) * stride_qb + head * stride_qh + token * stride_qt
+    q = tl.load(Q + q_rows[:, None] + dims[None, :], mask=tile_mask, other=0.0)
+    if HAS_ALIBI:
+        slope = tl.load(Slopes + head, mask=row_mask, other=0.0) * 1.4426950408889634
+    else:
+        slope = tl.zeros([BLOCK_R], dtype=tl.float32)
+
+    lo = split * split_size
+    hi = tl.minimum(lo + split_size, query_offset + new_tokens)
+    acc, m_i, l_i = _attend(
+        tl.zeros([BLOCK_R, BLOCK_D], dtype=tl.float32),
+        tl.full([BLOCK_R], float("-inf"), dtype=tl.float32),
+        tl.zeros([BLOCK_R], dtype=tl.float32),
+        q.to(DOT_DTYPE),
+        K + batch.to(tl.int64) * stride_kb + kv_head.to(tl.int64) * stride_kh,
+        V + batch.to(tl.int64) * stride_vb + kv_head.to(tl.int64) * stride_vh,
+        stride_ks,
+        stride_vs,
+        slope,
+        query_offset + token,
+        lo,
+        hi,
+        head_dim,
+        qk_scale,
+        HAS_ALIBI,
+        True,
+        BLOCK_N,
+        BLOCK_D,
+        DOT_DTYPE,
+        PRECISION,
+    )
+    if DIRECT:
+        out_rows = batch.to(tl.int64) * stride_ob + head * stride_oh + token * stride_ot
+        out = acc / l_i[:, None]
+        tl.store(
+            Out + out_rows[:, None] + dims[None, :], out.to(Out.dtype.element_ty), mask=tile_mask
+        )
+    else:
+        # Partials are (B, n_head, T, num_splits[, head_dim]), contiguous.
+        part = ((batch.to(tl.int64) * n_head + head) * new_tokens + token) * num_splits + split
+        tl.store(PartialAcc + part[:, None] * head_dim + dims[None, :], acc, mask=tile_mask)
+        tl.store(PartialMax + part, m_i, mask=row_mask)
+        tl.store(PartialSum + part, l_i, mask=row_mask)
+
+
+@triton.jit(do_not_specialize=["num_splits"])
+def _combine_kernel(
+    # pointers
+    PartialAcc,
+    PartialMax,
+    PartialSum,
+    Out,
+    # sizes
+    n_head,
+    new_tokens,
+    head_dim,
+    num_splits,
+    # strides
+    stride_ob,
+    stride_oh,
+    stride_ot,
+    # meta
+    BLOCK_SPLITS: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """One program per (batch, head, token): merge the splits' softmax partials."""
+    row = tl.program_id(0).to(tl.int64)
+    splits = tl.arange(0, BLOCK_SPLITS)
+    split_mask = splits < num_splits
+    dims = tl.arange(0, BLOCK_D)
+    dim_mask = dims < head_dim
+
+    m = tl.load(PartialMax + row * num_splits + splits, mask=split_mask, other=float("-inf"))
+    l_s = tl.load(PartialSum + row * num_splits + splits, mask=split_mask, other=0.0)
+    # Split 0 holds key 0, which every query sees, so the maximum is finite.
+    weight = tl.math.exp2(m - tl.max(m, 0))
+    acc = tl.load(
+        PartialAcc + (row * num_splits + splits[:, None]) * head_dim + dims[None, :],
+        mask=split_mask[:, None] & dim_mask[None, :],
+        other=0.0,
+    )
+    out = tl.sum(acc * weight[:, None], 0) / tl.sum(l_s * weight, 0)
+
+    batch = row // (n_head * new_tokens)
+    head = (row // new_tokens) % n_head
+    token = row % new_tokens
+    out_row = batch * stride_ob + head * stride_oh + token * stride_ot
+    tl.store(Out + out_row + dims, out.to(Out.dtype.element_ty), mask=dim_mask)
+
+
+@triton.jit(do_not_specialize=["new_tokens", "query_offset"])
+def _prefill_kernel(
+    # pointers
+    Q,
+    K,
+    V,
+    Out,
+    Slopes,
+    # sizes
+    n_head,
+    n_kv_head,
+    new_tokens,
+    query_offset,
+    head_dim,
+    qk_scale,
+    # strides
+    stride_qb,
+    stride_qh,
+    stride_qt,
+    stride_kb,
+    stride_kh,
+    stride_ks,
+    stride_vb,
+    stride_vh,
+    stride_vs,
+    stride_ob,
+    stride_oh,
+    stride_ot,
+    # meta
+    HAS_ALIBI: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    """One program: BLOCK_M queries of one (batch, head), over every key they may see."""
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    batch = pid_bh // n_head
+    head = pid_bh % n_head
+    kv_head = head // (n_head // n_kv_head)
+
+    first = pid_m * BLOCK_M
+    tokens = first + tl.arange(0, BLOCK_M)
+    token_mask = tokens < new_tokens
+    dims = tl.arange(0, BLOCK_D)
+    tile_mask = token_mask[:, None] & (dims < head_dim)[None, :]
+
+    q_base = Q + batch.to(tl.int64) * stride_qb + head.to(tl.int64) * stride_qh
+    q = tl.load(q_base + tokens[:, None] * stride_qt + dims[None, :], mask=tile_mask, other=0.0)
+    q = q.to(DOT_DTYPE)
+    if HAS_ALIBI:
+        slope = tl.zeros([BLOCK_M], dtype=tl.float32) + tl.load(Slopes + head) * 1.4426950408889634
+    else:
+        slope = tl.zeros([BLOCK_M], dtype=tl.float32)
+    k_base = K + batch.to(tl.int64) * stride_kb + kv_head.to(tl.int64) * stride_kh
+    v_base = V + batch.to(tl.int64) * stride_vb + kv_head.to(tl.int64) * stride_vh
+    query_pos = query_offset + tokens
+
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    # Whole tiles before the first query's position are visible to every row: no mask there.
+    unmasked_end = (query_offset + first) // BLOCK_N * BLOCK_N
+    end = query_offset + tl.minimum(first + BLOCK_M, new_tokens)
+    acc, m_i, l_i = _attend(
+        acc, m_i, l_i, q, k_base, v_base, stride_ks, stride_vs, slope, query_pos,
+        0, unmasked_end, head_dim, qk_scale,
+        HAS_ALIBI, False, BLOCK_N, BLOCK_D, DOT_DTYPE, PRECISION,
+    )  # fmt: skip
+    acc, m_i, l_i = _attend(
+        acc, m_i, l_i, q, k_base, v_base, stride_ks, stride_vs, slope, query_pos,
+        unmasked_end, end, head_dim, qk_scale,
+        HAS_ALIBI, True, BLOCK_N, BLOCK_D, DOT_DTYPE, PRECISION,
+    )  # fmt: skip
+
+    out = acc / l_i[:, None]
+    o_base = Out + batch.to(tl.int64) * stride_ob + head.to(tl.int64) * stride_oh
+    tl.store(
+        o_base + tokens[:, None] * stride_ot + dims[None, :],
+        out.to(Out.dtype.element_ty),
+        mask=tile_mask,
+    )
+
+
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    query_offset: int,
+    scale: float | None = None,
+    alibi_slopes: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """:func:`decode_attention` for a few new tokens, :func:`prefill_attention` otherwise."""
+    new_tokens = q.shape[2]
+    group = q.shape[1] // k.shape[1]
+    if new_tokens <= MAX_DECODE_TOKENS and group * new_tokens <= MAX_DECODE_ROWS:
+        return decode_attention(
+            q, k, v, query_offset=query_offset, scale=scale, alibi_slopes=alibi_slopes
+        )
+    return prefill_attention(
+        q, k, v, query_offset=query_offset, scale=scale, alibi_slopes=alibi_slopes
+    )
+
+
+def decode_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    query_offset: int,
+    scale: float | None = None,
+    alibi_slopes: torch.Tensor | None = None,
+    block_n: int | None = None,
+    num_splits: int | None = None,
+) -> torch.Tensor:
+    """Flash-decoding: the keys cut into ``num_splits`` ranges attended in parallel, then merged.
+
+    q: (B, n_head, T, head_dim), T <= 16; k, v: (B, n_kv_head, S, head_dim), any strides with the
+    last one 1 (a cache prefix view).  See :func:`attention_reference` for the semantics.
+    ``block_n`` (keys per tile) and ``num_splits`` default to a choice for the device.
+    """
+    batch, n_head, new_tokens, head_dim = q.shape
+    n_kv_head = k.shape[1]
+    slopes = _check(q, k, v, query_offset, alibi_slopes)
+    if q.numel() == 0:
+        return torch.empty_like(q)
+    rows = (n_head // n_kv_head) * new_tokens
+    assert new_tokens <= MAX_DECODE_TOKENS, f"decode takes up to {MAX_DECODE_TOKENS} new tokens"
+    assert rows <= MAX_DECODE_ROWS, f"{rows} query rows per kv head, at most {MAX_DECODE_ROWS}"
+    default_block_n, num_stages = _decode_tiles(q, head_dim)
+    block_n = block_n or default_block_n
+    length = query_offset + new_tokens  # keys past the last query are never seen
+    if num_splits is None:
+        num_splits = _default_splits(q.device, batch * n_kv_head, length, block_n)
+    assert 1 <= num_splits <= _MAX_SPLITS, f"num_splits must be in [1, {_MAX_SPLITS}]"
+    split_size = triton.cdiv(triton.cdiv(length, num_splits), block_n) * block_n
+    num_splits = triton.cdiv(length, split_size)  # none of them empty
+
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    direct = num_splits == 1
+    if direct:
+        partial_acc = partial_max = partial_sum = out  # not read: the kernel writes `out` itself
+    else:
+        partial_acc = torch.empty(
+            (batch, n_head, new_tokens, num_splits, head_dim), dtype=torch.float32, device=q.device
+        )
+        partial_max = torch.empty(partial_acc.shape[:-1], dtype=torch.float32, device=q.device)
+        partial_sum = torch.empty_like(partial_max)
+    block_r = max(16, triton.next_power_of_2(rows))
+    block_d = _block_d(head_dim)
+    dot_dtype, precision = _dot_config(q)
+    _decode_kernel[(batch * n_kv_head, num_splits)](
+        q, k, v, out, partial_acc, partial_max, partial_sum, slopes,
+        n_head, n_kv_head, new_tokens, query_offset, head_dim, split_size, num_splits,
+        _qk_scale(scale, head_dim),
+        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
+        HAS_ALIBI=alibi_slopes is not None, DIRECT=direct,
+        BLOCK_R=block_r, BLOCK_N=block_n, BLOCK_D=block_d,
+        DOT_DTYPE=dot_dtype, PRECISION=precision,
+        num_warps=4 if block_r <= 32 else 8, num_stages=num_stages,
+    )  # fmt: skip
+    if not direct:
+        _combine_kernel[(batch * n_head * new_tokens,)](
+            partial_acc, partial_max, partial_sum, out,
+            n_head, new_tokens, head_dim, num_splits,
+            *out.stride()[:3],
+            BLOCK_SPLITS=triton.next_power_of_2(num_splits), BLOCK_D=block_d,
+            num_warps=4,
+        )  # fmt: skip
+    return out
+
+
+def prefill_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    query_offset: int,
+    scale: float | None = None,
+    alibi_slopes: torch.Tensor | None = None,
+    block_m: int | None = None,
+    block_n: int | None = None,
+) -> torch.Tensor:
+    """Flash-attention tiles: BLOCK_M queries of one head against BLOCK_N keys at a time.
+
+    q: (B, n_head, T, head_dim), any T; k, v: (B, n_kv_head, S, head_dim), any strides with the
+    last one 1.  See :func:`attention_reference` for the semantics.
+    """
+    batch, n_head, new_tokens, head_dim = q.shape
+    slopes = _check(q, k, v, query_offset, alibi_slopes)
+    if q.numel() == 0:
+        return torch.empty_like(q)
+    default_block_m, default_block_n, num_warps, num_stages = _prefill_tiles(q, head_dim)
+    block_m = block_m or default_block_m
+    block_n = block_n or default_block_n
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    dot_dtype, precision = _dot_config(q)
+    grid = (triton.cdiv(new_tokens, block_m), batch * n_head)
+    _prefill_kernel[grid](
+        q, k, v, out, slopes,
+        n_head, k.shape[1], new_tokens, query_offset, head_dim, _qk_scale(scale, head_dim),
+        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
+        HAS_ALIBI=alibi_slopes is not None,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=_block_d(head_dim),
+        DOT_DTYPE=dot_dtype, PRECISION=precision,
+        num_warps=num_warps, num_stages=num_stages,
+    )  # fmt: skip
+    return out
+
+
+def _check(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    query_offset: int,
+    alibi_slopes: torch.Tensor | None,
+) -> torch.Tensor:
+    """Validate the inputs (the reference's errors, then the kernels' limits); returns the slopes
+    as float32 on q's device, or q itself as a never-read placeholder."""
+    batch, n_head, new_tokens, head_dim = q.shape
+    n_kv_head, length = k.shape[1], k.shape[2]
+    if n_head % n_kv_head:
+        raise ValueError(f"{n_head} query heads cannot share {n_kv_head} key/value heads")
+    if length < query_offset + new_tokens:
+        raise ValueError(f"{length} keys cannot cover queries up to {query_offset + new_tokens}")
+    assert k.shape == v.shape == (batch, n_kv_head, length, head_dim), "k, v: (B, n_kv, S, D)"
+    assert q.dtype == k.dtype == v.dtype, "q, k and v must share a dtype"
+    assert q.dtype in (torch.float16, torch.bfloat16, torch.float32), f"unsupported {q.dtype}"
+    assert q.device == k.device == v.device, "q, k and v must be on one device"
+    assert q.stride(-1) == k.stride(-1) == v.stride(-1) == 1, "head_dim must be contiguous"
+    assert query_offset >= 0, "query_offset must not be negative"
+    if alibi_slopes is None:
+        return q
+    assert alibi_slopes.shape == (n_head,), "alibi_slopes: (n_head,)"
+    return alibi_slopes.to(device=q.device, dtype=torch.float32).contiguous()
+
+
+def _qk_scale(scale: float | None, head_dim: int) -> float:
+    return (1.0 / math.sqrt(head_dim) if scale is None else scale) * _LOG2E
+
+
+def _block_d(head_dim: int) -> int:
+    return max(16, triton.next_power_of_2(head_dim))  # tl.dot needs 16 on every side
+
+
+def _decode_tiles(q: torch.Tensor, head_dim: int) -> tuple[int, int]:
+    """(BLOCK_N, num_stages): the pipelined K and V tiles stay under ~100 KB of shared memory,
+    which every CUDA card since sm_80 has."""
+    row_bytes = q.element_size() * _block_d(head_dim)
+    if row_bytes <= 256:  # 16-bit, head_dim <= 128
+        return 64, 3
+    return (32, 2) if row_bytes <= 512 else (16, 2)
+
+
+def _prefill_tiles(q: torch.Tensor, head_dim: int) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages), within the same shared-memory budget."""
+    row_bytes = q.element_size() * _block_d(head_dim)
+    if row_bytes <= 256:
+        return 128, 64, 8, 3
+    return (64, 32, 4, 2) if row_bytes <= 512 else (32, 16, 4, 2)
+
+
+def _dot_config(q: torch.Tensor) -> tuple[tl.dtype, str]:
+    """The dtype the dots take their operands in, and the precision of fp32 dots."""
+    if q.dtype == torch.float32 or not q.is_cuda:
+        return tl.float32, "ieee"
+    return (tl.float16 if q.dtype == torch.float16 else tl.bfloat16), "tf32"
+
+
+def _default_splits(device: torch.device, programs: int, length: int, block_n: int) -> int:
+    """Enough key splits for about two programs per SM, each split at least four tiles long."""
+    wanted = triton.cdiv(2 * _multiprocessors(device), programs)
+    return max(1, min(wanted, triton.cdiv(length, 4 * block_n), _MAX_SPLITS))
+
+
+@functools.cache
+def _multiprocessors(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 1
+    return torch.cuda.get_device_properties(device).multi_processor_count

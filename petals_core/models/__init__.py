@@ -1,0 +1,22 @@
+"""Model families (BLOOM, LLaMA): blocks with our KV cache, configs, shard-selective loading.
+
+This package knows nothing of the network; the server and client build on it.
+"""
+
+from ._cache import KVCache as KVCache
+from ._config import (
+    AutoDistributedConfig as AutoDistributedConfig,
+    DistributedBloomConfig as DistributedBloomConfig,
+    DistributedConfig as DistributedConfig,
+    DistributedLlamaConfig as DistributedLlamaConfig,
+    default_dht_prefix as default_dht_prefix,
+)
+from ._loading import (
+    block_state_dict as block_state_dict,
+    client_state_dict as client_state_dict,
+    load_blocks as load_blocks,
+)
+from ._quantize import QuantType as QuantType, quantize_block as quantize_block
+from ._smollm2 import prepare_smollm2 as prepare_smollm2, smollm2_gguf_path as smollm2_gguf_path
+from .bloom import BloomBlock as BloomBlock
+from .llama import LlamaBlock as LlamaBlock

@@ -1,0 +1,137 @@
+"""The attention cache of one block for one session: a layout we control.
+
+Preallocated once per session, ``(batch, kv_heads, max_length, head_dim)`` for keys and values, so a
+decode step writes one position in place and attention reads a prefix view: no reallocation, no
+concatenation, and the server's memory budget is known when the session opens.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import kernels
+
+__all__ = ["KVCache"]
+
+
+class KVCache:
+    """Keys and values of one block for one session; ``length`` positions are filled.
+
+    Every row of the batch has the same length (sessions advance in lock-step, as in
+    ``generate()``); beams are rows, reordered with :meth:`reorder`.
+    """
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        if keys.shape != values.shape or keys.dim() != 4:
+            raise ValueError(
+                f"keys and values must both be (batch, kv_heads, max_length, head_dim), "
+                f"got {tuple(keys.shape)} and {tuple(values.shape)}"
+            )
+        self.keys = keys  # (B, n_kv_head, max_length, head_dim)
+        self.values = values  # (B, n_kv_head, max_length, head_dim)
+        self.length = 0
+
+    @classmethod
+    def allocate(
+        cls,
+        *,
+        batch: int,
+        kv_heads: int,
+        max_length: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+    ) -> KVCache:
+        shape = (batch, kv_heads, max_length, head_dim)
+        return cls(
+            torch.zeros(shape, dtype=dtype, device=device),
+            torch.zeros(shape, dtype=dtype, device=device),
+        )
+
+    @property
+    def batch(self) -> int:
+        return self.keys.shape[0]
+
+    @property
+    def max_length(self) -> int:
+        return self.keys.shape[2]
+
+    @property
+    def nbytes(self) -> int:
+        return 2 * self.keys.numel() * self.keys.element_size()
+
+    def append(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write ``(batch, kv_heads, T, head_dim)`` new entries after the filled positions.
+
+        Returns views of everything filled so far, ``(batch, kv_heads, length, head_dim)``.
+        """
+        end = self._check_new(keys, values)
+        self.keys[:, :, self.length : end] = keys
+        self.values[:, :, self.length : end] = values
+        self.length = end
+        return self.keys[:, :, :end], self.values[:, :, :end]
+
+    def append_rotated(
+        self,
+        q: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Rotate ``q`` and the new ``keys`` by the rotary angles, and append keys and values.
+
+        One fused kernel on CUDA (:func:`petals_core.kernels.rotary_append`).  Returns the rotated
+        queries and views of everything filled so far, like :meth:`append`.
+        """
+        end = self._check_new(keys, values)
+        q = kernels.rotary_append(
+            q, keys, values, cos, sin, keys=self.keys, values=self.values, start=self.length
+        )
+        self.length = end
+        return q, self.keys[:, :, :end], self.values[:, :, :end]
+
+    def _check_new(self, keys: torch.Tensor, values: torch.Tensor) -> int:
+        """Validate new entries before anything is written; returns the new length."""
+        new = keys.shape[2] if keys.dim() == 4 else 0
+        end = self.length + new
+        if end > self.max_length:
+            raise ValueError(
+                f"the session's cache holds {self.max_length} positions; "
+                f"{self.length} are used and {new} more do not fit"
+            )
+        batch, kv_heads, _, head_dim = self.keys.shape
+        if (
+            keys.dim() != 4
+            or values.shape != keys.shape
+            or (keys.shape[0], keys.shape[1], keys.shape[3]) != (batch, kv_heads, head_dim)
+        ):
+            raise ValueError(
+                f"new keys/values must be ({batch}, {kv_heads}, T, {head_dim}), "
+                f"got {tuple(keys.shape)} and {tuple(values.shape)}"
+            )
+        if keys.requires_grad or values.requires_grad:
+            # Writing into the preallocated buffer would grow one autograd graph over a whole
+            # session; training runs without a cache.
+            raise ValueError(
+                "the cache does not track gradients: run inference under torch.inference_mode() "
+                "or torch.no_grad()"
+            )
+        return end
+
+    def rollback(self, position: int) -> None:
+        """Forget every position from ``position`` on (a client resending from there)."""
+        if not 0 <= position <= self.length:
+            raise ValueError(f"cannot roll back to {position}: {self.length} positions are filled")
+        self.length = position
+
+    def reorder(self, hypo_ids: torch.Tensor) -> None:
+        """Rows become ``rows[hypo_ids]`` (beam search keeps the surviving hypotheses)."""
+        if hypo_ids.dim() != 1 or hypo_ids.shape[0] != self.batch:
+            raise ValueError(f"hypo_ids must be ({self.batch},), got {tuple(hypo_ids.shape)}")
+        if not bool(((hypo_ids >= 0) & (hypo_ids < self.batch)).all()):
+            raise ValueError(f"hypo_ids must lie in [0, {self.batch})")
+        index = hypo_ids.to(self.keys.device)
+        filled = slice(0, self.length)
+        self.keys[:, :, filled] = self.keys[index, :, filled]
+        self.values[:, :, filled] = self.values[index, :, filled]

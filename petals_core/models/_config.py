@@ -1,0 +1,196 @@
+"""Configs of distributed models: transformers' config plus the name of the swarm that serves it.
+
+``dht_prefix`` names the swarm: servers announce block ``i`` under the key ``f"{dht_prefix}.{i}"``
+and clients look blocks up under the same keys, so every peer serving or using one model must agree
+on it. :func:`default_dht_prefix` derives it from where the model came from; an explicit value
+always wins, and a value stored in ``config.json`` (one saved from a distributed config) comes next.
+
+Only ``model_type`` chooses the family: SmolLM2, Vicuna and other LLaMA-architecture checkpoints
+whose ``config.json`` says ``"llama"`` load as :class:`DistributedLlamaConfig`.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Any, Self, cast
+
+from transformers import BloomConfig, LlamaConfig, PreTrainedConfig
+
+from .._errors import ConfigError
+
+__all__ = [
+    "AutoDistributedConfig",
+    "DistributedBloomConfig",
+    "DistributedConfig",
+    "DistributedLlamaConfig",
+    "default_dht_prefix",
+]
+
+# A Hub repo id: "name" or "owner/name". Anything else (absolute or dotted paths, several slashes)
+# can only be a local folder.
+_REPO_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*(/[A-Za-z0-9][A-Za-z0-9_.-]*)?")
+# Dots are left out as well: block keys are f"{dht_prefix}.{index}", split at the last dot.
+_NOT_IN_PREFIX = re.compile(r"[^A-Za-z0-9_-]")
+
+
+def default_dht_prefix(model_name_or_path: str | os.PathLike[str], model_type: str) -> str:
+    """The swarm name of a model, derived from its Hub repo id or local folder.
+
+    - BLOOM repos keep the swarm names of Petals: ``bigscience/bloom`` ->
+      ``bigscience/bloom-petals`` (likewise ``bigscience/bloom-560m``, ``bigscience/bloomz``).
+    - Other repos use the repo name without its owner, so that copies of one model uploaded by
+      different people form one swarm: ``someone/llama-65b-hf`` -> ``llama-65b-hf``.
+    - A local folder (an ``os.PathLike``, or a string that cannot be a repo id) uses its folder
+      name with every character outside ``[A-Za-z0-9_-]`` replaced by ``-``.
+
+    Dots become ``-`` in every derived prefix (``Llama-3.1-8B`` -> ``Llama-3-1-8B``), because block
+    keys are ``f"{dht_prefix}.{block_index}"``. This function is pure: it looks at no file, so a
+    relative folder spelled like a repo id (``models/llama``) counts as a repo here; pass a ``Path``
+    to mean a folder (as :meth:`DistributedConfig.from_pretrained` does for existing folders).
+    """
+    if isinstance(model_name_or_path, os.PathLike) or not _REPO_ID.fullmatch(model_name_or_path):
+        folder_name = Path(model_name_or_path).name
+        return _NOT_IN_PREFIX.sub("-", folder_name) or "model"
+    repo_id = model_name_or_path.replace(".", "-")
+    if model_type == "bloom":
+        return f"{repo_id}-petals"
+    return repo_id.rsplit("/", 1)[-1]
+
+
+class DistributedConfig(PreTrainedConfig):
+    """Common base of the distributed configs: a transformers config with a swarm name.
+
+    Subclasses pair this with one transformers config class (``model_type`` comes from there).
+    """
+
+    dht_prefix: str | None = None
+
+    @classmethod
+    def from_pretrained(  # type: ignore[override]  # keyword-only options, and dht_prefix
+        cls,
+        model_name_or_path: str | os.PathLike[str],
+        *,
+        revision: str | None = None,
+        token: str | bool | None = None,
+        dht_prefix: str | None = None,
+        cache_dir: str | os.PathLike[str] | None = None,
+        local_files_only: bool = False,
+        **kwargs: Any,
+    ) -> Self:
+        """Load ``config.json`` from a Hub repo or a local folder and settle ``dht_prefix``.
+
+        ``dht_prefix`` given here wins; else the one stored in ``config.json``; else
+        :func:`default_dht_prefix`. Other keyword arguments override config attributes, as in
+        transformers. Raises :class:`~petals_core.ConfigError` if the checkpoint is of another
+        family than this class.
+        """
+        return cast(
+            Self,
+            _load_config(
+                cls,
+                model_name_or_path,
+                revision=revision,
+                token=token,
+                dht_prefix=dht_prefix,
+                cache_dir=cache_dir,
+                local_files_only=local_files_only,
+                kwargs=kwargs,
+            ),
+        )
+
+
+class DistributedLlamaConfig(DistributedConfig, LlamaConfig):
+    """A LLaMA-family config (``model_type == "llama"``) with ``dht_prefix``."""
+
+
+class DistributedBloomConfig(DistributedConfig, BloomConfig):
+    """A BLOOM config (``model_type == "bloom"``) with ``dht_prefix``."""
+
+
+_CONFIG_CLASSES: dict[str, type[DistributedConfig]] = {
+    "bloom": DistributedBloomConfig,
+    "llama": DistributedLlamaConfig,
+}
+
+
+class AutoDistributedConfig:
+    """Chooses the distributed config class from the checkpoint's ``model_type``."""
+
+    def __init__(self) -> None:
+        raise TypeError("use AutoDistributedConfig.from_pretrained(...)")
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        model_name_or_path: str | os.PathLike[str],
+        *,
+        revision: str | None = None,
+        token: str | bool | None = None,
+        dht_prefix: str | None = None,
+        cache_dir: str | os.PathLike[str] | None = None,
+        local_files_only: bool = False,
+        **kwargs: Any,
+    ) -> DistributedConfig:
+        """Like :meth:`DistributedConfig.from_pretrained`, for any supported family.
+
+        Raises :class:`~petals_core.ConfigError` (a ``ValueError``) naming the model type when it is
+        not one of ``"bloom"``, ``"llama"``.
+        """
+        return _load_config(
+            None,
+            model_name_or_path,
+            revision=revision,
+            token=token,
+            dht_prefix=dht_prefix,
+            cache_dir=cache_dir,
+            local_files_only=local_files_only,
+            kwargs=kwargs,
+        )
+
+
+def _load_config(
+    expected: type[DistributedConfig] | None,
+    model_name_or_path: str | os.PathLike[str],
+    *,
+    revision: str | None,
+    token: str | bool | None,
+    dht_prefix: str | None,
+    cache_dir: str | os.PathLike[str] | None,
+    local_files_only: bool,
+    kwargs: dict[str, Any],
+) -> DistributedConfig:
+    # One read of config.json (one revision lookup on the Hub), whichever class it turns out to be.
+    config_dict, unused_kwargs = PreTrainedConfig.get_config_dict(
+        model_name_or_path,
+        revision=revision,
+        token=token,
+        cache_dir=cache_dir,
+        local_files_only=local_files_only,
+        **kwargs,
+    )
+    model_type = config_dict.get("model_type")
+    config_class = _CONFIG_CLASSES.get(model_type) if isinstance(model_type, str) else None
+    if config_class is None or not isinstance(model_type, str):
+        raise ConfigError(
+            f"{os.fspath(model_name_or_path)!r} has model_type {model_type!r}, which petals_core "
+            f"does not serve; supported model types: {', '.join(sorted(_CONFIG_CLASSES))}"
+        )
+    if expected is not None and not issubclass(config_class, expected):
+        raise ConfigError(
+            f"{os.fspath(model_name_or_path)!r} has model_type {model_type!r}, not "
+            f"{expected.model_type!r}: load it with {config_class.__name__} "
+            "or AutoDistributedConfig"
+        )
+    config = config_class.from_dict(
+        config_dict, name_or_path=os.fspath(model_name_or_path), **unused_kwargs
+    )
+    if dht_prefix is not None:
+        config.dht_prefix = dht_prefix
+    elif config.dht_prefix is None:
+        source = model_name_or_path
+        if os.path.isdir(source):
+            source = Path(source).resolve()
+        config.dht_prefix = default_dht_prefix(source, model_type)
+    return config

@@ -1,0 +1,166 @@
+"""One BLOOM transformer block, numerically equal to transformers' ``BloomBlock`` in eval mode.
+
+Parameter names are transformers' per-layer names, so
+``block.load_state_dict(hf_layer.state_dict())`` works and checkpoints load shard by shard.
+Differences from transformers, on purpose:
+
+- positions come from ALiBi slopes kept in float32 (never cast with the block: a bf16 slope times
+  a position in the thousands is off by whole logits); attention runs through
+  :func:`petals_core.kernels.attention`, which computes in float32 and dispatches to Triton on CUDA;
+- the cache is our :class:`KVCache`, preallocated per session;
+- dropout is not applied: serving and fine-tuning through a swarm both use eval-mode numerics.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ...kernels import alibi_slopes, attention
+from .._cache import KVCache
+
+if TYPE_CHECKING:
+    from transformers import BloomConfig
+
+__all__ = ["BloomBlock"]
+
+
+def bloom_gelu(x: torch.Tensor) -> torch.Tensor:
+    """BLOOM's tanh-approximated GELU.
+
+    transformers writes it out as ``x * 0.5 * (1 + tanh(0.79788456 * x * (1 + 0.044715 * x * x)))``;
+    0.79788456 and sqrt(2/pi) round to the same float32, so torch's fused op computes the same
+    function without five temporaries the size of the MLP's hidden layer.
+    """
+    return F.gelu(x, approximate="tanh")
+
+
+class BloomAttention(nn.Module):
+    def __init__(self, config: BloomConfig) -> None:
+        super().__init__()
+        self.n_head = config.n_head
+        self.head_dim = config.hidden_size // config.n_head
+        self.query_key_value = nn.Linear(config.hidden_size, 3 * config.hidden_size)
+        self.dense = nn.Linear(config.hidden_size, config.hidden_size)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        slopes: torch.Tensor,
+        cache: KVCache | None,
+        position: int,
+    ) -> torch.Tensor:
+        batch, new, hidden = x.shape  # (B, T, hidden)
+        # Megatron's fused layout interleaves per head: [q_h, k_h, v_h] for each head h.
+        qkv = self.query_key_value(x).view(batch, new, self.n_head, 3, self.head_dim)
+        q = qkv[..., 0, :].transpose(1, 2)  # (B, n_head, T, head_dim)
+        k = qkv[..., 1, :].transpose(1, 2)
+        v = qkv[..., 2, :].transpose(1, 2)
+        if cache is not None:
+            k, v = cache.append(k, v)  # (B, n_head, position + T, head_dim)
+        y = attention(q, k, v, query_offset=position, alibi_slopes=slopes)  # (B, n_head, T, hd)
+        return self.dense(y.transpose(1, 2).reshape(batch, new, hidden))
+
+
+class BloomMLP(nn.Module):
+    def __init__(self, config: BloomConfig) -> None:
+        super().__init__()
+        self.dense_h_to_4h = nn.Linear(config.hidden_size, 4 * config.hidden_size)
+        self.dense_4h_to_h = nn.Linear(4 * config.hidden_size, config.hidden_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dense_4h_to_h(bloom_gelu(self.dense_h_to_4h(x)))
+
+
+class BloomBlock(nn.Module):
+    """LayerNorm -> ALiBi self-attention -> residual -> LayerNorm -> GELU MLP -> residual."""
+
+    def __init__(self, config: BloomConfig, layer_idx: int = 0) -> None:
+        super().__init__()
+        if config.hidden_size % config.n_head:
+            raise ValueError(
+                f"hidden_size {config.hidden_size} is not a multiple of n_head {config.n_head}"
+            )
+        self.layer_idx = layer_idx
+        self.n_head = config.n_head
+        self.head_dim = config.hidden_size // config.n_head
+        self.residual_after_norm = config.apply_residual_connection_post_layernorm
+        eps = config.layer_norm_epsilon
+        self.input_layernorm = nn.LayerNorm(config.hidden_size, eps=eps)
+        self.self_attention = BloomAttention(config)
+        self.post_attention_layernorm = nn.LayerNorm(config.hidden_size, eps=eps)
+        self.mlp = BloomMLP(config)
+        # A plain attribute, not a buffer: ``block.to(torch.bfloat16)`` must not round the slopes.
+        self._slopes = alibi_slopes(config.n_head)  # (n_head,) float32
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        *,
+        cache: KVCache | None = None,
+        position: int | None = None,
+    ) -> torch.Tensor:
+        """Run ``(B, T, hidden)`` states of positions ``position .. position + T - 1``.
+
+        With a cache, their keys and values are appended to it and the queries attend over
+        everything it holds; ``position`` defaults to ``cache.length`` and must equal it (roll the
+        cache back to resend from earlier).  The cache outlives the call, so that path records no
+        autograd graph.  Without a cache the T tokens attend causally among themselves, with
+        autograd; ``position`` is accepted for symmetry with rotary families and changes nothing,
+        since ALiBi depends only on distances.
+        """
+        if hidden_states.dim() != 3 or hidden_states.shape[1] < 1:
+            raise ValueError(
+                f"hidden_states must be (batch, T >= 1, hidden), got {tuple(hidden_states.shape)}"
+            )
+        if position is not None and position < 0:
+            raise ValueError(f"position must be >= 0, got {position}")
+        if cache is None:
+            return self._forward(hidden_states, None, 0)
+        if position is not None and position != cache.length:
+            raise ValueError(
+                f"the cache holds {cache.length} positions, so the next one is {cache.length}, "
+                f"not {position}; roll the cache back to resend from an earlier position"
+            )
+        if hidden_states.shape[0] != cache.batch:
+            raise ValueError(
+                f"{hidden_states.shape[0]} rows of hidden states for a cache of {cache.batch} rows"
+            )
+        with torch.no_grad():  # the cache checks that the new entries fit before writing them
+            return self._forward(hidden_states, cache, cache.length)
+
+    def _forward(self, x: torch.Tensor, cache: KVCache | None, position: int) -> torch.Tensor:
+        normed = self.input_layernorm(x)  # (B, T, hidden)
+        residual = normed if self.residual_after_norm else x
+        x = residual + self.self_attention(normed, self._slopes_on(x.device), cache, position)
+        normed = self.post_attention_layernorm(x)
+        residual = normed if self.residual_after_norm else x
+        return residual + self.mlp(normed)
+
+    def allocate_cache(
+        self,
+        batch: int,
+        max_length: int,
+        *,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+    ) -> KVCache:
+        """A cache for ``batch`` rows of up to ``max_length`` positions, by default in the
+        dtype and on the device of the block's (never quantised) LayerNorm."""
+        reference = self.input_layernorm.weight
+        return KVCache.allocate(
+            batch=batch,
+            kv_heads=self.n_head,
+            max_length=max_length,
+            head_dim=self.head_dim,
+            dtype=reference.dtype if dtype is None else dtype,
+            device=reference.device if device is None else device,
+        )
+
+    def _slopes_on(self, device: torch.device) -> torch.Tensor:
+        if self._slopes.device != device:
+            self._slopes = self._slopes.to(device)
+        return self._slopes

@@ -1,0 +1,233 @@
+"""One LLaMA decoder block, as a server runs it: weights named as in transformers, our KV cache.
+
+The block is ``x + attn(norm(x))`` then ``x + mlp(norm(x))`` with RMSNorm, rotary grouped-query
+attention and a SwiGLU MLP. Parameter names are transformers' per-layer names, so
+``block.load_state_dict(hf_model.model.layers[i].state_dict())`` loads a layer of a checkpoint.
+
+The block holds no per-session state: one instance serves every session, each bringing its own
+:class:`KVCache`. That is why rotary frequencies are a function of the positions being computed only
+(see :class:`LlamaRotary` for what this means for dynamic NTK scaling).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+from transformers import LlamaConfig
+from transformers.activations import ACT2FN
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+from ... import kernels
+from .._cache import KVCache
+
+__all__ = ["LlamaBlock", "LlamaRotary"]
+
+# RoPE types whose frequencies depend on the configuration alone; "dynamic" also on the length.
+_STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+
+
+class LlamaRotary:
+    """cos/sin of the rotary embedding for absolute positions, with transformers' RoPE scalings.
+
+    Frequencies and attention scaling come from transformers' own ``ROPE_INIT_FUNCTIONS`` and the
+    values match ``LlamaRotaryEmbedding`` (float32, then cast like it casts). Dynamic NTK scaling
+    recomputes the frequencies from the end of the chunk being computed whenever it lies past
+    ``max_position_embeddings``. transformers keeps a high-water mark in the module instead, which
+    gives the same result as long as positions only grow; a block shared by many sessions, any of
+    which may roll back, cannot keep that state, so here the result depends on the inputs alone.
+    """
+
+    def __init__(self, config: LlamaConfig) -> None:
+        if not config.rope_parameters:
+            raise ValueError("the config has no rope_parameters")
+        self.config = config
+        self.rope_type: str = config.rope_parameters.get("rope_type") or "default"
+        if self.rope_type not in (*_STATIC_ROPE_TYPES, "dynamic"):
+            raise ValueError(
+                f"rope_type {self.rope_type!r} is not supported for LLaMA blocks; "
+                f"supported: {', '.join((*_STATIC_ROPE_TYPES, 'dynamic'))}"
+            )
+        self._init: Callable[..., tuple[torch.Tensor, float]] = (
+            LlamaRotaryEmbedding.compute_default_rope_parameters
+            if self.rope_type == "default"
+            else ROPE_INIT_FUNCTIONS[self.rope_type]
+        )
+        inv_freq, self.attention_scaling = self._init(config)
+        # A plain attribute, not a buffer, so that ``block.to(bfloat16)`` leaves it in float32.
+        self.inv_freq = inv_freq  # (head_dim // 2,) float32
+        self.original_max_length: int = config.max_position_embeddings
+
+    def inv_freq_for(self, end: int, device: torch.device) -> torch.Tensor:
+        """Frequencies for a chunk whose last position is ``end - 1``."""
+        if self.rope_type == "dynamic" and end > self.original_max_length:
+            # A tensor seq_len, as transformers passes it, so the new base is computed the same way.
+            seq_len = torch.tensor(end, device=device)
+            inv_freq, _ = self._init(self.config, device, seq_len=seq_len)
+            return inv_freq
+        if self.inv_freq.device != device:
+            self.inv_freq = self.inv_freq.to(device)
+        return self.inv_freq
+
+    def __call__(
+        self, position: int, length: int, *, device: torch.device, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin of positions ``position .. position + length - 1``, each (1, T, head_dim)."""
+        inv_freq = self.inv_freq_for(position + length, device)
+        positions = torch.arange(position, position + length, device=device)
+        freqs = positions[None, :, None].float() * inv_freq  # (1, T, head_dim // 2)
+        emb = torch.cat((freqs, freqs), dim=-1)  # (1, T, head_dim)
+        cos = emb.cos() * self.attention_scaling
+        sin = emb.sin() * self.attention_scaling
+        return cos.to(dtype), sin.to(dtype)
+
+
+class LlamaRMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return kernels.rms_norm(x, self.weight, self.eps)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.n_head: int = config.num_attention_heads
+        self.n_kv_head: int = config.num_key_value_heads or self.n_head
+        self.head_dim: int = config.head_dim or config.hidden_size // config.num_attention_heads
+        if self.n_head % self.n_kv_head:
+            raise ValueError(f"{self.n_head} heads cannot share {self.n_kv_head} key/value heads")
+        hidden, bias = config.hidden_size, config.attention_bias
+        self.q_proj = nn.Linear(hidden, self.n_head * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(hidden, self.n_kv_head * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(hidden, self.n_kv_head * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.n_head * self.head_dim, hidden, bias=bias)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        *,
+        cache: KVCache | None,
+        position: int,
+    ) -> torch.Tensor:
+        batch, new, _ = x.shape  # (B, T, hidden)
+        q = self.q_proj(x).view(batch, new, self.n_head, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(batch, new, self.n_kv_head, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(batch, new, self.n_kv_head, self.head_dim).transpose(1, 2)
+        if cache is not None:
+            # Rotate q and k, and write k and v into the cache: one kernel on CUDA.
+            q, k, v = cache.append_rotated(
+                q, k, v, cos, sin
+            )  # k, v: (B, n_kv_head, position + T, head_dim)
+        else:
+            q = kernels.rotary(q, cos, sin)  # (B, n_head, T, head_dim)
+            k = kernels.rotary(k, cos, sin)  # (B, n_kv_head, T, head_dim)
+        y = kernels.attention(q, k, v, query_offset=position)  # (B, n_head, T, head_dim)
+        y = y.transpose(1, 2).reshape(batch, new, self.n_head * self.head_dim)
+        return self.o_proj(y)
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        hidden, inner, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
+        self.gate_proj = nn.Linear(hidden, inner, bias=bias)
+        self.up_proj = nn.Linear(hidden, inner, bias=bias)
+        self.down_proj = nn.Linear(inner, hidden, bias=bias)
+        self.act_fn = ACT2FN[config.hidden_act]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+
+class LlamaBlock(nn.Module):
+    """A LLaMA decoder layer; ``state_dict()`` keys are transformers' ``LlamaDecoderLayer`` keys."""
+
+    def __init__(self, config: LlamaConfig, layer_idx: int = 0) -> None:
+        super().__init__()
+        self.config = config
+        self.layer_idx = layer_idx
+        self.self_attn = LlamaAttention(config)
+        self.mlp = LlamaMLP(config)
+        self.input_layernorm = LlamaRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = LlamaRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary = LlamaRotary(config)
+
+    def allocate_cache(
+        self,
+        batch: int,
+        max_length: int,
+        *,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+    ) -> KVCache:
+        """An empty cache for a session of ``batch`` rows; dtype and device follow the block's
+        (never quantised) RMSNorm weight."""
+        weight = self.input_layernorm.weight
+        return KVCache.allocate(
+            batch=batch,
+            kv_heads=self.self_attn.n_kv_head,
+            max_length=max_length,
+            head_dim=self.self_attn.head_dim,
+            dtype=weight.dtype if dtype is None else dtype,
+            device=weight.device if device is None else device,
+        )
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        *,
+        cache: KVCache | None = None,
+        position: int | None = None,
+    ) -> torch.Tensor:
+        """Run ``T`` new positions: ``(B, T, hidden)`` in, ``(B, T, hidden)`` out.
+
+        With a cache, the new keys/values are appended to it and the queries attend over everything
+        it holds; ``position`` (the absolute position of the first new token) defaults to
+        ``cache.length`` and must equal it (roll the cache back to resend from earlier). Without a
+        cache, the ``T`` tokens attend causally among themselves from ``position`` (default 0);
+        this is the path for training and supports autograd. The cache path is for inference and
+        runs without autograd (a graph kept through the cache would grow for a whole session).
+        """
+        if hidden_states.dim() != 3 or hidden_states.shape[1] == 0:
+            raise ValueError(
+                f"hidden_states must be (batch, T >= 1, hidden), got {tuple(hidden_states.shape)}"
+            )
+        if cache is None:
+            position = 0 if position is None else position
+        elif position is None:
+            position = cache.length
+        elif position != cache.length:
+            raise ValueError(
+                f"the cache holds {cache.length} positions, so the next one is {cache.length}, "
+                f"not {position}; roll the cache back to resend from an earlier position"
+            )
+        if position < 0:
+            raise ValueError(f"position must be >= 0, got {position}")
+        if cache is not None:
+            if hidden_states.shape[0] != cache.batch:
+                raise ValueError(
+                    f"{hidden_states.shape[0]} rows of hidden states for a cache of "
+                    f"{cache.batch} rows"
+                )
+            with torch.no_grad():
+                return self._forward(hidden_states, cache, position)
+        return self._forward(hidden_states, None, position)
+
+    def _forward(
+        self, hidden_states: torch.Tensor, cache: KVCache | None, position: int
+    ) -> torch.Tensor:
+        cos, sin = self.rotary(
+            position, hidden_states.shape[1], device=hidden_states.device, dtype=hidden_states.dtype
+        )  # (1, T, head_dim) each
+        x = hidden_states
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache=cache, position=position)
+        x = x + self.mlp(self.post_attention_layernorm(x))
+        return x
