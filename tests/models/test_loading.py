@@ -381,7 +381,38 @@ def test_prepare_smollm2_fills_the_cache_for_offline_use(
         "model.norm.weight": (576,),
     }
     assert hub.server.requests == []
+    _our_blocks_reproduce_the_real_model(snapshot, config, hub)
     shutil.rmtree(storage)  # 0.5 GB: pytest keeps the tmp folders of the last runs
+
+
+def _our_blocks_reproduce_the_real_model(snapshot: Path, config: object, hub: Hub) -> None:
+    """The 30 trained blocks, loaded shard by shard into LlamaBlocks, give transformers' own
+    hidden states and the same greedy next tokens for a real prompt."""
+    from transformers import AutoTokenizer, LlamaForCausalLM
+
+    from petals_core.models import LlamaBlock, load_blocks
+
+    tokenizer = AutoTokenizer.from_pretrained(snapshot)
+    model = LlamaForCausalLM.from_pretrained(snapshot, dtype=torch.float32).eval()
+    ids = tokenizer("The capital of France is", return_tensors="pt").input_ids
+    weights = load_blocks(SMOLLM2_REPO_ID, range(30), config=config, cache_dir=hub.cache_dir)
+    blocks = []
+    for index in range(30):
+        block = LlamaBlock(config, index).eval()  # type: ignore[arg-type]
+        block.load_state_dict(weights[index])
+        blocks.append(block)
+    with torch.inference_mode():
+        expected = model(ids, output_hidden_states=True)
+        hidden = model.model.embed_tokens(ids)
+        caches = [block.allocate_cache(1, ids.shape[1] + 4) for block in blocks]
+        for block, cache in zip(blocks, caches, strict=True):
+            hidden = block(hidden, cache=cache)
+        # hidden_states[-1] is after the final norm: compare there, and the next token.
+        ours = model.model.norm(hidden)
+        assert (ours - expected.hidden_states[-1]).abs().max().item() < 1e-3
+        logits = model.lm_head(ours[:, -1])
+        assert logits.argmax(-1).item() == expected.logits[0, -1].argmax().item()
+        assert tokenizer.decode(logits.argmax(-1)).strip() == "Paris"
 
 
 def test_smollm2_missing_package_says_how_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
