@@ -1,5 +1,8 @@
 """Choose each kernel's implementation by device: Triton on CUDA, the torch reference elsewhere.
 
+Kernels launch inside ``torch.cuda.device(<the tensors' device>)``: Triton launches on the current
+device, which for a block on ``cuda:1`` need not be the tensors' own.
+
 The Triton kernels are imported only when a CUDA tensor first needs them, so CPU-only programs never
 import triton.
 """
@@ -42,9 +45,10 @@ def attention(
     if _use_triton(q, k, v):
         from . import _triton_attention
 
-        return _triton_attention.attention(
-            q, k, v, query_offset=query_offset, scale=scale, alibi_slopes=alibi_slopes
-        )
+        with torch.cuda.device(q.device):
+            return _triton_attention.attention(
+                q, k, v, query_offset=query_offset, scale=scale, alibi_slopes=alibi_slopes
+            )
     if alibi_slopes is None and q.dtype in (torch.float16, torch.bfloat16):
         return _sdpa_attention(q, k, v, query_offset=query_offset, scale=scale)
     return attention_reference(
@@ -83,7 +87,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if _use_triton(x, weight):
         from . import _triton_norm
 
-        return _triton_norm.rms_norm(x, weight, eps)
+        with torch.cuda.device(x.device):
+            return _triton_norm.rms_norm(x, weight, eps)
     return rms_norm_reference(x, weight, eps)
 
 
@@ -91,7 +96,8 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     if _use_triton(x, cos, sin):
         from . import _triton_rotary
 
-        return _triton_rotary.rotary(x, cos, sin)
+        with torch.cuda.device(x.device):
+            return _triton_rotary.rotary(x, cos, sin)
     return rotary_reference(x, cos, sin)
 
 
@@ -113,18 +119,26 @@ def rotary_append(
     if _use_triton(q, k, v, cos, sin):
         from . import _triton_rotary
 
-        return _triton_rotary.rotary_append(
-            q, k, v, cos, sin, keys=keys, values=values, start=start
-        )
+        with torch.cuda.device(q.device):
+            return _triton_rotary.rotary_append(
+                q, k, v, cos, sin, keys=keys, values=values, start=start
+            )
     return rotary_append_reference(q, k, v, cos, sin, keys=keys, values=values, start=start)
 
 
 def _use_triton(*tensors: torch.Tensor) -> bool:
     """Triton for CUDA tensors, unless autograd will need a backward (the kernels have none;
     training takes the torch path, which has one)."""
-    if not tensors[0].is_cuda or not _triton_installed():
+    first = tensors[0]
+    if not first.is_cuda or not _triton_installed() or not _kernels_fit(first.device.index):
         return False
     return not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
+
+
+@functools.cache
+def _kernels_fit(device_index: int | None) -> bool:
+    """The kernels' tiles assume Ampere or newer (shared memory, bf16); older GPUs use torch."""
+    return torch.cuda.get_device_capability(device_index) >= (8, 0)
 
 
 @functools.cache

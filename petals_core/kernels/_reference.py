@@ -105,11 +105,17 @@ def rotary_append_reference(
 
 
 def alibi_slopes(n_head: int) -> torch.Tensor:
-    """BLOOM's ALiBi head slopes (float32, (n_head,)), for any number of heads."""
+    """BLOOM's ALiBi head slopes (float32, (n_head,)), for any number of heads.
+
+    Computed as transformers' ``build_alibi_tensor`` does, powers taken in float32: the slopes
+    multiply key positions, so one float32 step of difference shows on long sequences.
+    """
     closest = 2 ** math.floor(math.log2(n_head))
-    base = 2 ** (-(2 ** -(math.log2(closest) - 3)))
-    slopes = [base ** (i + 1) for i in range(closest)]
+    base = torch.tensor(2 ** (-(2 ** -(math.log2(closest) - 3))), dtype=torch.float32)
+    slopes = torch.pow(base, torch.arange(1, 1 + closest, dtype=torch.int32))
     if closest != n_head:
-        extra_base = 2 ** (-(2 ** -(math.log2(2 * closest) - 3)))
-        slopes += [extra_base ** (2 * i + 1) for i in range(min(closest, n_head - closest))]
-    return torch.tensor(slopes, dtype=torch.float32)
+        extra_base = torch.tensor(2 ** (-(2 ** -(math.log2(2 * closest) - 3))), dtype=torch.float32)
+        remaining = min(closest, n_head - closest)
+        extra = torch.pow(extra_base, torch.arange(1, 1 + 2 * remaining, 2, dtype=torch.int32))
+        slopes = torch.cat([slopes, extra])
+    return slopes

@@ -7,11 +7,51 @@ concatenation, and the server's memory budget is known when the session opens.
 
 from __future__ import annotations
 
+import operator
+
 import torch
 
 from .. import kernels
 
-__all__ = ["KVCache"]
+__all__ = ["KVCache", "check_block_input"]
+
+
+def check_block_input(
+    hidden_states: torch.Tensor, *, hidden_size: int, weight: torch.Tensor, cache: KVCache | None
+) -> None:
+    """Refuse inputs a block would silently miscompute: shape, dtype, device, cache fit.
+
+    ``weight`` is a weight that is never quantised (a norm's): its dtype is the block's compute
+    dtype and its device the block's device.
+    """
+    if (
+        hidden_states.dim() != 3
+        or hidden_states.shape[1] < 1
+        or hidden_states.shape[2] != hidden_size
+    ):
+        raise ValueError(
+            f"hidden_states must be (batch, T >= 1, {hidden_size}), "
+            f"got {tuple(hidden_states.shape)}"
+        )
+    if hidden_states.dtype != weight.dtype:
+        raise ValueError(
+            f"hidden_states are {hidden_states.dtype} but this block computes in {weight.dtype}: "
+            "cast them first"
+        )
+    if hidden_states.device != weight.device:
+        raise ValueError(
+            f"hidden_states are on {hidden_states.device} but this block is on {weight.device}"
+        )
+    if cache is not None:
+        if hidden_states.shape[0] != cache.batch:
+            raise ValueError(
+                f"{hidden_states.shape[0]} rows of hidden states for a cache of {cache.batch} rows"
+            )
+        if cache.keys.dtype != weight.dtype or cache.keys.device != weight.device:
+            raise ValueError(
+                f"the cache holds {cache.keys.dtype} on {cache.keys.device}, but this block "
+                f"computes in {weight.dtype} on {weight.device}: allocate it with allocate_cache()"
+            )
 
 
 class KVCache:
@@ -121,12 +161,15 @@ class KVCache:
 
     def rollback(self, position: int) -> None:
         """Forget every position from ``position`` on (a client resending from there)."""
+        position = operator.index(position)
         if not 0 <= position <= self.length:
             raise ValueError(f"cannot roll back to {position}: {self.length} positions are filled")
         self.length = position
 
     def reorder(self, hypo_ids: torch.Tensor) -> None:
         """Rows become ``rows[hypo_ids]`` (beam search keeps the surviving hypotheses)."""
+        if hypo_ids.dtype.is_floating_point or hypo_ids.dtype == torch.bool:
+            raise ValueError(f"hypo_ids must be integers (row indices), got {hypo_ids.dtype}")
         if hypo_ids.dim() != 1 or hypo_ids.shape[0] != self.batch:
             raise ValueError(f"hypo_ids must be ({self.batch},), got {tuple(hypo_ids.shape)}")
         if not bool(((hypo_ids >= 0) & (hypo_ids < self.batch)).all()):

@@ -125,6 +125,9 @@ def block_state_dict(
     )[block_index]
 
 
+_STALE_BUFFERS = ("rotary_emb.inv_freq",)
+
+
 def load_blocks(
     model_name_or_path: str | os.PathLike[str],
     block_indices: Iterable[int],
@@ -168,6 +171,9 @@ def load_blocks(
             name
             for name in checkpoint.weight_map
             if name.startswith(f"{base}{layout.blocks}{index}.")
+            # Checkpoints saved by transformers 4.28-4.30 (e.g. Llama-2) still hold the rotary
+            # frequencies as a buffer; they follow from the config and are not weights.
+            and not name.endswith(_STALE_BUFFERS)
         ]
         for index in indices
     }

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ...kernels import alibi_slopes, attention
-from .._cache import KVCache
+from .._cache import KVCache, check_block_input
 
 if TYPE_CHECKING:
     from transformers import BloomConfig
@@ -112,10 +112,12 @@ class BloomBlock(nn.Module):
         autograd; ``position`` is accepted for symmetry with rotary families and changes nothing,
         since ALiBi depends only on distances.
         """
-        if hidden_states.dim() != 3 or hidden_states.shape[1] < 1:
-            raise ValueError(
-                f"hidden_states must be (batch, T >= 1, hidden), got {tuple(hidden_states.shape)}"
-            )
+        check_block_input(
+            hidden_states,
+            hidden_size=self.input_layernorm.normalized_shape[0],
+            weight=self.input_layernorm.weight,
+            cache=cache,
+        )
         if position is not None and position < 0:
             raise ValueError(f"position must be >= 0, got {position}")
         if cache is None:

@@ -21,7 +21,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from ... import kernels
-from .._cache import KVCache
+from .._cache import KVCache, check_block_input
 
 __all__ = ["LlamaBlock", "LlamaRotary"]
 
@@ -129,7 +129,9 @@ class LlamaAttention(nn.Module):
         else:
             q = kernels.rotary(q, cos, sin)  # (B, n_head, T, head_dim)
             k = kernels.rotary(k, cos, sin)  # (B, n_kv_head, T, head_dim)
-        y = kernels.attention(q, k, v, query_offset=position)  # (B, n_head, T, head_dim)
+        # Without a cache the T tokens attend among themselves; position only sets the angles.
+        offset = 0 if cache is None else position
+        y = kernels.attention(q, k, v, query_offset=offset)  # (B, n_head, T, head_dim)
         y = y.transpose(1, 2).reshape(batch, new, self.n_head * self.head_dim)
         return self.o_proj(y)
 
@@ -196,10 +198,12 @@ class LlamaBlock(nn.Module):
         this is the path for training and supports autograd. The cache path is for inference and
         runs without autograd (a graph kept through the cache would grow for a whole session).
         """
-        if hidden_states.dim() != 3 or hidden_states.shape[1] == 0:
-            raise ValueError(
-                f"hidden_states must be (batch, T >= 1, hidden), got {tuple(hidden_states.shape)}"
-            )
+        check_block_input(
+            hidden_states,
+            hidden_size=self.config.hidden_size,
+            weight=self.input_layernorm.weight,
+            cache=cache,
+        )
         if cache is None:
             position = 0 if position is None else position
         elif position is None:
@@ -212,11 +216,6 @@ class LlamaBlock(nn.Module):
         if position < 0:
             raise ValueError(f"position must be >= 0, got {position}")
         if cache is not None:
-            if hidden_states.shape[0] != cache.batch:
-                raise ValueError(
-                    f"{hidden_states.shape[0]} rows of hidden states for a cache of "
-                    f"{cache.batch} rows"
-                )
             with torch.no_grad():
                 return self._forward(hidden_states, cache, position)
         return self._forward(hidden_states, None, position)
