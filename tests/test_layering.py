@@ -20,7 +20,9 @@ def _imported_after(module: str, watched: tuple[str, ...]) -> list[str]:
     return [name for name in result.stdout.strip().split(",") if name]
 
 
-@pytest.mark.parametrize("module", ["petals_core", "petals_core.transport", "petals_core.testing"])
+@pytest.mark.parametrize(
+    "module", ["petals_core", "petals_core.transport", "petals_core.testing", "petals_core.dht"]
+)
 def test_transport_imports_no_torch(module: str) -> None:
     assert _imported_after(module, HEAVY) == []
 

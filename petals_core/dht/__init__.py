@@ -1,0 +1,36 @@
+"""The peer table: Kademlia over the QUIC transport.
+
+So far the sans-IO cores: the routing table (160-bit node IDs derived from PeerIDs and record
+keys, the XOR metric, one k-bucket per distance bit with a replacement cache) and the record store
+(values and per-subkey dictionaries with expirations, newest wins, records under a PeerID signed
+by that peer, size/expiration/flood limits) with the server announcement value ``ServerInfo``.
+``now`` and a ``random.Random`` come in, actions come out for a driver to carry out.
+
+Importing it imports no torch.
+"""
+
+from ._records import (
+    Entry as Entry,
+    Record as Record,
+    RecordStore as RecordStore,
+    RecordStoreStatistics as RecordStoreStatistics,
+    ServerInfo as ServerInfo,
+    ServerState as ServerState,
+    StoredValue as StoredValue,
+    StoreRefusal as StoreRefusal,
+    StoreResult as StoreResult,
+    decode_record_untrusted as decode_record_untrusted,
+    encode_record as encode_record,
+    merge as merge,
+    merge_records as merge_records,
+)
+from ._routing import (
+    NODE_ID_BITS as NODE_ID_BITS,
+    Contact as Contact,
+    NodeID as NodeID,
+    PingOldest as PingOldest,
+    RoutingTable as RoutingTable,
+    RoutingTableStatistics as RoutingTableStatistics,
+    bucket_index as bucket_index,
+    xor_distance as xor_distance,
+)
