@@ -37,10 +37,9 @@ def attention(
     """See :func:`attention_reference` for shapes and semantics.
 
     On CUDA: the flash-decoding kernel for up to 16 new tokens, the prefill kernel beyond.
-    Elsewhere, and whenever autograd needs a backward: for 16-bit inputs without ALiBi, torch's
-    fused SDPA (fp32 accumulation inside, and much faster than upcasting everything); otherwise
-    the reference, which fp32 callers get so that results match transformers' eager attention to
-    the last bits.
+    Elsewhere, and whenever autograd needs a backward: without ALiBi, torch's fused SDPA with the
+    same semantics (called as transformers' SDPA attention calls it, so LLaMA blocks match
+    transformers' default attention); with ALiBi, the reference (as transformers' BLOOM).
     """
     if _use_triton(q, k, v):
         from . import _triton_attention
@@ -49,7 +48,7 @@ def attention(
             return _triton_attention.attention(
                 q, k, v, query_offset=query_offset, scale=scale, alibi_slopes=alibi_slopes
             )
-    if alibi_slopes is None and q.dtype in (torch.float16, torch.bfloat16):
+    if alibi_slopes is None:
         return _sdpa_attention(q, k, v, query_offset=query_offset, scale=scale)
     return attention_reference(
         q, k, v, query_offset=query_offset, scale=scale, alibi_slopes=alibi_slopes

@@ -220,8 +220,12 @@ def test_dispatch_keeps_cpu_tensors_on_the_references_without_importing_triton()
         from petals_core.kernels import _dispatch as d, _reference as r
         q, k, v = torch.randn(1, 4, 3, 8), torch.randn(1, 2, 5, 8), torch.randn(1, 2, 5, 8)
         cos, sin = torch.randn(1, 3, 8), torch.randn(1, 3, 8)
+        # Attention without ALiBi goes through torch's SDPA on CPU (see test_dispatch.py);
+        # with ALiBi it is the reference itself.
+        slopes = r.alibi_slopes(4)
         assert torch.equal(
-            d.attention(q, k, v, query_offset=2), r.attention_reference(q, k, v, query_offset=2)
+            d.attention(q, k, v, query_offset=2, alibi_slopes=slopes),
+            r.attention_reference(q, k, v, query_offset=2, alibi_slopes=slopes),
         )
         w = torch.randn(8)
         assert torch.equal(d.rms_norm(q, w, 1e-6), r.rms_norm_reference(q, w, 1e-6))
