@@ -1,6 +1,7 @@
 """The peer table: Kademlia over the QUIC transport.
 
-So far the sans-IO cores: the routing table (160-bit node IDs derived from PeerIDs and record
+So far the sans-IO cores: iterative FIND_NODE / FIND_VALUE lookups (parallelism alpha, timeouts
+fed in as events), the routing table (160-bit node IDs derived from PeerIDs and record
 keys, the XOR metric, one k-bucket per distance bit with a replacement cache) and the record store
 (values and per-subkey dictionaries with expirations, newest wins, records under a PeerID signed
 by that peer, size/expiration/flood limits) with the server announcement value ``ServerInfo``.
@@ -9,6 +10,12 @@ by that peer, size/expiration/flood limits) with the server announcement value `
 Importing it imports no torch.
 """
 
+from ._lookup import (
+    Lookup as Lookup,
+    LookupResult as LookupResult,
+    LookupStatistics as LookupStatistics,
+    Query as Query,
+)
 from ._records import (
     Entry as Entry,
     Record as Record,
