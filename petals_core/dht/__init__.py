@@ -1,15 +1,31 @@
-"""The peer table: Kademlia over the QUIC transport.
+"""The peer table: Kademlia and gossip over the QUIC transport.
 
-So far the sans-IO cores: iterative FIND_NODE / FIND_VALUE lookups (parallelism alpha, timeouts
-fed in as events), the routing table (160-bit node IDs derived from PeerIDs and record
-keys, the XOR metric, one k-bucket per distance bit with a replacement cache) and the record store
-(values and per-subkey dictionaries with expirations, newest wins, records under a PeerID signed
-by that peer, size/expiration/flood limits) with the server announcement value ``ServerInfo``.
-``now`` and a ``random.Random`` come in, actions come out for a driver to carry out.
+So far the sans-IO cores, each taking ``now`` (and a ``random.Random``) and returning actions for a
+driver to carry out:
+
+- the routing table: 160-bit node IDs derived from PeerIDs and record keys, the XOR metric, one
+  k-bucket per distance bit with a replacement cache;
+- iterative FIND_NODE / FIND_VALUE lookups with parallelism alpha, timeouts fed in as events;
+- the record store: values and per-subkey dictionaries with expirations, newest wins, records
+  under a PeerID signed by that peer, size / expiration / flood limits; ``ServerInfo`` is the
+  value servers announce;
+- push-pull gossip of announcements (digests, fan-out, TTL, de-duplication) and the immutable
+  ``PeerTableSnapshot`` that routing reads.
 
 Importing it imports no torch.
 """
 
+from ._gossip import (
+    Action as Action,
+    Digest as Digest,
+    DigestEntry as DigestEntry,
+    Gossip as Gossip,
+    GossipStatistics as GossipStatistics,
+    PeerTableSnapshot as PeerTableSnapshot,
+    Push as Push,
+    Want as Want,
+    build_snapshot as build_snapshot,
+)
 from ._lookup import (
     Lookup as Lookup,
     LookupResult as LookupResult,
