@@ -12,6 +12,9 @@ driver to carry out:
 - push-pull gossip of announcements (digests, fan-out, TTL, de-duplication) and the immutable
   ``PeerTableSnapshot`` that routing reads.
 
+``open_dht_node`` drives them over the QUIC transport with trio: the four RPCs (ping, find_node,
+find_value, store), bootstrap from initial peers, client mode, store / get.
+
 Importing it imports no torch.
 """
 
@@ -31,6 +34,11 @@ from ._lookup import (
     LookupResult as LookupResult,
     LookupStatistics as LookupStatistics,
     Query as Query,
+)
+from ._node import (
+    DHTNode as DHTNode,
+    DHTStatistics as DHTStatistics,
+    open_dht_node as open_dht_node,
 )
 from ._records import (
     Entry as Entry,

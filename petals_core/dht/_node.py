@@ -1,0 +1,485 @@
+"""The DHT node: a trio driver that runs the sans-IO cores over the transport's RPC.
+
+It serves ``dht.ping``, ``dht.find_node``, ``dht.find_value`` and ``dht.store``, and offers
+``store`` / ``get`` built on iterative :class:`Lookup` s.  Everything it starts lives in the
+nursery of :func:`open_dht_node`: nothing outlives that block.
+
+Two clocks, on purpose:
+
+- ``clock`` (default :func:`time.time`) is wall time, the ``now`` of records, routing-table
+  ``last_seen`` and lookups: record expirations are absolute and shared between machines, so they
+  need a clock that every machine agrees on.  Tests inject a clock to expire records at will.
+- ``trio.current_time()`` bounds waiting (request timeouts, lookup deadlines).
+
+Requests carry the caller's listen multiaddr (``"address"``) so the server can add it to its
+routing table, or ``"client": true`` from a client-mode node, which serves nothing and must not
+be added to anyone's table.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+from contextlib import asynccontextmanager
+from typing import Any, Final
+
+import attrs
+import trio
+
+from .._errors import CodecError, ConfigError, PeerUnreachable, TransportError
+from ..transport import (
+    Handlers,
+    Identity,
+    Multiaddr,
+    Node,
+    PeerID,
+    ServerCall,
+    TransportConfig,
+    call_unary,
+    open_node,
+    serve_rpc,
+)
+from ..transport._node import _only_cancellation
+from ._lookup import Lookup, LookupResult
+from ._records import (
+    Record,
+    RecordStore,
+    RecordStoreStatistics,
+    StoredValue,
+    decode_record_untrusted,
+    encode_record,
+    merge,
+)
+from ._routing import Contact, NodeID, PingOldest, RoutingTable, RoutingTableStatistics
+
+__all__ = ["DHTNode", "DHTStatistics", "open_dht_node"]
+
+#: Records one STORE request may carry.
+MAX_RECORDS_PER_REQUEST: Final = 64
+#: Contacts we read from one reply (a peer returns at most its ``k``; more is padding).
+_MAX_CONTACTS_PER_REPLY: Final = 64
+_NODE_ID_BYTES: Final = 20
+
+
+class _BadReply(Exception):
+    """A peer's reply did not have the shape we expect."""
+
+
+@attrs.frozen(kw_only=True)
+class DHTStatistics:
+    routing: RoutingTableStatistics
+    records: RecordStoreStatistics
+    requests_served: int
+    requests_sent: int
+    requests_failed: int
+
+
+def _encode_contacts(contacts: Iterable[Contact]) -> list[list[str]]:
+    return [[str(contact.peer_id), contact.address] for contact in contacts]
+
+
+def _decode_contacts_untrusted(obj: object, now: float) -> list[Contact]:
+    if not isinstance(obj, list) or len(obj) > _MAX_CONTACTS_PER_REPLY:
+        raise _BadReply(f"contacts are a list of at most {_MAX_CONTACTS_PER_REPLY}")
+    contacts = []
+    for item in obj:
+        if not (
+            isinstance(item, list) and len(item) == 2 and all(isinstance(x, str) for x in item)
+        ):
+            raise _BadReply("a contact is [peer_id, multiaddr]")
+        try:
+            peer_id = PeerID.from_string(item[0])
+            address = Multiaddr.parse(item[1]).with_peer_id(peer_id)
+        except (ConfigError, ValueError, TypeError) as exc:
+            raise _BadReply(f"invalid contact {item!r}: {exc}") from None
+        contacts.append(Contact.from_peer_id(peer_id, str(address), last_seen=now))
+    return contacts
+
+
+def _decode_records_untrusted(obj: object) -> list[Record]:
+    if not isinstance(obj, list) or len(obj) > MAX_RECORDS_PER_REQUEST:
+        raise CodecError(f"records are a list of at most {MAX_RECORDS_PER_REQUEST}")
+    return [decode_record_untrusted(item) for item in obj]
+
+
+def _key_untrusted(request: dict[str, Any]) -> str:
+    key = request.get("key")
+    if not isinstance(key, str) or not key:
+        raise CodecError("'key' must be a non-empty str")
+    return key
+
+
+class DHTNode:
+    """A Kademlia node on the transport; build it with :func:`open_dht_node`."""
+
+    def __init__(
+        self,
+        node: Node,
+        nursery: trio.Nursery,
+        *,
+        client_mode: bool,
+        k: int,
+        alpha: int,
+        replicas: int,
+        request_timeout_s: float,
+        clock: Callable[[], float],
+        rng: random.Random,
+    ) -> None:
+        self._node = node
+        self._nursery = nursery
+        self._client_mode = client_mode
+        self._k = k
+        self._alpha = alpha
+        self._replicas = replicas
+        self._request_timeout_s = request_timeout_s
+        self._clock = clock
+        self._own = NodeID.from_peer_id(node.peer_id)
+        self._table = RoutingTable(self._own, k=k, rng=rng)
+        self._records = RecordStore()
+        self._served = 0
+        self._sent = 0
+        self._failed = 0
+
+    @property
+    def peer_id(self) -> PeerID:
+        return self._node.peer_id
+
+    @property
+    def listen_multiaddr(self) -> Multiaddr:
+        return self._node.listen_multiaddr
+
+    @property
+    def routing_table(self) -> RoutingTable:
+        """Read it, don't change it: the node owns it."""
+        return self._table
+
+    def statistics(self) -> DHTStatistics:
+        return DHTStatistics(
+            routing=self._table.statistics(),
+            records=self._records.statistics(),
+            requests_served=self._served,
+            requests_sent=self._sent,
+            requests_failed=self._failed,
+        )
+
+    # -- client API ------------------------------------------------------------------------------
+
+    async def store(
+        self,
+        key: str,
+        value: bytes,
+        expiration: float,
+        *,
+        subkey: str | None = None,
+        signed: bool = False,
+    ) -> int:
+        """Store ``value`` under ``key`` (and ``subkey``) until ``expiration`` (absolute, on the
+        node's clock) on the ``replicas`` nodes nearest the key, and here unless in client mode.
+
+        ``signed=True`` files it under our own PeerID as subkey, signed.  Returns how many remote
+        nodes accepted it.
+        """
+        if signed:
+            if subkey is not None:
+                raise ValueError("a signed record's subkey is our PeerID; pass no subkey")
+            record = Record.signed(self._node.identity, key, value, expiration)
+        else:
+            record = Record(key, subkey, value, expiration)
+        if not self._client_mode:
+            self._records.store(record, self._clock())
+        result = await self._lookup(NodeID.from_key(key), want_value=None)
+        accepted = 0
+
+        async def store_at(contact: Contact) -> None:
+            nonlocal accepted
+            reply = await self._request(contact, "dht.store", {"records": [encode_record(record)]})
+            if reply is None:
+                return
+            results = reply.get("results")
+            if isinstance(results, list) and results == [None]:
+                accepted += 1
+
+        async with trio.open_nursery() as nursery:
+            for contact in result.contacts[: self._replicas]:
+                nursery.start_soon(store_at, contact)
+        return accepted
+
+    async def get(self, key: str, *, latest: bool = False) -> StoredValue | None:
+        """What the network (and our own store) holds for ``key``, merged, or None.
+
+        ``latest=False`` stops at the first node that has the key; ``latest=True`` asks all the
+        ``k`` nearest nodes and merges everything (the newest entry of every subkey).
+        """
+        result = await self._lookup(
+            NodeID.from_key(key), want_value=key, stop_after_values=None if latest else 1
+        )
+        now = self._clock()
+        found = merge(result.value, self._records.get(key, now))
+        if found is None:
+            return None
+        live = {s: e for s, e in found.entries.items() if e.expiration > now}
+        return StoredValue(live) if live else None
+
+    # -- lookups ---------------------------------------------------------------------------------
+
+    async def _lookup(
+        self, target: NodeID, *, want_value: str | None, stop_after_values: int | None = None
+    ) -> LookupResult:
+        lookup = Lookup(
+            target,
+            self._table.closest(target, self._k),
+            k=self._k,
+            alpha=self._alpha,
+            query_timeout_s=self._request_timeout_s,
+            want_value=want_value,
+            stop_after_values=stop_after_values if want_value is not None else None,
+            own=self._own,
+        )
+        send, receive = trio.open_memory_channel[tuple[Contact, dict[str, Any] | None]](math.inf)
+        async with trio.open_nursery() as nursery:
+
+            def launch(queries: Iterable[Any]) -> None:
+                for query in queries:
+                    nursery.start_soon(ask, query.contact)
+
+            async def ask(contact: Contact) -> None:
+                if want_value is None:
+                    request = {"target": target.to_bytes()}
+                    reply = await self._request(contact, "dht.find_node", request)
+                else:
+                    reply = await self._request(contact, "dht.find_value", {"key": want_value})
+                send.send_nowait((contact, reply))
+
+            launch(lookup.start(self._clock()))
+            while not lookup.done:
+                deadline = lookup.next_deadline()
+                if deadline is None:
+                    break  # nothing in flight and nothing left to ask
+                wait_until = trio.current_time() + max(0.0, deadline - self._clock())
+                with trio.move_on_at(wait_until):
+                    contact, reply = await receive.receive()
+                    launch(self._feed(lookup, contact, reply))
+                    continue
+                launch(lookup.on_timeout(self._clock()))
+            nursery.cancel_scope.cancel()
+        return lookup.result()
+
+    def _feed(self, lookup: Lookup, contact: Contact, reply: dict[str, Any] | None) -> list[Any]:
+        now = self._clock()
+        if reply is None:
+            return lookup.on_failure(contact.node_id, now)
+        try:
+            contacts = _decode_contacts_untrusted(reply.get("contacts"), now)
+            records = None
+            if lookup.want_value is not None:
+                records = _decode_records_untrusted(reply.get("records", []))
+        except (_BadReply, CodecError):
+            self._table.failed(contact.node_id, now)
+            return lookup.on_failure(contact.node_id, now)
+        return lookup.on_reply(contact.node_id, contacts, records, now)
+
+    # -- requests --------------------------------------------------------------------------------
+
+    def _identify(self, request: dict[str, Any]) -> dict[str, Any]:
+        if self._client_mode:
+            request["client"] = True
+        else:
+            request["address"] = str(self._node.listen_multiaddr)
+        return request
+
+    async def _request(
+        self, contact: Contact, method: str, request: dict[str, Any]
+    ) -> dict[str, Any] | None:
+        """Call ``method`` on ``contact``; None (and the contact dropped) if it failed."""
+        self._sent += 1
+        reply: dict[str, Any] | None = None
+        with trio.move_on_after(self._request_timeout_s):
+            try:
+                connection = await self._node.connect(contact.address)
+                reply = await call_unary(connection, method, self._identify(request))
+            except TransportError:
+                pass
+        now = self._clock()
+        if reply is None:
+            self._failed += 1
+            self._table.failed(contact.node_id, now)
+            return None
+        self._observe(contact, now)
+        return reply
+
+    def _observe(self, contact: Contact, now: float) -> None:
+        action = self._table.observe(contact, now)
+        if isinstance(action, PingOldest):
+            self._nursery.start_soon(self._ping_oldest, action.contact)
+
+    async def _ping_oldest(self, contact: Contact) -> None:
+        self._sent += 1
+        alive = False
+        with trio.move_on_after(self._request_timeout_s):
+            try:
+                connection = await self._node.connect(contact.address)
+                await call_unary(connection, "dht.ping", self._identify({}))
+                alive = True
+            except TransportError:
+                pass
+        if not alive:
+            self._failed += 1
+        self._table.ping_result(contact.node_id, alive, self._clock())
+
+    async def _bootstrap(self, initial_peers: Sequence[str]) -> None:
+        addresses = [Multiaddr.parse(text) for text in initial_peers]
+        errors: list[str] = []
+
+        async def ping(address: Multiaddr) -> None:
+            with trio.move_on_after(self._request_timeout_s):
+                try:
+                    connection = await self._node.connect(address)
+                    await call_unary(connection, "dht.ping", self._identify({}))
+                except TransportError as exc:
+                    errors.append(f"{address}: {type(exc).__name__}: {exc}")
+                    return
+                contact = Contact.from_peer_id(
+                    connection.peer_id,
+                    str(address.with_peer_id(connection.peer_id)),
+                    last_seen=self._clock(),
+                )
+                self._observe(contact, self._clock())
+                return
+            errors.append(f"{address}: no answer within {self._request_timeout_s} s")
+
+        async with trio.open_nursery() as nursery:
+            for address in addresses:
+                nursery.start_soon(ping, address)
+        if not len(self._table):
+            raise PeerUnreachable(
+                f"none of the initial peers answered: {'; '.join(errors) or 'no peers given'}"
+            )
+        await self._lookup(self._own, want_value=None)
+
+    # -- serving ---------------------------------------------------------------------------------
+
+    def _caller(self, request: object, call: ServerCall) -> dict[str, Any]:
+        """Check the fields every request carries and note the caller in the routing table."""
+        if not isinstance(request, dict):
+            raise CodecError("a request is a map")
+        self._served += 1
+        if request.get("client") is True:
+            return request
+        address = request.get("address")
+        if not isinstance(address, str):
+            raise CodecError("a request carries 'address' (a multiaddr str) or 'client': true")
+        try:
+            maddr = Multiaddr.parse(address)
+        except ConfigError as exc:
+            raise CodecError(f"invalid 'address': {exc}") from None
+        if maddr.peer_id not in (None, call.peer_id):
+            raise CodecError("'address' names a PeerID other than the caller's")
+        now = self._clock()
+        contact = Contact.from_peer_id(
+            call.peer_id, str(maddr.with_peer_id(call.peer_id)), last_seen=now
+        )
+        self._observe(contact, now)
+        return request
+
+    def _handlers(self) -> Handlers:
+        handlers = Handlers()
+
+        @handlers.unary("dht.ping")
+        async def ping(request: dict[str, Any], call: ServerCall) -> dict[str, Any]:
+            self._caller(request, call)
+            return {"peer_id": str(self.peer_id)}
+
+        @handlers.unary("dht.find_node")
+        async def find_node(request: dict[str, Any], call: ServerCall) -> dict[str, Any]:
+            self._caller(request, call)
+            target = request.get("target")
+            if not isinstance(target, bytes) or len(target) != _NODE_ID_BYTES:
+                raise CodecError(f"'target' must be {_NODE_ID_BYTES} bytes")
+            closest = self._table.closest(NodeID.from_bytes(target), self._k)
+            return {"contacts": _encode_contacts(closest)}
+
+        @handlers.unary("dht.find_value")
+        async def find_value(request: dict[str, Any], call: ServerCall) -> dict[str, Any]:
+            self._caller(request, call)
+            key = _key_untrusted(request)
+            held = self._records.get(key, self._clock())
+            records = [encode_record(r) for r in held.records(key)] if held else []
+            closest = self._table.closest(NodeID.from_key(key), self._k)
+            return {"records": records, "contacts": _encode_contacts(closest)}
+
+        @handlers.unary("dht.store")
+        async def store(request: dict[str, Any], call: ServerCall) -> dict[str, Any]:
+            self._caller(request, call)
+            records = _decode_records_untrusted(request.get("records"))
+            now = self._clock()
+            results = []
+            for record in records:
+                outcome = self._records.store(record, now, from_peer=str(call.peer_id))
+                reason = outcome.reason
+                results.append(None if reason is None else f"{reason.value}: {outcome.message}")
+            return {"results": results}
+
+        return handlers
+
+
+@asynccontextmanager
+async def open_dht_node(
+    *,
+    identity: Identity | None = None,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    initial_peers: Sequence[str] = (),
+    client_mode: bool = False,
+    k: int = 20,
+    alpha: int = 3,
+    replicas: int = 5,
+    request_timeout_s: float = 5.0,
+    transport_config: TransportConfig | None = None,
+    clock: Callable[[], float] = time.time,
+    rng: random.Random | None = None,
+) -> AsyncIterator[DHTNode]:
+    """A DHT node listening on ``host:port``, joined through ``initial_peers`` (multiaddrs).
+
+    With no initial peers it starts a new network.  If none of them answers, raises
+    :class:`PeerUnreachable` naming them.  ``client_mode`` nodes serve nothing and never enter
+    other nodes' routing tables.  ``clock`` is the wall clock of record expirations (see the
+    module docstring).
+    """
+    if replicas < 1:
+        raise ConfigError(f"replicas must be at least 1, got {replicas}")
+    if not request_timeout_s > 0:
+        raise ConfigError(f"request_timeout_s must be positive, got {request_timeout_s}")
+    async with open_node(identity, host=host, port=port, config=transport_config) as node:
+        # The block's own exception (or the bootstrap's) is raised as it is, not wrapped in the
+        # nursery's group.
+        raised: BaseException | None = None
+        try:
+            async with trio.open_nursery() as nursery:
+                try:
+                    dht = DHTNode(
+                        node,
+                        nursery,
+                        client_mode=client_mode,
+                        k=k,
+                        alpha=alpha,
+                        replicas=replicas,
+                        request_timeout_s=request_timeout_s,
+                        clock=clock,
+                        rng=rng if rng is not None else random.Random(),
+                    )
+                    if not client_mode:
+                        await nursery.start(serve_rpc, node, dht._handlers())
+                    if initial_peers:
+                        await dht._bootstrap(initial_peers)
+                    yield dht
+                except BaseException as exc:
+                    raised = exc
+                finally:
+                    nursery.cancel_scope.cancel()
+        except BaseException as exc:
+            if raised is None or not _only_cancellation(exc):
+                raise
+        if raised is not None:
+            raise raised

@@ -1,0 +1,152 @@
+"""DHT nodes over real QUIC on loopback: a small swarm storing, finding and forgetting records."""
+
+from __future__ import annotations
+
+import socket
+import time
+from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack, asynccontextmanager
+
+import pytest
+import trio
+
+from petals_core._errors import PeerUnreachable
+from petals_core.dht import NodeID
+from petals_core.dht._node import DHTNode, open_dht_node
+from petals_core.transport import (
+    Identity,
+    Multiaddr,
+    RemoteError,
+    TransportConfig,
+    call_unary,
+    open_node,
+)
+
+DEADLINE_S = 60
+SWARM = 10
+
+
+class FakeClock:
+    """Wall time that tests advance by hand, so that records expire without waiting."""
+
+    def __init__(self) -> None:
+        self.now = time.time()
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@asynccontextmanager
+async def swarm(clock: FakeClock, n: int = SWARM) -> AsyncIterator[list[DHTNode]]:
+    async with AsyncExitStack() as stack:
+        first = await stack.enter_async_context(open_dht_node(clock=clock, request_timeout_s=2))
+        nodes = [first]
+        for _ in range(n - 1):
+            nodes.append(
+                await stack.enter_async_context(
+                    open_dht_node(
+                        initial_peers=[str(first.listen_multiaddr)],
+                        clock=clock,
+                        request_timeout_s=2,
+                    )
+                )
+            )
+        yield nodes
+
+
+async def test_store_on_one_node_get_from_another() -> None:
+    clock = FakeClock()
+    with trio.fail_after(DEADLINE_S):
+        async with swarm(clock) as nodes:
+            assert all(len(node.routing_table) >= 1 for node in nodes)
+            accepted = await nodes[3].store("model.block.7", b"hello", clock.now + 60)
+            assert accepted >= 1
+            found = await nodes[8].get("model.block.7")
+            assert found is not None
+            assert found.entries[None].value == b"hello"
+            assert await nodes[5].get("no.such.key") is None
+
+            # A dictionary of subkeys signed by two identities, stored through different nodes.
+            assert await nodes[1].store("servers", b"from-1", clock.now + 60, signed=True)
+            assert await nodes[2].store("servers", b"from-2", clock.now + 60, signed=True)
+            merged = await nodes[9].get("servers", latest=True)
+            assert merged is not None and merged.is_dictionary
+            assert {entry.value for entry in merged.entries.values()} == {b"from-1", b"from-2"}
+            assert set(merged.entries) == {str(nodes[1].peer_id), str(nodes[2].peer_id)}
+            for record in merged.records("servers"):
+                assert record.verify()
+
+            # Records expire: advance the shared wall clock past their expiration.
+            clock.now += 120
+            assert await nodes[8].get("model.block.7") is None
+            assert await nodes[9].get("servers", latest=True) is None
+            assert nodes[0].statistics().requests_served > 0
+
+
+async def test_client_mode_node_uses_the_dht_but_enters_no_table() -> None:
+    clock = FakeClock()
+    with trio.fail_after(DEADLINE_S):
+        async with (
+            swarm(clock, n=5) as nodes,
+            open_dht_node(
+                initial_peers=[str(nodes[0].listen_multiaddr)], client_mode=True, clock=clock
+            ) as client,
+        ):
+            assert await client.store("k", b"v", clock.now + 60) >= 1
+            found = await client.get("k")
+            assert found is not None and found.entries[None].value == b"v"
+            assert await nodes[4].get("k") == found
+            client_id = NodeID.from_peer_id(client.peer_id)
+            for node in nodes:
+                assert client_id not in node.routing_table
+            assert client.statistics().requests_served == 0
+
+
+async def test_bootstrap_from_a_dead_address_names_it() -> None:
+    silent = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    silent.bind(("127.0.0.1", 0))
+    try:
+        dead = Multiaddr.from_socket_address(*silent.getsockname(), Identity.generate().peer_id)
+        with trio.fail_after(DEADLINE_S), pytest.raises(PeerUnreachable, match=str(dead.port)):
+            async with open_dht_node(
+                initial_peers=[str(dead)],
+                request_timeout_s=1,
+                transport_config=TransportConfig(connect_timeout_s=0.5),
+            ):
+                pytest.fail("bootstrap should have failed")
+    finally:
+        silent.close()
+
+
+async def test_stopped_node_is_dropped_after_failing_to_answer() -> None:
+    clock = FakeClock()
+    with trio.fail_after(DEADLINE_S):
+        async with swarm(clock, n=5) as nodes:
+            async with open_dht_node(
+                initial_peers=[str(nodes[0].listen_multiaddr)], clock=clock, request_timeout_s=2
+            ) as leaving:
+                gone = NodeID.from_peer_id(leaving.peer_id)
+            # Its own-ID lookup on joining reached every node, so they all know it.
+            assert gone in nodes[4].routing_table
+            await nodes[4].get("anything", latest=True)
+            assert gone not in nodes[4].routing_table
+            assert nodes[4].statistics().requests_failed >= 1
+
+
+async def test_malformed_requests_are_refused_and_the_node_keeps_serving() -> None:
+    with trio.fail_after(DEADLINE_S):
+        async with open_dht_node() as dht, open_node() as raw:
+            connection = await raw.connect(dht.listen_multiaddr)
+            for method, request in [
+                ("dht.find_node", {"client": True, "target": b"short"}),
+                ("dht.find_value", {"client": True, "key": 7}),
+                ("dht.store", {"client": True, "records": [{"key": "k"}]}),
+                ("dht.store", {"client": True, "records": "nope"}),
+                ("dht.ping", {"address": "/dns/example.com/udp/1/quic-v1"}),
+                ("dht.ping", {}),
+            ]:
+                with pytest.raises(RemoteError):
+                    await call_unary(connection, method, request)
+            reply = await call_unary(connection, "dht.ping", {"client": True})
+            assert reply == {"peer_id": str(dht.peer_id)}
+            assert len(dht.routing_table) == 0
