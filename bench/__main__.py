@@ -8,6 +8,7 @@ import importlib
 BENCHMARKS = {
     "transport": "bench.transport",
     "blocks": "bench.blocks",
+    "dht": "bench.dht",
 }
 # Run only when named: needs a CUDA GPU.
 ON_DEMAND = {"kernels_cuda": "bench.kernels_cuda"}
