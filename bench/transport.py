@@ -175,32 +175,41 @@ async def _quic_client(address: str, datagram: int, *, full: bool) -> Results:
                 await call_unary(rpc_connection, "ping", payload)
                 results.rtt_new_ms.append((trio.current_time() - start) * 1e3)
 
-        async def sink(nbytes: int) -> None:
-            stream = await connection.open_stream()
-            await stream.send_all(b"s")
-            block = bytes(CHUNK)
-            for _ in range(nbytes // CHUNK):
-                await stream.send_all(block)
-            await stream.send_eof()
-            reply = b""
-            while len(reply) < 8:
-                reply += await stream.receive_some()
-            assert int.from_bytes(reply[:8], "big") == nbytes
-            await stream.aclose()
-
-        start = trio.current_time()
-        await sink(BULK_BYTES)
-        results.bulk_cold_mb_s = _mb_s(BULK_BYTES, trio.current_time() - start)
-        start = trio.current_time()
-        await sink(BULK_BYTES)
-        results.bulk_mb_s = _mb_s(BULK_BYTES, trio.current_time() - start)
-        if full:
-            start = trio.current_time()
-            async with trio.open_nursery() as nursery:
-                for _ in range(PARALLEL):
-                    nursery.start_soon(sink, PARALLEL_BYTES)
-            results.parallel_mb_s = _mb_s(PARALLEL * PARALLEL_BYTES, trio.current_time() - start)
+        await _bulk(connection.open_stream, results, parallel=full)
     return results
+
+
+async def _sink(open_stream: Callable[[], Awaitable[Any]], nbytes: int) -> None:
+    """Send ``nbytes`` on a new stream (or TCP connection) and check the server counted them."""
+    stream = await open_stream()
+    await stream.send_all(b"s")
+    block = bytes(CHUNK)
+    for _ in range(nbytes // CHUNK):
+        await stream.send_all(block)
+    await stream.send_eof()
+    reply = b""
+    while len(reply) < 8:
+        reply += await stream.receive_some()
+    assert int.from_bytes(reply[:8], "big") == nbytes
+    await stream.aclose()
+
+
+async def _bulk(
+    open_stream: Callable[[], Awaitable[Any]], results: Results, *, parallel: bool
+) -> None:
+    """Cold and warm 64 MiB transfers, then (if asked) 8 x 4 MiB at once."""
+    start = trio.current_time()
+    await _sink(open_stream, BULK_BYTES)
+    results.bulk_cold_mb_s = _mb_s(BULK_BYTES, trio.current_time() - start)
+    start = trio.current_time()
+    await _sink(open_stream, BULK_BYTES)
+    results.bulk_mb_s = _mb_s(BULK_BYTES, trio.current_time() - start)
+    if parallel:
+        start = trio.current_time()
+        async with trio.open_nursery() as nursery:
+            for _ in range(PARALLEL):
+                nursery.start_soon(_sink, open_stream, PARALLEL_BYTES)
+        results.parallel_mb_s = _mb_s(PARALLEL * PARALLEL_BYTES, trio.current_time() - start)
 
 
 async def _tcp_client(address: str) -> Results:
@@ -222,30 +231,7 @@ async def _tcp_client(address: str) -> Results:
     results.rtt_reused_ms = await _echo_rounds(stream.send_all, stream.receive_some, RTT_ROUNDS)
     await stream.aclose()
 
-    async def sink(nbytes: int) -> None:
-        stream = await connect()
-        await stream.send_all(b"s")
-        block = bytes(CHUNK)
-        for _ in range(nbytes // CHUNK):
-            await stream.send_all(block)
-        await stream.send_eof()
-        reply = b""
-        while len(reply) < 8:
-            reply += await stream.receive_some()
-        assert int.from_bytes(reply[:8], "big") == nbytes
-        await stream.aclose()
-
-    start = trio.current_time()
-    await sink(BULK_BYTES)
-    results.bulk_cold_mb_s = _mb_s(BULK_BYTES, trio.current_time() - start)
-    start = trio.current_time()
-    await sink(BULK_BYTES)
-    results.bulk_mb_s = _mb_s(BULK_BYTES, trio.current_time() - start)
-    start = trio.current_time()
-    async with trio.open_nursery() as nursery:
-        for _ in range(PARALLEL):
-            nursery.start_soon(sink, PARALLEL_BYTES)
-    results.parallel_mb_s = _mb_s(PARALLEL * PARALLEL_BYTES, trio.current_time() - start)
+    await _bulk(connect, results, parallel=True)
     return results
 
 
