@@ -11,6 +11,11 @@ Two clocks, on purpose:
   need a clock that every machine agrees on.  Tests inject a clock to expire records at will.
 - ``trio.current_time()`` bounds waiting (request timeouts, lookup deadlines).
 
+Maintenance runs in the same nursery: every ``expire_interval_s`` the store drops expired
+entries, and every ``refresh_interval_s`` each bucket that no lookup has aimed at for that long is
+refreshed with a lookup of a random ID inside it (Kademlia's bucket refresh), which is how a node
+keeps learning peers after it joined.  A failed refresh is logged and the next round tries again.
+
 Requests carry the caller's listen multiaddr (``"address"``) so the server can add it to its
 routing table, or ``"client": true`` from a client-mode node, which serves nothing and must not
 be added to anyone's table.
@@ -18,6 +23,7 @@ be added to anyone's table.
 
 from __future__ import annotations
 
+import logging
 import math
 import random
 import time
@@ -62,6 +68,8 @@ MAX_RECORDS_PER_REQUEST: Final = 64
 _MAX_CONTACTS_PER_REPLY: Final = 64
 _NODE_ID_BYTES: Final = 20
 
+logger = logging.getLogger(__name__)
+
 
 class _BadReply(Exception):
     """A peer's reply did not have the shape we expect."""
@@ -74,6 +82,26 @@ class DHTStatistics:
     requests_served: int
     requests_sent: int
     requests_failed: int
+    refresh_rounds: int
+    expire_rounds: int
+
+
+class _Rounds:
+    """Counts finished rounds of a periodic task and wakes whoever waits for them."""
+
+    def __init__(self) -> None:
+        self.finished = 0
+        self._event = trio.Event()
+
+    def finish(self) -> None:
+        self.finished += 1
+        self._event.set()
+        self._event = trio.Event()
+
+    async def wait(self, n: int) -> None:
+        target = self.finished + n
+        while self.finished < target:
+            await self._event.wait()
 
 
 def _encode_contacts(contacts: Iterable[Contact]) -> list[list[str]]:
@@ -126,6 +154,8 @@ class DHTNode:
         request_timeout_s: float,
         clock: Callable[[], float],
         rng: random.Random,
+        refresh_interval_s: float | None,
+        expire_interval_s: float | None,
     ) -> None:
         self._node = node
         self._nursery = nursery
@@ -141,6 +171,10 @@ class DHTNode:
         self._served = 0
         self._sent = 0
         self._failed = 0
+        self._refresh_interval_s = refresh_interval_s
+        self._expire_interval_s = expire_interval_s
+        self._refresh_rounds = _Rounds()
+        self._expire_rounds = _Rounds()
 
     @property
     def peer_id(self) -> PeerID:
@@ -162,7 +196,21 @@ class DHTNode:
             requests_served=self._served,
             requests_sent=self._sent,
             requests_failed=self._failed,
+            refresh_rounds=self._refresh_rounds.finished,
+            expire_rounds=self._expire_rounds.finished,
         )
+
+    async def wait_refresh_rounds(self, n: int = 1) -> None:
+        """Wait until ``n`` more bucket-refresh rounds have finished."""
+        if self._refresh_interval_s is None:
+            raise RuntimeError("bucket refresh is disabled (refresh_interval_s=None)")
+        await self._refresh_rounds.wait(n)
+
+    async def wait_expire_rounds(self, n: int = 1) -> None:
+        """Wait until ``n`` more sweeps of expired records have finished."""
+        if self._expire_interval_s is None:
+            raise RuntimeError("expiry sweeps are disabled (expire_interval_s=None)")
+        await self._expire_rounds.wait(n)
 
     # -- client API ------------------------------------------------------------------------------
 
@@ -227,6 +275,7 @@ class DHTNode:
     async def _lookup(
         self, target: NodeID, *, want_value: str | None, stop_after_values: int | None = None
     ) -> LookupResult:
+        self._table.mark_bucket_used(target, self._clock())
         lookup = Lookup(
             target,
             self._table.closest(target, self._k),
@@ -358,6 +407,32 @@ class DHTNode:
             )
         await self._lookup(self._own, want_value=None)
 
+    # -- maintenance -----------------------------------------------------------------------------
+
+    async def _expire_forever(self, interval_s: float) -> None:
+        while True:
+            await trio.sleep(interval_s)
+            dropped = self._records.expire(self._clock())
+            if dropped:
+                logger.debug("dropped %d expired entries", dropped)
+            self._expire_rounds.finish()
+
+    async def _refresh_forever(self, interval_s: float) -> None:
+        while True:
+            await trio.sleep(interval_s)
+            targets = self._table.buckets_needing_refresh(self._clock(), interval_s)
+            async with trio.open_nursery() as nursery:
+                for target in targets:
+                    nursery.start_soon(self._refresh, target)
+            self._refresh_rounds.finish()
+
+    async def _refresh(self, target: NodeID) -> None:
+        try:
+            await self._lookup(target, want_value=None)
+        except Exception:
+            # A refresh is best effort: the bucket stays due and the next round retries it.
+            logger.warning("refreshing the bucket of %s failed", target, exc_info=True)
+
     # -- serving ---------------------------------------------------------------------------------
 
     def _caller(self, request: object, call: ServerCall) -> dict[str, Any]:
@@ -439,18 +514,27 @@ async def open_dht_node(
     transport_config: TransportConfig | None = None,
     clock: Callable[[], float] = time.time,
     rng: random.Random | None = None,
+    refresh_interval_s: float | None = 60.0,
+    expire_interval_s: float | None = 30.0,
 ) -> AsyncIterator[DHTNode]:
     """A DHT node listening on ``host:port``, joined through ``initial_peers`` (multiaddrs).
 
     With no initial peers it starts a new network.  If none of them answers, raises
     :class:`PeerUnreachable` naming them.  ``client_mode`` nodes serve nothing and never enter
     other nodes' routing tables.  ``clock`` is the wall clock of record expirations (see the
-    module docstring).
+    module docstring).  Buckets unused for ``refresh_interval_s`` are refreshed and expired
+    records swept every ``expire_interval_s``; None turns either off.
     """
     if replicas < 1:
         raise ConfigError(f"replicas must be at least 1, got {replicas}")
     if not request_timeout_s > 0:
         raise ConfigError(f"request_timeout_s must be positive, got {request_timeout_s}")
+    for name, interval in [
+        ("refresh_interval_s", refresh_interval_s),
+        ("expire_interval_s", expire_interval_s),
+    ]:
+        if interval is not None and not interval > 0:
+            raise ConfigError(f"{name} must be positive or None, got {interval}")
     async with open_node(identity, host=host, port=port, config=transport_config) as node:
         # The block's own exception (or the bootstrap's) is raised as it is, not wrapped in the
         # nursery's group.
@@ -468,11 +552,17 @@ async def open_dht_node(
                         request_timeout_s=request_timeout_s,
                         clock=clock,
                         rng=rng if rng is not None else random.Random(),
+                        refresh_interval_s=refresh_interval_s,
+                        expire_interval_s=expire_interval_s,
                     )
                     if not client_mode:
                         await nursery.start(serve_rpc, node, dht._handlers())
                     if initial_peers:
                         await dht._bootstrap(initial_peers)
+                    if expire_interval_s is not None:
+                        nursery.start_soon(dht._expire_forever, expire_interval_s)
+                    if refresh_interval_s is not None:
+                        nursery.start_soon(dht._refresh_forever, refresh_interval_s)
                     yield dht
                 except BaseException as exc:
                     raised = exc
