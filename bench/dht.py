@@ -199,6 +199,9 @@ class _Network:
             want_value=want_value,
             stop_after_values=1 if want_value is not None else None,
             own=self.ids[origin],
+            # Without a transport that resends, a lost datagram would cost the node for good:
+            # the lookup asks once more before giving up on it.
+            max_attempts=1 if config.retransmit else 2,
         )
         running = _Running(origin, lookup, on_done)
         self._send(running, lookup.start(self.clock.now))

@@ -90,7 +90,7 @@ class _State(enum.Enum):
 
 
 class _Candidate:
-    __slots__ = ("contact", "depth", "had_value", "sent_at", "state")
+    __slots__ = ("attempts", "contact", "depth", "had_value", "sent_at", "state")
 
     def __init__(self, contact: Contact, depth: int) -> None:
         self.contact = contact
@@ -99,6 +99,7 @@ class _Candidate:
         self.state = _State.PENDING
         self.sent_at = 0.0
         self.had_value = False
+        self.attempts = 0
 
 
 def _positive(name: str, value: float, minimum: float) -> None:
@@ -127,11 +128,13 @@ class Lookup:
         stop_after_values: int | None = None,
         own: NodeID | None = None,
         lookup_id: int = 0,
+        max_attempts: int = 1,
     ) -> None:
         if not isinstance(target, NodeID):
             raise TypeError(f"target must be a NodeID, got {type(target).__name__}")
         _positive("k", k, 1)
         _positive("alpha", alpha, 1)
+        _positive("max_attempts", max_attempts, 1)
         if not query_timeout_s > 0:
             raise ConfigError(f"query_timeout_s must be positive, got {query_timeout_s}")
         if stop_after_values is not None:
@@ -146,6 +149,9 @@ class Lookup:
         self._stop_after_values = stop_after_values
         self._own = own
         self._lookup_id = lookup_id
+        # A query that timed out is asked again (a lost datagram should not cost the nearest
+        # node) before the node counts as failed; an explicit failure counts at once.
+        self._max_attempts = max_attempts
         self._candidates: dict[NodeID, _Candidate] = {}
         # XOR distances of every candidate, ascending; distinct, since the metric is unidirectional.
         self._order: list[int] = []
@@ -230,8 +236,12 @@ class Lookup:
         if not expired:
             return []
         for candidate in expired:
-            self._fail(candidate)
             self._timed_out += 1
+            if candidate.attempts < self._max_attempts:
+                candidate.state = _State.PENDING
+                self._in_flight -= 1
+            else:
+                self._fail(candidate)
         return self._advance(now)
 
     def next_deadline(self) -> float | None:
@@ -332,6 +342,7 @@ class Lookup:
             if candidate.state is _State.PENDING and self._in_flight < self._alpha:
                 candidate.state = _State.IN_FLIGHT
                 candidate.sent_at = now
+                candidate.attempts += 1
                 self._in_flight += 1
                 self._messages += 1
                 queries.append(

@@ -460,3 +460,23 @@ def test_start_twice_is_refused() -> None:
     lookup.start(0.0)
     with pytest.raises(RuntimeError):
         lookup.start(0.0)
+
+
+@pytest.mark.parametrize("max_attempts", [1, 2])
+def test_a_timed_out_query_is_asked_again_when_allowed(max_attempts: int) -> None:
+    rng = random.Random(11)
+    contact = make_contact(rng, 0)
+    lookup = Lookup(
+        contact.node_id, [contact], k=1, alpha=1, query_timeout_s=1.0, max_attempts=max_attempts
+    )
+    (first,) = lookup.start(0.0)
+    assert first.contact == contact
+    again = lookup.on_timeout(1.0)
+    if max_attempts == 1:
+        assert again == [] and lookup.done and lookup.result().contacts == ()
+        return
+    assert [query.contact for query in again] == [contact]
+    assert lookup.on_reply(contact.node_id, [], None, 1.5) == []
+    assert lookup.done
+    assert [c.node_id for c in lookup.result().contacts] == [contact.node_id]
+    assert lookup.result().messages == 2
