@@ -4,6 +4,10 @@ It serves ``dht.ping``, ``dht.find_node``, ``dht.find_value`` and ``dht.store``,
 ``store`` / ``get`` built on iterative :class:`Lookup` s.  Everything it starts lives in the
 nursery of :func:`open_dht_node`: nothing outlives that block.
 
+On top of those, servers ``announce`` a :class:`ServerInfo` under ``f"{prefix}.{block}"`` for each
+block they serve, signed so that only they can file or replace it, and anyone reads them back
+with ``get_servers`` as a :class:`PeerTableSnapshot`.
+
 Two clocks, on purpose:
 
 - ``clock`` (default :func:`time.time`) is wall time, the ``now`` of records, routing-table
@@ -48,11 +52,13 @@ from ..transport import (
     serve_rpc,
 )
 from ..transport._node import _only_cancellation
+from ._gossip import PeerTableSnapshot, build_snapshot
 from ._lookup import Lookup, LookupResult
 from ._records import (
     Record,
     RecordStore,
     RecordStoreStatistics,
+    ServerInfo,
     StoredValue,
     decode_record_untrusted,
     encode_record,
@@ -175,6 +181,7 @@ class DHTNode:
         self._expire_interval_s = expire_interval_s
         self._refresh_rounds = _Rounds()
         self._expire_rounds = _Rounds()
+        self._snapshots_built = 0
 
     @property
     def peer_id(self) -> PeerID:
@@ -269,6 +276,49 @@ class DHTNode:
             return None
         live = {s: e for s, e in found.entries.items() if e.expiration > now}
         return StoredValue(live) if live else None
+
+    async def announce(self, prefix: str, info: ServerInfo, *, expiration: float) -> int:
+        """Announce ``info`` under ``f"{prefix}.{block}"`` for each block it serves, signed (so
+        filed under our PeerID) and valid until ``expiration`` (absolute, on the node's clock).
+
+        Blocks are stored concurrently; returns for how many at least one remote node accepted.
+        A later announcement replaces an earlier one only if it expires later.  Client-mode nodes
+        may announce too (a server behind NAT would), though nobody can connect back to them.
+        """
+        value = info.to_bytes()
+        announced = 0
+
+        async def announce_block(block: int) -> None:
+            nonlocal announced
+            if await self.store(f"{prefix}.{block}", value, expiration, signed=True):
+                announced += 1
+
+        async with trio.open_nursery() as nursery:
+            for block in range(info.start_block, info.end_block):
+                nursery.start_soon(announce_block, block)
+        return announced
+
+    async def get_servers(self, prefix: str, blocks: Iterable[int]) -> PeerTableSnapshot:
+        """The servers announcing each of ``blocks`` under ``prefix``, looked up concurrently.
+
+        Announcements that are OFFLINE, do not decode or do not cover their block are left out
+        (see :func:`build_snapshot`).  Each snapshot has a higher ``version`` than the last.
+        """
+        now = self._clock()
+        found = RecordStore()
+
+        async def get_block(block: int) -> None:
+            key = f"{prefix}.{block}"
+            value = await self.get(key, latest=True)
+            if value is not None:
+                for record in value.records(key):
+                    found.store(record, now)  # checks the signatures once more; cheap
+
+        async with trio.open_nursery() as nursery:
+            for block in dict.fromkeys(blocks):
+                nursery.start_soon(get_block, block)
+        self._snapshots_built += 1
+        return build_snapshot(found, prefix, now, version=self._snapshots_built)
 
     # -- lookups ---------------------------------------------------------------------------------
 
