@@ -2,48 +2,28 @@
 
 from __future__ import annotations
 
-import time
 from collections.abc import AsyncIterator
-from contextlib import AsyncExitStack, asynccontextmanager
+from contextlib import asynccontextmanager
 from typing import Any
 
 import attrs
 import trio
 
-from petals_core.dht._node import DHTNode, open_dht_node
+from petals_core.dht._node import DHTNode
 from petals_core.dht._records import Record, ServerInfo, ServerState, encode_record
 from petals_core.transport import Identity, call_unary, open_node
+
+from ._swarm import FakeClock, swarm as shared_swarm
 
 DEADLINE_S = 60
 PREFIX = "test-model"
 
 
-class FakeClock:
-    """Wall time that tests advance by hand, so that announcements expire without waiting."""
-
-    def __init__(self) -> None:
-        self.now = time.time()
-
-    def __call__(self) -> float:
-        return self.now
-
-
 @asynccontextmanager
 async def swarm(clock: FakeClock, n: int = 6) -> AsyncIterator[tuple[list[DHTNode], DHTNode]]:
     """``n`` serving nodes and a client-mode node, all joined through the first."""
-    async with AsyncExitStack() as stack:
-        first = await stack.enter_async_context(open_dht_node(clock=clock, request_timeout_s=2))
-        entry = [str(first.listen_multiaddr)]
-        nodes = [first]
-        for _ in range(n - 1):
-            nodes.append(
-                await stack.enter_async_context(
-                    open_dht_node(initial_peers=entry, clock=clock, request_timeout_s=2)
-                )
-            )
-        client = await stack.enter_async_context(
-            open_dht_node(initial_peers=entry, client_mode=True, clock=clock, request_timeout_s=2)
-        )
+    async with shared_swarm(clock, n, with_client=True) as (nodes, client):
+        assert client is not None
         yield nodes, client
 
 

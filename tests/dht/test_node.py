@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import socket
-import time
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
 
@@ -22,35 +21,15 @@ from petals_core.transport import (
     open_node,
 )
 
+from ._swarm import FakeClock, swarm as shared_swarm
+
 DEADLINE_S = 60
 SWARM = 10
 
 
-class FakeClock:
-    """Wall time that tests advance by hand, so that records expire without waiting."""
-
-    def __init__(self) -> None:
-        self.now = time.time()
-
-    def __call__(self) -> float:
-        return self.now
-
-
 @asynccontextmanager
 async def swarm(clock: FakeClock, n: int = SWARM) -> AsyncIterator[list[DHTNode]]:
-    async with AsyncExitStack() as stack:
-        first = await stack.enter_async_context(open_dht_node(clock=clock, request_timeout_s=2))
-        nodes = [first]
-        for _ in range(n - 1):
-            nodes.append(
-                await stack.enter_async_context(
-                    open_dht_node(
-                        initial_peers=[str(first.listen_multiaddr)],
-                        clock=clock,
-                        request_timeout_s=2,
-                    )
-                )
-            )
+    async with shared_swarm(clock, n) as (nodes, _):
         yield nodes
 
 
