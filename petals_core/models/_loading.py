@@ -158,14 +158,9 @@ def load_blocks(
                 f"block index {index} is out of range: the model has {num_blocks} blocks "
                 f"(0..{num_blocks - 1})"
             )
-    checkpoint = _Checkpoint.open(
-        model_name_or_path,
-        revision=revision,
-        token=token,
-        cache_dir=cache_dir,
-        local_files_only=local_files_only,
+    checkpoint, base = _open(
+        model_name_or_path, layout, revision, token, cache_dir, local_files_only
     )
-    base = layout.base_of(checkpoint.weight_map, checkpoint.source)
     names_of = {
         index: [
             name
@@ -192,6 +187,25 @@ def load_blocks(
     }
 
 
+def _open(
+    model_name_or_path: str | os.PathLike[str],
+    layout: _Layout,
+    revision: str | None,
+    token: str | bool | None,
+    cache_dir: str | os.PathLike[str] | None,
+    local_files_only: bool,
+) -> tuple[_Checkpoint, str]:
+    """The checkpoint and the prefix its tensor names carry (e.g. ``transformer.`` or none)."""
+    checkpoint = _Checkpoint.open(
+        model_name_or_path,
+        revision=revision,
+        token=token,
+        cache_dir=cache_dir,
+        local_files_only=local_files_only,
+    )
+    return checkpoint, layout.base_of(checkpoint.weight_map, checkpoint.source)
+
+
 def client_state_dict(
     model_name_or_path: str | os.PathLike[str],
     *,
@@ -212,14 +226,9 @@ def client_state_dict(
     :func:`load_blocks`; only the shards holding these tensors are downloaded.
     """
     layout = _layout_of(config)
-    checkpoint = _Checkpoint.open(
-        model_name_or_path,
-        revision=revision,
-        token=token,
-        cache_dir=cache_dir,
-        local_files_only=local_files_only,
+    checkpoint, base = _open(
+        model_name_or_path, layout, revision, token, cache_dir, local_files_only
     )
-    base = layout.base_of(checkpoint.weight_map, checkpoint.source)
     wanted = [base + module for module in layout.client_modules]
     if not config.tie_word_embeddings:
         wanted.append(_LM_HEAD)
