@@ -109,3 +109,15 @@ class RemoteError(TransportError):
         super().__init__(f"{remote_type}: {message}")
         self.remote_type = remote_type
         self.remote_message = message
+
+
+class AdapterError(ConfigError):
+    """An adapter cannot be loaded (not PEFT LoRA, not safetensors, wrong shapes) or is unknown."""
+
+
+class ServerError(PetalsError):
+    """A server refused or failed a request; the message says why (clients see it remotely)."""
+
+
+class AllocationFailed(ServerError):
+    """The attention cache cannot hold what a session asks for, now or within its timeout."""
