@@ -13,7 +13,9 @@ driver to carry out:
   ``PeerTableSnapshot`` that routing reads.
 
 ``open_dht_node`` drives them over the QUIC transport with trio: the four RPCs (ping, find_node,
-find_value, store), bootstrap from initial peers, client mode, store / get.
+find_value, store, gossip), bootstrap from initial peers, client mode, store / get, caching
+along lookup paths, hand-off of records to nodes that join nearer their keys, republishing, and
+``follow(prefix, num_blocks)``: a :class:`Topic` whose snapshot gossip and the DHT both feed.
 
 Importing it imports no torch.
 """
@@ -65,3 +67,4 @@ from ._routing import (
     bucket_index as bucket_index,
     xor_distance as xor_distance,
 )
+from ._topic import Topic as Topic

@@ -6,8 +6,8 @@
 
 ``--port 0`` (the default) takes a free port, which changes each run: give a fixed port (and an
 ``--identity_path``, so that the PeerID stays too) to a bootstrap node whose address others
-keep.  With a wildcard ``--host`` the printed address names the wildcard: peers dial this
-machine's own address with the same port and PeerID.
+keep.  With a wildcard ``--host`` it prints one line per address of this machine (loopback
+first); peers on other machines take one of this machine's public ones.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from collections.abc import Sequence
 import trio
 
 from .._errors import PetalsError
-from ..transport import load_or_create_identity
+from ..transport import dialable_multiaddrs, load_or_create_identity
 from ._node import open_dht_node
 
 logger = logging.getLogger("petals_core.dht")
@@ -57,7 +57,8 @@ async def _run(args: argparse.Namespace) -> None:
         async with open_dht_node(
             identity=identity, host=args.host, port=args.port, initial_peers=args.initial_peers
         ) as dht:
-            print(f"DHT node listening on {dht.listen_multiaddr}", flush=True)
+            for address in dialable_multiaddrs(dht.listen_multiaddr):
+                print(f"DHT node listening on {address}", flush=True)
             async for signum in signals:
                 logger.info("got %s, stopping", signal.Signals(signum).name)
                 break

@@ -242,6 +242,11 @@ class Gossip:
         if now < self._deadline:
             return []
         self._deadline = now + self._interval_s * self._rng.uniform(1 - _JITTER, 1 + _JITTER)
+        return self.digest_round(now)
+
+    def digest_round(self, now: float) -> list[Digest]:
+        """Digests to ``fanout`` random members now, whatever the deadline: for drivers that keep
+        the schedule on a clock of their own (the record clock may be a test's frozen one)."""
         targets = self._sample(self._fanout)
         if not targets:
             return []

@@ -27,12 +27,13 @@ be added to anyone's table.
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import math
 import random
 import time
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
-from contextlib import asynccontextmanager
+from contextlib import AsyncExitStack, asynccontextmanager
 from typing import Any, Final
 
 import attrs
@@ -52,7 +53,7 @@ from ..transport import (
     serve_rpc,
 )
 from ..transport._node import _only_cancellation
-from ._gossip import PeerTableSnapshot, build_snapshot
+from ._gossip import Action, Gossip, PeerTableSnapshot, build_snapshot
 from ._lookup import Lookup, LookupResult
 from ._records import (
     Record,
@@ -65,6 +66,7 @@ from ._records import (
     merge,
 )
 from ._routing import Contact, NodeID, PingOldest, RoutingTable, RoutingTableStatistics
+from ._topic import Topic, decode_entries_untrusted, encode_action, reply_for
 
 __all__ = ["DHTNode", "DHTStatistics", "open_dht_node"]
 
@@ -90,6 +92,11 @@ class DHTStatistics:
     requests_failed: int
     refresh_rounds: int
     expire_rounds: int
+    republish_rounds: int
+    #: Records given to nodes that joined nearer their keys than others.
+    records_handed_off: int
+    #: Values found by a get and cached at the nearest node on the path that lacked them.
+    records_cached: int
 
 
 class _Rounds:
@@ -162,6 +169,7 @@ class DHTNode:
         rng: random.Random,
         refresh_interval_s: float | None,
         expire_interval_s: float | None,
+        republish_interval_s: float | None,
     ) -> None:
         self._node = node
         self._nursery = nursery
@@ -182,6 +190,12 @@ class DHTNode:
         self._refresh_rounds = _Rounds()
         self._expire_rounds = _Rounds()
         self._snapshots_built = 0
+        self._republish_interval_s = republish_interval_s
+        self._republish_rounds = _Rounds()
+        self._rng = rng
+        self._topics: dict[str, Topic] = {}
+        self._handed_off = 0
+        self._cached = 0
 
     @property
     def peer_id(self) -> PeerID:
@@ -190,6 +204,15 @@ class DHTNode:
     @property
     def listen_multiaddr(self) -> Multiaddr:
         return self._node.listen_multiaddr
+
+    @property
+    def node(self) -> Node:
+        """The transport node under this DHT node (to dial peers for other services)."""
+        return self._node
+
+    @property
+    def client_mode(self) -> bool:
+        return self._client_mode
 
     @property
     def routing_table(self) -> RoutingTable:
@@ -205,6 +228,9 @@ class DHTNode:
             requests_failed=self._failed,
             refresh_rounds=self._refresh_rounds.finished,
             expire_rounds=self._expire_rounds.finished,
+            republish_rounds=self._republish_rounds.finished,
+            records_handed_off=self._handed_off,
+            records_cached=self._cached,
         )
 
     async def wait_refresh_rounds(self, n: int = 1) -> None:
@@ -212,6 +238,12 @@ class DHTNode:
         if self._refresh_interval_s is None:
             raise RuntimeError("bucket refresh is disabled (refresh_interval_s=None)")
         await self._refresh_rounds.wait(n)
+
+    async def wait_republish_rounds(self, n: int = 1) -> None:
+        """Wait until ``n`` more republishing rounds have finished."""
+        if self._republish_interval_s is None:
+            raise RuntimeError("republishing is disabled (republish_interval_s=None)")
+        await self._republish_rounds.wait(n)
 
     async def wait_expire_rounds(self, n: int = 1) -> None:
         """Wait until ``n`` more sweeps of expired records have finished."""
@@ -242,22 +274,30 @@ class DHTNode:
             record = Record.signed(self._node.identity, key, value, expiration)
         else:
             record = Record(key, subkey, value, expiration)
+        return await self._store_record(record)
+
+    async def _store_record(self, record: Record) -> int:
         if not self._client_mode:
             self._records.store(record, self._clock())
-        result = await self._lookup(NodeID.from_key(key), want_value=None)
+        result = await self._lookup(NodeID.from_key(record.key), want_value=None)
+        return await self._store_at(result.contacts[: self._replicas], [record])
+
+    async def _store_at(self, contacts: Sequence[Contact], records: Sequence[Record]) -> int:
+        """Send ``records`` to each of ``contacts``; how many accepted them all."""
         accepted = 0
+        encoded = [encode_record(record) for record in records[:MAX_RECORDS_PER_REQUEST]]
 
         async def store_at(contact: Contact) -> None:
             nonlocal accepted
-            reply = await self._request(contact, "dht.store", {"records": [encode_record(record)]})
+            reply = await self._request(contact, "dht.store", {"records": encoded})
             if reply is None:
                 return
             results = reply.get("results")
-            if isinstance(results, list) and results == [None]:
+            if isinstance(results, list) and results == [None] * len(encoded):
                 accepted += 1
 
         async with trio.open_nursery() as nursery:
-            for contact in result.contacts[: self._replicas]:
+            for contact in contacts:
                 nursery.start_soon(store_at, contact)
         return accepted
 
@@ -271,6 +311,12 @@ class DHTNode:
             NodeID.from_key(key), want_value=key, stop_after_values=None if latest else 1
         )
         now = self._clock()
+        if result.value is not None and result.without_value:
+            # Kademlia's caching along the path: the nearest node that replied without the value
+            # gets it, so the next reader stops sooner.  Signed records travel as signed.
+            self._cached += 1
+            records = list(result.value.records(key))
+            self._nursery.start_soon(self._store_at, result.without_value[:1], records)
         found = merge(result.value, self._records.get(key, now))
         if found is None:
             return None
@@ -287,10 +333,15 @@ class DHTNode:
         """
         value = info.to_bytes()
         announced = 0
+        topic = self._topics.get(prefix)
 
         async def announce_block(block: int) -> None:
             nonlocal announced
-            if await self.store(f"{prefix}.{block}", value, expiration, signed=True):
+            record = Record.signed(self._node.identity, f"{prefix}.{block}", value, expiration)
+            if topic is not None:
+                for push in topic.publish(record):
+                    self._nursery.start_soon(self._send_gossip, topic, push)
+            if await self._store_record(record):
                 announced += 1
 
         async with trio.open_nursery() as nursery:
@@ -304,21 +355,128 @@ class DHTNode:
         Announcements that are OFFLINE, do not decode or do not cover their block are left out
         (see :func:`build_snapshot`).  Each snapshot has a higher ``version`` than the last.
         """
+        records = await self._fetch_records(prefix, blocks)
         now = self._clock()
         found = RecordStore()
+        for record in records:
+            found.store(record, now)  # checks the signatures once more; cheap
+        self._snapshots_built += 1
+        return build_snapshot(found, prefix, now, version=self._snapshots_built)
+
+    async def _fetch_records(self, prefix: str, blocks: Iterable[int]) -> list[Record]:
+        records: list[Record] = []
 
         async def get_block(block: int) -> None:
             key = f"{prefix}.{block}"
             value = await self.get(key, latest=True)
             if value is not None:
-                for record in value.records(key):
-                    found.store(record, now)  # checks the signatures once more; cheap
+                records.extend(value.records(key))
 
         async with trio.open_nursery() as nursery:
             for block in dict.fromkeys(blocks):
                 nursery.start_soon(get_block, block)
-        self._snapshots_built += 1
-        return build_snapshot(found, prefix, now, version=self._snapshots_built)
+        return records
+
+    # -- gossip ----------------------------------------------------------------------------------
+
+    def follow(
+        self,
+        prefix: str,
+        num_blocks: int,
+        *,
+        update_period_s: float = 60.0,
+        gossip_interval_s: float = 1.0,
+        fanout: int = 3,
+    ) -> Topic:
+        """Follow the servers of the model ``prefix`` (blocks ``0 .. num_blocks - 1``): read
+        their announcements from the DHT every ``update_period_s`` and gossip them every
+        ``gossip_interval_s``, so that a new or departed server shows within seconds.
+
+        Returns the :class:`Topic` whose :meth:`~Topic.snapshot` routing reads; following the
+        same prefix again returns the same topic.  The loops run until the node closes.
+        """
+        topic = self._topics.get(prefix)
+        if topic is not None:
+            if topic.num_blocks != num_blocks:
+                raise ConfigError(
+                    f"{prefix!r} is followed with {topic.num_blocks} blocks, not {num_blocks}"
+                )
+            return topic
+        if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 1:
+            raise ConfigError(f"num_blocks must be a positive integer, got {num_blocks!r}")
+        for name, value in [
+            ("update_period_s", update_period_s),
+            ("gossip_interval_s", gossip_interval_s),
+        ]:
+            if not 0 < value < math.inf:
+                raise ConfigError(f"{name} must be positive, got {value}")
+        store = RecordStore()
+        gossip = Gossip(
+            str(self.peer_id),
+            store,
+            prefix=prefix,
+            rng=self._rng,
+            fanout=fanout,
+            interval_s=gossip_interval_s,
+        )
+        topic = Topic(
+            self,
+            prefix=prefix,
+            num_blocks=num_blocks,
+            gossip=gossip,
+            store=store,
+            clock=self._clock,
+        )
+        self._topics[prefix] = topic
+        self._nursery.start_soon(self._topic_refresh_forever, topic, update_period_s)
+        self._nursery.start_soon(self._topic_gossip_forever, topic, gossip_interval_s)
+        return topic
+
+    async def _topic_refresh_forever(self, topic: Topic, period_s: float) -> None:
+        while True:
+            try:
+                records = await self._fetch_records(topic.prefix, range(topic.num_blocks))
+            except Exception:
+                logger.warning("reading the servers of %r failed", topic.prefix, exc_info=True)
+            else:
+                topic.add_records(records)
+            await trio.sleep(period_s)
+
+    async def _topic_gossip_forever(self, topic: Topic, interval_s: float) -> None:
+        while True:
+            await trio.sleep(interval_s * self._rng.uniform(0.75, 1.25))
+            for digest in topic.digest_round():
+                self._nursery.start_soon(self._send_gossip, topic, digest)
+
+    async def _send_gossip(self, topic: Topic, action: Action) -> None:
+        """Carry ``action`` to its peer and act on the reply (pushes for us, wants from us)."""
+        address = topic.address_of(action.peer)
+        if address is None:
+            return
+        request = encode_action(topic.prefix, action)
+        self._sent += 1
+        reply: dict[str, Any] | None = None
+        with trio.move_on_after(self._request_timeout_s):
+            try:
+                connection = await self._node.connect(address)
+                reply = await call_unary(connection, "dht.gossip", self._identify(request))
+            except TransportError as exc:
+                logger.debug("gossip to %s failed: %s", action.peer, exc)
+        if reply is None:
+            self._failed += 1
+            return
+        try:
+            pushes = reply.get("pushes", [])
+            if pushes:
+                topic.on_message(action.peer, {"kind": "push", "ttl": 0, "records": pushes})
+            wants = decode_entries_untrusted(reply.get("wants", []))
+            if wants:
+                for push in topic.on_message(
+                    action.peer, {"kind": "want", "entries": reply["wants"]}
+                ):
+                    self._nursery.start_soon(self._send_gossip, topic, push)
+        except CodecError as exc:
+            logger.debug("a bad gossip reply from %s: %s", action.peer, exc)
 
     # -- lookups ---------------------------------------------------------------------------------
 
@@ -409,9 +567,27 @@ class DHTNode:
         return reply
 
     def _observe(self, contact: Contact, now: float) -> None:
+        known = contact.node_id in self._table
         action = self._table.observe(contact, now)
         if isinstance(action, PingOldest):
             self._nursery.start_soon(self._ping_oldest, action.contact)
+        if not known and contact.node_id in self._table and not self._client_mode:
+            self._nursery.start_soon(self._hand_off, contact)
+
+    async def _hand_off(self, contact: Contact) -> None:
+        """A node joined our table: give it the records it is now among the nearest for."""
+        now = self._clock()
+        records: list[Record] = []
+        for key in self._records.keys(now):
+            nearest = self._table.closest(NodeID.from_key(key), self._replicas)
+            if any(c.node_id == contact.node_id for c in nearest):
+                held = self._records.get(key, now)
+                if held is not None:
+                    records.extend(held.records(key))
+        for start in range(0, len(records), MAX_RECORDS_PER_REQUEST):
+            batch = records[start : start + MAX_RECORDS_PER_REQUEST]
+            if await self._store_at([contact], batch):
+                self._handed_off += len(batch)
 
     async def _ping_oldest(self, contact: Contact) -> None:
         self._sent += 1
@@ -476,6 +652,28 @@ class DHTNode:
                     nursery.start_soon(self._refresh, target)
             self._refresh_rounds.finish()
 
+    async def _republish_forever(self, interval_s: float) -> None:
+        """Kademlia's republishing: every record held goes again to the nodes nearest its key,
+        so records outlive the nodes that held them (until they expire)."""
+        limiter = trio.CapacityLimiter(8)
+        while True:
+            await trio.sleep(interval_s)
+            async with trio.open_nursery() as nursery:
+                for key in self._records.keys(self._clock()):
+                    nursery.start_soon(self._republish, key, limiter)
+            self._republish_rounds.finish()
+
+    async def _republish(self, key: str, limiter: trio.CapacityLimiter) -> None:
+        async with limiter:
+            held = self._records.get(key, self._clock())
+            if held is None:
+                return
+            try:
+                result = await self._lookup(NodeID.from_key(key), want_value=None)
+                await self._store_at(result.contacts[: self._replicas], held.records(key))
+            except Exception:
+                logger.warning("republishing %r failed", key, exc_info=True)
+
     async def _refresh(self, target: NodeID) -> None:
         try:
             await self._lookup(target, want_value=None)
@@ -501,6 +699,10 @@ class DHTNode:
             raise CodecError(f"invalid 'address': {exc}") from None
         if maddr.peer_id not in (None, call.peer_id):
             raise CodecError("'address' names a PeerID other than the caller's")
+        if ipaddress.ip_address(maddr.host).is_unspecified:
+            # A node listening on every interface (0.0.0.0 / ::) cannot know which of its
+            # addresses we reach it by: the one its request came from, with its port.
+            maddr = Multiaddr.from_socket_address(call.remote_address[0], maddr.port)
         now = self._clock()
         contact = Contact.from_peer_id(
             call.peer_id, str(maddr.with_peer_id(call.peer_id)), last_seen=now
@@ -546,6 +748,19 @@ class DHTNode:
                 results.append(None if reason is None else f"{reason.value}: {outcome.message}")
             return {"results": results}
 
+        @handlers.unary("dht.gossip")
+        async def gossip(request: dict[str, Any], call: ServerCall) -> dict[str, Any]:
+            self._caller(request, call)
+            prefix = request.get("prefix")
+            topic = self._topics.get(prefix) if isinstance(prefix, str) else None
+            if topic is None:
+                raise CodecError(f"this node does not follow {prefix!r}")
+            caller = str(call.peer_id)
+            reply, others = reply_for(caller, topic.on_message(caller, request))
+            for action in others:
+                self._nursery.start_soon(self._send_gossip, topic, action)
+            return reply
+
         return handlers
 
 
@@ -566,6 +781,9 @@ async def open_dht_node(
     rng: random.Random | None = None,
     refresh_interval_s: float | None = 60.0,
     expire_interval_s: float | None = 30.0,
+    republish_interval_s: float | None = 3600.0,
+    node: Node | None = None,
+    handlers: Handlers | None = None,
 ) -> AsyncIterator[DHTNode]:
     """A DHT node listening on ``host:port``, joined through ``initial_peers`` (multiaddrs).
 
@@ -573,7 +791,13 @@ async def open_dht_node(
     :class:`PeerUnreachable` naming them.  ``client_mode`` nodes serve nothing and never enter
     other nodes' routing tables.  ``clock`` is the wall clock of record expirations (see the
     module docstring).  Buckets unused for ``refresh_interval_s`` are refreshed and expired
-    records swept every ``expire_interval_s``; None turns either off.
+    records swept every ``expire_interval_s``, and every record held is republished to the
+    nodes nearest its key every ``republish_interval_s``; None turns any of them off.
+
+    To run other services on the same transport node (a server does), open the node yourself
+    and pass it as ``node`` (it is then left open), with their ``handlers``: the DHT node serves
+    its own methods and theirs.  ``host``, ``port``, ``identity`` and ``transport_config`` are
+    then unused.
     """
     if replicas < 1:
         raise ConfigError(f"replicas must be at least 1, got {replicas}")
@@ -582,10 +806,15 @@ async def open_dht_node(
     for name, interval in [
         ("refresh_interval_s", refresh_interval_s),
         ("expire_interval_s", expire_interval_s),
+        ("republish_interval_s", republish_interval_s),
     ]:
         if interval is not None and not interval > 0:
             raise ConfigError(f"{name} must be positive or None, got {interval}")
-    async with open_node(identity, host=host, port=port, config=transport_config) as node:
+    async with AsyncExitStack() as stack:
+        if node is None:
+            node = await stack.enter_async_context(
+                open_node(identity, host=host, port=port, config=transport_config)
+            )
         # The block's own exception (or the bootstrap's) is raised as it is, not wrapped in the
         # nursery's group.
         raised: BaseException | None = None
@@ -604,15 +833,21 @@ async def open_dht_node(
                         rng=rng if rng is not None else random.Random(),
                         refresh_interval_s=refresh_interval_s,
                         expire_interval_s=expire_interval_s,
+                        republish_interval_s=republish_interval_s,
                     )
-                    if not client_mode:
-                        await nursery.start(serve_rpc, node, dht._handlers())
+                    served = dht._handlers()
+                    if handlers is not None:
+                        served.include(handlers)
+                    if not client_mode or handlers is not None:
+                        await nursery.start(serve_rpc, node, served)
                     if initial_peers:
                         await dht._bootstrap(initial_peers)
                     if expire_interval_s is not None:
                         nursery.start_soon(dht._expire_forever, expire_interval_s)
                     if refresh_interval_s is not None:
                         nursery.start_soon(dht._refresh_forever, refresh_interval_s)
+                    if republish_interval_s is not None and not client_mode:
+                        nursery.start_soon(dht._republish_forever, republish_interval_s)
                     yield dht
                 except BaseException as exc:
                     raised = exc

@@ -50,6 +50,7 @@ import attrs
 from .._errors import CodecError, ConfigError, LocalProtocolError
 from ..transport._codec import CodecLimits, decode_message_untrusted, encode_message
 from ..transport._identity import Identity, PeerID, verify_signature
+from ..transport._multiaddr import Multiaddr
 
 __all__ = [
     "DEFAULT_MAX_VALUE_BYTES",
@@ -655,6 +656,7 @@ class ServerState(enum.StrEnum):
 _MAX_NAME_BYTES: Final = 256
 _MAX_ADAPTERS: Final = 64
 _MAX_PINGS: Final = 256
+_MAX_ADDRESSES: Final = 8
 _MAX_BLOCKS: Final = 2**32
 _MAX_TOKENS: Final = 2**63
 # An announcement is small: these bound the work of decoding one whatever a peer sends.  Tensors
@@ -727,6 +729,14 @@ def _check_server_info(info: ServerInfo) -> None:
     for adapter in info.adapters:
         _check_name("an adapter name", adapter)
     _check_count("cache_tokens_left", info.cache_tokens_left, 0, _MAX_TOKENS, optional=True)
+    if not isinstance(info.addresses, tuple) or len(info.addresses) > _MAX_ADDRESSES:
+        raise LocalProtocolError(f"addresses are a list of at most {_MAX_ADDRESSES} multiaddrs")
+    for address in info.addresses:
+        _check_name("an address", address)
+        try:
+            Multiaddr.parse(address)
+        except ConfigError as exc:
+            raise LocalProtocolError(f"an address is not a multiaddr: {exc}") from None
     if not isinstance(info.next_pings, Mapping) or len(info.next_pings) > _MAX_PINGS:
         raise LocalProtocolError(f"next_pings maps at most {_MAX_PINGS} PeerIDs to seconds")
     for peer, rtt in info.next_pings.items():
@@ -741,8 +751,9 @@ class ServerInfo:
 
     Blocks ``start_block`` to ``end_block`` (exclusive) are served; ``throughput`` and the
     ``*_rps`` are requests per second; ``next_pings`` maps the PeerIDs of servers this one could
-    pass activations to onto round-trip times in seconds.  None means unknown.  Readers ignore
-    fields they do not know, so newer servers may add some.  Invalid fields raise
+    pass activations to onto round-trip times in seconds; ``addresses`` are the multiaddrs it
+    listens on (with its PeerID), where clients and other servers dial it.  None means unknown.
+    Readers ignore fields they do not know, so newer servers may add some.  Invalid fields raise
     :class:`LocalProtocolError`.
     """
 
@@ -759,6 +770,7 @@ class ServerInfo:
     adapters: tuple[str, ...] = attrs.field(default=(), converter=_to_tuple)
     cache_tokens_left: int | None = None
     next_pings: Mapping[str, float] = attrs.field(factory=dict, converter=_to_pings, hash=False)
+    addresses: tuple[str, ...] = attrs.field(default=(), converter=_to_tuple)
 
     def __attrs_post_init__(self) -> None:
         _check_server_info(self)

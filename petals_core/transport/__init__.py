@@ -55,7 +55,7 @@ from ._identity import (
     load_or_create_identity as load_or_create_identity,
     verify_signature as verify_signature,
 )
-from ._multiaddr import Multiaddr as Multiaddr
+from ._multiaddr import Multiaddr as Multiaddr, dialable_multiaddrs as dialable_multiaddrs
 from ._node import (
     Connection as Connection,
     Node as Node,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ipaddress
 import re
+import socket
 from typing import Final
 
 import attrs
@@ -16,7 +17,7 @@ import attrs
 from .._errors import ConfigError, InvalidMultiaddr
 from ._identity import PeerID
 
-__all__ = ["Multiaddr", "as_multiaddr"]
+__all__ = ["Multiaddr", "as_multiaddr", "dialable_multiaddrs"]
 
 _EXPECTED_FORM: Final = (
     "/ip4/<IPv4 address>/udp/<port>/quic-v1[/p2p/<PeerID>] "
@@ -177,3 +178,27 @@ def _parse_port_untrusted(text: str, value: str) -> int:
             f"port {value!r} is not a decimal number 0..{_MAX_PORT} (no sign, no leading zeros)",
         )
     return int(value)
+
+
+def dialable_multiaddrs(listen: Multiaddr, *, announce_host: str | None = None) -> list[Multiaddr]:
+    """Addresses others can dial to reach a node listening on ``listen``.
+
+    ``announce_host`` (a public address, e.g. behind port forwarding) wins.  A node on a
+    wildcard host (``0.0.0.0`` / ``::``) listens on every interface of its family: its loopback
+    address first, then the addresses this machine's name resolves to.  Otherwise ``listen``.
+    """
+    if announce_host is not None:
+        return [attrs.evolve(listen, host=announce_host)]
+    if not ipaddress.ip_address(listen.host).is_unspecified:
+        return [listen]
+    family = socket.AF_INET if listen.family == 4 else socket.AF_INET6
+    hosts = ["127.0.0.1" if listen.family == 4 else "::1"]
+    try:
+        infos = socket.getaddrinfo(socket.gethostname(), None, family, socket.SOCK_DGRAM)
+    except OSError:
+        infos = []
+    for info in infos:
+        host = str(info[4][0]).split("%", 1)[0]
+        if host not in hosts and not ipaddress.ip_address(host).is_unspecified:
+            hosts.append(host)
+    return [attrs.evolve(listen, host=host) for host in hosts]

@@ -229,6 +229,11 @@ class ServerCall:
         """Who called: the PeerID whose key the caller proved in the handshake."""
         return self._framed.stream.peer_id
 
+    @property
+    def remote_address(self) -> tuple[str, int]:
+        """The caller's (host, port) as this node sees it."""
+        return self._framed.stream.connection.address
+
     async def send(self, message: Mapping[str, Any]) -> None:
         await self._framed.send({"msg": message})
 
@@ -283,6 +288,18 @@ class Handlers:
 
     def lookup(self, method: str) -> tuple[str, Callable[..., Awaitable[Any]]] | None:
         return self._table.get(method)
+
+    @property
+    def methods(self) -> frozenset[str]:
+        return frozenset(self._table)
+
+    def include(self, other: Handlers) -> None:
+        """Add every method of ``other`` (several services on one node); a method both define
+        raises ``ValueError``."""
+        clash = self._table.keys() & other._table.keys()
+        if clash:
+            raise ValueError(f"methods defined twice: {sorted(clash)}")
+        self._table.update(other._table)
 
 
 async def serve_rpc(

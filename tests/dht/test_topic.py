@@ -1,0 +1,266 @@
+"""Following a model over a loopback swarm: gossip beside the DHT, and the records' life cycle
+(caching on the lookup path, hand-off to nodes that join, republishing after a holder leaves)."""
+
+from __future__ import annotations
+
+import inspect
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import AsyncExitStack, asynccontextmanager
+from typing import Any
+
+import attrs
+import pytest
+import trio
+
+from petals_core._errors import ConfigError
+from petals_core.dht import NodeID, ServerState, xor_distance
+from petals_core.dht._node import DHTNode, open_dht_node
+from petals_core.dht._records import Record, ServerInfo, encode_record
+from petals_core.transport import Identity, RemoteError, call_unary, open_node
+
+from .test_announce import server_info
+
+DEADLINE_S = 60
+PREFIX = "topic-model"
+BLOCKS = 6
+#: So long that, after the first read, only gossip can bring news within a test.
+NEVER_S = 3600.0
+
+
+async def wait_until(predicate: Callable[[], Any]) -> None:
+    """Check ``predicate`` (maybe async: a question to another node) until it holds; callers
+    bound this with a trio deadline.  What it waits for happens on other nodes, with no event
+    to wait on here."""
+    while True:
+        result = predicate()
+        if inspect.isawaitable(result):
+            result = await result
+        if result:
+            return
+        await trio.sleep(0.01)
+
+
+async def holds(asker: DHTNode, holder: DHTNode, key: str) -> bool:
+    """Whether ``holder`` has ``key`` in its own store (asked over the wire)."""
+    connection = await asker.node.connect(holder.listen_multiaddr)
+    reply = await call_unary(connection, "dht.find_value", {"client": True, "key": key})
+    return bool(reply["records"])
+
+
+def announced(node: DHTNode, start: int, end: int, **changes: Any) -> ServerInfo:
+    return server_info(start, end, addresses=(str(node.listen_multiaddr),), **changes)
+
+
+@asynccontextmanager
+async def nodes(n: int, **options: Any) -> AsyncIterator[tuple[list[DHTNode], AsyncExitStack]]:
+    """``n`` serving nodes on the real clock, joined through the first."""
+    async with AsyncExitStack() as stack:
+        first = await stack.enter_async_context(open_dht_node(request_timeout_s=2, **options))
+        found = [first]
+        for _ in range(n - 1):
+            found.append(
+                await stack.enter_async_context(
+                    open_dht_node(
+                        initial_peers=[str(first.listen_multiaddr)], request_timeout_s=2, **options
+                    )
+                )
+            )
+        yield found, stack
+
+
+async def test_gossip_brings_a_new_server_to_a_client_long_before_the_next_dht_read() -> None:
+    with trio.fail_after(DEADLINE_S):
+        async with nodes(4) as (swarm, stack):
+            s1, s2, s3 = swarm[1], swarm[2], swarm[3]
+            expiration = time.time() + 600
+            for server, span in [(s1, (0, 3)), (s2, (3, 6))]:
+                topic = server.follow(PREFIX, BLOCKS, update_period_s=NEVER_S)
+                await server.announce(PREFIX, announced(server, *span), expiration=expiration)
+            client = await stack.enter_async_context(
+                open_dht_node(
+                    initial_peers=[str(swarm[0].listen_multiaddr)],
+                    client_mode=True,
+                    request_timeout_s=2,
+                )
+            )
+            watched = client.follow(PREFIX, BLOCKS, update_period_s=NEVER_S, gossip_interval_s=0.2)
+            first = await watched.wait_snapshot(lambda s: len(s.peer_ids) == 2)
+            assert watched.refreshes == 1
+            assert watched.gossip.peers == {str(s1.peer_id), str(s2.peer_id)}
+
+            # S3 reads the table (learning S1 and S2), then announces: pushed to them at once,
+            # and pulled by the client's next digest.
+            topic = s3.follow(PREFIX, BLOCKS, update_period_s=NEVER_S)
+            await wait_until(lambda: topic.refreshes >= 1)
+            info = announced(s3, 2, 6, throughput=99.0)
+            await s3.announce(PREFIX, info, expiration=expiration)
+            second = await watched.wait_snapshot(lambda s: str(s3.peer_id) in s.peer_ids)
+            assert watched.refreshes == 1  # no DHT read since the first: gossip brought it
+            assert second.version > first.version
+            assert second.servers_for(5)[str(s3.peer_id)] == info
+            assert str(s3.peer_id) not in second.servers_for(1)
+            assert watched.gossip.statistics().records_new >= BLOCKS - 2
+
+            # Going offline spreads the same way.
+            offline = attrs.evolve(info, state=ServerState.OFFLINE)
+            await s3.announce(PREFIX, offline, expiration=expiration + 1)
+            await watched.wait_snapshot(lambda s: str(s3.peer_id) not in s.peer_ids)
+            assert watched.refreshes == 1
+            # The other servers heard it too, by push.
+            for server in (s1, s2):
+                table = server.follow(PREFIX, BLOCKS)
+                await table.wait_snapshot(lambda s: str(s3.peer_id) not in s.peer_ids)
+
+
+async def test_bad_gossip_is_refused_and_the_node_keeps_gossiping() -> None:
+    with trio.fail_after(DEADLINE_S):
+        async with nodes(1) as (swarm, _), open_node() as raw:
+            server = swarm[0]
+            topic = server.follow(PREFIX, BLOCKS, update_period_s=NEVER_S)
+            connection = await raw.connect(server.listen_multiaddr)
+            for request in [
+                {"client": True, "prefix": "other-model", "kind": "digest", "entries": []},
+                {"client": True, "prefix": PREFIX, "kind": "shout"},
+                {"client": True, "prefix": PREFIX, "kind": "digest", "entries": [["k", None]]},
+                {"client": True, "prefix": PREFIX, "kind": "digest", "entries": [[1, 2, 3]]},
+                {"client": True, "prefix": PREFIX, "kind": "push", "ttl": -1, "records": []},
+                {"client": True, "prefix": PREFIX, "kind": "push", "ttl": 1, "records": "x"},
+                {"client": True, "prefix": PREFIX, "kind": "push", "ttl": 1, "records": [{}]},
+            ]:
+                with pytest.raises(RemoteError):
+                    await call_unary(connection, "dht.gossip", request)
+            # A forged announcement (signed by another key, filed under the server's PeerID)
+            # is counted as refused and never shows.
+            forger = Identity.generate()
+            genuine = Record.signed(
+                forger, f"{PREFIX}.0", server_info(0, 1).to_bytes(), time.time() + 60
+            )
+            forged = attrs.evolve(genuine, subkey=str(server.peer_id))
+            reply = await call_unary(
+                connection,
+                "dht.gossip",
+                {
+                    "client": True,
+                    "prefix": PREFIX,
+                    "kind": "push",
+                    "ttl": 0,
+                    "records": [encode_record(forged)],
+                },
+            )
+            assert reply == {"pushes": [], "wants": []}
+            assert topic.gossip.statistics().refusals == 1
+            assert topic.snapshot().peer_ids == frozenset()
+            # A well-formed digest still gets an answer.
+            reply = await call_unary(
+                connection,
+                "dht.gossip",
+                {"client": True, "prefix": PREFIX, "kind": "digest", "entries": []},
+            )
+            assert reply == {"pushes": [], "wants": []}
+
+
+async def test_following_checks_its_arguments() -> None:
+    with trio.fail_after(DEADLINE_S):
+        async with nodes(1) as (swarm, _):
+            node = swarm[0]
+            topic = node.follow(PREFIX, BLOCKS)
+            assert node.follow(PREFIX, BLOCKS) is topic
+            with pytest.raises(ConfigError, match="followed with 6 blocks"):
+                node.follow(PREFIX, 7)
+            with pytest.raises(ConfigError, match="num_blocks"):
+                node.follow("other", 0)
+            with pytest.raises(ConfigError, match="gossip_interval_s"):
+                node.follow("other", 2, gossip_interval_s=0)
+
+
+async def test_a_node_joining_nearer_a_key_is_handed_its_records() -> None:
+    with trio.fail_after(DEADLINE_S):
+        async with nodes(3, replicas=5) as (swarm, stack):
+            assert await swarm[1].store("handed", b"value", time.time() + 600) == 2
+            newcomer = await stack.enter_async_context(
+                open_dht_node(initial_peers=[str(swarm[0].listen_multiaddr)], request_timeout_s=2)
+            )
+            # With fewer than `replicas` nodes, every node is among the nearest: each holder
+            # hands the record over when the newcomer enters its table.
+            await wait_until(lambda: holds(swarm[0], newcomer, "handed"))
+            assert sum(node.statistics().records_handed_off for node in swarm) >= 1
+            value = await newcomer.get("handed")
+            assert value is not None and value.entries[None].value == b"value"
+
+
+async def test_a_found_value_is_cached_at_the_nearest_node_that_lacked_it() -> None:
+    with trio.fail_after(DEADLINE_S):
+        async with nodes(6, replicas=1) as (swarm, stack):
+            client = await stack.enter_async_context(
+                open_dht_node(
+                    initial_peers=[str(swarm[0].listen_multiaddr)],
+                    client_mode=True,
+                    request_timeout_s=2,
+                    replicas=1,
+                )
+            )
+            key = "cached"
+            by_distance = sorted(
+                swarm,
+                key=lambda n: xor_distance(NodeID.from_peer_id(n.peer_id), NodeID.from_key(key)),
+            )
+            # A client stores nothing itself: only the single nearest node holds it.
+            assert await client.store(key, b"v", time.time() + 600) == 1
+            held = [await holds(client, node, key) for node in by_distance]
+            assert held == [True] + [False] * 5
+            # A get that asks everyone (latest=True) hears "not here" from the others, and the
+            # nearest of them gets a copy.
+            value = await client.get(key, latest=True)
+            assert value is not None and value.entries[None].value == b"v"
+            assert client.statistics().records_cached == 1
+            await wait_until(lambda: holds(client, by_distance[1], key))
+            assert [await holds(client, node, key) for node in by_distance] == [True, True] + [
+                False
+            ] * 4
+
+
+async def test_records_are_republished_to_the_new_nearest_node_after_a_holder_leaves() -> None:
+    key = "republished"
+    key_id = NodeID.from_key(key)
+    identities = sorted(
+        (Identity.generate() for _ in range(4)),
+        key=lambda i: xor_distance(NodeID.from_peer_id(i.peer_id), key_id),
+    )
+    leaving, staying = identities[0], identities[1:]  # the nearest to the key leaves
+    options: dict[str, Any] = {"request_timeout_s": 2, "replicas": 1, "republish_interval_s": 0.2}
+    with trio.fail_after(DEADLINE_S):
+        async with AsyncExitStack() as stack:
+            owner = await stack.enter_async_context(open_dht_node(**options))
+            entry = [str(owner.listen_multiaddr)]
+            others = [
+                await stack.enter_async_context(
+                    open_dht_node(identity=identity, initial_peers=entry, **options)
+                )
+                for identity in staying
+            ]
+            runner_up = others[0]
+            async with open_dht_node(identity=leaving, initial_peers=entry, **options) as nearest:
+                await owner.wait_republish_rounds(1)
+                assert await owner.store(key, b"v", time.time() + 600) == 1
+                assert await holds(owner, nearest, key)
+                assert not await holds(owner, runner_up, key)
+            # The only remote holder left: the owner's republishing finds the next nearest.
+            await owner.wait_republish_rounds(2)
+            assert await holds(owner, runner_up, key)
+            value = await runner_up.get(key)
+            assert value is not None and value.entries[None].value == b"v"
+
+
+async def test_a_node_on_every_interface_is_reached_by_the_address_it_called_from() -> None:
+    with trio.fail_after(DEADLINE_S):
+        async with nodes(1) as (swarm, _):
+            entry = swarm[0]
+            async with open_dht_node(
+                host="0.0.0.0", initial_peers=[str(entry.listen_multiaddr)], request_timeout_s=2
+            ) as wild:
+                contact = entry.routing_table.get(NodeID.from_peer_id(wild.peer_id))
+                assert contact is not None
+                assert contact.address.startswith("/ip4/127.0.0.1/udp/")
+                assert contact.address.endswith(f"/p2p/{wild.peer_id}")
+                assert await entry.store("k", b"v", time.time() + 60) == 1
