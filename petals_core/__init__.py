@@ -5,6 +5,8 @@ The root package re-exports only what is cheap to import; the transport lives in
 """
 
 from ._errors import (
+    AdapterError as AdapterError,
+    AllocationFailed as AllocationFailed,
     CallEnded as CallEnded,
     CheckpointError as CheckpointError,
     ClosedResourceError as ClosedResourceError,
@@ -22,6 +24,7 @@ from ._errors import (
     ProtocolError as ProtocolError,
     RemoteError as RemoteError,
     RemoteProtocolError as RemoteProtocolError,
+    ServerError as ServerError,
     StreamReset as StreamReset,
     TransportError as TransportError,
 )

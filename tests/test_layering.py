@@ -21,7 +21,14 @@ def _imported_after(module: str, watched: tuple[str, ...]) -> list[str]:
 
 
 @pytest.mark.parametrize(
-    "module", ["petals_core", "petals_core.transport", "petals_core.testing", "petals_core.dht"]
+    "module",
+    [
+        "petals_core",
+        "petals_core.transport",
+        "petals_core.testing",
+        "petals_core.dht",
+        "petals_core.routing",
+    ],
 )
 def test_transport_imports_no_torch(module: str) -> None:
     assert _imported_after(module, HEAVY) == []

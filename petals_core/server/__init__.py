@@ -1,4 +1,31 @@
 """The server: hosts a span of transformer blocks and serves them over QUIC.
 
-Run it as ``python -m petals_core.server MODEL [options]``.
+Run it as ``python -m petals_core.server MODEL [options]``.  Its parts:
+
+- :class:`MemoryCache`: the attention-cache byte budget that sessions allocate from, waiting up
+  to their timeout;
+- :func:`open_task_pool`: compute off the event loop, inference steps first, then by client
+  points and arrival, with single-token steps of concurrent sessions batched together;
+- :func:`get_server_throughput`: the throughput a server announces, measured once per device,
+  dtype and quantisation and cached on disk.
 """
+
+from ._memory_cache import (
+    CacheGrant as CacheGrant,
+    MemoryCache as MemoryCache,
+    MemoryCacheStatistics as MemoryCacheStatistics,
+)
+from ._task_pool import (
+    Priority as Priority,
+    TaskPool as TaskPool,
+    TaskPoolStatistics as TaskPoolStatistics,
+    open_task_pool as open_task_pool,
+)
+from ._throughput import (
+    DEFAULT_NETWORK_BANDWIDTH_BITS_PER_S as DEFAULT_NETWORK_BANDWIDTH_BITS_PER_S,
+    ComputeMeasure as ComputeMeasure,
+    ThroughputInfo as ThroughputInfo,
+    get_server_throughput as get_server_throughput,
+    measure_compute_rps as measure_compute_rps,
+    throughput_cache_key as throughput_cache_key,
+)

@@ -13,6 +13,7 @@ Differences from transformers, on purpose:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -20,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ...kernels import alibi_slopes, attention
+from .._batched import check_many_inputs, join_tokens, split_tokens
 from .._cache import KVCache, check_block_input
 
 if TYPE_CHECKING:
@@ -63,6 +65,36 @@ class BloomAttention(nn.Module):
             k, v = cache.append(k, v)  # (B, n_head, position + T, head_dim)
         y = attention(q, k, v, query_offset=position, alibi_slopes=slopes)  # (B, n_head, T, hd)
         return self.dense(y.transpose(1, 2).reshape(batch, new, hidden))
+
+    def forward_many(
+        self,
+        x: torch.Tensor,
+        shapes: Sequence[tuple[int, int]],
+        slopes: torch.Tensor,
+        caches: Sequence[KVCache],
+    ) -> torch.Tensor:
+        """Several sessions' tokens, joined: ``(1, N, hidden)`` in and out, N = sum B_i * T_i.
+
+        The projections run once over all N tokens; the cache append and attention run per item,
+        item ``i`` being ``shapes[i] = (B_i, T_i)`` tokens at its cache's length.  The caller has
+        validated every item (nothing here may fail half-way).
+        """
+        hidden = x.shape[-1]
+        qkv_all = self.query_key_value(x)  # (1, N, 3 * hidden), per head [q_h, k_h, v_h]
+        outputs = []
+        start = 0
+        for (batch, new), cache in zip(shapes, caches, strict=True):
+            end = start + batch * new
+            qkv = qkv_all[0, start:end].view(batch, new, self.n_head, 3, self.head_dim)
+            q = qkv[..., 0, :].transpose(1, 2)  # (B, n_head, T, head_dim)
+            k = qkv[..., 1, :].transpose(1, 2)
+            v = qkv[..., 2, :].transpose(1, 2)
+            position = cache.length
+            k, v = cache.append(k, v)  # (B, n_head, position + T, head_dim)
+            y = attention(q, k, v, query_offset=position, alibi_slopes=slopes)  # (B, n_head, T, hd)
+            outputs.append(y.transpose(1, 2).reshape(batch * new, hidden))
+            start = end
+        return self.dense(torch.cat(outputs).unsqueeze(0))  # (1, N, hidden)
 
 
 class BloomMLP(nn.Module):
@@ -141,6 +173,41 @@ class BloomBlock(nn.Module):
         normed = self.post_attention_layernorm(x)
         residual = normed if self.residual_after_norm else x
         return residual + self.mlp(normed)
+
+    def forward_many(
+        self, hidden_states: Sequence[torch.Tensor], caches: Sequence[KVCache]
+    ) -> list[torch.Tensor]:
+        """Run several sessions' steps through this block at once.
+
+        ``hidden_states[i]`` is ``(B_i, T_i, hidden)`` for the session whose cache for this block
+        is ``caches[i]`` (``B_i`` rows, its own length, i.e. position); each cache is appended at
+        its own length.  Returns what ``self(hidden_states[i], cache=caches[i])`` would return for
+        each ``i``.  LayerNorms, projections and the MLP run once over all items' tokens (one
+        matmul each instead of one per session); the cache append and attention run per item.
+
+        Every item is checked before any cache is written: if one is refused, no cache changes.
+        Runs without autograd, like the single-step cache path.
+        """
+        check_many_inputs(
+            hidden_states,
+            caches,
+            hidden_size=self.input_layernorm.normalized_shape[0],
+            weight=self.input_layernorm.weight,
+            kv_heads=self.n_head,
+            head_dim=self.head_dim,
+        )
+        if not hidden_states:
+            return []
+        with torch.no_grad():
+            x = join_tokens(hidden_states)  # (1, N, hidden)
+            shapes = [(states.shape[0], states.shape[1]) for states in hidden_states]
+            normed = self.input_layernorm(x)
+            residual = normed if self.residual_after_norm else x
+            slopes = self._slopes_on(x.device)
+            x = residual + self.self_attention.forward_many(normed, shapes, slopes, caches)
+            normed = self.post_attention_layernorm(x)
+            residual = normed if self.residual_after_norm else x
+            return split_tokens(residual + self.mlp(normed), hidden_states)
 
     def allocate_cache(
         self,

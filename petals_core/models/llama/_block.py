@@ -11,7 +11,7 @@ The block holds no per-session state: one instance serves every session, each br
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
@@ -21,6 +21,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from ... import kernels
+from .._batched import check_many_inputs, join_tokens, split_tokens
 from .._cache import KVCache, check_block_input
 
 __all__ = ["LlamaBlock", "LlamaRotary"]
@@ -135,6 +136,37 @@ class LlamaAttention(nn.Module):
         y = y.transpose(1, 2).reshape(batch, new, self.n_head * self.head_dim)
         return self.o_proj(y)
 
+    def forward_many(
+        self,
+        x: torch.Tensor,
+        shapes: Sequence[tuple[int, int]],
+        angles: Sequence[tuple[torch.Tensor, torch.Tensor]],
+        caches: Sequence[KVCache],
+    ) -> torch.Tensor:
+        """Several sessions' tokens, joined: ``(1, N, hidden)`` in and out, N = sum B_i * T_i.
+
+        The projections run once over all N tokens; rotary, the cache append and attention run per
+        item, item ``i`` being ``shapes[i] = (B_i, T_i)`` tokens at its cache's length, rotated by
+        ``angles[i]``.  The caller has validated every item (nothing here may fail half-way).
+        """
+        q_all = self.q_proj(x)  # (1, N, n_head * head_dim)
+        k_all = self.k_proj(x)  # (1, N, n_kv_head * head_dim)
+        v_all = self.v_proj(x)
+        outputs = []
+        start = 0
+        for (batch, new), (cos, sin), cache in zip(shapes, angles, caches, strict=True):
+            end = start + batch * new
+            q = q_all[0, start:end].view(batch, new, self.n_head, self.head_dim).transpose(1, 2)
+            k = k_all[0, start:end].view(batch, new, self.n_kv_head, self.head_dim).transpose(1, 2)
+            v = v_all[0, start:end].view(batch, new, self.n_kv_head, self.head_dim).transpose(1, 2)
+            position = cache.length
+            q, k, v = cache.append_rotated(q, k, v, cos, sin)  # k, v: (B, n_kv_head, S, head_dim)
+            y = kernels.attention(q, k, v, query_offset=position)  # (B, n_head, T, head_dim)
+            outputs.append(y.transpose(1, 2).reshape(batch * new, self.n_head * self.head_dim))
+            start = end
+        y = torch.cat(outputs).unsqueeze(0)  # (1, N, n_head * head_dim)
+        return self.o_proj(y)
+
 
 class LlamaMLP(nn.Module):
     def __init__(self, config: LlamaConfig) -> None:
@@ -230,3 +262,43 @@ class LlamaBlock(nn.Module):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache=cache, position=position)
         x = x + self.mlp(self.post_attention_layernorm(x))
         return x
+
+    def forward_many(
+        self, hidden_states: Sequence[torch.Tensor], caches: Sequence[KVCache]
+    ) -> list[torch.Tensor]:
+        """Run several sessions' steps through this block at once.
+
+        ``hidden_states[i]`` is ``(B_i, T_i, hidden)`` for the session whose cache for this block
+        is ``caches[i]`` (``B_i`` rows, its own length, i.e. position); each cache is appended at
+        its own length.  Returns what ``self(hidden_states[i], cache=caches[i])`` would return for
+        each ``i``.  Norms, projections and the MLP run once over all items' tokens (one matmul
+        each instead of one per session); rotary, the cache append and attention run per item.
+
+        Every item is checked before any cache is written: if one is refused, no cache changes.
+        Runs without autograd, like the single-step cache path.
+        """
+        check_many_inputs(
+            hidden_states,
+            caches,
+            hidden_size=self.config.hidden_size,
+            weight=self.input_layernorm.weight,
+            kv_heads=self.self_attn.n_kv_head,
+            head_dim=self.self_attn.head_dim,
+        )
+        if not hidden_states:
+            return []
+        with torch.no_grad():
+            return self._forward_many(hidden_states, caches)
+
+    def _forward_many(
+        self, hidden_states: Sequence[torch.Tensor], caches: Sequence[KVCache]
+    ) -> list[torch.Tensor]:
+        x = join_tokens(hidden_states)  # (1, N, hidden)
+        shapes = [(states.shape[0], states.shape[1]) for states in hidden_states]
+        angles = [
+            self.rotary(cache.length, new, device=x.device, dtype=x.dtype)  # (1, T_i, head_dim)
+            for (_, new), cache in zip(shapes, caches, strict=True)
+        ]
+        x = x + self.self_attn.forward_many(self.input_layernorm(x), shapes, angles, caches)
+        x = x + self.mlp(self.post_attention_layernorm(x))
+        return split_tokens(x, hidden_states)

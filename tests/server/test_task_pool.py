@@ -1,0 +1,301 @@
+"""TaskPool: priority order, batching, the reserved inference worker, cancellation, shutdown.
+
+A "gate" job blocks the worker threads on a threading.Event so that the queue fills in a known
+order; ``wait_all_tasks_blocked`` tells when every submitted caller has queued its job.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+
+import pytest
+import trio
+import trio.testing
+
+from petals_core._errors import ConfigError, ServerError
+from petals_core.server._task_pool import Priority, TaskPool, open_task_pool
+
+# Generous: these bound a test that went wrong, they are never waited out by a passing one.
+DEADLINE_S = 20.0
+
+
+class Gate:
+    """A job that holds a worker thread until released."""
+
+    def __init__(self) -> None:
+        self.started = threading.Event()
+        self.release = threading.Event()
+
+    def block(self) -> str:
+        self.started.set()
+        # The timeout only keeps a broken test from hanging the run.
+        if not self.release.wait(timeout=DEADLINE_S):
+            raise RuntimeError("the gate was never released")
+        return "gate"
+
+    async def wait_started(self) -> None:
+        await trio.to_thread.run_sync(self.started.wait, DEADLINE_S, abandon_on_cancel=True)
+        assert self.started.is_set()
+
+
+@pytest.fixture
+def gate() -> Iterator[Gate]:
+    gate = Gate()
+    yield gate
+    gate.release.set()
+
+
+async def _hold_worker(nursery: trio.Nursery, pool: TaskPool, gate: Gate, priority: int) -> None:
+    nursery.start_soon(lambda: pool.run(gate.block, priority=priority))
+    await gate.wait_started()
+
+
+async def test_queue_order_is_priority_then_points_then_arrival(gate: Gate) -> None:
+    ran: list[str] = []
+    jobs = [
+        ("f0", Priority.FORWARD, 0.0),
+        ("i0", Priority.INFERENCE, 0.0),
+        ("f5", Priority.FORWARD, 5.0),
+        ("i1", Priority.INFERENCE, 1.0),
+        ("f0b", Priority.FORWARD, 0.0),
+        ("b5", Priority.BACKWARD, 5.0),
+    ]
+
+    async def submit(name: str, priority: int, points: float) -> None:
+        await pool.run(lambda: ran.append(name), priority=priority, points=points)
+
+    with trio.fail_after(DEADLINE_S):
+        async with open_task_pool(workers=1, reserved_workers=0) as pool:
+            async with trio.open_nursery() as nursery:
+                await _hold_worker(nursery, pool, gate, Priority.FORWARD)
+                for name, priority, points in jobs:
+                    nursery.start_soon(submit, name, priority, points)
+                    await trio.testing.wait_all_tasks_blocked()
+                stats = pool.statistics()
+                assert dict(stats.queued) == {Priority.INFERENCE: 2, Priority.FORWARD: 4}
+                assert stats.running == 1
+                gate.release.set()
+            stats = pool.statistics()
+            assert (dict(stats.queued), stats.running, stats.completed) == ({}, 0, 7)
+    assert ran == ["i1", "i0", "f5", "b5", "f0", "f0b"]
+
+
+async def test_exceptions_reach_the_caller_unchanged() -> None:
+    error = KeyError("missing")
+
+    def fail() -> None:
+        raise error
+
+    with trio.fail_after(DEADLINE_S):
+        async with open_task_pool(workers=1, reserved_workers=0) as pool:
+            with pytest.raises(KeyError) as info:
+                await pool.run(fail, priority=Priority.FORWARD)
+            assert info.value is error
+            # The pool keeps working.
+            assert await pool.run(lambda: 42, priority=Priority.INFERENCE) == 42
+
+
+async def test_same_key_jobs_run_as_one_batch(gate: Gate) -> None:
+    batches: list[list[int]] = []
+    results: dict[int, int] = {}
+
+    def double(items: list[int]) -> list[int]:
+        batches.append(list(items))
+        return [2 * item for item in items]
+
+    async def submit(key: str, item: int) -> None:
+        results[item] = await pool.run_batched(key, item, double, priority=Priority.FORWARD)
+
+    with trio.fail_after(DEADLINE_S):
+        async with open_task_pool(workers=1, reserved_workers=0, max_batch_size=3) as pool:
+            async with trio.open_nursery() as nursery:
+                await _hold_worker(nursery, pool, gate, Priority.FORWARD)
+                for key, item in [("a", 1), ("b", 10), ("a", 2), ("a", 3), ("b", 11), ("a", 4)]:
+                    nursery.start_soon(submit, key, item)
+                    await trio.testing.wait_all_tasks_blocked()
+                gate.release.set()
+            stats = pool.statistics()
+    # "a" items 1-3 fill a batch of 3; then "b" (next in the queue) takes 11 along; then 4.
+    assert batches == [[1, 2, 3], [10, 11], [4]]
+    assert results == {1: 2, 2: 4, 3: 6, 4: 8, 10: 20, 11: 22}
+    assert (stats.batches_run, stats.largest_batch, stats.completed) == (3, 3, 7)
+
+
+async def test_batches_keep_to_one_priority_and_the_queue_order(gate: Gate) -> None:
+    batches: list[list[str]] = []
+
+    def echo(items: list[str]) -> list[str]:
+        batches.append(list(items))
+        return items
+
+    async def submit(item: str, priority: int, points: float) -> None:
+        assert await pool.run_batched("k", item, echo, priority=priority, points=points) == item
+
+    with trio.fail_after(DEADLINE_S):
+        async with (
+            open_task_pool(workers=1, reserved_workers=0) as pool,
+            trio.open_nursery() as nursery,
+        ):
+            await _hold_worker(nursery, pool, gate, Priority.FORWARD)
+            for item, priority, points in [
+                ("f-low", Priority.FORWARD, 0.0),
+                ("i", Priority.INFERENCE, 0.0),
+                ("f-high", Priority.FORWARD, 3.0),
+            ]:
+                nursery.start_soon(submit, item, priority, points)
+                await trio.testing.wait_all_tasks_blocked()
+            gate.release.set()
+    assert batches == [["i"], ["f-high", "f-low"]]
+
+
+async def test_a_failing_item_fails_only_its_own_caller(gate: Gate) -> None:
+    calls: list[list[int]] = []
+    outcomes: dict[int, object] = {}
+
+    def reciprocal(items: list[int]) -> list[float]:
+        calls.append(list(items))
+        return [1 / item for item in items]
+
+    async def submit(item: int) -> None:
+        try:
+            outcomes[item] = await pool.run_batched(
+                "r", item, reciprocal, priority=Priority.INFERENCE
+            )
+        except ZeroDivisionError as exc:
+            outcomes[item] = exc
+
+    with trio.fail_after(DEADLINE_S):
+        async with (
+            open_task_pool(workers=1, reserved_workers=0) as pool,
+            trio.open_nursery() as nursery,
+        ):
+            await _hold_worker(nursery, pool, gate, Priority.FORWARD)
+            for item in (1, 0, 4):
+                nursery.start_soon(submit, item)
+                await trio.testing.wait_all_tasks_blocked()
+            gate.release.set()
+    assert calls == [[1, 0, 4], [1], [0], [4]]
+    assert outcomes[1] == 1.0
+    assert outcomes[4] == 0.25
+    assert isinstance(outcomes[0], ZeroDivisionError)
+
+
+async def test_reserved_worker_runs_inference_past_a_blocked_forward(gate: Gate) -> None:
+    with trio.fail_after(DEADLINE_S):
+        async with open_task_pool(workers=2, reserved_workers=1) as pool:
+            async with trio.open_nursery() as nursery:
+                await _hold_worker(nursery, pool, gate, Priority.FORWARD)
+                # A second forward job waits: the only free worker is reserved for inference.
+                nursery.start_soon(lambda: pool.run(lambda: "f", priority=Priority.FORWARD))
+                await trio.testing.wait_all_tasks_blocked()
+                assert await pool.run(lambda: "step", priority=Priority.INFERENCE) == "step"
+                stats = pool.statistics()
+                assert (dict(stats.queued), stats.running) == ({Priority.FORWARD: 1}, 1)
+                gate.release.set()
+            assert pool.statistics().completed == 3
+
+
+async def test_cancelled_while_queued_never_runs(gate: Gate) -> None:
+    ran: list[str] = []
+    with trio.fail_after(DEADLINE_S):
+        async with open_task_pool(workers=1, reserved_workers=0) as pool:
+            async with trio.open_nursery() as nursery:
+                await _hold_worker(nursery, pool, gate, Priority.FORWARD)
+                scope = trio.CancelScope()
+
+                async def impatient() -> None:
+                    with scope:
+                        await pool.run(lambda: ran.append("cancelled"), priority=Priority.FORWARD)
+
+                nursery.start_soon(impatient)
+                await trio.testing.wait_all_tasks_blocked()
+                assert dict(pool.statistics().queued) == {Priority.FORWARD: 1}
+                scope.cancel()
+                await trio.testing.wait_all_tasks_blocked()
+                assert dict(pool.statistics().queued) == {}
+                gate.release.set()
+            await pool.run(lambda: ran.append("after"), priority=Priority.FORWARD)
+    assert ran == ["after"]
+    assert pool.statistics().completed == 2
+
+
+async def test_cancelled_while_running_returns_at_once(gate: Gate) -> None:
+    left = trio.Event()
+    with trio.fail_after(DEADLINE_S):
+        async with open_task_pool(workers=1, reserved_workers=0) as pool:
+            async with trio.open_nursery() as nursery:
+                scope = trio.CancelScope()
+
+                async def impatient() -> None:
+                    with scope:
+                        await pool.run(gate.block, priority=Priority.INFERENCE)
+                    left.set()
+
+                nursery.start_soon(impatient)
+                await gate.wait_started()
+                scope.cancel()
+                # The caller leaves while the thread is still blocked.
+                await left.wait()
+                assert pool.statistics().running == 1
+                gate.release.set()
+            # The worker is free again once the abandoned call ends.
+            assert await pool.run(lambda: 7, priority=Priority.FORWARD) == 7
+        assert pool.statistics().completed == 2
+
+
+async def test_shutdown_fails_queued_jobs_and_waits_for_running_ones(gate: Gate) -> None:
+    errors: list[ServerError] = []
+    all_failed = trio.Event()
+    finished: list[str] = []
+
+    async def queued() -> None:
+        try:
+            await pool.run(lambda: finished.append("queued"), priority=Priority.FORWARD)
+        except ServerError as exc:
+            errors.append(exc)
+            if len(errors) == 2:
+                all_failed.set()
+
+    async def release_gate_after_failures() -> None:
+        await all_failed.wait()
+        gate.release.set()
+
+    async def running() -> None:
+        finished.append(await pool.run(gate.block, priority=Priority.FORWARD))
+
+    with trio.fail_after(DEADLINE_S):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(release_gate_after_failures)
+            async with open_task_pool(workers=1, reserved_workers=0) as pool:
+                nursery.start_soon(running)
+                await gate.wait_started()
+                for _ in range(2):
+                    nursery.start_soon(queued)
+                    await trio.testing.wait_all_tasks_blocked()
+            # Leaving the pool waited for the running job.
+            stats = pool.statistics()
+            assert (stats.running, stats.completed, dict(stats.queued)) == (0, 1, {})
+    assert finished == ["gate"]
+    assert [str(exc) for exc in errors] == ["the server is shutting down"] * 2
+    with pytest.raises(ServerError, match="shutting down"):
+        await pool.run(lambda: None, priority=Priority.INFERENCE)
+
+
+async def test_the_blocks_own_error_is_raised_as_is() -> None:
+    with pytest.raises(KeyError):
+        async with open_task_pool(workers=2, reserved_workers=1):
+            raise KeyError("boom")
+
+
+@pytest.mark.parametrize(
+    ("workers", "reserved_workers", "max_batch_size"), [(0, 0, 1), (2, 2, 1), (2, -1, 1), (2, 1, 0)]
+)
+async def test_invalid_configuration(
+    workers: int, reserved_workers: int, max_batch_size: int
+) -> None:
+    with pytest.raises(ConfigError):
+        async with open_task_pool(
+            workers=workers, reserved_workers=reserved_workers, max_batch_size=max_batch_size
+        ):
+            pytest.fail("must not open")
