@@ -6,14 +6,37 @@ Run it as ``python -m petals_core.server MODEL [options]``.  Its parts:
   to their timeout;
 - :func:`open_task_pool`: compute off the event loop, inference steps first, then by client
   points and arrival, with single-token steps of concurrent sessions batched together;
+- :class:`BlockBackend` / :class:`BlockServer`: the blocks and the RPCs over them (sessions,
+  forward, backward, info; the messages are described in ``_protocol``);
+- :func:`open_server`: the whole life of a server in the swarm (:class:`ServerConfig`);
 - :func:`get_server_throughput`: the throughput a server announces, measured once per device,
   dtype and quantisation and cached on disk.
 """
 
+from ._backend import BlockBackend as BlockBackend
+from ._handler import (
+    BlockServer as BlockServer,
+    BlockServerStatistics as BlockServerStatistics,
+    ServingLimits as ServingLimits,
+)
 from ._memory_cache import (
     CacheGrant as CacheGrant,
     MemoryCache as MemoryCache,
     MemoryCacheStatistics as MemoryCacheStatistics,
+)
+from ._protocol import (
+    BACKWARD as BACKWARD,
+    FORWARD as FORWARD,
+    INFERENCE as INFERENCE,
+    INFO as INFO,
+    receive_tensors as receive_tensors,
+    send_tensors as send_tensors,
+)
+from ._server import (
+    SMOLLM2 as SMOLLM2,
+    Server as Server,
+    ServerConfig as ServerConfig,
+    open_server as open_server,
 )
 from ._task_pool import (
     Priority as Priority,

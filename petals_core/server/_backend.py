@@ -1,0 +1,217 @@
+"""The blocks a server hosts and the blocking computations on them.
+
+Everything here is plain torch and runs in the task pool's worker threads; the RPC layer
+(``_handler.py``) validates requests, schedules these calls and owns the sessions.
+
+Conventions of every call:
+
+- ``start, end`` are absolute block indices inside the hosted span ``[backend.start,
+  backend.end)``; a request may use any contiguous part of it;
+- hidden states are ``(B, T, hidden)``; they are cast to the blocks' dtype on the way in and the
+  outputs back to the caller's dtype on the way out;
+- deep prompts are ``(end - start, B or 1, P, hidden)``: before block ``i`` the prompt of that block
+  is added to the first ``P`` positions (the trainable prefix of p-tuning v2);
+- the active adapter (a LoRA name, or None) is set inside the worker thread, per call.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from .._errors import AdapterError
+from ..models import BloomBlock, KVCache, LlamaBlock, using_adapter
+
+Block = LlamaBlock | BloomBlock
+
+__all__ = ["BlockBackend"]
+
+
+class BlockBackend:
+    """Blocks ``start .. start + len(blocks) - 1`` of a model, in ``dtype`` on ``device``."""
+
+    def __init__(
+        self,
+        blocks: Sequence[Block],
+        *,
+        start: int,
+        hidden_size: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        adapters: Sequence[str] = (),
+    ) -> None:
+        if not blocks:
+            raise ValueError("a backend holds at least one block")
+        self.blocks = list(blocks)
+        self.start = start
+        self.end = start + len(self.blocks)
+        self.hidden_size = hidden_size
+        self.dtype = dtype
+        self.device = device
+        self.adapters = frozenset(adapters)
+        for block in self.blocks:
+            block.requires_grad_(False)
+            block.eval()
+        # One position of one row of one block's cache: the unit of the cache budget.
+        self.cache_bytes_per_token = self.blocks[0].allocate_cache(1, 1).nbytes
+
+    # -- checks (on the event loop, before anything is scheduled) --------------------------------
+
+    def span(self, start: int, end: int) -> list[Block]:
+        if not self.start <= start < end <= self.end:
+            raise ValueError(
+                f"blocks [{start}, {end}) are not inside the blocks this server holds, "
+                f"[{self.start}, {self.end})"
+            )
+        return self.blocks[start - self.start : end - self.start]
+
+    def check_adapter(self, adapter: str | None) -> None:
+        if adapter is not None and adapter not in self.adapters:
+            known = ", ".join(sorted(self.adapters)) or "none"
+            raise AdapterError(f"unknown adapter {adapter!r}; this server holds: {known}")
+
+    def check_hidden(self, hidden: object, *, what: str = "hidden_states") -> torch.Tensor:
+        if not isinstance(hidden, torch.Tensor):
+            raise ValueError(f"{what} must be a tensor, got {type(hidden).__name__}")
+        if not hidden.dtype.is_floating_point:
+            raise ValueError(f"{what} must be floating point, got {hidden.dtype}")
+        if hidden.dim() != 3 or hidden.shape[0] < 1 or hidden.shape[2] != self.hidden_size:
+            raise ValueError(
+                f"{what} must be (batch >= 1, tokens, {self.hidden_size}), "
+                f"got {tuple(hidden.shape)}"
+            )
+        return hidden
+
+    def check_prompts(self, prompts: object, start: int, end: int, hidden: torch.Tensor) -> None:
+        if prompts is None:
+            return
+        if not isinstance(prompts, torch.Tensor) or not prompts.dtype.is_floating_point:
+            raise ValueError("prompts must be a floating-point tensor")
+        batch, tokens, _ = hidden.shape
+        if (
+            prompts.dim() != 4
+            or prompts.shape[0] != end - start
+            or prompts.shape[1] not in (1, batch)
+            or prompts.shape[2] > tokens
+            or prompts.shape[3] != self.hidden_size
+        ):
+            raise ValueError(
+                f"prompts must be ({end - start} blocks, 1 or {batch}, prefix <= {tokens} "
+                f"tokens, {self.hidden_size}), got {tuple(prompts.shape)}"
+            )
+
+    # -- sessions --------------------------------------------------------------------------------
+
+    def allocate_caches(self, start: int, end: int, batch: int, max_length: int) -> list[KVCache]:
+        return [block.allocate_cache(batch, max_length) for block in self.span(start, end)]
+
+    def inference_step(
+        self,
+        start: int,
+        end: int,
+        hidden: torch.Tensor,
+        caches: Sequence[KVCache],
+        *,
+        prompts: torch.Tensor | None = None,
+        adapter: str | None = None,
+    ) -> torch.Tensor:
+        """Run new positions of one session through blocks ``[start, end)``, appending to its
+        caches.  On failure the caches are rolled back to where they were."""
+        lengths = [cache.length for cache in caches]
+        try:
+            with using_adapter(adapter), torch.inference_mode():
+                x = hidden.to(self.device, self.dtype)
+                for index, (block, cache) in enumerate(
+                    zip(self.span(start, end), caches, strict=True)
+                ):
+                    x = _with_prompt(x, prompts, index)
+                    x = block(x, cache=cache)
+                return x.to(hidden.dtype)
+        except BaseException:
+            _restore(caches, lengths)
+            raise
+
+    def inference_steps(
+        self,
+        start: int,
+        end: int,
+        items: Sequence[tuple[torch.Tensor, Sequence[KVCache]]],
+        *,
+        adapter: str | None = None,
+    ) -> list[torch.Tensor]:
+        """Several sessions' steps at once, block by block (:meth:`LlamaBlock.forward_many`):
+        the same results as :meth:`inference_step` for each.  On failure every cache is rolled
+        back."""
+        lengths = [[cache.length for cache in caches] for _, caches in items]
+        try:
+            with using_adapter(adapter), torch.inference_mode():
+                xs = [hidden.to(self.device, self.dtype) for hidden, _ in items]
+                for index, block in enumerate(self.span(start, end)):
+                    xs = block.forward_many(xs, [caches[index] for _, caches in items])
+                return [x.to(hidden.dtype) for x, (hidden, _) in zip(xs, items, strict=True)]
+        except BaseException:
+            for (_, caches), saved in zip(items, lengths, strict=True):
+                _restore(caches, saved)
+            raise
+
+    # -- fine-tuning (stateless) -----------------------------------------------------------------
+
+    def forward_block(
+        self,
+        index: int,
+        hidden: torch.Tensor,
+        *,
+        prompt: torch.Tensor | None = None,
+        adapter: str | None = None,
+    ) -> torch.Tensor:
+        """One block (absolute ``index``) without a cache, without autograd; blocks' dtype out."""
+        block = self.span(index, index + 1)[0]
+        with using_adapter(adapter), torch.inference_mode():
+            x = hidden.to(self.device, self.dtype)
+            if prompt is not None:
+                x = _add_prompt(x, prompt.to(self.device, self.dtype))
+            return block(x)
+
+    def backward_block(
+        self,
+        index: int,
+        hidden: torch.Tensor,
+        grad_output: torch.Tensor,
+        *,
+        prompt: torch.Tensor | None = None,
+        adapter: str | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Recompute block ``index`` on its input with autograd and return the gradients of its
+        input and of its prompt (None without a prompt), in the blocks' dtype."""
+        block = self.span(index, index + 1)[0]
+        with using_adapter(adapter), torch.enable_grad():
+            x = hidden.to(self.device, self.dtype).detach().requires_grad_(True)
+            p = None
+            if prompt is not None:
+                p = prompt.to(self.device, self.dtype).detach().requires_grad_(True)
+            y = block(x if p is None else _add_prompt(x, p))
+            inputs = (x,) if p is None else (x, p)
+            grads = torch.autograd.grad(y, inputs, grad_output.to(self.device, self.dtype))
+        return grads[0], (grads[1] if p is not None else None)
+
+
+def _with_prompt(x: torch.Tensor, prompts: torch.Tensor | None, index: int) -> torch.Tensor:
+    if prompts is None or prompts.shape[2] == 0:
+        return x
+    return _add_prompt(x, prompts[index].to(x.device, x.dtype))
+
+
+def _add_prompt(x: torch.Tensor, prompt: torch.Tensor) -> torch.Tensor:
+    """``x`` with ``prompt`` ``(B or 1, P, hidden)`` added to its first ``P`` positions."""
+    length = prompt.shape[1]
+    if length == 0:
+        return x
+    head = x[:, :length] + prompt
+    return torch.cat([head, x[:, length:]], dim=1)
+
+
+def _restore(caches: Sequence[KVCache], lengths: Sequence[int]) -> None:
+    for cache, length in zip(caches, lengths, strict=True):
+        if cache.length > length:
+            cache.rollback(length)

