@@ -9,6 +9,7 @@ BENCHMARKS = {
     "transport": "bench.transport",
     "blocks": "bench.blocks",
     "dht": "bench.dht",
+    "server": "bench.server",
 }
 # Run only when named: needs a CUDA GPU.
 ON_DEMAND = {"kernels_cuda": "bench.kernels_cuda"}

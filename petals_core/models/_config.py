@@ -18,7 +18,7 @@ from typing import Any, Self, cast
 
 from transformers import BloomConfig, LlamaConfig, PreTrainedConfig
 
-from .._errors import ConfigError
+from .._errors import CheckpointError, ConfigError
 
 __all__ = [
     "AutoDistributedConfig",
@@ -162,14 +162,19 @@ def _load_config(
     kwargs: dict[str, Any],
 ) -> DistributedConfig:
     # One read of config.json (one revision lookup on the Hub), whichever class it turns out to be.
-    config_dict, unused_kwargs = PreTrainedConfig.get_config_dict(
-        model_name_or_path,
-        revision=revision,
-        token=token,
-        cache_dir=cache_dir,
-        local_files_only=local_files_only,
-        **kwargs,
-    )
+    try:
+        config_dict, unused_kwargs = PreTrainedConfig.get_config_dict(
+            model_name_or_path,
+            revision=revision,
+            token=token,
+            cache_dir=cache_dir,
+            local_files_only=local_files_only,
+            **kwargs,
+        )
+    except OSError as exc:  # transformers' way of saying "no such model" (and Hub failures)
+        raise CheckpointError(
+            f"cannot read the config of {os.fspath(model_name_or_path)!r}: {exc}"
+        ) from exc
     model_type = config_dict.get("model_type")
     config_class = _CONFIG_CLASSES.get(model_type) if isinstance(model_type, str) else None
     if config_class is None or not isinstance(model_type, str):

@@ -26,6 +26,7 @@ from ._memory_cache import (
 )
 from ._protocol import (
     BACKWARD as BACKWARD,
+    DEFAULT_CHUNK_BYTES as DEFAULT_CHUNK_BYTES,
     FORWARD as FORWARD,
     INFERENCE as INFERENCE,
     INFO as INFO,

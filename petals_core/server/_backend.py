@@ -186,10 +186,11 @@ class BlockBackend:
         input and of its prompt (None without a prompt), in the blocks' dtype."""
         block = self.span(index, index + 1)[0]
         with using_adapter(adapter), torch.enable_grad():
-            x = hidden.to(self.device, self.dtype).detach().requires_grad_(True)
+            # clone(): inputs computed by forward_block are inference tensors.
+            x = hidden.to(self.device, self.dtype).clone().detach().requires_grad_(True)
             p = None
             if prompt is not None:
-                p = prompt.to(self.device, self.dtype).detach().requires_grad_(True)
+                p = prompt.to(self.device, self.dtype).clone().detach().requires_grad_(True)
             y = block(x if p is None else _add_prompt(x, p))
             inputs = (x,) if p is None else (x, p)
             grads = torch.autograd.grad(y, inputs, grad_output.to(self.device, self.dtype))

@@ -451,6 +451,11 @@ async def open_server(
     On exit it announces OFFLINE, ends open sessions with "the server is shutting down", and
     closes the node.
     """
+    if config.throughput == "dry_run":
+        raise ConfigError(
+            "throughput 'dry_run' measures and exits (the command line does it); a running "
+            "server takes 'auto', 'eval' or a number"
+        )
     model, config = resolve_model(config)
     model_config = await trio.to_thread.run_sync(
         lambda: AutoDistributedConfig.from_pretrained(

@@ -1,0 +1,237 @@
+"""A raw client of the block RPCs for the server tests, and the local blocks they compare with.
+
+Everything goes over the real transport to a real server on loopback (:func:`serve`); the
+reference results come from :class:`LlamaBlock` objects loaded from the same checkpoint.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import LlamaConfig
+
+from petals_core.models import KVCache, LlamaBlock
+from petals_core.server import (
+    BACKWARD,
+    FORWARD,
+    INFERENCE,
+    INFO,
+    Server,
+    ServerConfig,
+    ServingLimits,
+    open_server,
+    receive_tensors,
+    send_tensors,
+)
+from petals_core.server._protocol import DEFAULT_CHUNK_BYTES
+from petals_core.transport import Call, CallEnded, Connection, call_unary, open_call, open_node
+
+from ..models.conftest import TinyCheckpoint
+
+#: What a reply may hold; far above anything these tests send.
+MAX_ELEMENTS = 1 << 24
+
+
+# -- servers ---------------------------------------------------------------------------------------
+
+
+@asynccontextmanager
+async def serve(
+    checkpoint: TinyCheckpoint,
+    cache_dir: Path,
+    *,
+    blocks: tuple[int, int] = (0, 6),
+    limits: ServingLimits | None = None,
+    **config: Any,
+) -> AsyncIterator[Server]:
+    """A server of ``blocks`` of ``checkpoint`` in fp32 on loopback, in a swarm of its own."""
+    server_config = ServerConfig(
+        model=str(checkpoint.folder),
+        new_swarm=True,
+        host="127.0.0.1",
+        block_indices=blocks,
+        throughput=1.0,
+        torch_dtype="float32",
+        device="cpu",
+        cache_dir=str(cache_dir),
+        limits=limits or ServingLimits(),
+        **config,
+    )
+    async with open_server(server_config, seed=0) as server:
+        yield server
+
+
+@asynccontextmanager
+async def connect(server: Server) -> AsyncIterator[Connection]:
+    """A client node of its own connected to ``server``."""
+    async with open_node(host="127.0.0.1") as node:
+        yield await node.connect(server.multiaddrs[0])
+
+
+async def info(connection: Connection) -> dict[str, Any]:
+    return await call_unary(connection, INFO, {})
+
+
+# -- inference sessions ----------------------------------------------------------------------------
+
+
+class Session:
+    """One open ``petals.inference`` call."""
+
+    def __init__(self, call: Call) -> None:
+        self.call = call
+        self.position = 0
+
+    async def step(self, hidden: torch.Tensor, **extra: Any) -> torch.Tensor:
+        """Send ``hidden`` (B, T, H) with ``extra`` fields; returns the (B, T, H) output."""
+        await self.call.send({"hidden_states": hidden, **extra})
+        reply = await self.call.receive()
+        self.position = reply["position"]
+        output = reply["hidden_states"]
+        assert isinstance(output, torch.Tensor)
+        return output
+
+    async def close(self) -> None:
+        """End our side and wait for the server's end: its handler has returned by then, so the
+        session's cache is back in the budget."""
+        await self.call.send_eof()
+        try:
+            reply = await self.call.receive()
+        except CallEnded:
+            return
+        raise AssertionError(f"the server sent {reply!r} after the session's end")
+
+
+async def open_raw_session(connection: Connection, opening: dict[str, Any]) -> None:
+    """Send exactly ``opening`` and wait for the answer (for tests of refused openings)."""
+    async with open_call(connection, INFERENCE) as call:
+        await call.send(opening)
+        await call.receive()
+
+
+@asynccontextmanager
+async def session(
+    connection: Connection,
+    *,
+    blocks: tuple[int, int],
+    max_length: int,
+    session_id: str,
+    batch_size: int = 1,
+    **extra: Any,
+) -> AsyncIterator[Session]:
+    """An open session; it is closed (and its cache freed) when the block ends normally."""
+    async with open_call(connection, INFERENCE) as call:
+        await call.send(
+            {
+                "session_id": session_id,
+                "blocks": list(blocks),
+                "max_length": max_length,
+                "batch_size": batch_size,
+                **extra,
+            }
+        )
+        assert await call.receive() == {"ready": True, "position": 0}
+        opened = Session(call)
+        yield opened
+        await opened.close()
+
+
+# -- forward / backward ----------------------------------------------------------------------------
+
+
+async def forward(
+    connection: Connection,
+    blocks: tuple[int, int],
+    hidden: torch.Tensor,
+    *,
+    prompts: torch.Tensor | None = None,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    meta: dict[str, Any] | None = None,
+) -> torch.Tensor:
+    async with open_call(connection, FORWARD) as call:
+        await send_tensors(
+            call.send,
+            {"blocks": list(blocks), **(meta or {})},
+            {"hidden_states": hidden, "prompts": prompts},
+            chunk_bytes=chunk_bytes,
+        )
+        _, tensors = await receive_tensors(call.receive, max_elements=MAX_ELEMENTS)
+    assert set(tensors) == {"hidden_states"}
+    return tensors["hidden_states"]
+
+
+async def backward(
+    connection: Connection,
+    blocks: tuple[int, int],
+    hidden: torch.Tensor | None,
+    grad_outputs: torch.Tensor,
+    *,
+    prompts: torch.Tensor | None = None,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+) -> dict[str, torch.Tensor]:
+    """The reply's tensors: ``grad_inputs`` and, with prompts, ``grad_prompts``."""
+    async with open_call(connection, BACKWARD) as call:
+        await send_tensors(
+            call.send,
+            {"blocks": list(blocks)},
+            {"hidden_states": hidden, "grad_outputs": grad_outputs, "prompts": prompts},
+            chunk_bytes=chunk_bytes,
+        )
+        _, tensors = await receive_tensors(call.receive, max_elements=MAX_ELEMENTS)
+    return tensors
+
+
+# -- the local reference ---------------------------------------------------------------------------
+
+
+def local_blocks(checkpoint: TinyCheckpoint, start: int, end: int) -> list[LlamaBlock]:
+    """Blocks ``start .. end - 1`` of ``checkpoint``, fp32, built from its saved tensors."""
+    config = LlamaConfig.from_pretrained(checkpoint.folder)
+    blocks = []
+    for index in range(start, end):
+        prefix = f"model.layers.{index}."
+        block = LlamaBlock(config, layer_idx=index)
+        block.load_state_dict(
+            {
+                name.removeprefix(prefix): tensor
+                for name, tensor in checkpoint.state_dict.items()
+                if name.startswith(prefix)
+            }
+        )
+        block.eval()
+        blocks.append(block)
+    return blocks
+
+
+def add_prompt(x: torch.Tensor, prompt: torch.Tensor) -> torch.Tensor:
+    """``x`` (B, T, H) with ``prompt`` (1 or B, P, H) added to its first P positions."""
+    length = prompt.shape[1]
+    return torch.cat([x[:, :length] + prompt, x[:, length:]], dim=1)
+
+
+def run_local(
+    blocks: Sequence[LlamaBlock], hidden: torch.Tensor, *, prompts: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The whole sequence through ``blocks`` without a cache (autograd works through it);
+    ``prompts`` (len(blocks), 1 or B, P, H) are added before each block."""
+    x = hidden
+    for index, block in enumerate(blocks):
+        if prompts is not None:
+            x = add_prompt(x, prompts[index])
+        x = block(x)
+    return x
+
+
+def run_local_cached(
+    blocks: Sequence[LlamaBlock], hidden: torch.Tensor, caches: Sequence[KVCache]
+) -> torch.Tensor:
+    """New positions through ``blocks``, appending to ``caches`` (one per block)."""
+    x = hidden
+    with torch.no_grad():
+        for block, cache in zip(blocks, caches, strict=True):
+            x = block(x, cache=cache)
+    return x

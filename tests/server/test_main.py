@@ -1,0 +1,242 @@
+"""``python -m petals_core.server`` as real processes: it serves the blocks it is told, a second
+server fills the gap the first leaves, both stop cleanly on SIGTERM; a config that cannot start
+exits 1; ``--throughput dry_run`` prints a throughput without serving.  In process: bad flags
+exit 2, and the ``--max_disk_space`` check over a Hugging Face cache laid out as
+huggingface_hub does."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+
+from petals_core import ConfigError
+from petals_core.server import INFO
+from petals_core.server.__main__ import check_disk_space, main, parse_nbytes
+from petals_core.server._server import ServerConfig
+from petals_core.transport import Multiaddr, call_unary, open_node
+
+from ..models.conftest import TinyCheckpoint
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+LISTENING = "Server listening on "
+SERVING = re.compile(r"Serving blocks (\d+):(\d+) of (.+) \(prefix (.+)\)")
+START_TIMEOUT_S = 60
+STOP_TIMEOUT_S = 30
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+COMMAND = [sys.executable, "-m", "petals_core.server"]
+
+
+class _Lines:
+    """Lines of a process's stdout, read as they come."""
+
+    def __init__(self, process: trio.Process) -> None:
+        assert process.stdout is not None
+        self._stream = process.stdout
+        self._buffer = b""
+        self.seen: list[str] = []
+
+    async def next(self) -> str:
+        while b"\n" not in self._buffer:
+            chunk = await self._stream.receive_some()
+            if not chunk:
+                raise AssertionError(f"the server exited; its stdout: {self.seen!r}")
+            self._buffer += chunk
+        line, self._buffer = self._buffer.split(b"\n", 1)
+        self.seen.append(line.decode())
+        return self.seen[-1]
+
+
+@asynccontextmanager
+async def running_server(
+    args: list[str], stderr_path: Path
+) -> AsyncIterator[tuple[trio.Process, list[Multiaddr], range]]:
+    """Start a server; yield it once it has printed its addresses and its blocks."""
+    with stderr_path.open("wb") as stderr:
+        process = await trio.lowlevel.open_process(
+            COMMAND + args, stdout=subprocess.PIPE, stderr=stderr, env=ENV, cwd=REPO_ROOT
+        )
+    try:
+        lines = _Lines(process)
+        addresses: list[Multiaddr] = []
+        with trio.fail_after(START_TIMEOUT_S):
+            while True:
+                line = await lines.next()
+                if line.startswith(LISTENING):
+                    addresses.append(Multiaddr.parse(line.removeprefix(LISTENING)))
+                    continue
+                match = SERVING.fullmatch(line)
+                assert match is not None, f"unexpected line {line!r}; stderr: {stderr_path}"
+                blocks = range(int(match.group(1)), int(match.group(2)))
+                break
+        assert addresses
+        yield process, addresses, blocks
+    finally:
+        if process.returncode is None:
+            process.kill()
+            with trio.move_on_after(STOP_TIMEOUT_S):
+                await process.wait()
+
+
+async def _info(address: Multiaddr) -> dict[str, Any]:
+    async with open_node() as client:
+        connection = await client.connect(address)
+        return await call_unary(connection, INFO, {})
+
+
+async def _stop(process: trio.Process) -> int:
+    process.send_signal(signal.SIGTERM)
+    with trio.fail_after(STOP_TIMEOUT_S):
+        return await process.wait()
+
+
+async def test_servers_serve_their_blocks_fill_the_gap_and_stop_on_sigterm(
+    server_llama: TinyCheckpoint, tmp_path: Path
+) -> None:
+    common = ["--host", "127.0.0.1", "--throughput", "1", "--cache_dir", str(tmp_path / "cache")]
+    first_args = [str(server_llama.folder), "--new_swarm", "--block_indices", "0:3", *common]
+    async with running_server(first_args, tmp_path / "first.err") as (first, addresses, blocks):
+        assert blocks == range(0, 3)
+        with trio.fail_after(START_TIMEOUT_S):
+            info = await _info(addresses[0])
+        assert (info["start_block"], info["end_block"]) == (0, 3)
+
+        second_args = [str(server_llama.folder), "--num_blocks", "3", *common]
+        second_args += ["--initial_peers", str(addresses[0])]
+        async with running_server(second_args, tmp_path / "second.err") as (second, more, gap):
+            assert gap == range(3, 6)
+            with trio.fail_after(START_TIMEOUT_S):
+                info = await _info(more[0])
+            assert (info["start_block"], info["end_block"]) == (3, 6)
+            assert await _stop(second) == 0
+        assert await _stop(first) == 0
+    assert "leaving the swarm" in (tmp_path / "first.err").read_text()
+
+
+async def test_a_config_that_cannot_start_exits_1_and_dry_run_measures(
+    server_llama: TinyCheckpoint, tmp_path: Path
+) -> None:
+    model = str(server_llama.folder)
+    cache = ["--cache_dir", str(tmp_path / "cache")]
+    runs = {
+        "no swarm": [model, "--host", "127.0.0.1", *cache],
+        "dry_run": [model, "--throughput", "dry_run", "--num_blocks", "3", *cache],
+    }
+    results: dict[str, subprocess.CompletedProcess[bytes]] = {}
+
+    async def run(name: str) -> None:
+        results[name] = await trio.run_process(
+            COMMAND + runs[name], capture_stdout=True, capture_stderr=True, check=False, env=ENV
+        )
+
+    with trio.fail_after(START_TIMEOUT_S):
+        async with trio.open_nursery() as nursery:
+            for name in runs:
+                nursery.start_soon(run, name)
+
+    no_swarm = results["no swarm"]
+    assert no_swarm.returncode == 1, no_swarm.stderr
+    assert b"error: give --initial_peers" in no_swarm.stderr
+    assert b"--new_swarm" in no_swarm.stderr
+
+    dry = results["dry_run"]
+    assert dry.returncode == 0, dry.stderr
+    assert re.fullmatch(
+        rb"throughput: [0-9.]+ rps \(inference [0-9.]+, forward [0-9.]+, network [0-9.]+\)\n",
+        dry.stdout,
+    ), dry.stdout
+    assert (tmp_path / "cache" / "throughput_v1.json").is_file()  # measured and cached
+    assert b"Server listening" not in dry.stdout
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--block_indices", "3"], "argument --block_indices: '3' is not start:end"),
+        (["--block_indices", "4:2"], "argument --block_indices: '4:2': need 0 <= start < end"),
+        (["--throughput", "fast"], "argument --throughput: 'fast' is neither"),
+        (["--max_disk_space", "10XB"], "argument --max_disk_space: '10XB' is not a size"),
+        (["--step_timeout", "0"], "argument --step_timeout: must be a positive number"),
+        (["--quant_type", "int4"], "argument --quant_type: invalid choice"),
+    ],
+)
+def test_bad_flags_exit_2_with_argparse_message(
+    flags: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """In process: argparse exits before anything else happens (no logging set up, no I/O)."""
+    with pytest.raises(SystemExit) as exited:
+        main(["model", "--new_swarm", *flags])
+    assert exited.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_parse_nbytes() -> None:
+    assert parse_nbytes("10GB") == 10 * 10**9
+    assert parse_nbytes("500MB") == 500 * 10**6
+    assert parse_nbytes("1.5GiB") == 3 * 2**29
+    assert parse_nbytes("2 kb") == 2000
+    assert parse_nbytes("123") == 123
+    for bad in ("", "GB", "-1GB", "10XB", "1e9"):
+        with pytest.raises(Exception, match="is not a size"):
+            parse_nbytes(bad)
+
+
+def _hub_cache(checkpoint: TinyCheckpoint, cache: Path, repo_id: str) -> Path:
+    """The checkpoint laid out as huggingface_hub caches a repo (files in the snapshot folder)."""
+    storage = cache / f"models--{repo_id.replace('/', '--')}"
+    snapshot = storage / "snapshots" / ("a" * 40)
+    shutil.copytree(checkpoint.folder, snapshot)
+    (storage / "refs").mkdir()
+    (storage / "refs" / "main").write_text("a" * 40)
+    return snapshot
+
+
+def test_max_disk_space_counts_the_cache_and_the_missing_shards(
+    server_llama: TinyCheckpoint, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    repo_id = "tiny/llama"
+    cache = tmp_path / "hub"
+    snapshot = _hub_cache(server_llama, cache, repo_id)
+    used = sum(path.stat().st_size for path in cache.rglob("*") if path.is_file())
+
+    def config(**fields: Any) -> ServerConfig:
+        return ServerConfig(model=repo_id, new_swarm=True, cache_dir=str(cache), **fields)
+
+    # Everything cached: only what the cache already holds counts.
+    check_disk_space(config(block_indices=(3, 6)), used)
+    with pytest.raises(ConfigError, match=f"holds {used} bytes;"):
+        check_disk_space(config(block_indices=(3, 6)), used - 1)
+
+    # A shard of block 4 missing: about half the checkpoint (3 of 6 blocks) to download.
+    index = json.loads((snapshot / "model.safetensors.index.json").read_text())
+    shard = index["weight_map"]["model.layers.4.mlp.down_proj.weight"]
+    removed = (snapshot / shard).stat().st_size
+    (snapshot / shard).unlink()
+    needed = -(-index["metadata"]["total_size"] * 3 // 6)
+    limit = used - removed + needed
+    check_disk_space(config(block_indices=(3, 6)), limit)
+    with pytest.raises(ConfigError, match=f"needs about {needed} bytes more"):
+        check_disk_space(config(block_indices=(3, 6)), limit - 1)
+    # Blocks 0:3 do not live in that shard: nothing to download for them.
+    check_disk_space(config(block_indices=(0, 3)), used - removed)
+    # Only a count of blocks: which ones is not known, so the missing shard counts.
+    with pytest.raises(ConfigError, match="needs about"):
+        check_disk_space(config(num_blocks=3), limit - 1)
+
+    # A local folder is read in place: nothing to download.
+    check_disk_space(
+        ServerConfig(model=str(server_llama.folder), new_swarm=True, cache_dir=str(cache)),
+        used - removed,
+    )
