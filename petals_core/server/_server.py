@@ -257,7 +257,9 @@ class Server:
                 self._cache_bytes(backend),
                 max_alloc_timeout_s=self.config.limits.max_alloc_timeout_s,
             )
-            async with open_task_pool(workers=2, reserved_workers=1) as pool:
+            async with open_task_pool(
+                workers=2, reserved_workers=1, shared_inference=False
+            ) as pool:
                 self.backend = backend
                 self.block_server.attach(backend, pool, cache)
                 self.state = ServerState.ONLINE
@@ -281,6 +283,10 @@ class Server:
                 self.block_server.detach(moving)
                 self._serving = trio.Event()
             self.moves += 1
+            # Withdraw the old span: its announcements (filed under other blocks' keys than the
+            # new ones) would list us there until they expire, and routing reads the lowest.
+            self.state = ServerState.OFFLINE
+            await self.announce()
             logger.info("moving to other blocks to balance the swarm")
             del backend
 

@@ -161,7 +161,15 @@ def _call_batch_one(batch_fn: Callable[[list[Any]], Sequence[T]], item: object) 
 class TaskPool:
     """Runs blocking callables in threads by priority; build it with :func:`open_task_pool`."""
 
-    def __init__(self, *, workers: int, reserved_workers: int, max_batch_size: int) -> None:
+    def __init__(
+        self,
+        *,
+        workers: int,
+        reserved_workers: int,
+        max_batch_size: int,
+        shared_inference: bool = True,
+    ) -> None:
+        self._shared_inference = shared_inference
         self._workers = workers
         self._reserved_workers = reserved_workers
         self._max_batch_size = max_batch_size
@@ -258,7 +266,19 @@ class TaskPool:
             return None
         if reserved and heap[0].priority > Priority.INFERENCE:
             return None
-        first = heapq.heappop(heap)
+        if not reserved and not self._shared_inference:
+            # Inference runs on the reserved workers only: steps arriving while one runs queue
+            # up and go together as a batch.
+            candidates = [
+                job
+                for job in heap
+                if job.state is _State.QUEUED and job.priority > Priority.INFERENCE
+            ]
+            if not candidates:
+                return None
+            first = min(candidates)
+        else:
+            first = heapq.heappop(heap)
         batch = [first]
         if first.batch_fn is not None and self._max_batch_size > 1:
             mates = sorted(
@@ -335,10 +355,16 @@ def _only_cancellation(exc: BaseException) -> bool:
 
 @asynccontextmanager
 async def open_task_pool(
-    *, workers: int = 2, reserved_workers: int = 1, max_batch_size: int = 16
+    *,
+    workers: int = 2,
+    reserved_workers: int = 1,
+    max_batch_size: int = 16,
+    shared_inference: bool = True,
 ) -> AsyncIterator[TaskPool]:
     """A :class:`TaskPool` with ``workers`` threads, ``reserved_workers`` of them (fewer than
     ``workers``) kept for :attr:`Priority.INFERENCE`; it runs for the duration of the block.
+    With ``shared_inference=False`` the other workers take no inference jobs at all: steps
+    then run one batch at a time, and those arriving meanwhile make the next batch.
 
     Leaving the block fails queued jobs with ``ServerError("the server is shutting down")`` and
     waits for running ones (a thread cannot be interrupted).
@@ -357,7 +383,10 @@ async def open_task_pool(
     ):
         raise ConfigError(f"max_batch_size must be an int >= 1, not {max_batch_size!r}")
     pool = TaskPool(
-        workers=workers, reserved_workers=reserved_workers, max_batch_size=max_batch_size
+        workers=workers,
+        reserved_workers=reserved_workers,
+        max_batch_size=max_batch_size,
+        shared_inference=shared_inference,
     )
     # The block's own exception is raised as it is, not wrapped in the nursery's group.
     raised: BaseException | None = None

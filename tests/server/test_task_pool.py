@@ -196,6 +196,30 @@ async def test_reserved_worker_runs_inference_past_a_blocked_forward(gate: Gate)
             assert pool.statistics().completed == 3
 
 
+async def test_unshared_inference_waits_for_its_worker_and_goes_as_one_batch(gate: Gate) -> None:
+    batches: list[list[int]] = []
+
+    def steps(items: list[int]) -> list[int]:
+        batches.append(list(items))
+        return items
+
+    with trio.fail_after(DEADLINE_S):
+        async with open_task_pool(workers=2, reserved_workers=1, shared_inference=False) as pool:
+            async with trio.open_nursery() as nursery:
+                await _hold_worker(nursery, pool, gate, Priority.INFERENCE)
+                for item in range(3):
+                    nursery.start_soon(
+                        lambda i=item: pool.run_batched("k", i, steps, priority=Priority.INFERENCE)
+                    )
+                await trio.testing.wait_all_tasks_blocked()
+                # The free worker is not for inference: the steps wait, but a forward runs.
+                assert pool.statistics().queued == {Priority.INFERENCE: 3}
+                assert await pool.run(lambda: "f", priority=Priority.FORWARD) == "f"
+                assert pool.statistics().queued == {Priority.INFERENCE: 3}
+                gate.release.set()
+    assert [sorted(batch) for batch in batches] == [[0, 1, 2]]
+
+
 async def test_cancelled_while_queued_never_runs(gate: Gate) -> None:
     ran: list[str] = []
     with trio.fail_after(DEADLINE_S):
