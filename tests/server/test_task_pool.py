@@ -204,19 +204,21 @@ async def test_unshared_inference_waits_for_its_worker_and_goes_as_one_batch(gat
         return items
 
     with trio.fail_after(DEADLINE_S):
-        async with open_task_pool(workers=2, reserved_workers=1, shared_inference=False) as pool:
-            async with trio.open_nursery() as nursery:
-                await _hold_worker(nursery, pool, gate, Priority.INFERENCE)
-                for item in range(3):
-                    nursery.start_soon(
-                        lambda i=item: pool.run_batched("k", i, steps, priority=Priority.INFERENCE)
-                    )
-                await trio.testing.wait_all_tasks_blocked()
-                # The free worker is not for inference: the steps wait, but a forward runs.
-                assert pool.statistics().queued == {Priority.INFERENCE: 3}
-                assert await pool.run(lambda: "f", priority=Priority.FORWARD) == "f"
-                assert pool.statistics().queued == {Priority.INFERENCE: 3}
-                gate.release.set()
+        async with (
+            open_task_pool(workers=2, reserved_workers=1, shared_inference=False) as pool,
+            trio.open_nursery() as nursery,
+        ):
+            await _hold_worker(nursery, pool, gate, Priority.INFERENCE)
+            for item in range(3):
+                nursery.start_soon(
+                    lambda i=item: pool.run_batched("k", i, steps, priority=Priority.INFERENCE)
+                )
+            await trio.testing.wait_all_tasks_blocked()
+            # The free worker is not for inference: the steps wait, but a forward runs.
+            assert pool.statistics().queued == {Priority.INFERENCE: 3}
+            assert await pool.run(lambda: "f", priority=Priority.FORWARD) == "f"
+            assert pool.statistics().queued == {Priority.INFERENCE: 3}
+            gate.release.set()
     assert [sorted(batch) for batch in batches] == [[0, 1, 2]]
 
 
