@@ -36,7 +36,7 @@ import attrs
 import torch
 import trio
 
-from .._errors import CallEnded, CodecError, ServerError
+from .._errors import AdapterError, CallEnded, CodecError, ServerError
 from ..models import KVCache
 from ..transport import Handlers, ServerCall
 from ._backend import BlockBackend
@@ -470,6 +470,9 @@ class BlockServer:
                 raise ValueError("hidden_states must hold at least one token")
             prompts = tensors.get("prompts")
             backend.check_prompts(prompts, start, end, hidden)
+        except AdapterError:
+            self._counts["failures"] += 1
+            raise
         except (ValueError, CodecError) as exc:
             self._counts["failures"] += 1
             raise ServerError(f"request refused: {exc}") from None

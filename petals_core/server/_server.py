@@ -230,9 +230,12 @@ class Server:
             **rps,
         )
 
-    async def announce(self) -> None:
+    async def announce(self, *, timeout_s: float = 5.0) -> None:
+        """Announce our info now: pushed by gossip at once, stored in the DHT within
+        ``timeout_s`` if it can be (a store slowed by departed peers is cut short, and the next
+        period stores it again)."""
         expiration = time.time() + self.config.expiration
-        with trio.move_on_after(self.config.limits.request_timeout_s):
+        with trio.move_on_after(timeout_s):
             try:
                 await self.dht.announce(self.dht_prefix, self.info(), expiration=expiration)
             except TransportError as exc:
@@ -249,10 +252,11 @@ class Server:
             self.blocks = await self._choose_blocks()
             self.state = ServerState.JOINING
             self.backend = None
+            if self.throughput is None:
+                # Known before joining, so that servers choosing their blocks meanwhile count us.
+                self.throughput = await trio.to_thread.run_sync(self._throughput)
             await self.announce()
             backend = await trio.to_thread.run_sync(self._load, self.blocks)
-            if self.throughput is None:
-                self.throughput = await trio.to_thread.run_sync(self._throughput)
             cache = MemoryCache(
                 self._cache_bytes(backend),
                 max_alloc_timeout_s=self.config.limits.max_alloc_timeout_s,
@@ -378,7 +382,7 @@ class Server:
         while True:
             await trio.sleep(self.config.update_period_s)
             await self._measure_next_pings()
-            await self.announce()
+            await self.announce(timeout_s=self.config.update_period_s / 2)
 
     async def _measure_next_pings(self) -> None:
         """Round-trip times to (up to 5 of) the servers holding our next block."""
