@@ -53,6 +53,7 @@ def lint(session: nox.Session) -> None:
 def bench(session: nox.Session) -> None:
     """Run benchmarks: ``nox -s bench`` runs all, ``nox -s bench -- transport`` one by name."""
     _install(session)
+    _install_smollm2(session)
     session.run("python", "-m", "bench", *session.posargs, env=_one_thread(session))
 
 
