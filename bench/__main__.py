@@ -10,6 +10,7 @@ BENCHMARKS = {
     "blocks": "bench.blocks",
     "dht": "bench.dht",
     "server": "bench.server",
+    "routing": "bench.routing",
 }
 # Run only when named: needs a CUDA GPU.
 ON_DEMAND = {"kernels_cuda": "bench.kernels_cuda"}

@@ -11,6 +11,20 @@ from ._block_selection import (
     choose_best_start as choose_best_start,
     should_choose_other_blocks as should_choose_other_blocks,
 )
+from ._planning import (
+    MissingBlocksError as MissingBlocksError,
+    RouteSpan as RouteSpan,
+    make_route_greedy as make_route_greedy,
+    make_route_max_throughput as make_route_max_throughput,
+    make_route_min_latency as make_route_min_latency,
+    route_cost as route_cost,
+    usable_servers as usable_servers,
+)
+from ._sequence_manager import (
+    RemoteSequenceManager as RemoteSequenceManager,
+    SequenceManagerConfig as SequenceManagerConfig,
+    SequenceManagerState as SequenceManagerState,
+)
 from ._spans import (
     ServerSpan as ServerSpan,
     block_throughputs as block_throughputs,

@@ -1,6 +1,11 @@
-"""Public test kit: an in-memory datagram network for sans-IO endpoints.
-
-Links have latency, loss and reordering; time is virtual.
+"""Public test kit: an in-memory datagram network for sans-IO endpoints (links with latency,
+loss and reordering; virtual time), and a swarm of real processes on loopback
+(:func:`open_local_swarm`).
 """
 
 from ._network import MemoryNetwork as MemoryNetwork, Pipe as Pipe
+from ._swarm import (
+    LocalSwarm as LocalSwarm,
+    SwarmProcess as SwarmProcess,
+    open_local_swarm as open_local_swarm,
+)

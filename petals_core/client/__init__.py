@@ -1,0 +1,17 @@
+"""The client: routes requests through servers and survives their failures.
+
+- :class:`InferenceSession` (async): a session over a chain of servers; a failed server is
+  banned, its blocks routed anew and its history replayed, so the outputs are the same as
+  without the failure.
+- :func:`remote_forward` / :func:`remote_backward` (async): fine-tuning passes, retried per span.
+- :class:`RemoteSequential`: the same as a PyTorch module (autograd, sync inference sessions
+  through the bridge, slicing), and an ``async with`` object for trio programs.
+"""
+
+from ._bridge import Bridge as Bridge, bridge as bridge
+from ._inference import InferenceSession as InferenceSession
+from ._remote_sequential import (
+    RemoteSequential as RemoteSequential,
+    SyncInferenceSession as SyncInferenceSession,
+)
+from ._sequential import remote_backward as remote_backward, remote_forward as remote_forward

@@ -1,0 +1,275 @@
+"""Forward and backward through remote blocks, for fine-tuning (async core).
+
+Routes are sampled by throughput (``max_throughput``), so that concurrent requests spread over
+the servers.  A batch larger than ``max_chunk_tokens`` is split along its rows into chunks sent
+concurrently, each with its own route.  A span that fails is retried from its first block on a
+new route (the spans before it are kept), with the sequence manager's backoff and ban.
+
+Backward walks the spans of the forward in reverse: each server recomputes its forward from the
+inputs the client kept and returns the gradient of its input (and of its deep prompts).  When a
+span's server is gone, its blocks are routed anew and the forward is recomputed on the new
+route for those blocks only, then the backward continues there.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+import trio
+
+from .._errors import PetalsError
+from ..routing import RemoteSequenceManager, RouteSpan
+from ..server._protocol import BACKWARD, FORWARD, receive_tensors, send_tensors
+from ..transport import open_call
+from ._inference import RETRIABLE
+
+__all__ = ["remote_backward", "remote_forward"]
+
+logger = logging.getLogger(__name__)
+
+#: Rows x tokens per forward / backward request before the batch is split.
+DEFAULT_MAX_CHUNK_TOKENS = 16384
+_MAX_ELEMENTS = 1 << 30
+
+#: What a forward keeps for its backward: per span, the span and its input.
+Saved = list[tuple[RouteSpan, torch.Tensor]]
+
+
+async def _call(
+    manager: RemoteSequenceManager,
+    method: str,
+    span: RouteSpan,
+    tensors: dict[str, torch.Tensor | None],
+) -> dict[str, torch.Tensor]:
+    connection = await manager.connect(span.peer_id)
+    meta = {
+        "blocks": [span.start, span.end],
+        "active_adapter": manager.config.active_adapter,
+        "points": 0.0,
+    }
+    with trio.fail_after(manager.config.request_timeout):
+        async with open_call(connection, method) as call:
+            await send_tensors(call.send, meta, tensors)
+            await call.send_eof()
+            _, result = await receive_tensors(call.receive, max_elements=_MAX_ELEMENTS)
+    return result
+
+
+def _prompts_for(
+    manager: RemoteSequenceManager, prompts: torch.Tensor | None, span: RouteSpan
+) -> torch.Tensor | None:
+    if prompts is None:
+        return None
+    base = manager.block_indices.start
+    return prompts[span.start - base : span.end - base]
+
+
+async def _with_retries(
+    manager: RemoteSequenceManager, what: str, attempt: list[int], action: Any
+) -> Any:
+    while True:
+        try:
+            return await action()
+        except RETRIABLE as exc:
+            attempt[0] += 1
+            peer = getattr(exc, "_petals_peer", None)
+            manager.on_request_failure(peer)
+            if not manager.may_retry(attempt[0]):
+                raise PetalsError(
+                    f"{what} failed after {attempt[0]} attempt(s); last error: "
+                    f"{type(exc).__name__}: {exc}"
+                ) from exc
+            logger.warning("%s: %s; retrying", what, exc)
+            await trio.sleep(manager.retry_delay(attempt[0]))
+
+
+async def _forward_span(
+    manager: RemoteSequenceManager,
+    span: RouteSpan,
+    hidden: torch.Tensor,
+    prompts: torch.Tensor | None,
+) -> torch.Tensor:
+    try:
+        result = await _call(
+            manager,
+            FORWARD,
+            span,
+            {"hidden_states": hidden, "prompts": _prompts_for(manager, prompts, span)},
+        )
+        output = result.get("hidden_states")
+        if not isinstance(output, torch.Tensor) or output.shape != hidden.shape:
+            raise PetalsError(f"server {span.peer_id} returned a forward of the wrong shape")
+    except RETRIABLE as exc:
+        exc._petals_peer = span.peer_id  # type: ignore[union-attr]
+        raise
+    manager.on_request_success(span.peer_id)
+    return output.to(hidden.dtype)
+
+
+async def _forward_blocks(
+    manager: RemoteSequenceManager,
+    start: int,
+    end: int,
+    hidden: torch.Tensor,
+    prompts: torch.Tensor | None,
+    attempt: list[int],
+) -> tuple[torch.Tensor, Saved]:
+    """``hidden`` through blocks ``[start, end)``; a failed span is rerouted from its start."""
+    saved: Saved = []
+    x = hidden
+    block = start
+    while block < end:
+        route = await _with_retries(
+            manager,
+            "routing",
+            attempt,
+            lambda b=block: manager.make_sequence(b, end, mode="max_throughput"),
+        )
+        try:
+            for span in route:
+                output = await _forward_span(manager, span, x, prompts)
+                saved.append((span, x))
+                x = output
+                block = span.end
+        except RETRIABLE as exc:
+            attempt[0] += 1
+            manager.on_request_failure(getattr(exc, "_petals_peer", None))
+            if not manager.may_retry(attempt[0]):
+                raise PetalsError(
+                    f"forward failed after {attempt[0]} attempt(s); last error: "
+                    f"{type(exc).__name__}: {exc}"
+                ) from exc
+            logger.warning("forward through blocks %d:%d failed: %s; rerouting", block, end, exc)
+            await trio.sleep(manager.retry_delay(attempt[0]))
+    return x, saved
+
+
+async def remote_forward(
+    manager: RemoteSequenceManager,
+    hidden: torch.Tensor,
+    prompts: torch.Tensor | None = None,
+    *,
+    max_chunk_tokens: int = DEFAULT_MAX_CHUNK_TOKENS,
+) -> tuple[torch.Tensor, list[Saved]]:
+    """Run ``(B, T, hidden)`` through the manager's blocks; returns the output and, per row
+    chunk, what the backward needs."""
+    chunks = _row_chunks(hidden, max_chunk_tokens)
+    outputs: list[torch.Tensor | None] = [None] * len(chunks)
+    saved: list[Saved] = [[] for _ in chunks]
+    start, end = manager.block_indices.start, manager.block_indices.stop
+
+    async def run(i: int, rows: slice) -> None:
+        chunk_prompts = _rows_of_prompts(prompts, rows, hidden.shape[0])
+        outputs[i], saved[i] = await _forward_blocks(
+            manager, start, end, hidden[rows], chunk_prompts, [0]
+        )
+
+    async with trio.open_nursery() as nursery:
+        for i, rows in enumerate(chunks):
+            nursery.start_soon(run, i, rows)
+    return torch.cat([o for o in outputs if o is not None]), saved
+
+
+async def remote_backward(
+    manager: RemoteSequenceManager,
+    grad_output: torch.Tensor,
+    saved: list[Saved],
+    prompts: torch.Tensor | None = None,
+    *,
+    max_chunk_tokens: int = DEFAULT_MAX_CHUNK_TOKENS,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Gradients of the input (and of the deep prompts) of a :func:`remote_forward`."""
+    chunks = _row_chunks(grad_output, max_chunk_tokens)
+    if len(chunks) != len(saved):
+        raise ValueError("grad_output does not match the saved forward")
+    grads: list[torch.Tensor | None] = [None] * len(chunks)
+    prompt_grads: list[torch.Tensor | None] = [None] * len(chunks)
+
+    async def run(i: int, rows: slice) -> None:
+        chunk_prompts = _rows_of_prompts(prompts, rows, grad_output.shape[0])
+        grads[i], prompt_grads[i] = await _backward_chunk(
+            manager, grad_output[rows], saved[i], chunk_prompts
+        )
+
+    async with trio.open_nursery() as nursery:
+        for i, rows in enumerate(chunks):
+            nursery.start_soon(run, i, rows)
+    grad_input = torch.cat([g for g in grads if g is not None])
+    grad_prompts = None
+    if prompts is not None:
+        parts = [g for g in prompt_grads if g is not None]
+        if prompts.shape[1] == 1:
+            grad_prompts = torch.stack(parts).sum(dim=0)
+        else:
+            grad_prompts = torch.cat(parts, dim=1)
+    return grad_input, grad_prompts
+
+
+async def _backward_chunk(
+    manager: RemoteSequenceManager,
+    grad_output: torch.Tensor,
+    saved: Saved,
+    prompts: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    base = manager.block_indices.start
+    grad = grad_output
+    grad_prompts: torch.Tensor | None = None
+    if prompts is not None:
+        grad_prompts = torch.zeros_like(prompts)
+    attempt = [0]
+    pending = list(saved)
+    while pending:
+        span, inputs = pending.pop()
+        try:
+            result = await _call(
+                manager,
+                BACKWARD,
+                span,
+                {
+                    "hidden_states": inputs,
+                    "grad_outputs": grad,
+                    "prompts": _prompts_for(manager, prompts, span),
+                },
+            )
+            new_grad = result.get("grad_inputs")
+            if not isinstance(new_grad, torch.Tensor) or new_grad.shape != inputs.shape:
+                raise PetalsError(f"server {span.peer_id} returned a backward of the wrong shape")
+        except RETRIABLE as exc:
+            attempt[0] += 1
+            manager.on_request_failure(span.peer_id)
+            if not manager.may_retry(attempt[0]):
+                raise PetalsError(
+                    f"backward failed after {attempt[0]} attempt(s); last error: "
+                    f"{type(exc).__name__}: {exc}"
+                ) from exc
+            logger.warning("backward through %s failed: %s; rerouting", span, exc)
+            await trio.sleep(manager.retry_delay(attempt[0]))
+            # Recompute the forward of these blocks on a new route, then go on backwards there.
+            _, resaved = await _forward_blocks(
+                manager, span.start, span.end, inputs, prompts, attempt
+            )
+            pending.extend(resaved)
+            continue
+        manager.on_request_success(span.peer_id)
+        grad = new_grad.to(grad_output.dtype)
+        if grad_prompts is not None:
+            span_grads = result.get("grad_prompts")
+            if span_grads is not None:
+                grad_prompts[span.start - base : span.end - base] += span_grads.to(
+                    grad_prompts.dtype
+                )
+    return grad, grad_prompts
+
+
+def _row_chunks(hidden: torch.Tensor, max_chunk_tokens: int) -> list[slice]:
+    batch, tokens = hidden.shape[0], max(1, hidden.shape[1])
+    rows = max(1, max_chunk_tokens // tokens)
+    return [slice(i, min(i + rows, batch)) for i in range(0, batch, rows)]
+
+
+def _rows_of_prompts(prompts: torch.Tensor | None, rows: slice, batch: int) -> torch.Tensor | None:
+    if prompts is None or prompts.shape[1] == 1:
+        return prompts
+    return prompts[:, rows]

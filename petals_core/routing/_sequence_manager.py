@@ -1,0 +1,371 @@
+"""Which servers a client's requests go through: the sequence manager.
+
+A :class:`RemoteSequenceManager` covers blocks ``[start, end)`` of one model.  It reads the model's
+peer table (a client-mode DHT node following the model's topic: DHT reads plus gossip), keeps
+round-trip times to servers and a ban list, and plans routes with the pure planners of
+``_planning``: min-latency for inference, throughput-weighted sampling for forward/backward.
+
+Configuration and state are apart on purpose:
+
+- :class:`SequenceManagerConfig` is frozen and given by the caller; nothing inside changes it.
+- :class:`SequenceManagerState` is what a manager and its slices share (``manager[3:5]``,
+  iteration): the peer-table view, pings, bans, and the running DHT node.  A slice keeps every
+  setting of its parent.
+
+Nothing starts at construction.  The DHT node starts on first use, inside the nursery the caller
+provides (``async with manager:`` in a trio program) or the client bridge's service nursery
+(plain scripts): building models before a fork, or in a web backend's parent process, starts no
+thread and no task.  A refresh makes one attempt; retries belong to the requests, with
+exponential backoff between ``min_backoff`` and ``max_backoff`` (:meth:`retry_delay`).  A failed
+server is banned for ``ban_timeout``, twice as long after each further failure.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from collections.abc import Callable, Iterator
+from typing import Any, Literal
+
+import attrs
+import trio
+
+from .._errors import ConfigError, PeerUnreachable, TransportError
+from ..dht import DHTNode, PeerTableSnapshot, ServerInfo, Topic, open_dht_node
+from ..transport import Connection, Multiaddr, call_unary
+from ._planning import (
+    MissingBlocksError,
+    RouteSpan,
+    make_route_max_throughput,
+    make_route_min_latency,
+    usable_servers,
+)
+
+__all__ = ["RemoteSequenceManager", "SequenceManagerConfig", "SequenceManagerState"]
+
+logger = logging.getLogger(__name__)
+
+
+def _peers(value: Any) -> frozenset[str] | None:
+    return None if value is None else frozenset(str(v) for v in value)
+
+
+def _positive(instance: object, attribute: attrs.Attribute[Any], value: float) -> None:
+    if isinstance(value, bool) or not value > 0:
+        raise ConfigError(f"{attribute.name} must be positive, got {value!r}")
+
+
+@attrs.frozen(kw_only=True)
+class SequenceManagerConfig:
+    """How a client finds and uses servers; also ``from_pretrained`` keyword arguments.
+
+    Times are seconds.  ``max_retries=None`` retries for ever.  ``show_route`` logs routes (True),
+    inference routes only (``"inference"``), or none (False).
+    """
+
+    initial_peers: tuple[str, ...] = attrs.field(default=(), converter=tuple)
+    dht_prefix: str | None = None
+    show_route: bool | Literal["inference"] = "inference"
+    allowed_servers: frozenset[str] | None = attrs.field(default=None, converter=_peers)
+    blocked_servers: frozenset[str] = attrs.field(factory=frozenset, converter=frozenset)
+    connect_timeout: float = attrs.field(default=5.0, validator=_positive)
+    request_timeout: float = attrs.field(default=3 * 60.0, validator=_positive)
+    update_period: float = attrs.field(default=60.0, validator=_positive)
+    max_retries: int | None = None
+    min_backoff: float = attrs.field(default=1.0, validator=_positive)
+    max_backoff: float = attrs.field(default=60.0, validator=_positive)
+    ban_timeout: float = attrs.field(default=15.0, validator=_positive)
+    active_adapter: str | None = None
+    max_pinged: int = attrs.field(default=3, validator=_positive)
+    ping_timeout: float = attrs.field(default=2.0, validator=_positive)
+    use_server_to_server: bool = False
+
+    def __attrs_post_init__(self) -> None:
+        if self.use_server_to_server:
+            raise ConfigError(
+                "use_server_to_server is not supported: activations return through the client"
+            )
+        if self.max_retries is not None and self.max_retries < 0:
+            raise ConfigError(f"max_retries must be >= 0 or None, got {self.max_retries}")
+        if self.min_backoff > self.max_backoff:
+            raise ConfigError("min_backoff must not exceed max_backoff")
+
+
+@attrs.define(eq=False)
+class _Ban:
+    until: float
+    failures: int
+
+
+@attrs.define(eq=False)
+class SequenceManagerState:
+    """What a manager and its slices share."""
+
+    #: The model's servers (from the followed topic), the last time we looked.
+    snapshot: PeerTableSnapshot | None = None
+    #: Round-trip times from this client, seconds.
+    pings: dict[str, float] = attrs.field(factory=dict)
+    bans: dict[str, _Ban] = attrs.field(factory=dict)
+    dht: DHTNode | None = None
+    topic: Topic | None = None
+    #: Set once the DHT node runs (or failed to start: ``start_error``).
+    started: trio.Event | None = None
+    start_error: BaseException | None = None
+    stop: trio.Event | None = None
+    owns_dht: bool = False
+    #: The loop the network part runs on (sync callers reach it through the client bridge).
+    loop_token: trio.lowlevel.TrioToken | None = None
+
+
+class RemoteSequenceManager:
+    """Routes over blocks ``block_indices`` (a range) of the model ``dht_prefix`` with
+    ``num_blocks`` blocks in all.  See the module docstring."""
+
+    def __init__(
+        self,
+        config: SequenceManagerConfig,
+        num_blocks: int,
+        *,
+        block_indices: range | None = None,
+        dht: DHTNode | None = None,
+        state: SequenceManagerState | None = None,
+        rng: random.Random | None = None,
+    ) -> None:
+        if config.dht_prefix is None:
+            raise ConfigError("the sequence manager needs config.dht_prefix")
+        self.config = config
+        self.num_blocks = num_blocks
+        self.block_indices = block_indices if block_indices is not None else range(num_blocks)
+        if (
+            self.block_indices.step != 1
+            or not 0 <= self.block_indices.start < self.block_indices.stop <= num_blocks
+        ):
+            raise ConfigError(f"block_indices {self.block_indices} outside [0, {num_blocks})")
+        self.state = state if state is not None else SequenceManagerState()
+        if dht is not None and self.state.dht is None:
+            self.state.dht = dht
+        self._rng = rng if rng is not None else random.Random()
+
+    # -- slicing ---------------------------------------------------------------------------------
+
+    def __len__(self) -> int:
+        return len(self.block_indices)
+
+    def __getitem__(self, index: int | slice) -> RemoteSequenceManager:
+        if isinstance(index, slice):
+            blocks = self.block_indices[index]
+        else:
+            position = self.block_indices[index]  # raises IndexError out of range
+            blocks = range(position, position + 1)
+        if len(blocks) == 0 or blocks.step != 1:
+            raise IndexError("a slice of a sequence manager is a non-empty contiguous range")
+        return RemoteSequenceManager(
+            self.config, self.num_blocks, block_indices=blocks, state=self.state, rng=self._rng
+        )
+
+    def __iter__(self) -> Iterator[RemoteSequenceManager]:
+        for i in range(len(self)):
+            yield self[i]
+
+    # -- running ---------------------------------------------------------------------------------
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Run the DHT node (unless one was given) until :meth:`close`; for ``nursery.start``."""
+        state = self.state
+        if state.started is not None:
+            raise RuntimeError("this manager's network part already runs")
+        state.started, state.stop = trio.Event(), trio.Event()
+        try:
+            if state.dht is None:
+                async with open_dht_node(
+                    client_mode=True,
+                    initial_peers=self.config.initial_peers,
+                    request_timeout_s=self.config.connect_timeout,
+                ) as dht:
+                    state.dht, state.owns_dht = dht, True
+                    await self._serve(task_status)
+                state.dht = None
+            else:
+                await self._serve(task_status)
+        except BaseException as exc:
+            state.start_error = exc
+            raise
+        finally:
+            state.started.set()
+            state.started = None
+            state.topic = None
+
+    async def _serve(self, task_status: trio.TaskStatus[None]) -> None:
+        state = self.state
+        assert state.dht is not None and state.started is not None and state.stop is not None
+        assert self.config.dht_prefix is not None
+        state.topic = state.dht.follow(
+            self.config.dht_prefix, self.num_blocks, update_period_s=self.config.update_period
+        )
+        state.start_error = None
+        state.loop_token = trio.lowlevel.current_trio_token()
+        state.started.set()
+        task_status.started()
+        try:
+            await state.stop.wait()
+        finally:
+            state.loop_token = None
+
+    def close(self) -> None:
+        """Stop the network part (the task running :meth:`run` returns)."""
+        if self.state.stop is not None:
+            self.state.stop.set()
+
+    @property
+    def running(self) -> bool:
+        return self.state.topic is not None
+
+    def _topic(self) -> Topic:
+        if self.state.topic is None:
+            raise RuntimeError(
+                "the sequence manager is not running: use it inside `async with` of its owner "
+                "(or through the client bridge)"
+            )
+        return self.state.topic
+
+    # -- routing ---------------------------------------------------------------------------------
+
+    def servers(self) -> dict[str, ServerInfo]:
+        """Usable servers now (online, unbanned, allowed, with the active adapter), each with
+        the announcement of its lowest block."""
+        topic = self._topic()
+        snapshot = topic.snapshot()
+        self.state.snapshot = snapshot
+        now = time.monotonic()
+        # An expired ban stops applying but is remembered (its count doubles the next one) until
+        # a request through that server succeeds.
+        banned = {peer for peer, ban in self.state.bans.items() if ban.until > now}
+        everyone: dict[str, ServerInfo] = {}
+        for block in sorted(snapshot.blocks):
+            for peer, info in snapshot.servers_for(block).items():
+                everyone.setdefault(peer, info)
+        return usable_servers(
+            everyone,
+            banned=banned,
+            allowed=self.config.allowed_servers,
+            blocked=self.config.blocked_servers,
+            adapter=self.config.active_adapter,
+        )
+
+    async def make_sequence(
+        self,
+        start: int | None = None,
+        end: int | None = None,
+        *,
+        mode: Literal["min_latency", "max_throughput"] = "min_latency",
+        cache_tokens_needed: int = 0,
+    ) -> list[RouteSpan]:
+        """A route over ``[start, end)`` (default: this manager's blocks).
+
+        Waits (up to ``request_timeout``) until the peer table holds servers for every block;
+        then raises :class:`MissingBlocksError` naming the blocks nobody serves.
+        """
+        start = self.block_indices.start if start is None else start
+        end = self.block_indices.stop if end is None else end
+        topic = self._topic()
+
+        def plan() -> list[RouteSpan]:
+            servers = self.servers()
+            if mode == "min_latency":
+                return make_route_min_latency(
+                    servers,
+                    start,
+                    end,
+                    client_pings=self.state.pings,
+                    cache_tokens_needed=cache_tokens_needed,
+                )
+            return make_route_max_throughput(servers, start, end, rng=self._rng)
+
+        route: list[RouteSpan] | None = None
+        with trio.move_on_after(self.config.request_timeout):
+            while route is None:
+                try:
+                    route = plan()
+                except MissingBlocksError:
+                    await topic.wait_snapshot(_newer_than(topic.snapshot().version))
+        if route is None:
+            route = plan()  # raises MissingBlocksError naming the blocks
+        if mode == "min_latency":
+            # Measure the servers of this route for next time (routes improve as pings arrive).
+            await self._ping_unknown({span.peer_id for span in route})
+        if self.config.show_route is True or (
+            self.config.show_route == "inference" and mode == "min_latency"
+        ):
+            logger.info(
+                "route for blocks %d:%d: %s",
+                start,
+                end,
+                " => ".join(f"{span.peer_id[-6:]}[{span.start}:{span.end}]" for span in route),
+            )
+        return route
+
+    async def _ping_unknown(self, peers: set[str]) -> None:
+        unknown = [peer for peer in peers if peer not in self.state.pings][: self.config.max_pinged]
+        if not unknown:
+            return
+        async with trio.open_nursery() as nursery:
+            for peer in unknown:
+                nursery.start_soon(self._ping, peer)
+
+    async def _ping(self, peer: str) -> None:
+        with trio.move_on_after(self.config.ping_timeout):
+            try:
+                began = trio.current_time()
+                connection = await self.connect(peer)
+                await call_unary(connection, "dht.ping", {"client": True})
+                self.state.pings[peer] = trio.current_time() - began
+            except TransportError:
+                pass
+
+    async def connect(self, peer: str) -> Connection:
+        """A connection to the server ``peer`` (at the address it announced)."""
+        topic = self._topic()
+        address: Multiaddr | None = topic.address_of(peer)
+        if address is None:
+            raise PeerUnreachable(f"server {peer} announced no address")
+        assert self.state.dht is not None
+        with trio.move_on_after(self.config.connect_timeout):
+            return await self.state.dht.node.connect(address)
+        raise PeerUnreachable(
+            f"server {peer} did not answer within {self.config.connect_timeout} s"
+        )
+
+    # -- failures --------------------------------------------------------------------------------
+
+    def on_request_failure(self, peer: str | None) -> None:
+        """Ban ``peer`` for ``ban_timeout``, doubling with each failure in a row."""
+        if peer is None:
+            return
+        ban = self.state.bans.get(peer)
+        failures = 1 if ban is None else ban.failures + 1
+        duration = self.config.ban_timeout * 2 ** (failures - 1)
+        self.state.bans[peer] = _Ban(until=time.monotonic() + duration, failures=failures)
+        self.state.pings.pop(peer, None)
+        logger.info("banned %s for %.1f s after %d failure(s)", peer, duration, failures)
+
+    def on_request_success(self, peer: str) -> None:
+        self.state.bans.pop(peer, None)
+
+    def is_banned(self, peer: str) -> bool:
+        ban = self.state.bans.get(peer)
+        return ban is not None and ban.until > time.monotonic()
+
+    def retry_delay(self, attempt: int) -> float:
+        """Seconds to wait before retry ``attempt`` (0: none)."""
+        if attempt <= 0:
+            return 0.0
+        return float(min(self.config.min_backoff * 2 ** (attempt - 1), self.config.max_backoff))
+
+    def may_retry(self, attempt: int) -> bool:
+        """Whether retry number ``attempt`` (1 = the first retry) is allowed."""
+        return self.config.max_retries is None or attempt <= self.config.max_retries
+
+
+def _newer_than(version: int) -> Callable[[PeerTableSnapshot], bool]:
+    return lambda snapshot: snapshot.version > version

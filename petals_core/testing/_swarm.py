@@ -1,0 +1,166 @@
+"""A swarm of real processes on loopback: one bootstrap DHT node and servers, for tests, the demo
+and benchmarks.
+
+Each process is started with the package's own commands (``python -m petals_core.dht`` and
+``python -m petals_core.server``) with one torch thread, and is ready once it prints the line
+naming its address.  Everything started is stopped when the block ends, also on errors and
+cancellation: SIGTERM, then SIGKILL for whatever has not exited within ``stop_timeout_s``.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import AsyncIterator, Mapping, Sequence
+from contextlib import asynccontextmanager
+from typing import Final
+
+import attrs
+import trio
+
+__all__ = ["LocalSwarm", "SwarmProcess", "open_local_swarm"]
+
+DHT_READY: Final = "DHT node listening on "
+SERVER_READY: Final = "Server listening on "
+
+
+@attrs.define(eq=False)
+class SwarmProcess:
+    """One process of the swarm; ``address`` is the multiaddr it printed."""
+
+    name: str
+    process: trio.Process
+    address: str
+    output: list[str]
+
+    @property
+    def alive(self) -> bool:
+        return self.process.returncode is None
+
+    def kill(self) -> None:
+        """SIGKILL: it dies at once, announcing nothing (a crash, as far as peers can tell)."""
+        if self.alive:
+            self.process.send_signal(signal.SIGKILL)
+
+    async def stop(self, timeout_s: float = 20.0) -> int:
+        """SIGTERM and wait; SIGKILL after ``timeout_s``.  Returns the exit code."""
+        if self.alive:
+            self.process.send_signal(signal.SIGTERM)
+        with trio.move_on_after(timeout_s):
+            return await self.process.wait()
+        self.process.kill()
+        return await self.process.wait()
+
+
+@attrs.define(eq=False)
+class LocalSwarm:
+    bootstrap: SwarmProcess
+    servers: list[SwarmProcess]
+    _nursery: trio.Nursery
+    _env: Mapping[str, str]
+
+    @property
+    def initial_peers(self) -> list[str]:
+        return [self.bootstrap.address]
+
+    async def add_server(self, model: str, args: Sequence[str] = ()) -> SwarmProcess:
+        """Start one more server (``--initial_peers`` the bootstrap node)."""
+        command = [
+            sys.executable,
+            "-m",
+            "petals_core.server",
+            model,
+            "--host",
+            "127.0.0.1",
+            "--initial_peers",
+            self.bootstrap.address,
+            *args,
+        ]
+        server = await _start(
+            self._nursery, f"server-{len(self.servers)}", command, SERVER_READY, self._env
+        )
+        self.servers.append(server)
+        return server
+
+
+@asynccontextmanager
+async def open_local_swarm(
+    model: str,
+    server_args: Sequence[Sequence[str]],
+    *,
+    env: Mapping[str, str] | None = None,
+    stop_timeout_s: float = 20.0,
+) -> AsyncIterator[LocalSwarm]:
+    """A bootstrap node and one server per entry of ``server_args`` (extra flags each, e.g.
+    ``["--block_indices", "0:3", "--throughput", "1"]``), started one after the other.
+
+    A process that exits before it is ready raises ``RuntimeError`` with the end of its output;
+    bound the whole with a trio deadline (a server that hangs while loading is waited for).
+    """
+    full_env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "MKL_NUM_THREADS": "1",
+        "PYTHONUNBUFFERED": "1",
+        **(env or {}),
+    }
+    bootstrap: SwarmProcess | None = None
+    swarm: LocalSwarm | None = None
+    async with trio.open_nursery() as nursery:
+        try:
+            bootstrap = await _start(
+                nursery,
+                "bootstrap",
+                [sys.executable, "-m", "petals_core.dht", "--host", "127.0.0.1"],
+                DHT_READY,
+                full_env,
+            )
+            swarm = LocalSwarm(bootstrap, [], nursery, full_env)
+            for args in server_args:
+                await swarm.add_server(model, args)
+            yield swarm
+        finally:
+            with trio.CancelScope(shield=True):
+                started = [] if swarm is None else list(swarm.servers)
+                for process in [*reversed(started), *([bootstrap] if bootstrap else [])]:
+                    await process.stop(stop_timeout_s)
+            nursery.cancel_scope.cancel()
+
+
+async def _start(
+    nursery: trio.Nursery,
+    name: str,
+    command: list[str],
+    ready: str,
+    env: Mapping[str, str],
+) -> SwarmProcess:
+    process = await trio.lowlevel.open_process(
+        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=dict(env)
+    )
+    output: list[str] = []
+    found = trio.Event()
+    address: list[str] = []
+
+    async def read() -> None:
+        assert process.stdout is not None
+        buffer = b""
+        async for data in process.stdout:
+            buffer += data
+            *lines, buffer = buffer.split(b"\n")
+            for raw in lines:
+                line = raw.decode(errors="replace")
+                output.append(line)
+                if line.startswith(ready) and not found.is_set():
+                    address.append(line[len(ready) :].strip())
+                    found.set()
+        found.set()
+
+    nursery.start_soon(read)
+    await found.wait()
+    if not address:
+        await process.wait()
+        tail = "\n".join(output[-30:])
+        raise RuntimeError(f"{name} exited with {process.returncode} before it was ready:\n{tail}")
+    return SwarmProcess(name, process, address[0], output)

@@ -1,0 +1,453 @@
+"""Client route planners: which servers are usable, routes that cover exactly the blocks asked
+for through usable servers only, the least-latency route checked against brute force on small
+random swarms (estimated and measured hops, cache penalties, slow servers), max-throughput
+sampling in proportion to throughput, the fewest spans for the greedy planner, and missing
+blocks named."""
+
+from __future__ import annotations
+
+import itertools
+import math
+import random
+from collections import Counter
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from petals_core._errors import ConfigError, PetalsError
+from petals_core.dht import ServerInfo, ServerState
+from petals_core.routing import (
+    MissingBlocksError,
+    RouteSpan,
+    make_route_greedy,
+    make_route_max_throughput,
+    make_route_min_latency,
+    route_cost,
+    usable_servers,
+)
+from petals_core.transport import PeerID
+
+ONLINE, JOINING, OFFLINE = ServerState.ONLINE, ServerState.JOINING, ServerState.OFFLINE
+# Valid PeerIDs (next_pings keys must be), in sorted order so that "p0" < "p1" < ... holds too.
+PEERS = sorted(str(PeerID.from_public_key(bytes([k + 1]) * 32)) for k in range(12))
+P = PEERS
+Swarm = dict[str, ServerInfo]
+
+
+def server(
+    start: int,
+    end: int,
+    *,
+    throughput: float = 100.0,
+    state: ServerState = ONLINE,
+    inference_rps: float | None = None,
+    cache_tokens_left: int | None = None,
+    adapters: tuple[str, ...] = (),
+    next_pings: Mapping[str, float] | None = None,
+) -> ServerInfo:
+    return ServerInfo(
+        state=state,
+        throughput=throughput,
+        start_block=start,
+        end_block=end,
+        version="test",
+        torch_dtype="float32",
+        inference_rps=inference_rps,
+        adapters=adapters,
+        cache_tokens_left=cache_tokens_left,
+        next_pings=dict(next_pings or {}),
+    )
+
+
+def spans(route: list[RouteSpan]) -> list[tuple[str, int, int]]:
+    return [(span.peer_id, span.start, span.end) for span in route]
+
+
+def check_route(route: list[RouteSpan], servers: Swarm, start: int, end: int) -> None:
+    """Contiguous, exactly [start, end), each span within its (online) server's announced span,
+    no two neighbours on one server."""
+    assert route, "empty route"
+    assert route[0].start == start
+    assert route[-1].end == end
+    for before, after in itertools.pairwise(route):
+        assert before.end == after.start
+        assert before.peer_id != after.peer_id
+    for span in route:
+        info = servers[span.peer_id]
+        assert info.state is ONLINE
+        assert info.start_block <= span.start < span.end <= info.end_block
+
+
+def all_routes(servers: Swarm, start: int, end: int) -> Iterator[list[RouteSpan]]:
+    """Every route: any online server holding the next block, for any length, then the rest."""
+    online = {p: i for p, i in servers.items() if i.state is ONLINE}
+
+    def rest(block: int, previous: str | None) -> Iterator[list[RouteSpan]]:
+        if block == end:
+            yield []
+            return
+        for peer_id, info in online.items():
+            if peer_id == previous or not info.start_block <= block < info.end_block:
+                continue
+            for stop in range(block + 1, min(info.end_block, end) + 1):
+                head = RouteSpan(peer_id=peer_id, start=block, end=stop)
+                for tail in rest(stop, peer_id):
+                    yield [head, *tail]
+
+    return rest(start, None)
+
+
+def uncovered(servers: Swarm, start: int, end: int) -> list[int]:
+    return [
+        block
+        for block in range(start, end)
+        if not any(
+            i.state is ONLINE and i.start_block <= block < i.end_block for i in servers.values()
+        )
+    ]
+
+
+# --- random swarms ------------------------------------------------------------------------------
+
+
+def random_swarm(
+    rng: random.Random, servers: tuple[int, int] = (1, 12), blocks: tuple[int, int] = (1, 10)
+) -> tuple[Swarm, int]:
+    """A swarm drawn from ``rng`` (uniform choices, so that small swarms are rich): random spans,
+    states (mostly online), throughputs, inference RPS (some unknown, a few 0), caches, adapters
+    and measured pings to other servers."""
+    num_blocks = rng.randint(*blocks)
+    peers = P[: rng.randint(*servers)]
+
+    def seconds() -> float:
+        return rng.choice([0.0, 0.01, 0.05, 0.1, rng.uniform(0.0, 0.3)])
+
+    swarm: Swarm = {}
+    for peer_id in peers:
+        length = rng.randint(1, num_blocks if rng.random() < 0.3 else min(3, num_blocks))
+        start = rng.randint(0, num_blocks - length)
+        end = start + length
+        others = [p for p in peers if p != peer_id]
+        swarm[peer_id] = server(
+            start,
+            end,
+            throughput=rng.choice([0.0, 1.0, 10.0, rng.uniform(0.0, 1e3)]),
+            state=rng.choice([ONLINE] * 8 + [JOINING, OFFLINE]),
+            inference_rps=rng.choice([None, None, 0.0, 10.0, 100.0, rng.uniform(1.0, 1e3)]),
+            cache_tokens_left=rng.choice([None, rng.randint(0, 40)]),
+            adapters=tuple(a for a in ("a", "b") if rng.random() < 0.7),
+            next_pings={p: seconds() / 2 for p in rng.sample(others, rng.randint(0, len(others)))},
+        )
+    return swarm, num_blocks
+
+
+def random_case(
+    rng: random.Random, servers: tuple[int, int] = (1, 12), blocks: tuple[int, int] = (1, 10)
+) -> tuple[Swarm, int, int, dict[str, Any]]:
+    """A swarm, a block range in it, and the latency model's parameters."""
+    swarm, num_blocks = random_swarm(rng, servers, blocks)
+    start = rng.randrange(num_blocks) if rng.random() < 0.5 else 0
+    end = rng.randint(start + 1, num_blocks) if rng.random() < 0.5 else num_blocks
+    pinged = [p for p in sorted(swarm) if rng.random() < 0.7]
+    model: dict[str, Any] = {
+        "client_pings": {p: rng.choice([0.0, 0.02, 0.1, rng.uniform(0.0, 0.3)]) for p in pinged},
+        "cache_tokens_needed": rng.choice([0, 0, 1, 3, 10]),
+        "default_ping_s": rng.choice([0.0, 0.05, 0.1, 0.25]),
+        "default_inference_rps": rng.choice([50.0, 300.0]),
+        "cache_penalty_s": rng.choice([0.0, 0.03, 1000.0]),
+    }
+    return swarm, start, end, model
+
+
+seeds = st.integers(0, 2**64 - 1)
+
+
+PROPERTIES = settings(max_examples=1000, derandomize=True, deadline=None)
+
+
+@PROPERTIES
+@given(
+    seeds,
+    st.sets(st.sampled_from(P[:12]), max_size=3),
+    st.none() | st.sets(st.sampled_from(P[:12]), min_size=4),
+    st.sets(st.sampled_from(P[:12]), max_size=2),
+    st.none() | st.sampled_from(["a", "b"]),
+    st.integers(0, 2**32),
+)
+def test_routes_cover_the_blocks_through_usable_servers_only(
+    case_seed: int,
+    banned: set[str],
+    allowed: set[str] | None,
+    blocked: set[str],
+    adapter: str | None,
+    seed: int,
+) -> None:
+    swarm, start, end, model = random_case(random.Random(case_seed))
+    usable = usable_servers(swarm, banned=banned, allowed=allowed, blocked=blocked, adapter=adapter)
+    for peer_id, info in usable.items():
+        assert info.state is ONLINE
+        assert peer_id not in banned and peer_id not in blocked
+        assert allowed is None or peer_id in allowed
+        assert adapter is None or adapter in info.adapters
+    assert sorted(usable) == [
+        p
+        for p in sorted(swarm)
+        if swarm[p].state is ONLINE
+        and p not in banned | blocked
+        and (allowed is None or p in allowed)
+        and (adapter is None or adapter in swarm[p].adapters)
+    ]
+    missing = uncovered(usable, start, end)
+    planners = {
+        "min_latency": lambda: make_route_min_latency(usable, start, end, **model),
+        "max_throughput": lambda: make_route_max_throughput(
+            usable, start, end, rng=random.Random(seed)
+        ),
+        "greedy": lambda: make_route_greedy(usable, start, end),
+    }
+    for name, plan in planners.items():
+        if missing:
+            with pytest.raises(MissingBlocksError) as caught:
+                plan()
+            assert caught.value.blocks == tuple(missing), name
+        else:
+            check_route(plan(), usable, start, end)
+
+
+@settings(max_examples=2000, derandomize=True, deadline=None)
+@given(seeds)
+def test_min_latency_matches_brute_force(seed: int) -> None:
+    swarm, start, end, model = random_case(random.Random(seed), servers=(3, 6), blocks=(3, 6))
+    if uncovered(swarm, start, end):
+        with pytest.raises(MissingBlocksError):
+            make_route_min_latency(swarm, start, end, **model)
+        return
+    route = make_route_min_latency(swarm, start, end, **model)
+    check_route(route, swarm, start, end)
+    cost = route_cost(route, swarm, **model)
+    best = min(route_cost(r, swarm, **model) for r in all_routes(swarm, start, end))
+    assert math.isclose(cost, best, rel_tol=1e-9, abs_tol=1e-12), (spans(route), cost, best)
+
+
+@PROPERTIES
+@given(seeds)
+def test_greedy_takes_the_fewest_spans(seed: int) -> None:
+    swarm, start, end, _ = random_case(random.Random(seed), servers=(3, 6), blocks=(3, 6))
+    if uncovered(swarm, start, end):
+        return
+    route = make_route_greedy(swarm, start, end)
+    check_route(route, swarm, start, end)
+    assert len(route) == min(len(r) for r in all_routes(swarm, start, end))
+    assert make_route_greedy(dict(reversed(swarm.items())), start, end) == route
+
+
+# --- min latency, by hand -----------------------------------------------------------------------
+
+
+def test_min_latency_picks_fast_servers_and_short_hops() -> None:
+    swarm = {
+        P[0]: server(0, 4, inference_rps=10.0),  # 0.1 s per block
+        P[1]: server(0, 2, inference_rps=100.0),
+        P[2]: server(2, 4, inference_rps=100.0),
+    }
+    pings = {P[0]: 0.01, P[1]: 0.01, P[2]: 0.01}
+    # Two fast servers: 0.01 + 0.02 + 0.01 (estimated hop) + 0.02 + 0.01 beats 0.42 on P0.
+    route = make_route_min_latency(swarm, 0, 4, client_pings=pings)
+    assert spans(route) == [(P[1], 0, 2), (P[2], 2, 4)]
+    assert route_cost(route, swarm, client_pings=pings) == pytest.approx(0.07)
+    # Unless the hop between them is slow (measured): then a detour through P0 for one block
+    # (0.01 + 0.01 + 0.01 + 0.1 + 0.01 + 0.02 + 0.01) beats it, and P0 alone (0.42).
+    swarm[P[1]] = server(0, 2, inference_rps=100.0, next_pings={P[2]: 1.0})
+    route = make_route_min_latency(swarm, 0, 4, client_pings=pings)
+    assert spans(route) == [(P[1], 0, 1), (P[0], 1, 2), (P[2], 2, 4)]
+    assert route_cost(route, swarm, client_pings=pings) == pytest.approx(0.17)
+    # The default ping stands in for an unknown one; the default RPS for an unknown one.
+    assert route_cost(
+        [RouteSpan(peer_id=P[0], start=0, end=4)], swarm, client_pings={}, default_ping_s=0.5
+    ) == pytest.approx(1.4)
+    assert route_cost(
+        [RouteSpan(peer_id=P[1], start=0, end=2), RouteSpan(peer_id=P[2], start=2, end=4)],
+        {**swarm, P[2]: server(2, 4)},
+        client_pings={},
+        default_ping_s=0.5,
+        default_inference_rps=20.0,
+    ) == pytest.approx(0.5 + 0.02 + 1.0 + 0.1 + 0.5)
+
+
+def test_min_latency_may_switch_away_from_span_boundaries() -> None:
+    # Both servers hold all 4 blocks; B is fast but far from the client, A slow but near, and
+    # they measured a fast link: A runs the first and last block, B the middle two.
+    a, b = P[0], P[1]
+    swarm = {
+        a: server(0, 4, inference_rps=1.0, next_pings={b: 0.0}),
+        b: server(0, 4, inference_rps=100.0, next_pings={a: 0.0}),
+    }
+    pings = {a: 0.0, b: 10.0}
+    route = make_route_min_latency(swarm, 0, 4, client_pings=pings)
+    assert spans(route) == [(a, 0, 1), (b, 1, 3), (a, 3, 4)]
+    assert route_cost(route, swarm, client_pings=pings) == pytest.approx(2.02)
+
+
+def test_cache_penalty_steers_to_servers_with_room() -> None:
+    roomy, tight = P[0], P[1]
+    swarm = {
+        roomy: server(0, 4, inference_rps=10.0, cache_tokens_left=4_000),
+        tight: server(0, 4, inference_rps=1000.0, cache_tokens_left=1_000),
+    }
+    pings = {roomy: 0.01, tight: 0.01}
+    # 4 blocks x 100 tokens fit in both.
+    assert spans(
+        make_route_min_latency(swarm, 0, 4, client_pings=pings, cache_tokens_needed=100)
+    ) == [(tight, 0, 4)]
+    # 4 x 1000 only fit in the roomy one; the tight one still takes one block per span (each
+    # span is judged on its own), first and last, where the client's hops go anyway.
+    route = make_route_min_latency(swarm, 0, 4, client_pings=pings, cache_tokens_needed=1000)
+    assert spans(route) == [(tight, 0, 1), (roomy, 1, 3), (tight, 3, 4)]
+    # Over the cache everywhere: the penalty is paid once, on the fast server.
+    route = make_route_min_latency(swarm, 0, 4, client_pings=pings, cache_tokens_needed=5000)
+    assert spans(route) == [(tight, 0, 4)]
+    assert route_cost(
+        route, swarm, client_pings=pings, cache_tokens_needed=5000, cache_penalty_s=7.0
+    ) == pytest.approx(0.02 + 0.004 + 7.0)
+
+
+def test_min_latency_ignores_servers_not_online_and_avoids_zero_rps() -> None:
+    swarm = {
+        P[0]: server(0, 2, inference_rps=1000.0, state=JOINING),
+        P[1]: server(0, 2, inference_rps=1.0),
+        P[2]: server(0, 2, inference_rps=0.0),
+    }
+    assert spans(make_route_min_latency(swarm, 0, 2, client_pings={})) == [(P[1], 0, 2)]
+    # Only a server that announces no inference at all: it takes forever, but it is a route.
+    only = {P[2]: swarm[P[2]]}
+    route = make_route_min_latency(only, 0, 2, client_pings={})
+    assert spans(route) == [(P[2], 0, 2)]
+    assert route_cost(route, only, client_pings={}) == math.inf
+
+
+# --- max throughput -----------------------------------------------------------------------------
+
+
+def _first_choices(swarm: Swarm, samples: int, seed: int = 0) -> Counter[str]:
+    rng = random.Random(seed)
+    return Counter(
+        make_route_max_throughput(swarm, 0, 1, rng=rng)[0].peer_id for _ in range(samples)
+    )
+
+
+def _within_binomial(count: int, samples: int, p: float, sigmas: float = 5.0) -> bool:
+    return abs(count - samples * p) <= sigmas * math.sqrt(samples * p * (1 - p)) + 1
+
+
+@pytest.mark.parametrize(
+    "throughputs", [[5.0, 3.0, 2.0], [1000.0, 500.0, 1.0], [1.0, 1.0, 1.0, 1.0], [7.0, 0.0, 3.0]]
+)
+def test_max_throughput_picks_in_proportion_to_throughput(throughputs: list[float]) -> None:
+    swarm = {P[k]: server(0, 1, throughput=t) for k, t in enumerate(throughputs)}
+    samples = 10_000
+    counts = _first_choices(swarm, samples)
+    total = sum(throughputs)
+    for k, throughput in enumerate(throughputs):
+        share = throughput / total
+        assert _within_binomial(counts[P[k]], samples, share), (k, counts[P[k]], share)
+    if throughputs == [1000.0, 500.0, 1.0]:
+        assert counts[P[2]] <= 20  # ~0.07%: about 7 of 10,000
+
+
+def test_max_throughput_zero_throughputs_are_uniform_and_only_when_all_are_zero() -> None:
+    swarm = {P[k]: server(0, 1, throughput=0.0) for k in range(4)}
+    counts = _first_choices(swarm, 4_000)
+    assert all(_within_binomial(counts[P[k]], 4_000, 0.25) for k in range(4))
+    swarm[P[4]] = server(0, 1, throughput=1e-9)
+    assert _first_choices(swarm, 1_000) == Counter({P[4]: 1_000})
+
+
+def test_max_throughput_runs_each_server_to_the_end_of_its_span() -> None:
+    swarm = {
+        P[0]: server(0, 3, throughput=1.0),
+        P[1]: server(2, 6, throughput=1.0),
+        P[2]: server(3, 8, throughput=1.0),
+    }
+    seen = set()
+    rng = random.Random(1)
+    for _ in range(200):
+        route = make_route_max_throughput(swarm, 1, 7, rng=rng)
+        check_route(route, swarm, 1, 7)
+        for span in route[:-1]:
+            assert span.end == swarm[span.peer_id].end_block
+        seen.add(tuple(spans(route)))
+    assert seen == {((P[0], 1, 3), (P[2], 3, 7)), ((P[0], 1, 3), (P[1], 3, 6), (P[2], 6, 7))}
+    # Reproducible from the seed.
+    assert make_route_max_throughput(swarm, 0, 8, rng=random.Random(5)) == (
+        make_route_max_throughput(swarm, 0, 8, rng=random.Random(5))
+    )
+
+
+# --- greedy, errors -----------------------------------------------------------------------------
+
+
+def test_greedy_reaches_furthest_then_prefers_throughput_then_peer_id() -> None:
+    swarm = {
+        P[0]: server(0, 3, throughput=1.0),
+        P[1]: server(0, 5, throughput=1.0),
+        P[2]: server(3, 8, throughput=1.0),
+        P[3]: server(4, 9, throughput=5.0),
+        P[4]: server(4, 9, throughput=5.0),
+    }
+    assert spans(make_route_greedy(swarm, 0, 9)) == [(P[1], 0, 5), (P[3], 5, 9)]
+    # Capped at `end`, P2 and P3 reach as far: throughput decides.
+    assert spans(make_route_greedy(swarm, 0, 7)) == [(P[1], 0, 5), (P[3], 5, 7)]
+
+
+def test_missing_blocks_are_named() -> None:
+    swarm = {
+        P[0]: server(0, 3),
+        P[1]: server(5, 6),
+        P[2]: server(3, 5, state=OFFLINE),
+    }
+    for plan in (
+        lambda: make_route_min_latency(swarm, 0, 6, client_pings={}),
+        lambda: make_route_max_throughput(swarm, 0, 6, rng=random.Random(0)),
+        lambda: make_route_greedy(swarm, 0, 6),
+    ):
+        with pytest.raises(
+            MissingBlocksError, match=r"no server holds blocks 3, 4 \(of \[0, 6\)\)"
+        ):
+            plan()
+    with pytest.raises(MissingBlocksError, match=r"no server holds block 7 \(of \[6, 8\)\)") as e:
+        make_route_greedy({P[0]: server(6, 7)}, 6, 8)
+    assert e.value.blocks == (7,)
+    assert isinstance(e.value, PetalsError)
+    with pytest.raises(MissingBlocksError) as e:
+        make_route_greedy({}, 0, 2)
+    assert e.value.blocks == (0, 1)
+
+
+@pytest.mark.parametrize(("start", "end"), [(-1, 2), (2, 2), (3, 1), (0.0, 1), (True, 3)])
+def test_bad_ranges_are_refused(start: int, end: int) -> None:
+    swarm = {P[0]: server(0, 4)}
+    for plan in (
+        lambda: make_route_min_latency(swarm, start, end, client_pings={}),
+        lambda: make_route_max_throughput(swarm, start, end, rng=random.Random(0)),
+        lambda: make_route_greedy(swarm, start, end),
+    ):
+        with pytest.raises(ConfigError):
+            plan()
+
+
+def test_bad_latency_parameters_are_refused() -> None:
+    swarm = {P[0]: server(0, 4)}
+    for bad in (
+        {"client_pings": {P[0]: -1.0}},
+        {"client_pings": {P[0]: math.inf}},
+        {"client_pings": {}, "default_ping_s": math.nan},
+        {"client_pings": {}, "default_inference_rps": 0.0},
+        {"client_pings": {}, "cache_tokens_needed": -1},
+        {"client_pings": {}, "cache_penalty_s": -1.0},
+    ):
+        with pytest.raises(ConfigError):
+            make_route_min_latency(swarm, 0, 4, **bad)
+    with pytest.raises(ConfigError, match="end is > start"):
+        RouteSpan(peer_id=P[0], start=2, end=2)
