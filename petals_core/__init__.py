@@ -30,3 +30,27 @@ from ._errors import (
 )
 
 __version__ = "0.1.0"
+
+# The distributed models import torch and the client: they load on first access only, so that
+# ``import petals_core`` stays light (tests/test_layering.py).
+_DISTRIBUTED_MODELS = frozenset(
+    {
+        "AutoDistributedModel",
+        "AutoDistributedModelForCausalLM",
+        "AutoDistributedModelForSequenceClassification",
+        "DistributedBloomForCausalLM",
+        "DistributedBloomForSequenceClassification",
+        "DistributedBloomModel",
+        "DistributedLlamaForCausalLM",
+        "DistributedLlamaForSequenceClassification",
+        "DistributedLlamaModel",
+    }
+)
+
+
+def __getattr__(name: str) -> object:
+    if name in _DISTRIBUTED_MODELS:
+        from .models import distributed
+
+        return getattr(distributed, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

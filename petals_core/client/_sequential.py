@@ -166,9 +166,7 @@ async def remote_forward(
             manager, start, end, hidden[rows], chunk_prompts, [0]
         )
 
-    async with trio.open_nursery() as nursery:
-        for i, rows in enumerate(chunks):
-            nursery.start_soon(run, i, rows)
+    await _run_chunks(run, chunks)
     return torch.cat([o for o in outputs if o is not None]), saved
 
 
@@ -193,9 +191,7 @@ async def remote_backward(
             manager, grad_output[rows], saved[i], chunk_prompts
         )
 
-    async with trio.open_nursery() as nursery:
-        for i, rows in enumerate(chunks):
-            nursery.start_soon(run, i, rows)
+    await _run_chunks(run, chunks)
     grad_input = torch.cat([g for g in grads if g is not None])
     grad_prompts = None
     if prompts is not None:
@@ -261,6 +257,28 @@ async def _backward_chunk(
                     grad_prompts.dtype
                 )
     return grad, grad_prompts
+
+
+async def _run_chunks(run: Any, chunks: list[slice]) -> None:
+    """``run(i, rows)`` for every chunk, concurrently.  A failure raises the chunk's own error
+    (e.g. :class:`MissingBlocksError`, :class:`PetalsError`), not an exception group, unless
+    several chunks failed."""
+    if len(chunks) == 1:
+        await run(0, chunks[0])
+        return
+    try:
+        async with trio.open_nursery() as nursery:
+            for i, rows in enumerate(chunks):
+                nursery.start_soon(run, i, rows)
+    except BaseExceptionGroup as group:
+        if len(group.exceptions) != 1:
+            raise
+        error = group.exceptions[0]
+        context = error.__context__  # raising it here would set the group as its context
+        try:
+            raise error
+        finally:
+            error.__context__ = context
 
 
 def _row_chunks(hidden: torch.Tensor, max_chunk_tokens: int) -> list[slice]:

@@ -108,25 +108,37 @@ async def open_local_swarm(
     }
     bootstrap: SwarmProcess | None = None
     swarm: LocalSwarm | None = None
-    async with trio.open_nursery() as nursery:
+    try:
+        async with trio.open_nursery() as nursery:
+            try:
+                bootstrap = await _start(
+                    nursery,
+                    "bootstrap",
+                    [sys.executable, "-m", "petals_core.dht", "--host", "127.0.0.1"],
+                    DHT_READY,
+                    full_env,
+                )
+                swarm = LocalSwarm(bootstrap, [], nursery, full_env)
+                for args in server_args:
+                    await swarm.add_server(model, args)
+                yield swarm
+            finally:
+                with trio.CancelScope(shield=True):
+                    started = [] if swarm is None else list(swarm.servers)
+                    for process in [*reversed(started), *([bootstrap] if bootstrap else [])]:
+                        await process.stop(stop_timeout_s)
+                nursery.cancel_scope.cancel()
+    except BaseExceptionGroup as group:
+        # The nursery wraps what is raised inside it (a process that failed to start, or the
+        # caller's own error from the block): raise that itself, as documented.
+        if len(group.exceptions) != 1:
+            raise
+        error = group.exceptions[0]
+        context = error.__context__  # raising it here would set the group as its context
         try:
-            bootstrap = await _start(
-                nursery,
-                "bootstrap",
-                [sys.executable, "-m", "petals_core.dht", "--host", "127.0.0.1"],
-                DHT_READY,
-                full_env,
-            )
-            swarm = LocalSwarm(bootstrap, [], nursery, full_env)
-            for args in server_args:
-                await swarm.add_server(model, args)
-            yield swarm
+            raise error
         finally:
-            with trio.CancelScope(shield=True):
-                started = [] if swarm is None else list(swarm.servers)
-                for process in [*reversed(started), *([bootstrap] if bootstrap else [])]:
-                    await process.stop(stop_timeout_s)
-            nursery.cancel_scope.cancel()
+            error.__context__ = context
 
 
 async def _start(

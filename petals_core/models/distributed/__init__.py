@@ -1,0 +1,34 @@
+"""Hugging Face-style models whose transformer blocks run on a swarm (Petals' client classes).
+
+``AutoDistributedModelForCausalLM.from_pretrained(name, initial_peers=[...])`` loads only the
+embeddings, final norm and LM head; the blocks are a :class:`~petals_core.client.RemoteSequential`.
+``generate()`` and ``with model.inference_session(max_length=...)`` work as in Petals;
+``tuning_mode="ptune" | "deep_ptune"`` adds trainable prompts. Importing this package imports
+the client (the network): model code (``petals_core.models``) does not import it.
+"""
+
+from ._auto import (
+    AutoDistributedModel as AutoDistributedModel,
+    AutoDistributedModelForCausalLM as AutoDistributedModelForCausalLM,
+    AutoDistributedModelForSequenceClassification as AutoDistributedModelForSequenceClassification,
+)
+from ._base import (
+    DEFAULT_LM_HEAD_CHUNK_ROWS as DEFAULT_LM_HEAD_CHUNK_ROWS,
+    ChunkedLMHead as ChunkedLMHead,
+    DistributedCausalLMMixin as DistributedCausalLMMixin,
+    DistributedModelMixin as DistributedModelMixin,
+    DistributedSequenceClassificationMixin as DistributedSequenceClassificationMixin,
+    TuningMode as TuningMode,
+)
+from ._bloom import (
+    DistributedBloomForCausalLM as DistributedBloomForCausalLM,
+    DistributedBloomForSequenceClassification as DistributedBloomForSequenceClassification,
+    DistributedBloomModel as DistributedBloomModel,
+)
+from ._cache import RemoteCache as RemoteCache
+from ._llama import (
+    DistributedLlamaForCausalLM as DistributedLlamaForCausalLM,
+    DistributedLlamaForSequenceClassification as DistributedLlamaForSequenceClassification,
+    DistributedLlamaModel as DistributedLlamaModel,
+)
+from ._session import RemoteInferenceSession as RemoteInferenceSession

@@ -1,0 +1,1 @@
+"""Client tests: sequence manager, inference sessions, forward/backward, the bridge."""

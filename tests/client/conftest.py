@@ -1,0 +1,146 @@
+"""Swarms for the client-model tests: tiny LLaMA (grouped-query attention) and BLOOM checkpoints,
+each served by two in-process servers holding blocks 0:3 and 3:6, in fp32.
+
+The servers run in one trio program on a daemon thread (``trio.run``), for the whole test
+session; the models under test are sync and reach them through the client bridge's own thread.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from contextlib import AsyncExitStack
+from pathlib import Path
+from typing import Any
+
+import attrs
+import pytest
+import torch
+import trio
+from transformers import BloomForCausalLM, LlamaForCausalLM
+
+from petals_core.server import ServerConfig, open_server
+
+from ..models.conftest import (
+    SHARD_SIZE,
+    TinyCheckpoint,
+    _save,
+    tiny_bloom_config,
+    tiny_llama_config,
+)
+
+START_TIMEOUT_S = 120.0
+
+
+@attrs.frozen(kw_only=True)
+class ServedModel:
+    """A checkpoint and the multiaddrs of the first server of its swarm."""
+
+    checkpoint: TinyCheckpoint
+    initial_peers: tuple[str, ...]
+    dht_prefix: str
+
+    @property
+    def folder(self) -> Path:
+        return self.checkpoint.folder
+
+
+class InProcessSwarm:
+    """Servers for several checkpoints, in a trio program on a daemon thread."""
+
+    def __init__(self, checkpoints: dict[str, TinyCheckpoint], cache_dir: Path) -> None:
+        self._checkpoints = checkpoints
+        self._cache_dir = cache_dir
+        self._ready = threading.Event()
+        self._token: trio.lowlevel.TrioToken | None = None
+        self._stop: trio.Event | None = None
+        self._error: BaseException | None = None
+        self._started: trio.Event | None = None
+        self.served: dict[str, ServedModel] = {}
+        self._thread = threading.Thread(target=self._run, name="test-swarm", daemon=True)
+
+    def __enter__(self) -> InProcessSwarm:
+        self._thread.start()
+        if not self._ready.wait(START_TIMEOUT_S):
+            raise TimeoutError("the test swarm did not start")
+        if self._error is not None:
+            raise RuntimeError("the test swarm failed to start") from self._error
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        if self._token is not None and self._stop is not None:
+            trio.from_thread.run_sync(self._stop.set, trio_token=self._token)
+        self._thread.join(START_TIMEOUT_S)
+
+    def _run(self) -> None:
+        try:
+            trio.run(self._main)
+        except BaseException as error:
+            self._error = error
+            self._ready.set()
+
+    async def _main(self) -> None:
+        self._stop = trio.Event()
+        self._started = trio.Event()
+        async with trio.open_nursery() as nursery:
+            # Each swarm in its own task, so that they start and stop concurrently.
+            for name, checkpoint in self._checkpoints.items():
+                nursery.start_soon(self._serve, name, checkpoint)
+            while len(self.served) < len(self._checkpoints):
+                await self._started.wait()
+                self._started = trio.Event()
+            self._token = trio.lowlevel.current_trio_token()
+            self._ready.set()
+
+    async def _serve(self, name: str, checkpoint: TinyCheckpoint) -> None:
+        common: dict[str, Any] = {
+            "model": str(checkpoint.folder),
+            "host": "127.0.0.1",
+            "throughput": 1.0,
+            "torch_dtype": "float32",
+            "cache_dir": str(self._cache_dir / name),
+        }
+        async with AsyncExitStack() as stack:
+            first = await stack.enter_async_context(
+                open_server(ServerConfig(new_swarm=True, block_indices=(0, 3), **common))
+            )
+            peers = tuple(str(address) for address in first.multiaddrs)
+            await stack.enter_async_context(
+                open_server(ServerConfig(initial_peers=peers, block_indices=(3, 6), **common))
+            )
+            self.served[name] = ServedModel(
+                checkpoint=checkpoint, initial_peers=peers, dht_prefix=first.dht_prefix
+            )
+            assert self._started is not None and self._stop is not None
+            self._started.set()
+            await self._stop.wait()
+
+
+@pytest.fixture(scope="session")
+def client_swarm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[InProcessSwarm]:
+    torch.manual_seed(20)
+    llama = LlamaForCausalLM(tiny_llama_config(pad_token_id=0))
+    torch.manual_seed(21)
+    bloom = BloomForCausalLM(tiny_bloom_config())
+    checkpoints = {
+        "llama": _save(llama, tmp_path_factory.mktemp("client-llama"), max_shard_size=SHARD_SIZE),
+        "bloom": _save(bloom, tmp_path_factory.mktemp("client-bloom"), max_shard_size=SHARD_SIZE),
+    }
+    with InProcessSwarm(checkpoints, tmp_path_factory.mktemp("client-cache")) as swarm:
+        yield swarm
+
+
+@pytest.fixture(scope="session")
+def served_llama(client_swarm: InProcessSwarm) -> ServedModel:
+    return client_swarm.served["llama"]
+
+
+@pytest.fixture(scope="session")
+def served_bloom(client_swarm: InProcessSwarm) -> ServedModel:
+    return client_swarm.served["bloom"]
+
+
+@pytest.fixture(scope="session", params=["llama", "bloom"])
+def served(request: pytest.FixtureRequest, client_swarm: InProcessSwarm) -> ServedModel:
+    """Each family in turn."""
+    return client_swarm.served[request.param]

@@ -1,0 +1,149 @@
+"""``generate()`` and inference sessions of distributed models equal transformers' generation."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from petals_core.models.distributed import AutoDistributedModelForCausalLM, RemoteInferenceSession
+
+from .conftest import ServedModel
+
+TOLERANCE = 1e-4
+
+
+@pytest.fixture(scope="module")
+def models(served: ServedModel) -> Iterator[tuple[Any, Any]]:
+    """(distributed causal LM, transformers causal LM) for each family."""
+    model = AutoDistributedModelForCausalLM.from_pretrained(
+        served.folder, initial_peers=served.initial_peers
+    )
+    reference = AutoModelForCausalLM.from_pretrained(served.folder).eval()
+    yield model, reference
+    model.shutdown()
+
+
+def _ids(batch: int, length: int, seed: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(4, 256, (batch, length), generator=generator)
+
+
+def _no_eos(reference: Any) -> dict[str, Any]:
+    """Generation settings that run to max_new_tokens whatever the random model says."""
+    return {"eos_token_id": None, "pad_token_id": reference.config.pad_token_id or 0}
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_greedy_equals_transformers(models: tuple[Any, Any], batch: int) -> None:
+    model, reference = models
+    ids = _ids(batch, 6, seed=batch)
+    ours = model.generate(ids, max_new_tokens=8, do_sample=False, **_no_eos(reference))
+    theirs = reference.generate(ids, max_new_tokens=8, do_sample=False, **_no_eos(reference))
+    assert ours.shape == (batch, 14)
+    assert torch.equal(ours, theirs)
+    assert model.active_session is None  # the session generate() opened is closed
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_seeded_sampling_equals_transformers(models: tuple[Any, Any], batch: int) -> None:
+    model, reference = models
+    ids = _ids(batch, 5, seed=10 + batch)
+    settings = {"do_sample": True, "top_k": 20, "temperature": 1.3, **_no_eos(reference)}
+    torch.manual_seed(7)
+    ours = model.generate(ids, max_new_tokens=8, **settings)
+    torch.manual_seed(7)
+    theirs = reference.generate(ids, max_new_tokens=8, **settings)
+    assert torch.equal(ours, theirs)
+
+
+def test_beam_search_equals_transformers(models: tuple[Any, Any]) -> None:
+    model, reference = models
+    ids = _ids(2, 5, seed=20)
+    settings = {"num_beams": 3, "do_sample": False, "max_new_tokens": 8, **_no_eos(reference)}
+    ours = model.generate(ids, num_return_sequences=3, **settings)
+    theirs = reference.generate(ids, num_return_sequences=3, **settings)
+    assert torch.equal(ours, theirs)
+
+
+def test_generate_calls_in_one_session_continue(models: tuple[Any, Any]) -> None:
+    model, reference = models
+    ids = _ids(2, 5, seed=30)
+    settings = {"do_sample": False, **_no_eos(reference)}
+    whole = reference.generate(ids, max_new_tokens=12, **settings)
+    with model.inference_session(max_length=40) as session:
+        assert model.active_session is session
+        first = model.generate(ids, max_new_tokens=4, **settings)
+        # transformers' way: the whole sequence so far, plus nothing new.
+        second = model.generate(first, max_new_tokens=4, **settings)
+        # Petals' way: no inputs; the result starts after the previous output.
+        third = model.generate(None, max_new_tokens=4, **settings)
+        # The last generated token of each call is sent by the next one, never twice.
+        assert session.token_position == 5 + 12 - 1
+    assert model.active_session is None
+    assert torch.equal(second, whole[:, :13])
+    assert torch.equal(torch.cat([second, third], dim=1), whole)
+
+
+def test_new_tokens_petals_style_continue_the_session(models: tuple[Any, Any]) -> None:
+    model, reference = models
+    ids = _ids(1, 4, seed=40)
+    extra = _ids(1, 3, seed=41)
+    settings = {"do_sample": False, **_no_eos(reference)}
+    with model.inference_session(max_length=32):
+        first = model.generate(ids, max_new_tokens=3, **settings)
+        more = model.generate(extra, max_new_tokens=3, **settings)
+    expected = reference.generate(torch.cat([first, extra], dim=1), max_new_tokens=3, **settings)
+    assert torch.equal(torch.cat([first, more], dim=1), expected)
+
+
+def test_explicit_session_argument(models: tuple[Any, Any]) -> None:
+    model, reference = models
+    ids = _ids(1, 4, seed=50)
+    settings = {"do_sample": False, **_no_eos(reference)}
+    session = model.inference_session(max_length=16)
+    assert isinstance(session, RemoteInferenceSession)
+    try:
+        ours = model.generate(ids, max_new_tokens=5, session=session, **settings)
+        assert session.token_position == 4 + 5 - 1
+    finally:
+        session.close()
+    assert torch.equal(ours, reference.generate(ids, max_new_tokens=5, **settings))
+
+
+def test_forwards_in_a_session_step_through_it(models: tuple[Any, Any]) -> None:
+    model, reference = models
+    ids = _ids(2, 7, seed=60)
+    with torch.no_grad():
+        expected = reference(ids).logits
+        with model.inference_session(max_length=7) as session:
+            parts = [model(ids[:, :3]).logits]
+            parts += [model(ids[:, t : t + 1]).logits for t in range(3, 7)]
+            assert session.position == 7
+            session.position = 5  # roll back two tokens and send them again
+            again = model(ids[:, 5:]).logits
+    torch.testing.assert_close(torch.cat(parts, dim=1), expected, atol=TOLERANCE, rtol=0)
+    torch.testing.assert_close(again, expected[:, 5:], atol=TOLERANCE, rtol=0)
+
+
+def test_left_padded_generation_is_refused(models: tuple[Any, Any]) -> None:
+    model, reference = models
+    ids = _ids(2, 5, seed=70)
+    mask = torch.ones_like(ids)
+    mask[0, :2] = 0
+    with pytest.raises(ValueError, match="Left padding"):
+        model.generate(ids, attention_mask=mask, max_new_tokens=2, **_no_eos(reference))
+    assert model.active_session is None
+
+
+def test_a_full_session_says_so(models: tuple[Any, Any]) -> None:
+    model, reference = models
+    ids = _ids(1, 4, seed=80)
+    with (
+        model.inference_session(max_length=6),
+        pytest.raises(ValueError, match="max_length"),
+    ):
+        model.generate(ids, max_new_tokens=5, **_no_eos(reference))

@@ -1,0 +1,271 @@
+"""Inference sessions through real servers on loopback, compared step by step with the same blocks
+run locally: rollback, beam reordering, deep prompts, and failover (a server leaving, a server
+process killed with SIGKILL or stalled with SIGSTOP) with the history replayed elsewhere.
+"""
+
+from __future__ import annotations
+
+import signal
+from pathlib import Path
+from typing import Any
+
+import attrs
+import pytest
+import torch
+import trio
+
+from petals_core import PetalsError
+from petals_core.client import InferenceSession, RemoteSequential, remote_backward, remote_forward
+from petals_core.routing import MissingBlocksError, RemoteSequenceManager
+from petals_core.testing import open_local_swarm
+
+from ._swarm_helpers import (
+    DEADLINE_S,
+    HIDDEN,
+    N_BLOCKS,
+    PROCESS_PREFIX,
+    Model,
+    assert_close,
+    in_process_swarm,
+    make_model,
+    manager_for,
+    peer_id_of,
+    process_of,
+    process_server_args,
+    wait_for_servers,
+)
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Model:
+    return make_model(tmp_path_factory.mktemp("client-inference-llama"))
+
+
+class Reference:
+    """What a session should output: the inputs so far of every row, run locally in full."""
+
+    def __init__(self, model: Model, prompts: torch.Tensor | None = None) -> None:
+        self.model = model
+        self.prompts = prompts
+        self.inputs: torch.Tensor | None = None  # (B, position, hidden)
+
+    def step(self, hidden: torch.Tensor, hypo_ids: torch.Tensor | None = None) -> torch.Tensor:
+        if hypo_ids is not None:
+            assert self.inputs is not None
+            self.inputs = self.inputs[hypo_ids]
+        position = 0 if self.inputs is None else self.inputs.shape[1]
+        self.inputs = hidden if self.inputs is None else torch.cat([self.inputs, hidden], dim=1)
+        with torch.no_grad():
+            return self.model.forward(self.inputs, self.prompts)[:, position:]
+
+    def rollback(self, position: int) -> None:
+        assert self.inputs is not None
+        self.inputs = self.inputs[:, :position]
+
+
+async def test_rollback_and_reorder_through_two_servers_equal_local(
+    model: Model, tmp_path: Path
+) -> None:
+    torch.manual_seed(1)
+    async with in_process_swarm(model, tmp_path, [(0, 3), (3, 6)]) as swarm:
+        seq = RemoteSequential(manager_for(list(swarm.servers.values())))
+        reference = Reference(model)
+        with trio.fail_after(DEADLINE_S):
+            async with seq, seq.open_inference_session(max_length=16) as session:
+                x = torch.randn(3, 4, HIDDEN)
+                assert_close(await session.step(x), reference.step(x))
+                assert [(s.start, s.end) for s in session.route] == [(0, 3), (3, 6)]
+                for _ in range(2):
+                    x = torch.randn(3, 1, HIDDEN)
+                    assert_close(await session.step(x), reference.step(x))
+                # Roll back to position 2 and write new tokens there.
+                session.position = 2
+                reference.rollback(2)
+                x = torch.randn(3, 2, HIDDEN)
+                assert_close(await session.step(x), reference.step(x))
+                assert session.position == 4
+                # Beam search: row 0 continues row 2, rows 1 and 2 continue row 0.
+                hypo_ids = torch.tensor([2, 0, 0])
+                x = torch.randn(3, 1, HIDDEN)
+                assert_close(await session.step(x, hypo_ids=hypo_ids), reference.step(x, hypo_ids))
+                x = torch.randn(3, 1, HIDDEN)
+                assert_close(await session.step(x), reference.step(x))
+                assert session.retries == 0
+
+
+async def test_failover_after_reorder_replays_reordered_history_and_prompts(
+    model: Model, tmp_path: Path
+) -> None:
+    """Blocks 3:6 are held twice; the holder in the route leaves after a reorder: its
+    replacement rebuilds its cache from the reordered history, with the deep prompts."""
+    torch.manual_seed(2)
+    async with in_process_swarm(model, tmp_path, [(0, 3), (3, 6), (3, 6)]) as swarm:
+        manager = manager_for(list(swarm.servers.values()))
+        seq = RemoteSequential(manager)
+        prompts = torch.randn(N_BLOCKS, 1, 2, HIDDEN) * 0.5
+        reference = Reference(model, prompts)
+        with trio.fail_after(DEADLINE_S):
+            async with seq:
+                await wait_for_servers(manager, 3)
+                async with seq.open_inference_session(max_length=16) as session:
+                    x = torch.randn(2, 4, HIDDEN)
+                    assert_close(await session.step(x, prompts=prompts), reference.step(x))
+                    x = torch.randn(2, 1, HIDDEN)
+                    assert_close(await session.step(x), reference.step(x))
+                    hypo_ids = torch.tensor([1, 1])
+                    x = torch.randn(2, 1, HIDDEN)
+                    assert_close(
+                        await session.step(x, hypo_ids=hypo_ids), reference.step(x, hypo_ids)
+                    )
+                    second = session.route[1].peer_id
+                    await swarm.leave(second)
+                    for _ in range(3):
+                        x = torch.randn(2, 1, HIDDEN)
+                        assert_close(await session.step(x), reference.step(x))
+                    assert session.retries >= 1
+                    assert manager.is_banned(second)
+                    assert second not in {span.peer_id for span in session.route}
+                    assert [(s.start, s.end) for s in session.route] == [(0, 3), (3, 6)]
+
+
+async def test_step_refuses_bad_input_without_banning(model: Model, tmp_path: Path) -> None:
+    async with in_process_swarm(model, tmp_path, [(0, 6)]) as swarm:
+        manager = manager_for(list(swarm.servers.values()))
+        seq = RemoteSequential(manager)
+        with trio.fail_after(DEADLINE_S):
+            async with seq, seq.open_inference_session(max_length=4) as session:
+                await session.step(torch.randn(1, 2, HIDDEN))
+                with pytest.raises(ValueError, match="max_length"):
+                    await session.step(torch.randn(1, 3, HIDDEN))
+                with pytest.raises(ValueError, match="rows"):
+                    await session.step(torch.randn(2, 1, HIDDEN))
+                with pytest.raises(ValueError, match="position 0"):
+                    await session.step(
+                        torch.randn(1, 1, HIDDEN), prompts=torch.zeros(N_BLOCKS, 1, 1, HIDDEN)
+                    )
+                with pytest.raises(ValueError, match="only go back"):
+                    session.position = 3
+                assert not manager.state.bans
+            with pytest.raises(PetalsError, match="closed"):
+                await session.step(torch.randn(1, 1, HIDDEN))
+
+
+# --- real processes: SIGSTOP, SIGKILL --------------------------------------------------------
+
+
+async def test_stall_and_kill_failover_in_a_process_swarm(model: Model) -> None:
+    """One swarm of processes: A holds 0:3, B 3:6, C 0:6.
+
+    1. A session routed through C (A and B banned while it opens); C is stopped (SIGSTOP) after
+       2 steps: a short ``request_timeout`` finds the stall, C is banned and the session goes on
+       through A and B with the same outputs.  C is resumed.
+    2. A session routed through A and B (C banned while it opens): 10 single-token steps after a
+       4-token prefill; A is killed (SIGKILL) after step 5: blocks 0:3 move to C, all outputs
+       equal local, A is banned.
+    3. A forward through blocks 3:6 (on B, C banned meanwhile); B is killed before the backward:
+       the backward recomputes on C and gives the local gradients.
+    4. Every server dead: requests fail once their retries are spent.
+    """
+    torch.manual_seed(3)
+    spans = [(0, 3), (3, 6), (0, 6)]
+    with trio.fail_after(4 * DEADLINE_S):
+        async with open_local_swarm(
+            model.folder, [process_server_args(span) for span in spans]
+        ) as swarm:
+            a, b, c = (peer_id_of(process) for process in swarm.servers)
+            assert process_of(swarm, c) is swarm.servers[2]
+            common: dict[str, Any] = {
+                "initial_peers": swarm.initial_peers,
+                "dht_prefix": PROCESS_PREFIX,
+            }
+
+            # 1. A stall, found by the request timeout.
+            stalling = manager_for(**common, request_timeout=3.0)
+            async with RemoteSequential(stalling) as seq:
+                await wait_for_servers(stalling, 3)
+                reference = Reference(model)
+                async with seq.open_inference_session(max_length=16) as session:
+                    stalling.on_request_failure(a)
+                    stalling.on_request_failure(b)
+                    x = torch.randn(1, 4, HIDDEN)
+                    assert_close(await session.step(x), reference.step(x))
+                    assert [(s.peer_id, s.start, s.end) for s in session.route] == [(c, 0, 6)]
+                    stalling.on_request_success(a)
+                    stalling.on_request_success(b)
+                    x = torch.randn(1, 1, HIDDEN)
+                    assert_close(await session.step(x), reference.step(x))
+                    stopped = process_of(swarm, c).process
+                    stopped.send_signal(signal.SIGSTOP)
+                    try:
+                        for _ in range(2):
+                            x = torch.randn(1, 1, HIDDEN)
+                            assert_close(await session.step(x), reference.step(x))
+                    finally:
+                        stopped.send_signal(signal.SIGCONT)
+                    assert stalling.is_banned(c)
+                    assert [(s.peer_id, s.start, s.end) for s in session.route] == [
+                        (a, 0, 3),
+                        (b, 3, 6),
+                    ]
+
+            # 2. A kill during a session.
+            manager = manager_for(**common, request_timeout=4.0)
+            async with RemoteSequential(manager) as seq:
+                await wait_for_servers(manager, 3)
+                reference = Reference(model)
+                async with seq.open_inference_session(max_length=16) as session:
+                    manager.on_request_failure(c)
+                    x = torch.randn(2, 4, HIDDEN)
+                    assert_close(await session.step(x), reference.step(x))
+                    manager.on_request_success(c)
+                    assert [(s.peer_id, s.start, s.end) for s in session.route] == [
+                        (a, 0, 3),
+                        (b, 3, 6),
+                    ]
+                    for step in range(1, 11):
+                        if step == 6:
+                            process_of(swarm, a).kill()
+                        x = torch.randn(2, 1, HIDDEN)
+                        assert_close(await session.step(x), reference.step(x))
+                    assert manager.is_banned(a)
+                    assert [(s.peer_id, s.start, s.end) for s in session.route] == [
+                        (c, 0, 3),
+                        (b, 3, 6),
+                    ]
+
+                # 3. A kill between forward and backward.
+                second_half = manager[3:6]
+                manager.on_request_failure(c)
+                x = torch.randn(2, 3, HIDDEN)
+                output, saved = await remote_forward(second_half, x)
+                assert [span.peer_id for chunk in saved for span, _ in chunk] == [b]
+                manager.on_request_success(c)
+                process_of(swarm, b).kill()
+                grad_output = torch.randn_like(output)
+                grad_input, _ = await remote_backward(second_half, grad_output, saved)
+                assert manager.is_banned(b)
+                local_x = x.clone().requires_grad_(True)
+                local_output = model.forward(local_x, blocks=range(3, 6))
+                assert_close(output, local_output.detach())
+                local_output.backward(grad_output)
+                assert local_x.grad is not None
+                assert_close(grad_input, local_x.grad)
+
+                # 4. Everyone dead: a request fails once its retries are spent.  The peer table
+                # still lists C: the first attempt fails on C and bans it; the retry finds no
+                # usable server left and names the blocks.
+                process_of(swarm, c).kill()
+                impatient = RemoteSequenceManager(
+                    attrs.evolve(manager.config, max_retries=1, request_timeout=2.0),
+                    N_BLOCKS,
+                    state=manager.state,
+                )
+                with pytest.raises(MissingBlocksError) as missing:
+                    await remote_forward(impatient, x)
+                assert missing.value.blocks == tuple(range(N_BLOCKS))
+                assert impatient.is_banned(c)
+                with pytest.raises(MissingBlocksError):
+                    async with InferenceSession(impatient, 8) as doomed:
+                        await doomed.step(x)
+    exit_codes = [process.process.returncode for process in swarm.servers]
+    assert exit_codes == [-signal.SIGKILL] * 3

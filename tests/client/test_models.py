@@ -1,0 +1,157 @@
+"""Distributed models over a real (in-process) swarm equal transformers' models on the same
+checkpoint, and load nothing but the client's tensors."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import AutoModel, AutoModelForCausalLM
+
+import petals_core
+from petals_core import ConfigError
+from petals_core.models.distributed import (
+    AutoDistributedModel,
+    AutoDistributedModelForCausalLM,
+    ChunkedLMHead,
+    DistributedBloomForCausalLM,
+    DistributedLlamaForCausalLM,
+    DistributedLlamaModel,
+)
+
+from .conftest import ServedModel
+
+TOLERANCE = 1e-4
+
+
+@pytest.fixture(scope="module")
+def models(served: ServedModel) -> Iterator[tuple[Any, Any]]:
+    """(distributed causal LM, transformers causal LM) for each family."""
+    model = AutoDistributedModelForCausalLM.from_pretrained(
+        served.folder, initial_peers=served.initial_peers
+    )
+    reference = AutoModelForCausalLM.from_pretrained(served.folder).eval()
+    yield model, reference
+    model.shutdown()
+
+
+def _ids(batch: int, length: int, seed: int = 0) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(4, 256, (batch, length), generator=generator)
+
+
+def test_logits_and_loss_equal_transformers(models: tuple[Any, Any]) -> None:
+    model, reference = models
+    ids = _ids(3, 9)
+    with torch.no_grad():
+        ours = model(ids, labels=ids)
+        theirs = reference(ids, labels=ids)
+    assert ours.logits.shape == (3, 9, 256)
+    torch.testing.assert_close(ours.logits, theirs.logits, atol=TOLERANCE, rtol=0)
+    torch.testing.assert_close(ours.loss, theirs.loss, atol=TOLERANCE, rtol=0)
+    # transformers' logits_to_keep: only the last position through the head.
+    with torch.no_grad():
+        last = model(ids, logits_to_keep=1).logits
+    torch.testing.assert_close(last, theirs.logits[:, -1:], atol=TOLERANCE, rtol=0)
+
+
+def test_right_padding_equals_transformers_with_its_mask(models: tuple[Any, Any]) -> None:
+    model, reference = models
+    ids = _ids(2, 8, seed=1)
+    mask = torch.ones_like(ids)
+    mask[1, 5:] = 0
+    with torch.no_grad():
+        ours = model(ids, attention_mask=mask).logits
+        theirs = reference(ids, attention_mask=mask).logits
+    # Causal attention never lets a real token see the pads after it.
+    torch.testing.assert_close(ours[0], theirs[0], atol=TOLERANCE, rtol=0)
+    torch.testing.assert_close(ours[1, :5], theirs[1, :5], atol=TOLERANCE, rtol=0)
+
+
+def test_masks_and_positions_the_servers_cannot_honour_are_refused(
+    models: tuple[Any, Any],
+) -> None:
+    model, _ = models
+    ids = _ids(2, 6, seed=2)
+    left_padded = torch.ones_like(ids)
+    left_padded[1, :2] = 0
+    with pytest.raises(ValueError, match="Left padding"):
+        model(ids, attention_mask=left_padded)
+    with pytest.raises(ValueError, match="position_ids"):
+        model(ids, position_ids=torch.arange(1, 7)[None])
+
+
+def test_only_client_tensors_are_local_and_none_train(
+    models: tuple[Any, Any], served: ServedModel
+) -> None:
+    model, reference = models
+    names = {name for name, _ in model.named_parameters()}
+    assert not any(".layers." in name or ".h." in name for name in names)
+    assert len(model.distributed_base.remote_blocks) == reference.config.num_hidden_layers
+    assert not [name for name, p in model.named_parameters() if p.requires_grad]
+    assert model.config.dht_prefix == served.dht_prefix
+    if model.config.tie_word_embeddings:
+        assert model.lm_head.weight is model.get_input_embeddings().weight
+
+
+def test_base_model_equals_transformers(served: ServedModel) -> None:
+    model = AutoDistributedModel.from_pretrained(served.folder, initial_peers=served.initial_peers)
+    reference = AutoModel.from_pretrained(served.folder).eval()
+    ids = _ids(2, 7, seed=3)
+    try:
+        with torch.no_grad():
+            ours = model(ids).last_hidden_state
+            theirs = reference(ids).last_hidden_state
+        torch.testing.assert_close(ours, theirs, atol=TOLERANCE, rtol=0)
+    finally:
+        model.shutdown()
+
+
+def test_family_classes_refuse_other_families(
+    served_llama: ServedModel, served_bloom: ServedModel
+) -> None:
+    with pytest.raises(ConfigError, match="model_type"):
+        DistributedLlamaForCausalLM.from_pretrained(served_bloom.folder)
+    with pytest.raises(ConfigError, match="model_type"):
+        DistributedBloomForCausalLM.from_pretrained(served_llama.folder)
+    with pytest.raises(ConfigError, match="tuning_mode"):
+        DistributedLlamaModel.from_pretrained(served_llama.folder, tuning_mode="lora")
+    with pytest.raises(ConfigError, match="pre_seq_len"):
+        DistributedLlamaModel.from_pretrained(served_llama.folder, tuning_mode="ptune")
+
+
+def test_config_overrides_dtype_and_manager_options(served_llama: ServedModel) -> None:
+    model = DistributedLlamaForCausalLM.from_pretrained(
+        served_llama.folder,
+        initial_peers=served_llama.initial_peers,
+        torch_dtype=torch.bfloat16,
+        request_timeout=30.0,
+        dht_prefix="another-swarm",
+        rms_norm_eps=1e-3,
+    )
+    assert model.lm_head.weight.dtype == torch.bfloat16
+    assert model.config.rms_norm_eps == 1e-3
+    manager = model.model.layers.sequence_manager
+    assert manager.config.request_timeout == 30.0
+    assert manager.config.dht_prefix == "another-swarm"
+    assert manager.config.initial_peers == served_llama.initial_peers
+
+
+def test_chunked_lm_head_is_the_same_matmul() -> None:
+    torch.manual_seed(0)
+    head = ChunkedLMHead(16, 1000, chunk_rows=96)
+    torch.nn.init.normal_(head.weight)
+    hidden = torch.randn(2, 5, 16)
+    torch.testing.assert_close(head(hidden), F.linear(hidden, head.weight), atol=1e-5, rtol=0)
+    with pytest.raises(ValueError, match="chunk_rows"):
+        ChunkedLMHead(16, 1000, chunk_rows=0)
+
+
+def test_root_package_exports_lazily() -> None:
+    assert petals_core.AutoDistributedModelForCausalLM is AutoDistributedModelForCausalLM
+    assert petals_core.DistributedLlamaForCausalLM is DistributedLlamaForCausalLM
+    with pytest.raises(AttributeError):
+        _ = petals_core.NoSuchThing

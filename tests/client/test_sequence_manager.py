@@ -1,0 +1,195 @@
+"""The sequence manager: a frozen config that nothing changes, slices that keep every setting and
+share state, nothing started before first use, bans that double, exponential capped backoff,
+the retry budget, and a missing block named after ``request_timeout`` (real in-process servers).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import attrs
+import pytest
+import torch
+import trio
+from hypothesis import given, strategies as st
+
+from petals_core import ConfigError
+from petals_core.client import RemoteSequential, remote_forward
+from petals_core.routing import (
+    MissingBlocksError,
+    RemoteSequenceManager,
+    SequenceManagerConfig,
+)
+
+from ._swarm_helpers import (
+    DEADLINE_S,
+    HIDDEN,
+    N_BLOCKS,
+    Model,
+    in_process_swarm,
+    make_model,
+    manager_for,
+)
+
+PEER = "QmPeerThatFailed"
+
+
+def config(**fields: object) -> SequenceManagerConfig:
+    settings: dict[str, object] = {
+        "initial_peers": ("/ip4/127.0.0.1/udp/1/quic-v1/p2p/QmNobody",),
+        "dht_prefix": "tiny",
+        "request_timeout": 7.0,
+        "ban_timeout": 10.0,
+        "max_retries": 2,
+    }
+    settings.update(fields)
+    return SequenceManagerConfig(**settings)  # type: ignore[arg-type]
+
+
+def test_config_is_frozen_and_validated() -> None:
+    settings = config()
+    with pytest.raises(attrs.exceptions.FrozenInstanceError):
+        settings.request_timeout = 1.0  # type: ignore[misc]
+    assert settings.initial_peers == ("/ip4/127.0.0.1/udp/1/quic-v1/p2p/QmNobody",)
+    assert config(allowed_servers=["a", "b"]).allowed_servers == frozenset({"a", "b"})
+    for bad in (
+        {"request_timeout": 0},
+        {"ban_timeout": -1.0},
+        {"min_backoff": 5.0, "max_backoff": 1.0},
+        {"max_retries": -1},
+        {"use_server_to_server": True},
+    ):
+        with pytest.raises(ConfigError):
+            config(**bad)
+    with pytest.raises(ConfigError, match="dht_prefix"):
+        RemoteSequenceManager(config(dht_prefix=None), N_BLOCKS)
+    with pytest.raises(ConfigError, match="block_indices"):
+        RemoteSequenceManager(config(), N_BLOCKS, block_indices=range(4, 8))
+
+
+def test_slices_keep_every_setting_and_share_state() -> None:
+    settings = config()
+    before = attrs.asdict(settings)
+    manager = RemoteSequenceManager(settings, N_BLOCKS)
+    part = manager[1:3]
+    assert part.config is manager.config
+    assert part.config.request_timeout == 7.0
+    assert part.block_indices == range(1, 3)
+    assert part.state is manager.state
+    assert part[1:].block_indices == range(2, 3)
+    assert part[1:].config is settings
+    assert [m.block_indices for m in manager[4:]] == [range(4, 5), range(5, 6)]
+    assert manager[-1].block_indices == range(5, 6)
+    for bad in (slice(3, 3), slice(0, 6, 2)):
+        with pytest.raises(IndexError):
+            manager[bad]
+    with pytest.raises(IndexError):
+        manager[6]
+    # A ban made through a slice is the parent's (and every other slice's).
+    part.on_request_failure(PEER)
+    assert manager.is_banned(PEER)
+    assert manager[4:].is_banned(PEER)
+    manager.on_request_success(PEER)
+    assert not part.is_banned(PEER)
+    # Slicing a module slices its manager the same way.
+    seq = RemoteSequential(manager)
+    assert seq[1:3].sequence_manager.config is settings
+    assert seq[1:3].sequence_manager.state is manager.state
+    assert len(seq[3:]) == 3
+    # Nothing above changed the config.
+    assert attrs.asdict(settings) == before
+    assert manager.config is settings
+
+
+def test_construction_starts_nothing() -> None:
+    threads = threading.active_count()
+    manager = RemoteSequenceManager(config(), N_BLOCKS)
+    seq = RemoteSequential(manager)
+    seq[2:4]
+    assert threading.active_count() == threads
+    assert manager.state.loop_token is None
+    assert manager.state.started is None
+    assert manager.state.dht is None
+    assert not manager.running
+    with pytest.raises(RuntimeError, match="not running"):
+        manager.servers()
+
+
+def test_bans_double_and_success_clears() -> None:
+    manager = RemoteSequenceManager(config(ban_timeout=10.0), N_BLOCKS)
+    manager.on_request_failure(None)  # a failure nobody caused bans nobody
+    assert not manager.state.bans
+    began = time.monotonic()
+    manager.on_request_failure(PEER)
+    ended = time.monotonic()
+    first = manager.state.bans[PEER]
+    assert first.failures == 1
+    assert began + 10.0 <= first.until <= ended + 10.0
+    began = time.monotonic()
+    manager[2:3].on_request_failure(PEER)
+    ended = time.monotonic()
+    second = manager.state.bans[PEER]
+    assert second.failures == 2
+    assert began + 20.0 <= second.until <= ended + 20.0
+    manager.on_request_failure(PEER)
+    assert manager.state.bans[PEER].failures == 3
+    assert manager.state.bans[PEER].until >= ended + 40.0
+    manager.on_request_success(PEER)
+    assert PEER not in manager.state.bans
+    assert not manager.is_banned(PEER)
+
+
+@given(
+    min_backoff=st.floats(0.01, 10.0),
+    factor=st.floats(1.0, 100.0),
+    attempt=st.integers(1, 60),
+)
+def test_retry_delay_is_exponential_and_capped(
+    min_backoff: float, factor: float, attempt: int
+) -> None:
+    manager = RemoteSequenceManager(
+        config(min_backoff=min_backoff, max_backoff=min_backoff * factor), N_BLOCKS
+    )
+    delay = manager.retry_delay(attempt)
+    assert manager.retry_delay(0) == 0.0
+    assert delay == min(min_backoff * 2 ** (attempt - 1), min_backoff * factor)
+    assert min_backoff <= delay <= min_backoff * factor
+    assert manager.retry_delay(attempt + 1) >= delay
+    if delay < min_backoff * factor / 2:
+        assert manager.retry_delay(attempt + 1) == 2 * delay
+
+
+def test_max_retries() -> None:
+    limited = RemoteSequenceManager(config(max_retries=2), N_BLOCKS)
+    assert [limited.may_retry(attempt) for attempt in (1, 2, 3)] == [True, True, False]
+    assert not RemoteSequenceManager(config(max_retries=0), N_BLOCKS).may_retry(1)
+    forever = RemoteSequenceManager(config(max_retries=None), N_BLOCKS)
+    assert forever.may_retry(10**6)
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Model:
+    return make_model(tmp_path_factory.mktemp("client-manager-llama"), seed=22)
+
+
+async def test_missing_block_is_named_after_request_timeout(model: Model, tmp_path: Path) -> None:
+    """Nobody serves blocks 3:6: routes over them wait ``request_timeout``, then name them; a
+    forward raises that error itself (not an exception group)."""
+    async with in_process_swarm(model, tmp_path, [(0, 3)]) as swarm:
+        manager = manager_for(list(swarm.servers.values()), request_timeout=1.0, max_retries=1)
+        settings = attrs.asdict(manager.config)
+        with trio.fail_after(DEADLINE_S):
+            async with RemoteSequential(manager):
+                route = await manager[:3].make_sequence()
+                assert [(s.start, s.end) for s in route] == [(0, 3)]
+                with pytest.raises(MissingBlocksError) as missing:
+                    await manager.make_sequence(mode="max_throughput")
+                assert missing.value.blocks == (3, 4, 5)
+                assert "blocks 3, 4, 5" in str(missing.value)
+                with pytest.raises(MissingBlocksError) as missing:
+                    await remote_forward(manager[2:5], torch.zeros(1, 2, HIDDEN))
+                assert missing.value.blocks == (3, 4)
+                assert not manager.state.bans  # nobody failed: nobody is banned
+        assert attrs.asdict(manager.config) == settings

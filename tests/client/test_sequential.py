@@ -1,0 +1,145 @@
+"""Forward and backward through real in-process servers, compared with local autograd: the async
+core (``remote_forward`` / ``remote_backward``), ``RemoteSequential`` autograd driven from sync
+code through the bridge, slicing, deep prompts, row chunks, and a server leaving between the
+forward and the backward.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import trio
+
+from petals_core.client import RemoteSequential, remote_backward, remote_forward
+
+from ._swarm_helpers import (
+    DEADLINE_S,
+    HIDDEN,
+    N_BLOCKS,
+    Model,
+    assert_close,
+    in_process_swarm,
+    make_model,
+    manager_for,
+    wait_for_servers,
+)
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Model:
+    return make_model(tmp_path_factory.mktemp("client-sequential-llama"), seed=21)
+
+
+def local_grads(
+    model: Model,
+    x: torch.Tensor,
+    grad_output: torch.Tensor,
+    prompts: torch.Tensor | None = None,
+    blocks: range | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Output, input gradient and prompt gradient of the local blocks."""
+    x = x.clone().requires_grad_(True)
+    p = None if prompts is None else prompts.clone().requires_grad_(True)
+    output = model.forward(x, p, blocks)
+    output.backward(grad_output)
+    assert x.grad is not None
+    return output.detach(), x.grad, None if p is None else p.grad
+
+
+async def test_forward_backward_equal_local_autograd(model: Model, tmp_path: Path) -> None:
+    """Async core and the sync module (from a worker thread, through the bridge) over two
+    servers, with deep prompts; halves ``seq[:3]`` then ``seq[3:]`` reproduce the whole."""
+    torch.manual_seed(4)
+    x = torch.randn(3, 5, HIDDEN)
+    prompts = torch.randn(N_BLOCKS, 1, 2, HIDDEN) * 0.5
+    grad_output = torch.randn(3, 5, HIDDEN)
+    expected, expected_grad, expected_prompt_grad = local_grads(model, x, grad_output, prompts)
+    assert expected_prompt_grad is not None
+    async with in_process_swarm(model, tmp_path, [(0, 3), (3, 6)]) as swarm:
+        seq = RemoteSequential(manager_for(list(swarm.servers.values())))
+        with trio.fail_after(DEADLINE_S):
+            async with seq:
+                # The async core.
+                output, saved = await remote_forward(seq.sequence_manager, x, prompts)
+                assert_close(output, expected)
+                assert [(s.start, s.end) for chunk in saved for s, _ in chunk] == [(0, 3), (3, 6)]
+                grad, grad_prompts = await remote_backward(
+                    seq.sequence_manager, grad_output, saved, prompts
+                )
+                assert_close(grad, expected_grad)
+                assert grad_prompts is not None
+                assert_close(grad_prompts, expected_prompt_grad)
+                assert_close(await seq.forward_async(x, prompts), expected)
+
+                # Row chunks: one row per request, concurrently, each on its own route.
+                chunked = RemoteSequential(seq.sequence_manager, max_chunk_tokens=5)
+                output, saved = await remote_forward(
+                    chunked.sequence_manager, x, prompts, max_chunk_tokens=5
+                )
+                assert len(saved) == 3
+                assert_close(output, expected)
+                grad, grad_prompts = await remote_backward(
+                    seq.sequence_manager, grad_output, saved, prompts, max_chunk_tokens=5
+                )
+                assert_close(grad, expected_grad)
+                assert grad_prompts is not None
+                assert_close(grad_prompts, expected_prompt_grad)
+
+                # The module's autograd, from sync code.
+                def train(
+                    module: RemoteSequential,
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                    xx = x.clone().requires_grad_(True)
+                    pp = prompts.clone().requires_grad_(True)
+                    out = module(xx, pp)
+                    out.backward(grad_output)
+                    assert xx.grad is not None and pp.grad is not None
+                    return out.detach(), xx.grad, pp.grad, chunked(x, prompts).detach()
+
+                out, grad, prompt_grad, out_chunked = await trio.to_thread.run_sync(train, seq)
+                assert_close(out, expected)
+                assert_close(grad, expected_grad)
+                assert_close(prompt_grad, expected_prompt_grad)
+                assert_close(out_chunked, expected)
+
+                # Halves: seq[:3] then seq[3:] is the whole, gradients included.
+                def halves() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                    first, second = seq[:3], seq[3:]
+                    assert (len(first), len(second)) == (3, 3)
+                    xx = x.clone().requires_grad_(True)
+                    pp = prompts.clone().requires_grad_(True)
+                    out = second(first(xx, pp[:3]), pp[3:])
+                    out.backward(grad_output)
+                    assert xx.grad is not None and pp.grad is not None
+                    return out.detach(), xx.grad, pp.grad
+
+                out, grad, prompt_grad = await trio.to_thread.run_sync(halves)
+                assert_close(out, expected)
+                assert_close(grad, expected_grad)
+                assert_close(prompt_grad, expected_prompt_grad)
+                assert not seq.sequence_manager.state.bans
+
+
+async def test_server_leaving_between_forward_and_backward(model: Model, tmp_path: Path) -> None:
+    """Blocks 3:6 are held twice; the holder the forward went through leaves: the backward
+    recomputes those blocks on the other one and gives the same gradients."""
+    torch.manual_seed(5)
+    x = torch.randn(2, 4, HIDDEN)
+    grad_output = torch.randn(2, 4, HIDDEN)
+    expected, expected_grad, _ = local_grads(model, x, grad_output)
+    async with in_process_swarm(model, tmp_path, [(0, 3), (3, 6), (3, 6)]) as swarm:
+        manager = manager_for(list(swarm.servers.values()))
+        seq = RemoteSequential(manager)
+        with trio.fail_after(DEADLINE_S):
+            async with seq:
+                await wait_for_servers(manager, 3)
+                output, saved = await remote_forward(manager, x)
+                assert_close(output, expected)
+                used = saved[0][-1][0].peer_id
+                assert saved[0][-1][0].start == 3
+                await swarm.leave(used)
+                grad, _ = await remote_backward(manager, grad_output, saved)
+                assert_close(grad, expected_grad)
+                assert manager.is_banned(used)

@@ -1,0 +1,1 @@
+"""Tests of the public test kit (petals_core.testing)."""
