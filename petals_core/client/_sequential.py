@@ -92,11 +92,18 @@ async def _forward_span(
     prompts: torch.Tensor | None,
 ) -> torch.Tensor:
     try:
+        began = trio.current_time()
         result = await _call(
             manager,
             FORWARD,
             span,
             {"hidden_states": hidden, "prompts": _prompts_for(manager, prompts, span)},
+        )
+        manager.on_forward_measured(
+            span.peer_id,
+            tokens=hidden.shape[0] * hidden.shape[1],
+            blocks=span.end - span.start,
+            seconds=trio.current_time() - began,
         )
         output = result.get("hidden_states")
         if not isinstance(output, torch.Tensor) or output.shape != hidden.shape:

@@ -44,6 +44,10 @@ from ._planning import (
 
 __all__ = ["RemoteSequenceManager", "SequenceManagerConfig", "SequenceManagerState"]
 
+#: A server whose measured forward speed is below its claim by more than this factor is routed
+#: by what we measured instead.
+OVERCLAIM_FACTOR = 10.0
+
 logger = logging.getLogger(__name__)
 
 
@@ -116,6 +120,8 @@ class SequenceManagerState:
     owns_dht: bool = False
     #: The loop the network part runs on (sync callers reach it through the client bridge).
     loop_token: trio.lowlevel.TrioToken | None = None
+    #: Measured forward speed per server: token-blocks per second (a moving average).
+    measured_rps: dict[str, float] = attrs.field(factory=dict)
 
 
 class RemoteSequenceManager:
@@ -244,7 +250,8 @@ class RemoteSequenceManager:
         everyone: dict[str, ServerInfo] = {}
         for block in sorted(snapshot.blocks):
             for peer, info in snapshot.servers_for(block).items():
-                everyone.setdefault(peer, info)
+                if peer not in everyone:
+                    everyone[peer] = self._as_measured(peer, info)
         return usable_servers(
             everyone,
             banned=banned,
@@ -335,6 +342,32 @@ class RemoteSequenceManager:
         raise PeerUnreachable(
             f"server {peer} did not answer within {self.config.connect_timeout} s"
         )
+
+    # -- what servers deliver --------------------------------------------------------------------
+
+    def on_forward_measured(self, peer: str, *, tokens: int, blocks: int, seconds: float) -> None:
+        """Note that ``peer`` ran ``tokens`` through ``blocks`` blocks in ``seconds`` (a whole
+        forward or backward call, as the client saw it)."""
+        if seconds <= 0 or tokens <= 0 or blocks <= 0:
+            return
+        rate = tokens * blocks / seconds
+        previous = self.state.measured_rps.get(peer)
+        self.state.measured_rps[peer] = rate if previous is None else 0.7 * previous + 0.3 * rate
+
+    def _as_measured(self, peer: str, info: ServerInfo) -> ServerInfo:
+        """``info`` with its throughput cut to what we measured, when that is far below what it
+        claims (:data:`OVERCLAIM_FACTOR`): a server announcing more than it delivers would
+        otherwise draw every request for as long as it keeps claiming."""
+        measured = self.state.measured_rps.get(peer)
+        if measured is None:
+            return info
+        # Announced throughput is forward token-blocks per second over the average request
+        # span ((n + 1) / 2 of its n blocks): bring it to the unit measured.
+        claimed = info.throughput * (info.end_block - info.start_block + 1) / 2
+        if claimed <= measured * OVERCLAIM_FACTOR:
+            return info
+        scale = measured / claimed
+        return attrs.evolve(info, throughput=info.throughput * scale)
 
     # -- failures --------------------------------------------------------------------------------
 
