@@ -33,6 +33,7 @@ def attention(
     query_offset: int,
     scale: float | None = None,
     alibi_slopes: torch.Tensor | None = None,
+    key_padding: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """See :func:`attention_reference` for shapes and semantics.
 
@@ -41,6 +42,17 @@ def attention(
     same semantics (called as transformers' SDPA attention calls it, so LLaMA blocks match
     transformers' default attention); with ALiBi, the reference (as transformers' BLOOM).
     """
+    if key_padding is not None:
+        # Left-padded sessions (batched generation) take the reference path everywhere.
+        return attention_reference(
+            q,
+            k,
+            v,
+            query_offset=query_offset,
+            scale=scale,
+            alibi_slopes=alibi_slopes,
+            key_padding=key_padding,
+        )
     if _use_triton(q, k, v):
         from . import _triton_attention
 
@@ -92,7 +104,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    if _use_triton(x, cos, sin):
+    if cos.shape[0] == 1 and _use_triton(x, cos, sin):
         from . import _triton_rotary
 
         with torch.cuda.device(x.device):
@@ -115,7 +127,7 @@ def rotary_append(
 
     On CUDA one kernel launch does all three.
     """
-    if _use_triton(q, k, v, cos, sin):
+    if cos.shape[0] == 1 and _use_triton(q, k, v, cos, sin):
         from . import _triton_rotary
 
         with torch.cuda.device(q.device):

@@ -28,6 +28,7 @@ def attention_reference(
     query_offset: int,
     scale: float | None = None,
     alibi_slopes: torch.Tensor | None = None,
+    key_padding: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of new queries over a cache prefix.
 
@@ -35,6 +36,9 @@ def attention_reference(
     k, v: (B, n_kv_head, S, head_dim), keys/values of positions 0 .. S-1 (S >= query_offset + T)
     alibi_slopes: (n_head,) float32, adds slope * key_position to the scores (BLOOM)
     Query t sees keys 0 .. query_offset + t.  n_head must be a multiple of n_kv_head (GQA).
+    key_padding: (B,) integers: row b's first key_padding[b] positions are left padding, hidden
+    from the row's real queries (a padding query still sees the keys before it, so that no row
+    of scores is empty).
     Returns (B, n_head, T, head_dim) in q's dtype.
     """
     n_head, new, head_dim = q.shape[1:]
@@ -58,6 +62,11 @@ def attention_reference(
         # the end of the cache).
         query_pos = query_offset + torch.arange(new, device=q.device)
         scores.masked_fill_(key_pos.view(1, -1) > query_pos.view(-1, 1), float("-inf"))
+    if key_padding is not None:
+        pads = key_padding.to(q.device).view(-1, 1, 1, 1)  # (B, 1, 1, 1)
+        query_pos = (query_offset + torch.arange(new, device=q.device)).view(1, 1, -1, 1)
+        hidden = (key_pos.view(1, 1, 1, -1) < pads) & (query_pos >= pads)  # (B, 1, T, S)
+        scores.masked_fill_(hidden, float("-inf"))
     probs = torch.softmax(scores, dim=-1)
     return torch.matmul(probs, vf).to(q.dtype)
 

@@ -70,6 +70,9 @@ class KVCache:
         self.keys = keys  # (B, n_kv_head, max_length, head_dim)
         self.values = values  # (B, n_kv_head, max_length, head_dim)
         self.length = 0
+        #: (B,) int64 or None: how many leading positions of each row are left padding (hidden
+        #: from the row's real tokens; LLaMA counts positions from the first real token).
+        self.padding: torch.Tensor | None = None
 
     @classmethod
     def allocate(
@@ -159,6 +162,23 @@ class KVCache:
             )
         return end
 
+    def set_padding(self, padding: torch.Tensor | None) -> None:
+        """Mark each row's first ``padding[b]`` positions as left padding (None: no padding)."""
+        if padding is None:
+            self.padding = None
+            return
+        if (
+            padding.dtype.is_floating_point
+            or padding.dtype == torch.bool
+            or padding.shape != (self.batch,)
+        ):
+            raise ValueError(
+                f"padding must be ({self.batch},) integers, got {tuple(padding.shape)}"
+            )
+        if not bool(((padding >= 0) & (padding <= self.max_length)).all()):
+            raise ValueError(f"padding must lie in [0, {self.max_length}]")
+        self.padding = padding.to(device=self.keys.device, dtype=torch.int64)
+
     def rollback(self, position: int) -> None:
         """Forget every position from ``position`` on (a client resending from there)."""
         position = operator.index(position)
@@ -178,3 +198,5 @@ class KVCache:
         filled = slice(0, self.length)
         self.keys[:, :, filled] = self.keys[index, :, filled]
         self.values[:, :, filled] = self.values[index, :, filled]
+        if self.padding is not None:
+            self.padding = self.padding[index]

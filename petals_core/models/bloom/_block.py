@@ -61,9 +61,13 @@ class BloomAttention(nn.Module):
         q = qkv[..., 0, :].transpose(1, 2)  # (B, n_head, T, head_dim)
         k = qkv[..., 1, :].transpose(1, 2)
         v = qkv[..., 2, :].transpose(1, 2)
+        padding = None
         if cache is not None:
             k, v = cache.append(k, v)  # (B, n_head, position + T, head_dim)
-        y = attention(q, k, v, query_offset=position, alibi_slopes=slopes)  # (B, n_head, T, hd)
+            padding = cache.padding
+        y = attention(
+            q, k, v, query_offset=position, alibi_slopes=slopes, key_padding=padding
+        )  # (B, n_head, T, hd)
         return self.dense(y.transpose(1, 2).reshape(batch, new, hidden))
 
     def forward_many(
@@ -91,7 +95,9 @@ class BloomAttention(nn.Module):
             v = qkv[..., 2, :].transpose(1, 2)
             position = cache.length
             k, v = cache.append(k, v)  # (B, n_head, position + T, head_dim)
-            y = attention(q, k, v, query_offset=position, alibi_slopes=slopes)  # (B, n_head, T, hd)
+            y = attention(
+                q, k, v, query_offset=position, alibi_slopes=slopes, key_padding=cache.padding
+            )  # (B, n_head, T, hd)
             outputs.append(y.transpose(1, 2).reshape(batch * new, hidden))
             start = end
         return self.dense(torch.cat(outputs).unsqueeze(0))  # (1, N, hidden)

@@ -73,12 +73,24 @@ class LlamaRotary:
         return self.inv_freq
 
     def __call__(
-        self, position: int, length: int, *, device: torch.device, dtype: torch.dtype
+        self,
+        position: int,
+        length: int,
+        *,
+        device: torch.device,
+        dtype: torch.dtype,
+        padding: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin of positions ``position .. position + length - 1``, each (1, T, head_dim)."""
+        """cos, sin of positions ``position .. position + length - 1``, each (1, T, head_dim).
+
+        With ``padding`` ((B,) left-padding lengths), row b counts positions from its first real
+        token, as transformers' generate() does for left-padded batches: (B, T, head_dim).
+        """
         inv_freq = self.inv_freq_for(position + length, device)
-        positions = torch.arange(position, position + length, device=device)
-        freqs = positions[None, :, None].float() * inv_freq  # (1, T, head_dim // 2)
+        positions = torch.arange(position, position + length, device=device)[None, :]  # (1, T)
+        if padding is not None:
+            positions = (positions - padding.to(device).view(-1, 1)).clamp(min=0)  # (B, T)
+        freqs = positions[:, :, None].float() * inv_freq  # (B or 1, T, head_dim // 2)
         emb = torch.cat((freqs, freqs), dim=-1)  # (1, T, head_dim)
         cos = emb.cos() * self.attention_scaling
         sin = emb.sin() * self.attention_scaling
@@ -132,7 +144,10 @@ class LlamaAttention(nn.Module):
             k = kernels.rotary(k, cos, sin)  # (B, n_kv_head, T, head_dim)
         # Without a cache the T tokens attend among themselves; position only sets the angles.
         offset = 0 if cache is None else position
-        y = kernels.attention(q, k, v, query_offset=offset)  # (B, n_head, T, head_dim)
+        padding = None if cache is None else cache.padding
+        y = kernels.attention(
+            q, k, v, query_offset=offset, key_padding=padding
+        )  # (B, n_head, T, head_dim)
         y = y.transpose(1, 2).reshape(batch, new, self.n_head * self.head_dim)
         return self.o_proj(y)
 
@@ -161,7 +176,9 @@ class LlamaAttention(nn.Module):
             v = v_all[0, start:end].view(batch, new, self.n_kv_head, self.head_dim).transpose(1, 2)
             position = cache.length
             q, k, v = cache.append_rotated(q, k, v, cos, sin)  # k, v: (B, n_kv_head, S, head_dim)
-            y = kernels.attention(q, k, v, query_offset=position)  # (B, n_head, T, head_dim)
+            y = kernels.attention(
+                q, k, v, query_offset=position, key_padding=cache.padding
+            )  # (B, n_head, T, head_dim)
             outputs.append(y.transpose(1, 2).reshape(batch * new, self.n_head * self.head_dim))
             start = end
         y = torch.cat(outputs).unsqueeze(0)  # (1, N, n_head * head_dim)
@@ -256,8 +273,12 @@ class LlamaBlock(nn.Module):
         self, hidden_states: torch.Tensor, cache: KVCache | None, position: int
     ) -> torch.Tensor:
         cos, sin = self.rotary(
-            position, hidden_states.shape[1], device=hidden_states.device, dtype=hidden_states.dtype
-        )  # (1, T, head_dim) each
+            position,
+            hidden_states.shape[1],
+            device=hidden_states.device,
+            dtype=hidden_states.dtype,
+            padding=None if cache is None else cache.padding,
+        )  # (1 or B, T, head_dim) each
         x = hidden_states
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache=cache, position=position)
         x = x + self.mlp(self.post_attention_layernorm(x))
@@ -296,7 +317,9 @@ class LlamaBlock(nn.Module):
         x = join_tokens(hidden_states)  # (1, N, hidden)
         shapes = [(states.shape[0], states.shape[1]) for states in hidden_states]
         angles = [
-            self.rotary(cache.length, new, device=x.device, dtype=x.dtype)  # (1, T_i, head_dim)
+            self.rotary(
+                cache.length, new, device=x.device, dtype=x.dtype, padding=cache.padding
+            )  # (1 or B_i, T_i, head_dim)
             for (_, new), cache in zip(shapes, caches, strict=True)
         ]
         x = x + self.self_attn.forward_many(self.input_layernorm(x), shapes, angles, caches)
