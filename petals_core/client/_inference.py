@@ -60,20 +60,22 @@ class _SpanSession:
         max_length: int,
         batch: int,
         alloc_timeout: float,
+        padding: list[int] | None,
     ) -> None:
         connection = await manager.connect(self.peer)
         self.call = await self.stack.enter_async_context(open_call(connection, INFERENCE))
-        await self.call.send(
-            {
-                "session_id": uuid.uuid4().hex,
-                "blocks": [self.span.start, self.span.end],
-                "max_length": max_length,
-                "batch_size": batch,
-                "alloc_timeout": alloc_timeout,
-                "active_adapter": manager.config.active_adapter,
-                "points": 0.0,
-            }
-        )
+        opening: dict[str, Any] = {
+            "session_id": uuid.uuid4().hex,
+            "blocks": [self.span.start, self.span.end],
+            "max_length": max_length,
+            "batch_size": batch,
+            "alloc_timeout": alloc_timeout,
+            "active_adapter": manager.config.active_adapter,
+            "points": 0.0,
+        }
+        if padding is not None and any(padding):
+            opening["left_padding"] = padding
+        await self.call.send(opening)
         reply = await self.call.receive()
         if reply.get("ready") is not True:
             raise ServerError(f"server {self.peer} did not open the session: {reply!r}")
@@ -140,10 +142,12 @@ class InferenceSession:
         self._spans: list[_SpanSession] = []
         self._history: dict[int, torch.Tensor] = {}  # span start block -> inputs sent so far
         self._prompts: torch.Tensor | None = None
+        self._padding: list[int] | None = None
         self._position = 0
         self._batch: int | None = None
         self._hidden_size: int | None = None
         self._closed = False
+        self._drop_spans = False
         self.retries = 0
 
     async def __aenter__(self) -> InferenceSession:
@@ -166,6 +170,10 @@ class InferenceSession:
             self._history[start] = history[:, :value]
         if value == 0:
             self._prompts = None
+            if self._padding is not None:
+                # New rows may come: the servers' sessions hold the old padding.
+                self._padding = None
+                self._drop_spans = True
 
     @property
     def route(self) -> list[RouteSpan]:
@@ -173,6 +181,9 @@ class InferenceSession:
 
     async def close(self) -> None:
         self._closed = True
+        await self._close_spans()
+
+    async def _close_spans(self) -> None:
         spans, self._spans = self._spans, []
         for span in spans:
             await span.close()
@@ -183,18 +194,37 @@ class InferenceSession:
         *,
         prompts: torch.Tensor | None = None,
         hypo_ids: torch.Tensor | None = None,
+        padding: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Run ``(B, T, hidden)`` new positions through every block; returns the last block's
         output.  ``prompts`` (``(blocks, B or 1, P, hidden)``) only at position 0; ``hypo_ids``
-        (``(B,)``) reorders the rows of everything so far before the step."""
+        (``(B,)``) reorders the rows of everything so far before the step.  ``padding``
+        (``(B,)``, only at position 0) says how many leading positions of each row are left
+        padding, hidden from the row's real tokens (batched generation of prompts of different
+        lengths)."""
         if self._closed:
             raise PetalsError("the inference session is closed")
         self._check(hidden, prompts, hypo_ids)
+        if padding is not None:
+            if self._position != 0:
+                raise ValueError("left padding goes with the first step (position 0)")
+            if padding.shape != (hidden.shape[0],) or padding.dtype.is_floating_point:
+                raise ValueError(f"padding must be ({hidden.shape[0]},) integers")
+            if not bool(((padding >= 0) & (padding <= hidden.shape[1])).all()):
+                raise ValueError(f"padding must lie in [0, {hidden.shape[1]}] (this step's length)")
+            if self._spans:
+                await self._close_spans()
+            self._padding = [int(p) for p in padding]
+        if self._drop_spans:
+            self._drop_spans = False
+            await self._close_spans()
         if self._position == 0 and prompts is not None:
             self._prompts = prompts
         if hypo_ids is not None:
             for start, history in self._history.items():
                 self._history[start] = history[hypo_ids.to(history.device)]
+            if self._padding is not None:
+                self._padding = [self._padding[int(i)] for i in hypo_ids]
         attempt = 0
         # Sessions opened during this step have their caches built from the (already reordered)
         # history: hypo_ids are not for them.
@@ -313,6 +343,7 @@ class InferenceSession:
                             max_length=self.max_length,
                             batch=self._batch,
                             alloc_timeout=self.alloc_timeout,
+                            padding=self._padding,
                         )
                 except RETRIABLE:
                     self.manager.on_request_failure(span.peer_id)

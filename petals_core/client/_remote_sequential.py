@@ -161,11 +161,14 @@ class SyncInferenceSession:
         *,
         prompts: torch.Tensor | None = None,
         hypo_ids: torch.Tensor | None = None,
+        padding: torch.Tensor | None = None,
     ) -> torch.Tensor:
         token = self._owner._token()
 
         async def run() -> torch.Tensor:
-            return await self.session.step(hidden, prompts=prompts, hypo_ids=hypo_ids)
+            return await self.session.step(
+                hidden, prompts=prompts, hypo_ids=hypo_ids, padding=padding
+            )
 
         return bridge.run(run, token=token)
 

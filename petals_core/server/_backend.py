@@ -103,8 +103,19 @@ class BlockBackend:
 
     # -- sessions --------------------------------------------------------------------------------
 
-    def allocate_caches(self, start: int, end: int, batch: int, max_length: int) -> list[KVCache]:
-        return [block.allocate_cache(batch, max_length) for block in self.span(start, end)]
+    def allocate_caches(
+        self,
+        start: int,
+        end: int,
+        batch: int,
+        max_length: int,
+        *,
+        padding: torch.Tensor | None = None,
+    ) -> list[KVCache]:
+        caches = [block.allocate_cache(batch, max_length) for block in self.span(start, end)]
+        for cache in caches:
+            cache.set_padding(padding)
+        return caches
 
     def inference_step(
         self,
@@ -193,7 +204,15 @@ class BlockBackend:
                 p = prompt.to(self.device, self.dtype).clone().detach().requires_grad_(True)
             y = block(x if p is None else _add_prompt(x, p))
             inputs = (x,) if p is None else (x, p)
-            grads = torch.autograd.grad(y, inputs, grad_output.to(self.device, self.dtype))
+            # materialize_grads: a prompt of no positions (P = 0) is not in the graph; its
+            # gradient is an empty tensor, not an error.
+            grads = torch.autograd.grad(
+                y,
+                inputs,
+                grad_output.to(self.device, self.dtype),
+                allow_unused=True,
+                materialize_grads=True,
+            )
         return grads[0], (grads[1] if p is not None else None)
 
 

@@ -2,9 +2,11 @@
 
 **Inference** (``petals.inference``, one stream per session).  The client opens with
 ``{"session_id", "blocks": [start, end], "max_length", "batch_size", "alloc_timeout",
-"active_adapter", "points"}``; the server reserves ``batch_size x max_length x (end - start)``
-cache tokens (waiting up to ``alloc_timeout``, capped by ``--max_alloc_timeout``; refusing at
-once what can never fit) and answers ``{"ready": true, "position": 0}``.  Each step is
+"active_adapter", "points", "left_padding"?}`` (``left_padding``: per row, leading positions
+that are padding, hidden from the row's real tokens); the server reserves
+``batch_size x max_length x (end - start)`` cache tokens (waiting up to ``alloc_timeout``,
+capped by ``--max_alloc_timeout``; refusing at once what can never fit) and answers
+``{"ready": true, "position": 0}``.  Each step is
 ``{"hidden_states": (B, T, hidden), "start_from_position"?, "hypo_ids"?, "prompts"?}`` with any
 ``T >= 0``; the answer is ``{"hidden_states": (B, T, hidden), "position": p}``, ``p`` the number
 of positions the cache holds.  ``start_from_position`` rolls the cache back first (a client
@@ -204,22 +206,21 @@ class BlockServer:
         session_id, start, end, batch, max_length, alloc_timeout, adapter, points = self._opening(
             opening, backend
         )
+        padding = _left_padding(opening, batch, max_length)
         peer = str(call.peer_id)
-        if sum(1 for s in self._sessions.values() if s.peer == peer) >= (
-            self.limits.max_sessions_per_peer
-        ):
-            raise ServerError(
-                f"this peer already holds {self.limits.max_sessions_per_peer} sessions here"
-            )
+        self._check_peer_quota(peer)
         nbytes = backend.cache_bytes_per_token * batch * max_length * (end - start)
         async with cache.allocate(nbytes, timeout_s=alloc_timeout):
-            if session_id in self._sessions:  # checked again: it may have opened meanwhile
-                raise ServerError(f"session id {session_id!r} is already in use")
             caches = await pool.run(
-                lambda: backend.allocate_caches(start, end, batch, max_length),
+                lambda: backend.allocate_caches(start, end, batch, max_length, padding=padding),
                 priority=Priority.INFERENCE,
                 points=points,
             )
+            # Checked again with no await before the session is registered: another opening
+            # with the same id (or of the same peer) may have registered while we waited.
+            if session_id in self._sessions:
+                raise ServerError(f"session id {session_id!r} is already in use")
+            self._check_peer_quota(peer)
             session = _Session(
                 session_id=session_id,
                 peer=peer,
@@ -248,6 +249,14 @@ class BlockServer:
             finally:
                 del self._sessions[session_id]
                 session.caches.clear()
+
+    def _check_peer_quota(self, peer: str) -> None:
+        if sum(1 for s in self._sessions.values() if s.peer == peer) >= (
+            self.limits.max_sessions_per_peer
+        ):
+            raise ServerError(
+                f"this peer already holds {self.limits.max_sessions_per_peer} sessions here"
+            )
 
     def _opening(
         self, request: dict[str, Any], backend: BlockBackend
@@ -330,7 +339,8 @@ class BlockServer:
             cache.rollback(position)
         self._counts["steps"] += 1
         if hypo_ids is not None:
-            reorder = hypo_ids
+            # As row indices: torch refuses int8 indices and reads uint8 ones as a mask.
+            reorder = hypo_ids.to(torch.int64)
 
             def reorder_all() -> None:
                 for cache in session.caches:
@@ -538,6 +548,22 @@ def _blocks(request: dict[str, Any], backend: BlockBackend) -> tuple[int, int]:
             f"[{backend.start}, {backend.end})"
         )
     return start, end
+
+
+def _left_padding(request: dict[str, Any], batch: int, max_length: int) -> torch.Tensor | None:
+    """The opening's ``left_padding``: per row, how many leading positions are padding."""
+    padding = request.get("left_padding")
+    if padding is None:
+        return None
+    if (
+        not isinstance(padding, list)
+        or len(padding) != batch
+        or not all(
+            isinstance(p, int) and not isinstance(p, bool) and 0 <= p <= max_length for p in padding
+        )
+    ):
+        raise CodecError(f"left_padding must be {batch} integers in [0, {max_length}]")
+    return torch.tensor(padding, dtype=torch.int64)
 
 
 def _adapter(request: dict[str, Any], backend: BlockBackend) -> str | None:

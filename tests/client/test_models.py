@@ -78,7 +78,7 @@ def test_masks_and_positions_the_servers_cannot_honour_are_refused(
     ids = _ids(2, 6, seed=2)
     left_padded = torch.ones_like(ids)
     left_padded[1, :2] = 0
-    with pytest.raises(ValueError, match="Left padding"):
+    with pytest.raises(ValueError, match="left padding"):
         model(ids, attention_mask=left_padded)
     with pytest.raises(ValueError, match="position_ids"):
         model(ids, position_ids=torch.arange(1, 7)[None])

@@ -11,12 +11,14 @@ model's *active* session: every forward of the model then runs as a step of that
 servers keep the keys and values, so only new tokens are sent). Outside one, a forward is a full
 remote forward with autograd (training).
 
-Masks and positions. Remote blocks attend causally to every position they hold and take no mask;
-positions are the session's (or, without one, ``0..T-1``). So a forward accepts an attention mask
-only if it changes nothing: all ones, or right padding (ones then zeros in each row) in a forward
-without a session, where causal attention never lets a real token see the pads that follow it.
-Left padding is refused with :class:`ValueError`, and so are ``position_ids`` other than the
-positions the servers will use.
+Masks and positions. Remote blocks attend causally to every position they hold. In an inference
+session (generate()), a left-padded mask (zeros then ones in each row, as tokenizers pad for
+generation) is sent to the servers with the first step: each row's padding is hidden from its
+real tokens, and LLaMA positions count from the row's first real token, as transformers does.
+Outside a session a mask is accepted only if it changes nothing: all ones, or right padding
+(ones then zeros per row), where causal attention never lets a real token see the pads after it.
+Other masks, left padding with trainable prompts, and ``position_ids`` other than the positions
+the servers use are refused with :class:`ValueError`.
 """
 
 from __future__ import annotations
@@ -123,30 +125,47 @@ class ChunkedLMHead(nn.Module):
 
 
 def _check_attention_mask(
-    mask: torch.Tensor | None, *, tokens: int, past: int, in_session: bool
-) -> None:
+    mask: torch.Tensor | None, *, tokens: int, past: int, in_session: bool, prompts: bool
+) -> torch.Tensor | None:
+    """Refuse masks the servers cannot honour; return the left padding ``(B,)`` of a first step
+    in a session (None when there is none)."""
     if mask is None:
-        return
+        return None
     if mask.dim() != 2:
         raise ValueError(f"attention_mask must be (batch, length), got {tuple(mask.shape)}")
     kept = mask.bool()
     if bool(kept.all()):
-        return
+        return None
     right_padded = not bool((kept[:, 1:] & ~kept[:, :-1]).any())
     if right_padded and not in_session and past == 0 and mask.shape[1] == tokens:
-        return
+        return None
+    left_padded = not bool((~kept[:, 1:] & kept[:, :-1]).any())
+    if in_session and left_padded and not prompts and mask.shape[1] == past + tokens:
+        if past == 0:
+            return (~kept).sum(dim=-1)
+        if bool(kept[:, past:].all()):
+            return None  # the padding went with the first step
     raise ValueError(
         "remote blocks attend causally to every position and take no attention mask, so only "
-        "masks that change nothing are supported: all ones, or right padding (ones then zeros "
-        "per row) in a forward without an inference session. Left padding (or padding during "
-        "generation) is not supported: generate each prompt of a different length separately"
+        "masks they can honour are supported: all ones; right padding (ones then zeros per row) "
+        "in a forward without an inference session; left padding (zeros then ones) given with "
+        "the first step of an inference session (generate()), without trainable prompts"
     )
 
 
-def _check_position_ids(position_ids: torch.Tensor | None, *, tokens: int, past: int) -> None:
+def _check_position_ids(
+    position_ids: torch.Tensor | None, *, tokens: int, past: int, mask: torch.Tensor | None
+) -> None:
     if position_ids is None:
         return
     expected = torch.arange(past, past + tokens, device=position_ids.device)
+    if mask is not None and position_ids.shape[-1] == tokens and mask.shape[-1] == past + tokens:
+        # transformers' positions for a padded batch: counted from each row's first real token.
+        kept = mask.bool().to(position_ids.device)
+        padded = (kept.long().cumsum(-1) - 1)[:, past:]
+        real = kept[:, past:]
+        if bool((position_ids == padded)[real].all()) or bool((position_ids == expected).all()):
+            return
     if position_ids.shape[-1] != tokens or not bool((position_ids == expected).all()):
         raise ValueError(
             f"custom position_ids are not supported: remote blocks use positions "
@@ -301,10 +320,14 @@ class DistributedModelMixin:
         batch, tokens = embeddings.shape[:2]
         session = self._active_session
         past = self._synchronize(session, cache)
-        _check_attention_mask(
-            attention_mask, tokens=tokens, past=past, in_session=session is not None
+        padding = _check_attention_mask(
+            attention_mask,
+            tokens=tokens,
+            past=past,
+            in_session=session is not None,
+            prompts=self.tuning_mode is not None,
         )
-        _check_position_ids(position_ids, tokens=tokens, past=past)
+        _check_position_ids(position_ids, tokens=tokens, past=past, mask=attention_mask)
 
         prompt_len, deep = 0, None
         if self.tuning_mode is not None and (session is None or session.position == 0):
@@ -319,7 +342,7 @@ class DistributedModelMixin:
             hypo_ids = cache.take_hypo_ids() if cache is not None else None
             if hypo_ids is not None and torch.equal(hypo_ids, torch.arange(len(hypo_ids))):
                 hypo_ids = None
-            hidden = session.step(hidden, prompts=deep, hypo_ids=hypo_ids)
+            hidden = session.step(hidden, prompts=deep, hypo_ids=hypo_ids, padding=padding)
             session.prompt_tokens += prompt_len
         if cache is not None:
             cache.advance(tokens)

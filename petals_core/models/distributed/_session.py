@@ -85,9 +85,11 @@ class RemoteInferenceSession:
         hidden_states: torch.Tensor,
         prompts: torch.Tensor | None = None,
         hypo_ids: torch.Tensor | None = None,
+        padding: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Run ``(B, T, hidden)`` new positions through every remote block (Petals' API)."""
-        return self._inner.step(hidden_states, prompts=prompts, hypo_ids=hypo_ids)
+        """Run ``(B, T, hidden)`` new positions through every remote block (Petals' API);
+        ``padding`` (``(B,)``, first step only): left-padding length of each row."""
+        return self._inner.step(hidden_states, prompts=prompts, hypo_ids=hypo_ids, padding=padding)
 
     def close(self) -> None:
         """Release the servers' caches. Idempotent."""
