@@ -1,0 +1,110 @@
+"""Exhaustion: what one peer may hold is bounded, idle clients lose their sessions and free the
+cache, requests beyond the budget are refused at once, and the server serves others meanwhile."""
+
+from __future__ import annotations
+
+from contextlib import AsyncExitStack
+from pathlib import Path
+
+import pytest
+import torch
+import trio
+
+from petals_core import RemoteError
+from petals_core.server import INFERENCE, ServingLimits
+from petals_core.transport import Connection, open_call, open_node
+
+from ..models.conftest import TinyCheckpoint
+from ._client import connect, info, serve, session
+
+DEADLINE_S = 30.0
+
+
+async def test_a_peer_holds_at_most_its_share_of_sessions(
+    server_llama: TinyCheckpoint, cache_dir: Path
+) -> None:
+    limits = ServingLimits(max_sessions_per_peer=3)
+    with trio.fail_after(DEADLINE_S):
+        async with (
+            serve(server_llama, cache_dir, limits=limits) as server,
+            connect(server) as greedy,
+        ):
+            async with AsyncExitStack() as stack:
+                for i in range(3):
+                    await stack.enter_async_context(
+                        session(greedy, blocks=(0, 6), max_length=8, session_id=f"s{i}")
+                    )
+                with pytest.raises(RemoteError, match="already holds 3 sessions") as refused:
+                    async with session(greedy, blocks=(0, 6), max_length=8, session_id="s3"):
+                        pass
+                assert refused.value.remote_type == "ServerError"
+                # Another peer is not affected.
+                async with open_node() as other_node:
+                    other = await other_node.connect(server.multiaddrs[0])
+                    async with session(other, blocks=(0, 6), max_length=8, session_id="o") as s:
+                        out = await s.step(torch.randn(1, 2, 64))
+                        assert out.shape == (1, 2, 64)
+            # The greedy peer's sessions are closed: it may open again.
+            async with session(greedy, blocks=(0, 6), max_length=8, session_id="again"):
+                pass
+
+
+async def test_an_idle_client_loses_its_session_and_the_cache_comes_back(
+    server_llama: TinyCheckpoint, cache_dir: Path
+) -> None:
+    limits = ServingLimits(step_timeout_s=0.5)
+    with trio.fail_after(DEADLINE_S):
+        async with (
+            serve(server_llama, cache_dir, limits=limits) as server,
+            connect(server) as connection,
+        ):
+            baseline = (await info(connection))["cache_tokens_left"]
+            async with open_call(connection, INFERENCE) as call:
+                await call.send({"session_id": "idle", "blocks": [0, 6], "max_length": 32})
+                assert await call.receive() == {"ready": True, "position": 0}
+                assert (await info(connection))["cache_tokens_left"] == baseline - 32 * 6
+                # Send nothing: the server gives up on us with a clear reason.
+                with pytest.raises(RemoteError, match="step timeout") as ended:
+                    await call.receive()
+                assert ended.value.remote_type == "ServerError"
+            assert (await info(connection))["cache_tokens_left"] == baseline
+            assert server.block_server.open_sessions == 0
+
+
+async def test_a_client_that_never_opens_its_session_is_dropped(
+    server_llama: TinyCheckpoint, cache_dir: Path
+) -> None:
+    limits = ServingLimits(step_timeout_s=0.5)
+    with trio.fail_after(DEADLINE_S):
+        async with (
+            serve(server_llama, cache_dir, limits=limits) as server,
+            connect(server) as connection,
+        ):
+            async with open_call(connection, INFERENCE) as call:
+                with pytest.raises(RemoteError, match="no session request"):
+                    await call.receive()
+            assert server.block_server.open_sessions == 0
+
+
+async def test_many_abandoned_streams_leave_the_server_serving(
+    server_llama: TinyCheckpoint, cache_dir: Path
+) -> None:
+    with trio.fail_after(DEADLINE_S):
+        async with serve(server_llama, cache_dir) as server, connect(server) as connection:
+            baseline = (await info(connection))["cache_tokens_left"]
+            for round_ in range(3):
+                async with trio.open_nursery() as nursery:
+                    for i in range(40):
+                        nursery.start_soon(_abandon, connection, f"{round_}-{i}")
+            async with session(connection, blocks=(0, 6), max_length=4, session_id="ok") as s:
+                assert (await s.step(torch.randn(1, 1, 64))).shape == (1, 1, 64)
+            assert (await info(connection))["cache_tokens_left"] == baseline
+
+
+async def _abandon(connection: Connection, session_id: str) -> None:
+    """Open a session call, send half an opening, and leave: the stream is reset."""
+    with trio.CancelScope() as scope:
+        async with open_call(connection, INFERENCE) as call:
+            await call.send({"session_id": session_id})
+            scope.cancel()
+            await trio.lowlevel.checkpoint()
