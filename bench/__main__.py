@@ -11,6 +11,8 @@ BENCHMARKS = {
     "dht": "bench.dht",
     "server": "bench.server",
     "routing": "bench.routing",
+    "inference": "bench.inference",
+    "swarm": "bench.swarm",
 }
 # Run only when named: needs a CUDA GPU.
 ON_DEMAND = {"kernels_cuda": "bench.kernels_cuda"}

@@ -141,6 +141,7 @@ class InferenceSession:
         self.alloc_timeout = alloc_timeout
         self._spans: list[_SpanSession] = []
         self._history: dict[int, torch.Tensor] = {}  # span start block -> inputs sent so far
+        self._buffers: dict[int, torch.Tensor] = {}  # what the histories are views of
         self._prompts: torch.Tensor | None = None
         self._padding: list[int] | None = None
         self._position = 0
@@ -294,9 +295,27 @@ class InferenceSession:
         return self._prompts[span.start - base : span.end - base]
 
     def _remember(self, start: int, inputs: torch.Tensor) -> None:
+        # Histories are views of buffers that grow by doubling, so that a step appends in
+        # place instead of copying everything sent so far.
         history = self._history.get(start)
-        kept = history[:, : self._position] if history is not None else inputs[:, :0]
-        self._history[start] = torch.cat([kept, inputs.detach()], dim=1)
+        kept = 0 if history is None else min(self._position, history.shape[1])
+        end = kept + inputs.shape[1]
+        buffer = self._buffers.get(start)
+        if (
+            buffer is None
+            or history is None
+            or buffer.shape[0] != inputs.shape[0]
+            or buffer.shape[1] < end
+            or buffer.dtype != inputs.dtype
+            or history.data_ptr() != buffer.data_ptr()
+        ):
+            capacity = min(max(2 * end, 16), max(self.max_length, end))
+            grown = inputs.new_empty((inputs.shape[0], capacity, inputs.shape[2]))
+            if history is not None and kept:
+                grown[:, :kept] = history[:, :kept]
+            buffer = self._buffers[start] = grown
+        buffer[:, kept:end] = inputs.detach()
+        self._history[start] = buffer[:, :end]
 
     async def _retrying(self, attempt: int, action: Any) -> int:
         """Run ``action`` until it succeeds, counting failures against the retry budget."""
@@ -311,7 +330,7 @@ class InferenceSession:
         attempt += 1
         self.retries += 1
         if span is not None:
-            logger.warning("server %s failed during a step (%s); rerouting", span.peer, exc)
+            logger.warning("server %s failed during a step (%r); rerouting", span.peer, exc)
             self.manager.on_request_failure(span.peer)
         if not self.manager.may_retry(attempt):
             raise PetalsError(

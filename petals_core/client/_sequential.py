@@ -81,7 +81,7 @@ async def _with_retries(
                     f"{what} failed after {attempt[0]} attempt(s); last error: "
                     f"{type(exc).__name__}: {exc}"
                 ) from exc
-            logger.warning("%s: %s; retrying", what, exc)
+            logger.warning("%s: %r; retrying", what, exc)
             await trio.sleep(manager.retry_delay(attempt[0]))
 
 
@@ -148,7 +148,7 @@ async def _forward_blocks(
                     f"forward failed after {attempt[0]} attempt(s); last error: "
                     f"{type(exc).__name__}: {exc}"
                 ) from exc
-            logger.warning("forward through blocks %d:%d failed: %s; rerouting", block, end, exc)
+            logger.warning("forward through blocks %d:%d failed: %r; rerouting", block, end, exc)
             await trio.sleep(manager.retry_delay(attempt[0]))
     return x, saved
 
@@ -247,7 +247,7 @@ async def _backward_chunk(
                     f"backward failed after {attempt[0]} attempt(s); last error: "
                     f"{type(exc).__name__}: {exc}"
                 ) from exc
-            logger.warning("backward through %s failed: %s; rerouting", span, exc)
+            logger.warning("backward through %s failed: %r; rerouting", span, exc)
             await trio.sleep(manager.retry_delay(attempt[0]))
             # Recompute the forward of these blocks on a new route, then go on backwards there.
             _, resaved = await _forward_blocks(
