@@ -508,6 +508,7 @@ async def open_server(
                 with trio.CancelScope(shield=True):
                     block_server.detach("the server is shutting down")
                     if server.blocks is not None:
+                        # Gossip pushes it at once; the DHT store gets a short while (peers
+                        # leaving at the same time would make it wait for each of them).
                         server.state = ServerState.OFFLINE
-                        with trio.move_on_after(5.0):
-                            await server.announce()
+                        await server.announce(timeout_s=2.0)

@@ -60,6 +60,7 @@ class LocalSwarm:
     servers: list[SwarmProcess]
     _nursery: trio.Nursery
     _env: Mapping[str, str]
+    _named: int = 0
 
     @property
     def initial_peers(self) -> list[str]:
@@ -78,9 +79,9 @@ class LocalSwarm:
             self.bootstrap.address,
             *args,
         ]
-        server = await _start(
-            self._nursery, f"server-{len(self.servers)}", command, SERVER_READY, self._env
-        )
+        name = f"server-{self._named}"  # taken now: servers may start concurrently
+        self._named += 1
+        server = await _start(self._nursery, name, command, SERVER_READY, self._env)
         self.servers.append(server)
         return server
 
@@ -124,9 +125,13 @@ async def open_local_swarm(
                 yield swarm
             finally:
                 with trio.CancelScope(shield=True):
-                    started = [] if swarm is None else list(swarm.servers)
-                    for process in [*reversed(started), *([bootstrap] if bootstrap else [])]:
-                        await process.stop(stop_timeout_s)
+                    # Servers leave together (each announces itself offline), then the
+                    # bootstrap node.
+                    async with trio.open_nursery() as stopping:
+                        for process in [] if swarm is None else swarm.servers:
+                            stopping.start_soon(process.stop, stop_timeout_s)
+                    if bootstrap is not None:
+                        await bootstrap.stop(stop_timeout_s)
                 nursery.cancel_scope.cancel()
     except BaseExceptionGroup as group:
         # The nursery wraps what is raised inside it (a process that failed to start, or the
@@ -170,7 +175,14 @@ async def _start(
         found.set()
 
     nursery.start_soon(read)
-    await found.wait()
+    try:
+        await found.wait()
+    except BaseException:
+        # Cancelled (or interrupted) before it was ready: nobody else knows of it yet.
+        with trio.CancelScope(shield=True):
+            process.kill()
+            await process.wait()
+        raise
     if not address:
         await process.wait()
         tail = "\n".join(output[-30:])

@@ -19,6 +19,7 @@ import torch
 
 if TYPE_CHECKING:
     from ...client import SyncInferenceSession
+    from ...routing import RouteSpan
     from ._base import DistributedModelMixin
 
 __all__ = ["RemoteInferenceSession"]
@@ -74,6 +75,11 @@ class RemoteInferenceSession:
             self.prompt_tokens = 0
         # After a rollback, the next generate() takes its input_ids as the whole sequence.
         self.output_ids = None
+
+    @property
+    def route(self) -> list[RouteSpan]:
+        """The servers the session goes through now, with the blocks each runs."""
+        return self._inner.session.route
 
     @property
     def token_position(self) -> int:
