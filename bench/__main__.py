@@ -1,9 +1,15 @@
-"""``python -m bench [NAME ...]``: run the named benchmarks, or all of them."""
+"""``python -m bench [NAME ...]``: run the named benchmarks, or all of them.
+
+Each benchmark prints its own tables and writes ``bench/results/NAME.json``; at the end one
+"Summary" table gathers every benchmark's headline numbers (``bench/results/summary.json``).
+"""
 
 from __future__ import annotations
 
 import argparse
 import importlib
+
+from ._report import print_summary, summary_rows, write_summary
 
 BENCHMARKS = {
     "transport": "bench.transport",
@@ -26,8 +32,14 @@ def main() -> None:
     unknown = [name for name in args.names if name not in known]
     if unknown:
         parser.error(f"unknown benchmark {', '.join(unknown)}; choose from {', '.join(known)}")
-    for name in args.names or list(BENCHMARKS):
-        importlib.import_module(known[name]).main()
+    try:
+        for name in args.names or list(BENCHMARKS):
+            importlib.import_module(known[name]).main()
+    finally:
+        # Also after a failure: the benchmarks that did run keep their headline numbers.
+        print_summary()
+        if summary_rows():
+            write_summary()
 
 
 if __name__ == "__main__":

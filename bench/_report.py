@@ -11,6 +11,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import attrs
+
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
@@ -56,3 +58,100 @@ def write_json(name: str, results: dict[str, Any]) -> Path:
     path.write_text(json.dumps(document, indent=2))
     print(f"\nwrote {path}")
     return path
+
+
+# -- the summary: one row per headline number, printed once after all benchmarks ran -----------
+
+
+@attrs.frozen(kw_only=True)
+class SummaryRow:
+    """One headline number of a benchmark: ours, what it is compared with, and the target."""
+
+    benchmark: str
+    #: What the row compares, e.g. "RTT reused stream, QUIC vs TCP".
+    what: str
+    ours: float
+    baseline: float | None = None
+    unit: str = "ms"
+    #: The goal in words, e.g. "<= 2.5x" or ">= 60 MB/s".
+    target: str | None = None
+    #: Whether the target was met; None where there is no target or it cannot be judged.
+    met: bool | None = None
+
+    @property
+    def ratio(self) -> float | None:
+        """ours / baseline, None without a baseline (or a zero one)."""
+        if self.baseline is None or self.baseline == 0:
+            return None
+        return self.ours / self.baseline
+
+
+_SUMMARY: list[SummaryRow] = []
+
+
+def summarize(
+    benchmark: str,
+    what: str,
+    ours: float,
+    baseline: float | None = None,
+    *,
+    unit: str = "ms",
+    target: str | None = None,
+    met: bool | None = None,
+) -> SummaryRow:
+    """Record a headline number for the summary table printed after every benchmark ran."""
+    row = SummaryRow(
+        benchmark=benchmark,
+        what=what,
+        ours=float(ours),
+        baseline=None if baseline is None else float(baseline),
+        unit=unit,
+        target=target,
+        met=met,
+    )
+    _SUMMARY.append(row)
+    return row
+
+
+def summary_rows() -> list[SummaryRow]:
+    """The rows recorded so far, in the order the benchmarks recorded them."""
+    return list(_SUMMARY)
+
+
+def _met_cell(met: bool | None) -> str | None:
+    return None if met is None else ("yes" if met else "NO")
+
+
+def print_summary() -> None:
+    """The one table at the end of ``python -m bench``: every benchmark's headline numbers."""
+    if not _SUMMARY:
+        print("\nSummary: no benchmark recorded a headline number")
+        return
+    print_table(
+        "Summary",
+        ["benchmark", "what it compares", "unit", "ours", "baseline", "ratio", "target", "met"],
+        [
+            (
+                row.benchmark,
+                row.what,
+                row.unit,
+                row.ours,
+                row.baseline,
+                None if row.ratio is None else f"{row.ratio:.2f}x",
+                row.target,
+                _met_cell(row.met),
+            )
+            for row in _SUMMARY
+        ],
+    )
+    judged = [row for row in _SUMMARY if row.met is not None]
+    if judged:
+        print(f"targets met: {sum(row.met is True for row in judged)} of {len(judged)}")
+
+
+def write_summary() -> Path:
+    """``bench/results/summary.json``: the summary rows, with their ratios."""
+    return write_json(
+        "summary",
+        {"rows": [attrs.asdict(row) | {"ratio": row.ratio} for row in _SUMMARY]},
+    )

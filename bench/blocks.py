@@ -25,7 +25,7 @@ from transformers import BloomConfig, BloomModel, DynamicCache, LlamaConfig, Lla
 from petals_core.models.bloom import BloomBlock
 from petals_core.models.llama import LlamaBlock
 
-from ._report import print_table, write_json
+from ._report import print_table, summarize, write_json
 
 PREFILL = 128
 DECODE_STEPS = 32
@@ -151,4 +151,22 @@ def main() -> None:
         ["shape / dtype", "work", "ours", "transformers", "ours/transformers", "target"],
         rows,
     )
+    for label, what in (
+        ("llama SmolLM2-135M (576) float32", "decode"),
+        ("llama SmolLM2-135M (576) float32", "prefill"),
+        ("bloom-560m (1024) float32", "decode"),
+    ):
+        headline = results.get(label)
+        if headline is None:
+            continue
+        ours_ms, hf_ms = headline[f"{what}_ours_ms"], headline[f"{what}_hf_ms"]
+        step = "decode step" if what == "decode" else f"{PREFILL}-token prefill"
+        summarize(
+            "blocks",
+            f"{label}, {step}, ours vs transformers",
+            ours_ms,
+            hf_ms,
+            target="<= 1.0x",
+            met=ours_ms <= hf_ms,
+        )
     write_json("blocks", results)

@@ -51,7 +51,7 @@ from petals_core.dht._routing import NODE_ID_BITS, Contact, NodeID, PingOldest, 
 from petals_core.transport import PeerID
 from petals_core.transport._identity import Identity
 
-from ._report import percentile, print_table, write_json
+from ._report import percentile, print_table, summarize, write_json
 
 T0 = 1_700_000_000.0  # the virtual clock starts here: records carry absolute expirations
 PREFIX = "bench-model"
@@ -506,4 +506,23 @@ def main() -> None:
         ],
         rows,
     )
+    for name in ("1000", "10000"):
+        r = results[name]
+        nodes = f"N={r['config']['nodes']:,}"
+        summarize(
+            "dht",
+            f"{nodes} lookup hops (p99), 1% loss, 20% churn",
+            r["hops_p99"],
+            unit="hops",
+            target=f"<= log2(N)+2 = {r['hops_target']:.1f}",
+            met=r["hops_p99"] <= r["hops_target"],
+        )
+        summarize(
+            "dht",
+            f"{nodes} lookups that found the nearest node",
+            100 * r["success_rate"],
+            unit="%",
+            target=">= 99.9%",
+            met=r["success_rate"] >= 0.999,
+        )
     write_json("dht", results)

@@ -61,7 +61,7 @@ from petals_core.server import INFERENCE
 from petals_core.testing import LocalSwarm, open_local_swarm
 from petals_core.transport import open_call, open_node
 
-from ._report import median, percentile, print_table, write_json
+from ._report import median, percentile, print_table, summarize, write_json
 
 HIDDEN = 256
 BLOCKS = 8
@@ -694,6 +694,22 @@ def main() -> None:
                     PTUNE_TARGET,
                 ),
             ]
+            summarize(
+                "inference",
+                f"{family} tiny, decode ms/token (median), swarm vs local",
+                d.decode_swarm.median_ms,
+                d.decode_local.median_ms,
+                target=f"<= {DECODE_TARGET}x",
+                met=d.decode_swarm.median_ms <= DECODE_TARGET * d.decode_local.median_ms,
+            )
+            summarize(
+                "inference",
+                f"{family} tiny, ptune step {PTUNE_BATCH}x{PTUNE_LENGTH}, swarm vs local",
+                measured.ptune_swarm.median_ms,
+                measured.ptune_local.median_ms,
+                target=f"<= {PTUNE_TARGET}x",
+                met=measured.ptune_swarm.median_ms <= PTUNE_TARGET * measured.ptune_local.median_ms,
+            )
             print_table(
                 f"inference, {family}: where a swarm decode token's time goes (medians)",
                 ["part", "ms", "note"],

@@ -42,7 +42,7 @@ import trio
 from petals_core.server import INFERENCE, Server, ServerConfig, ServingLimits, open_server
 from petals_core.transport import Connection, open_call, open_node
 
-from ._report import median, percentile, print_table, write_json
+from ._report import median, percentile, print_table, summarize, write_json
 
 SESSION_COUNTS = (1, 4, 16)
 MAX_LENGTH = 256
@@ -383,6 +383,15 @@ def main() -> None:
         ],
         rows,
     )
+    for batched, unbatched in zip(results[True], results[False], strict=True):
+        if batched.sessions == max(SESSION_COUNTS):
+            summarize(
+                "server",
+                f"{batched.sessions} concurrent sessions, batched vs unbatched ({model.name})",
+                batched.tokens_per_s,
+                unbatched.tokens_per_s,
+                unit="tokens/s",
+            )
     print(f"total {time.perf_counter() - started:.0f} s")
     write_json(
         "server",

@@ -26,7 +26,7 @@ import trio
 
 from petals_core.testing import LocalSwarm
 
-from ._report import print_table, write_json
+from ._report import print_table, summarize, write_json
 from .inference import (
     DecodeResults,
     breakdown_rows,
@@ -135,6 +135,22 @@ def main() -> None:
                 TARGET,
             ),
         ],
+    )
+    summarize(
+        "swarm",
+        "SmolLM2-135M decode ms/token (median), 3 servers vs local",
+        d.decode_swarm.median_ms,
+        d.decode_local.median_ms,
+        target=f"<= {TARGET}x",
+        met=d.decode_swarm.median_ms <= TARGET * d.decode_local.median_ms,
+    )
+    summarize(
+        "swarm",
+        f"SmolLM2-135M prefill {PREFILL} tokens, 3 servers vs local",
+        d.prefill_swarm.median_ms,
+        d.prefill_local.median_ms,
+        target=f"<= {TARGET}x",
+        met=d.prefill_swarm.median_ms <= TARGET * d.prefill_local.median_ms,
     )
     print(f"machine: before {load_before}; after {load_after}")
     print(f"total {time.perf_counter() - started:.0f} s")

@@ -34,7 +34,7 @@ from petals_core.transport import (
     serve_rpc,
 )
 
-from ._report import median, percentile, print_table, write_json
+from ._report import median, percentile, print_table, summarize, write_json
 
 MESSAGE = 64
 BULK_BYTES = 64 << 20
@@ -317,6 +317,33 @@ def main() -> None:
         "transport: QUIC (petals_core) vs trio TCP, separate processes on loopback",
         ["metric", "QUIC", "TCP", "QUIC/TCP", "target"],
         table,
+    )
+    rtt_quic, rtt_tcp = median(quic.rtt_reused_ms), median(tcp.rtt_reused_ms)
+    summarize(
+        "transport",
+        "RTT reused stream (median), QUIC vs TCP",
+        rtt_quic,
+        rtt_tcp,
+        target="<= 2.5x",
+        met=ratio(rtt_quic, rtt_tcp) <= 2.5,
+    )
+    summarize(
+        "transport",
+        "bulk 64 MiB, 1452 B datagrams, QUIC vs TCP",
+        quic1452.bulk_mb_s,
+        tcp.bulk_mb_s,
+        unit="MB/s",
+        target=">= 60 MB/s",
+        met=quic1452.bulk_mb_s >= 60,
+    )
+    summarize(
+        "transport",
+        "bulk 64 MiB, 16 KiB datagrams, QUIC vs TCP",
+        quic.bulk_mb_s,
+        tcp.bulk_mb_s,
+        unit="MB/s",
+        target=">= 400 MB/s",
+        met=quic.bulk_mb_s >= 400,
     )
     write_json(
         "transport",
