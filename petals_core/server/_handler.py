@@ -478,6 +478,11 @@ class BlockServer:
                 raise ValueError(f"hidden_states must be one of {_ALLOWED_DTYPES}")
             if hidden.shape[1] < 1:
                 raise ValueError("hidden_states must hold at least one token")
+            if hidden.shape[1] > self.limits.inference_max_length:
+                raise ValueError(
+                    f"{hidden.shape[1]} tokens exceed this server's longest sequence, "
+                    f"{self.limits.inference_max_length} (--inference_max_length)"
+                )
             prompts = tensors.get("prompts")
             backend.check_prompts(prompts, start, end, hidden)
         except AdapterError:

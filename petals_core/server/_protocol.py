@@ -106,31 +106,41 @@ async def receive_tensors(
             total += numel
             if total > max_elements:
                 raise CodecError(f"the tensors exceed {max_elements} elements in all")
-            tensor = incoming[name] = _Incoming(shape, torch.empty(numel, dtype=part.dtype))
+            tensor = incoming[name] = _Incoming(shape, part.dtype)
         elif shape != tensor.shape:
             raise CodecError(f"tensor {name!r}: parts declare different shapes")
         tensor.add(name, part)
     result = {}
     for name, tensor in incoming.items():
-        if tensor.filled != tensor.buffer.numel():
-            raise CodecError(
-                f"tensor {name!r} is incomplete: {tensor.filled} of {tensor.buffer.numel()}"
-            )
-        result[name] = tensor.buffer.view(tensor.shape)
+        if tensor.filled != tensor.numel:
+            raise CodecError(f"tensor {name!r} is incomplete: {tensor.filled} of {tensor.numel}")
+        result[name] = tensor.tensor()
     return meta, result
 
 
 class _Incoming:
-    def __init__(self, shape: list[int], buffer: torch.Tensor) -> None:
+    """A tensor being received: its parts are kept as they come (memory follows the bytes
+    that really arrived, not the size a peer declared) and joined at the end."""
+
+    def __init__(self, shape: list[int], dtype: torch.dtype) -> None:
         self.shape = shape
-        self.buffer = buffer
+        self.dtype = dtype
+        self.numel = math.prod(shape)
+        self.parts: list[torch.Tensor] = []
         self.filled = 0
 
     def add(self, name: str, part: torch.Tensor) -> None:
-        if part.dtype != self.buffer.dtype:
+        if part.dtype != self.dtype:
             raise CodecError(f"tensor {name!r}: parts of different dtypes")
         end = self.filled + part.numel()
-        if end > self.buffer.numel():
+        if end > self.numel:
             raise CodecError(f"tensor {name!r}: parts overrun its declared shape")
-        self.buffer[self.filled : end] = part
+        self.parts.append(part)
         self.filled = end
+
+    def tensor(self) -> torch.Tensor:
+        if len(self.parts) == 1:
+            return self.parts[0].reshape(self.shape)
+        if not self.parts:
+            return torch.empty(self.shape, dtype=self.dtype)
+        return torch.cat(self.parts).reshape(self.shape)

@@ -45,6 +45,9 @@ class TransportConfig:
     )
     #: How long ``connect`` waits for the handshake.
     connect_timeout_s: float = attrs.field(default=10.0, validator=_positive_s)
+    #: How long a served call may take to send its header (and a unary call its request): a
+    #: peer opening streams and sending nothing holds no handler task for longer.
+    request_header_timeout_s: float = attrs.field(default=30.0, validator=_positive_s)
     #: Unread bytes a peer may have in flight towards us on one stream / one connection.
     stream_window_bytes: int = attrs.field(default=4 << 20, validator=v.ge(64 << 10))
     connection_window_bytes: int = attrs.field(default=16 << 20, validator=v.ge(64 << 10))

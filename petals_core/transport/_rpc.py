@@ -355,7 +355,11 @@ async def _serve_framed(framed: _Framed, stream: Stream, handlers: Handlers) -> 
 
 
 async def _answer(framed: _Framed, handlers: Handlers) -> None:
-    header = await framed.receive()
+    header_timeout_s = framed.stream.connection._node.config.request_header_timeout_s
+    with trio.move_on_after(header_timeout_s) as waited:
+        header = await framed.receive()
+    if waited.cancelled_caught:
+        raise framed.fail(f"no call header within {header_timeout_s} s")
     method = None if header is None else header.get("call")
     if not isinstance(method, str):
         raise framed.fail("a call must start with a {'call': method} frame")
@@ -367,7 +371,10 @@ async def _answer(framed: _Framed, handlers: Handlers) -> None:
     call = ServerCall(framed, method)
     try:
         if kind == "unary":
-            request = await _one_request(framed, call)
+            with trio.move_on_after(header_timeout_s) as waited:
+                request = await _one_request(framed, call)
+            if waited.cancelled_caught:
+                raise framed.fail(f"no request of {method!r} within {header_timeout_s} s")
             await framed.send({"msg": await handler(request, call)}, eof=True)
         else:
             await handler(call)

@@ -1,0 +1,35 @@
+"""Failover at CI size: the chaos runner (``tests/chaos/chaos_run.py``) with two generations where
+a server is killed (SIGKILL) at a random step, one where a server stops answering (SIGSTOP), and
+one fine-tuning step where a server dies between forward and backward, on a swarm of 4 processes
+that holds every block twice.  Every session completes with the output of the same session
+without faults.  The full run is ``python -m tests.chaos.chaos_run --generations 20``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from .chaos_run import ChaosConfig, run_chaos
+
+
+async def test_sessions_survive_kills_and_stalls_with_identical_outputs(tmp_path: Path) -> None:
+    lines: list[str] = []
+    config = ChaosConfig(generations=2, stalls=1, finetune_steps=1, seed=1, deadline_s=280.0)
+    report = await run_chaos(config, work_dir=tmp_path, log=lines.append)
+    print("\n".join([*lines, report.summary()]))  # shown when the test fails
+
+    assert report.references == 3
+    assert report.references_equal_local == 3
+    assert [(o.kind, o.fault) for o in report.outcomes if o.kind == "finetune"] == [
+        ("finetune", "kill")
+    ]
+    assert sorted(o.fault for o in report.outcomes if o.kind == "generation") == [
+        "kill",
+        "kill",
+        "stall",
+    ]
+    # Each fault struck a server of the session's route, and nothing was lost.
+    assert all(o.victim is not None for o in report.outcomes)
+    assert [o.result for o in report.outcomes] == ["equal"] * 4, report.summary()
+    assert (report.kills, report.stalls) == (3, 1)
+    assert report.lost == 0
