@@ -1298,6 +1298,9 @@ def _run_chunk(
     @hypothesis.seed(seed)
     @settings(
         max_examples=examples,
+        # The explicit seed decides the examples everywhere: hypothesis' CI profile (when CI is
+        # set) would otherwise derandomize from the test's source and draw other ones.
+        derandomize=False,
         database=None,
         deadline=None,
         suppress_health_check=list(HealthCheck),
