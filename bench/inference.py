@@ -58,7 +58,7 @@ from transformers.utils import logging as hf_logging
 
 from petals_core.models import BloomBlock, LlamaBlock
 from petals_core.server import INFERENCE
-from petals_core.testing import LocalSwarm, open_local_swarm
+from petals_core.testing import LocalSwarm, fixed_server_args, open_local_swarm
 from petals_core.transport import open_call, open_node
 
 from ._report import median, percentile, print_table, summarize, write_json
@@ -589,25 +589,9 @@ def _save(family: str, folder: Path) -> str:
     return str(path)
 
 
-def server_args(span: tuple[int, int], *extra: str) -> list[str]:
+def server_args(span: tuple[int, int], **flags: object) -> list[str]:
     """Flags of a benchmark server: fixed blocks, fp32 on CPU, one thread, nothing measured."""
-    return [
-        "--block_indices",
-        f"{span[0]}:{span[1]}",
-        "--throughput",
-        "1",
-        "--torch_dtype",
-        "float32",
-        "--device",
-        "cpu",
-        "--num_threads",
-        "1",
-        "--balance_quality",
-        "0",
-        "--log_level",
-        "WARNING",
-        *extra,
-    ]
+    return fixed_server_args(span, log_level="WARNING", **flags)
 
 
 @attrs.frozen(kw_only=True)
@@ -635,7 +619,7 @@ def _measure_family(folder: str, swarm: LocalSwarm) -> FamilyResults:
 
 async def _run_family(family: str, temp: Path) -> FamilyResults:
     folder = _save(family, temp)
-    args = [server_args(span, "--cache_dir", str(temp / "cache")) for span in SPANS]
+    args = [server_args(span, cache_dir=temp / "cache") for span in SPANS]
     with trio.fail_after(FAMILY_TIMEOUT_S):
         async with open_local_swarm(folder, args) as swarm:
             return await trio.to_thread.run_sync(_measure_family, folder, swarm)

@@ -295,23 +295,6 @@ class _SwarmRun:
     start_s: float
 
 
-def _server_args(span: tuple[int, int], dht_prefix: str) -> list[str]:
-    return [
-        "--block_indices",
-        f"{span[0]}:{span[1]}",
-        "--throughput",
-        "1",
-        "--torch_dtype",
-        "float32",
-        "--device",
-        "cpu",
-        "--num_threads",
-        "1",
-        "--dht_prefix",
-        dht_prefix,
-    ]
-
-
 async def _run_in_swarm(
     config: DemoConfig,
     model: _Model,
@@ -374,11 +357,13 @@ async def _start_servers(
 ) -> list[SwarmProcess]:
     """Start one server per span, all at once (each loads its blocks in its own process); return
     them in the order of ``spans``."""
+    from .testing import fixed_server_args
+
     started: dict[int, SwarmProcess] = {}
 
     async def start(index: int) -> None:
         started[index] = await swarm.add_server(
-            model.server_model, _server_args(spans[index], model.dht_prefix)
+            model.server_model, fixed_server_args(spans[index], dht_prefix=model.dht_prefix)
         )
 
     with _unwrapped():

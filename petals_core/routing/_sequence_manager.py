@@ -117,7 +117,6 @@ class SequenceManagerState:
     started: trio.Event | None = None
     start_error: BaseException | None = None
     stop: trio.Event | None = None
-    owns_dht: bool = False
     #: The loop the network part runs on (sync callers reach it through the client bridge).
     loop_token: trio.lowlevel.TrioToken | None = None
     #: Measured forward speed per server: token-blocks per second (a moving average).
@@ -189,7 +188,7 @@ class RemoteSequenceManager:
                     initial_peers=self.config.initial_peers,
                     request_timeout_s=self.config.connect_timeout,
                 ) as dht:
-                    state.dht, state.owns_dht = dht, True
+                    state.dht = dht
                     await self._serve(task_status)
                 state.dht = None
             else:

@@ -29,10 +29,11 @@ below inference steps in priority.  Backward recomputes the forward.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import math
-from collections.abc import Callable, Iterator
-from typing import Any, Final, TypeVar
+from collections.abc import Iterator
+from typing import Any, Final
 
 import attrs
 import torch
@@ -49,8 +50,6 @@ from ._task_pool import Priority, TaskPool
 __all__ = ["BlockServer", "ServingLimits"]
 
 logger = logging.getLogger(__name__)
-
-T = TypeVar("T")
 
 _MAX_SESSION_ID_CHARS: Final = 128
 _ALLOWED_DTYPES: Final = (torch.float32, torch.float16, torch.bfloat16)
@@ -375,7 +374,7 @@ class BlockServer:
                 part_prompts = prompts[:, :, offset : offset + chunk]
             outputs.append(
                 await pool.run(
-                    _bind(
+                    functools.partial(
                         backend.inference_step,
                         session.start,
                         session.end,
@@ -432,7 +431,7 @@ class BlockServer:
             for index in reversed(range(start, end)):
                 prompt = None if prompts is None else prompts[index - start]
                 grad, prompt_grad = await pool.run(
-                    _bind(
+                    functools.partial(
                         backend.backward_block,
                         index,
                         inputs[index - start],
@@ -510,16 +509,12 @@ class BlockServer:
         for index in range(start, end):
             prompt = None if prompts is None else prompts[index - start]
             x = await pool.run(
-                _bind(backend.forward_block, index, x, prompt=prompt, adapter=adapter),
+                functools.partial(backend.forward_block, index, x, prompt=prompt, adapter=adapter),
                 priority=Priority.FORWARD,
                 points=points,
             )
             outputs.append(x)
         return outputs
-
-
-def _bind(fn: Callable[..., T], *args: Any, **kwargs: Any) -> Callable[[], T]:
-    return lambda: fn(*args, **kwargs)
 
 
 def _integer(

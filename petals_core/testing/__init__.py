@@ -7,5 +7,6 @@ from ._network import MemoryNetwork as MemoryNetwork, Pipe as Pipe
 from ._swarm import (
     LocalSwarm as LocalSwarm,
     SwarmProcess as SwarmProcess,
+    fixed_server_args as fixed_server_args,
     open_local_swarm as open_local_swarm,
 )

@@ -20,10 +20,30 @@ from typing import Final
 import attrs
 import trio
 
-__all__ = ["LocalSwarm", "SwarmProcess", "open_local_swarm"]
+__all__ = ["LocalSwarm", "SwarmProcess", "fixed_server_args", "open_local_swarm"]
 
 DHT_READY: Final = "DHT node listening on "
 SERVER_READY: Final = "Server listening on "
+
+
+def fixed_server_args(span: tuple[int, int], **flags: object) -> list[str]:
+    """Flags of a server with fixed blocks ``span``, fp32 on the CPU with one torch thread, and a
+    given throughput (nothing measured); each of ``flags`` adds ``--name value``."""
+    args = [
+        "--block_indices",
+        f"{span[0]}:{span[1]}",
+        "--throughput",
+        "1",
+        "--torch_dtype",
+        "float32",
+        "--device",
+        "cpu",
+        "--num_threads",
+        "1",
+    ]
+    for name, value in flags.items():
+        args += [f"--{name}", str(value)]
+    return args
 
 
 @attrs.define(eq=False)

@@ -56,7 +56,7 @@ from petals_core import PetalsError
 from petals_core.dht import PeerTableSnapshot
 from petals_core.models.distributed import AutoDistributedModelForCausalLM
 from petals_core.routing import RemoteSequenceManager
-from petals_core.testing import LocalSwarm, SwarmProcess, open_local_swarm
+from petals_core.testing import LocalSwarm, SwarmProcess, fixed_server_args, open_local_swarm
 
 __all__ = [
     "ChaosConfig",
@@ -208,32 +208,15 @@ def make_checkpoint(folder: Path, *, seed: int = 0) -> Path:
 def server_args(span: tuple[int, int], cache_dir: Path) -> list[str]:
     """Flags of a server of the chaos swarm: fixed span, nothing measured, quick to announce;
     an announcement expires after 8 s, so that a killed server leaves the peer table soon."""
-    return [
-        "--block_indices",
-        f"{span[0]}:{span[1]}",
-        "--throughput",
-        "1",
-        "--torch_dtype",
-        "float32",
-        "--device",
-        "cpu",
-        "--num_threads",
-        "1",
-        "--update_period",
-        "2",
-        "--expiration",
-        "8",
-        "--balance_quality",
-        "0",
-        "--dht_prefix",
-        PREFIX,
-        "--request_timeout",
-        "30",
-        "--step_timeout",
-        "60",
-        "--cache_dir",
-        str(cache_dir),
-    ]
+    return fixed_server_args(
+        span,
+        update_period=2,
+        expiration=8,
+        dht_prefix=PREFIX,
+        request_timeout=30,
+        step_timeout=60,
+        cache_dir=cache_dir,
+    )
 
 
 def client_options(initial_peers: Sequence[str], request_timeout_s: float) -> dict[str, Any]:

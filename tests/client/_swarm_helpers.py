@@ -21,7 +21,7 @@ from petals_core.dht import PeerTableSnapshot
 from petals_core.models import LlamaBlock
 from petals_core.routing import RemoteSequenceManager, SequenceManagerConfig
 from petals_core.server import Server, ServerConfig, ServingLimits, open_server
-from petals_core.testing import LocalSwarm, SwarmProcess
+from petals_core.testing import LocalSwarm, SwarmProcess, fixed_server_args
 
 from ..models.conftest import TinyCheckpoint, _save, tiny_llama_config
 
@@ -206,23 +206,4 @@ def process_of(swarm: LocalSwarm, peer_id: str) -> SwarmProcess:
 
 
 def process_server_args(span: tuple[int, int]) -> list[str]:
-    return [
-        "--block_indices",
-        f"{span[0]}:{span[1]}",
-        "--throughput",
-        "1",
-        "--torch_dtype",
-        "float32",
-        "--device",
-        "cpu",
-        "--update_period",
-        "0.5",
-        "--balance_quality",
-        "0",
-        "--num_threads",
-        "1",
-        "--dht_prefix",
-        PROCESS_PREFIX,
-        "--request_timeout",
-        "5",
-    ]
+    return fixed_server_args(span, update_period=0.5, dht_prefix=PROCESS_PREFIX, request_timeout=5)
