@@ -140,6 +140,16 @@ def _positive_float(text: str) -> float:
     return value
 
 
+def _non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not (math.isfinite(value) and value >= 0):
+        raise argparse.ArgumentTypeError(f"must be a number >= 0, got {text}")
+    return value
+
+
 def _fraction(text: str) -> float:
     try:
         value = float(text)
@@ -317,6 +327,14 @@ def _parser() -> argparse.ArgumentParser:
         f"in chunks (default: {limits.max_batch_tokens})",
     )
     serving.add_argument(
+        "--inline_compute_ms",
+        type=_non_negative_float,
+        default=limits.inline_compute_s * 1e3,
+        help="inference steps expected to compute in less than this many milliseconds run on "
+        "the network thread, saving the hand-off to a worker thread; the network waits for them "
+        f"(default: {limits.inline_compute_s * 1e3:g}; 0: always a worker thread)",
+    )
+    serving.add_argument(
         "--inference_max_length",
         type=_positive_int,
         default=limits.inference_max_length,
@@ -405,6 +423,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         limits=ServingLimits(
             inference_max_length=args.inference_max_length,
             max_batch_tokens=args.max_batch_size,
+            inline_compute_s=args.inline_compute_ms / 1e3,
             max_alloc_timeout_s=args.max_alloc_timeout,
             session_timeout_s=args.session_timeout,
             step_timeout_s=args.step_timeout,

@@ -60,6 +60,11 @@ def _positive(instance: object, attribute: attrs.Attribute[Any], value: float) -
         raise ValueError(f"{attribute.name} must be positive, got {value!r}")
 
 
+def _non_negative(instance: object, attribute: attrs.Attribute[Any], value: float) -> None:
+    if isinstance(value, bool) or not 0 <= value < float("inf"):
+        raise ValueError(f"{attribute.name} must be a number >= 0, got {value!r}")
+
+
 @attrs.frozen(kw_only=True)
 class ServingLimits:
     """What one request may ask of the server."""
@@ -84,6 +89,9 @@ class ServingLimits:
     #: Run concurrent sessions' steps over the same blocks as one batch (off: one by one, for
     #: comparison in benchmarks).
     batch_steps: bool = True
+    #: Inference jobs expected to compute in less than this many seconds run on the event loop's
+    #: thread, without the hand-off to a worker thread (``--inline_compute_ms``; 0: never).
+    inline_compute_s: float = attrs.field(default=0.005, validator=_non_negative)
 
 
 @attrs.define(eq=False)
@@ -365,6 +373,7 @@ class BlockServer:
                 run_batch,
                 priority=Priority.INFERENCE,
                 points=session.points,
+                size=session.batch * tokens,
             )
         outputs = []
         for offset in range(0, tokens, chunk):
@@ -385,6 +394,14 @@ class BlockServer:
                     ),
                     priority=Priority.INFERENCE,
                     points=session.points,
+                    cost_key=(
+                        "chunk",
+                        session.start,
+                        session.end,
+                        session.adapter,
+                        part_prompts is not None,
+                    ),
+                    size=session.batch * part.shape[1],
                 )
             )
         return torch.cat(outputs, dim=1)

@@ -262,7 +262,10 @@ class Server:
                 max_alloc_timeout_s=self.config.limits.max_alloc_timeout_s,
             )
             async with open_task_pool(
-                workers=2, reserved_workers=1, shared_inference=False
+                workers=2,
+                reserved_workers=1,
+                shared_inference=False,
+                inline_below_s=self.config.limits.inline_compute_s,
             ) as pool:
                 self.backend = backend
                 self.block_server.attach(backend, pool, cache)

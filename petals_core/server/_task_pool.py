@@ -18,6 +18,18 @@ takes along the other jobs with the same key *and priority* that are queued then
 mean the same ``batch_fn``; the picked job's is used.  If the batch raises, each item is run alone
 (``batch_fn([item])``) so that only the caller whose item is at fault sees the exception.
 
+Small jobs run inline: a :meth:`TaskPool.run_batched` batch (or a :meth:`TaskPool.run` job that
+names a ``cost_key``) whose expected duration is below
+``inline_below_s`` runs on the event loop's own thread instead of a worker thread.  Handing a job
+to a thread and its result back costs two thread wake-ups and GIL hand-offs — a few hundred
+microseconds, more on a busy machine — which is as much as a one-token step through a few small
+blocks computes.  The expectation is learnt per key: the seconds per unit of ``size`` (a step's
+tokens) of that key's last batches, as a moving average; a key with no measurement yet runs in a
+thread, and so does any batch expected to take longer, so the loop stalls at most about
+``inline_below_s`` for one inline batch (a measurement is an average: a batch that takes longer
+than usual, e.g. while another thread holds the CPU, stalls it longer).  ``inline_below_s=0``
+turns this off.
+
 Cancellation: a caller cancelled while its job waits in the queue takes the job out; it never
 runs.  A caller cancelled while its job runs is cancelled at once, but the thread cannot be
 interrupted: it runs to the end and its result is dropped (the worker stays busy until then).
@@ -31,6 +43,7 @@ from __future__ import annotations
 import enum
 import heapq
 import itertools
+import time
 from collections.abc import AsyncIterator, Callable, Hashable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from types import MappingProxyType
@@ -78,6 +91,7 @@ class TaskPoolStatistics:
     completed: int
     batches_run: int
     largest_batch: int
+    inline_batches: int
 
 
 class _State(enum.Enum):
@@ -92,6 +106,7 @@ class _Job(Generic[T]):
 
     __slots__ = (
         "batch_fn",
+        "cost_key",
         "done",
         "fn",
         "item",
@@ -99,6 +114,7 @@ class _Job(Generic[T]):
         "order",
         "priority",
         "result",
+        "size",
         "state",
     )
 
@@ -111,8 +127,12 @@ class _Job(Generic[T]):
         fn: Callable[[], T] | None = None,
         batch_fn: Callable[[list[Any]], Sequence[T]] | None = None,
         item: object = None,
+        size: float = 1.0,
     ) -> None:
         self.order = order
+        self.size = size
+        #: Under which key the job's speed is learnt (None: not learnt, never inline).
+        self.cost_key: Hashable | None = key
         self.priority = priority
         self.key = key
         self.fn = fn
@@ -130,6 +150,28 @@ class _Unbatched:
     """The key of a plain :meth:`TaskPool.run` job: equal to nothing else."""
 
     __slots__ = ()
+
+
+#: Weight of the newest batch in a key's moving average of seconds per unit of size.
+_SPEED_SMOOTHING = 0.25
+#: Keys whose speed the pool remembers (the oldest is forgotten past this).
+_MAX_SPEED_KEYS = 1024
+
+
+def _timed_call(fn: Callable[[], T]) -> tuple[outcome.Outcome[T], float]:
+    """``outcome.capture(fn)`` and the seconds it took."""
+    started = time.perf_counter()
+    result = outcome.capture(fn)
+    return result, time.perf_counter() - started
+
+
+def _timed_batch(
+    batch_fn: Callable[[list[Any]], Sequence[T]], items: list[Any]
+) -> tuple[list[outcome.Outcome[T]], float]:
+    """:func:`_run_batch` and the seconds it took (in whichever thread runs it)."""
+    started = time.perf_counter()
+    results = _run_batch(batch_fn, items)
+    return results, time.perf_counter() - started
 
 
 def _run_batch(
@@ -168,8 +210,13 @@ class TaskPool:
         reserved_workers: int,
         max_batch_size: int,
         shared_inference: bool = True,
+        inline_below_s: float = 0.0,
     ) -> None:
         self._shared_inference = shared_inference
+        self._inline_below_s = inline_below_s
+        #: Key -> moving average of seconds per unit of size of its batches.
+        self._seconds_per_unit: dict[Hashable, float] = {}
+        self._inline_batches = 0
         self._workers = workers
         self._reserved_workers = reserved_workers
         self._max_batch_size = max_batch_size
@@ -194,15 +241,28 @@ class TaskPool:
             completed=self._completed,
             batches_run=self._batches_run,
             largest_batch=self._largest_batch,
+            inline_batches=self._inline_batches,
         )
 
-    async def run(self, fn: Callable[[], T], *, priority: int, points: float = 0.0) -> T:
+    async def run(
+        self,
+        fn: Callable[[], T],
+        *,
+        priority: int,
+        points: float = 0.0,
+        cost_key: Hashable | None = None,
+        size: float = 1.0,
+    ) -> T:
         """``fn()`` in a worker thread, once the jobs ahead of it in the queue have been taken.
 
         Its exception, if it raises, reaches the caller unchanged.  Raises :class:`ServerError` if
-        the pool is shutting down.
+        the pool is shutting down.  Jobs naming a ``cost_key`` have their seconds per unit of
+        ``size`` learnt under it, and run inline when expected to be quick (module docstring).
         """
-        job: _Job[T] = self._new_job(priority, points, _Unbatched(), fn=fn)
+        if not size > 0:
+            raise ValueError(f"size must be > 0, not {size!r}")
+        job: _Job[T] = self._new_job(priority, points, _Unbatched(), fn=fn, size=float(size))
+        job.cost_key = cost_key
         return await self._submit_and_wait(job)
 
     async def run_batched(
@@ -213,11 +273,18 @@ class TaskPool:
         *,
         priority: int,
         points: float = 0.0,
+        size: float = 1.0,
     ) -> T:
         """``batch_fn([..., item, ...])[i]``: ``item`` run together with queued jobs of equal
         ``key`` and priority (see the module docstring); ``batch_fn`` must return one result per
-        item, in order."""
-        job: _Job[T] = self._new_job(priority, points, key, batch_fn=batch_fn, item=item)
+        item, in order.  ``size`` (> 0) says how much work the item is (e.g. its tokens): a
+        batch's expected duration is its items' sizes times the key's measured seconds per unit.
+        """
+        if not size > 0:
+            raise ValueError(f"size must be > 0, not {size!r}")
+        job: _Job[T] = self._new_job(
+            priority, points, key, batch_fn=batch_fn, item=item, size=float(size)
+        )
         return await self._submit_and_wait(job)
 
     # -- callers -----------------------------------------------------------------------------------
@@ -309,15 +376,31 @@ class TaskPool:
         try:
             if first.batch_fn is None:
                 assert first.fn is not None
-                results = [
-                    await trio.to_thread.run_sync(outcome.capture, first.fn, limiter=self._limiter)
-                ]
+                cost_key = first.cost_key
+                if cost_key is not None and self._runs_inline(cost_key, first.size):
+                    self._inline_batches += 1
+                    result, seconds = _timed_call(first.fn)
+                else:
+                    result, seconds = await trio.to_thread.run_sync(
+                        _timed_call, first.fn, limiter=self._limiter
+                    )
+                if cost_key is not None:
+                    self._learn(cost_key, seconds / first.size)
+                results = [result]
             else:
                 self._batches_run += 1
                 self._largest_batch = max(self._largest_batch, len(batch))
-                results = await trio.to_thread.run_sync(
-                    _run_batch, first.batch_fn, [job.item for job in batch], limiter=self._limiter
-                )
+                items = [job.item for job in batch]
+                size = sum(job.size for job in batch)
+                assert first.cost_key is not None
+                if self._runs_inline(first.cost_key, size):
+                    self._inline_batches += 1
+                    results, seconds = _timed_batch(first.batch_fn, items)
+                else:
+                    results, seconds = await trio.to_thread.run_sync(
+                        _timed_batch, first.batch_fn, items, limiter=self._limiter
+                    )
+                self._learn(first.cost_key, seconds / size)
             self._completed += len(batch)
         finally:
             self._running -= len(batch)
@@ -332,6 +415,18 @@ class TaskPool:
                 job.state = _State.DONE
                 job.done.set()
         await trio.lowlevel.checkpoint()
+
+    def _runs_inline(self, key: Hashable, size: float) -> bool:
+        per_unit = self._seconds_per_unit.get(key)
+        return per_unit is not None and per_unit * size < self._inline_below_s
+
+    def _learn(self, key: Hashable, seconds_per_unit: float) -> None:
+        known = self._seconds_per_unit.pop(key, None)
+        if known is not None:
+            seconds_per_unit = known + _SPEED_SMOOTHING * (seconds_per_unit - known)
+        elif len(self._seconds_per_unit) >= _MAX_SPEED_KEYS:
+            del self._seconds_per_unit[next(iter(self._seconds_per_unit))]
+        self._seconds_per_unit[key] = seconds_per_unit  # (re)inserted: the newest
 
     def _close(self) -> None:
         """Fail every queued job and let idle workers leave; running jobs go on to the end."""
@@ -360,11 +455,14 @@ async def open_task_pool(
     reserved_workers: int = 1,
     max_batch_size: int = 16,
     shared_inference: bool = True,
+    inline_below_s: float = 0.0,
 ) -> AsyncIterator[TaskPool]:
     """A :class:`TaskPool` with ``workers`` threads, ``reserved_workers`` of them (fewer than
     ``workers``) kept for :attr:`Priority.INFERENCE`; it runs for the duration of the block.
     With ``shared_inference=False`` the other workers take no inference jobs at all: steps
     then run one batch at a time, and those arriving meanwhile make the next batch.
+    ``inline_below_s``: batches expected to take less run on the event loop's thread (see the
+    module docstring; 0: never).
 
     Leaving the block fails queued jobs with ``ServerError("the server is shutting down")`` and
     waits for running ones (a thread cannot be interrupted).
@@ -382,7 +480,16 @@ async def open_task_pool(
         or max_batch_size < 1
     ):
         raise ConfigError(f"max_batch_size must be an int >= 1, not {max_batch_size!r}")
+    if (
+        isinstance(inline_below_s, bool)
+        or not isinstance(inline_below_s, int | float)
+        or not 0 <= inline_below_s < float("inf")
+    ):
+        raise ConfigError(
+            f"inline_below_s must be a number of seconds >= 0, not {inline_below_s!r}"
+        )
     pool = TaskPool(
+        inline_below_s=float(inline_below_s),
         workers=workers,
         reserved_workers=reserved_workers,
         max_batch_size=max_batch_size,

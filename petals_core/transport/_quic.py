@@ -11,7 +11,13 @@ in its public API, so this subclass adds them (aioquic is pinned in pyproject; t
   application *consumes* data: at most ``stream_window_bytes`` unread per stream and
   ``connection_window_bytes`` per connection.
 * **ACKs ride along with data.**  aioquic sends an ACK only when its delayed-ACK timer fires, even
-  when a data packet leaves first; here a pending ACK goes out in the next data packet.
+  when a data packet leaves first; here a pending ACK goes out in the next data packet.  And the
+  timer waits longer for a lone packet: aioquic acknowledges every ack-eliciting packet within
+  1 ms, so a request whose answer takes longer to compute costs an ACK-only packet each way
+  (sent, received, decrypted, processed: a wake-up of both event loops).  Here a single pending
+  packet waits up to ``LONE_ACK_DELAY_S`` (below the 25 ms ``max_ack_delay`` we advertise, which
+  the peer's loss timers allow for), so the answer carries the ACK; from the second pending packet
+  on, aioquic's 1 ms applies, so bulk transfers are acknowledged as before.
 * **Send-buffer accounting and coarse pacing.** ``send_stream_data`` buffers without limit; we
   expose how many bytes sit unacknowledged so the caller can wait.  aioquic's pacer releases at
   most 16 datagrams per burst and asks for sub-millisecond timers that the event loop rounds up to
@@ -25,7 +31,7 @@ from typing import Any
 
 from aioquic import tls
 from aioquic.quic.configuration import QuicConfiguration
-from aioquic.quic.connection import QuicConnection
+from aioquic.quic.connection import NetworkAddress, QuicConnection, QuicReceiveContext
 from aioquic.quic.recovery import QuicPacketPacer
 from cryptography import x509
 
@@ -44,6 +50,10 @@ class _CoarsePacer(QuicPacketPacer):
         if self.packet_time is not None:
             self.bucket_max = max(self.bucket_max, 2 * self._burst_s)
             self.bucket_time = min(self.bucket_time, self.bucket_max)
+
+
+#: How long the ACK of a lone ack-eliciting 1-RTT packet may wait for data to ride along with.
+LONE_ACK_DELAY_S = 0.015
 
 
 class PeerQuicConnection(QuicConnection):
@@ -74,6 +84,9 @@ class PeerQuicConnection(QuicConnection):
         self._held_back: dict[int, int] = {}
         self._connection_consumed = 0
         self._data_pending = False
+        # Ack-eliciting 1-RTT packets received since our last ACK, and when the first arrived.
+        self._unacked_eliciting = 0
+        self._first_unacked_at = 0.0
         self._loss._pacer = _CoarsePacer(
             max_datagram_size=configuration.max_datagram_size, burst_s=pacing_burst_s
         )
@@ -190,6 +203,33 @@ class PeerQuicConnection(QuicConnection):
     def send_stream_data(self, stream_id: int, data: bytes, end_stream: bool = False) -> None:
         super().send_stream_data(stream_id, data, end_stream)
         self._data_pending = True
+
+    def receive_datagram(self, data: bytes, addr: NetworkAddress, now: float) -> None:
+        super().receive_datagram(data, addr, now)
+        space = self._spaces.get(tls.Epoch.ONE_RTT)
+        if space is None or space.ack_at is None or not self._unacked_eliciting:
+            return
+        if self._unacked_eliciting == 1:
+            space.ack_at = max(space.ack_at, self._first_unacked_at + LONE_ACK_DELAY_S)
+        else:
+            space.ack_at = min(space.ack_at, max(now, self._first_unacked_at + self._ack_delay))
+
+    def _payload_received(
+        self, context: QuicReceiveContext, plain: bytes, crypto_frame_required: bool = False
+    ) -> tuple[bool, bool]:
+        is_ack_eliciting, is_probing = super()._payload_received(
+            context, plain, crypto_frame_required
+        )
+        if is_ack_eliciting and context.epoch == tls.Epoch.ONE_RTT:
+            if not self._unacked_eliciting:
+                self._first_unacked_at = context.time
+            self._unacked_eliciting += 1
+        return is_ack_eliciting, is_probing
+
+    def _write_ack_frame(self, builder: Any, space: Any, now: float) -> None:
+        super()._write_ack_frame(builder=builder, space=space, now=now)
+        if space is self._spaces.get(tls.Epoch.ONE_RTT):
+            self._unacked_eliciting = 0
 
     def datagrams_to_send(self, now: float) -> list[tuple[bytes, Any]]:
         # aioquic writes an ACK only once its delayed-ACK timer is due, so a request/response

@@ -23,7 +23,13 @@ import trio
 
 from petals_core import ConfigError
 from petals_core.server import INFO
-from petals_core.server.__main__ import check_disk_space, main, parse_nbytes
+from petals_core.server.__main__ import (
+    _parser,
+    check_disk_space,
+    config_from_args,
+    main,
+    parse_nbytes,
+)
 from petals_core.server._server import ServerConfig
 from petals_core.transport import Multiaddr, call_unary, open_node
 
@@ -169,6 +175,7 @@ async def test_a_config_that_cannot_start_exits_1_and_dry_run_measures(
         (["--max_disk_space", "10XB"], "argument --max_disk_space: '10XB' is not a size"),
         (["--step_timeout", "0"], "argument --step_timeout: must be a positive number"),
         (["--quant_type", "int4"], "argument --quant_type: invalid choice"),
+        (["--inline_compute_ms", "-1"], "argument --inline_compute_ms: must be a number >= 0"),
     ],
 )
 def test_bad_flags_exit_2_with_argparse_message(
@@ -179,6 +186,18 @@ def test_bad_flags_exit_2_with_argparse_message(
         main(["model", "--new_swarm", *flags])
     assert exited.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_inline_compute_flag_reaches_the_serving_limits() -> None:
+    parser = _parser()
+    default = config_from_args(parser.parse_args(["model", "--new_swarm"]))
+    assert default.limits.inline_compute_s == pytest.approx(0.005)
+    off = config_from_args(parser.parse_args(["model", "--new_swarm", "--inline_compute_ms", "0"]))
+    assert off.limits.inline_compute_s == 0.0
+    set_ = config_from_args(
+        parser.parse_args(["model", "--new_swarm", "--inline_compute_ms", "2.5"])
+    )
+    assert set_.limits.inline_compute_s == pytest.approx(0.0025)
 
 
 def test_parse_nbytes() -> None:

@@ -325,3 +325,93 @@ async def test_invalid_configuration(
             workers=workers, reserved_workers=reserved_workers, max_batch_size=max_batch_size
         ):
             pytest.fail("must not open")
+
+
+@pytest.mark.parametrize("inline_below_s", [-1.0, float("inf"), float("nan"), True])
+async def test_invalid_inline_threshold(inline_below_s: float) -> None:
+    with pytest.raises(ConfigError, match="inline_below_s"):
+        async with open_task_pool(inline_below_s=inline_below_s):
+            pytest.fail("must not open")
+
+
+def _where(items: list[int]) -> list[str]:
+    return [threading.current_thread().name] * len(items)
+
+
+async def test_quick_batches_run_on_the_loop_thread_once_measured() -> None:
+    loop_thread = threading.current_thread().name
+    with trio.fail_after(DEADLINE_S):
+        async with open_task_pool(inline_below_s=10.0) as pool:
+            # Unknown speed: a worker thread, which measures it.
+            first = await pool.run_batched("k", 1, _where, priority=Priority.INFERENCE)
+            assert first != loop_thread
+            # Known to be quick: the loop's own thread, also for a batch of several items.
+            assert await pool.run_batched("k", 1, _where, priority=Priority.INFERENCE) == (
+                loop_thread
+            )
+            # Another key is measured first on its own.
+            other = await pool.run_batched("other", 1, _where, priority=Priority.INFERENCE)
+            assert other != loop_thread
+            assert pool.statistics().inline_batches == 1
+
+
+async def test_batches_expected_to_be_slow_go_to_a_thread() -> None:
+    loop_thread = threading.current_thread().name
+
+    def slow(items: list[float]) -> list[str]:
+        done = threading.Event()
+        done.wait(items[0])  # stands for compute (a worker thread, or the blocked loop)
+        return [threading.current_thread().name]
+
+    with trio.fail_after(DEADLINE_S):
+        async with open_task_pool(inline_below_s=0.05) as pool:
+            assert await pool.run_batched("k", 0.01, slow, priority=Priority.INFERENCE, size=1) != (
+                loop_thread
+            )
+            # ~10 ms per unit: one unit is expected to take ~10 ms (inline) ...
+            assert (
+                await pool.run_batched("k", 0.0, slow, priority=Priority.INFERENCE, size=1)
+                == loop_thread
+            )
+            # ... 100 units ~1 s: a thread (the average fell meanwhile, still far above 50 ms).
+            assert (
+                await pool.run_batched("k", 0.0, slow, priority=Priority.INFERENCE, size=100)
+                != loop_thread
+            )
+
+
+async def test_plain_jobs_run_inline_only_under_a_cost_key() -> None:
+    loop_thread = threading.current_thread().name
+
+    def where() -> str:
+        return threading.current_thread().name
+
+    with trio.fail_after(DEADLINE_S):
+        async with open_task_pool(inline_below_s=10.0) as pool:
+            for _ in range(2):
+                assert await pool.run(where, priority=Priority.INFERENCE) != loop_thread
+            assert await pool.run(where, priority=Priority.INFERENCE, cost_key="c") != loop_thread
+            assert await pool.run(where, priority=Priority.INFERENCE, cost_key="c") == loop_thread
+            # An exception from an inline job reaches its caller as from a thread.
+            with pytest.raises(ZeroDivisionError):
+                await pool.run(lambda: 1 / 0, priority=Priority.INFERENCE, cost_key="c")
+
+
+async def test_inline_off_by_default() -> None:
+    loop_thread = threading.current_thread().name
+    with trio.fail_after(DEADLINE_S):
+        async with open_task_pool() as pool:
+            for _ in range(3):
+                assert await pool.run_batched("k", 1, _where, priority=Priority.INFERENCE) != (
+                    loop_thread
+                )
+            assert pool.statistics().inline_batches == 0
+
+
+@pytest.mark.parametrize("size", [0, -1.0, float("nan")])
+async def test_sizes_must_be_positive(size: float) -> None:
+    async with open_task_pool() as pool:
+        with pytest.raises(ValueError, match="size"):
+            await pool.run_batched("k", 1, _where, priority=Priority.INFERENCE, size=size)
+        with pytest.raises(ValueError, match="size"):
+            await pool.run(lambda: None, priority=Priority.INFERENCE, size=size)

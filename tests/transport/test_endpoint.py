@@ -19,6 +19,7 @@ from petals_core.transport._endpoint import (
     StreamReset,
 )
 from petals_core.transport._identity import Identity
+from petals_core.transport._quic import LONE_ACK_DELAY_S
 
 CLIENT = ("127.0.0.1", 1000)
 SERVER = ("127.0.0.1", 2000)
@@ -37,6 +38,8 @@ class Recorder:
         self.finished: set[tuple[int, int]] = set()
         self.resets: list[StreamReset] = []
         self.now = 0.0
+        #: When each datagram this endpoint produced left.
+        self.sent_at: list[float] = []
 
     # Endpoint protocol for MemoryNetwork, collecting events as they appear.
     def receive_datagram(self, data: bytes, address: tuple[str, int], now: float) -> None:
@@ -46,6 +49,7 @@ class Recorder:
 
     def datagrams_to_send(self, now: float) -> list[tuple[bytes, tuple[str, int]]]:
         out = self.endpoint.datagrams_to_send(now)
+        self.sent_at += [now] * len(out)
         self._events(now)
         return out
 
@@ -160,6 +164,65 @@ def test_dropping_chosen_datagrams_during_handshake() -> None:
     pipe = Pipe(drop=lambda index, data: index in (0, 2))
     net, client, server = make_pair(pipe=pipe)
     handshake(net, client, server)
+
+
+@attrs.frozen
+class Delivered:
+    """Data sent on a fresh stream of a settled connection, just arrived at the server."""
+
+    net: MemoryNetwork
+    client: Recorder
+    server: Recorder
+    handle: int
+    server_handle: int
+    stream_id: int
+    #: Datagrams the server had sent before the data arrived.
+    server_sent: int
+    arrived_at: float
+
+
+def deliver(data: bytes) -> Delivered:
+    net, client, server = make_pair()
+    handle = handshake(net, client, server)
+    while net.step(until=net.now + 0.2):  # the handshake's last packets and ACKs settle
+        pass
+    (server_handle,) = server.ready
+    stream_id = client.endpoint.open_stream(handle)
+    client.endpoint.send_stream_data(handle, stream_id, data, net.now)
+    sent = len(server.sent_at)
+    assert net.run_until(lambda: bool(server.received.get((server_handle, stream_id))))
+    return Delivered(net, client, server, handle, server_handle, stream_id, sent, net.now)
+
+
+def test_a_lone_request_is_acknowledged_by_its_answer() -> None:
+    d = deliver(b"request")
+    # The answer takes 5 ms to compute: no ACK-only packet leaves meanwhile ...
+    while d.net.step(until=d.net.now + 0.005):
+        pass
+    assert len(d.server.sent_at) == d.server_sent
+    # ... and the answer carries the ACK: one datagram in all.
+    d.server.endpoint.send_stream_data(d.server_handle, d.stream_id, b"answer", d.net.now)
+    answered = lambda: bytes(d.client.received.get((d.handle, d.stream_id), b"")) == b"answer"  # noqa: E731
+    assert d.net.run_until(answered)
+    while d.net.step(until=d.net.now + 0.2):
+        pass
+    assert len(d.server.sent_at) == d.server_sent + 1
+
+
+def test_a_lone_packet_without_answer_is_still_acknowledged() -> None:
+    d = deliver(b"no answer")
+    assert d.net.run_until(lambda: len(d.server.sent_at) > d.server_sent, max_time_s=1.0)
+    # Within the lone-packet delay, well under the 25 ms max_ack_delay advertised.
+    delay = d.server.sent_at[d.server_sent] - d.arrived_at
+    assert LONE_ACK_DELAY_S - 0.001 <= delay <= LONE_ACK_DELAY_S + 0.002
+    # The client saw it: nothing of its is left unacknowledged.
+    assert d.net.run_until(lambda: d.client.endpoint.send_buffered(d.handle) == 0, max_time_s=1.0)
+
+
+def test_several_packets_are_acknowledged_within_a_millisecond() -> None:
+    d = deliver(_payload(7, 100_000))  # several datagrams, even of loopback size
+    assert d.net.run_until(lambda: len(d.server.sent_at) > d.server_sent, max_time_s=1.0)
+    assert d.server.sent_at[d.server_sent] - d.arrived_at <= 0.0015
 
 
 def test_receive_credit_follows_the_application() -> None:
