@@ -19,6 +19,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+from torch import nn
 
 from .._errors import AdapterError
 from ..models import BloomBlock, KVCache, LlamaBlock, using_adapter
@@ -55,6 +56,28 @@ class BlockBackend:
             block.eval()
         # One position of one row of one block's cache: the unit of the cache budget.
         self.cache_bytes_per_token = self.blocks[0].allocate_cache(1, 1).nbytes
+        # What a backward keeps per token and block (an estimate): each projection's output, a
+        # few hidden-sized intermediates (norms, residuals), and attention scores per key.
+        first = self.blocks[0]
+        self._activation_elements_per_token = (
+            sum(m.out_features for m in first.modules() if isinstance(m, nn.Linear))
+            + 6 * hidden_size
+        )
+        self._attention_heads = max(
+            (
+                getattr(m, attr)
+                for m in first.modules()
+                for attr in ("n_head", "num_heads")
+                if isinstance(getattr(m, attr, None), int)
+            ),
+            default=1,
+        )
+
+    def activation_bytes(self, batch: int, tokens: int) -> int:
+        """Estimated bytes one block's autograd graph holds for a ``(batch, tokens)`` input."""
+        per_token = self._activation_elements_per_token + 2 * self._attention_heads * tokens
+        itemsize = max(torch.empty((), dtype=self.dtype).element_size(), 4)
+        return batch * tokens * per_token * itemsize
 
     # -- checks (on the event loop, before anything is scheduled) --------------------------------
 
@@ -184,27 +207,32 @@ class BlockBackend:
                 x = _add_prompt(x, prompt.to(self.device, self.dtype))
             return block(x)
 
-    def backward_block(
+    def backward_span(
         self,
-        index: int,
+        start: int,
+        end: int,
         hidden: torch.Tensor,
         grad_output: torch.Tensor,
         *,
-        prompt: torch.Tensor | None = None,
+        prompts: torch.Tensor | None = None,
         adapter: str | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Recompute block ``index`` on its input with autograd and return the gradients of its
-        input and of its prompt (None without a prompt), in the blocks' dtype."""
-        block = self.span(index, index + 1)[0]
+        """Recompute blocks ``[start, end)`` on their input with autograd, keeping every block's
+        activations (one forward for the whole span instead of one per block), and return the
+        gradients of the input and of the span's deep prompts (None without prompts), in the
+        blocks' dtype."""
+        blocks = self.span(start, end)
         with using_adapter(adapter), torch.enable_grad():
             # clone(): inputs computed by forward_block are inference tensors.
             x = hidden.to(self.device, self.dtype).clone().detach().requires_grad_(True)
             p = None
-            if prompt is not None:
-                p = prompt.to(self.device, self.dtype).clone().detach().requires_grad_(True)
-            y = block(x if p is None else _add_prompt(x, p))
+            if prompts is not None:
+                p = prompts.to(self.device, self.dtype).clone().detach().requires_grad_(True)
+            y = x
+            for index, block in enumerate(blocks):
+                y = block(y if p is None else _add_prompt(y, p[index]))
             inputs = (x,) if p is None else (x, p)
-            # materialize_grads: a prompt of no positions (P = 0) is not in the graph; its
+            # materialize_grads: prompts of no positions (P = 0) are not in the graph; their
             # gradient is an empty tensor, not an error.
             grads = torch.autograd.grad(
                 y,

@@ -89,6 +89,9 @@ class ServingLimits:
     #: Run concurrent sessions' steps over the same blocks as one batch (off: one by one, for
     #: comparison in benchmarks).
     batch_steps: bool = True
+    #: Autograd graph (estimated bytes) one backward job may hold: a backward recomputes that
+    #: many blocks at once with their activations kept, the rest in further groups.
+    backward_activation_bytes: int = attrs.field(default=1 << 30, validator=_positive)
     #: Inference jobs expected to compute in less than this many seconds run on the event loop's
     #: thread, without the hand-off to a worker thread (``--inline_compute_ms``; 0: never).
     inline_compute_s: float = attrs.field(default=0.005, validator=_non_negative)
@@ -435,25 +438,30 @@ class BlockServer:
                 )
             if grad_outputs.dtype not in _ALLOWED_DTYPES:
                 raise ServerError(f"grad_outputs must be one of {_ALLOWED_DTYPES}")
+            groups = self._backward_groups(backend, start, end, hidden)
+            # Each group's input: the request's for the first, a forward (no graph) for the others.
+            group_inputs = [hidden]
+            if len(groups) > 1:
+                outputs = await self._run_forward(
+                    backend, pool, start, groups[-1][0], hidden, prompts, adapter, points
+                )
+                group_inputs += [outputs[group_start - start - 1] for group_start, _ in groups[1:]]
             grad: torch.Tensor = grad_outputs
-            inputs = [
-                hidden,
-                *(
-                    await self._run_forward(
-                        backend, pool, start, end, hidden, prompts, adapter, points
-                    )
-                )[:-1],
-            ]
             prompt_grads: list[torch.Tensor | None] = []
-            for index in reversed(range(start, end)):
-                prompt = None if prompts is None else prompts[index - start]
+            for (group_start, group_end), group_input in zip(
+                reversed(groups), reversed(group_inputs), strict=True
+            ):
+                group_prompts = (
+                    None if prompts is None else prompts[group_start - start : group_end - start]
+                )
                 grad, prompt_grad = await pool.run(
                     functools.partial(
-                        backend.backward_block,
-                        index,
-                        inputs[index - start],
+                        backend.backward_span,
+                        group_start,
+                        group_end,
+                        group_input,
                         grad,
-                        prompt=prompt,
+                        prompts=group_prompts,
                         adapter=adapter,
                     ),
                     priority=Priority.BACKWARD,
@@ -463,7 +471,7 @@ class BlockServer:
             self._counts["backwards"] += 1
             grad_prompts = None
             if prompts is not None:
-                grad_prompts = torch.stack([g for g in reversed(prompt_grads) if g is not None]).to(
+                grad_prompts = torch.cat([g for g in reversed(prompt_grads) if g is not None]).to(
                     prompts.dtype
                 )
             await send_tensors(
@@ -471,6 +479,16 @@ class BlockServer:
                 {},
                 {"grad_inputs": grad.to(hidden.dtype), "grad_prompts": grad_prompts},
             )
+
+    def _backward_groups(
+        self, backend: BlockBackend, start: int, end: int, hidden: torch.Tensor
+    ) -> list[tuple[int, int]]:
+        """Blocks ``[start, end)`` in consecutive groups whose autograd graphs fit the backward
+        memory budget (``ServingLimits.backward_activation_bytes``), at least one block each: a
+        group is recomputed with its graph in one job; the fewer groups, the less recomputed."""
+        per_block = backend.activation_bytes(hidden.shape[0], hidden.shape[1])
+        size = max(1, self.limits.backward_activation_bytes // max(1, per_block))
+        return [(g, min(g + size, end)) for g in range(start, end, size)]
 
     @contextlib.contextmanager
     def _request_deadline(self) -> Iterator[None]:

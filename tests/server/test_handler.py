@@ -265,8 +265,13 @@ async def test_forward_and_backward_equal_local_autograd(
     assert (statistics.forwards, statistics.backwards) == (1, 1)
 
 
+@pytest.mark.parametrize(
+    "backward_activation_bytes",
+    [1 << 30, 1],
+    ids=["the span recomputed as one graph", "one block at a time"],
+)
 async def test_backward_with_prompts_equals_local_autograd(
-    server_llama: TinyCheckpoint, cache_dir: Path
+    server_llama: TinyCheckpoint, cache_dir: Path, backward_activation_bytes: int
 ) -> None:
     torch.manual_seed(7)
     hidden = torch.randn(2, 9, HIDDEN)
@@ -278,7 +283,12 @@ async def test_backward_with_prompts_equals_local_autograd(
     grad_hidden, grad_prompts = torch.autograd.grad(local_output, (leaf, prompt_leaf), grad_outputs)
     with trio.fail_after(DEADLINE_S):
         async with (
-            serve(server_llama, cache_dir, blocks=(0, 6)) as server,
+            serve(
+                server_llama,
+                cache_dir,
+                blocks=(0, 6),
+                limits=ServingLimits(backward_activation_bytes=backward_activation_bytes),
+            ) as server,
             connect(server) as connection,
         ):
             output = await forward(connection, (2, 5), hidden, prompts=prompts, chunk_bytes=1024)
