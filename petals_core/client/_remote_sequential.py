@@ -185,6 +185,8 @@ class _RemoteForward(torch.autograd.Function):
     ) -> torch.Tensor:
         token = sequential._token()
         given = prompts if prompts.numel() else None
+        # A backward will follow: the servers may keep their graphs for it.
+        wants_grad = bool(ctx.needs_input_grad[0] or ctx.needs_input_grad[1])
 
         async def run() -> tuple[torch.Tensor, list[Saved]]:
             return await remote_forward(
@@ -192,6 +194,7 @@ class _RemoteForward(torch.autograd.Function):
                 hidden.detach(),
                 None if given is None else given.detach(),
                 max_chunk_tokens=sequential.max_chunk_tokens,
+                keep_for_backward=wants_grad,
             )
 
         output, saved = bridge.run(run, token=token)

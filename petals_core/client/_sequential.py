@@ -5,10 +5,13 @@ the servers.  A batch larger than ``max_chunk_tokens`` is split along its rows i
 concurrently, each with its own route.  A span that fails is retried from its first block on a
 new route (the spans before it are kept), with the sequence manager's backoff and ban.
 
-Backward walks the spans of the forward in reverse: each server recomputes its forward from the
-inputs the client kept and returns the gradient of its input (and of its deep prompts).  When a
-span's server is gone, its blocks are routed anew and the forward is recomputed on the new
-route for those blocks only, then the backward continues there.
+Backward walks the spans of the forward in reverse: each server returns the gradient of its
+input (and of its deep prompts), recomputing its forward from the inputs the client kept.  A
+forward made for a backward (``keep_for_backward``) asks each server to keep its autograd graph:
+a server that did answers with a token, and the backward that names it skips the recomputation
+(the server still checks the inputs, and recomputes if its graph is gone).  When a span's server
+is gone, its blocks are routed anew and the forward is recomputed on the new route for those
+blocks only, then the backward continues there.
 """
 
 from __future__ import annotations
@@ -33,8 +36,9 @@ logger = logging.getLogger(__name__)
 DEFAULT_MAX_CHUNK_TOKENS = 16384
 _MAX_ELEMENTS = 1 << 30
 
-#: What a forward keeps for its backward: per span, the span and its input.
-Saved = list[tuple[RouteSpan, torch.Tensor]]
+#: What a forward keeps for its backward: per span, the span, its input and the server's token
+#: for the graph it kept (None if it kept none).
+Saved = list[tuple[RouteSpan, torch.Tensor, str | None]]
 
 
 async def _call(
@@ -42,19 +46,20 @@ async def _call(
     method: str,
     span: RouteSpan,
     tensors: dict[str, torch.Tensor | None],
-) -> dict[str, torch.Tensor]:
+    **extra: Any,
+) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     connection = await manager.connect(span.peer_id)
     meta = {
         "blocks": [span.start, span.end],
         "active_adapter": manager.config.active_adapter,
         "points": 0.0,
+        **extra,
     }
     with trio.fail_after(manager.config.request_timeout):
         async with open_call(connection, method) as call:
             await send_tensors(call.send, meta, tensors)
             await call.send_eof()
-            _, result = await receive_tensors(call.receive, max_elements=_MAX_ELEMENTS)
-    return result
+            return await receive_tensors(call.receive, max_elements=_MAX_ELEMENTS)
 
 
 def _prompts_for(
@@ -90,14 +95,16 @@ async def _forward_span(
     span: RouteSpan,
     hidden: torch.Tensor,
     prompts: torch.Tensor | None,
-) -> torch.Tensor:
+    keep: bool,
+) -> tuple[torch.Tensor, str | None]:
     try:
         began = trio.current_time()
-        result = await _call(
+        meta, result = await _call(
             manager,
             FORWARD,
             span,
             {"hidden_states": hidden, "prompts": _prompts_for(manager, prompts, span)},
+            **({"keep_for_backward": True} if keep else {}),
         )
         manager.on_forward_measured(
             span.peer_id,
@@ -112,7 +119,8 @@ async def _forward_span(
         exc._petals_peer = span.peer_id  # type: ignore[union-attr]
         raise
     manager.on_request_success(span.peer_id)
-    return output.to(hidden.dtype)
+    token = meta.get("kept")
+    return output.to(hidden.dtype), (token if isinstance(token, str) else None)
 
 
 async def _forward_blocks(
@@ -122,6 +130,8 @@ async def _forward_blocks(
     hidden: torch.Tensor,
     prompts: torch.Tensor | None,
     attempt: list[int],
+    *,
+    keep: bool,
 ) -> tuple[torch.Tensor, Saved]:
     """``hidden`` through blocks ``[start, end)``; a failed span is rerouted from its start."""
     saved: Saved = []
@@ -136,8 +146,8 @@ async def _forward_blocks(
         )
         try:
             for span in route:
-                output = await _forward_span(manager, span, x, prompts)
-                saved.append((span, x))
+                output, token = await _forward_span(manager, span, x, prompts, keep)
+                saved.append((span, x, token))
                 x = output
                 block = span.end
         except RETRIABLE as exc:
@@ -159,9 +169,11 @@ async def remote_forward(
     prompts: torch.Tensor | None = None,
     *,
     max_chunk_tokens: int = DEFAULT_MAX_CHUNK_TOKENS,
+    keep_for_backward: bool = False,
 ) -> tuple[torch.Tensor, list[Saved]]:
     """Run ``(B, T, hidden)`` through the manager's blocks; returns the output and, per row
-    chunk, what the backward needs."""
+    chunk, what the backward needs.  ``keep_for_backward``: a :func:`remote_backward` follows;
+    servers may keep their graphs for it."""
     chunks = _row_chunks(hidden, max_chunk_tokens)
     outputs: list[torch.Tensor | None] = [None] * len(chunks)
     saved: list[Saved] = [[] for _ in chunks]
@@ -170,7 +182,7 @@ async def remote_forward(
     async def run(i: int, rows: slice) -> None:
         chunk_prompts = _rows_of_prompts(prompts, rows, hidden.shape[0])
         outputs[i], saved[i] = await _forward_blocks(
-            manager, start, end, hidden[rows], chunk_prompts, [0]
+            manager, start, end, hidden[rows], chunk_prompts, [0], keep=keep_for_backward
         )
 
     await _run_chunks(run, chunks)
@@ -224,9 +236,9 @@ async def _backward_chunk(
     attempt = [0]
     pending = list(saved)
     while pending:
-        span, inputs = pending.pop()
+        span, inputs, token = pending.pop()
         try:
-            result = await _call(
+            _, result = await _call(
                 manager,
                 BACKWARD,
                 span,
@@ -235,6 +247,7 @@ async def _backward_chunk(
                     "grad_outputs": grad,
                     "prompts": _prompts_for(manager, prompts, span),
                 },
+                **({} if token is None else {"kept": token}),
             )
             new_grad = result.get("grad_inputs")
             if not isinstance(new_grad, torch.Tensor) or new_grad.shape != inputs.shape:
@@ -251,7 +264,7 @@ async def _backward_chunk(
             await trio.sleep(manager.retry_delay(attempt[0]))
             # Recompute the forward of these blocks on a new route, then go on backwards there.
             _, resaved = await _forward_blocks(
-                manager, span.start, span.end, inputs, prompts, attempt
+                manager, span.start, span.end, inputs, prompts, attempt, keep=True
             )
             pending.extend(resaved)
             continue

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import attrs
 import torch
 from torch import nn
 
@@ -26,7 +27,16 @@ from ..models import BloomBlock, KVCache, LlamaBlock, using_adapter
 
 Block = LlamaBlock | BloomBlock
 
-__all__ = ["BlockBackend"]
+__all__ = ["BlockBackend", "Graph"]
+
+
+@attrs.frozen(kw_only=True, eq=False)
+class Graph:
+    """A forward's autograd graph: its input and prompt leaves and its output."""
+
+    inputs: torch.Tensor
+    prompts: torch.Tensor | None
+    output: torch.Tensor
 
 
 class BlockBackend:
@@ -207,6 +217,45 @@ class BlockBackend:
                 x = _add_prompt(x, prompt.to(self.device, self.dtype))
             return block(x)
 
+    def forward_keeping_graph(
+        self,
+        start: int,
+        end: int,
+        hidden: torch.Tensor,
+        *,
+        prompts: torch.Tensor | None = None,
+        adapter: str | None = None,
+    ) -> tuple[torch.Tensor, Graph]:
+        """Blocks ``[start, end)`` on ``hidden`` with autograd: the output (blocks' dtype,
+        detached) and the graph, from which :meth:`backward_from_graph` takes the gradients
+        once without recomputing anything."""
+        blocks = self.span(start, end)
+        with using_adapter(adapter), torch.enable_grad():
+            x = hidden.to(self.device, self.dtype).clone().detach().requires_grad_(True)
+            p = None
+            if prompts is not None:
+                p = prompts.to(self.device, self.dtype).clone().detach().requires_grad_(True)
+            y = x
+            for index, block in enumerate(blocks):
+                y = block(y if p is None else _add_prompt(y, p[index]))
+        return y.detach(), Graph(inputs=x, prompts=p, output=y)
+
+    def backward_from_graph(
+        self, graph: Graph, grad_output: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The gradients of a kept forward's input and prompts (the graph is freed)."""
+        inputs = (graph.inputs,) if graph.prompts is None else (graph.inputs, graph.prompts)
+        # materialize_grads: prompts of no positions (P = 0) are not in the graph; their
+        # gradient is an empty tensor, not an error.
+        grads = torch.autograd.grad(
+            graph.output,
+            inputs,
+            grad_output.to(self.device, self.dtype),
+            allow_unused=True,
+            materialize_grads=True,
+        )
+        return grads[0], (grads[1] if graph.prompts is not None else None)
+
     def backward_span(
         self,
         start: int,
@@ -221,27 +270,8 @@ class BlockBackend:
         activations (one forward for the whole span instead of one per block), and return the
         gradients of the input and of the span's deep prompts (None without prompts), in the
         blocks' dtype."""
-        blocks = self.span(start, end)
-        with using_adapter(adapter), torch.enable_grad():
-            # clone(): inputs computed by forward_block are inference tensors.
-            x = hidden.to(self.device, self.dtype).clone().detach().requires_grad_(True)
-            p = None
-            if prompts is not None:
-                p = prompts.to(self.device, self.dtype).clone().detach().requires_grad_(True)
-            y = x
-            for index, block in enumerate(blocks):
-                y = block(y if p is None else _add_prompt(y, p[index]))
-            inputs = (x,) if p is None else (x, p)
-            # materialize_grads: prompts of no positions (P = 0) are not in the graph; their
-            # gradient is an empty tensor, not an error.
-            grads = torch.autograd.grad(
-                y,
-                inputs,
-                grad_output.to(self.device, self.dtype),
-                allow_unused=True,
-                materialize_grads=True,
-            )
-        return grads[0], (grads[1] if p is not None else None)
+        _, graph = self.forward_keeping_graph(start, end, hidden, prompts=prompts, adapter=adapter)
+        return self.backward_from_graph(graph, grad_output)
 
 
 def _with_prompt(x: torch.Tensor, prompts: torch.Tensor | None, index: int) -> torch.Tensor:

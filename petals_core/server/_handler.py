@@ -20,10 +20,20 @@ Scheduling: single-step work of different sessions over the same blocks and adap
 (:meth:`BlockBackend.inference_steps`); steps longer than ``max_batch_tokens`` tokens are
 processed in chunks, each a separate job, so that a long prefill never holds up other sessions.
 
-**Forward / backward** (``petals.forward`` / ``petals.backward``): stateless, tensors sent in parts
-(see ``_protocol``): meta ``{"blocks", "active_adapter", "points"}`` with ``hidden_states`` (and
-``grad_outputs`` for backward, ``prompts`` optionally).  Each block is its own job in the pool,
-below inference steps in priority.  Backward recomputes the forward.
+**Forward / backward** (``petals.forward`` / ``petals.backward``): tensors sent in parts (see
+``_protocol``): meta ``{"blocks", "active_adapter", "points"}`` with ``hidden_states`` (and
+``grad_outputs`` for backward, ``prompts`` optionally), below inference steps in priority.  A
+forward runs each block as its own job.  A backward recomputes its span's forward with autograd,
+in groups of blocks whose graphs fit ``backward_activation_bytes`` (one group: no extra forward),
+then returns ``grad_inputs`` (and ``grad_prompts``).
+
+A forward whose meta says ``"keep_for_backward": true`` may instead run with autograd and keep
+its graph (estimated bytes within ``backward_activation_bytes`` and, with the other kept graphs,
+``kept_forward_bytes``; the oldest are dropped to make room, and any after
+``kept_forward_timeout_s``); its answer's meta then holds ``"kept": <token>``.  A backward from
+the same peer naming that token in its meta, with the same blocks, adapter, hidden states and
+prompts, takes the gradients from the kept graph without recomputing; anything else (an unknown,
+used or expired token, other inputs) is recomputed as usual, so the token is only ever a hint.
 """
 
 from __future__ import annotations
@@ -32,6 +42,7 @@ import contextlib
 import functools
 import logging
 import math
+import secrets
 from collections.abc import Iterator
 from typing import Any, Final
 
@@ -42,7 +53,7 @@ import trio
 from .._errors import AdapterError, CallEnded, CodecError, ServerError
 from ..models import KVCache
 from ..transport import Handlers, ServerCall
-from ._backend import BlockBackend
+from ._backend import BlockBackend, Graph
 from ._memory_cache import MemoryCache
 from ._protocol import BACKWARD, FORWARD, INFERENCE, INFO, receive_tensors, send_tensors
 from ._task_pool import Priority, TaskPool
@@ -92,9 +103,49 @@ class ServingLimits:
     #: Autograd graph (estimated bytes) one backward job may hold: a backward recomputes that
     #: many blocks at once with their activations kept, the rest in further groups.
     backward_activation_bytes: int = attrs.field(default=1 << 30, validator=_positive)
+    #: Forward graphs kept for a coming backward, in estimated bytes in all (0: none kept).
+    kept_forward_bytes: int = attrs.field(default=1 << 30, validator=_non_negative)
+    #: How long a kept forward graph waits for its backward.
+    kept_forward_timeout_s: float = attrs.field(default=60.0, validator=_positive)
     #: Inference jobs expected to compute in less than this many seconds run on the event loop's
     #: thread, without the hand-off to a worker thread (``--inline_compute_ms``; 0: never).
     inline_compute_s: float = attrs.field(default=0.005, validator=_non_negative)
+
+
+@attrs.frozen(kw_only=True, eq=False)
+class _Kept:
+    """A forward's graph kept for its backward."""
+
+    peer: str
+    start: int
+    end: int
+    adapter: str | None
+    hidden: torch.Tensor
+    prompts: torch.Tensor | None
+    graph: Graph
+    nbytes: int
+    expires_at: float
+
+    def matches(
+        self,
+        peer: str,
+        start: int,
+        end: int,
+        adapter: str | None,
+        hidden: torch.Tensor,
+        prompts: torch.Tensor | None,
+    ) -> bool:
+        if (self.peer, self.start, self.end, self.adapter) != (peer, start, end, adapter):
+            return False
+        if not _same(self.hidden, hidden):
+            return False
+        if self.prompts is None or prompts is None:
+            return self.prompts is None and prompts is None
+        return _same(self.prompts, prompts)
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and bool(torch.equal(a, b))
 
 
 @attrs.define(eq=False)
@@ -123,7 +174,12 @@ class BlockServerStatistics:
     batched_steps: int
     forwards: int
     backwards: int
+    #: Backwards that took their gradients from a kept forward graph.
+    kept_backwards: int
     failures: int
+    #: Forward graphs kept now, and their estimated bytes.
+    kept_forwards: int
+    kept_forward_bytes: int
 
 
 class BlockServer:
@@ -141,8 +197,11 @@ class BlockServer:
         self._sessions: dict[str, _Session] = {}
         self._refusing: str | None = "the server is still loading its blocks"
         self._counts = dict.fromkeys(
-            ["steps", "batched_steps", "forwards", "backwards", "failures"], 0
+            ["steps", "batched_steps", "forwards", "backwards", "kept_backwards", "failures"], 0
         )
+        #: Token -> kept forward graph, oldest first.
+        self._kept: dict[str, _Kept] = {}
+        self._kept_bytes = 0
 
     # -- life cycle ------------------------------------------------------------------------------
 
@@ -156,6 +215,8 @@ class BlockServer:
         for session in list(self._sessions.values()):
             session.closed_because = reason
             session.scope.cancel()
+        self._kept.clear()
+        self._kept_bytes = 0
         self._backend = self._pool = self._cache = None
 
     @property
@@ -171,7 +232,13 @@ class BlockServer:
         return len(self._sessions)
 
     def statistics(self) -> BlockServerStatistics:
-        return BlockServerStatistics(sessions=len(self._sessions), **self._counts)
+        self._drop_expired()
+        return BlockServerStatistics(
+            sessions=len(self._sessions),
+            kept_forwards=len(self._kept),
+            kept_forward_bytes=self._kept_bytes,
+            **self._counts,
+        )
 
     def _parts(self) -> tuple[BlockBackend, TaskPool, MemoryCache]:
         if self._refusing is not None or self._backend is None:
@@ -418,11 +485,66 @@ class BlockServer:
                 call.receive, max_elements=self.limits.max_request_elements
             )
             start, end, adapter, points, hidden, prompts = self._pass(meta, tensors, backend)
-            outputs = await self._run_forward(
-                backend, pool, start, end, hidden, prompts, adapter, points
-            )
+            keep = meta.get("keep_for_backward") is True
+            nbytes = backend.activation_bytes(hidden.shape[0], hidden.shape[1]) * (end - start)
+            reply: dict[str, Any] = {}
+            if keep and nbytes <= min(
+                self.limits.backward_activation_bytes, self.limits.kept_forward_bytes
+            ):
+                output, graph = await pool.run(
+                    functools.partial(
+                        backend.forward_keeping_graph,
+                        start,
+                        end,
+                        hidden,
+                        prompts=prompts,
+                        adapter=adapter,
+                    ),
+                    priority=Priority.FORWARD,
+                    points=points,
+                )
+                reply["kept"] = self._keep(
+                    _Kept(
+                        peer=str(call.peer_id),
+                        start=start,
+                        end=end,
+                        adapter=adapter,
+                        hidden=hidden,
+                        prompts=prompts,
+                        graph=graph,
+                        nbytes=nbytes,
+                        expires_at=trio.current_time() + self.limits.kept_forward_timeout_s,
+                    )
+                )
+            else:
+                output = (
+                    await self._run_forward(
+                        backend, pool, start, end, hidden, prompts, adapter, points
+                    )
+                )[-1]
             self._counts["forwards"] += 1
-            await send_tensors(call.send, {}, {"hidden_states": outputs[-1].to(hidden.dtype)})
+            await send_tensors(call.send, reply, {"hidden_states": output.to(hidden.dtype)})
+
+    def _keep(self, kept: _Kept) -> str:
+        """Store ``kept`` (dropping expired graphs, then the oldest, to make room); its token."""
+        self._drop_expired()
+        while self._kept and self._kept_bytes + kept.nbytes > self.limits.kept_forward_bytes:
+            self._forget(next(iter(self._kept)))
+        token = secrets.token_hex(16)
+        self._kept[token] = kept
+        self._kept_bytes += kept.nbytes
+        return token
+
+    def _forget(self, token: str) -> _Kept | None:
+        kept = self._kept.pop(token, None)
+        if kept is not None:
+            self._kept_bytes -= kept.nbytes
+        return kept
+
+    def _drop_expired(self) -> None:
+        now = trio.current_time()
+        for token in [t for t, kept in self._kept.items() if kept.expires_at <= now]:
+            self._forget(token)
 
     async def _backward(self, call: ServerCall) -> None:
         backend, pool, _ = self._parts()
@@ -438,6 +560,34 @@ class BlockServer:
                 )
             if grad_outputs.dtype not in _ALLOWED_DTYPES:
                 raise ServerError(f"grad_outputs must be one of {_ALLOWED_DTYPES}")
+            token = meta.get("kept")
+            token = token if isinstance(token, str) else ""
+            kept = self._kept.get(token)
+            if kept is not None and kept.peer == str(call.peer_id):
+                self._forget(token)  # a graph serves one backward (its own or none)
+            else:
+                kept = None  # unknown, or another peer's: not this caller's to spend
+            if kept is not None and kept.matches(
+                str(call.peer_id), start, end, adapter, hidden, prompts
+            ):
+                grad_inputs, grad_prompts = await pool.run(
+                    functools.partial(backend.backward_from_graph, kept.graph, grad_outputs),
+                    priority=Priority.BACKWARD,
+                    points=points,
+                )
+                self._counts["backwards"] += 1
+                self._counts["kept_backwards"] += 1
+                await send_tensors(
+                    call.send,
+                    {},
+                    {
+                        "grad_inputs": grad_inputs.to(hidden.dtype),
+                        "grad_prompts": None
+                        if grad_prompts is None or prompts is None
+                        else grad_prompts.to(prompts.dtype),
+                    },
+                )
+                return
             groups = self._backward_groups(backend, start, end, hidden)
             # Each group's input: the request's for the first, a forward (no graph) for the others.
             group_inputs = [hidden]

@@ -503,7 +503,7 @@ async def finetune_step(
     if kill:
         # The remote forward's autograd node keeps, per row chunk, the spans it went through.
         saved = outputs[-1].grad_fn.saved  # type: ignore[union-attr]
-        victim = harness.choose_victim({span.peer_id for chunk in saved for span, _ in chunk})
+        victim = harness.choose_victim({span.peer_id for chunk in saved for span, *_ in chunk})
         if victim is not None:
             harness.kill(victim)
     await trio.to_thread.run_sync(loss.backward)

@@ -238,7 +238,7 @@ async def test_stall_and_kill_failover_in_a_process_swarm(model: Model) -> None:
                 manager.on_request_failure(c)
                 x = torch.randn(2, 3, HIDDEN)
                 output, saved = await remote_forward(second_half, x)
-                assert [span.peer_id for chunk in saved for span, _ in chunk] == [b]
+                assert [span.peer_id for chunk in saved for span, *_ in chunk] == [b]
                 manager.on_request_success(c)
                 process_of(swarm, b).kill()
                 grad_output = torch.randn_like(output)

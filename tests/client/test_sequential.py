@@ -64,7 +64,7 @@ async def test_forward_backward_equal_local_autograd(model: Model, tmp_path: Pat
                 # The async core.
                 output, saved = await remote_forward(seq.sequence_manager, x, prompts)
                 assert_close(output, expected)
-                assert [(s.start, s.end) for chunk in saved for s, _ in chunk] == [(0, 3), (3, 6)]
+                assert [(s.start, s.end) for chunk in saved for s, *_ in chunk] == [(0, 3), (3, 6)]
                 grad, grad_prompts = await remote_backward(
                     seq.sequence_manager, grad_output, saved, prompts
                 )
@@ -98,7 +98,17 @@ async def test_forward_backward_equal_local_autograd(model: Model, tmp_path: Pat
                     assert xx.grad is not None and pp.grad is not None
                     return out.detach(), xx.grad, pp.grad, chunked(x, prompts).detach()
 
+                def kept_backwards() -> int:
+                    return sum(
+                        server.block_server.statistics().kept_backwards
+                        for server in swarm.servers.values()
+                    )
+
+                # So far no forward asked to keep its graph: every backward was recomputed.
+                assert kept_backwards() == 0
                 out, grad, prompt_grad, out_chunked = await trio.to_thread.run_sync(train, seq)
+                # The module's forward, made for a backward, had both servers keep their graphs.
+                assert kept_backwards() == 2
                 assert_close(out, expected)
                 assert_close(grad, expected_grad)
                 assert_close(prompt_grad, expected_prompt_grad)

@@ -144,6 +144,14 @@ async def session(
 
 
 async def forward(
+    connection: Connection, blocks: tuple[int, int], hidden: torch.Tensor, **options: Any
+) -> torch.Tensor:
+    """The output of a forward (``options`` as for :func:`forward_with_meta`)."""
+    output, _ = await forward_with_meta(connection, blocks, hidden, **options)
+    return output
+
+
+async def forward_with_meta(
     connection: Connection,
     blocks: tuple[int, int],
     hidden: torch.Tensor,
@@ -151,7 +159,8 @@ async def forward(
     prompts: torch.Tensor | None = None,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     meta: dict[str, Any] | None = None,
-) -> torch.Tensor:
+) -> tuple[torch.Tensor, dict[str, Any]]:
+    """The output and the reply's meta (``kept`` for a forward kept for backward)."""
     async with open_call(connection, FORWARD) as call:
         await send_tensors(
             call.send,
@@ -159,9 +168,9 @@ async def forward(
             {"hidden_states": hidden, "prompts": prompts},
             chunk_bytes=chunk_bytes,
         )
-        _, tensors = await receive_tensors(call.receive, max_elements=MAX_ELEMENTS)
+        reply, tensors = await receive_tensors(call.receive, max_elements=MAX_ELEMENTS)
     assert set(tensors) == {"hidden_states"}
-    return tensors["hidden_states"]
+    return tensors["hidden_states"], reply
 
 
 async def backward(
@@ -172,12 +181,13 @@ async def backward(
     *,
     prompts: torch.Tensor | None = None,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    meta: dict[str, Any] | None = None,
 ) -> dict[str, torch.Tensor]:
     """The reply's tensors: ``grad_inputs`` and, with prompts, ``grad_prompts``."""
     async with open_call(connection, BACKWARD) as call:
         await send_tensors(
             call.send,
-            {"blocks": list(blocks)},
+            {"blocks": list(blocks), **(meta or {})},
             {"hidden_states": hidden, "grad_outputs": grad_outputs, "prompts": prompts},
             chunk_bytes=chunk_bytes,
         )
