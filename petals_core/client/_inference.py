@@ -19,6 +19,7 @@ banned for the client's own mistake.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import uuid
 from contextlib import AsyncExitStack
@@ -48,6 +49,7 @@ class _SpanSession:
         self.stack = AsyncExitStack()
         self.call: Call | None = None
         self.position = 0  # positions the server's cache holds
+        self.session_id = uuid.uuid4().hex
 
     @property
     def peer(self) -> str:
@@ -65,7 +67,7 @@ class _SpanSession:
         connection = await manager.connect(self.peer)
         self.call = await self.stack.enter_async_context(open_call(connection, INFERENCE))
         opening: dict[str, Any] = {
-            "session_id": uuid.uuid4().hex,
+            "session_id": self.session_id,
             "blocks": [self.span.start, self.span.end],
             "max_length": max_length,
             "batch_size": batch,
@@ -87,17 +89,37 @@ class _SpanSession:
         *,
         prompts: torch.Tensor | None,
         hypo_ids: torch.Tensor | None,
-    ) -> torch.Tensor:
+        step_id: int | None = None,
+        push: list[dict[str, str]] | None = None,
+    ) -> tuple[torch.Tensor, bool]:
+        """Send ``hidden`` at ``position`` and wait for the answer: the output and whether the
+        server pushed it on to the next server (``push``: their sessions, see the server)."""
         assert self.call is not None
-        message: dict[str, Any] = {"hidden_states": hidden}
-        if position != self.position:
-            message["start_from_position"] = position
+        # The position is always explicit: after a pushed step that failed half-way, what the
+        # server holds is not known here, and resending from the position is always right.
+        message: dict[str, Any] = {"hidden_states": hidden, "start_from_position": position}
         if prompts is not None:
             message["prompts"] = prompts
         if hypo_ids is not None:
             message["hypo_ids"] = hypo_ids
+        if step_id is not None:
+            message["step_id"] = step_id
+        if push:
+            message["push"] = push
         await self.call.send(message)
-        reply = await self.call.receive()
+        return await self.answer(hidden, position, step_id)
+
+    async def answer(
+        self, hidden: torch.Tensor, position: int, step_id: int | None
+    ) -> tuple[torch.Tensor, bool]:
+        """The answer to step ``step_id`` (``hidden`` at ``position``), sent to this server by
+        us or pushed to it by the previous one.  Answers to other steps are stale (pushed steps
+        we resent ourselves since) and skipped."""
+        assert self.call is not None
+        while True:
+            reply = await self.call.receive()
+            if reply.get("step_id") == step_id:
+                break
         output = reply.get("hidden_states")
         expected = position + hidden.shape[1]
         if (
@@ -110,7 +132,7 @@ class _SpanSession:
                 f"{reply.get('position')!r}; expected {tuple(hidden.shape)} at {expected}"
             )
         self.position = expected
-        return output.to(hidden.dtype)
+        return output.to(hidden.dtype), reply.get("pushed") is True
 
     async def close(self) -> None:
         call, self.call = self.call, None
@@ -149,6 +171,7 @@ class InferenceSession:
         self._hidden_size: int | None = None
         self._closed = False
         self._drop_spans = False
+        self._step_ids = itertools.count()
         self.retries = 0
 
     async def __aenter__(self) -> InferenceSession:
@@ -233,19 +256,45 @@ class InferenceSession:
         if not self._spans:
             attempt = await self._retrying(attempt, self._open_route)
             fresh.update(id(span) for span in self._spans)
+        # Server-to-server: a plain step goes to the first server, which pushes its output on
+        # to the next, and so on; each answers us too (we keep every span's inputs for replay).
+        # A server that could not push says so, and we send the step on ourselves.
+        push = (
+            self.manager.config.use_server_to_server
+            and len(self._spans) > 1
+            and hypo_ids is None
+            and (self._position > 0 or self._prompts is None)
+        )
         x = hidden
         index = 0
+        pushed_id: int | None = None  # the step id span ``index`` got pushed, if it was
         while index < len(self._spans):
             span = self._spans[index]
             try:
                 with trio.fail_after(self.manager.config.request_timeout):
-                    output = await span.step(
-                        x,
-                        self._position,
-                        prompts=self._span_prompts(span.span) if self._position == 0 else None,
-                        hypo_ids=None if id(span) in fresh else hypo_ids,
-                    )
+                    if pushed_id is not None:
+                        output, pushed = await span.answer(x, self._position, pushed_id)
+                    else:
+                        step_id = next(self._step_ids)
+                        chain = None
+                        if push and index + 1 < len(self._spans):
+                            chain = [
+                                {"peer": later.peer, "session_id": later.session_id}
+                                for later in self._spans[index + 1 :]
+                            ]
+                        output, pushed = await span.step(
+                            x,
+                            self._position,
+                            prompts=self._span_prompts(span.span) if self._position == 0 else None,
+                            hypo_ids=None if id(span) in fresh else hypo_ids,
+                            step_id=step_id,
+                            push=chain,
+                        )
+                        pushed_id = step_id
             except RETRIABLE as exc:
+                # From here on, step by step: what the servers after this one got is unknown,
+                # and our explicit positions and fresh step ids make any of it harmless.
+                push, pushed_id = False, None
                 attempt = await self._failed(attempt, span, exc)
 
                 async def replace(at: int = index) -> None:
@@ -253,6 +302,8 @@ class InferenceSession:
 
                 attempt = await self._retrying(attempt, replace)
                 continue
+            if not pushed:
+                pushed_id = None
             self.manager.on_request_success(span.peer)
             self._remember(span.span.start, x)
             x = output
@@ -399,8 +450,12 @@ class InferenceSession:
                     break
                 try:
                     with trio.fail_after(self.manager.config.request_timeout):
-                        output = await session.step(
-                            x, 0, prompts=self._span_prompts(session.span), hypo_ids=None
+                        output, _ = await session.step(
+                            x,
+                            0,
+                            prompts=self._span_prompts(session.span),
+                            hypo_ids=None,
+                            step_id=next(self._step_ids),
                         )
                 except RETRIABLE:
                     self.manager.on_request_failure(session.peer)
@@ -431,7 +486,14 @@ class _Placeholder(_SpanSession):
         *,
         prompts: torch.Tensor | None,
         hypo_ids: torch.Tensor | None,
-    ) -> torch.Tensor:
+        step_id: int | None = None,
+        push: list[dict[str, str]] | None = None,
+    ) -> tuple[torch.Tensor, bool]:
+        raise ServerError(f"no server holds blocks {self.span.start}:{self.span.end} yet")
+
+    async def answer(
+        self, hidden: torch.Tensor, position: int, step_id: int | None
+    ) -> tuple[torch.Tensor, bool]:
         raise ServerError(f"no server holds blocks {self.span.start}:{self.span.end} yet")
 
     async def close(self) -> None:

@@ -65,7 +65,9 @@ class SequenceManagerConfig:
     """How a client finds and uses servers; also ``from_pretrained`` keyword arguments.
 
     Times are seconds.  ``max_retries=None`` retries for ever.  ``show_route`` logs routes (True),
-    inference routes only (``"inference"``), or none (False).
+    inference routes only (``"inference"``), or none (False).  ``use_server_to_server``: an
+    inference step goes from each server straight to the next (each still answers the client,
+    which keeps every span's inputs to replay); False: every step returns through the client.
     """
 
     initial_peers: tuple[str, ...] = attrs.field(default=(), converter=tuple)
@@ -83,13 +85,9 @@ class SequenceManagerConfig:
     active_adapter: str | None = None
     max_pinged: int = attrs.field(default=3, validator=_positive)
     ping_timeout: float = attrs.field(default=2.0, validator=_positive)
-    use_server_to_server: bool = False
+    use_server_to_server: bool = True
 
     def __attrs_post_init__(self) -> None:
-        if self.use_server_to_server:
-            raise ConfigError(
-                "use_server_to_server is not supported: activations return through the client"
-            )
         if self.max_retries is not None and self.max_retries < 0:
             raise ConfigError(f"max_retries must be >= 0 or None, got {self.max_retries}")
         if self.min_backoff > self.max_backoff:

@@ -30,6 +30,7 @@ from ._protocol import (
     FORWARD as FORWARD,
     INFERENCE as INFERENCE,
     INFO as INFO,
+    PUSH as PUSH,
     receive_tensors as receive_tensors,
     send_tensors as send_tensors,
 )

@@ -11,10 +11,22 @@ capped by ``--max_alloc_timeout``; refusing at once what can never fit) and answ
 ``T >= 0``; the answer is ``{"hidden_states": (B, T, hidden), "position": p}``, ``p`` the number
 of positions the cache holds.  ``start_from_position`` rolls the cache back first (a client
 resending from there), ``hypo_ids`` reorders its rows (beam search), ``prompts`` are deep
-prompts added to the step's first positions.  The session ends when the client ends its side;
-the cache is freed then.  Any error ends the session with a message naming the cause: the
-server checks a step fully before touching the cache, so nothing of another session, nor of
-this one before the failed step, is changed.
+prompts added to the step's first positions.  A step may carry a ``step_id`` (an integer the
+client increases from step to step), which its answer repeats.  The session ends when the client
+ends its side; the cache is freed then.  Any error ends the session with a message naming the
+cause: the server checks a step fully before touching the cache, so nothing of another session,
+nor of this one before the failed step, is changed.
+
+**Server-to-server** (``petals.push``): a step with no prompts and no ``hypo_ids`` may carry
+``"push": [{"peer", "session_id"}, ...]``, the sessions of the next servers of the client's
+route.  After computing it, this server sends its output, as the next step of the first of them
+(same ``step_id``, ``start_from_position`` the step's own, the rest of the list as its
+``push``), over a ``petals.push`` stream to that peer — dialled at the address the peer table
+gives, never one a client names — and answers the client with ``"pushed": true`` (``false`` if
+it could not: the client then sends that step itself).  The receiving server takes pushed steps
+in its session's order beside the client's own: the session id, known to the client and the
+servers it chose only, is the capability.  A pushed step whose ``step_id`` is not above every
+id the session has seen is stale (its client has resent that step itself since) and is dropped.
 
 Scheduling: single-step work of different sessions over the same blocks and adapter is batched
 (:meth:`BlockBackend.inference_steps`); steps longer than ``max_batch_tokens`` tokens are
@@ -43,19 +55,19 @@ import functools
 import logging
 import math
 import secrets
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Any, Final
 
 import attrs
 import torch
 import trio
 
-from .._errors import AdapterError, CallEnded, CodecError, ServerError
+from .._errors import AdapterError, CallEnded, CodecError, ServerError, TransportError
 from ..models import KVCache
-from ..transport import Handlers, ServerCall
+from ..transport import Call, Connection, Handlers, ServerCall, open_call
 from ._backend import BlockBackend, Graph
 from ._memory_cache import MemoryCache
-from ._protocol import BACKWARD, FORWARD, INFERENCE, INFO, receive_tensors, send_tensors
+from ._protocol import BACKWARD, FORWARD, INFERENCE, INFO, PUSH, receive_tensors, send_tensors
 from ._task_pool import Priority, TaskPool
 
 __all__ = ["BlockServer", "ServingLimits"]
@@ -63,6 +75,15 @@ __all__ = ["BlockServer", "ServingLimits"]
 logger = logging.getLogger(__name__)
 
 _MAX_SESSION_ID_CHARS: Final = 128
+#: Servers after this one that a pushed step may name.
+_MAX_PUSH_CHAIN: Final = 64
+#: Steps (the client's and pushed ones) waiting in a session's inbox.
+_INBOX_SIZE: Final = 8
+#: Longest wait to dial the next server (once per session) or to hand it a pushed step.
+_PUSH_TIMEOUT_S: Final = 2.0
+#: How long a server that could not be dialled for a push is not dialled again.
+_UNREACHABLE_S: Final = 60.0
+_MAX_UNREACHABLE: Final = 4096
 _ALLOWED_DTYPES: Final = (torch.float32, torch.float16, torch.bfloat16)
 
 
@@ -110,6 +131,11 @@ class ServingLimits:
     #: Inference jobs expected to compute in less than this many seconds run on the event loop's
     #: thread, without the hand-off to a worker thread (``--inline_compute_ms``; 0: never).
     inline_compute_s: float = attrs.field(default=0.005, validator=_non_negative)
+
+
+#: What a session's inbox holds: a step and whether it was pushed, None when the client ended its
+#: side, or the exception the client's stream failed with.
+_InboxItem = tuple[dict[str, Any], bool] | None | Exception
 
 
 @attrs.frozen(kw_only=True, eq=False)
@@ -161,6 +187,13 @@ class _Session:
     caches: list[KVCache]
     scope: trio.CancelScope
     closed_because: str | None = None
+    #: The client's steps and pushed ones, in arrival order: (message, pushed).
+    inbox: trio.MemorySendChannel[_InboxItem] | None = None
+    #: The highest step_id seen (pushed steps at or below it are stale).
+    last_step_id: int = -1
+    #: Push streams to the next servers' sessions, by (peer, session id); None: that push failed.
+    pushes: dict[tuple[str, str], Call | None] = attrs.field(factory=dict)
+    exits: contextlib.AsyncExitStack = attrs.field(factory=contextlib.AsyncExitStack)
 
     @property
     def position(self) -> int:
@@ -172,6 +205,9 @@ class BlockServerStatistics:
     sessions: int
     steps: int
     batched_steps: int
+    #: Steps that came from the previous server (server-to-server), and stale ones dropped.
+    pushed_steps: int
+    stale_pushes: int
     forwards: int
     backwards: int
     #: Backwards that took their gradients from a kept forward graph.
@@ -188,17 +224,38 @@ class BlockServer:
     Until :meth:`attach` gives it a backend, every call is refused as "still loading".
     """
 
-    def __init__(self, limits: ServingLimits, *, version: str) -> None:
+    def __init__(
+        self,
+        limits: ServingLimits,
+        *,
+        version: str,
+        connect_peer: Callable[[str], Awaitable[Connection]] | None = None,
+    ) -> None:
         self.limits = limits
         self.version = version
+        #: Dials another server by its PeerID (at the address the peer table gives); pushes to
+        #: the next server need it.
+        self.connect_peer = connect_peer
         self._backend: BlockBackend | None = None
         self._pool: TaskPool | None = None
         self._cache: MemoryCache | None = None
         self._sessions: dict[str, _Session] = {}
         self._refusing: str | None = "the server is still loading its blocks"
         self._counts = dict.fromkeys(
-            ["steps", "batched_steps", "forwards", "backwards", "kept_backwards", "failures"], 0
+            [
+                "steps",
+                "batched_steps",
+                "pushed_steps",
+                "stale_pushes",
+                "forwards",
+                "backwards",
+                "kept_backwards",
+                "failures",
+            ],
+            0,
         )
+        #: Servers a push could not dial, until when they are not tried again.
+        self._unreachable: dict[str, float] = {}
         #: Token -> kept forward graph, oldest first.
         self._kept: dict[str, _Kept] = {}
         self._kept_bytes = 0
@@ -252,6 +309,7 @@ class BlockServer:
         handlers = Handlers()
         handlers.add_unary(INFO, self._info)
         handlers.add_stream(INFERENCE, self._inference)
+        handlers.add_stream(PUSH, self._push_stream)
         handlers.add_stream(FORWARD, self._forward)
         handlers.add_stream(BACKWARD, self._backward)
         return handlers
@@ -310,12 +368,14 @@ class BlockServer:
                 caches=caches,
                 scope=trio.CancelScope(),
             )
+            inbox, steps = trio.open_memory_channel[_InboxItem](_INBOX_SIZE)
+            session.inbox = inbox
             self._sessions[session_id] = session
             try:
                 with session.scope:
                     session.scope.deadline = trio.current_time() + self.limits.session_timeout_s
                     await call.send({"ready": True, "position": 0})
-                    await self._steps(call, session, backend, pool)
+                    await self._run_session(call, session, steps, backend, pool)
                     return
                 if session.closed_because is not None:
                     raise ServerError(session.closed_because)
@@ -325,6 +385,7 @@ class BlockServer:
                 )
             finally:
                 del self._sessions[session_id]
+                inbox.close()
                 session.caches.clear()
 
     def _check_peer_quota(self, peer: str) -> None:
@@ -353,26 +414,150 @@ class BlockServer:
         points = _number(request, "points", default=0.0)
         return session_id, start, end, batch, max_length, alloc_timeout, adapter, points
 
+    async def _run_session(
+        self,
+        call: ServerCall,
+        session: _Session,
+        steps: trio.MemoryReceiveChannel[_InboxItem],
+        backend: BlockBackend,
+        pool: TaskPool,
+    ) -> None:
+        """The session's steps, with a task reading the client's into the inbox beside pushes.
+
+        Whatever ends the steps is raised as it is (not in an exception group), so that the RPC
+        layer tells the client, or sees its stream fail, as with any other handler."""
+        assert session.inbox is not None
+        failure: BaseException | None = None
+        async with session.exits, trio.open_nursery() as nursery:
+            nursery.start_soon(_read_client, call, session.inbox)
+            try:
+                await self._steps(call, session, steps, backend, pool)
+            except BaseException as exc:
+                failure = exc
+            finally:
+                nursery.cancel_scope.cancel()
+        if failure is not None:
+            raise failure
+
     async def _steps(
-        self, call: ServerCall, session: _Session, backend: BlockBackend, pool: TaskPool
+        self,
+        call: ServerCall,
+        session: _Session,
+        steps: trio.MemoryReceiveChannel[_InboxItem],
+        backend: BlockBackend,
+        pool: TaskPool,
     ) -> None:
         while True:
             with trio.move_on_after(self.limits.step_timeout_s) as waited:
-                try:
-                    step = await call.receive()
-                except CallEnded:
-                    return
+                item = await steps.receive()
             if waited.cancelled_caught:
                 raise ServerError(
                     f"no step arrived within this server's step timeout "
                     f"({self.limits.step_timeout_s} s): the session is closed"
                 )
+            if item is None:
+                return  # the client ended its side
+            if isinstance(item, BaseException):
+                raise item  # the client's stream failed
+            step, pushed = item
             try:
+                step_id = _step_id(step)
+                if pushed and (step_id is None or step_id <= session.last_step_id):
+                    self._counts["stale_pushes"] += 1
+                    continue
+                if step_id is not None:
+                    session.last_step_id = max(session.last_step_id, step_id)
+                chain = _push_chain(step)
+                if chain and step_id is None:
+                    raise ValueError("a step to push on needs a step_id")
+                start = session.position
+                start_from = step.get("start_from_position")
+                if isinstance(start_from, int) and not isinstance(start_from, bool):
+                    start = start_from
                 output = await self._step(step, session, backend, pool)
             except (ValueError, CodecError) as exc:
                 self._counts["failures"] += 1
                 raise ServerError(f"step refused: {exc}") from None
-            await call.send({"hidden_states": output, "position": session.position})
+            answer: dict[str, Any] = {"hidden_states": output, "position": session.position}
+            if step_id is not None:
+                answer["step_id"] = step_id
+            if chain:
+                answer["pushed"] = await self._push(session, chain, output, start, step_id)
+            if pushed:
+                self._counts["pushed_steps"] += 1
+            await call.send(answer)
+
+    async def _push(
+        self,
+        session: _Session,
+        chain: list[dict[str, str]],
+        output: torch.Tensor,
+        start: int,
+        step_id: int | None,
+    ) -> bool:
+        """Hand ``output`` to the next server's session as its step; whether it was sent."""
+        target = chain[0]
+        key = (target["peer"], target["session_id"])
+        message: dict[str, Any] = {
+            "hidden_states": output,
+            "start_from_position": start,
+            "step_id": step_id,
+        }
+        if len(chain) > 1:
+            message["push"] = chain[1:]
+        with trio.move_on_after(_PUSH_TIMEOUT_S):
+            try:
+                if key not in session.pushes:
+                    session.pushes[key] = None  # a failed dial is not retried in this session
+                    unreachable_until = self._unreachable.get(target["peer"], -math.inf)
+                    if self.connect_peer is None or trio.current_time() < unreachable_until:
+                        return False
+                    self._mark_unreachable(target["peer"])
+                    connection = await self.connect_peer(target["peer"])
+                    self._unreachable.pop(target["peer"], None)
+                    opened = await session.exits.enter_async_context(open_call(connection, PUSH))
+                    await opened.send({"session_id": target["session_id"]})
+                    session.pushes[key] = opened
+                push_call = session.pushes[key]
+                if push_call is None:
+                    return False
+                await push_call.send(message)
+                return True
+            except TransportError as exc:
+                logger.info("cannot push to %s: %r", target["peer"], exc)
+        session.pushes[key] = None
+        return False
+
+    def _mark_unreachable(self, peer: str) -> None:
+        """Until proven otherwise (the dial succeeds); at most a few thousand remembered."""
+        now = trio.current_time()
+        if len(self._unreachable) >= _MAX_UNREACHABLE:
+            for other in [p for p, until in self._unreachable.items() if until <= now]:
+                del self._unreachable[other]
+            while len(self._unreachable) >= _MAX_UNREACHABLE:
+                del self._unreachable[next(iter(self._unreachable))]
+        self._unreachable[peer] = now + _UNREACHABLE_S
+
+    async def _push_stream(self, call: ServerCall) -> None:
+        """Another server's outputs, as steps of one of our sessions."""
+        with trio.move_on_after(self.limits.step_timeout_s) as waited:
+            header = await call.receive()
+        if waited.cancelled_caught:
+            raise ServerError("no push header arrived in time")
+        session_id = header.get("session_id")
+        session = self._sessions.get(session_id) if isinstance(session_id, str) else None
+        if session is None or session.inbox is None:
+            raise ServerError(f"unknown session {session_id!r}")
+        inbox = session.inbox
+        while True:
+            try:
+                step = await call.receive()
+            except CallEnded:
+                return
+            try:
+                await inbox.send((step, True))
+            except (trio.ClosedResourceError, trio.BrokenResourceError):
+                return  # the session ended
 
     async def _step(
         self, step: dict[str, Any], session: _Session, backend: BlockBackend, pool: TaskPool
@@ -759,3 +944,51 @@ def _adapter(request: dict[str, Any], backend: BlockBackend) -> str | None:
         adapter = None
     backend.check_adapter(adapter)
     return adapter
+
+
+async def _read_client(call: ServerCall, inbox: trio.MemorySendChannel[_InboxItem]) -> None:
+    """The client's steps into the session's inbox: then None once the client ended its side,
+    or the error its stream failed with (raised by the session's own task)."""
+    while True:
+        try:
+            step = await call.receive()
+        except CallEnded:
+            await inbox.send(None)
+            return
+        except Exception as exc:
+            await inbox.send(exc)
+            return
+        await inbox.send((step, False))
+
+
+def _step_id(step: dict[str, Any]) -> int | None:
+    step_id = step.get("step_id")
+    if step_id is None:
+        return None
+    if isinstance(step_id, bool) or not isinstance(step_id, int) or step_id < 0:
+        raise ValueError("step_id must be an integer >= 0")
+    return step_id
+
+
+def _push_chain(step: dict[str, Any]) -> list[dict[str, str]]:
+    chain = step.get("push")
+    if chain is None:
+        return []
+    if (
+        not isinstance(chain, list)
+        or not 0 < len(chain) <= _MAX_PUSH_CHAIN
+        or not all(
+            isinstance(entry, dict)
+            and isinstance(entry.get("peer"), str)
+            and isinstance(entry.get("session_id"), str)
+            and 0 < len(entry["session_id"]) <= _MAX_SESSION_ID_CHARS
+            and 0 < len(entry["peer"]) <= _MAX_SESSION_ID_CHARS
+            for entry in chain
+        )
+    ):
+        raise ValueError(
+            f"push must be a list of 1..{_MAX_PUSH_CHAIN} {{'peer', 'session_id'}} entries"
+        )
+    if step.get("prompts") is not None or step.get("hypo_ids") is not None:
+        raise ValueError("a step with prompts or hypo_ids cannot be pushed on")
+    return [{"peer": entry["peer"], "session_id": entry["session_id"]} for entry in chain]

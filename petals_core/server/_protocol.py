@@ -4,6 +4,8 @@ Methods (on the transport's RPC, one QUIC stream per call):
 
 - ``petals.info`` (unary): what the server holds and expects;
 - ``petals.inference`` (stream): an inference session, see ``_handler.py``;
+- ``petals.push`` (stream): another server's outputs for a session here (server-to-server
+  inference), see ``_handler.py``;
 - ``petals.forward`` / ``petals.backward`` (stream): stateless fine-tuning passes whose tensors
   may be large, so they travel in parts (:func:`send_tensors` / :func:`receive_tensors`).
 
@@ -27,6 +29,7 @@ __all__ = [
     "DEFAULT_CHUNK_BYTES",
     "INFERENCE",
     "INFO",
+    "PUSH",
     "FORWARD",
     "BACKWARD",
     "receive_tensors",
@@ -35,6 +38,7 @@ __all__ = [
 
 INFO: Final = "petals.info"
 INFERENCE: Final = "petals.inference"
+PUSH: Final = "petals.push"
 FORWARD: Final = "petals.forward"
 BACKWARD: Final = "petals.backward"
 

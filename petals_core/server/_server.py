@@ -35,7 +35,7 @@ import torch
 import trio
 
 from .. import __version__
-from .._errors import ConfigError, TransportError
+from .._errors import ConfigError, PeerUnreachable, TransportError
 from ..dht import DHTNode, ServerInfo, ServerState, Topic, open_dht_node
 from ..models import (
     AutoDistributedConfig,
@@ -51,6 +51,7 @@ from ..models import (
 )
 from ..routing import choose_best_blocks, should_choose_other_blocks, spans_from_snapshot
 from ..transport import (
+    Connection,
     Identity,
     Multiaddr,
     TransportConfig,
@@ -501,6 +502,14 @@ async def open_server(
             int(model_config.num_hidden_layers),
             update_period_s=config.update_period_s,
         )
+
+        async def connect_peer(peer_id: str) -> Connection:
+            address = topic.address_of(peer_id)
+            if address is None:
+                raise PeerUnreachable(f"server {peer_id} announced no address")
+            return await node.connect(address)
+
+        block_server.connect_peer = connect_peer
         server = Server(config, model_config, model, dht, topic, block_server, device, dtype, rng)
         async with trio.open_nursery() as nursery:
             await nursery.start(server._run)

@@ -59,7 +59,6 @@ def test_config_is_frozen_and_validated() -> None:
         {"ban_timeout": -1.0},
         {"min_backoff": 5.0, "max_backoff": 1.0},
         {"max_retries": -1},
-        {"use_server_to_server": True},
     ):
         with pytest.raises(ConfigError):
             config(**bad)

@@ -16,7 +16,7 @@ import torch
 import trio
 
 from petals_core import RemoteError
-from petals_core.server import BACKWARD, FORWARD, ServingLimits, send_tensors
+from petals_core.server import BACKWARD, FORWARD, INFERENCE, ServingLimits, send_tensors
 from petals_core.transport import Connection, open_call
 
 from ..models.conftest import TinyCheckpoint
@@ -33,6 +33,7 @@ from ._client import (
     serve,
     session,
 )
+from .fuzz_rpc import _RawCall
 
 HIDDEN = 64
 #: Generous: the whole module takes seconds; this only turns a hang into a failure.
@@ -444,6 +445,32 @@ async def test_kept_graphs_expire(server_llama: TinyCheckpoint, cache_dir: Path)
             # The graph's deadline (on this same trio clock) lies before this one.
             await trio.sleep_until(trio.current_time() + 0.05)
             assert server.block_server.statistics().kept_forwards == 0
+
+
+async def test_a_malformed_frame_mid_session_is_reported_and_the_server_goes_on(
+    server_llama: TinyCheckpoint, cache_dir: Path
+) -> None:
+    """Bytes that are no frame, after a step: the session ends with a protocol error sent to
+    its client (the client's stream is read by a task of its own), and the server serves on."""
+    torch.manual_seed(24)
+    hidden = torch.randn(1, 3, HIDDEN)
+    with trio.fail_after(DEADLINE_S):
+        async with (
+            serve(server_llama, cache_dir, blocks=(0, 6)) as server,
+            connect(server) as connection,
+        ):
+            call = await _RawCall.open(connection, INFERENCE)
+            await call.send({"session_id": "garbled", "blocks": [0, 2], "max_length": 8})
+            assert (await call.receive() or {}).get("ready") is True
+            await call.send({"hidden_states": hidden})
+            assert (await call.receive() or {}).get("position") == 3
+            await call.send_bytes(b"\xff" * 64)
+            with pytest.raises(RemoteError, match="ProtocolError"):
+                await call.finish()
+            await call.close()
+            output = await forward(connection, (0, 2), hidden)
+            assert (await info(connection))["open_sessions"] == 0
+    assert_close(output, run_local(local_blocks(server_llama, 0, 2), hidden).detach())
 
 
 async def test_forward_accepts_bfloat16(server_llama: TinyCheckpoint, cache_dir: Path) -> None:

@@ -1,0 +1,145 @@
+"""Server-to-server inference: each server pushes its output to the next server of the route.
+
+Real in-process servers in one swarm.  The outputs must equal local blocks whichever way the
+steps travel; the servers' statistics tell which way they went.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+import trio
+
+from petals_core import RemoteError
+from petals_core._errors import PeerUnreachable
+from petals_core.client import InferenceSession, RemoteSequential
+from petals_core.server import INFERENCE, PUSH, Server
+from petals_core.transport import Connection, open_call, open_node
+
+from ._swarm_helpers import (
+    DEADLINE_S,
+    HIDDEN,
+    Model,
+    _newer_than,
+    assert_close,
+    in_process_swarm,
+    make_model,
+    manager_for,
+)
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Model:
+    return make_model(tmp_path_factory.mktemp("client-s2s-llama"), seed=31)
+
+
+async def servers_know_each_other(servers: list[Server]) -> None:
+    """Wait until every server's peer table has every other server's address."""
+    for server in servers:
+        for other in servers:
+            peer = str(other.dht.peer_id)
+            while other is not server and server.topic.address_of(peer) is None:
+                version = server.topic.snapshot().version
+                await server.topic.wait_snapshot(_newer_than(version))
+
+
+def pushed_steps(server: Server) -> int:
+    return server.block_server.statistics().pushed_steps
+
+
+async def run_session(session: InferenceSession, model: Model, steps: list[torch.Tensor]) -> None:
+    """Steps through ``session``, each compared with the local blocks over all inputs so far."""
+    inputs: torch.Tensor | None = None
+    for x in steps:
+        position = 0 if inputs is None else inputs.shape[1]
+        inputs = x if inputs is None else torch.cat([inputs, x], dim=1)
+        with torch.no_grad():
+            expected = model.forward(inputs)[:, position:]
+        assert_close(await session.step(x), expected)
+
+
+async def test_steps_go_server_to_server_and_equal_local(model: Model, tmp_path: Path) -> None:
+    torch.manual_seed(3)
+    steps = [torch.randn(2, 4, HIDDEN)] + [torch.randn(2, 1, HIDDEN) for _ in range(6)]
+    async with in_process_swarm(model, tmp_path, [(0, 2), (2, 4), (4, 6)]) as swarm:
+        servers = list(swarm.servers.values())
+        with trio.fail_after(DEADLINE_S):
+            await servers_know_each_other(servers)
+            for server_to_server in (True, False):
+                before = [pushed_steps(server) for server in servers]
+                manager = manager_for(servers, use_server_to_server=server_to_server)
+                async with (
+                    RemoteSequential(manager) as seq,
+                    seq.open_inference_session(max_length=16) as session,
+                ):
+                    await run_session(session, model, steps)
+                    assert [(s.start, s.end) for s in session.route] == [(0, 2), (2, 4), (4, 6)]
+                    assert session.retries == 0
+                pushed = [
+                    pushed_steps(server) - b for server, b in zip(servers, before, strict=True)
+                ]
+                # Every step reached the second and third servers from the one before.
+                assert pushed == ([0, len(steps), len(steps)] if server_to_server else [0, 0, 0])
+
+
+async def test_a_server_that_cannot_push_lets_the_client_send(model: Model, tmp_path: Path) -> None:
+    torch.manual_seed(4)
+    steps = [torch.randn(1, 3, HIDDEN)] + [torch.randn(1, 1, HIDDEN) for _ in range(3)]
+    async with in_process_swarm(model, tmp_path, [(0, 3), (3, 6)]) as swarm:
+        first, second = swarm.servers.values()
+
+        async def unreachable(peer_id: str) -> Connection:
+            raise PeerUnreachable(f"no way to {peer_id} from here")
+
+        first.block_server.connect_peer = unreachable
+        with trio.fail_after(DEADLINE_S):
+            await servers_know_each_other([first, second])
+            async with (
+                RemoteSequential(manager_for([first, second])) as seq,
+                seq.open_inference_session(max_length=16) as session,
+            ):
+                await run_session(session, model, steps)
+                assert session.retries == 0
+        assert pushed_steps(second) == 0
+
+
+async def test_stale_and_misaddressed_pushes(model: Model, tmp_path: Path) -> None:
+    """Raw calls: a pushed step whose id is not above the session's last one is dropped; the
+    next one is computed and answered on the client's stream; an unknown session is refused."""
+    torch.manual_seed(5)
+    async with in_process_swarm(model, tmp_path, [(0, 6)]) as swarm:
+        (server,) = swarm.servers.values()
+        session_id = os.urandom(8).hex()
+        prefix = torch.randn(1, 2, HIDDEN)
+        pushed = torch.randn(1, 1, HIDDEN)
+        with torch.no_grad():
+            expected = model.forward(torch.cat([prefix, pushed], dim=1))[:, 2:]
+        with trio.fail_after(DEADLINE_S):
+            async with open_node(host="127.0.0.1") as node:
+                connection = await node.connect(server.multiaddrs[0])
+                async with open_call(connection, INFERENCE) as call:
+                    await call.send({"session_id": session_id, "blocks": [0, 6], "max_length": 8})
+                    assert (await call.receive())["ready"] is True
+                    await call.send({"hidden_states": prefix, "step_id": 5})
+                    assert (await call.receive())["step_id"] == 5
+                    async with open_call(connection, PUSH) as push:
+                        await push.send({"session_id": session_id})
+                        stale = {"hidden_states": torch.randn(1, 1, HIDDEN), "step_id": 5}
+                        await push.send({**stale, "start_from_position": 2})
+                        await push.send(
+                            {"hidden_states": pushed, "step_id": 6, "start_from_position": 2}
+                        )
+                        answer = await call.receive()
+                    assert answer["step_id"] == 6
+                    assert answer["position"] == 3
+                    assert_close(answer["hidden_states"], expected)
+                    statistics = server.block_server.statistics()
+                    assert (statistics.pushed_steps, statistics.stale_pushes) == (1, 1)
+                    await call.send_eof()
+                async with open_call(connection, PUSH) as push:
+                    await push.send({"session_id": "no-such-session"})
+                    with pytest.raises(RemoteError, match="unknown session"):
+                        await push.receive()
