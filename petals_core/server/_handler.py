@@ -130,7 +130,7 @@ class ServingLimits:
     kept_forward_timeout_s: float = attrs.field(default=60.0, validator=_positive)
     #: Inference jobs expected to compute in less than this many seconds run on the event loop's
     #: thread, without the hand-off to a worker thread (``--inline_compute_ms``; 0: never).
-    inline_compute_s: float = attrs.field(default=0.005, validator=_non_negative)
+    inline_compute_s: float = attrs.field(default=0.025, validator=_non_negative)
 
 
 #: What a session's inbox holds: a step and whether it was pushed, None when the client ended its

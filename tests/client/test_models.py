@@ -144,8 +144,9 @@ def test_chunked_lm_head_is_the_same_matmul() -> None:
     torch.manual_seed(0)
     head = ChunkedLMHead(16, 1000, chunk_rows=96)
     torch.nn.init.normal_(head.weight)
-    hidden = torch.randn(2, 5, 16)
-    torch.testing.assert_close(head(hidden), F.linear(hidden, head.weight), atol=1e-5, rtol=0)
+    # A few rows (decoding: one matmul) and many (prefill: chunks of the vocabulary).
+    for hidden in (torch.randn(2, 5, 16), torch.randn(2, 40, 16)):
+        torch.testing.assert_close(head(hidden), F.linear(hidden, head.weight), atol=1e-5, rtol=0)
     with pytest.raises(ValueError, match="chunk_rows"):
         ChunkedLMHead(16, 1000, chunk_rows=0)
 

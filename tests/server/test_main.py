@@ -191,7 +191,7 @@ def test_bad_flags_exit_2_with_argparse_message(
 def test_inline_compute_flag_reaches_the_serving_limits() -> None:
     parser = _parser()
     default = config_from_args(parser.parse_args(["model", "--new_swarm"]))
-    assert default.limits.inline_compute_s == pytest.approx(0.005)
+    assert default.limits.inline_compute_s == pytest.approx(0.025)
     off = config_from_args(parser.parse_args(["model", "--new_swarm", "--inline_compute_ms", "0"]))
     assert off.limits.inline_compute_s == 0.0
     set_ = config_from_args(

@@ -61,6 +61,8 @@ _TUNING_MODES = (None, "ptune", "deep_ptune")
 
 #: Vocabulary rows per matmul of the LM head.
 DEFAULT_LM_HEAD_CHUNK_ROWS = 8192
+#: Up to this many rows of hidden states, the LM head is one matmul (chunks save nothing there).
+_UNCHUNKED_ROWS = 16
 
 
 def make_remote_blocks(
@@ -111,7 +113,9 @@ class ChunkedLMHead(nn.Module):
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         weight = self.weight  # (vocab, hidden)
         hidden_states = hidden_states.to(weight.dtype)
-        if weight.shape[0] <= self.chunk_rows:
+        rows = hidden_states.numel() // max(1, hidden_states.shape[-1])
+        if weight.shape[0] <= self.chunk_rows or rows <= _UNCHUNKED_ROWS:
+            # A few rows (decoding) need no bound: one matmul is the fastest.
             return F.linear(hidden_states, weight)
         chunks = [
             F.linear(hidden_states, weight[start : start + self.chunk_rows])
