@@ -48,7 +48,6 @@ class _SpanSession:
         self.span = span
         self.stack = AsyncExitStack()
         self.call: Call | None = None
-        self.position = 0  # positions the server's cache holds
         self.session_id = uuid.uuid4().hex
 
     @property
@@ -89,7 +88,7 @@ class _SpanSession:
         *,
         prompts: torch.Tensor | None,
         hypo_ids: torch.Tensor | None,
-        step_id: int | None = None,
+        step_id: int,
         push: list[dict[str, str]] | None = None,
     ) -> tuple[torch.Tensor, bool]:
         """Send ``hidden`` at ``position`` and wait for the answer: the output and whether the
@@ -97,20 +96,22 @@ class _SpanSession:
         assert self.call is not None
         # The position is always explicit: after a pushed step that failed half-way, what the
         # server holds is not known here, and resending from the position is always right.
-        message: dict[str, Any] = {"hidden_states": hidden, "start_from_position": position}
+        message: dict[str, Any] = {
+            "hidden_states": hidden,
+            "start_from_position": position,
+            "step_id": step_id,
+        }
         if prompts is not None:
             message["prompts"] = prompts
         if hypo_ids is not None:
             message["hypo_ids"] = hypo_ids
-        if step_id is not None:
-            message["step_id"] = step_id
         if push:
             message["push"] = push
         await self.call.send(message)
         return await self.answer(hidden, position, step_id)
 
     async def answer(
-        self, hidden: torch.Tensor, position: int, step_id: int | None
+        self, hidden: torch.Tensor, position: int, step_id: int
     ) -> tuple[torch.Tensor, bool]:
         """The answer to step ``step_id`` (``hidden`` at ``position``), sent to this server by
         us or pushed to it by the previous one.  Answers to other steps are stale (pushed steps
@@ -131,7 +132,6 @@ class _SpanSession:
                 f"server {self.peer} answered a step with {_describe(output)} at position "
                 f"{reply.get('position')!r}; expected {tuple(hidden.shape)} at {expected}"
             )
-        self.position = expected
         return output.to(hidden.dtype), reply.get("pushed") is True
 
     async def close(self) -> None:
@@ -486,13 +486,13 @@ class _Placeholder(_SpanSession):
         *,
         prompts: torch.Tensor | None,
         hypo_ids: torch.Tensor | None,
-        step_id: int | None = None,
+        step_id: int,
         push: list[dict[str, str]] | None = None,
     ) -> tuple[torch.Tensor, bool]:
         raise ServerError(f"no server holds blocks {self.span.start}:{self.span.end} yet")
 
     async def answer(
-        self, hidden: torch.Tensor, position: int, step_id: int | None
+        self, hidden: torch.Tensor, position: int, step_id: int
     ) -> tuple[torch.Tensor, bool]:
         raise ServerError(f"no server holds blocks {self.span.start}:{self.span.end} yet")
 

@@ -74,19 +74,14 @@ class BlockBackend:
             + 6 * hidden_size
         )
         self._attention_heads = max(
-            (
-                getattr(m, attr)
-                for m in first.modules()
-                for attr in ("n_head", "num_heads")
-                if isinstance(getattr(m, attr, None), int)
-            ),
+            (h for m in first.modules() if isinstance(h := getattr(m, "n_head", None), int)),
             default=1,
         )
 
     def activation_bytes(self, batch: int, tokens: int) -> int:
         """Estimated bytes one block's autograd graph holds for a ``(batch, tokens)`` input."""
         per_token = self._activation_elements_per_token + 2 * self._attention_heads * tokens
-        itemsize = max(torch.empty((), dtype=self.dtype).element_size(), 4)
+        itemsize = max(self.dtype.itemsize, 4)  # at least fp32: norms and softmax upcast
         return batch * tokens * per_token * itemsize
 
     # -- checks (on the event loop, before anything is scheduled) --------------------------------

@@ -154,14 +154,13 @@ class _Kept:
 
     def matches(
         self,
-        peer: str,
         start: int,
         end: int,
         adapter: str | None,
         hidden: torch.Tensor,
         prompts: torch.Tensor | None,
     ) -> bool:
-        if (self.peer, self.start, self.end, self.adapter) != (peer, start, end, adapter):
+        if (self.start, self.end, self.adapter) != (start, end, adapter):
             return False
         if not _same(self.hidden, hidden):
             return False
@@ -470,10 +469,6 @@ class BlockServer:
                 chain = _push_chain(step)
                 if chain and step_id is None:
                     raise ValueError("a step to push on needs a step_id")
-                start = session.position
-                start_from = step.get("start_from_position")
-                if isinstance(start_from, int) and not isinstance(start_from, bool):
-                    start = start_from
                 output = await self._step(step, session, backend, pool)
             except (ValueError, CodecError) as exc:
                 self._counts["failures"] += 1
@@ -482,6 +477,7 @@ class BlockServer:
             if step_id is not None:
                 answer["step_id"] = step_id
             if chain:
+                start = session.position - output.shape[1]  # where this step began
                 answer["pushed"] = await self._push(session, chain, output, start, step_id)
             if pushed:
                 self._counts["pushed_steps"] += 1
@@ -745,75 +741,85 @@ class BlockServer:
                 )
             if grad_outputs.dtype not in _ALLOWED_DTYPES:
                 raise ServerError(f"grad_outputs must be one of {_ALLOWED_DTYPES}")
-            token = meta.get("kept")
-            token = token if isinstance(token, str) else ""
-            kept = self._kept.get(token)
-            if kept is not None and kept.peer == str(call.peer_id):
-                self._forget(token)  # a graph serves one backward (its own or none)
-            else:
-                kept = None  # unknown, or another peer's: not this caller's to spend
-            if kept is not None and kept.matches(
-                str(call.peer_id), start, end, adapter, hidden, prompts
-            ):
-                grad_inputs, grad_prompts = await pool.run(
+            kept = self._take_kept(meta.get("kept"), str(call.peer_id))
+            if kept is not None and kept.matches(start, end, adapter, hidden, prompts):
+                grad, grad_prompts = await pool.run(
                     functools.partial(backend.backward_from_graph, kept.graph, grad_outputs),
                     priority=Priority.BACKWARD,
                     points=points,
                 )
-                self._counts["backwards"] += 1
                 self._counts["kept_backwards"] += 1
-                await send_tensors(
-                    call.send,
-                    {},
-                    {
-                        "grad_inputs": grad_inputs.to(hidden.dtype),
-                        "grad_prompts": None
-                        if grad_prompts is None or prompts is None
-                        else grad_prompts.to(prompts.dtype),
-                    },
+            else:
+                grad, grad_prompts = await self._recompute_backward(
+                    backend, pool, start, end, hidden, grad_outputs, prompts, adapter, points
                 )
-                return
-            groups = self._backward_groups(backend, start, end, hidden)
-            # Each group's input: the request's for the first, a forward (no graph) for the others.
-            group_inputs = [hidden]
-            if len(groups) > 1:
-                outputs = await self._run_forward(
-                    backend, pool, start, groups[-1][0], hidden, prompts, adapter, points
-                )
-                group_inputs += [outputs[group_start - start - 1] for group_start, _ in groups[1:]]
-            grad: torch.Tensor = grad_outputs
-            prompt_grads: list[torch.Tensor | None] = []
-            for (group_start, group_end), group_input in zip(
-                reversed(groups), reversed(group_inputs), strict=True
-            ):
-                group_prompts = (
-                    None if prompts is None else prompts[group_start - start : group_end - start]
-                )
-                grad, prompt_grad = await pool.run(
-                    functools.partial(
-                        backend.backward_span,
-                        group_start,
-                        group_end,
-                        group_input,
-                        grad,
-                        prompts=group_prompts,
-                        adapter=adapter,
-                    ),
-                    priority=Priority.BACKWARD,
-                    points=points,
-                )
-                prompt_grads.append(prompt_grad)
             self._counts["backwards"] += 1
-            grad_prompts = None
-            if prompts is not None:
-                grad_prompts = torch.cat([g for g in reversed(prompt_grads) if g is not None]).to(
-                    prompts.dtype
-                )
             await send_tensors(
                 call.send,
                 {},
-                {"grad_inputs": grad.to(hidden.dtype), "grad_prompts": grad_prompts},
+                {
+                    "grad_inputs": grad.to(hidden.dtype),
+                    "grad_prompts": None
+                    if grad_prompts is None or prompts is None
+                    else grad_prompts.to(prompts.dtype),
+                },
             )
+
+    def _take_kept(self, token: object, peer: str) -> _Kept | None:
+        """The graph ``token`` names, if ``peer`` kept it; it serves one backward (or none)."""
+        kept = self._kept.get(token) if isinstance(token, str) else None
+        if kept is None or kept.peer != peer:
+            return None  # unknown, or another peer's: not this caller's to spend
+        self._forget(str(token))
+        return kept
+
+    async def _recompute_backward(
+        self,
+        backend: BlockBackend,
+        pool: TaskPool,
+        start: int,
+        end: int,
+        hidden: torch.Tensor,
+        grad_outputs: torch.Tensor,
+        prompts: torch.Tensor | None,
+        adapter: str | None,
+        points: float,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Gradients of the input (and prompts) of blocks ``[start, end)``, each group of blocks
+        recomputed with its graph."""
+        groups = self._backward_groups(backend, start, end, hidden)
+        # Each group's input: the request's for the first, a forward (no graph) for the others.
+        group_inputs = [hidden]
+        if len(groups) > 1:
+            outputs = await self._run_forward(
+                backend, pool, start, groups[-1][0], hidden, prompts, adapter, points
+            )
+            group_inputs += [outputs[group_start - start - 1] for group_start, _ in groups[1:]]
+        grad = grad_outputs
+        prompt_grads: list[torch.Tensor] = []
+        for (group_start, group_end), group_input in zip(
+            reversed(groups), reversed(group_inputs), strict=True
+        ):
+            group_prompts = (
+                None if prompts is None else prompts[group_start - start : group_end - start]
+            )
+            grad, prompt_grad = await pool.run(
+                functools.partial(
+                    backend.backward_span,
+                    group_start,
+                    group_end,
+                    group_input,
+                    grad,
+                    prompts=group_prompts,
+                    adapter=adapter,
+                ),
+                priority=Priority.BACKWARD,
+                points=points,
+            )
+            if prompt_grad is not None:
+                prompt_grads.append(prompt_grad)
+        grad_prompts = torch.cat(prompt_grads[::-1]) if prompt_grads else None
+        return grad, grad_prompts
 
     def _backward_groups(
         self, backend: BlockBackend, start: int, end: int, hidden: torch.Tensor

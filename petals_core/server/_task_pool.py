@@ -41,6 +41,7 @@ down")`` and waits for the running ones.
 from __future__ import annotations
 
 import enum
+import functools
 import heapq
 import itertools
 import time
@@ -128,11 +129,12 @@ class _Job(Generic[T]):
         batch_fn: Callable[[list[Any]], Sequence[T]] | None = None,
         item: object = None,
         size: float = 1.0,
+        cost_key: Hashable | None = None,
     ) -> None:
         self.order = order
         self.size = size
         #: Under which key the job's speed is learnt (None: not learnt, never inline).
-        self.cost_key: Hashable | None = key
+        self.cost_key = cost_key
         self.priority = priority
         self.key = key
         self.fn = fn
@@ -158,20 +160,15 @@ _SPEED_SMOOTHING = 0.25
 _MAX_SPEED_KEYS = 1024
 
 
-def _timed_call(fn: Callable[[], T]) -> tuple[outcome.Outcome[T], float]:
-    """``outcome.capture(fn)`` and the seconds it took."""
+def _timed(work: Callable[[], T]) -> tuple[T, float]:
+    """``work()`` and the seconds it took (in whichever thread runs it)."""
     started = time.perf_counter()
-    result = outcome.capture(fn)
+    result = work()
     return result, time.perf_counter() - started
 
 
-def _timed_batch(
-    batch_fn: Callable[[list[Any]], Sequence[T]], items: list[Any]
-) -> tuple[list[outcome.Outcome[T]], float]:
-    """:func:`_run_batch` and the seconds it took (in whichever thread runs it)."""
-    started = time.perf_counter()
-    results = _run_batch(batch_fn, items)
-    return results, time.perf_counter() - started
+def _capture_one(fn: Callable[[], T]) -> list[outcome.Outcome[T]]:
+    return [outcome.capture(fn)]
 
 
 def _run_batch(
@@ -259,10 +256,9 @@ class TaskPool:
         the pool is shutting down.  Jobs naming a ``cost_key`` have their seconds per unit of
         ``size`` learnt under it, and run inline when expected to be quick (module docstring).
         """
-        if not size > 0:
-            raise ValueError(f"size must be > 0, not {size!r}")
-        job: _Job[T] = self._new_job(priority, points, _Unbatched(), fn=fn, size=float(size))
-        job.cost_key = cost_key
+        job: _Job[T] = self._new_job(
+            priority, points, _Unbatched(), fn=fn, size=size, cost_key=cost_key
+        )
         return await self._submit_and_wait(job)
 
     async def run_batched(
@@ -280,20 +276,22 @@ class TaskPool:
         item, in order.  ``size`` (> 0) says how much work the item is (e.g. its tokens): a
         batch's expected duration is its items' sizes times the key's measured seconds per unit.
         """
-        if not size > 0:
-            raise ValueError(f"size must be > 0, not {size!r}")
         job: _Job[T] = self._new_job(
-            priority, points, key, batch_fn=batch_fn, item=item, size=float(size)
+            priority, points, key, batch_fn=batch_fn, item=item, size=size, cost_key=key
         )
         return await self._submit_and_wait(job)
 
     # -- callers -----------------------------------------------------------------------------------
 
-    def _new_job(self, priority: int, points: float, key: Hashable, **work: Any) -> _Job[Any]:
+    def _new_job(
+        self, priority: int, points: float, key: Hashable, *, size: float, **work: Any
+    ) -> _Job[Any]:
         if points != points:  # NaN would break the queue's order
             raise ValueError("points must be a number, not NaN")
+        if not size > 0:
+            raise ValueError(f"size must be > 0, not {size!r}")
         order = (int(priority), -float(points), next(self._arrivals))
-        return _Job(order=order, priority=int(priority), key=key, **work)
+        return _Job(order=order, priority=int(priority), key=key, size=float(size), **work)
 
     async def _submit_and_wait(self, job: _Job[T]) -> T:
         await trio.lowlevel.checkpoint_if_cancelled()
@@ -374,33 +372,25 @@ class TaskPool:
         self._running += len(batch)
         results: list[outcome.Outcome[Any]] | None = None
         try:
+            work: Callable[[], list[outcome.Outcome[Any]]]
             if first.batch_fn is None:
                 assert first.fn is not None
-                cost_key = first.cost_key
-                if cost_key is not None and self._runs_inline(cost_key, first.size):
-                    self._inline_batches += 1
-                    result, seconds = _timed_call(first.fn)
-                else:
-                    result, seconds = await trio.to_thread.run_sync(
-                        _timed_call, first.fn, limiter=self._limiter
-                    )
-                if cost_key is not None:
-                    self._learn(cost_key, seconds / first.size)
-                results = [result]
+                work = functools.partial(_capture_one, first.fn)
             else:
                 self._batches_run += 1
                 self._largest_batch = max(self._largest_batch, len(batch))
-                items = [job.item for job in batch]
-                size = sum(job.size for job in batch)
-                assert first.cost_key is not None
-                if self._runs_inline(first.cost_key, size):
-                    self._inline_batches += 1
-                    results, seconds = _timed_batch(first.batch_fn, items)
-                else:
-                    results, seconds = await trio.to_thread.run_sync(
-                        _timed_batch, first.batch_fn, items, limiter=self._limiter
-                    )
-                self._learn(first.cost_key, seconds / size)
+                work = functools.partial(_run_batch, first.batch_fn, [job.item for job in batch])
+            cost_key = first.cost_key
+            size = sum(job.size for job in batch)
+            if cost_key is not None and self._runs_inline(cost_key, size):
+                self._inline_batches += 1
+                results, seconds = _timed(work)
+            else:
+                results, seconds = await trio.to_thread.run_sync(
+                    _timed, work, limiter=self._limiter
+                )
+            if cost_key is not None:
+                self._learn(cost_key, seconds / size)
             self._completed += len(batch)
         finally:
             self._running -= len(batch)
