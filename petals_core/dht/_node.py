@@ -434,12 +434,7 @@ class DHTNode:
 
     async def _topic_refresh_forever(self, topic: Topic, period_s: float) -> None:
         while True:
-            try:
-                records = await self._fetch_records(topic.prefix, range(topic.num_blocks))
-            except Exception:
-                logger.warning("reading the servers of %r failed", topic.prefix, exc_info=True)
-            else:
-                topic.add_records(records)
+            await topic.refresh()
             await trio.sleep(period_s)
 
     async def _topic_gossip_forever(self, topic: Topic, interval_s: float) -> None:

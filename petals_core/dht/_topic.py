@@ -117,6 +117,8 @@ class Topic:
         self._changed = trio.Event()
         self._addresses: dict[str, Multiaddr] = {}
         self._refreshes = 0
+        self._limited_read_at = -math.inf
+        self._reading: trio.Event | None = None
 
     @property
     def gossip(self) -> Gossip:
@@ -159,6 +161,31 @@ class Topic:
         """Where the server ``peer_id`` said it listens (from its announcements), if known."""
         self.snapshot()
         return self._addresses.get(peer_id)
+
+    async def refresh(self, *, min_interval_s: float = 0.0) -> None:
+        """Read every block's announcements from the DHT now (one attempt: a failure is logged
+        and the table stays as it was).  Callers meanwhile wait for the read in progress instead
+        of starting another.  With ``min_interval_s``, a read asked for less than that after the
+        last one asked for with it is skipped, so that asking often (e.g. for a peer nobody
+        announced) costs at most one read per ``min_interval_s``."""
+        if self._reading is not None:
+            await self._reading.wait()
+            return
+        now = self._clock()
+        if min_interval_s > 0:
+            if now - self._limited_read_at < min_interval_s:
+                return
+            self._limited_read_at = now
+        self._reading = reading = trio.Event()
+        try:
+            records = await self._dht._fetch_records(self.prefix, range(self.num_blocks))
+        except Exception:
+            logger.warning("reading the servers of %r failed", self.prefix, exc_info=True)
+        else:
+            self.add_records(records)
+        finally:
+            self._reading = None
+            reading.set()
 
     # -- what the node calls ---------------------------------------------------------------------
 

@@ -22,11 +22,14 @@ nor of this one before the failed step, is changed.
 route.  After computing it, this server sends its output, as the next step of the first of them
 (same ``step_id``, ``start_from_position`` the step's own, the rest of the list as its
 ``push``), over a ``petals.push`` stream to that peer — dialled at the address the peer table
-gives, never one a client names — and answers the client with ``"pushed": true`` (``false`` if
-it could not: the client then sends that step itself).  The receiving server takes pushed steps
-in its session's order beside the client's own: the session id, known to the client and the
-servers it chose only, is the capability.  A pushed step whose ``step_id`` is not above every
-id the session has seen is stale (its client has resent that step itself since) and is dropped.
+gives (read from the DHT if the table lacks it), never one a client names — and answers the
+client with ``"pushed": true``.  The stream is dialled in the background on the first step that
+names that session: until it is open, and if it cannot be, the answer says ``"pushed": false``
+and the client sends the step on itself, so that a dial never delays a step.  The receiving
+server takes pushed steps in its session's order beside the client's own: the session id, known
+to the client and the servers it chose only, is the capability.  A pushed step whose
+``step_id`` is not above every id the session has seen is stale (its client has resent that
+step itself since) and is dropped.
 
 Scheduling: single-step work of different sessions over the same blocks and adapter is batched
 (:meth:`BlockBackend.inference_steps`); steps longer than ``max_batch_tokens`` tokens are
@@ -79,8 +82,11 @@ _MAX_SESSION_ID_CHARS: Final = 128
 _MAX_PUSH_CHAIN: Final = 64
 #: Steps (the client's and pushed ones) waiting in a session's inbox.
 _INBOX_SIZE: Final = 8
-#: Longest wait to dial the next server (once per session) or to hand it a pushed step.
+#: Longest wait to hand the next server a pushed step.
 _PUSH_TIMEOUT_S: Final = 2.0
+#: Longest wait to dial the next server and open the push stream (once per session, meanwhile
+#: the client sends the steps on itself).
+_DIAL_TIMEOUT_S: Final = 10.0
 #: How long a server that could not be dialled for a push is not dialled again.
 _UNREACHABLE_S: Final = 60.0
 _MAX_UNREACHABLE: Final = 4096
@@ -132,6 +138,12 @@ class ServingLimits:
     #: thread, without the hand-off to a worker thread (``--inline_compute_ms``; 0: never).
     inline_compute_s: float = attrs.field(default=0.025, validator=_non_negative)
 
+
+class _Dialling:
+    """A push stream being opened."""
+
+
+_DIALLING: Final = _Dialling()
 
 #: What a session's inbox holds: a step and whether it was pushed, None when the client ended its
 #: side, or the exception the client's stream failed with.
@@ -190,9 +202,12 @@ class _Session:
     inbox: trio.MemorySendChannel[_InboxItem] | None = None
     #: The highest step_id seen (pushed steps at or below it are stale).
     last_step_id: int = -1
-    #: Push streams to the next servers' sessions, by (peer, session id); None: that push failed.
-    pushes: dict[tuple[str, str], Call | None] = attrs.field(factory=dict)
+    #: Push streams to the next servers' sessions, by (peer, session id); None: that push failed
+    #: (not tried again in this session), _DIALLING: being opened.
+    pushes: dict[tuple[str, str], Call | _Dialling | None] = attrs.field(factory=dict)
     exits: contextlib.AsyncExitStack = attrs.field(factory=contextlib.AsyncExitStack)
+    #: Where the session's background tasks run (the client reader, push dials).
+    nursery: trio.Nursery | None = None
 
     @property
     def position(self) -> int:
@@ -207,6 +222,9 @@ class BlockServerStatistics:
     #: Steps that came from the previous server (server-to-server), and stale ones dropped.
     pushed_steps: int
     stale_pushes: int
+    #: Push streams this server opened to the next servers' sessions, and dials that failed.
+    push_streams: int
+    push_dial_failures: int
     forwards: int
     backwards: int
     #: Backwards that took their gradients from a kept forward graph.
@@ -246,6 +264,8 @@ class BlockServer:
                 "batched_steps",
                 "pushed_steps",
                 "stale_pushes",
+                "push_streams",
+                "push_dial_failures",
                 "forwards",
                 "backwards",
                 "kept_backwards",
@@ -253,6 +273,7 @@ class BlockServer:
             ],
             0,
         )
+        self._counted = trio.Event()
         #: Servers a push could not dial, until when they are not tried again.
         self._unreachable: dict[str, float] = {}
         #: Token -> kept forward graph, oldest first.
@@ -286,6 +307,22 @@ class BlockServer:
     @property
     def open_sessions(self) -> int:
         return len(self._sessions)
+
+    async def wait_statistics(
+        self, predicate: Callable[[BlockServerStatistics], bool]
+    ) -> BlockServerStatistics:
+        """Wait until the statistics satisfy ``predicate`` (checked whenever a count changes);
+        returns them.  Bound it with a trio deadline."""
+        while True:
+            statistics = self.statistics()
+            if predicate(statistics):
+                return statistics
+            await self._counted.wait()
+
+    def _count(self, name: str) -> None:
+        self._counts[name] += 1
+        self._counted.set()
+        self._counted = trio.Event()
 
     def statistics(self) -> BlockServerStatistics:
         self._drop_expired()
@@ -428,6 +465,7 @@ class BlockServer:
         assert session.inbox is not None
         failure: BaseException | None = None
         async with session.exits, trio.open_nursery() as nursery:
+            session.nursery = nursery
             nursery.start_soon(_read_client, call, session.inbox)
             try:
                 await self._steps(call, session, steps, backend, pool)
@@ -462,7 +500,7 @@ class BlockServer:
             try:
                 step_id = _step_id(step)
                 if pushed and (step_id is None or step_id <= session.last_step_id):
-                    self._counts["stale_pushes"] += 1
+                    self._count("stale_pushes")
                     continue
                 if step_id is not None:
                     session.last_step_id = max(session.last_step_id, step_id)
@@ -471,7 +509,7 @@ class BlockServer:
                     raise ValueError("a step to push on needs a step_id")
                 output = await self._step(step, session, backend, pool)
             except (ValueError, CodecError) as exc:
-                self._counts["failures"] += 1
+                self._count("failures")
                 raise ServerError(f"step refused: {exc}") from None
             answer: dict[str, Any] = {"hidden_states": output, "position": session.position}
             if step_id is not None:
@@ -480,7 +518,7 @@ class BlockServer:
                 start = session.position - output.shape[1]  # where this step began
                 answer["pushed"] = await self._push(session, chain, output, start, step_id)
             if pushed:
-                self._counts["pushed_steps"] += 1
+                self._count("pushed_steps")
             await call.send(answer)
 
     async def _push(
@@ -494,6 +532,11 @@ class BlockServer:
         """Hand ``output`` to the next server's session as its step; whether it was sent."""
         target = chain[0]
         key = (target["peer"], target["session_id"])
+        if key not in session.pushes:
+            self._start_dial(session, key)
+        push_call = session.pushes[key]
+        if not isinstance(push_call, Call):
+            return False  # being dialled, or it failed
         message: dict[str, Any] = {
             "hidden_states": output,
             "start_from_position": start,
@@ -503,26 +546,48 @@ class BlockServer:
             message["push"] = chain[1:]
         with trio.move_on_after(_PUSH_TIMEOUT_S):
             try:
-                if key not in session.pushes:
-                    session.pushes[key] = None  # a failed dial is not retried in this session
-                    unreachable_until = self._unreachable.get(target["peer"], -math.inf)
-                    if self.connect_peer is None or trio.current_time() < unreachable_until:
-                        return False
-                    self._mark_unreachable(target["peer"])
-                    connection = await self.connect_peer(target["peer"])
-                    self._unreachable.pop(target["peer"], None)
-                    opened = await session.exits.enter_async_context(open_call(connection, PUSH))
-                    await opened.send({"session_id": target["session_id"]})
-                    session.pushes[key] = opened
-                push_call = session.pushes[key]
-                if push_call is None:
-                    return False
                 await push_call.send(message)
                 return True
             except TransportError as exc:
                 logger.info("cannot push to %s: %r", target["peer"], exc)
         session.pushes[key] = None
         return False
+
+    def _start_dial(self, session: _Session, key: tuple[str, str]) -> None:
+        peer = key[0]
+        if (
+            self.connect_peer is None
+            or session.nursery is None
+            or trio.current_time() < self._unreachable.get(peer, -math.inf)
+        ):
+            session.pushes[key] = None
+            return
+        session.pushes[key] = _DIALLING
+        session.nursery.start_soon(self._dial, session, key, self.connect_peer)
+
+    async def _dial(
+        self,
+        session: _Session,
+        key: tuple[str, str],
+        connect_peer: Callable[[str], Awaitable[Connection]],
+    ) -> None:
+        """Open the push stream to ``key``'s session (in the session's nursery)."""
+        peer, session_id = key
+        with trio.move_on_after(_DIAL_TIMEOUT_S):
+            try:
+                connection = await connect_peer(peer)
+                opened = await session.exits.enter_async_context(open_call(connection, PUSH))
+                await opened.send({"session_id": session_id})
+            except TransportError as exc:
+                logger.info("cannot push to %s: %r", peer, exc)
+            else:
+                self._unreachable.pop(peer, None)
+                session.pushes[key] = opened
+                self._count("push_streams")
+                return
+        self._mark_unreachable(peer)
+        self._count("push_dial_failures")
+        session.pushes[key] = None
 
     def _mark_unreachable(self, peer: str) -> None:
         """Until proven otherwise (the dial succeeds); at most a few thousand remembered."""
@@ -595,7 +660,7 @@ class BlockServer:
         # Checked: from here on the step runs (and rolls back what it wrote if it fails).
         for cache in session.caches:
             cache.rollback(position)
-        self._counts["steps"] += 1
+        self._count("steps")
         if hypo_ids is not None:
             # As row indices: torch refuses int8 indices and reads uint8 ones as a mask.
             reorder = hypo_ids.to(torch.int64)
@@ -609,7 +674,7 @@ class BlockServer:
             return hidden
         chunk = max(1, self.limits.max_batch_tokens // session.batch)
         if prompts is None and tokens <= chunk and self.limits.batch_steps:
-            self._counts["batched_steps"] += 1
+            self._count("batched_steps")
             key = ("step", session.start, session.end, session.adapter)
             adapter, start, end = session.adapter, session.start, session.end
 
@@ -703,7 +768,7 @@ class BlockServer:
                         backend, pool, start, end, hidden, prompts, adapter, points
                     )
                 )[-1]
-            self._counts["forwards"] += 1
+            self._count("forwards")
             await send_tensors(call.send, reply, {"hidden_states": output.to(hidden.dtype)})
 
     def _keep(self, kept: _Kept) -> str:
@@ -748,12 +813,12 @@ class BlockServer:
                     priority=Priority.BACKWARD,
                     points=points,
                 )
-                self._counts["kept_backwards"] += 1
+                self._count("kept_backwards")
             else:
                 grad, grad_prompts = await self._recompute_backward(
                     backend, pool, start, end, hidden, grad_outputs, prompts, adapter, points
                 )
-            self._counts["backwards"] += 1
+            self._count("backwards")
             await send_tensors(
                 call.send,
                 {},
@@ -861,10 +926,10 @@ class BlockServer:
             prompts = tensors.get("prompts")
             backend.check_prompts(prompts, start, end, hidden)
         except AdapterError:
-            self._counts["failures"] += 1
+            self._count("failures")
             raise
         except (ValueError, CodecError) as exc:
-            self._counts["failures"] += 1
+            self._count("failures")
             raise ServerError(f"request refused: {exc}") from None
         return start, end, adapter, points, hidden, prompts
 

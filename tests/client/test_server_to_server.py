@@ -6,7 +6,9 @@ steps travel; the servers' statistics tell which way they went.
 
 from __future__ import annotations
 
+import math
 import os
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -50,9 +52,16 @@ def pushed_steps(server: Server) -> int:
     return server.block_server.statistics().pushed_steps
 
 
-async def run_session(session: InferenceSession, model: Model, steps: list[torch.Tensor]) -> None:
-    """Steps through ``session``, each compared with the local blocks over all inputs so far."""
-    inputs: torch.Tensor | None = None
+async def run_session(
+    session: InferenceSession,
+    model: Model,
+    steps: list[torch.Tensor],
+    *,
+    done: Sequence[torch.Tensor] = (),
+) -> None:
+    """Steps through ``session`` (after the steps ``done``), each compared with the local blocks
+    over all inputs so far."""
+    inputs: torch.Tensor | None = torch.cat(list(done), dim=1) if done else None
     for x in steps:
         position = 0 if inputs is None else inputs.shape[1]
         inputs = x if inputs is None else torch.cat([inputs, x], dim=1)
@@ -61,13 +70,19 @@ async def run_session(session: InferenceSession, model: Model, steps: list[torch
         assert_close(await session.step(x), expected)
 
 
+async def push_streams_reach(servers: list[Server], counts: list[int]) -> None:
+    """Wait until each server has opened ``counts`` push streams in all (they are dialled in the
+    background; callers bound this with a trio deadline)."""
+    for server, count in zip(servers, counts, strict=True):
+        await server.block_server.wait_statistics(lambda s, n=count: s.push_streams >= n)
+
+
 async def test_steps_go_server_to_server_and_equal_local(model: Model, tmp_path: Path) -> None:
     torch.manual_seed(3)
     steps = [torch.randn(2, 4, HIDDEN)] + [torch.randn(2, 1, HIDDEN) for _ in range(6)]
     async with in_process_swarm(model, tmp_path, [(0, 2), (2, 4), (4, 6)]) as swarm:
         servers = list(swarm.servers.values())
         with trio.fail_after(DEADLINE_S):
-            await servers_know_each_other(servers)
             for server_to_server in (True, False):
                 before = [pushed_steps(server) for server in servers]
                 manager = manager_for(servers, use_server_to_server=server_to_server)
@@ -75,14 +90,47 @@ async def test_steps_go_server_to_server_and_equal_local(model: Model, tmp_path:
                     RemoteSequential(manager) as seq,
                     seq.open_inference_session(max_length=16) as session,
                 ):
-                    await run_session(session, model, steps)
+                    # The first step goes to each server from us while the push streams are
+                    # dialled (a dial never delays a step); every later one server to server.
+                    await run_session(session, model, steps[:1])
+                    if server_to_server:
+                        await push_streams_reach(servers, [1, 1, 0])
+                    await run_session(session, model, steps[1:], done=steps[:1])
                     assert [(s.start, s.end) for s in session.route] == [(0, 2), (2, 4), (4, 6)]
                     assert session.retries == 0
                 pushed = [
                     pushed_steps(server) - b for server, b in zip(servers, before, strict=True)
                 ]
-                # Every step reached the second and third servers from the one before.
-                assert pushed == ([0, len(steps), len(steps)] if server_to_server else [0, 0, 0])
+                later = len(steps) - 1
+                assert pushed == ([0, later, later] if server_to_server else [0, 0, 0])
+                statistics = [server.block_server.statistics() for server in servers]
+                assert [s.push_streams for s in statistics] == [1, 1, 0]
+                assert [s.push_dial_failures for s in statistics] == [0, 0, 0]
+
+
+async def test_a_server_missing_from_the_peer_table_is_looked_up_in_the_dht(
+    model: Model, tmp_path: Path
+) -> None:
+    """A server dials the next one even when its peer table has not heard of it yet (a client
+    can be quicker than gossip): it reads the DHT."""
+    async with in_process_swarm(model, tmp_path, [(0, 3), (3, 6)]) as swarm:
+        first, second = swarm.servers.values()
+        with trio.fail_after(DEADLINE_S):
+            await servers_know_each_other([first, second])
+            peer = str(second.dht.peer_id)
+            # As if the announcement had not reached it: a table that never heard of the peer.
+            first.topic._store.expire(math.inf)
+            first.topic._mark_changed()
+            assert first.topic.address_of(peer) is None
+            refreshes = first.topic.refreshes
+            assert first.block_server.connect_peer is not None
+            connection = await first.block_server.connect_peer(peer)
+            assert str(connection.peer_id) == peer
+            assert first.topic.refreshes == refreshes + 1
+            # A peer nobody announced: unreachable, and no second DHT read so soon.
+            with pytest.raises(PeerUnreachable, match="announced no address"):
+                await first.block_server.connect_peer(str(first.dht.peer_id)[:-4] + "abcd")
+            assert first.topic.refreshes == refreshes + 1
 
 
 async def test_a_server_that_cannot_push_lets_the_client_send(model: Model, tmp_path: Path) -> None:
@@ -96,14 +144,17 @@ async def test_a_server_that_cannot_push_lets_the_client_send(model: Model, tmp_
 
         first.block_server.connect_peer = unreachable
         with trio.fail_after(DEADLINE_S):
-            await servers_know_each_other([first, second])
             async with (
                 RemoteSequential(manager_for([first, second])) as seq,
                 seq.open_inference_session(max_length=16) as session,
             ):
-                await run_session(session, model, steps)
+                await run_session(session, model, steps[:1])
+                # The dial failed in the background; every step still goes to each server.
+                await first.block_server.wait_statistics(lambda s: s.push_dial_failures >= 1)
+                await run_session(session, model, steps[1:], done=steps[:1])
                 assert session.retries == 0
         assert pushed_steps(second) == 0
+        assert first.block_server.statistics().push_streams == 0
 
 
 async def test_stale_and_misaddressed_pushes(model: Model, tmp_path: Path) -> None:

@@ -113,6 +113,30 @@ async def test_gossip_brings_a_new_server_to_a_client_long_before_the_next_dht_r
                 await table.wait_snapshot(lambda s: str(s3.peer_id) not in s.peer_ids)
 
 
+async def test_a_refresh_on_demand_reads_what_gossip_has_not_brought() -> None:
+    with trio.fail_after(DEADLINE_S):
+        async with nodes(3) as (swarm, _):
+            follower, announcer = swarm[1], swarm[2]
+            topic = follower.follow(PREFIX, BLOCKS, update_period_s=NEVER_S)
+            await wait_until(lambda: topic.refreshes >= 1)
+            # Announced in the DHT by a node that follows nothing: no gossip about it.
+            await announcer.announce(
+                PREFIX, announced(announcer, 0, 3), expiration=time.time() + 600
+            )
+            peer = str(announcer.peer_id)
+            assert topic.address_of(peer) is None
+            await topic.refresh(min_interval_s=60.0)
+            assert topic.address_of(peer) == announcer.listen_multiaddr
+            assert topic.refreshes == 2
+            # Asked again at once: skipped; concurrent callers share one read.
+            await topic.refresh(min_interval_s=60.0)
+            assert topic.refreshes == 2
+            async with trio.open_nursery() as nursery:
+                for _ in range(3):
+                    nursery.start_soon(topic.refresh)
+            assert topic.refreshes == 3
+
+
 async def test_bad_gossip_is_refused_and_the_node_keeps_gossiping() -> None:
     with trio.fail_after(DEADLINE_S):
         async with nodes(1) as (swarm, _), open_node() as raw:
