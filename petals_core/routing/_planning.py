@@ -30,23 +30,22 @@ boundaries in order.  At each boundary it holds, per server, the cheapest partia
 span is on that server and ends there (``arrive``) and the cheapest one that enters that server
 there (``enter``); switching servers is allowed at every boundary, since a switch away from span
 boundaries can pay (a fast server far from the client running the middle blocks, a tight cache
-split over two visits).  What keeps it cheap:
+split over two visits).  Each boundary is a few numpy operations over all servers at once:
 
-- A span costs the same per block, so ``arrive`` carries over from one boundary to the next in
-  O(1); a cache penalty depends on the span's length only through a threshold, which a sliding
-  window minimum over entry points handles (amortised O(1)), only for servers where the
-  threshold falls inside their span.
+- A span costs the same per block, so ``arrive`` is a running minimum of the entries so far
+  (each shifted by its blocks' cost); for a server whose spans are penalised past ``limit``
+  blocks, a sliding-window minimum over its last ``limit`` entries (a sparse table of minima)
+  beside a running minimum of the older ones plus the penalty.
 - An estimated hop splits into a part per end (``client_pings[a] / 2 + client_pings[b] / 2``),
   so one minimum over all servers at a boundary gives every target its best source by estimate.
-  A target that must not use that source (it is the source, or the source measured a ping to
-  it) looks further down a ranking of sources.
-- A measured ping can only beat the estimate-based entry if it is shorter than its own estimate,
-  so only those are relaxed, at each boundary where the two servers meet.
+  A target that must not use that source (it is the source, or the source measured a ping to it
+  longer than the estimate) looks further down a ranking of sources.
+- Measured pings enter as they are, every one at every boundary where its two servers can meet
+  (precomputed as one array per boundary), the least offer per target.
 
-Work is about linear in the (server, block) pairs plus (measured ping, boundary) pairs, with
-the per-pair work done by list comprehensions; ``python -m bench routing`` times it (about
-12 ms for 1,000 servers over 80 blocks with estimated hops on the reference machine, twice that
-with 5 measured pings per server).
+The route is traced back afterwards from the kept rows.  ``python -m bench routing`` times it
+(1,000 servers over 80 blocks: about 5 ms with estimated hops, 12 ms with 5 measured pings per
+server, on the reference machine).
 
 All functions are pure: no I/O, no clock, randomness only from the ``rng`` passed in.
 """
@@ -55,11 +54,11 @@ from __future__ import annotations
 
 import math
 import random
-from collections import deque
 from collections.abc import Collection, Mapping, Sequence
 from itertools import repeat
 
 import attrs
+import numpy as np
 
 from .._errors import ConfigError, PetalsError
 from ..dht._records import ServerInfo, ServerState
@@ -75,9 +74,8 @@ __all__ = [
 ]
 
 _INF = math.inf
-# Sources kept per boundary for entering a server by estimated hop; a target that excludes all of
-# them (it is one of them, or has measured pings from them) falls back to a full scan.
-_TOP_SOURCES = 8
+# Sources ranked at a boundary for targets that leave the best one out (more: a full scan).
+_RANKED = 8
 
 
 class MissingBlocksError(PetalsError):
@@ -318,32 +316,20 @@ def make_route_min_latency(
     return planner.plan()
 
 
-class _Window:
-    """Entry points into one server whose spans are penalised past ``limit`` blocks: a sliding
-    window minimum over the recent ones (no penalty yet), and the best of the older ones.
-
-    Entries are keyed ``enter - (entry - lo) * cost``: every open span on the server grows by the
-    same cost per block, so keys compare as the spans' costs do at any later boundary.
-    """
-
-    __slots__ = ("free", "limit", "old_entry", "old_key")
-
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self.free: deque[tuple[float, int]] = deque()  # (key, entry), keys rising
-        self.old_key = _INF
-        self.old_entry = -1
-
-
 class _LatencyPlanner:
-    """One run of the dynamic program of :func:`make_route_min_latency`.
+    """One run of the dynamic program of :func:`make_route_min_latency`, boundary by boundary,
+    each step a few numpy operations over all candidate servers at once.
 
-    Servers are numbered in PeerID order; per-server lists are indexed by that number.  For each
-    boundary ``e`` the run keeps ``arrive[e]`` (server holding block ``e - 1`` -> the cheapest
-    route whose last span is on it and ends at ``e``) and ``enter[e]`` (server holding block
-    ``e`` -> the cheapest route that enters it at ``e``), and enough to tell afterwards which
-    choice made each value, so that the route is traced back without per-state back-pointers.
-    The per-state work is a few list comprehensions per boundary, the cheapest loops Python has.
+    Servers are numbered in PeerID order.  Boundaries are relative to ``start`` (0 .. B).  Per
+    boundary ``e`` it keeps ``arrive[e]`` (per server: the cheapest route over ``[0, e)`` whose
+    last span is on it and ends at ``e``; inf for servers not holding block ``e - 1``) and
+    ``enter[e]`` (per server: the cheapest route over ``[0, e)`` that goes on to it at ``e``; inf
+    for servers not holding block ``e``).  A span entered at ``b`` and left at ``e`` costs
+    ``(e - b) * cost``, so ``arrive[e] = e * cost + min over b of key[b]`` with
+    ``key[b] = enter[b] - b * cost``: a running minimum, or, for a server whose spans are
+    penalised past ``limit`` blocks, a sliding-window minimum over the last ``limit`` entries
+    (a sparse table of minima) beside a running minimum of the older ones plus the penalty.
+    The route is traced back afterwards from the kept rows (a few vector operations per span).
     """
 
     def __init__(
@@ -358,322 +344,243 @@ class _LatencyPlanner:
         default_inference_rps: float,
         cache_penalty_s: float,
     ) -> None:
-        self.start, self.end = start, end
+        self.start = start
+        self.blocks = blocks = end - start
         self.default_ping_s = default_ping_s
         self.penalty_s = cache_penalty_s
-        n = len(candidates)
         self.peers = peers = [peer_id for peer_id, _ in candidates]
+        n = len(peers)
         number = {peer_id: i for i, peer_id in enumerate(peers)}
-        self.lo = lo = [
-            start if info.start_block < start else info.start_block for _, info in candidates
-        ]
-        self.hi = hi = [end if info.end_block > end else info.end_block for _, info in candidates]
-        self.cost = [_block_cost(info, default_inference_rps) for _, info in candidates]
-        # Half the client's ping where known (None: unknown); as keys, inf stands for unknown in
-        # ``known_half`` and for known in ``unknown_zero``.  ``edge``: the first and last hop.
-        self.half: list[float | None] = [
-            client_pings[p] / 2 if p in client_pings else None for p in peers
-        ]
-        self.known_half = [_INF if h is None else h for h in self.half]
-        self.unknown_zero = [0.0 if h is None else _INF for h in self.half]
-        self.edge = [client_pings.get(p, default_ping_s) for p in peers]
-        # Measured pings between candidates, as (first boundary, last boundary, other server,
-        # rtt): only where a hop can happen, i.e. the source holds the block before a boundary
-        # and the target the block after it.  A target leaves its measured sources (and itself)
-        # out of the estimated-hop minimum.  A measured ping no shorter than the estimate can
-        # only matter when its source is the best one (then the target takes the slow path), so
-        # only shorter ones are kept for the fast path (``useful``).
-        self.out_targets: list[list[int]] = [[] for _ in range(n)]
-        self.inn: list[list[tuple[int, int, int, float]]] = [[] for _ in range(n)]
-        # The useful ones, by the boundary where they start and after which they end to count.
-        # Each has a number; ``live_*`` hold those that can happen at the current boundary.
-        self.useful_from: list[list[tuple[int, int, int, float]]] = [
-            [] for _ in range(end - start + 1)
-        ]
-        self.useful_until: list[list[int]] = [[] for _ in range(end - start + 1)]
-        self.live_sources: dict[int, int] = {}
-        self.live_targets: dict[int, int] = {}
-        self.live_rtts: dict[int, float] = {}
-        self.excluded: list[set[int]] = [{i} for i in range(n)]
-        half, out_targets, inn, excluded = self.half, self.out_targets, self.inn, self.excluded
-        useful_from, useful_until = self.useful_from, self.useful_until
-        edge_id = 0
-        for i, (_, info) in enumerate(candidates):
-            if not info.next_pings:
-                continue
-            lo_i, hi_i, half_i = lo[i] + 1, hi[i], half[i]
-            for peer_id, rtt in info.next_pings.items():
-                j = number.get(peer_id)
-                if j is None or j == i:
-                    continue
-                lo_j, hi_j = lo[j], hi[j] - 1
-                first = lo_i if lo_i > lo_j else lo_j
-                last = hi_i if hi_i < hi_j else hi_j
-                if first > last:
-                    continue
-                out_targets[i].append(j)
-                inn[j].append((first, last, i, rtt))
-                excluded[j].add(i)
-                half_j = half[j]
-                if rtt < (default_ping_s if half_i is None or half_j is None else half_i + half_j):
-                    edge_id += 1
-                    useful_from[first - start].append((edge_id, i, j, rtt))
-                    useful_until[last - start].append(edge_id)
-        # Cache penalties: a window for a server whose spans are penalised past some length; none
-        # for one whose spans never are, or always are (then it is paid on entry).
-        self.windows: dict[int, _Window] = {}
-        self.entry_penalty = [0.0] * n
-        for i, (_, info) in enumerate(candidates):
-            limit = _free_blocks(info, cache_tokens_needed)
-            if limit == 0:
-                self.entry_penalty[i] = cache_penalty_s
-            elif limit < hi[i] - lo[i]:
-                self.windows[i] = _Window(int(limit))
-        self.starting: list[list[int]] = [[] for _ in range(end - start)]
-        for i in range(n):
-            self.starting[lo[i] - start].append(i)
-        self.arrive: list[dict[int, float]] = [{}]  # by e - start (nothing arrives at start)
-        self.enter: list[dict[int, float]] = []
-        # How ``enter`` was made, per boundary: the best sources by estimated hop (value and
-        # server, for targets whose client ping is known, by unknown ones, for unknown targets),
-        # and the sources of the targets that took another (slow path, measured hops).
-        self.rule: list[tuple[float, int, float, int, int]] = []
-        self.chosen: list[dict[int, int]] = []
-        self.window_entry: dict[tuple[int, int], int] = {}
+        infos = [info for _, info in candidates]
+        self.lo = np.array([max(info.start_block, start) - start for info in infos], np.int64)
+        self.hi = np.array([min(info.end_block, end) - start for info in infos], np.int64)
+        self.cost = np.array([_block_cost(info, default_inference_rps) for info in infos])
+        self.known = np.array([p in client_pings for p in peers], bool)
+        self.half = np.array([client_pings.get(p, 0.0) / 2 for p in peers])
+        self.edge = np.array([client_pings.get(p, default_ping_s) for p in peers])
+        # Halves as keys: inf stands for an unknown ping in ``known_half``, for a known one in
+        # ``unknown_zero``.
+        self.known_list, self.half_list = self.known.tolist(), self.half.tolist()
+        self.known_half = np.where(self.known, self.half, _INF)
+        self.unknown_zero = np.where(self.known, _INF, 0.0)
+        # Measured pings where a hop can happen: the source holds the block before a boundary
+        # and the target the one after it, at boundaries first .. last.
+        sources: list[int] = []
+        names: list[str] = []
+        rtts: list[float] = []
+        for i, info in enumerate(infos):
+            pings = info.next_pings
+            if pings:
+                sources += repeat(i, len(pings))
+                names += pings.keys()
+                rtts += pings.values()
+        source = np.array(sources, np.int64)
+        target = np.array([number.get(name, -1) for name in names], np.int64)
+        first = np.maximum(self.lo[source] + 1, self.lo[target])
+        last = np.minimum(self.hi[source], self.hi[target] - 1)
+        useful = (target >= 0) & (target != source) & (first <= last)
+        source, target, first, last = source[useful], target[useful], first[useful], last[useful]
+        rtt = np.array(rtts)[useful] if rtts else np.zeros(0)
+        # A measured hop no longer than its estimate leaves the estimate harmless (the measured
+        # offer is the better one); a longer one must keep its source out of the target's
+        # estimated-hop minimum ("shut").
+        estimate = np.where(
+            self.known[source] & self.known[target],
+            self.half[source] + self.half[target],
+            default_ping_s,
+        )
+        longer = rtt > estimate
+        shut_source, shut_target = source[longer], target[longer]
+        servers = np.arange(n + 1)
+        order = np.argsort(shut_source, kind="stable")
+        self.shuts_by_source = (shut_target[order], np.searchsorted(shut_source[order], servers))
+        order = np.argsort(shut_target, kind="stable")
+        self.shut_by_target = (shut_source[order], np.searchsorted(shut_target[order], servers))
+        # Every (boundary, edge) where the hop can happen, by boundary: rows first .. last.
+        lengths = last - first + 1
+        total = int(lengths.sum())
+        offsets = np.repeat(np.cumsum(lengths) - lengths, lengths)
+        boundary = np.repeat(first, lengths) + (np.arange(total) - offsets)
+        order = np.argsort(boundary, kind="stable")
+        edge = np.repeat(np.arange(len(source)), lengths)[order]
+        self.hop_source, self.hop_target, self.hop_rtt = source[edge], target[edge], rtt[edge]
+        self.hop_bounds = np.searchsorted(boundary[order], np.arange(blocks + 2))
+        self.edge_source, self.edge_target, self.edge_rtt = source, target, rtt
+        order = np.argsort(target, kind="stable")
+        self.in_order = order
+        self.in_bounds = np.searchsorted(target[order], servers)
+        # Cache penalties: ``limit`` blocks run free.  0: every span pays on entry; at least the
+        # server's whole range: none ever does; in between: a window.
+        limits = np.array([_free_blocks(info, cache_tokens_needed) for info in infos])
+        self.entry_penalty = np.where(limits == 0, cache_penalty_s, 0.0)
+        windowed = (limits > 0) & (limits < self.hi - self.lo)
+        self.window = np.flatnonzero(windowed)
+        self.window_limit = limits[windowed].astype(np.int64)
+        self.windowed = windowed
+        self.arrive = np.full((blocks + 1, n), _INF)
+        self.enter = np.full((blocks + 1, n), _INF)
+        self.key = np.full((blocks + 1, n), _INF)
+
+    def _shuts(self, s: int) -> list[int]:
+        """The targets whose estimated-hop minimum must leave ``s`` out (its measured ping to
+        them is longer than the estimate)."""
+        targets, bounds = self.shuts_by_source
+        return targets[bounds[s] : bounds[s + 1]].tolist()
+
+    def _shut(self, t: int) -> set[int]:
+        """The sources left out of ``t``'s estimated-hop minimum (``t`` itself among them)."""
+        sources, bounds = self.shut_by_target
+        shut = set(sources[bounds[t] : bounds[t + 1]].tolist())
+        shut.add(t)
+        return shut
+
+    def _measured_into(self, t: int) -> dict[int, float]:
+        """Source -> measured ping, for the servers that measured one to ``t``."""
+        edges = self.in_order[self.in_bounds[t] : self.in_bounds[t + 1]]
+        return dict(
+            zip(self.edge_source[edges].tolist(), self.edge_rtt[edges].tolist(), strict=True)
+        )
 
     def plan(self) -> list[RouteSpan]:
-        start, end, hi = self.start, self.end, self.hi
-        holding: list[int] = []  # the servers holding block e - 1
-        for e in range(start, end + 1):
-            if e > start:
-                self._advance(holding, e)
-            if e == end:
-                break
-            targets = [i for i in holding if hi[i] > e]
-            targets.extend(self.starting[e - start])
-            if e == start:
-                self.enter.append({t: self.edge[t] for t in targets})
-                self.rule.append((_INF, -1, _INF, -1, -1))
-                self.chosen.append(dict.fromkeys(targets, -1))
-            else:
-                self._enter(targets, e)
-            holding = targets
-        arrive = self.arrive[-1]
-        last = min(arrive, key=lambda i: (arrive[i] + self.edge[i], i))
+        blocks, lo, hi, cost = self.blocks, self.lo, self.hi, self.cost
+        arrive, enter, key = self.arrive, self.enter, self.key
+        n = len(self.peers)
+        enter[0] = np.where(lo == 0, self.edge, _INF)
+        running = np.full(n, _INF)
+        window, limit = self.window, self.window_limit
+        nw = len(window)
+        levels = int(limit.max()).bit_length() if nw else 0
+        # table[k][b]: the least key of the window's servers over entries b .. b + 2^k - 1.
+        table = np.full((max(levels, 1), blocks + 1, nw), _INF)
+        old = np.full(nw, _INF)  # least key of entries past the window
+        columns = np.arange(nw)
+        log2 = np.zeros(blocks + 2, np.int64)
+        for length in range(2, blocks + 2):
+            log2[length] = log2[length // 2] + 1
+        not_windowed = ~self.windowed
+        for e in range(1, blocks + 1):
+            key[e - 1] = enter[e - 1] + self.entry_penalty - (e - 1) * cost
+            np.minimum(running, key[e - 1], out=running)
+            row = np.where(not_windowed, running, _INF)
+            if nw:
+                table[0, e - 1] = key[e - 1, window]
+                for k in range(1, levels):
+                    b = e - (1 << k)
+                    if b < 0:
+                        break
+                    np.minimum(table[k - 1, b], table[k - 1, b + (1 << (k - 1))], out=table[k, b])
+                gone = e - limit - 1  # the entry that leaves the window now
+                has_gone = gone >= 0
+                if has_gone.any():
+                    leaving = key[np.maximum(gone, 0), window]
+                    old = np.minimum(old, np.where(has_gone, leaving, _INF))
+                first = np.maximum(e - limit, 0)
+                k = log2[e - first]
+                recent = np.minimum(table[k, first, columns], table[k, e - (1 << k), columns])
+                row[window] = np.minimum(recent, old + self.penalty_s)
+            holding = (lo < e) & (e <= hi)
+            arrive[e] = np.where(holding, row + e * cost, _INF)
+            if e < blocks:
+                self._enter(e)
+        last = int(np.argmin(arrive[blocks] + self.edge))
         route: list[RouteSpan] = []
-        server, boundary = last, end
+        server, boundary = last, blocks
         while True:
             began = self._began(server, boundary)
-            route.append(RouteSpan(peer_id=self.peers[server], start=began, end=boundary))
-            source = self._source(server, began)
-            if source < 0:
+            route.append(
+                RouteSpan(
+                    peer_id=self.peers[server],
+                    start=self.start + began,
+                    end=self.start + boundary,
+                )
+            )
+            if began == 0:
                 break
-            server, boundary = source, began
+            server, boundary = self._source(server, began), began
         route.reverse()
         return route
 
-    def _advance(self, holding: list[int], e: int) -> None:
-        """``arrive`` at ``e`` for the servers holding block ``e - 1``: the better of going on
-        from ``arrive`` at ``e - 1`` and entering at ``e - 1`` (plus any entry penalty), plus the
-        block's cost.  Staying wins ties."""
-        before = self.arrive[-1].get
-        entering = self.enter[-1]
-        values = [
-            (stay if stay <= fresh + penalty else fresh + penalty) + cost
-            for stay, fresh, penalty, cost in zip(
-                map(before, holding, repeat(_INF)),
-                map(entering.__getitem__, holding),
-                map(self.entry_penalty.__getitem__, holding),
-                map(self.cost.__getitem__, holding),
-                strict=True,
-            )
-        ]
-        arrive = dict(zip(holding, values, strict=True))
-        if self.windows:
-            windows = self.windows
-            for i in [i for i in holding if i in windows]:
-                arrive[i] = self._slide(windows[i], i, e, entering[i])
-        self.arrive.append(arrive)
-
-    def _slide(self, window: _Window, i: int, e: int, entering: float) -> float:
-        free, cost, lo = window.free, self.cost[i], self.lo[i]
-        if entering < _INF:
-            key = entering - (e - 1 - lo) * cost
-            while free and free[-1][0] >= key:
-                free.pop()
-            free.append((key, e - 1))
-        # Entries more than ``limit`` blocks back are penalised from here on.
-        while free and free[0][1] < e - window.limit:
-            key, entry = free.popleft()
-            if key < window.old_key:
-                window.old_key, window.old_entry = key, entry
-        best, entry = free[0] if free else (_INF, -1)
-        if window.old_key + self.penalty_s < best:
-            best, entry = window.old_key + self.penalty_s, window.old_entry
-        self.window_entry[i, e] = entry
-        return best + (e - lo) * cost
-
-    def _enter(self, targets: list[int], e: int) -> None:
-        """``enter`` at ``e`` for the servers holding block ``e``, from ``arrive`` at ``e``."""
-        arrive = self.arrive[-1]
-        sources, values = list(arrive), list(arrive.values())
+    def _enter(self, e: int) -> None:
+        arrive = self.arrive[e]
+        lo, hi = self.lo, self.hi
         default = self.default_ping_s
         # Estimated hops split into the source's part (half its client ping, if known) and the
-        # target's: one minimum over the sources serves every target.
-        known = _Ranking(
-            [
-                value + h
-                for value, h in zip(values, map(self.known_half.__getitem__, sources), strict=True)
-            ],
-            sources,
-        )
-        unknown = _Ranking(
-            [
-                value + z
-                for value, z in zip(
-                    values, map(self.unknown_zero.__getitem__, sources), strict=True
-                )
-            ],
-            sources,
-        )
-        either = _Ranking(values.copy(), sources)
-        known_value, known_source = known.nth(0)
-        unknown_value, unknown_source = unknown.nth(0)
-        either_value, either_source = either.nth(0)
+        # target's: the best source by each key serves every target that does not exclude it.
+        keys = (arrive + self.known_half, arrive + self.unknown_zero, arrive)
+        bests = [int(np.argmin(values)) for values in keys]
+        best_values = [float(values[b]) for values, b in zip(keys, bests, strict=True)]
+        known_value, unknown_value, either_value = best_values
         unknown_value += default
         either_value += default
-        # Known targets: the better of known + half and unknown + default; unknown ones: either +
-        # default.  As ``_source`` reads it back.
-        entering = dict(
-            zip(
-                targets,
-                [
-                    either_value
-                    if h is None
-                    else (known_value + h if known_value + h <= unknown_value else unknown_value)
-                    for h in map(self.half.__getitem__, targets)
-                ],
-                strict=True,
-            )
+        row = np.where(
+            self.known,
+            np.minimum(known_value + self.half, unknown_value),
+            either_value,
         )
-        self.rule.append((known_value, known_source, unknown_value, unknown_source, either_source))
-        chosen: dict[int, int] = {}
-        # Targets that exclude one of those best sources (a best source itself, or one it
-        # measured a ping to) take the slow path.
+        # Targets that must leave out one of those best sources (a best source itself, or one
+        # whose measured ping to them is longer than the estimate) look further down.
         slow: set[int] = set()
-        for s in (known_source, unknown_source, either_source):
-            if s >= 0:
+        for s in bests:
+            if arrive[s] < _INF:
                 slow.add(s)
-                slow.update(self.out_targets[s])
-        for t in slow.intersection(entering):
-            value, source = self._enter_slow(t, known, unknown, either)
-            for first, last, s, rtt in self.inn[t]:
-                if first <= e <= last and arrive[s] + rtt < value:
-                    value, source = arrive[s] + rtt, s
-            entering[t] = value
-            chosen[t] = source
-        # Measured hops shorter than their estimate: all candidates at once, then the few that
-        # improve on what the target has.
-        live_sources, live_targets, live_rtts = self.live_sources, self.live_targets, self.live_rtts
-        for k, s, t, rtt in self.useful_from[e - self.start]:
-            live_sources[k], live_targets[k], live_rtts[k] = s, t, rtt
-        if live_sources:
-            edge_sources, edge_targets = list(live_sources.values()), list(live_targets.values())
-            rtts = list(live_rtts.values())
-            # The edges whose offer beats what the target has now (a superset of the winners).
-            hits = [
-                k
-                for k, a, rtt, current in zip(
-                    range(len(rtts)),
-                    map(arrive.__getitem__, edge_sources),
-                    rtts,
-                    map(entering.__getitem__, edge_targets),
-                    strict=True,
-                )
-                if a + rtt < current
-            ]
-            for k in hits:
-                t, s = edge_targets[k], edge_sources[k]
-                offer = arrive[s] + rtts[k]
-                if offer < entering[t]:
-                    entering[t] = offer
-                    chosen[t] = s
-        for k in self.useful_until[e - self.start]:
-            del live_sources[k], live_targets[k], live_rtts[k]
-        self.enter.append(entering)
-        self.chosen.append(chosen)
+                slow.update(self._shuts(s))
+        rankings: list[list[int] | None] = [None, None, None]
 
-    def _enter_slow(
-        self, t: int, known: _Ranking, unknown: _Ranking, either: _Ranking
-    ) -> tuple[float, int]:
-        """Entering ``t`` by an estimated hop, from the best source ``t`` does not exclude."""
-        shut = self.excluded[t]
-        h = self.half[t]
-        if h is None:
-            value, source = either.best(shut)
-            return value + self.default_ping_s, source
-        value, source = known.best(shut)
-        value += h
-        other, other_source = unknown.best(shut)
-        other += self.default_ping_s
-        if other < value:
-            value, source = other, other_source
-        return value, source
+        def best(index: int, shut: set[int]) -> float:
+            if bests[index] not in shut:
+                return best_values[index]
+            ranking = rankings[index]
+            if ranking is None:
+                ranking = rankings[index] = _ranked(keys[index], _RANKED)
+            for s in ranking:
+                if s not in shut:
+                    return float(keys[index][s])
+            # All the leaders left out: the full ranking.
+            return min(
+                (v for s, v in enumerate(keys[index].tolist()) if s not in shut), default=_INF
+            )
+
+        known, half = self.known_list, self.half_list
+        for t in slow:
+            shut = self._shut(t)
+            if known[t]:
+                row[t] = min(best(0, shut) + half[t], best(1, shut) + default)
+            else:
+                row[t] = best(2, shut) + default
+        # Measured hops: every one that can happen here, the least offer per target.
+        a, b = self.hop_bounds[e], self.hop_bounds[e + 1]
+        if a < b:
+            offers = arrive[self.hop_source[a:b]] + self.hop_rtt[a:b]
+            np.minimum.at(row, self.hop_target[a:b], offers)
+        self.enter[e] = np.where((lo <= e) & (e < hi), row, _INF)
 
     def _began(self, i: int, e: int) -> int:
         """Where the span on ``i`` that ``arrive[e][i]`` ends began."""
-        if i in self.windows:
-            return self.window_entry[i, e]
-        offset, lo, penalty = self.start, self.lo[i], self.entry_penalty[i]
-        b = e - 1
-        while b > lo and not (
-            self.enter[b - offset][i] + penalty < self.arrive[b - offset].get(i, _INF)
-        ):
-            b -= 1
-        return b
+        entries = self.key[self.lo[i] : e, i].copy()
+        if self.windowed[i]:
+            limit = int(self.window_limit[np.searchsorted(self.window, i)])
+            offsets = e - np.arange(self.lo[i], e)
+            entries[offsets > limit] += self.penalty_s
+        return int(self.lo[i]) + int(np.argmin(entries))
 
     def _source(self, t: int, e: int) -> int:
-        """Which server ``enter[e][t]`` came from (-1: the client)."""
-        chosen = self.chosen[e - self.start]
-        if t in chosen:
-            return chosen[t]
-        known_value, known_source, unknown_value, unknown_source, either_source = self.rule[
-            e - self.start
-        ]
-        h = self.half[t]
-        if h is None:
-            return either_source
-        return known_source if known_value + h <= unknown_value else unknown_source
+        """A server ``enter[e][t]`` can come from at least cost."""
+        arrive = self.arrive[e]
+        hops = np.where(self.known & self.known[t], self.half + self.half[t], self.default_ping_s)
+        for s, rtt in self._measured_into(t).items():
+            hops[s] = rtt
+        offers = arrive + hops
+        offers[t] = _INF
+        return int(np.argmin(offers))
 
 
-class _Ranking:
-    """Sources ranked by a key, best first, found one at a time (each a C-level ``min``)."""
-
-    __slots__ = ("keys", "ranked", "sources")
-
-    def __init__(self, keys: list[float], sources: list[int]) -> None:
-        self.keys, self.sources = keys, sources
-        self.ranked: list[tuple[float, int]] = []
-
-    def nth(self, k: int) -> tuple[float, int]:
-        keys, ranked = self.keys, self.ranked
-        while len(ranked) <= k:
-            if ranked:
-                keys[ranked[-1][1]] = _INF  # take the last one found out of the running
-            best = min(keys, default=_INF)
-            if best == _INF:
-                return _INF, -1
-            ranked.append((best, keys.index(best)))
-        return ranked[k][0], self.sources[ranked[k][1]]
-
-    def best(self, shut: set[int]) -> tuple[float, int]:
-        """The best source not in ``shut``."""
-        k = 0
-        while True:
-            value, source = self.nth(k)
-            if source < 0 or source not in shut:
-                return value, source
-            k += 1
+def _ranked(values: np.ndarray, count: int) -> list[int]:
+    """The indices of the ``count`` least ``values`` (all of them if fewer), least first."""
+    if count < len(values):
+        leaders = np.argpartition(values, count)[:count]
+    else:
+        leaders = np.arange(len(values))
+    return leaders[np.argsort(values[leaders], kind="stable")].tolist()
 
 
 def make_route_max_throughput(
