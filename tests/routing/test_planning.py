@@ -1,6 +1,7 @@
 """Client route planners: which servers are usable, routes that cover exactly the blocks asked
 for through usable servers only, the least-latency route checked against brute force on small
-random swarms (estimated and measured hops, cache penalties, slow servers), max-throughput
+random swarms (estimated and measured hops, cache penalties, slow servers) and against a plain
+cubic dynamic program on swarms of dozens of servers, max-throughput
 sampling in proportion to throughput, the fewest spans for the greedy planner, and missing
 blocks named."""
 
@@ -13,6 +14,7 @@ from collections import Counter
 from collections.abc import Iterator, Mapping
 from typing import Any
 
+import attrs
 import pytest
 from hypothesis import given, settings, strategies as st
 
@@ -241,6 +243,117 @@ def test_greedy_takes_the_fewest_spans(seed: int) -> None:
     check_route(route, swarm, start, end)
     assert len(route) == min(len(r) for r in all_routes(swarm, start, end))
     assert make_route_greedy(dict(reversed(swarm.items())), start, end) == route
+
+
+MANY = sorted(str(PeerID.from_public_key(bytes([k + 1, 7]) * 16)) for k in range(40))
+
+
+def reference_min_latency(
+    servers: Swarm,
+    start: int,
+    end: int,
+    *,
+    client_pings: Mapping[str, float],
+    cache_tokens_needed: int,
+    default_ping_s: float,
+    default_inference_rps: float,
+    cache_penalty_s: float,
+) -> float:
+    """The least route cost by the plainest dynamic program: for every boundary and server, try
+    every entry point and every source (cubic, fine for a few dozen servers and blocks)."""
+    online = {p: i for p, i in servers.items() if i.state is ONLINE and i.inference_rps != 0.0}
+
+    def block_s(info: ServerInfo) -> float:
+        rps = default_inference_rps if info.inference_rps is None else info.inference_rps
+        return 1.0 / rps
+
+    def penalised(info: ServerInfo, length: int) -> bool:
+        if cache_tokens_needed == 0 or info.cache_tokens_left is None:
+            return False
+        return length > info.cache_tokens_left // cache_tokens_needed
+
+    def hop(a: str, b: str) -> float:
+        measured = online[a].next_pings.get(b)
+        if measured is not None:
+            return measured
+        if a in client_pings and b in client_pings:
+            return client_pings[a] / 2 + client_pings[b] / 2
+        return default_ping_s
+
+    holds = {p: range(max(i.start_block, start), min(i.end_block, end)) for p, i in online.items()}
+    enter: dict[int, dict[str, float]] = {
+        start: {p: client_pings.get(p, default_ping_s) for p in online if start in holds[p]}
+    }
+    arrive: dict[int, dict[str, float]] = {}
+    for e in range(start + 1, end + 1):
+        arrive[e] = {}
+        for p, info in online.items():
+            if e - 1 not in holds[p]:
+                continue
+            best = math.inf
+            for b in range(holds[p].start, e):
+                if p in enter.get(b, {}):
+                    cost = enter[b][p] + (e - b) * block_s(info)
+                    if penalised(info, e - b):
+                        cost += cache_penalty_s
+                    best = min(best, cost)
+            arrive[e][p] = best
+        if e < end:
+            enter[e] = {
+                t: min(
+                    (a + hop(s, t) for s, a in arrive[e].items() if s != t),
+                    default=math.inf,
+                )
+                for t in online
+                if e in holds[t]
+            }
+    return min(a + client_pings.get(p, default_ping_s) for p, a in arrive[end].items())
+
+
+@settings(max_examples=150, derandomize=True, deadline=None)
+@given(seeds)
+def test_min_latency_matches_a_plain_dynamic_program_on_larger_swarms(seed: int) -> None:
+    """Dozens of servers with long, overlapping spans, measured pings shorter and longer than
+    their estimates, and cache limits inside the spans: what brute force cannot enumerate."""
+    rng = random.Random(seed)
+    num_blocks = rng.randint(8, 24)
+    peers = MANY[: rng.randint(8, len(MANY))]
+    swarm: Swarm = {}
+    for index, peer_id in enumerate(peers):
+        length = rng.randint(1, num_blocks)
+        first = rng.randint(0, num_blocks - length)
+        if index * 4 < num_blocks:  # the first few tile the model
+            first, length = index * 4, min(4, num_blocks - index * 4)
+        swarm[peer_id] = server(
+            first,
+            first + length,
+            inference_rps=rng.choice([None, rng.uniform(50.0, 1000.0), 20.0]),
+            cache_tokens_left=rng.choice([None, rng.randint(0, 60)]),
+            state=rng.choice([ONLINE] * 9 + [OFFLINE]),
+        )
+    for peer_id, info in list(swarm.items()):
+        others = [p for p in peers if p != peer_id]
+        pinged = rng.sample(others, rng.randint(0, min(6, len(others))))
+        swarm[peer_id] = attrs.evolve(
+            info, next_pings={p: rng.choice([0.0, rng.uniform(0.0, 0.4)]) for p in pinged}
+        )
+    model: dict[str, Any] = {
+        "client_pings": {
+            p: rng.choice([0.0, rng.uniform(0.0, 0.3)]) for p in peers if rng.random() < 0.7
+        },
+        "cache_tokens_needed": rng.choice([0, 1, 4, 10]),
+        "default_ping_s": rng.choice([0.0, 0.1, 0.25]),
+        "default_inference_rps": rng.choice([50.0, 300.0]),
+        "cache_penalty_s": rng.choice([0.0, 0.05, 1000.0]),
+    }
+    start = rng.randrange(num_blocks) if rng.random() < 0.3 else 0
+    end = num_blocks if rng.random() < 0.7 else rng.randint(start + 1, num_blocks)
+    if uncovered({p: i for p, i in swarm.items() if i.inference_rps != 0.0}, start, end):
+        return
+    route = make_route_min_latency(swarm, start, end, **model)
+    check_route(route, swarm, start, end)
+    best = reference_min_latency(swarm, start, end, **model)
+    assert math.isclose(route_cost(route, swarm, **model), best, rel_tol=1e-9, abs_tol=1e-12)
 
 
 # --- min latency, by hand -----------------------------------------------------------------------
