@@ -361,6 +361,7 @@ class _LatencyPlanner:
         # Halves as keys: inf stands for an unknown ping in ``known_half``, for a known one in
         # ``unknown_zero``.
         self.known_list, self.half_list = self.known.tolist(), self.half.tolist()
+        self.lo_list, self.hi_list = self.lo.tolist(), self.hi.tolist()
         self.known_half = np.where(self.known, self.half, _INF)
         self.unknown_zero = np.where(self.known, _INF, 0.0)
         # Measured pings where a hop can happen: the source holds the block before a boundary
@@ -401,7 +402,9 @@ class _LatencyPlanner:
         total = int(lengths.sum())
         offsets = np.repeat(np.cumsum(lengths) - lengths, lengths)
         boundary = np.repeat(first, lengths) + (np.arange(total) - offsets)
-        order = np.argsort(boundary, kind="stable")
+        # Small integers sort by radix (linear) where they fit 16 bits.
+        narrow = boundary.astype(np.int16) if blocks < 2**15 else boundary
+        order = np.argsort(narrow, kind="stable")
         edge = np.repeat(np.arange(len(source)), lengths)[order]
         self.hop_source, self.hop_target, self.hop_rtt = source[edge], target[edge], rtt[edge]
         self.hop_bounds = np.searchsorted(boundary[order], np.arange(blocks + 2))
@@ -524,6 +527,9 @@ class _LatencyPlanner:
             if arrive[s] < _INF:
                 slow.add(s)
                 slow.update(self._shuts(s))
+        # Only the servers entered here (holding block e) matter.
+        lo_list, hi_list = self.lo_list, self.hi_list
+        slow = {t for t in slow if lo_list[t] <= e < hi_list[t]}
         rankings: list[list[int] | None] = [None, None, None]
 
         def best(index: int, shut: set[int]) -> float:
