@@ -273,7 +273,8 @@ class BlockServer:
             ],
             0,
         )
-        self._counted = trio.Event()
+        #: Set (and dropped) at the next count; made by a waiter.
+        self._counted: trio.Event | None = None
         #: Servers a push could not dial, until when they are not tried again.
         self._unreachable: dict[str, float] = {}
         #: Token -> kept forward graph, oldest first.
@@ -317,12 +318,16 @@ class BlockServer:
             statistics = self.statistics()
             if predicate(statistics):
                 return statistics
+            if self._counted is None:
+                self._counted = trio.Event()
             await self._counted.wait()
 
     def _count(self, name: str) -> None:
         self._counts[name] += 1
-        self._counted.set()
-        self._counted = trio.Event()
+        # An event only while someone waits: counting sits on every step's path.
+        counted, self._counted = self._counted, None
+        if counted is not None:
+            counted.set()
 
     def statistics(self) -> BlockServerStatistics:
         self._drop_expired()
