@@ -132,6 +132,38 @@ def test_rotary_equals_transformers(name: str) -> None:
 
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_rotary_reuses_the_last_angles_only_where_they_are_the_same(name: str) -> None:
+    config = CONFIGS[name]
+    first, second = LlamaRotary(config), LlamaRotary(config)  # two blocks of one model
+    cpu, f32 = torch.device("cpu"), torch.float32
+    with torch.no_grad():
+        expected = first(5, 1, device=cpu, dtype=f32)
+    with torch.inference_mode():
+        computed = first(5, 1, device=cpu, dtype=f32)
+        # The next block asks for the same positions: the very same tensors come back.
+        reused = second(5, 1, device=cpu, dtype=f32)
+        assert all(a is b for a, b in zip(reused, computed, strict=True))
+        # Other positions, another dtype, or padding: computed anew.
+        assert second(6, 1, device=cpu, dtype=f32)[0] is not computed[0]
+        assert second(6, 1, device=cpu, dtype=torch.float64)[0].dtype == torch.float64
+        padded = second(6, 1, device=cpu, dtype=f32, padding=torch.tensor([2]))
+        assert padded[0] is not second(6, 1, device=cpu, dtype=f32)[0]
+        torch.testing.assert_close(padded, first(4, 1, device=cpu, dtype=f32), atol=0, rtol=0)
+    for got, want in zip(computed, expected, strict=True):
+        torch.testing.assert_close(got, want, atol=0, rtol=0)
+    # Outside inference mode nothing is reused, so autograd never meets an inference tensor.
+    with torch.no_grad():
+        again = second(5, 1, device=cpu, dtype=f32)
+    assert not again[0].is_inference() and again[0] is not computed[0]
+    # A different rotary configuration never takes another's angles.
+    other = LlamaRotary(_config(rope_parameters={"rope_type": "default", "rope_theta": 123.0}))
+    with torch.inference_mode():
+        mine = first(9, 2, device=cpu, dtype=f32)
+        theirs = other(9, 2, device=cpu, dtype=f32)
+    assert not torch.equal(mine[0], theirs[0])
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
 def test_prefill_chunk_and_decode_match_transformers(name: str) -> None:
     pair = Pair(CONFIGS[name])
     batch, prefill, chunk, steps = 2, 12, 9, 8

@@ -12,6 +12,7 @@ The block holds no per-session state: one instance serves every session, each br
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -60,6 +61,9 @@ class LlamaRotary:
         # A plain attribute, not a buffer, so that ``block.to(bfloat16)`` leaves it in float32.
         self.inv_freq = inv_freq  # (head_dim // 2,) float32
         self.original_max_length: int = config.max_position_embeddings
+        # What makes two instances' angles equal: every block of a model has its own instance,
+        # and a server step asks each of them for the same positions (see ``__call__``).
+        self._identity = (self.rope_type, self.attention_scaling, tuple(inv_freq.tolist()))
 
     def inv_freq_for(self, end: int, device: torch.device) -> torch.Tensor:
         """Frequencies for a chunk whose last position is ``end - 1``."""
@@ -85,7 +89,22 @@ class LlamaRotary:
 
         With ``padding`` ((B,) left-padding lengths), row b counts positions from its first real
         token, as transformers' generate() does for left-padded batches: (B, T, head_dim).
+
+        Under ``torch.inference_mode()``, without padding and with frequencies that do not depend
+        on the length, the last result is kept and handed to the next call with the same
+        arguments, from this instance or any other with the same frequencies: the blocks of a
+        server's span all ask for the angles of the same positions in one step.  (Inference
+        tensors, never written to, cannot leak into autograd: only inference mode reuses them.)
         """
+        static = padding is None and not (
+            self.rope_type == "dynamic" and position + length > self.original_max_length
+        )
+        key = None
+        if static and torch.is_inference_mode_enabled():
+            key = (self._identity, position, length, device, dtype)
+            last = _last_angles[0]
+            if last is not None and last[0] == key:
+                return last[1]
         inv_freq = self.inv_freq_for(position + length, device)
         positions = torch.arange(position, position + length, device=device)[None, :]  # (1, T)
         if padding is not None:
@@ -94,7 +113,14 @@ class LlamaRotary:
         emb = torch.cat((freqs, freqs), dim=-1)  # (1, T, head_dim)
         cos = emb.cos() * self.attention_scaling
         sin = emb.sin() * self.attention_scaling
-        return cos.to(dtype), sin.to(dtype)
+        angles = cos.to(dtype), sin.to(dtype)
+        if key is not None:
+            _last_angles[0] = (key, angles)  # one store: safe for readers in other threads
+        return angles
+
+
+#: The angles :class:`LlamaRotary` computed last under inference mode, with their key.
+_last_angles: list[tuple[tuple[Any, ...], tuple[torch.Tensor, torch.Tensor]] | None] = [None]
 
 
 class LlamaRMSNorm(nn.Module):
