@@ -72,6 +72,8 @@ PREFILL = 16
 DECODE_WARMUP = 8
 DECODE_ROUNDS = 6
 DECODE_PER_ROUND = 12
+#: Silence before the "idle" raw steps: about what each server of the chain waits between steps.
+IDLE_GAP_S = 0.01
 #: Rounds (of DECODE_PER_ROUND tokens) of the CPU accounting of decode, swarm then local.
 CPU_ROUNDS = 3
 PREFILL_WARMUP = 2
@@ -289,6 +291,10 @@ class DecodeResults:
     raw_step: tuple[Timing, ...]
     #: Per server: a raw step of 0 tokens (transport, codec and request handling only).
     empty_step: tuple[Timing, ...]
+    #: Per server: a raw 1-token step sent after ``idle_gap_s`` of silence, as a server of the
+    #: chain sees its steps (it idles while the others compute).
+    idle_step: tuple[Timing, ...]
+    idle_gap_s: float
     #: CPU accounting of decode (None where ``/proc/*/schedstat`` is missing).
     cpu_swarm: CpuPerToken | None
     cpu_local: CpuPerToken | None
@@ -308,6 +314,7 @@ def measure_decode(
     prefill_rounds: int = PREFILL_ROUNDS,
     prefill_per_round: int = PREFILL_PER_ROUND,
     cpu_rounds: int = CPU_ROUNDS,
+    idle_gap_s: float = IDLE_GAP_S,
 ) -> DecodeResults:
     """Run in a worker thread of the trio program that holds ``swarm`` (raw calls run there)."""
     hidden_size = reference.config.hidden_size
@@ -383,7 +390,7 @@ def measure_decode(
 
         def raw_round() -> None:
             for name, values in trio.from_thread.run(
-                _raw_steps, swarm, spans, hidden_size, per_round
+                _raw_steps, swarm, spans, hidden_size, per_round, idle_gap_s
             ).items():
                 raw.setdefault(name, []).extend(values)
 
@@ -410,16 +417,23 @@ def measure_decode(
         compute=tuple(timings[f"compute {span}"] for span in spans),
         raw_step=tuple(Timing(samples_ms=tuple(raw[f"step {span}"])) for span in spans),
         empty_step=tuple(Timing(samples_ms=tuple(raw[f"empty {span}"])) for span in spans),
+        idle_step=tuple(Timing(samples_ms=tuple(raw[f"idle {span}"])) for span in spans),
+        idle_gap_s=idle_gap_s,
         cpu_swarm=cpu_swarm,
         cpu_local=cpu_local,
     )
 
 
 async def _raw_steps(
-    swarm: LocalSwarm, spans: Sequence[tuple[int, int]], hidden_size: int, steps: int
+    swarm: LocalSwarm,
+    spans: Sequence[tuple[int, int]],
+    hidden_size: int,
+    steps: int,
+    idle_gap_s: float,
 ) -> dict[str, list[float]]:
     """One round of raw ``petals.inference`` steps to each server (the server holding exactly
-    each span), one and zero tokens, from a bare transport node; samples in ms."""
+    each span), one and zero tokens back to back, and one token after ``idle_gap_s`` of silence,
+    from a bare transport node; samples in ms."""
     samples: dict[str, list[float]] = {}
     async with open_node() as node:
         for span, server in zip(spans, swarm.servers, strict=True):
@@ -432,13 +446,16 @@ async def _raw_steps(
                     raise RuntimeError(f"server {server.address} did not open a session")
                 await call.send({"hidden_states": torch.randn(1, 8, hidden_size)})
                 await call.receive()
-                for tokens, name in ((1, "step"), (0, "empty")):
+                for tokens, name in ((1, "step"), (0, "empty"), (1, "idle")):
                     values = samples.setdefault(f"{name} {span}", [])
                     for index in range(steps + 2):
                         message = {
                             "hidden_states": torch.randn(1, tokens, hidden_size),
                             "start_from_position": 8,
                         }
+                        if name == "idle":
+                            # Not waiting for anything: the silence itself is what is measured.
+                            await trio.sleep(idle_gap_s)
                         start = time.perf_counter()
                         await call.send(message)
                         await call.receive()
@@ -457,8 +474,13 @@ def breakdown_rows(
     ]
     compute = sum(t.median_ms for t in results.compute)
     raw = sum(t.median_ms for t in results.raw_step)
-    for span, part, step, empty in zip(
-        spans, results.compute, results.raw_step, results.empty_step, strict=True
+    for span, part, step, empty, idle in zip(
+        spans,
+        results.compute,
+        results.raw_step,
+        results.empty_step,
+        results.idle_step,
+        strict=True,
     ):
         label = f"blocks {span[0]}:{span[1]}"
         rows += [
@@ -469,6 +491,11 @@ def breakdown_rows(
                 f"{label}: raw step - compute - empty step",
                 step.median_ms - part.median_ms - empty.median_ms,
                 "task pool, thread hand-off, scheduling",
+            ),
+            (
+                f"{label}: raw 1-token step after {results.idle_gap_s * 1e3:g} ms idle",
+                idle.median_ms,
+                f"{idle.median_ms - step.median_ms:+.2f}: what idling between steps costs",
             ),
         ]
     session = results.session_step.median_ms
@@ -708,6 +735,8 @@ def main() -> None:
                 "compute_per_span": [t.summary() for t in d.compute],
                 "raw_step_per_span": [t.summary() for t in d.raw_step],
                 "empty_step_per_span": [t.summary() for t in d.empty_step],
+                "idle_step_per_span": [t.summary() for t in d.idle_step],
+                "idle_gap_ms": d.idle_gap_s * 1e3,
                 "cpu_swarm": None if d.cpu_swarm is None else d.cpu_swarm.summary(),
                 "cpu_local": None if d.cpu_local is None else d.cpu_local.summary(),
                 "ptune_swarm": measured.ptune_swarm.summary(),

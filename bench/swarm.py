@@ -42,6 +42,8 @@ PREFILL = 128
 TARGET = 1.25
 DECODE_ROUNDS = 5
 DECODE_PER_ROUND = 10
+#: About what each of the three servers waits between two of its steps (the others compute).
+IDLE_GAP_S = 0.04
 PREFILL_ROUNDS = 3
 PREFILL_PER_ROUND = 3
 CPU_ROUNDS = 2
@@ -71,6 +73,7 @@ def _measure(repo: str, initial_peers: list[str], swarm: LocalSwarm) -> DecodeRe
             prefill_rounds=PREFILL_ROUNDS,
             prefill_per_round=PREFILL_PER_ROUND,
             cpu_rounds=CPU_ROUNDS,
+            idle_gap_s=IDLE_GAP_S,
         )
     finally:
         model.shutdown()
@@ -170,6 +173,8 @@ def main() -> None:
             "compute_per_span": [t.summary() for t in d.compute],
             "raw_step_per_span": [t.summary() for t in d.raw_step],
             "empty_step_per_span": [t.summary() for t in d.empty_step],
+            "idle_step_per_span": [t.summary() for t in d.idle_step],
+            "idle_gap_ms": d.idle_gap_s * 1e3,
             "cpu_swarm": None if d.cpu_swarm is None else d.cpu_swarm.summary(),
             "cpu_local": None if d.cpu_local is None else d.cpu_local.summary(),
         },
