@@ -25,8 +25,9 @@ the local model runs.  Measured:
 Targets (issue text): decode <= 1.6x local, ptune step <= 1.4x local.  A second table breaks the
 decode time down: our blocks in this process (what the servers compute), a raw
 ``petals.inference`` step on each server from a bare transport client (and an empty step, 0
-tokens: transport and request handling without compute), the client's session step, and the
-whole model forward — what each layer adds.
+tokens: transport and request handling without compute; and the 1-token step again after an idle
+gap like the one each server of the chain sees between its steps), the client's session step,
+and the whole model forward — what each layer adds.
 
 Run with ``nox -s bench -- inference``.
 """
