@@ -82,6 +82,8 @@ def join_tokens(hidden_states: Sequence[torch.Tensor]) -> torch.Tensor:
     as ``(B_i, T_i, hidden)``.
     """
     hidden = hidden_states[0].shape[-1]
+    if len(hidden_states) == 1:  # one session's step (the usual decode): a view, no copy
+        return hidden_states[0].reshape(1, -1, hidden)
     return torch.cat([states.reshape(1, -1, hidden) for states in hidden_states], dim=1)
 
 

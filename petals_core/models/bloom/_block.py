@@ -100,7 +100,8 @@ class BloomAttention(nn.Module):
             )  # (B, n_head, T, hd)
             outputs.append(y.transpose(1, 2).reshape(batch * new, hidden))
             start = end
-        return self.dense(torch.cat(outputs).unsqueeze(0))  # (1, N, hidden)
+        joined = outputs[0] if len(outputs) == 1 else torch.cat(outputs)
+        return self.dense(joined.unsqueeze(0))  # (1, N, hidden)
 
 
 class BloomMLP(nn.Module):

@@ -207,7 +207,7 @@ class LlamaAttention(nn.Module):
             )  # (B, n_head, T, head_dim)
             outputs.append(y.transpose(1, 2).reshape(batch * new, self.n_head * self.head_dim))
             start = end
-        y = torch.cat(outputs).unsqueeze(0)  # (1, N, n_head * head_dim)
+        y = (outputs[0] if len(outputs) == 1 else torch.cat(outputs)).unsqueeze(0)  # (1, N, ...)
         return self.o_proj(y)
 
 
