@@ -504,6 +504,11 @@ def breakdown_rows(
     rows += [
         ("our blocks, all spans, in this process", compute, "compute floor"),
         ("raw 1-token steps, all spans", raw, "sum of per-server round trips"),
+        (
+            "raw 1-token steps after idling, all spans",
+            sum(t.median_ms for t in results.idle_step),
+            "the same, as chained servers run them",
+        ),
         ("client session.step (sync, all hops)", session, f"{session - raw:+.2f} over raw steps"),
         ("model(token) in a session", model, f"{model - session:+.2f} over session.step"),
     ]
