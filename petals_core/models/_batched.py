@@ -17,7 +17,7 @@ import torch
 
 from ._cache import KVCache, check_block_input
 
-__all__ = ["check_many_inputs", "join_tokens", "split_tokens", "token_counts"]
+__all__ = ["check_many_inputs", "join_rows", "join_tokens", "split_tokens", "token_counts"]
 
 
 def check_many_inputs(
@@ -85,6 +85,12 @@ def join_tokens(hidden_states: Sequence[torch.Tensor]) -> torch.Tensor:
     if len(hidden_states) == 1:  # one session's step (the usual decode): a view, no copy
         return hidden_states[0].reshape(1, -1, hidden)
     return torch.cat([states.reshape(1, -1, hidden) for states in hidden_states], dim=1)
+
+
+def join_rows(pieces: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The items' per-token rows one after another (``torch.cat`` along dim 0); a single
+    item's rows as they are, without a copy."""
+    return pieces[0] if len(pieces) == 1 else torch.cat(list(pieces))
 
 
 def token_counts(hidden_states: Sequence[torch.Tensor]) -> list[int]:

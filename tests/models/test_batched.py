@@ -17,6 +17,7 @@ from hypothesis import given, settings, strategies as st
 from torch import nn
 
 from petals_core.models import BloomBlock, KVCache, LlamaBlock, QuantType, quantize_block
+from petals_core.models._batched import join_rows, join_tokens
 
 from .conftest import HIDDEN, tiny_bloom_config, tiny_llama_config
 
@@ -270,3 +271,27 @@ def test_quantised_block(block_name: str, quant_type: QuantType) -> None:
             scale = theirs.abs().max().item()
             assert (ours - theirs).abs().max().item() <= 5e-3 * scale
     _assert_caches_close(caches, twins)
+
+
+def test_one_item_is_joined_without_a_copy_and_many_are_concatenated() -> None:
+    one = torch.randn(2, 3, HIDDEN)
+    joined = join_tokens([one])
+    assert joined.shape == (1, 6, HIDDEN) and joined.data_ptr() == one.data_ptr()
+    rows = torch.randn(4, HIDDEN)
+    assert join_rows([rows]) is rows
+    other = torch.randn(2, 1, HIDDEN)
+    assert torch.equal(
+        join_tokens([one, other]), torch.cat([one.view(1, 6, -1), other.view(1, 2, -1)], 1)
+    )
+    assert torch.equal(join_rows([rows, rows[:1]]), torch.cat([rows, rows[:1]]))
+
+
+@pytest.mark.parametrize("block_name", ["llama", "bloom"])
+def test_a_single_step_leaves_its_input_as_it_was(block_name: str) -> None:
+    config = tiny_llama_config() if block_name == "llama" else tiny_bloom_config()
+    block = (LlamaBlock if block_name == "llama" else BloomBlock)(config).eval()
+    cache = block.allocate_cache(1, MAX_LENGTH)
+    hidden = torch.randn(1, 3, HIDDEN)
+    before = hidden.clone()
+    (output,) = block.forward_many([hidden], [cache])
+    assert torch.equal(hidden, before) and output.data_ptr() != hidden.data_ptr()

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ...kernels import alibi_slopes, attention
-from .._batched import check_many_inputs, join_tokens, split_tokens
+from .._batched import check_many_inputs, join_rows, join_tokens, split_tokens
 from .._cache import KVCache, check_block_input
 
 if TYPE_CHECKING:
@@ -100,8 +100,7 @@ class BloomAttention(nn.Module):
             )  # (B, n_head, T, hd)
             outputs.append(y.transpose(1, 2).reshape(batch * new, hidden))
             start = end
-        joined = outputs[0] if len(outputs) == 1 else torch.cat(outputs)
-        return self.dense(joined.unsqueeze(0))  # (1, N, hidden)
+        return self.dense(join_rows(outputs).unsqueeze(0))  # (1, N, hidden)
 
 
 class BloomMLP(nn.Module):

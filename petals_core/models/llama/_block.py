@@ -22,7 +22,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from ... import kernels
-from .._batched import check_many_inputs, join_tokens, split_tokens
+from .._batched import check_many_inputs, join_rows, join_tokens, split_tokens
 from .._cache import KVCache, check_block_input
 
 __all__ = ["LlamaBlock", "LlamaRotary"]
@@ -65,9 +65,13 @@ class LlamaRotary:
         # and a server step asks each of them for the same positions (see ``__call__``).
         self._identity = (self.rope_type, self.attention_scaling, tuple(inv_freq.tolist()))
 
+    def _rescaled(self, end: int) -> bool:
+        """Whether a chunk ending at ``end - 1`` has frequencies of its own (dynamic NTK)."""
+        return self.rope_type == "dynamic" and end > self.original_max_length
+
     def inv_freq_for(self, end: int, device: torch.device) -> torch.Tensor:
         """Frequencies for a chunk whose last position is ``end - 1``."""
-        if self.rope_type == "dynamic" and end > self.original_max_length:
+        if self._rescaled(end):
             # A tensor seq_len, as transformers passes it, so the new base is computed the same way.
             seq_len = torch.tensor(end, device=device)
             inv_freq, _ = self._init(self.config, device, seq_len=seq_len)
@@ -96,11 +100,12 @@ class LlamaRotary:
         server's span all ask for the angles of the same positions in one step.  (Inference
         tensors, never written to, cannot leak into autograd: only inference mode reuses them.)
         """
-        static = padding is None and not (
-            self.rope_type == "dynamic" and position + length > self.original_max_length
-        )
         key = None
-        if static and torch.is_inference_mode_enabled():
+        if (
+            padding is None
+            and not self._rescaled(position + length)
+            and torch.is_inference_mode_enabled()
+        ):
             key = (self._identity, position, length, device, dtype)
             last = _last_angles[0]
             if last is not None and last[0] == key:
@@ -207,7 +212,7 @@ class LlamaAttention(nn.Module):
             )  # (B, n_head, T, head_dim)
             outputs.append(y.transpose(1, 2).reshape(batch * new, self.n_head * self.head_dim))
             start = end
-        y = (outputs[0] if len(outputs) == 1 else torch.cat(outputs)).unsqueeze(0)  # (1, N, ...)
+        y = join_rows(outputs).unsqueeze(0)  # (1, N, n_head * head_dim)
         return self.o_proj(y)
 
 
