@@ -374,7 +374,9 @@ class Endpoint:
         out = self._stray_datagrams
         self._stray_datagrams = []
         dirty, self._dirty = self._dirty, set()
-        for conn in dirty:
+        # Data first: a step's packet should not wait behind another peer's lone ACK.
+        ordered = sorted(dirty, key=_no_data_pending) if len(dirty) > 1 else dirty
+        for conn in ordered:
             sent = conn.quic.datagrams_to_send(now=now)
             if sent:
                 out.extend(sent)
@@ -610,6 +612,10 @@ class Endpoint:
         for cid in [cid for cid, c in self._by_cid.items() if c is conn]:
             del self._by_cid[cid]
         self._dirty.discard(conn)
+
+
+def _no_data_pending(conn: _Conn) -> bool:
+    return not conn.quic.data_pending
 
 
 def _refresh_timer(conn: _Conn) -> float | None:

@@ -17,7 +17,11 @@ in its public API, so this subclass adds them (aioquic is pinned in pyproject; t
   (sent, received, decrypted, processed: a wake-up of both event loops).  Here a single pending
   packet waits up to ``LONE_ACK_DELAY_S`` (below the 25 ms ``max_ack_delay`` we advertise, which
   the peer's loss timers allow for), so the answer carries the ACK; from the second pending packet
-  on, aioquic's 1 ms applies, so bulk transfers are acknowledged as before.
+  on, aioquic's 1 ms applies, counted from the second packet: bulk transfers are acknowledged as
+  before, and a trickle of requests that are never answered on this connection (a pipeline's
+  next hop) is acknowledged a moment after the next one arrives, not at once — not in the
+  critical moment when that request starts its work.  When data is about to leave, connections
+  carrying data go before those with only ACKs (see :meth:`PeerQuicConnection.data_pending`).
 * **Send-buffer accounting and coarse pacing.** ``send_stream_data`` buffers without limit; we
   expose how many bytes sit unacknowledged so the caller can wait.  aioquic's pacer releases at
   most 16 datagrams per burst and asks for sub-millisecond timers that the event loop rounds up to
@@ -87,6 +91,7 @@ class PeerQuicConnection(QuicConnection):
         # Ack-eliciting 1-RTT packets received since our last ACK, and when the first arrived.
         self._unacked_eliciting = 0
         self._first_unacked_at = 0.0
+        self._second_unacked_at = 0.0
         self._loss._pacer = _CoarsePacer(
             max_datagram_size=configuration.max_datagram_size, burst_s=pacing_burst_s
         )
@@ -212,7 +217,7 @@ class PeerQuicConnection(QuicConnection):
         if self._unacked_eliciting == 1:
             space.ack_at = max(space.ack_at, self._first_unacked_at + LONE_ACK_DELAY_S)
         else:
-            space.ack_at = min(space.ack_at, max(now, self._first_unacked_at + self._ack_delay))
+            space.ack_at = min(space.ack_at, max(now, self._second_unacked_at + self._ack_delay))
 
     def _payload_received(
         self, context: QuicReceiveContext, plain: bytes, crypto_frame_required: bool = False
@@ -223,6 +228,8 @@ class PeerQuicConnection(QuicConnection):
         if is_ack_eliciting and context.epoch == tls.Epoch.ONE_RTT:
             if not self._unacked_eliciting:
                 self._first_unacked_at = context.time
+            elif self._unacked_eliciting == 1:
+                self._second_unacked_at = context.time
             self._unacked_eliciting += 1
         return is_ack_eliciting, is_probing
 
@@ -230,6 +237,11 @@ class PeerQuicConnection(QuicConnection):
         super()._write_ack_frame(builder=builder, space=space, now=now)
         if space is self._spaces.get(tls.Epoch.ONE_RTT):
             self._unacked_eliciting = 0
+
+    @property
+    def data_pending(self) -> bool:
+        """Whether stream data was queued since the last :meth:`datagrams_to_send`."""
+        return self._data_pending
 
     def datagrams_to_send(self, now: float) -> list[tuple[bytes, Any]]:
         # aioquic writes an ACK only once its delayed-ACK timer is due, so a request/response

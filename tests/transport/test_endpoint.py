@@ -225,6 +225,55 @@ def test_several_packets_are_acknowledged_within_a_millisecond() -> None:
     assert d.server.sent_at[d.server_sent] - d.arrived_at <= 0.0015
 
 
+def test_a_trickle_of_unanswered_requests_is_acknowledged_after_the_next_one() -> None:
+    # A pipeline's next hop: requests arrive every few ms and are answered elsewhere.  The ACK
+    # goes about a millisecond after the second request, not in the moment it arrives.
+    d = deliver(b"first")
+    while d.net.step(until=d.net.now + 0.010):
+        pass
+    assert len(d.server.sent_at) == d.server_sent  # the lone first one still waits
+    d.client.endpoint.send_stream_data(d.handle, d.stream_id, b"second", d.net.now)
+    key = (d.server_handle, d.stream_id)
+    assert d.net.run_until(lambda: bytes(d.server.received[key]) == b"firstsecond")
+    arrived = d.net.now
+    assert len(d.server.sent_at) == d.server_sent
+    assert d.net.run_until(lambda: len(d.server.sent_at) > d.server_sent, max_time_s=1.0)
+    assert 0.0005 <= d.server.sent_at[d.server_sent] - arrived <= 0.0025
+    assert d.net.run_until(lambda: d.client.endpoint.send_buffered(d.handle) == 0, max_time_s=1.0)
+
+
+@pytest.mark.parametrize("asked", [0, 1])
+def test_data_leaves_before_another_connections_lone_ack(asked: int) -> None:
+    # The client owes two servers a lone ACK each when it sends a request to one of them: the
+    # request's datagram comes first, whichever server it goes to.
+    net, client, server = make_pair()
+    other = Recorder(TransportConfig(keepalive_interval_s=None))
+    net.attach(("127.0.0.1", 3000), other)
+    handles = [handshake(net, client, server)]
+    handles.append(client.endpoint.connect(("127.0.0.1", 3000), other.identity.peer_id, net.now))
+    assert net.run_until(lambda: handles[1] in client.ready and len(other.ready) == 1)
+    while net.step(until=net.now + 0.2):
+        pass
+    for peer, handle in zip((server, other), handles, strict=True):
+        (peer_handle,) = peer.ready
+        stream_id = peer.endpoint.open_stream(peer_handle)
+        peer.endpoint.send_stream_data(peer_handle, stream_id, b"news", net.now)
+        key = (handle, stream_id)
+        assert net.run_until(lambda key=key: bytes(client.received.get(key, b"")) == b"news")
+    # Nothing left yet: the ACKs wait for data to ride along with.  When they fall due, the
+    # client also has a request for one of the servers.
+    sent = len(client.sent_at)
+    later = net.now + LONE_ACK_DELAY_S
+    request = client.endpoint.open_stream(handles[asked])
+    client.endpoint.send_stream_data(handles[asked], request, b"request", later)
+    client.endpoint.handle_timers(later)
+    out = client.endpoint.datagrams_to_send(later)
+    assert len(client.sent_at) == sent
+    addresses = [address for _, address in out]
+    assert sorted(addresses) == [SERVER, ("127.0.0.1", 3000)]
+    assert addresses[0] == (SERVER, ("127.0.0.1", 3000))[asked]
+
+
 def test_receive_credit_follows_the_application() -> None:
     config = TransportConfig(
         keepalive_interval_s=None,
