@@ -48,7 +48,7 @@ import struct
 import sys
 import warnings
 from collections.abc import Callable, Iterable, Mapping
-from typing import TYPE_CHECKING, Any, Final, Literal
+from typing import TYPE_CHECKING, Any, Final, Literal, TypeGuard
 
 import attrs
 import cbor2
@@ -389,7 +389,7 @@ class _Writer:
         elif isinstance(value, Compressed):
             tensor, scheme = value.tensor, value.scheme
             self._tensor(tensor.shape, depth, scheme, lambda: _raw_from_torch(tensor, scheme))
-        elif _torch_dtype_name(value) is not None:
+        elif _is_torch_tensor(value):
             if not self._plain_tensor(value, depth):
                 self._tensor(value.shape, depth, None, lambda: _raw_from_torch(value, None))
         else:
@@ -687,13 +687,18 @@ def _torch_dtypes() -> dict[str, torch.dtype]:
     return {name: dtype for dtype, name in _wire_names().items()}
 
 
+def _is_torch_tensor(value: object) -> TypeGuard[torch.Tensor]:
+    """Whether ``value`` is a torch tensor (only an already imported torch is consulted)."""
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(value, torch.Tensor)
+
+
 def _torch_dtype_name(value: object) -> str | None:
     """The wire name of ``value``'s dtype if it is a torch tensor, else None.
 
     Only an already imported torch is consulted, so that the codec never imports it.
     """
-    torch = sys.modules.get("torch")
-    if torch is None or not isinstance(value, torch.Tensor):
+    if not _is_torch_tensor(value):
         return None
     return str(value.dtype).removeprefix("torch.")
 
