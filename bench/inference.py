@@ -23,7 +23,8 @@ the local model runs.  Measured:
   way.  Median ms.
 
 Targets (issue text): decode <= 1.6x local, ptune step <= 1.4x local.  A second table breaks the
-decode time down: our blocks in this process (what the servers compute), a raw
+decode time down: our blocks in this process (what the servers compute; and the same right after
+sleeping as long as that idle gap, which is what idling costs the machine itself), a raw
 ``petals.inference`` step on each server from a bare transport client (and an empty step, 0
 tokens: transport and request handling without compute; and the 1-token step again after an idle
 gap like the one each server of the chain sees between its steps), the client's session step,
@@ -295,6 +296,9 @@ class DecodeResults:
     #: Per server: a raw 1-token step sent after ``idle_gap_s`` of silence, as a server of the
     #: chain sees its steps (it idles while the others compute).
     idle_step: tuple[Timing, ...]
+    #: Per server: our blocks of its span in this process right after sleeping ``idle_gap_s``:
+    #: what idling costs the machine itself, with no server or network involved.
+    idle_compute: tuple[Timing, ...]
     idle_gap_s: float
     #: CPU accounting of decode (None where ``/proc/*/schedstat`` is missing).
     cpu_swarm: CpuPerToken | None
@@ -389,6 +393,21 @@ def measure_decode(
             calls[f"compute {span}"] = span_compute(span)
         raw: dict[str, list[float]] = {}
 
+        idle_compute: dict[tuple[int, int], list[float]] = {span: [] for span in spans}
+
+        def idle_compute_round() -> None:
+            for span in spans:
+                run = span_compute(span)
+                # Rolled back after each step: the caches are sized for the timed calls only.
+                lengths = [caches[index].length for index in range(*span)]
+                for _ in range(per_round):
+                    time.sleep(idle_gap_s)
+                    start = time.perf_counter()
+                    run()
+                    idle_compute[span].append((time.perf_counter() - start) * 1e3)
+                    for index, length in zip(range(*span), lengths, strict=True):
+                        caches[index].rollback(length)
+
         def raw_round() -> None:
             for name, values in trio.from_thread.run(
                 _raw_steps, swarm, spans, hidden_size, per_round, idle_gap_s
@@ -396,7 +415,11 @@ def measure_decode(
                 raw.setdefault(name, []).extend(values)
 
         timings = interleaved(
-            calls, warmup=warmup, rounds=rounds, per_round=per_round, each_round=[raw_round]
+            calls,
+            warmup=warmup,
+            rounds=rounds,
+            per_round=per_round,
+            each_round=[raw_round, idle_compute_round],
         )
         cpu_swarm = cpu_local = None
         if schedstat_available():
@@ -419,6 +442,7 @@ def measure_decode(
         raw_step=tuple(Timing(samples_ms=tuple(raw[f"step {span}"])) for span in spans),
         empty_step=tuple(Timing(samples_ms=tuple(raw[f"empty {span}"])) for span in spans),
         idle_step=tuple(Timing(samples_ms=tuple(raw[f"idle {span}"])) for span in spans),
+        idle_compute=tuple(Timing(samples_ms=tuple(idle_compute[span])) for span in spans),
         idle_gap_s=idle_gap_s,
         cpu_swarm=cpu_swarm,
         cpu_local=cpu_local,
@@ -475,9 +499,11 @@ def breakdown_rows(
     ]
     compute = sum(t.median_ms for t in results.compute)
     raw = sum(t.median_ms for t in results.raw_step)
-    for span, part, step, empty, idle in zip(
+    gap_ms = f"{results.idle_gap_s * 1e3:g} ms"
+    for span, part, asleep, step, empty, idle in zip(
         spans,
         results.compute,
+        results.idle_compute,
         results.raw_step,
         results.empty_step,
         results.idle_step,
@@ -486,6 +512,11 @@ def breakdown_rows(
         label = f"blocks {span[0]}:{span[1]}"
         rows += [
             (f"{label}: our blocks in this process", part.median_ms, "server compute"),
+            (
+                f"{label}: the same right after {gap_ms} asleep",
+                asleep.median_ms,
+                f"{asleep.median_ms - part.median_ms:+.2f}: the machine's own cost of idling",
+            ),
             (f"{label}: raw empty step (0 tokens)", empty.median_ms, "transport + handler"),
             (f"{label}: raw 1-token step", step.median_ms, f"p90 {step.p90_ms:.2f}"),
             (
@@ -494,7 +525,7 @@ def breakdown_rows(
                 "task pool, thread hand-off, scheduling",
             ),
             (
-                f"{label}: raw 1-token step after {results.idle_gap_s * 1e3:g} ms idle",
+                f"{label}: raw 1-token step after {gap_ms} idle",
                 idle.median_ms,
                 f"{idle.median_ms - step.median_ms:+.2f}: what idling between steps costs",
             ),
@@ -503,6 +534,11 @@ def breakdown_rows(
     model = results.decode_swarm.median_ms
     rows += [
         ("our blocks, all spans, in this process", compute, "compute floor"),
+        (
+            f"our blocks, all spans, each after {gap_ms} asleep",
+            sum(t.median_ms for t in results.idle_compute),
+            "the floor for servers that idle",
+        ),
         ("raw 1-token steps, all spans", raw, "sum of per-server round trips"),
         (
             "raw 1-token steps after idling, all spans",
@@ -742,6 +778,7 @@ def main() -> None:
                 "raw_step_per_span": [t.summary() for t in d.raw_step],
                 "empty_step_per_span": [t.summary() for t in d.empty_step],
                 "idle_step_per_span": [t.summary() for t in d.idle_step],
+                "idle_compute_per_span": [t.summary() for t in d.idle_compute],
                 "idle_gap_ms": d.idle_gap_s * 1e3,
                 "cpu_swarm": None if d.cpu_swarm is None else d.cpu_swarm.summary(),
                 "cpu_local": None if d.cpu_local is None else d.cpu_local.summary(),
