@@ -148,10 +148,7 @@ class RawTensor:
             raise CodecError(f"tensor shape {self.shape!r} is not a tuple of non-negative ints")
         data_bytes, scales_bytes = _payload_bytes(self.dtype, self.numel, self.compression)
         if _buffer_bytes(self.data) != data_bytes or _buffer_bytes(self.scales) != scales_bytes:
-            raise CodecError(
-                f"{self.dtype} tensor of shape {self.shape} ({self.compression or 'plain'}) "
-                f"needs {data_bytes} data and {scales_bytes} scale bytes"
-            )
+            raise _size_error(self.dtype, self.shape, self.compression, data_bytes, scales_bytes)
 
     @property
     def numel(self) -> int:
@@ -451,17 +448,9 @@ class _Writer:
         if not tensor.is_contiguous():
             return False
         shape = tuple(tensor.shape)
-        self._enter(depth, 3)
-        self._enter(depth + 1, len(shape))
-        _check_tensor_limits(shape, self._limits)
+        self._tensor_limits(shape, depth, None)
         size = math.prod(shape) * _ITEM_BYTES[name]
-        self._put(_TENSOR_HEAD)
-        self._put(_SHORT_HEADS[_ARRAY][3])
-        self._text(name)
-        self._put(_item_head(_ARRAY, len(shape)))
-        for dim in shape:
-            self._put(_item_head(_UINT, dim))
-        self._bytes(ctypes.string_at(tensor.data_ptr(), size) if size else b"")
+        self._tensor_fields(name, shape, ctypes.string_at(tensor.data_ptr(), size) if size else b"")
         return True
 
     def _tensor(
@@ -472,23 +461,38 @@ class _Writer:
         build: Callable[[], RawTensor],
     ) -> None:
         # Limits are checked on the shape before any bytes are copied or compressed.
-        self._enter(depth, len(_TENSOR_FIELDS) if compression else 3)
-        self._enter(depth + 1, len(shape))
-        _check_tensor_limits(shape, self._limits)
+        self._tensor_limits(shape, depth, compression)
         try:
             raw = build()
         except RuntimeError as exc:  # e.g. a meta tensor, or a device that failed
             raise CodecError(f"cannot encode tensor: {exc}") from exc
+        self._tensor_fields(
+            raw.dtype, raw.shape, bytes(raw.data), raw.compression, bytes(raw.scales)
+        )
+
+    def _tensor_limits(self, shape: tuple[int, ...], depth: int, compression: str | None) -> None:
+        self._enter(depth, len(_TENSOR_FIELDS) if compression else 3)
+        self._enter(depth + 1, len(shape))
+        _check_tensor_limits(shape, self._limits)
+
+    def _tensor_fields(
+        self,
+        dtype: str,
+        shape: tuple[int, ...],
+        data: bytes,
+        compression: str | None = None,
+        scales: bytes = b"",
+    ) -> None:
         self._put(_TENSOR_HEAD)
-        self._put(_SHORT_HEADS[_ARRAY][3 if raw.compression is None else 5])
-        self._text(raw.dtype)
-        self._put(_item_head(_ARRAY, len(raw.shape)))
-        for size in raw.shape:
+        self._put(_SHORT_HEADS[_ARRAY][3 if compression is None else 5])
+        self._text(dtype)
+        self._put(_item_head(_ARRAY, len(shape)))
+        for size in shape:
             self._put(_item_head(_UINT, size))
-        self._bytes(bytes(raw.data))
-        if raw.compression is not None:
-            self._text(raw.compression)
-            self._bytes(bytes(raw.scales))
+        self._bytes(data)
+        if compression is not None:
+            self._text(compression)
+            self._bytes(scales)
 
 
 class _TagDecoders(dict[int, Callable[[Any, bool], Any]]):
@@ -516,8 +520,8 @@ class _TagDecoders(dict[int, Callable[[Any, bool], Any]]):
         compression, scales = fields[3:] if len(fields) == 5 else (None, b"")
         _check_tensor_limits(shape, self._limits)
         raw = RawTensor(dtype, shape, data, compression=compression, scales=scales)
-        if dtype == "bool" and compression is None and data.translate(None, b"\x00\x01"):
-            raise CodecError("bool tensor holds bytes other than 0 and 1")
+        if dtype == "bool" and compression is None:
+            _check_bool_bytes(data)
         return raw.to_torch() if self._tensors == "torch" else raw
 
 
@@ -526,19 +530,30 @@ def _decode_plain_tensor(
 ) -> torch.Tensor:
     """An uncompressed tensor from a peer as a torch tensor: what ``RawTensor(...).to_torch()``
     gives, checked the same, in fewer steps (a step's tensors decode while the caches are cold)."""
-    item_bytes = _ITEM_BYTES.get(dtype)
-    if item_bytes is None:
+    if dtype not in _ITEM_BYTES:
         raise CodecError(f"unsupported tensor dtype {dtype!r}")
     _check_tensor_limits(shape, limits)
     size = tuple(shape)
-    if len(data) != math.prod(size) * item_bytes:
-        raise CodecError(
-            f"{dtype} tensor of shape {size} (plain) needs {math.prod(size) * item_bytes} data "
-            f"and 0 scale bytes"
-        )
-    if dtype == "bool" and data.translate(None, b"\x00\x01"):
-        raise CodecError("bool tensor holds bytes other than 0 and 1")
+    data_bytes, _ = _payload_bytes(dtype, math.prod(size), None)
+    if len(data) != data_bytes:
+        raise _size_error(dtype, size, None, data_bytes, 0)
+    if dtype == "bool":
+        _check_bool_bytes(data)
     return _tensor_from_buffer(data, _torch_dtypes()[dtype], size)
+
+
+def _size_error(
+    dtype: str, shape: tuple[int, ...], compression: str | None, data: int, scales: int
+) -> CodecError:
+    return CodecError(
+        f"{dtype} tensor of shape {shape} ({compression or 'plain'}) "
+        f"needs {data} data and {scales} scale bytes"
+    )
+
+
+def _check_bool_bytes(data: bytes) -> None:
+    if data.translate(None, b"\x00\x01"):
+        raise CodecError("bool tensor holds bytes other than 0 and 1")
 
 
 def _check_structure_untrusted(data: bytes, limits: CodecLimits) -> None:
