@@ -8,6 +8,11 @@ and a ``DynamicCache`` (created per prefill: it grows as it goes); ours runs the
 ``KVCache``, allocated once per session as a server does and rolled back between runs.  Both in
 ``torch.inference_mode()`` with one thread.  Target: ours / transformers <= 1.0.
 
+Our fp32 decode products go through numpy's OpenBLAS (:func:`petals_core.kernels.linear`); the
+decode step is also timed with that switched off (torch's own matmul, as transformers uses), and
+through a whole server span (SmolLM2's 10 blocks, 140 MB of weights streaming from memory each
+step, where the two libraries differ most) for ours with each library and for transformers.
+
 Run with ``nox -s bench -- blocks``.
 """
 
@@ -22,6 +27,7 @@ import torch
 from torch import nn
 from transformers import BloomConfig, BloomModel, DynamicCache, LlamaConfig, LlamaModel
 
+from petals_core import kernels
 from petals_core.models.bloom import BloomBlock
 from petals_core.models.llama import LlamaBlock
 
@@ -40,6 +46,61 @@ def _time(step: Callable[[], object], repeats: int) -> float:
         step()
         samples.append(time.perf_counter() - start)
     return statistics.median(samples)
+
+
+def _with_torch_matmul(step: Callable[[], object], repeats: int) -> float:
+    """:func:`_time` with our decode products left to torch's matmul."""
+    kernels.set_cpu_blas(False)
+    try:
+        return _time(step, repeats)
+    finally:
+        kernels.set_cpu_blas(True)
+
+
+SPAN_BLOCKS = 10
+SPAN_ROUNDS = 4
+
+
+def _measure_span(config: LlamaConfig) -> dict[str, float]:
+    """A decode step through SPAN_BLOCKS fp32 blocks in a row (a server's span), in rounds that
+    alternate ours (OpenBLAS), ours (torch's matmul) and transformers' layers."""
+    config = LlamaConfig(**{**config.to_dict(), "num_hidden_layers": SPAN_BLOCKS})
+    hf = LlamaModel(config).eval()
+    hf.norm = nn.Identity()
+    blocks = [LlamaBlock(config, index).eval() for index in range(SPAN_BLOCKS)]
+    for block, layer in zip(blocks, hf.layers, strict=True):
+        block.load_state_dict(layer.state_dict())
+    generator = torch.Generator().manual_seed(1)
+    prompt = torch.randn(1, PREFILL, config.hidden_size, generator=generator)
+    token = torch.randn(1, 1, config.hidden_size, generator=generator)
+    samples: dict[str, list[float]] = {"ours": [], "ours_torch_matmul": [], "hf": []}
+    with torch.inference_mode():
+        hf_cache = DynamicCache(config=config)
+        hf(inputs_embeds=prompt, cache=hf_cache, use_cache=True)
+        caches = [block.allocate_cache(1, PREFILL + 1) for block in blocks]
+        x = prompt
+        for block, cache in zip(blocks, caches, strict=True):
+            x = block(x, cache=cache)
+
+        def ours() -> object:
+            y = token
+            for block, cache in zip(blocks, caches, strict=True):
+                y = block(y, cache=cache)
+                cache.rollback(PREFILL)
+            return y
+
+        def theirs() -> object:
+            out = hf(inputs_embeds=token, cache=hf_cache, use_cache=True)
+            hf_cache.crop(-1)
+            return out
+
+        for _ in range(SPAN_ROUNDS):
+            samples["ours"].append(_time(ours, DECODE_STEPS // SPAN_ROUNDS))
+            samples["ours_torch_matmul"].append(
+                _with_torch_matmul(ours, DECODE_STEPS // SPAN_ROUNDS)
+            )
+            samples["hf"].append(_time(theirs, DECODE_STEPS // SPAN_ROUNDS))
+    return {name: statistics.median(values) * 1e3 for name, values in samples.items()}
 
 
 def _llama_pair(config: LlamaConfig, dtype: torch.dtype) -> tuple[nn.Module, nn.Module]:
@@ -94,22 +155,16 @@ def _measure(hf: nn.Module, ours: Any, hidden: int, dtype: torch.dtype) -> dict[
 
         return {
             "decode_ours_ms": _time(ours_decode, DECODE_STEPS) * 1e3,
+            "decode_ours_torch_matmul_ms": _with_torch_matmul(ours_decode, DECODE_STEPS) * 1e3,
             "decode_hf_ms": _time(hf_decode, DECODE_STEPS) * 1e3,
             "prefill_ours_ms": _time(ours_prefill, 5) * 1e3,
             "prefill_hf_ms": _time(hf_prefill, 5) * 1e3,
         }
 
 
-def _shapes() -> list[tuple[str, Callable[[torch.dtype], tuple[nn.Module, nn.Module]], int]]:
-    tiny_llama = LlamaConfig(
-        hidden_size=64,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=128,
-        num_hidden_layers=1,
-        vocab_size=16,
-    )
-    smollm2 = LlamaConfig(
+def _smollm2_config() -> LlamaConfig:
+    """One SmolLM2-135M block's shape."""
+    return LlamaConfig(
         hidden_size=576,
         num_attention_heads=9,
         num_key_value_heads=3,
@@ -121,6 +176,18 @@ def _shapes() -> list[tuple[str, Callable[[torch.dtype], tuple[nn.Module, nn.Mod
         rms_norm_eps=1e-5,
         max_position_embeddings=8192,
     )
+
+
+def _shapes() -> list[tuple[str, Callable[[torch.dtype], tuple[nn.Module, nn.Module]], int]]:
+    tiny_llama = LlamaConfig(
+        hidden_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=128,
+        num_hidden_layers=1,
+        vocab_size=16,
+    )
+    smollm2 = _smollm2_config()
     tiny_bloom = BloomConfig(hidden_size=64, n_head=4, n_layer=1, vocab_size=16)
     bloom_560m = BloomConfig(hidden_size=1024, n_head=16, n_layer=1, vocab_size=16)
     return [
@@ -145,10 +212,34 @@ def main() -> None:
             for what in ("decode", "prefill"):
                 ours_ms, hf_ms = numbers[f"{what}_ours_ms"], numbers[f"{what}_hf_ms"]
                 step = "decode step" if what == "decode" else f"{PREFILL}-token prefill"
-                rows.append((label, step, ours_ms, hf_ms, f"{ours_ms / hf_ms:.2f}x", "<= 1.0"))
+                torch_matmul = numbers.get(f"{what}_ours_torch_matmul_ms", "-")
+                rows.append(
+                    (label, step, ours_ms, torch_matmul, hf_ms, f"{ours_ms / hf_ms:.2f}x", "<= 1.0")
+                )
+    span = _measure_span(_smollm2_config())
+    results["llama SmolLM2-135M (576) float32, 10-block span"] = span
+    rows.append(
+        (
+            "llama SmolLM2-135M (576) float32",
+            f"decode step, {SPAN_BLOCKS} blocks",
+            span["ours"],
+            span["ours_torch_matmul"],
+            span["hf"],
+            f"{span['ours'] / span['hf']:.2f}x",
+            "<= 1.0",
+        )
+    )
     print_table(
-        "blocks: one block, ours vs transformers' layer, CPU, 1 thread (ms, median)",
-        ["shape / dtype", "work", "ours", "transformers", "ours/transformers", "target"],
+        "blocks: ours vs transformers' layers, CPU, 1 thread (ms, median)",
+        [
+            "shape / dtype",
+            "work",
+            "ours",
+            "ours, torch's matmul",
+            "transformers",
+            "ours/transformers",
+            "target",
+        ],
         rows,
     )
     for label, what in (
@@ -169,4 +260,12 @@ def main() -> None:
             target="<= 1.0x",
             met=ours_ms <= hf_ms,
         )
+    summarize(
+        "blocks",
+        f"SmolLM2 fp32, decode step through {SPAN_BLOCKS} blocks, ours vs transformers",
+        span["ours"],
+        span["hf"],
+        target="<= 1.0x",
+        met=span["ours"] <= span["hf"],
+    )
     write_json("blocks", results)

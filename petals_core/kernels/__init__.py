@@ -2,8 +2,14 @@
 
 Dispatch picks a Triton kernel for CUDA tensors (when no backward is needed), torch's fused
 attention or the reference otherwise.  Triton is imported only when a CUDA tensor needs it.
+``linear`` sends decode-sized fp32 CPU products to numpy's OpenBLAS (see ``_cpu_blas``).
 """
 
+from ._cpu_blas import (
+    cpu_blas_enabled as cpu_blas_enabled,
+    linear as linear,
+    set_cpu_blas as set_cpu_blas,
+)
 from ._dispatch import (
     attention as attention,
     rms_norm as rms_norm,

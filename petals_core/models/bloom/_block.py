@@ -23,6 +23,7 @@ from torch import nn
 from ...kernels import alibi_slopes, attention
 from .._batched import check_many_inputs, join_rows, join_tokens, split_tokens
 from .._cache import KVCache, check_block_input
+from .._linear import Linear
 
 if TYPE_CHECKING:
     from transformers import BloomConfig
@@ -45,8 +46,8 @@ class BloomAttention(nn.Module):
         super().__init__()
         self.n_head = config.n_head
         self.head_dim = config.hidden_size // config.n_head
-        self.query_key_value = nn.Linear(config.hidden_size, 3 * config.hidden_size)
-        self.dense = nn.Linear(config.hidden_size, config.hidden_size)
+        self.query_key_value = Linear(config.hidden_size, 3 * config.hidden_size)
+        self.dense = Linear(config.hidden_size, config.hidden_size)
 
     def forward(
         self,
@@ -106,8 +107,8 @@ class BloomAttention(nn.Module):
 class BloomMLP(nn.Module):
     def __init__(self, config: BloomConfig) -> None:
         super().__init__()
-        self.dense_h_to_4h = nn.Linear(config.hidden_size, 4 * config.hidden_size)
-        self.dense_4h_to_h = nn.Linear(4 * config.hidden_size, config.hidden_size)
+        self.dense_h_to_4h = Linear(config.hidden_size, 4 * config.hidden_size)
+        self.dense_4h_to_h = Linear(4 * config.hidden_size, config.hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.dense_4h_to_h(bloom_gelu(self.dense_h_to_4h(x)))

@@ -29,7 +29,6 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import attrs
 import torch
-import torch.nn.functional as F
 from torch import nn
 from transformers.modeling_outputs import (
     CausalLMOutputWithPast,
@@ -38,6 +37,7 @@ from transformers.modeling_outputs import (
 from transformers.modeling_utils import slice_logits_to_keep
 from transformers.utils import ModelOutput
 
+from ... import kernels
 from ..._errors import ConfigError
 from ...client import RemoteSequential
 from ...routing import RemoteSequenceManager, SequenceManagerConfig
@@ -116,9 +116,9 @@ class ChunkedLMHead(nn.Module):
         rows = hidden_states.numel() // max(1, hidden_states.shape[-1])
         if weight.shape[0] <= self.chunk_rows or rows <= _UNCHUNKED_ROWS:
             # A few rows (decoding) need no bound: one matmul is the fastest.
-            return F.linear(hidden_states, weight)
+            return kernels.linear(hidden_states, weight)
         chunks = [
-            F.linear(hidden_states, weight[start : start + self.chunk_rows])
+            kernels.linear(hidden_states, weight[start : start + self.chunk_rows])
             for start in range(0, weight.shape[0], self.chunk_rows)
         ]
         return torch.cat(chunks, dim=-1)  # (..., vocab)

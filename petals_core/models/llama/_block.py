@@ -24,6 +24,7 @@ from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 from ... import kernels
 from .._batched import check_many_inputs, join_rows, join_tokens, split_tokens
 from .._cache import KVCache, check_block_input
+from .._linear import Linear
 
 __all__ = ["LlamaBlock", "LlamaRotary"]
 
@@ -147,10 +148,10 @@ class LlamaAttention(nn.Module):
         if self.n_head % self.n_kv_head:
             raise ValueError(f"{self.n_head} heads cannot share {self.n_kv_head} key/value heads")
         hidden, bias = config.hidden_size, config.attention_bias
-        self.q_proj = nn.Linear(hidden, self.n_head * self.head_dim, bias=bias)
-        self.k_proj = nn.Linear(hidden, self.n_kv_head * self.head_dim, bias=bias)
-        self.v_proj = nn.Linear(hidden, self.n_kv_head * self.head_dim, bias=bias)
-        self.o_proj = nn.Linear(self.n_head * self.head_dim, hidden, bias=bias)
+        self.q_proj = Linear(hidden, self.n_head * self.head_dim, bias=bias)
+        self.k_proj = Linear(hidden, self.n_kv_head * self.head_dim, bias=bias)
+        self.v_proj = Linear(hidden, self.n_kv_head * self.head_dim, bias=bias)
+        self.o_proj = Linear(self.n_head * self.head_dim, hidden, bias=bias)
 
     def forward(
         self,
@@ -220,9 +221,9 @@ class LlamaMLP(nn.Module):
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
         hidden, inner, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
-        self.gate_proj = nn.Linear(hidden, inner, bias=bias)
-        self.up_proj = nn.Linear(hidden, inner, bias=bias)
-        self.down_proj = nn.Linear(inner, hidden, bias=bias)
+        self.gate_proj = Linear(hidden, inner, bias=bias)
+        self.up_proj = Linear(hidden, inner, bias=bias)
+        self.down_proj = Linear(inner, hidden, bias=bias)
         self.act_fn = ACT2FN[config.hidden_act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

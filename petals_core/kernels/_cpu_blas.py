@@ -1,0 +1,134 @@
+"""``linear`` for decoding on CPU: one or two rows through numpy's OpenBLAS, the rest through torch.
+
+A decode step multiplies one row of activations by every weight matrix of a block: a matrix-vector
+product whose speed is the speed at which the weights stream from memory.  torch's CPU build does
+these products with MKL, whose kernels on some CPUs (AMD EPYC among them) stream weights from DRAM
+at about half the rate OpenBLAS reaches on the same core (``bench blocks`` measures both).  numpy
+ships OpenBLAS, and numpy arrays can view torch tensors without a copy, so a product of one or two
+rows runs there; everything else (more rows, other dtypes or devices, anything autograd must
+differentiate) stays with torch.
+
+Results differ from torch's in the order a dot product is summed, i.e. in the last bits (fp32:
+relative differences around 1e-6), as they do between any two BLAS libraries.  Small weights
+(under 256 x 256) stay with torch: there the product takes less time than handing it over.
+
+OpenBLAS keeps its own thread count; before each product it is set to torch's
+(``torch.set_num_threads``), so a process given one torch thread computes on one thread here too.
+Nothing starts at import: the library is looked up (threadpoolctl) on the first product.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+__all__ = ["cpu_blas_enabled", "linear", "set_cpu_blas"]
+
+#: Products of at most this many rows take OpenBLAS (measured: from 4 rows on, MKL is as fast).
+MAX_BLAS_ROWS = 2
+#: ...with a weight of at least this many elements: below (a 256 x 128 matrix and smaller) the
+#: product is so short that the numpy round trip (a few microseconds) costs more than it saves.
+MIN_BLAS_WEIGHT = 256 * 256
+#: Set to "0" to keep every product on torch.
+ENV_SWITCH = "PETALS_CORE_CPU_BLAS"
+
+
+class _Blas:
+    """numpy's OpenBLAS, found on first use, and the thread count last given to it."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.enabled = os.environ.get(ENV_SWITCH, "1") != "0"
+        self.found: bool | None = None  # None: not looked up yet
+        self.controller: Any = None
+        self.threads = 0
+
+    def ready(self) -> bool:
+        if not self.enabled:
+            return False
+        if self.found is None:
+            self._find()
+        if not self.found:
+            return False
+        threads = torch.get_num_threads()
+        if threads != self.threads:
+            with self.lock:
+                if threads != self.threads:
+                    self.controller.limit(limits=threads)
+                    self.threads = threads
+        return True
+
+    def _find(self) -> None:
+        with self.lock:
+            if self.found is not None:
+                return
+            try:
+                from threadpoolctl import ThreadpoolController
+            except ImportError:  # pragma: no cover - a dependency; without it, torch only
+                self.found = False
+                return
+            openblas = ThreadpoolController().select(internal_api="openblas")
+            self.controller = openblas
+            self.found = bool(openblas.lib_controllers)
+
+
+_BLAS = _Blas()
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+def set_cpu_blas(enabled: bool) -> None:
+    """Let decode-sized fp32 CPU products use OpenBLAS (the default) or keep them on torch."""
+    _BLAS.enabled = bool(enabled)
+
+
+def cpu_blas_enabled() -> bool:
+    """Whether decode-sized fp32 CPU products go to OpenBLAS (enabled and the library found)."""
+    return _BLAS.ready()
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)``: ``x`` (..., in), ``weight`` (out, in), ``bias`` (out,)."""
+    if _takes_blas(x, weight, bias) and _BLAS.ready():
+        return _blas_linear(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
+def _takes_blas(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    if type(x) not in _PLAIN or type(weight) not in _PLAIN:
+        return False  # subclasses (quantised weights, fake or traced tensors) keep torch's path
+    if x.dtype != torch.float32 or weight.dtype != torch.float32:
+        return False
+    if x.device.type != "cpu" or weight.device.type != "cpu" or weight.dim() != 2:
+        return False
+    if weight.numel() < MIN_BLAS_WEIGHT:
+        return False
+    if (
+        x.dim() < 1
+        or x.shape[-1] != weight.shape[1]
+        or not 0 < x.numel() <= MAX_BLAS_ROWS * (weight.shape[1] or 1)
+    ):
+        return False
+    if bias is not None and (
+        type(bias) not in _PLAIN
+        or bias.dtype != torch.float32
+        or bias.device.type != "cpu"
+        or bias.shape != (weight.shape[0],)
+    ):
+        return False
+    # Whatever autograd must differentiate needs torch's op.
+    return not torch.is_grad_enabled() or not (
+        x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
+    )
+
+
+def _blas_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    rows = x.detach().numpy().reshape(-1, x.shape[-1])  # (N, in), N <= MAX_BLAS_ROWS
+    out = torch.from_numpy(np.matmul(rows, weight.detach().numpy().T))  # (N, out)
+    if bias is not None:
+        out += bias
+    return out.view(*x.shape[:-1], weight.shape[0])

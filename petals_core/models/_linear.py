@@ -1,0 +1,19 @@
+"""``nn.Linear`` whose product goes through :func:`petals_core.kernels.linear`.
+
+Same parameters, same ``state_dict`` keys, still an ``nn.Linear`` (quantisation and LoRA wrap it as
+they wrap any); only decode-sized fp32 CPU products change hands (to OpenBLAS, see the kernel).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .. import kernels
+
+__all__ = ["Linear"]
+
+
+class Linear(nn.Linear):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return kernels.linear(x, self.weight, self.bias)
