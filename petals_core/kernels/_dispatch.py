@@ -40,7 +40,9 @@ def attention(
     On CUDA: the flash-decoding kernel for up to 16 new tokens, the prefill kernel beyond.
     Elsewhere, and whenever autograd needs a backward: without ALiBi, torch's fused SDPA with the
     same semantics (called as transformers' SDPA attention calls it, so LLaMA blocks match
-    transformers' default attention); with ALiBi, the reference (as transformers' BLOOM).
+    transformers' default attention); with ALiBi, the reference (as transformers' BLOOM), except
+    for an fp32 decode step (one query at the end of the cache), which gives the ALiBi term to
+    SDPA as an additive mask: half the ops of the reference, the same scores.
     """
     if key_padding is not None:
         # Left-padded sessions (batched generation) take the reference path everywhere.
@@ -62,8 +64,35 @@ def attention(
             )
     if alibi_slopes is None:
         return _sdpa_attention(q, k, v, query_offset=query_offset, scale=scale)
+    if (
+        q.shape[2] == 1
+        and query_offset == k.shape[2] - 1
+        and q.dtype == k.dtype == v.dtype == torch.float32
+    ):
+        return _sdpa_alibi_decode(q, k, v, scale=scale, alibi_slopes=alibi_slopes)
     return attention_reference(
         q, k, v, query_offset=query_offset, scale=scale, alibi_slopes=alibi_slopes
+    )
+
+
+def _sdpa_alibi_decode(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    scale: float | None,
+    alibi_slopes: torch.Tensor,
+) -> torch.Tensor:
+    """fp32 decode (one query, at the end of the cache) with ALiBi: the reference's scores, the
+    ALiBi term given to torch's fused attention as an additive mask (one query sees every key,
+    so there is nothing else to mask)."""
+    n_head, length = q.shape[1], k.shape[2]
+    key_pos = torch.arange(length, device=q.device, dtype=torch.float32)
+    bias = alibi_slopes.to(q.device, torch.float32).view(1, n_head, 1, 1) * key_pos.view(
+        1, 1, 1, -1
+    )  # (1, n_head, 1, S)
+    return F.scaled_dot_product_attention(
+        q, k, v, attn_mask=bias, scale=scale, enable_gqa=n_head != k.shape[1]
     )
 
 
