@@ -24,11 +24,13 @@ the local model runs.  Measured:
 
 Targets (issue text): decode <= 1.6x local, ptune step <= 1.4x local.  A second table breaks the
 decode time down: our blocks in this process (what the servers compute; and the same right after
-sleeping as long as that idle gap, which is what idling costs the machine itself), a raw
-``petals.inference`` step on each server from a bare transport client (and an empty step, 0
-tokens: transport and request handling without compute; and the 1-token step again after an idle
-gap like the one each server of the chain sees between its steps), the client's session step,
-and the whole model forward — what each layer adds.
+sleeping as long as that idle gap, which is what idling costs the machine itself), the same
+blocks split over one worker process per server that pass the hidden state on pipes (the process
+split alone, no network stack: ``bench/_pipes.py``), a raw ``petals.inference`` step on each
+server from a bare transport client (and an empty step, 0 tokens: transport and request handling
+without compute; and the 1-token step again after an idle gap like the one each server of the
+chain sees between its steps), the client's session step, and the whole model forward — what
+each layer adds.
 
 Run with ``nox -s bench -- inference``.
 """
@@ -63,6 +65,7 @@ from petals_core.server import INFERENCE
 from petals_core.testing import LocalSwarm, fixed_server_args, open_local_swarm
 from petals_core.transport import open_call, open_node
 
+from ._pipes import PipeChain
 from ._report import median, percentile, print_table, summarize, write_json
 
 HIDDEN = 256
@@ -300,6 +303,9 @@ class DecodeResults:
     #: what idling costs the machine itself, with no server or network involved.
     idle_compute: tuple[Timing, ...]
     idle_gap_s: float
+    #: Our blocks in one worker process per span, the hidden state passed on pipes from this
+    #: process through every worker and back (:class:`PipeChain`): the process split alone.
+    pipes: Timing
     #: CPU accounting of decode (None where ``/proc/*/schedstat`` is missing).
     cpu_swarm: CpuPerToken | None
     cpu_local: CpuPerToken | None
@@ -358,6 +364,9 @@ def measure_decode(
         stack.callback(steps.close)
         steps.step(torch.randn(1, prefill, hidden_size))
         caches = [block.allocate_cache(1, max_length) for block in blocks]
+        chain = PipeChain(blocks, spans, max_length)
+        stack.callback(chain.close)
+        chain.step(torch.randn(1, prefill, hidden_size))
         stack.enter_context(torch.inference_mode())
         warm_x = torch.randn(1, prefill, hidden_size)
         for block, block_cache in zip(blocks, caches, strict=True):
@@ -408,6 +417,15 @@ def measure_decode(
                     for index, length in zip(range(*span), lengths, strict=True):
                         caches[index].rollback(length)
 
+        pipes: list[float] = []
+
+        def pipes_round() -> None:
+            for _ in range(per_round):
+                x = torch.randn(1, 1, hidden_size)
+                start = time.perf_counter()
+                chain.step(x)
+                pipes.append((time.perf_counter() - start) * 1e3)
+
         def raw_round() -> None:
             for name, values in trio.from_thread.run(
                 _raw_steps, swarm, spans, hidden_size, per_round, idle_gap_s
@@ -419,7 +437,7 @@ def measure_decode(
             warmup=warmup,
             rounds=rounds,
             per_round=per_round,
-            each_round=[raw_round, idle_compute_round],
+            each_round=[raw_round, idle_compute_round, pipes_round],
         )
         cpu_swarm = cpu_local = None
         if schedstat_available():
@@ -444,6 +462,7 @@ def measure_decode(
         idle_step=tuple(Timing(samples_ms=tuple(raw[f"idle {span}"])) for span in spans),
         idle_compute=tuple(Timing(samples_ms=tuple(idle_compute[span])) for span in spans),
         idle_gap_s=idle_gap_s,
+        pipes=Timing(samples_ms=tuple(pipes)),
         cpu_swarm=cpu_swarm,
         cpu_local=cpu_local,
     )
@@ -538,6 +557,11 @@ def breakdown_rows(
             f"our blocks, all spans, each after {gap_ms} asleep",
             sum(t.median_ms for t in results.idle_compute),
             "the floor for servers that idle",
+        ),
+        (
+            f"our blocks in {len(spans)} processes, passed on pipes",
+            results.pipes.median_ms,
+            "the process split alone: no transport, codec or client",
         ),
         ("raw 1-token steps, all spans", raw, "sum of per-server round trips"),
         (
@@ -779,6 +803,7 @@ def main() -> None:
                 "empty_step_per_span": [t.summary() for t in d.empty_step],
                 "idle_step_per_span": [t.summary() for t in d.idle_step],
                 "idle_compute_per_span": [t.summary() for t in d.idle_compute],
+                "pipes": d.pipes.summary(),
                 "idle_gap_ms": d.idle_gap_s * 1e3,
                 "cpu_swarm": None if d.cpu_swarm is None else d.cpu_swarm.summary(),
                 "cpu_local": None if d.cpu_local is None else d.cpu_local.summary(),

@@ -175,6 +175,7 @@ def main() -> None:
             "empty_step_per_span": [t.summary() for t in d.empty_step],
             "idle_step_per_span": [t.summary() for t in d.idle_step],
             "idle_compute_per_span": [t.summary() for t in d.idle_compute],
+            "pipes": d.pipes.summary(),
             "idle_gap_ms": d.idle_gap_s * 1e3,
             "cpu_swarm": None if d.cpu_swarm is None else d.cpu_swarm.summary(),
             "cpu_local": None if d.cpu_local is None else d.cpu_local.summary(),
