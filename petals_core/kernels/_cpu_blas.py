@@ -93,37 +93,44 @@ def cpu_blas_enabled() -> bool:
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)``: ``x`` (..., in), ``weight`` (out, in), ``bias`` (out,)."""
-    if _takes_blas(x, weight, bias) and _BLAS.ready():
+    # One function on purpose: every decode step calls it for every product, and on a server
+    # that idled each Python call runs cold.
+    blas = _BLAS
+    if (
+        blas.enabled
+        # Subclasses (quantised weights, fake or traced tensors) keep torch's path.
+        and type(x) in _PLAIN
+        and type(weight) in _PLAIN
+        and x.dtype == torch.float32
+        and weight.dtype == torch.float32
+        and x.device.type == "cpu"
+        and weight.device.type == "cpu"
+        and weight.dim() == 2
+        and weight.numel() >= MIN_BLAS_WEIGHT
+        and x.dim() >= 1
+        and x.shape[-1] == weight.shape[1]
+        and 0 < x.numel() <= MAX_BLAS_ROWS * weight.shape[1]
+        and (
+            bias is None
+            or (
+                type(bias) in _PLAIN
+                and bias.dtype == torch.float32
+                and bias.device.type == "cpu"
+                and bias.shape == (weight.shape[0],)
+            )
+        )
+        # Whatever autograd must differentiate needs torch's op.
+        and (
+            not torch.is_grad_enabled()
+            or not (
+                x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
+            )
+        )
+        # The library is found and has torch's thread count (``ready`` sees to both).
+        and (blas.threads == torch.get_num_threads() or blas.ready())
+    ):
         return _blas_linear(x, weight, bias)
     return F.linear(x, weight, bias)
-
-
-def _takes_blas(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
-    if type(x) not in _PLAIN or type(weight) not in _PLAIN:
-        return False  # subclasses (quantised weights, fake or traced tensors) keep torch's path
-    if x.dtype != torch.float32 or weight.dtype != torch.float32:
-        return False
-    if x.device.type != "cpu" or weight.device.type != "cpu" or weight.dim() != 2:
-        return False
-    if weight.numel() < MIN_BLAS_WEIGHT:
-        return False
-    if (
-        x.dim() < 1
-        or x.shape[-1] != weight.shape[1]
-        or not 0 < x.numel() <= MAX_BLAS_ROWS * (weight.shape[1] or 1)
-    ):
-        return False
-    if bias is not None and (
-        type(bias) not in _PLAIN
-        or bias.dtype != torch.float32
-        or bias.device.type != "cpu"
-        or bias.shape != (weight.shape[0],)
-    ):
-        return False
-    # Whatever autograd must differentiate needs torch's op.
-    return not torch.is_grad_enabled() or not (
-        x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
-    )
 
 
 def _blas_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

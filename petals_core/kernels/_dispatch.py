@@ -55,7 +55,7 @@ def attention(
             alibi_slopes=alibi_slopes,
             key_padding=key_padding,
         )
-    if _use_triton(q, k, v):
+    if q.is_cuda and _use_triton(q, k, v):
         from . import _triton_attention
 
         with torch.cuda.device(q.device):
@@ -124,7 +124,7 @@ def _sdpa_attention(
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    if _use_triton(x, weight):
+    if x.is_cuda and _use_triton(x, weight):
         from . import _triton_norm
 
         with torch.cuda.device(x.device):
@@ -133,7 +133,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    if cos.shape[0] == 1 and _use_triton(x, cos, sin):
+    if x.is_cuda and cos.shape[0] == 1 and _use_triton(x, cos, sin):
         from . import _triton_rotary
 
         with torch.cuda.device(x.device):
@@ -156,7 +156,7 @@ def rotary_append(
 
     On CUDA one kernel launch does all three.
     """
-    if cos.shape[0] == 1 and _use_triton(q, k, v, cos, sin):
+    if q.is_cuda and cos.shape[0] == 1 and _use_triton(q, k, v, cos, sin):
         from . import _triton_rotary
 
         with torch.cuda.device(q.device):
@@ -168,7 +168,8 @@ def rotary_append(
 
 def _use_triton(*tensors: torch.Tensor) -> bool:
     """Triton for CUDA tensors, unless autograd will need a backward (the kernels have none;
-    training takes the torch path, which has one)."""
+    training takes the torch path, which has one).  Callers test ``is_cuda`` of the first tensor
+    before calling (CPU steps skip the call)."""
     first = tensors[0]
     if not first.is_cuda or not _triton_installed() or not _kernels_fit(first.device.index):
         return False

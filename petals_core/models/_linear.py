@@ -16,4 +16,9 @@ __all__ = ["Linear"]
 
 class Linear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return kernels.linear(x, self.weight, self.bias)
+        # What ``self.weight`` and ``self.bias`` return, read without nn.Module's Python-level
+        # __getattr__ (two calls per product, on every decode step).
+        parameters = self._parameters
+        weight, bias = parameters["weight"], parameters["bias"]
+        assert weight is not None  # registered by nn.Linear; bias may be None
+        return kernels.linear(x, weight, bias)

@@ -241,6 +241,9 @@ class LlamaBlock(nn.Module):
         self.mlp = LlamaMLP(config)
         self.input_layernorm = LlamaRMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = LlamaRMSNorm(config.hidden_size, config.rms_norm_eps)
+        # A plain int: reading the config (transformers overrides its attribute access) costs a
+        # Python call on every step.
+        self.hidden_size: int = config.hidden_size
         self.rotary = LlamaRotary(config)
 
     def allocate_cache(
@@ -281,7 +284,7 @@ class LlamaBlock(nn.Module):
         """
         check_block_input(
             hidden_states,
-            hidden_size=self.config.hidden_size,
+            hidden_size=self.hidden_size,
             weight=self.input_layernorm.weight,
             cache=cache,
         )
@@ -333,7 +336,7 @@ class LlamaBlock(nn.Module):
         check_many_inputs(
             hidden_states,
             caches,
-            hidden_size=self.config.hidden_size,
+            hidden_size=self.hidden_size,
             weight=self.input_layernorm.weight,
             kv_heads=self.self_attn.n_kv_head,
             head_dim=self.self_attn.head_dim,
