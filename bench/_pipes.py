@@ -29,9 +29,9 @@ def _worker(
     ready: multiprocessing.connection.Connection,
     blocks: list[Any],
     max_length: int,
+    hidden_size: int,
 ) -> None:
     torch.set_num_threads(1)
-    hidden_size = _hidden_size(blocks)
     with torch.inference_mode():
         caches = [block.allocate_cache(1, max_length) for block in blocks]
         ready.send_bytes(b"ready")
@@ -46,24 +46,23 @@ def _worker(
             send.send_bytes(x.numpy().tobytes())
 
 
-def _hidden_size(blocks: Sequence[nn.Module]) -> int:
-    config: Any = getattr(blocks[0], "config", None)
-    if config is not None and hasattr(config, "hidden_size"):
-        return int(config.hidden_size)
-    norm: Any = blocks[0].input_layernorm
-    return int(norm.weight.shape[0])
-
-
 class PipeChain:
-    """Worker processes holding ``spans`` of ``blocks``; :meth:`step` runs a hidden state through
-    all of them.  fp32 only (the bytes on the pipes are float32)."""
+    """Worker processes holding ``spans`` of ``blocks``; :meth:`step` runs a hidden state of
+    ``hidden_size`` through all of them.  fp32 only (the bytes on the pipes are float32)."""
 
     def __init__(
-        self, blocks: Sequence[nn.Module], spans: Sequence[tuple[int, int]], max_length: int
+        self,
+        blocks: Sequence[nn.Module],
+        spans: Sequence[tuple[int, int]],
+        *,
+        max_length: int,
+        hidden_size: int,
     ) -> None:
         context = multiprocessing.get_context("spawn")  # no forked torch state in the workers
-        self._hidden_size = _hidden_size(blocks)
+        self._hidden_size = hidden_size
         pipes = [context.Pipe(duplex=False) for _ in range(len(spans) + 1)]  # (receive, send)
+        self._send = pipes[0][1]
+        self._receive = pipes[-1][0]
         self._processes: list[Any] = []
         try:
             readiness = []
@@ -78,13 +77,12 @@ class PipeChain:
                         ready_send,
                         list(blocks[span[0] : span[1]]),
                         max_length,
+                        hidden_size,
                     ),
                     daemon=True,
                 )
                 process.start()
                 self._processes.append(process)
-            self._send = pipes[0][1]
-            self._receive = pipes[-1][0]
             for index, ready in enumerate(readiness):
                 if not ready.poll(_START_TIMEOUT_S) or ready.recv_bytes() != b"ready":
                     raise RuntimeError(f"pipe worker {index} did not start")
@@ -105,7 +103,7 @@ class PipeChain:
             self._send.send_bytes(b"")
             if self._receive.poll(_START_TIMEOUT_S):
                 self._receive.recv_bytes()
-        except (OSError, AttributeError):
+        except OSError:  # a worker died: the joins below see to the rest
             pass
         for process in self._processes:
             process.join(timeout=_START_TIMEOUT_S)

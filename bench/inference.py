@@ -364,7 +364,7 @@ def measure_decode(
         stack.callback(steps.close)
         steps.step(torch.randn(1, prefill, hidden_size))
         caches = [block.allocate_cache(1, max_length) for block in blocks]
-        chain = PipeChain(blocks, spans, max_length)
+        chain = PipeChain(blocks, spans, max_length=max_length, hidden_size=hidden_size)
         stack.callback(chain.close)
         chain.step(torch.randn(1, prefill, hidden_size))
         stack.enter_context(torch.inference_mode())
