@@ -14,13 +14,15 @@ Differences from transformers, on purpose:
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from ...kernels import alibi_slopes, attention
+from .. import _cpu_decode
 from .._batched import check_many_inputs, join_rows, join_tokens, split_tokens
 from .._cache import KVCache, check_block_input
 from .._linear import Linear
@@ -171,6 +173,9 @@ class BloomBlock(nn.Module):
                 f"{hidden_states.shape[0]} rows of hidden states for a cache of {cache.batch} rows"
             )
         with torch.no_grad():  # the cache checks that the new entries fit before writing them
+            stepped = self._numpy_step([hidden_states], [cache])
+            if stepped is not None:
+                return stepped[0]
             return self._forward(hidden_states, cache, cache.length)
 
     def _forward(self, x: torch.Tensor, cache: KVCache | None, position: int) -> torch.Tensor:
@@ -206,6 +211,9 @@ class BloomBlock(nn.Module):
         if not hidden_states:
             return []
         with torch.no_grad():
+            stepped = self._numpy_step(hidden_states, caches)
+            if stepped is not None:
+                return stepped
             x = join_tokens(hidden_states)  # (1, N, hidden)
             shapes = [(states.shape[0], states.shape[1]) for states in hidden_states]
             normed = self.input_layernorm(x)
@@ -215,6 +223,79 @@ class BloomBlock(nn.Module):
             normed = self.post_attention_layernorm(x)
             residual = normed if self.residual_after_norm else x
             return split_tokens(residual + self.mlp(normed), hidden_states)
+
+    def _numpy_step(
+        self, hidden_states: Sequence[torch.Tensor], caches: Sequence[KVCache]
+    ) -> list[torch.Tensor] | None:
+        """The step computed with numpy (see :mod:`petals_core.models._cpu_decode`), or None
+        when it must take the torch path.  The items are validated; nothing is written before
+        the step is known to run here."""
+        if not _cpu_decode.usable(hidden_states, caches):
+            return None
+        modules = self._modules
+        attn, mlp = modules["self_attention"], modules["mlp"]
+        norm1, norm2 = modules["input_layernorm"], modules["post_attention_layernorm"]
+        if not _cpu_decode.plain(
+            (
+                (attn, BloomAttention),
+                (mlp, BloomMLP),
+                (norm1, nn.LayerNorm),
+                (norm2, nn.LayerNorm),
+            )
+        ):
+            return None
+        attn, mlp = cast(BloomAttention, attn), cast(BloomMLP, mlp)
+        norm1, norm2 = cast(nn.LayerNorm, norm1), cast(nn.LayerNorm, norm2)
+        linears = (
+            attn._modules["query_key_value"],
+            attn._modules["dense"],
+            mlp._modules["dense_h_to_4h"],
+            mlp._modules["dense_4h_to_h"],
+        )
+        if not _cpu_decode.plain((linear, Linear) for linear in linears):
+            return None
+        weights = _cpu_decode.linear_arrays(cast(tuple[Linear, ...], linears))
+        norms = _cpu_decode.linear_arrays((norm1, norm2))  # type: ignore[arg-type]
+        slopes = _cpu_decode.array(self._slopes)
+        if weights is None or norms is None or slopes is None:
+            return None
+        qkv_proj, dense, h_to_4h, to_h = weights
+        (weight1, bias1), (weight2, bias2) = norms
+        if bias1 is None or bias2 is None:
+            return None
+        n_head, head_dim = self.n_head, self.head_dim
+        project = _cpu_decode.project
+        x = _cpu_decode.rows_of(hidden_states)  # (N, hidden)
+        normed = _cpu_decode.layer_norm(x, weight1, bias1, norm1.eps)
+        qkv_all = project(normed, *qkv_proj)  # (N, 3 * hidden), per head [q_h, k_h, v_h]
+        outputs = []
+        start = 0
+        for states, cache in zip(hidden_states, caches, strict=True):
+            batch, new = states.shape[0], states.shape[1]
+            end = start + batch * new
+            qkv = qkv_all[start:end].reshape(batch, new, n_head, 3, head_dim)
+            position = cache.length
+            length = position + new
+            keys, values = cache.keys.numpy(), cache.values.numpy()
+            keys[:, :, position:length] = qkv[..., 1, :].transpose(0, 2, 1, 3)
+            values[:, :, position:length] = qkv[..., 2, :].transpose(0, 2, 1, 3)
+            cache.length = length
+            y = _cpu_decode.attend(
+                qkv[..., 0, :].transpose(0, 2, 1, 3),  # (B, n_head, T, head_dim)
+                keys[:, :, :length],
+                values[:, :, :length],
+                start=position,
+                scale=head_dim**-0.5,
+                slopes=slopes,
+            )
+            outputs.append(y.reshape(batch * new, -1))
+            start = end
+        y = outputs[0] if len(outputs) == 1 else np.concatenate(outputs)
+        x = (normed if self.residual_after_norm else x) + project(y, *dense)
+        normed = _cpu_decode.layer_norm(x, weight2, bias2, norm2.eps)
+        out = project(_cpu_decode.gelu_tanh(project(normed, *h_to_4h)), *to_h)
+        out += normed if self.residual_after_norm else x
+        return _cpu_decode.split_rows(out, hidden_states)
 
     def allocate_cache(
         self,

@@ -12,8 +12,9 @@ The block holds no per-session state: one instance serves every session, each br
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
+import numpy as np
 import torch
 from torch import nn
 from transformers import LlamaConfig
@@ -22,6 +23,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from ... import kernels
+from .. import _cpu_decode
 from .._batched import check_many_inputs, join_rows, join_tokens, split_tokens
 from .._cache import KVCache, check_block_input
 from .._linear import Linear
@@ -30,6 +32,25 @@ __all__ = ["LlamaBlock", "LlamaRotary"]
 
 # RoPE types whose frequencies depend on the configuration alone; "dynamic" also on the length.
 _STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+
+
+def _rotate_rows(
+    rows: np.ndarray, batch: int, heads: int, angles: tuple[np.ndarray, np.ndarray]
+) -> np.ndarray:
+    """``(B * T, heads * head_dim)`` projections to ``(B, heads, T, head_dim)``, rotated by
+    ``angles`` (cos, sin: ``(1, 1, T, head_dim)``): :func:`kernels.rotary_reference` in numpy."""
+    cos, sin = angles
+    new, head_dim = cos.shape[2], cos.shape[3]
+    half = head_dim // 2
+    x = rows.reshape(batch, new, heads, head_dim).transpose(0, 2, 1, 3)
+    rotated = np.concatenate((-x[..., half:], x[..., :half]), axis=-1)
+    rotated *= sin
+    rotated += x * cos
+    return rotated
+
+
+_ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
+_MLP_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 
 
 class LlamaRotary:
@@ -225,6 +246,8 @@ class LlamaMLP(nn.Module):
         self.up_proj = Linear(hidden, inner, bias=bias)
         self.down_proj = Linear(inner, hidden, bias=bias)
         self.act_fn = ACT2FN[config.hidden_act]
+        #: Whether the activation is SiLU, which the numpy decode step computes.
+        self.silu: bool = config.hidden_act in ("silu", "swish")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
@@ -301,6 +324,9 @@ class LlamaBlock(nn.Module):
             raise ValueError(f"position must be >= 0, got {position}")
         if cache is not None:
             with torch.no_grad():
+                stepped = self._numpy_step([hidden_states], [cache])
+                if stepped is not None:
+                    return stepped[0]
                 return self._forward(hidden_states, cache, position)
         return self._forward(hidden_states, None, position)
 
@@ -344,7 +370,77 @@ class LlamaBlock(nn.Module):
         if not hidden_states:
             return []
         with torch.no_grad():
+            stepped = self._numpy_step(hidden_states, caches)
+            if stepped is not None:
+                return stepped
             return self._forward_many(hidden_states, caches)
+
+    def _numpy_step(
+        self, hidden_states: Sequence[torch.Tensor], caches: Sequence[KVCache]
+    ) -> list[torch.Tensor] | None:
+        """The step computed with numpy (see :mod:`petals_core.models._cpu_decode`), or None
+        when it must take the torch path.  The items are validated; nothing is written before
+        the step is known to run here."""
+        if not _cpu_decode.usable(hidden_states, caches):
+            return None
+        modules = self._modules
+        attn, mlp = modules["self_attn"], modules["mlp"]
+        norm1, norm2 = modules["input_layernorm"], modules["post_attention_layernorm"]
+        if not _cpu_decode.plain(
+            ((attn, LlamaAttention), (mlp, LlamaMLP), (norm1, LlamaRMSNorm), (norm2, LlamaRMSNorm))
+        ):
+            return None
+        attn, mlp = cast(LlamaAttention, attn), cast(LlamaMLP, mlp)
+        norm1, norm2 = cast(LlamaRMSNorm, norm1), cast(LlamaRMSNorm, norm2)
+        linears = (
+            *(attn._modules[name] for name in _ATTENTION_PROJECTIONS),
+            *(mlp._modules[name] for name in _MLP_PROJECTIONS),
+        )
+        if not mlp.silu or not _cpu_decode.plain((linear, Linear) for linear in linears):
+            return None
+        weights = _cpu_decode.linear_arrays(cast(tuple[Linear, ...], linears))
+        norm_weight1 = _cpu_decode.array(norm1._parameters["weight"])  # type: ignore[arg-type]
+        norm_weight2 = _cpu_decode.array(norm2._parameters["weight"])  # type: ignore[arg-type]
+        if weights is None or norm_weight1 is None or norm_weight2 is None:
+            return None
+        q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj = weights
+        n_head, n_kv_head, head_dim = attn.n_head, attn.n_kv_head, attn.head_dim
+        project = _cpu_decode.project
+        x = _cpu_decode.rows_of(hidden_states)  # (N, hidden)
+        h = _cpu_decode.rms_norm(x, norm_weight1, norm1.eps)
+        q_all, k_all, v_all = project(h, *q_proj), project(h, *k_proj), project(h, *v_proj)
+        outputs = []
+        start = 0
+        for states, cache in zip(hidden_states, caches, strict=True):
+            batch, new = states.shape[0], states.shape[1]
+            end = start + batch * new
+            position = cache.length
+            cos, sin = self.rotary(position, new, device=states.device, dtype=states.dtype)
+            # (1, 1, T, head_dim) each
+            angles = cos.numpy()[:, None], sin.numpy()[:, None]
+            length = position + new
+            keys, values = cache.keys.numpy(), cache.values.numpy()
+            keys[:, :, position:length] = _rotate_rows(k_all[start:end], batch, n_kv_head, angles)
+            values[:, :, position:length] = (
+                v_all[start:end].reshape(batch, new, n_kv_head, head_dim).transpose(0, 2, 1, 3)
+            )
+            cache.length = length
+            y = _cpu_decode.attend(
+                _rotate_rows(q_all[start:end], batch, n_head, angles),
+                keys[:, :, :length],
+                values[:, :, :length],
+                start=position,
+                scale=head_dim**-0.5,
+            )
+            outputs.append(y.reshape(batch * new, -1))
+            start = end
+        y = outputs[0] if len(outputs) == 1 else np.concatenate(outputs)
+        x = x + project(y, *o_proj)
+        h = _cpu_decode.rms_norm(x, norm_weight2, norm2.eps)
+        gate = _cpu_decode.silu(project(h, *gate_proj))
+        gate *= project(h, *up_proj)
+        x += project(gate, *down_proj)
+        return _cpu_decode.split_rows(x, hidden_states)
 
     def _forward_many(
         self, hidden_states: Sequence[torch.Tensor], caches: Sequence[KVCache]
