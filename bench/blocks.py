@@ -8,10 +8,11 @@ and a ``DynamicCache`` (created per prefill: it grows as it goes); ours runs the
 ``KVCache``, allocated once per session as a server does and rolled back between runs.  Both in
 ``torch.inference_mode()`` with one thread.  Target: ours / transformers <= 1.0.
 
-Our fp32 decode products go through numpy's OpenBLAS (:func:`petals_core.kernels.linear`); the
-decode step is also timed with that switched off (torch's own matmul, as transformers uses), and
-through a whole server span (SmolLM2's 10 blocks, 140 MB of weights streaming from memory each
-step, where the two libraries differ most) for ours with each library and for transformers.
+Our fp32 decode steps run in numpy (``petals_core.models._cpu_decode``: small array operations
+without torch's per-op dispatch, products on numpy's OpenBLAS); the decode step is also timed with
+that switched off (``kernels.set_cpu_blas(False)``: torch's ops and matmul, as transformers uses),
+and through a whole server span (SmolLM2's 10 blocks, 140 MB of weights streaming from memory each
+step, where the two BLAS libraries differ most) for ours each way and for transformers.
 
 Run with ``nox -s bench -- blocks``.
 """
@@ -48,8 +49,8 @@ def _time(step: Callable[[], object], repeats: int) -> float:
     return statistics.median(samples)
 
 
-def _with_torch_matmul(step: Callable[[], object], repeats: int) -> float:
-    """:func:`_time` with our decode products left to torch's matmul."""
+def _torch_only(step: Callable[[], object], repeats: int) -> float:
+    """:func:`_time` with our decode steps left to torch (its ops and its matmul)."""
     kernels.set_cpu_blas(False)
     try:
         return _time(step, repeats)
@@ -63,7 +64,7 @@ SPAN_ROUNDS = 4
 
 def _measure_span(config: LlamaConfig) -> dict[str, float]:
     """A decode step through SPAN_BLOCKS fp32 blocks in a row (a server's span), in rounds that
-    alternate ours (OpenBLAS), ours (torch's matmul) and transformers' layers."""
+    alternate ours (numpy and OpenBLAS), ours (torch only) and transformers' layers."""
     config = LlamaConfig(**{**config.to_dict(), "num_hidden_layers": SPAN_BLOCKS})
     hf = LlamaModel(config).eval()
     hf.norm = nn.Identity()
@@ -73,7 +74,7 @@ def _measure_span(config: LlamaConfig) -> dict[str, float]:
     generator = torch.Generator().manual_seed(1)
     prompt = torch.randn(1, PREFILL, config.hidden_size, generator=generator)
     token = torch.randn(1, 1, config.hidden_size, generator=generator)
-    samples: dict[str, list[float]] = {"ours": [], "ours_torch_matmul": [], "hf": []}
+    samples: dict[str, list[float]] = {"ours": [], "ours_torch_only": [], "hf": []}
     with torch.inference_mode():
         hf_cache = DynamicCache(config=config)
         hf(inputs_embeds=prompt, cache=hf_cache, use_cache=True)
@@ -96,9 +97,7 @@ def _measure_span(config: LlamaConfig) -> dict[str, float]:
 
         for _ in range(SPAN_ROUNDS):
             samples["ours"].append(_time(ours, DECODE_STEPS // SPAN_ROUNDS))
-            samples["ours_torch_matmul"].append(
-                _with_torch_matmul(ours, DECODE_STEPS // SPAN_ROUNDS)
-            )
+            samples["ours_torch_only"].append(_torch_only(ours, DECODE_STEPS // SPAN_ROUNDS))
             samples["hf"].append(_time(theirs, DECODE_STEPS // SPAN_ROUNDS))
     return {name: statistics.median(values) * 1e3 for name, values in samples.items()}
 
@@ -155,7 +154,7 @@ def _measure(hf: nn.Module, ours: Any, hidden: int, dtype: torch.dtype) -> dict[
 
         return {
             "decode_ours_ms": _time(ours_decode, DECODE_STEPS) * 1e3,
-            "decode_ours_torch_matmul_ms": _with_torch_matmul(ours_decode, DECODE_STEPS) * 1e3,
+            "decode_ours_torch_only_ms": _torch_only(ours_decode, DECODE_STEPS) * 1e3,
             "decode_hf_ms": _time(hf_decode, DECODE_STEPS) * 1e3,
             "prefill_ours_ms": _time(ours_prefill, 5) * 1e3,
             "prefill_hf_ms": _time(hf_prefill, 5) * 1e3,
@@ -212,9 +211,9 @@ def main() -> None:
             for what in ("decode", "prefill"):
                 ours_ms, hf_ms = numbers[f"{what}_ours_ms"], numbers[f"{what}_hf_ms"]
                 step = "decode step" if what == "decode" else f"{PREFILL}-token prefill"
-                torch_matmul = numbers.get(f"{what}_ours_torch_matmul_ms", "-")
+                torch_only = numbers.get(f"{what}_ours_torch_only_ms", "-")
                 rows.append(
-                    (label, step, ours_ms, torch_matmul, hf_ms, f"{ours_ms / hf_ms:.2f}x", "<= 1.0")
+                    (label, step, ours_ms, torch_only, hf_ms, f"{ours_ms / hf_ms:.2f}x", "<= 1.0")
                 )
     span = _measure_span(_smollm2_config())
     results["llama SmolLM2-135M (576) float32, 10-block span"] = span
@@ -223,7 +222,7 @@ def main() -> None:
             "llama SmolLM2-135M (576) float32",
             f"decode step, {SPAN_BLOCKS} blocks",
             span["ours"],
-            span["ours_torch_matmul"],
+            span["ours_torch_only"],
             span["hf"],
             f"{span['ours'] / span['hf']:.2f}x",
             "<= 1.0",
@@ -235,7 +234,7 @@ def main() -> None:
             "shape / dtype",
             "work",
             "ours",
-            "ours, torch's matmul",
+            "ours, torch only",
             "transformers",
             "ours/transformers",
             "target",
