@@ -145,6 +145,32 @@ class LlamaRotary:
             _last_angles[0] = (key, angles)  # one store: safe for readers in other threads
         return angles
 
+    def numpy_angles(self, position: int, length: int) -> tuple[np.ndarray, np.ndarray]:
+        """float32 cos, sin of positions ``position .. position + length - 1`` as numpy arrays
+        ``(1, 1, T, head_dim)``: the values of ``__call__`` (without padding), for the numpy
+        decode step.  With frequencies that do not depend on the length they are read from a
+        table of every position so far, computed once per distinct set of frequencies and
+        shared by every block that has them (grown by doubling; a one-token step then costs a
+        slice instead of a dozen torch operations)."""
+        end = position + length
+        if self.rope_type == "dynamic":
+            cos, sin = self(position, length, device=torch.device("cpu"), dtype=torch.float32)
+            return cos.numpy()[:, None], sin.numpy()[:, None]
+        table = _angle_tables.get(self._identity)
+        if table is None or table[0].shape[0] < end:
+            size = max(_MIN_TABLE_POSITIONS, 1 << (end - 1).bit_length())
+            with torch.inference_mode():
+                cos, sin = self.__call__(0, size, device=torch.device("cpu"), dtype=torch.float32)
+            table = cos[0].numpy(), sin[0].numpy()  # (size, head_dim) each
+            _angle_tables[self._identity] = table  # one store: safe for readers in other threads
+        return table[0][None, None, position:end], table[1][None, None, position:end]
+
+
+#: Positions in the smallest table of :meth:`LlamaRotary.numpy_angles`.
+_MIN_TABLE_POSITIONS = 256
+
+#: :meth:`LlamaRotary.numpy_angles`' tables (cos, sin), by the frequencies' identity.
+_angle_tables: dict[tuple[Any, ...], tuple[np.ndarray, np.ndarray]] = {}
 
 #: The angles :class:`LlamaRotary` computed last under inference mode, with their key.
 _last_angles: list[tuple[tuple[Any, ...], tuple[torch.Tensor, torch.Tensor]] | None] = [None]
@@ -415,9 +441,7 @@ class LlamaBlock(nn.Module):
             batch, new = states.shape[0], states.shape[1]
             end = start + batch * new
             position = cache.length
-            cos, sin = self.rotary(position, new, device=states.device, dtype=states.dtype)
-            # (1, 1, T, head_dim) each
-            angles = cos.numpy()[:, None], sin.numpy()[:, None]
+            angles = self.rotary.numpy_angles(position, new)  # (1, 1, T, head_dim) each
             length = position + new
             keys, values = cache.keys.numpy(), cache.values.numpy()
             keys[:, :, position:length] = _rotate_rows(k_all[start:end], batch, n_kv_head, angles)
