@@ -284,3 +284,18 @@ def test_inputs_that_require_grad_step_without_a_graph(numpy_steps: list[bool]) 
     assert numpy_steps == [True]
     assert not got.requires_grad
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_rotary_angle_tables_hold_the_angles_of_every_position() -> None:
+    """The numpy step's angles, read from a table that grows, equal the rotary's own."""
+    block = _block("llama-gqa")
+    rotary = block.rotary
+    with torch.inference_mode():
+        for position, length in [(0, 1), (5, 2), (255, 2), (700, 1), (3, 1)]:
+            cos, sin = rotary.numpy_angles(position, length)
+            expected_cos, expected_sin = rotary(
+                position, length, device=torch.device("cpu"), dtype=torch.float32
+            )
+            assert cos.shape == sin.shape == (1, 1, length, rotary.inv_freq.shape[0] * 2)
+            torch.testing.assert_close(torch.from_numpy(cos[0]), expected_cos)
+            torch.testing.assert_close(torch.from_numpy(sin[0]), expected_sin)
