@@ -14,7 +14,7 @@ Differences from transformers, on purpose:
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -129,6 +129,7 @@ class BloomBlock(nn.Module):
         self.n_head = config.n_head
         self.head_dim = config.hidden_size // config.n_head
         self.residual_after_norm = config.apply_residual_connection_post_layernorm
+        self.hidden_size: int = config.hidden_size
         eps = config.layer_norm_epsilon
         self.input_layernorm = nn.LayerNorm(config.hidden_size, eps=eps)
         self.self_attention = BloomAttention(config)
@@ -172,10 +173,10 @@ class BloomBlock(nn.Module):
             raise ValueError(
                 f"{hidden_states.shape[0]} rows of hidden states for a cache of {cache.batch} rows"
             )
+        stepped = self._numpy_step([hidden_states], [cache])  # no autograd in numpy
+        if stepped is not None:
+            return stepped[0]
         with torch.no_grad():  # the cache checks that the new entries fit before writing them
-            stepped = self._numpy_step([hidden_states], [cache])
-            if stepped is not None:
-                return stepped[0]
             return self._forward(hidden_states, cache, cache.length)
 
     def _forward(self, x: torch.Tensor, cache: KVCache | None, position: int) -> torch.Tensor:
@@ -203,17 +204,17 @@ class BloomBlock(nn.Module):
         check_many_inputs(
             hidden_states,
             caches,
-            hidden_size=self.input_layernorm.normalized_shape[0],
-            weight=self.input_layernorm.weight,
+            hidden_size=self.hidden_size,
+            weight=self._modules["input_layernorm"]._parameters["weight"],  # type: ignore[union-attr,arg-type]
             kv_heads=self.n_head,
             head_dim=self.head_dim,
         )
         if not hidden_states:
             return []
+        stepped = self._numpy_step(hidden_states, caches)  # no autograd in numpy
+        if stepped is not None:
+            return stepped
         with torch.no_grad():
-            stepped = self._numpy_step(hidden_states, caches)
-            if stepped is not None:
-                return stepped
             x = join_tokens(hidden_states)  # (1, N, hidden)
             shapes = [(states.shape[0], states.shape[1]) for states in hidden_states]
             normed = self.input_layernorm(x)
@@ -232,29 +233,34 @@ class BloomBlock(nn.Module):
         the step is known to run here."""
         if not _cpu_decode.usable(hidden_states, caches):
             return None
+        # Modules and parameters read from their dicts: nn.Module's __getattr__, generators and
+        # typing.cast are each a Python call, and this runs for every block of every step.
         modules = self._modules
-        attn, mlp = modules["self_attention"], modules["mlp"]
-        norm1, norm2 = modules["input_layernorm"], modules["post_attention_layernorm"]
+        attn: BloomAttention = modules["self_attention"]  # type: ignore[assignment]
+        mlp: BloomMLP = modules["mlp"]  # type: ignore[assignment]
+        norm1: nn.LayerNorm = modules["input_layernorm"]  # type: ignore[assignment]
+        norm2: nn.LayerNorm = modules["post_attention_layernorm"]  # type: ignore[assignment]
+        attn_modules, mlp_modules = attn._modules, mlp._modules
+        linears: tuple[Linear, ...] = (
+            attn_modules["query_key_value"],  # type: ignore[assignment]
+            attn_modules["dense"],
+            mlp_modules["dense_h_to_4h"],
+            mlp_modules["dense_4h_to_h"],
+        )
         if not _cpu_decode.plain(
             (
                 (attn, BloomAttention),
                 (mlp, BloomMLP),
                 (norm1, nn.LayerNorm),
                 (norm2, nn.LayerNorm),
+                (linears[0], Linear),
+                (linears[1], Linear),
+                (linears[2], Linear),
+                (linears[3], Linear),
             )
         ):
             return None
-        attn, mlp = cast(BloomAttention, attn), cast(BloomMLP, mlp)
-        norm1, norm2 = cast(nn.LayerNorm, norm1), cast(nn.LayerNorm, norm2)
-        linears = (
-            attn._modules["query_key_value"],
-            attn._modules["dense"],
-            mlp._modules["dense_h_to_4h"],
-            mlp._modules["dense_4h_to_h"],
-        )
-        if not _cpu_decode.plain((linear, Linear) for linear in linears):
-            return None
-        weights = _cpu_decode.linear_arrays(cast(tuple[Linear, ...], linears))
+        weights = _cpu_decode.linear_arrays(linears)
         norms = _cpu_decode.linear_arrays((norm1, norm2))  # type: ignore[arg-type]
         slopes = _cpu_decode.array(self._slopes)
         if weights is None or norms is None or slopes is None:

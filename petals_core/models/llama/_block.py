@@ -12,7 +12,7 @@ The block holds no per-session state: one instance serves every session, each br
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any, cast
+from typing import Any
 
 import numpy as np
 import torch
@@ -349,10 +349,10 @@ class LlamaBlock(nn.Module):
         if position < 0:
             raise ValueError(f"position must be >= 0, got {position}")
         if cache is not None:
+            stepped = self._numpy_step([hidden_states], [cache])  # no autograd in numpy
+            if stepped is not None:
+                return stepped[0]
             with torch.no_grad():
-                stepped = self._numpy_step([hidden_states], [cache])
-                if stepped is not None:
-                    return stepped[0]
                 return self._forward(hidden_states, cache, position)
         return self._forward(hidden_states, None, position)
 
@@ -385,20 +385,21 @@ class LlamaBlock(nn.Module):
         Every item is checked before any cache is written: if one is refused, no cache changes.
         Runs without autograd, like the single-step cache path.
         """
+        attn = self._modules["self_attn"]
         check_many_inputs(
             hidden_states,
             caches,
             hidden_size=self.hidden_size,
-            weight=self.input_layernorm.weight,
-            kv_heads=self.self_attn.n_kv_head,
-            head_dim=self.self_attn.head_dim,
+            weight=self._modules["input_layernorm"]._parameters["weight"],  # type: ignore[union-attr,arg-type]
+            kv_heads=attn.n_kv_head,  # type: ignore[union-attr,arg-type]
+            head_dim=attn.head_dim,  # type: ignore[union-attr,arg-type]
         )
         if not hidden_states:
             return []
+        stepped = self._numpy_step(hidden_states, caches)  # no autograd in numpy
+        if stepped is not None:
+            return stepped
         with torch.no_grad():
-            stepped = self._numpy_step(hidden_states, caches)
-            if stepped is not None:
-                return stepped
             return self._forward_many(hidden_states, caches)
 
     def _numpy_step(
@@ -409,22 +410,43 @@ class LlamaBlock(nn.Module):
         the step is known to run here."""
         if not _cpu_decode.usable(hidden_states, caches):
             return None
+        # Modules and parameters read from their dicts: nn.Module's __getattr__, generators and
+        # typing.cast are each a Python call, and this runs for every block of every step.
         modules = self._modules
-        attn, mlp = modules["self_attn"], modules["mlp"]
-        norm1, norm2 = modules["input_layernorm"], modules["post_attention_layernorm"]
-        if not _cpu_decode.plain(
-            ((attn, LlamaAttention), (mlp, LlamaMLP), (norm1, LlamaRMSNorm), (norm2, LlamaRMSNorm))
+        attn: LlamaAttention = modules["self_attn"]  # type: ignore[assignment]
+        mlp: LlamaMLP = modules["mlp"]  # type: ignore[assignment]
+        norm1: LlamaRMSNorm = modules["input_layernorm"]  # type: ignore[assignment]
+        norm2: LlamaRMSNorm = modules["post_attention_layernorm"]  # type: ignore[assignment]
+        attn_modules, mlp_modules = attn._modules, mlp._modules
+        linears: tuple[Linear, ...] = (
+            attn_modules["q_proj"],  # type: ignore[assignment]
+            attn_modules["k_proj"],
+            attn_modules["v_proj"],
+            attn_modules["o_proj"],
+            mlp_modules["gate_proj"],
+            mlp_modules["up_proj"],
+            mlp_modules["down_proj"],
+        )
+        if (
+            not _cpu_decode.plain(
+                (
+                    (attn, LlamaAttention),
+                    (mlp, LlamaMLP),
+                    (norm1, LlamaRMSNorm),
+                    (norm2, LlamaRMSNorm),
+                    (linears[0], Linear),
+                    (linears[1], Linear),
+                    (linears[2], Linear),
+                    (linears[3], Linear),
+                    (linears[4], Linear),
+                    (linears[5], Linear),
+                    (linears[6], Linear),
+                )
+            )
+            or not mlp.silu
         ):
             return None
-        attn, mlp = cast(LlamaAttention, attn), cast(LlamaMLP, mlp)
-        norm1, norm2 = cast(LlamaRMSNorm, norm1), cast(LlamaRMSNorm, norm2)
-        linears = (
-            *(attn._modules[name] for name in _ATTENTION_PROJECTIONS),
-            *(mlp._modules[name] for name in _MLP_PROJECTIONS),
-        )
-        if not mlp.silu or not _cpu_decode.plain((linear, Linear) for linear in linears):
-            return None
-        weights = _cpu_decode.linear_arrays(cast(tuple[Linear, ...], linears))
+        weights = _cpu_decode.linear_arrays(linears)
         norm_weight1 = _cpu_decode.array(norm1._parameters["weight"])  # type: ignore[arg-type]
         norm_weight2 = _cpu_decode.array(norm2._parameters["weight"])  # type: ignore[arg-type]
         if weights is None or norm_weight1 is None or norm_weight2 is None:
