@@ -209,16 +209,17 @@ def encode_frame(msg: Mapping[str, Any], *, limits: CodecLimits = DEFAULT_LIMITS
 
 
 def _encode_parts(msg: Mapping[str, Any], limits: CodecLimits, *, prefix: bool) -> list[bytes]:
-    if not isinstance(msg, Mapping):
+    if type(msg) is not dict and not isinstance(msg, Mapping):
         raise CodecError(f"a message must be a mapping, not {type(msg).__name__}")
     writer = _Writer(limits)
     if prefix:
         writer.parts.append(b"")  # the length, once known
     writer.write(msg, depth=1)
-    if writer.size > limits.max_frame_bytes:
-        raise CodecError(f"message of {writer.size} bytes exceeds {limits.max_frame_bytes}")
+    size = sum(map(len, writer.parts))
+    if size > limits.max_frame_bytes:
+        raise CodecError(f"message of {size} bytes exceeds {limits.max_frame_bytes}")
     if prefix:
-        writer.parts[0] = writer.size.to_bytes(_PREFIX_BYTES, "big")
+        writer.parts[0] = size.to_bytes(_PREFIX_BYTES, "big")
     return writer.parts
 
 
@@ -322,6 +323,13 @@ _HALF_NAN: Final = b"\xf9\x7e\x00"
 _TENSOR_HEAD: Final = b"\xd9" + _TENSOR_TAG.to_bytes(2, "big")
 
 
+#: Texts of up to this many UTF-8 bytes are kept encoded (with their head) once written, up to
+#: ``_MAX_SHORT_TEXTS`` of them per process: message keys, dtype names, method names.
+_SHORT_TEXT_BYTES: Final = 32
+_MAX_SHORT_TEXTS: Final = 512
+_SHORT_TEXTS: dict[str, tuple[bytes, int]] = {}
+
+
 def _item_head(major: int, argument: int) -> bytes:
     if argument < 24:
         return _SHORT_HEADS[major][argument]
@@ -333,17 +341,17 @@ def _item_head(major: int, argument: int) -> bytes:
 
 class _Writer:
     """Writes a message as CBOR in one pass (what cbor2 would write, byte for byte), applying
-    the limits a peer will apply; ``parts`` joined are the payload, ``size`` bytes in all."""
+    the limits a peer will apply; ``parts`` joined are the payload.
+
+    The common items (short texts, small integers, a dense CPU tensor) are written with few
+    Python calls: a step's message is encoded while the caches are cold.
+    """
 
     def __init__(self, limits: CodecLimits) -> None:
         self._limits = limits
         self._items = 0
         self.parts: list[bytes] = []
-        self.size = 0
-
-    def _put(self, data: bytes) -> None:
-        self.parts.append(data)
-        self.size += len(data)
+        self._put = self.parts.append
 
     def write(self, value: Any, depth: int) -> None:
         """``depth`` is the depth that ``value`` would have if it were a container."""
@@ -351,7 +359,10 @@ class _Writer:
         if kind is str:
             self._text(value)
         elif kind is int:
-            self._int(value)
+            if 0 <= value < 24:
+                self._put(_SHORT_HEADS[_UINT][value])
+            else:
+                self._int(value)
         elif kind is dict:
             self._map(value, depth)
         elif value is None:
@@ -366,8 +377,13 @@ class _Writer:
             self._other(value, depth)
 
     def _other(self, value: Any, depth: int) -> None:
-        # Subclasses of the plain types, buffers, and tensors.
-        if isinstance(value, bool):
+        # Tensors (the common case, checked first: a tensor is none of the types below), then
+        # subclasses of the plain types and buffers.
+        torch = sys.modules.get("torch")
+        if torch is not None and isinstance(value, torch.Tensor):
+            if not self._plain_tensor(value, depth):
+                self._tensor(value.shape, depth, None, lambda: _raw_from_torch(value, None))
+        elif isinstance(value, bool):
             self._put(_TRUE if value else _FALSE)
         elif isinstance(value, float):
             self._float(float(value))
@@ -386,15 +402,13 @@ class _Writer:
         elif isinstance(value, Compressed):
             tensor, scheme = value.tensor, value.scheme
             self._tensor(tensor.shape, depth, scheme, lambda: _raw_from_torch(tensor, scheme))
-        elif _is_torch_tensor(value):
-            if not self._plain_tensor(value, depth):
-                self._tensor(value.shape, depth, None, lambda: _raw_from_torch(value, None))
         else:
             raise CodecError(f"cannot encode a value of type {type(value).__name__}")
 
     def _enter(self, depth: int, items: int) -> None:
         self._items += items
-        _check_container(depth, self._items, self._limits)
+        if depth > self._limits.max_depth or self._items > self._limits.max_container_items:
+            _check_container(depth, self._items, self._limits)
 
     def _int(self, value: int) -> None:
         if not -(2**64) <= value < 2**64:
@@ -408,13 +422,24 @@ class _Writer:
             self._put(_HALF_FLOATS.get(value) or b"\xfb" + _DOUBLE.pack(value))
 
     def _text(self, text: str) -> None:
+        known = _SHORT_TEXTS.get(text)
+        if known is not None:
+            encoded, size = known
+            if size > self._limits.max_string_bytes:
+                raise CodecError(f"text of {size} bytes exceeds {self._limits.max_string_bytes}")
+            self._put(encoded)
+            return
         try:
             data = text.encode()
         except UnicodeEncodeError as exc:
             raise CodecError(f"text is not valid UTF-8: {exc}") from exc
         if len(data) > self._limits.max_string_bytes:
             raise CodecError(f"text of {len(data)} bytes exceeds {self._limits.max_string_bytes}")
-        self._put(_item_head(_TEXT, len(data)))
+        head = _item_head(_TEXT, len(data))
+        if len(data) <= _SHORT_TEXT_BYTES and len(_SHORT_TEXTS) < _MAX_SHORT_TEXTS:
+            # Keys and names recur in every message: keep them encoded.
+            _SHORT_TEXTS[text] = (head + data, len(data))
+        self._put(head)
         self._put(data)
 
     def _bytes(self, data: bytes) -> None:
@@ -423,16 +448,20 @@ class _Writer:
 
     def _map(self, value: Mapping[Any, Any], depth: int) -> None:
         self._enter(depth, len(value))
-        self._put(_item_head(_MAP, len(value)))
+        size = len(value)
+        self._put(_SHORT_HEADS[_MAP][size] if size < 24 else _item_head(_MAP, size))
+        text, write = self._text, self.write
         for key, item in value.items():
             if not isinstance(key, str):
                 raise CodecError(f"map keys must be str, not {type(key).__name__}")
-            self._text(key)
-            self.write(item, depth + 1)
+            text(key)
+            write(item, depth + 1)
 
     def _array(self, value: list[Any] | tuple[Any, ...], depth: int) -> None:
         self._enter(depth, len(value))
-        self._put(_item_head(_ARRAY, len(value)))
+        self._put(
+            _SHORT_HEADS[_ARRAY][len(value)] if len(value) < 24 else _item_head(_ARRAY, len(value))
+        )
         for item in value:
             self.write(item, depth + 1)
 
@@ -448,7 +477,11 @@ class _Writer:
         if not tensor.is_contiguous():
             return False
         shape = tuple(tensor.shape)
-        self._tensor_limits(shape, depth, None)
+        self._enter(depth, 3)
+        self._enter(depth + 1, len(shape))
+        limits = self._limits
+        if len(shape) > limits.max_tensor_dims or math.prod(shape) > limits.max_tensor_elements:
+            _check_tensor_limits(shape, limits)
         size = math.prod(shape) * _ITEM_BYTES[name]
         self._tensor_fields(name, shape, ctypes.string_at(tensor.data_ptr(), size) if size else b"")
         return True
@@ -483,12 +516,13 @@ class _Writer:
         compression: str | None = None,
         scales: bytes = b"",
     ) -> None:
-        self._put(_TENSOR_HEAD)
-        self._put(_SHORT_HEADS[_ARRAY][3 if compression is None else 5])
+        put = self._put
+        put(_TENSOR_HEAD)
+        put(_SHORT_HEADS[_ARRAY][3 if compression is None else 5])
         self._text(dtype)
-        self._put(_item_head(_ARRAY, len(shape)))
+        put(_SHORT_HEADS[_ARRAY][len(shape)] if len(shape) < 24 else _item_head(_ARRAY, len(shape)))
         for size in shape:
-            self._put(_item_head(_UINT, size))
+            put(_SHORT_HEADS[_UINT][size] if size < 24 else _item_head(_UINT, size))
         self._bytes(data)
         if compression is not None:
             self._text(compression)
@@ -559,9 +593,13 @@ def _check_bool_bytes(data: bytes) -> None:
 def _check_structure_untrusted(data: bytes, limits: CodecLimits) -> None:
     """Walk the item heads of ``data``; refuse anything beyond ``limits`` or the format.
 
-    Strings are skipped rather than read, so this costs time per item, not per byte.
+    Strings are skipped rather than read, so this costs time per item, not per byte.  Item
+    heads are read in line (see :func:`_head` for the same reading as a function): a step's
+    message is walked while the caches are cold, and each call would cost more than its work.
     """
     end = len(data)
+    max_depth, max_items = limits.max_depth, limits.max_container_items
+    max_text = limits.max_string_bytes
     initial, length, pos = _head(data, 0)
     if initial >> 5 != _MAP:
         raise CodecError("a message must be a CBOR map")
@@ -571,23 +609,41 @@ def _check_structure_untrusted(data: bytes, limits: CodecLimits) -> None:
     due = [2 * length]
     is_map = [True]
     while due:
-        if due[-1] == 0:
+        remaining = due[-1]
+        if remaining == 0:
             due.pop()
             is_map.pop()
             continue
-        is_key = is_map[-1] and due[-1] % 2 == 0
-        due[-1] -= 1
-        initial, argument, pos = _head(data, pos)
+        is_key = is_map[-1] and remaining % 2 == 0
+        due[-1] = remaining - 1
+        if pos >= end:
+            raise CodecError("message is truncated")
+        initial = data[pos]
+        info = initial & 0x1F
+        pos += 1
+        if info < 24:
+            argument = info
+        elif info < 28:
+            stop = pos + (1 << (info - 24))
+            if stop > end:
+                raise CodecError("message is truncated")
+            argument = int.from_bytes(data[pos:stop], "big")
+            pos = stop
+        else:
+            raise CodecError("indefinite lengths and reserved item heads are not allowed")
         major = initial >> 5
         if is_key and major != _TEXT:
             raise CodecError("map keys must be text strings")
-        if major in (_BYTES, _TEXT):
-            if major == _TEXT and argument > limits.max_string_bytes:
-                raise CodecError(f"text of {argument} bytes exceeds {limits.max_string_bytes}")
-            pos = _skip(data, pos, argument)
+        if major in (_TEXT, _BYTES):
+            if major == _TEXT and argument > max_text:
+                raise CodecError(f"text of {argument} bytes exceeds {max_text}")
+            if argument > end - pos:
+                raise CodecError("message is truncated")
+            pos += argument
         elif major in (_ARRAY, _MAP):
             items += argument
-            _check_container(len(due) + 1, items, limits)
+            if len(due) + 1 > max_depth or items > max_items:
+                _check_container(len(due) + 1, items, limits)
             count = 2 * argument if major == _MAP else argument
             if count > end - pos:  # every item takes at least one byte
                 raise CodecError("container declares more items than the frame holds")
@@ -613,6 +669,7 @@ def _check_tensor_untrusted(
         raise CodecError("a tensor must be an array of 3 or 5 items")
     items += count
     _check_container(depth, items, limits)
+    end = len(data)
     for expected in _TENSOR_FIELDS[:count]:
         initial, argument, pos = _head(data, pos)
         if initial >> 5 != expected:
@@ -623,13 +680,27 @@ def _check_tensor_untrusted(
             items += argument
             _check_container(depth + 1, items, limits)
             for _ in range(argument):
-                initial, _, pos = _head(data, pos)
+                # A shape entry: an unsigned integer head (read in line, as in the walk).
+                if pos >= end:
+                    raise CodecError("message is truncated")
+                initial = data[pos]
+                info = initial & 0x1F
                 if initial >> 5 != _UINT:
                     raise CodecError("tensor shape entries must be non-negative integers")
+                if info < 24:
+                    pos += 1
+                elif info < 28:
+                    pos += 1 + (1 << (info - 24))
+                    if pos > end:
+                        raise CodecError("message is truncated")
+                else:
+                    raise CodecError("indefinite lengths and reserved item heads are not allowed")
         elif expected == _TEXT and argument > _MAX_NAME_BYTES:
             raise CodecError("unknown tensor dtype or compression scheme")
         else:
-            pos = _skip(data, pos, argument)
+            if argument > end - pos:
+                raise CodecError("message is truncated")
+            pos += argument
     return pos, items
 
 
