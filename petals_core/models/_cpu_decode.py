@@ -36,6 +36,7 @@ __all__ = [
     "MAX_ROWS",
     "array",
     "linear_arrays",
+    "AlibiTable",
     "attend",
     "gelu_tanh",
     "layer_norm",
@@ -52,6 +53,7 @@ _PLAIN_TENSORS = (torch.Tensor, nn.Parameter)
 #: A linear layer's weight and bias (or None) as numpy arrays.
 LinearArrays = tuple[np.ndarray, np.ndarray | None]
 _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
+_GELU_CUBIC = 0.044715 * _SQRT_2_OVER_PI
 
 
 def usable(hidden_states: Sequence[torch.Tensor], caches: Sequence[KVCache]) -> bool:
@@ -187,15 +189,15 @@ def silu(x: np.ndarray) -> np.ndarray:
 
 
 def gelu_tanh(x: np.ndarray) -> np.ndarray:
-    """The tanh-approximated GELU (BLOOM's), in place."""
+    """The tanh-approximated GELU (BLOOM's), in place:
+    ``0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))``, the constants folded."""
     inner = np.square(x)
-    inner *= 0.044715
-    inner += 1.0
+    inner *= _GELU_CUBIC
+    inner += _SQRT_2_OVER_PI
     inner *= x
-    inner *= _SQRT_2_OVER_PI
     np.tanh(inner, out=inner)
-    inner += 1.0
-    x *= 0.5
+    inner *= 0.5
+    inner += 0.5
     x *= inner
     return x
 
@@ -207,12 +209,13 @@ def attend(
     *,
     start: int,
     scale: float,
-    slopes: np.ndarray | None = None,
+    alibi: np.ndarray | None = None,
 ) -> np.ndarray:
     """Causal attention of ``q`` (B, n_head, T, head_dim), positions ``start .. start + T - 1``,
-    over ``keys``/``values`` (B, n_kv_head, start + T, head_dim); ALiBi when ``slopes``
-    ((n_head,), adds ``slope * key_position``) are given.  Returns (B, T, n_head * head_dim).
-    The semantics of :func:`petals_core.kernels.attention_reference` without padding."""
+    over ``keys``/``values`` (B, n_kv_head, start + T, head_dim); with ``alibi``
+    ((n_head, >= start + T): ``slope * key_position``, see :class:`AlibiTable`) added to the
+    scores.  Returns (B, T, n_head * head_dim).  The semantics of
+    :func:`petals_core.kernels.attention_reference` without padding."""
     batch, n_head, new, head_dim = q.shape
     n_kv_head, length = keys.shape[1], keys.shape[2]
     group = n_head // n_kv_head
@@ -221,11 +224,10 @@ def attend(
         q.reshape(batch, n_kv_head, group * new, head_dim), keys.transpose(0, 1, 3, 2)
     )  # (B, n_kv_head, group * T, S)
     scores *= scale
-    if slopes is not None or new > 1:
+    if alibi is not None or new > 1:
         scores = scores.reshape(batch, n_kv_head, group, new, length)
-        if slopes is not None:
-            positions = np.arange(length, dtype=np.float32)
-            scores += slopes.reshape(n_kv_head, group, 1, 1) * positions
+        if alibi is not None:
+            scores += alibi[:, :length].reshape(n_kv_head, group, 1, length)
         if new > 1:
             hidden = np.arange(length) > (start + np.arange(new))[:, None]  # (T, S)
             scores[..., hidden] = -np.inf
@@ -239,3 +241,26 @@ def attend(
         .transpose(0, 2, 1, 3)
         .reshape(batch, new, n_head * head_dim)
     )
+
+
+class AlibiTable:
+    """ALiBi's score terms ``slope[h] * j`` for key positions ``j`` so far, ``(n_head, L)``
+    float32 (one rounding, as the reference's float32 product), grown by doubling: a step
+    then adds a slice instead of building them."""
+
+    def __init__(self, slopes: np.ndarray) -> None:
+        self._slopes = slopes.astype(np.float32).reshape(-1, 1)
+        self._table: np.ndarray = np.zeros((self._slopes.shape[0], 0), dtype=np.float32)
+
+    def upto(self, length: int) -> np.ndarray:
+        """The terms of key positions ``0 .. length - 1`` (a view)."""
+        table = self._table
+        if table.shape[1] < length:
+            size = max(_MIN_ALIBI_POSITIONS, 1 << (length - 1).bit_length())
+            table = self._slopes * np.arange(size, dtype=np.float32)
+            self._table = table  # one store: safe for readers in other threads
+        return table[:, :length]
+
+
+#: Key positions in the smallest :class:`AlibiTable`.
+_MIN_ALIBI_POSITIONS = 256

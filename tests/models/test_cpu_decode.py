@@ -299,3 +299,21 @@ def test_rotary_angle_tables_hold_the_angles_of_every_position() -> None:
             assert cos.shape == sin.shape == (1, 1, length, rotary.inv_freq.shape[0] * 2)
             torch.testing.assert_close(torch.from_numpy(cos[0]), expected_cos)
             torch.testing.assert_close(torch.from_numpy(sin[0]), expected_sin)
+
+
+@pytest.mark.parametrize("name", ["llama-gqa", "bloom"])
+def test_steps_past_the_first_position_tables_match_the_torch_path(
+    name: str, numpy_steps: list[bool]
+) -> None:
+    """Rotary angles and ALiBi terms come from tables that start at 256 positions and grow."""
+    block = _block(name)
+    sessions = [_prefilled(block, 1, 5), _prefilled(block, 1, 300, max_length=600)]
+    with torch.inference_mode():
+        for reference, cache in sessions:  # a short session first: the smallest tables
+            x = torch.randn(1, 1, 64)
+            expected = _torch_path(lambda x=x, reference=reference: block(x, cache=reference))
+            numpy_steps.clear()
+            got = block(x, cache=cache)
+            assert numpy_steps == [True]
+            torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+            _assert_caches_equal(cache, reference)

@@ -137,6 +137,7 @@ class BloomBlock(nn.Module):
         self.mlp = BloomMLP(config)
         # A plain attribute, not a buffer: ``block.to(torch.bfloat16)`` must not round the slopes.
         self._slopes = alibi_slopes(config.n_head)  # (n_head,) float32
+        self._alibi_table: _cpu_decode.AlibiTable | None = None  # built by a numpy step
 
     def forward(
         self,
@@ -262,9 +263,14 @@ class BloomBlock(nn.Module):
             return None
         weights = _cpu_decode.linear_arrays(linears)
         norms = _cpu_decode.linear_arrays((norm1, norm2))  # type: ignore[arg-type]
-        slopes = _cpu_decode.array(self._slopes)
-        if weights is None or norms is None or slopes is None:
+        if weights is None or norms is None:
             return None
+        alibi = self._alibi_table
+        if alibi is None:
+            slopes = _cpu_decode.array(self._slopes)
+            if slopes is None:
+                return None
+            alibi = self._alibi_table = _cpu_decode.AlibiTable(slopes)
         qkv_proj, dense, h_to_4h, to_h = weights
         (weight1, bias1), (weight2, bias2) = norms
         if bias1 is None or bias2 is None:
@@ -292,7 +298,7 @@ class BloomBlock(nn.Module):
                 values[:, :, :length],
                 start=position,
                 scale=head_dim**-0.5,
-                slopes=slopes,
+                alibi=alibi.upto(length),
             )
             outputs.append(y.reshape(batch * new, -1))
             start = end
