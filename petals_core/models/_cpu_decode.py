@@ -35,7 +35,6 @@ from ._cache import KVCache
 __all__ = [
     "MAX_ROWS",
     "array",
-    "linear_arrays",
     "AlibiTable",
     "attend",
     "gelu_tanh",
@@ -50,8 +49,8 @@ MAX_ROWS = MAX_BLAS_ROWS
 
 _PLAIN_TENSORS = (torch.Tensor, nn.Parameter)
 
-#: A linear layer's weight and bias (or None) as numpy arrays.
-LinearArrays = tuple[np.ndarray, np.ndarray | None]
+#: A module's weight and bias (or None) as numpy arrays.
+WeightArrays = tuple[np.ndarray, np.ndarray | None]
 _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 _GELU_CUBIC = 0.044715 * _SQRT_2_OVER_PI
 
@@ -79,10 +78,10 @@ def usable(hidden_states: Sequence[torch.Tensor], caches: Sequence[KVCache]) -> 
     )
 
 
-def plain(modules: Iterable[tuple[nn.Module | None, type]]) -> bool:
-    """Each module is exactly of its type and has no forward hooks (which a step computed here
+def plain(kind: type, *modules: nn.Module | None) -> bool:
+    """Each module is exactly a ``kind`` and has no forward hooks (which a step computed here
     would not call)."""
-    for module, kind in modules:
+    for module in modules:
         if type(module) is not kind:
             return False
         assert module is not None  # no kind is NoneType
@@ -102,12 +101,12 @@ def array(tensor: torch.Tensor) -> np.ndarray | None:
     return tensor.detach().numpy()
 
 
-def linear_arrays(linears: Iterable[nn.Linear]) -> list[LinearArrays] | None:
-    """Each linear layer's weight and bias (or None) as numpy views; None if any is not fp32
-    on the CPU."""
-    out: list[LinearArrays] = []
-    for linear in linears:
-        parameters = linear._parameters
+def weight_arrays(modules: Iterable[nn.Module]) -> list[WeightArrays] | None:
+    """Each module's ``weight`` and ``bias`` (or None) as numpy views (linear layers,
+    LayerNorms); None if any is not fp32 on the CPU."""
+    out: list[WeightArrays] = []
+    for module in modules:
+        parameters = module._parameters
         weight = array(parameters["weight"])  # type: ignore[arg-type]
         if weight is None:
             return None

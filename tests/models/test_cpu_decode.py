@@ -117,19 +117,17 @@ def _assert_caches_equal(a: KVCache, b: KVCache) -> None:
 def test_steps_match_the_torch_path(
     name: str, batch: int, lengths: list[int], numpy_steps: list[bool]
 ) -> None:
+    assert batch * max(lengths) <= MAX_ROWS  # every step is decode-sized
     block = _block(name)
     # The dynamic-rope config rescales past 6 positions: the steps cross that line.
     reference, cache = _prefilled(block, batch, 4)
-    with torch.inference_mode():
-        for new in lengths:
-            x = torch.randn(batch, new, 64)
-            expected = _torch_path(lambda x=x: block(x, cache=reference))
-            numpy_steps.clear()
-            got = block(x, cache=cache)
-            assert numpy_steps == [True]
-            torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
-            _assert_caches_equal(cache, reference)
-    assert batch * max(lengths) <= MAX_ROWS
+    for new in lengths:
+        got, expected = _step_both(
+            block, torch.randn(batch, new, 64), reference, cache, numpy_steps
+        )
+        assert numpy_steps == [True]
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+        _assert_caches_equal(cache, reference)
 
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))
@@ -154,14 +152,23 @@ def test_batched_sessions_match_the_torch_path(name: str, numpy_steps: list[bool
     _assert_caches_equal(second, second_reference)
 
 
-def _one_step_path(block: Block, x: torch.Tensor, numpy_steps: list[bool]) -> bool:
-    """Whether ``block``'s step of ``x`` ran with numpy; checks its result against the torch
-    path's either way."""
-    reference, cache = _prefilled(block, x.shape[0], 3)
+def _step_both(
+    block: Block, x: torch.Tensor, reference: KVCache, cache: KVCache, numpy_steps: list[bool]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``block``'s step of ``x`` through the torch path (on ``reference``) and as it comes (on
+    ``cache``), in inference mode; ``numpy_steps`` then holds the latter's path only."""
     with torch.inference_mode():
         expected = _torch_path(lambda: block(x, cache=reference))
         numpy_steps.clear()
         got = block(x, cache=cache)
+    return got, expected
+
+
+def _one_step_path(block: Block, x: torch.Tensor, numpy_steps: list[bool]) -> bool:
+    """Whether ``block``'s step of ``x`` ran with numpy; checks its result against the torch
+    path's either way."""
+    reference, cache = _prefilled(block, x.shape[0], 3)
+    got, expected = _step_both(block, x, reference, cache, numpy_steps)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
     _assert_caches_equal(cache, reference)
     return numpy_steps == [True]
@@ -249,11 +256,7 @@ def test_other_dtypes_and_padding_take_the_torch_path(name: str, numpy_steps: li
     reference, cache = _prefilled(block, 2, 4)
     for each in (reference, cache):
         each.set_padding(torch.tensor([0, 2]))
-    x = torch.randn(2, 1, 64)
-    with torch.inference_mode():
-        expected = _torch_path(lambda: block(x, cache=reference))
-        numpy_steps.clear()
-        got = block(x, cache=cache)
+    got, expected = _step_both(block, torch.randn(2, 1, 64), reference, cache, numpy_steps)
     assert numpy_steps == [False]
     assert torch.equal(got, expected)
 
@@ -308,12 +311,8 @@ def test_steps_past_the_first_position_tables_match_the_torch_path(
     """Rotary angles and ALiBi terms come from tables that start at 256 positions and grow."""
     block = _block(name)
     sessions = [_prefilled(block, 1, 5), _prefilled(block, 1, 300, max_length=600)]
-    with torch.inference_mode():
-        for reference, cache in sessions:  # a short session first: the smallest tables
-            x = torch.randn(1, 1, 64)
-            expected = _torch_path(lambda x=x, reference=reference: block(x, cache=reference))
-            numpy_steps.clear()
-            got = block(x, cache=cache)
-            assert numpy_steps == [True]
-            torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
-            _assert_caches_equal(cache, reference)
+    for reference, cache in sessions:  # a short session first: the smallest tables
+        got, expected = _step_both(block, torch.randn(1, 1, 64), reference, cache, numpy_steps)
+        assert numpy_steps == [True]
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+        _assert_caches_equal(cache, reference)

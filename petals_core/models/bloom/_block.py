@@ -241,6 +241,12 @@ class BloomBlock(nn.Module):
         mlp: BloomMLP = modules["mlp"]  # type: ignore[assignment]
         norm1: nn.LayerNorm = modules["input_layernorm"]  # type: ignore[assignment]
         norm2: nn.LayerNorm = modules["post_attention_layernorm"]  # type: ignore[assignment]
+        if not (
+            _cpu_decode.plain(BloomAttention, attn)
+            and _cpu_decode.plain(BloomMLP, mlp)
+            and _cpu_decode.plain(nn.LayerNorm, norm1, norm2)
+        ):
+            return None
         attn_modules, mlp_modules = attn._modules, mlp._modules
         linears: tuple[Linear, ...] = (
             attn_modules["query_key_value"],  # type: ignore[assignment]
@@ -248,21 +254,10 @@ class BloomBlock(nn.Module):
             mlp_modules["dense_h_to_4h"],
             mlp_modules["dense_4h_to_h"],
         )
-        if not _cpu_decode.plain(
-            (
-                (attn, BloomAttention),
-                (mlp, BloomMLP),
-                (norm1, nn.LayerNorm),
-                (norm2, nn.LayerNorm),
-                (linears[0], Linear),
-                (linears[1], Linear),
-                (linears[2], Linear),
-                (linears[3], Linear),
-            )
-        ):
+        if not _cpu_decode.plain(Linear, *linears):
             return None
-        weights = _cpu_decode.linear_arrays(linears)
-        norms = _cpu_decode.linear_arrays((norm1, norm2))  # type: ignore[arg-type]
+        weights = _cpu_decode.weight_arrays(linears)
+        norms = _cpu_decode.weight_arrays((norm1, norm2))
         if weights is None or norms is None:
             return None
         alibi = self._alibi_table

@@ -417,6 +417,13 @@ class LlamaBlock(nn.Module):
         mlp: LlamaMLP = modules["mlp"]  # type: ignore[assignment]
         norm1: LlamaRMSNorm = modules["input_layernorm"]  # type: ignore[assignment]
         norm2: LlamaRMSNorm = modules["post_attention_layernorm"]  # type: ignore[assignment]
+        if not (
+            _cpu_decode.plain(LlamaAttention, attn)
+            and _cpu_decode.plain(LlamaMLP, mlp)
+            and _cpu_decode.plain(LlamaRMSNorm, norm1, norm2)
+            and mlp.silu
+        ):
+            return None
         attn_modules, mlp_modules = attn._modules, mlp._modules
         linears: tuple[Linear, ...] = (
             attn_modules["q_proj"],  # type: ignore[assignment]
@@ -427,26 +434,9 @@ class LlamaBlock(nn.Module):
             mlp_modules["up_proj"],
             mlp_modules["down_proj"],
         )
-        if (
-            not _cpu_decode.plain(
-                (
-                    (attn, LlamaAttention),
-                    (mlp, LlamaMLP),
-                    (norm1, LlamaRMSNorm),
-                    (norm2, LlamaRMSNorm),
-                    (linears[0], Linear),
-                    (linears[1], Linear),
-                    (linears[2], Linear),
-                    (linears[3], Linear),
-                    (linears[4], Linear),
-                    (linears[5], Linear),
-                    (linears[6], Linear),
-                )
-            )
-            or not mlp.silu
-        ):
+        if not _cpu_decode.plain(Linear, *linears):
             return None
-        weights = _cpu_decode.linear_arrays(linears)
+        weights = _cpu_decode.weight_arrays(linears)
         norm_weight1 = _cpu_decode.array(norm1._parameters["weight"])  # type: ignore[arg-type]
         norm_weight2 = _cpu_decode.array(norm2._parameters["weight"])  # type: ignore[arg-type]
         if weights is None or norm_weight1 is None or norm_weight2 is None:
