@@ -31,6 +31,7 @@ from torch.nn.modules import module as _module_state
 from ..kernels import cpu_blas_enabled
 from ..kernels._cpu_blas import MAX_BLAS_ROWS
 from ._cache import KVCache
+from ._linear import Linear
 
 __all__ = [
     "MAX_ROWS",
@@ -39,6 +40,7 @@ __all__ = [
     "attend",
     "gelu_tanh",
     "layer_norm",
+    "linear_weights",
     "plain",
     "rms_norm",
     "silu",
@@ -119,6 +121,28 @@ def weight_arrays(modules: Iterable[nn.Module]) -> list[WeightArrays] | None:
             return None
         out.append((weight, bias_array))
     return out
+
+
+def linear_weights(
+    block: nn.Module, containers: Sequence[tuple[str, type, Sequence[str]]]
+) -> list[WeightArrays] | None:
+    """The weights and biases (numpy views) of ``block``'s linear layers, in order: for each
+    ``(name, kind, layers)``, the block's module ``name`` must be exactly a ``kind`` and its
+    ``layers`` exactly our :class:`Linear`, none hooked (see :func:`plain`); None otherwise, or
+    if a parameter is not fp32 on the CPU.  Modules are read from their dicts (nn.Module's
+    ``__getattr__`` is a Python call, and this runs for every block of every step)."""
+    linears: list[nn.Module] = []
+    modules = block._modules
+    for name, kind, layers in containers:
+        container = modules[name]
+        if not plain(kind, container):
+            return None
+        assert container is not None  # plain() saw its kind
+        inner = container._modules
+        linears.extend(inner[layer] for layer in layers)  # type: ignore[misc]
+    if not plain(Linear, *linears):
+        return None
+    return weight_arrays(linears)
 
 
 def rows_of(hidden_states: Sequence[torch.Tensor]) -> np.ndarray:

@@ -234,31 +234,21 @@ class BloomBlock(nn.Module):
         the step is known to run here."""
         if not _cpu_decode.usable(hidden_states, caches):
             return None
-        # Modules and parameters read from their dicts: nn.Module's __getattr__, generators and
-        # typing.cast are each a Python call, and this runs for every block of every step.
+        weights = _cpu_decode.linear_weights(
+            self,
+            (
+                ("self_attention", BloomAttention, ("query_key_value", "dense")),
+                ("mlp", BloomMLP, ("dense_h_to_4h", "dense_4h_to_h")),
+            ),
+        )
+        # Read from the dict: nn.Module's __getattr__ is a Python call per attribute.
         modules = self._modules
-        attn: BloomAttention = modules["self_attention"]  # type: ignore[assignment]
-        mlp: BloomMLP = modules["mlp"]  # type: ignore[assignment]
         norm1: nn.LayerNorm = modules["input_layernorm"]  # type: ignore[assignment]
         norm2: nn.LayerNorm = modules["post_attention_layernorm"]  # type: ignore[assignment]
-        if not (
-            _cpu_decode.plain(BloomAttention, attn)
-            and _cpu_decode.plain(BloomMLP, mlp)
-            and _cpu_decode.plain(nn.LayerNorm, norm1, norm2)
-        ):
+        if weights is None or not _cpu_decode.plain(nn.LayerNorm, norm1, norm2):
             return None
-        attn_modules, mlp_modules = attn._modules, mlp._modules
-        linears: tuple[Linear, ...] = (
-            attn_modules["query_key_value"],  # type: ignore[assignment]
-            attn_modules["dense"],
-            mlp_modules["dense_h_to_4h"],
-            mlp_modules["dense_4h_to_h"],
-        )
-        if not _cpu_decode.plain(Linear, *linears):
-            return None
-        weights = _cpu_decode.weight_arrays(linears)
         norms = _cpu_decode.weight_arrays((norm1, norm2))
-        if weights is None or norms is None:
+        if norms is None:
             return None
         alibi = self._alibi_table
         if alibi is None:

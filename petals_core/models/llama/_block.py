@@ -410,36 +410,24 @@ class LlamaBlock(nn.Module):
         the step is known to run here."""
         if not _cpu_decode.usable(hidden_states, caches):
             return None
-        # Modules and parameters read from their dicts: nn.Module's __getattr__, generators and
-        # typing.cast are each a Python call, and this runs for every block of every step.
+        weights = _cpu_decode.linear_weights(
+            self,
+            (
+                ("self_attn", LlamaAttention, ("q_proj", "k_proj", "v_proj", "o_proj")),
+                ("mlp", LlamaMLP, ("gate_proj", "up_proj", "down_proj")),
+            ),
+        )
+        # Read from the dicts: nn.Module's __getattr__ is a Python call per attribute.
         modules = self._modules
         attn: LlamaAttention = modules["self_attn"]  # type: ignore[assignment]
         mlp: LlamaMLP = modules["mlp"]  # type: ignore[assignment]
         norm1: LlamaRMSNorm = modules["input_layernorm"]  # type: ignore[assignment]
         norm2: LlamaRMSNorm = modules["post_attention_layernorm"]  # type: ignore[assignment]
-        if not (
-            _cpu_decode.plain(LlamaAttention, attn)
-            and _cpu_decode.plain(LlamaMLP, mlp)
-            and _cpu_decode.plain(LlamaRMSNorm, norm1, norm2)
-            and mlp.silu
-        ):
+        if weights is None or not (_cpu_decode.plain(LlamaRMSNorm, norm1, norm2) and mlp.silu):
             return None
-        attn_modules, mlp_modules = attn._modules, mlp._modules
-        linears: tuple[Linear, ...] = (
-            attn_modules["q_proj"],  # type: ignore[assignment]
-            attn_modules["k_proj"],
-            attn_modules["v_proj"],
-            attn_modules["o_proj"],
-            mlp_modules["gate_proj"],
-            mlp_modules["up_proj"],
-            mlp_modules["down_proj"],
-        )
-        if not _cpu_decode.plain(Linear, *linears):
-            return None
-        weights = _cpu_decode.weight_arrays(linears)
         norm_weight1 = _cpu_decode.array(norm1._parameters["weight"])  # type: ignore[arg-type]
         norm_weight2 = _cpu_decode.array(norm2._parameters["weight"])  # type: ignore[arg-type]
-        if weights is None or norm_weight1 is None or norm_weight2 is None:
+        if norm_weight1 is None or norm_weight2 is None:
             return None
         q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj = weights
         n_head, n_kv_head, head_dim = attn.n_head, attn.n_kv_head, attn.head_dim
