@@ -15,6 +15,7 @@ from ._dispatch import (
     rms_norm as rms_norm,
     rotary as rotary,
     rotary_append as rotary_append,
+    triton_usable as triton_usable,
 )
 from ._reference import (
     alibi_slopes as alibi_slopes,
@@ -22,4 +23,11 @@ from ._reference import (
     rms_norm_reference as rms_norm_reference,
     rotary_append_reference as rotary_append_reference,
     rotary_reference as rotary_reference,
+    rows_append_reference as rows_append_reference,
+    rows_attention_reference as rows_attention_reference,
+)
+from ._rows import (
+    RowTables as RowTables,
+    rows_append as rows_append,
+    rows_decode_attention as rows_decode_attention,
 )

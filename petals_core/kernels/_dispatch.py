@@ -22,7 +22,7 @@ from ._reference import (
     rotary_reference,
 )
 
-__all__ = ["attention", "rms_norm", "rotary", "rotary_append"]
+__all__ = ["attention", "rms_norm", "rotary", "rotary_append", "triton_usable"]
 
 
 def attention(
@@ -174,6 +174,12 @@ def _use_triton(*tensors: torch.Tensor) -> bool:
     if not first.is_cuda or not _triton_installed() or not _kernels_fit(first.device.index):
         return False
     return not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
+
+
+def triton_usable(device: torch.device) -> bool:
+    """Whether the Triton kernels run on ``device``: a CUDA device of compute capability 8.0 or
+    newer, with triton installed."""
+    return device.type == "cuda" and _triton_installed() and _kernels_fit(device.index)
 
 
 @functools.cache

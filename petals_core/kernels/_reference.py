@@ -8,6 +8,7 @@ it computes in the dtype of its inputs (callers pass cos/sin in the activations'
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 
@@ -17,6 +18,8 @@ __all__ = [
     "rms_norm_reference",
     "rotary_append_reference",
     "rotary_reference",
+    "rows_append_reference",
+    "rows_attention_reference",
 ]
 
 
@@ -111,6 +114,65 @@ def rotary_append_reference(
     keys[:, :, start:end] = rotary_reference(k, cos, sin)
     values[:, :, start:end] = v
     return rotary_reference(q, cos, sin)
+
+
+def rows_append_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    keys: Sequence[torch.Tensor],
+    values: Sequence[torch.Tensor],
+    positions: Sequence[int],
+    cos: torch.Tensor | None = None,
+    sin: torch.Tensor | None = None,
+) -> torch.Tensor | None:
+    """One new token per row, each row with a cache of its own: write row r's key and value into
+    ``keys[r]`` / ``values[r]`` (its ``(n_kv_head, max_length, head_dim)`` slab) at
+    ``positions[r]``; with ``cos``/``sin`` tables (``(positions, head_dim)``), rotate q and the
+    keys by line ``positions[r]`` first and return the rotated q.
+
+    q: (R, n_head, head_dim); k, v: (R, n_kv_head, head_dim).
+    """
+    rotated = []
+    for row, position in enumerate(positions):
+        k_row = k[row].unsqueeze(1)  # (n_kv_head, 1, head_dim)
+        if cos is not None:
+            assert sin is not None
+            angles = cos[position].view(1, 1, -1), sin[position].view(1, 1, -1)
+            k_row = rotary_reference(k_row.unsqueeze(0), *angles)[0]
+            rotated.append(rotary_reference(q[row].view(1, -1, 1, q.shape[-1]), *angles)[0, :, 0])
+        keys[row][:, position] = k_row[:, 0]
+        values[row][:, position] = v[row]
+    return torch.stack(rotated) if cos is not None else None
+
+
+def rows_attention_reference(
+    q: torch.Tensor,
+    *,
+    keys: Sequence[torch.Tensor],
+    values: Sequence[torch.Tensor],
+    positions: Sequence[int],
+    scale: float | None = None,
+    alibi_slopes: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Row r's query, at position ``positions[r]``, over keys ``0 .. positions[r]`` of its own
+    cache slab ``keys[r]`` / ``values[r]`` (``(n_kv_head, max_length, head_dim)``).
+
+    q: (R, n_head, head_dim).  Returns (R, n_head, head_dim) in q's dtype.
+    """
+    outputs = [
+        attention_reference(
+            q[row].view(1, q.shape[1], 1, q.shape[2]),
+            keys[row][None, :, : position + 1],
+            values[row][None, :, : position + 1],
+            query_offset=position,
+            scale=scale,
+            alibi_slopes=alibi_slopes,
+        )[0, :, 0]
+        for row, position in enumerate(positions)
+    ]
+    return torch.stack(outputs) if outputs else torch.empty_like(q)
 
 
 def alibi_slopes(n_head: int) -> torch.Tensor:

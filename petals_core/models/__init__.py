@@ -11,6 +11,11 @@ from ._config import (
     DistributedLlamaConfig as DistributedLlamaConfig,
     default_dht_prefix as default_dht_prefix,
 )
+from ._decode_graphs import (
+    DecodeGraphs as DecodeGraphs,
+    DecodeGraphsConfig as DecodeGraphsConfig,
+    DecodeGraphsStatistics as DecodeGraphsStatistics,
+)
 from ._loading import (
     block_state_dict as block_state_dict,
     client_state_dict as client_state_dict,

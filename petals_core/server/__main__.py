@@ -221,6 +221,11 @@ def _parser() -> argparse.ArgumentParser:
         help=f"quantise the blocks' linear layers (default: {config.quant_type})",
     )
     blocks.add_argument(
+        "--no_cuda_graphs",
+        action="store_true",
+        help="on CUDA, run decode steps eagerly instead of replaying them from CUDA graphs",
+    )
+    blocks.add_argument(
         "--adapters",
         nargs="*",
         action="extend",
@@ -410,6 +415,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         torch_dtype=args.torch_dtype,
         device=args.device,
         quant_type=args.quant_type,
+        cuda_graphs=not args.no_cuda_graphs,
         identity_path=args.identity_path,
         host=args.host,
         port=args.port,

@@ -16,18 +16,31 @@ Conventions of every call:
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 
 import attrs
 import torch
 from torch import nn
 
+from .. import kernels
 from .._errors import AdapterError
-from ..models import BloomBlock, KVCache, LlamaBlock, using_adapter
+from ..models import (
+    BloomBlock,
+    DecodeGraphs,
+    DecodeGraphsConfig,
+    DecodeGraphsStatistics,
+    KVCache,
+    LlamaBlock,
+    using_adapter,
+)
+from ..models._decode_graphs import unsupported_reason
 
 Block = LlamaBlock | BloomBlock
 
 __all__ = ["BlockBackend", "Graph"]
+
+logger = logging.getLogger("petals_core.server")
 
 
 @attrs.frozen(kw_only=True, eq=False)
@@ -51,7 +64,11 @@ class BlockBackend:
         dtype: torch.dtype,
         device: torch.device,
         adapters: Sequence[str] = (),
+        decode_graphs: DecodeGraphsConfig | None = None,
     ) -> None:
+        """``decode_graphs``: on CUDA, run decode steps (one new token per row, any number of
+        sessions) as replays of CUDA graphs (see :class:`DecodeGraphs`); None keeps every step
+        eager."""
         if not blocks:
             raise ValueError("a backend holds at least one block")
         self.blocks = list(blocks)
@@ -77,6 +94,23 @@ class BlockBackend:
             (h for m in first.modules() if isinstance(h := getattr(m, "n_head", None), int)),
             default=1,
         )
+        self._graphs: DecodeGraphs | None = None
+        if decode_graphs is not None and device.type == "cuda":
+            reason = (
+                None if kernels.triton_usable(device) else "Triton cannot run on this GPU"
+            ) or unsupported_reason(self.blocks)
+            if reason is None:
+                self._graphs = DecodeGraphs(self.blocks, config=decode_graphs)
+            logger.info(
+                "decode steps: %s",
+                "CUDA graphs (captured per rows and length bucket on first use)"
+                if reason is None
+                else f"eager ({reason})",
+            )
+
+    def decode_graphs_statistics(self) -> DecodeGraphsStatistics | None:
+        """The decode graphs' counters, or None when steps run eagerly."""
+        return None if self._graphs is None else self._graphs.statistics()
 
     def activation_bytes(self, batch: int, tokens: int) -> int:
         """Estimated bytes one block's autograd graph holds for a ``(batch, tokens)`` input."""
@@ -186,6 +220,15 @@ class BlockBackend:
         try:
             with using_adapter(adapter), torch.inference_mode():
                 xs = [hidden.to(self.device, self.dtype) for hidden, _ in items]
+                if self._graphs is not None:
+                    stepped = self._graphs.step(
+                        start - self.start, end - self.start, xs, [caches for _, caches in items]
+                    )
+                    if stepped is not None:
+                        return [
+                            x.to(hidden.dtype)
+                            for x, (hidden, _) in zip(stepped, items, strict=True)
+                        ]
                 for index, block in enumerate(self.span(start, end)):
                     xs = block.forward_many(xs, [caches[index] for _, caches in items])
                 return [x.to(hidden.dtype) for x, (hidden, _) in zip(xs, items, strict=True)]

@@ -40,6 +40,7 @@ from ..dht import DHTNode, ServerInfo, ServerState, Topic, open_dht_node
 from ..models import (
     AutoDistributedConfig,
     BloomBlock,
+    DecodeGraphsConfig,
     DistributedConfig,
     LlamaBlock,
     QuantType,
@@ -93,6 +94,8 @@ class ServerConfig:
     torch_dtype: str = attrs.field(default="auto", validator=_dtype_name)
     device: str | None = None
     quant_type: QuantType = "none"
+    #: On CUDA, replay decode steps from CUDA graphs (see ``DecodeGraphs``).
+    cuda_graphs: bool = True
     identity_path: str | None = None
     host: str = "0.0.0.0"
     port: int = 0
@@ -365,6 +368,7 @@ class Server:
             dtype=self.dtype,
             device=self.device,
             adapters=cfg.adapters,
+            decode_graphs=DecodeGraphsConfig() if cfg.cuda_graphs else None,
         )
 
     def _throughput(self) -> ThroughputInfo | float:

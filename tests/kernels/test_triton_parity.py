@@ -43,16 +43,9 @@ from petals_core.kernels._reference import (
     rotary_reference,
 )
 
+from ._parity import assert_parity
+
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
-
-
-def _assert_parity(actual: torch.Tensor, expected: torch.Tensor, *, ulps: float = 1) -> None:
-    assert actual.dtype == expected.dtype and actual.shape == expected.shape
-    if actual.dtype == torch.float32:
-        torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)
-    else:
-        rtol = ulps * torch.finfo(actual.dtype).eps
-        torch.testing.assert_close(actual.float(), expected.float(), rtol=rtol, atol=1e-5)
 
 
 def _attention_inputs(
@@ -85,7 +78,7 @@ def test_decode_attention(dtype: torch.dtype, n_kv_head: int, new_tokens: int, a
     actual = triton_attention.decode_attention(
         q, k, v, query_offset=62, alibi_slopes=slopes, block_n=16, num_splits=3
     )
-    _assert_parity(actual, expected)
+    assert_parity(actual, expected)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -95,7 +88,7 @@ def test_decode_attention_in_one_split(dtype: torch.dtype) -> None:
     actual = triton_attention.decode_attention(
         q, k, v, query_offset=40, scale=0.3, block_n=16, num_splits=1
     )
-    _assert_parity(actual, expected)
+    assert_parity(actual, expected)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -113,7 +106,7 @@ def test_prefill_attention(
     actual = triton_attention.prefill_attention(
         q, k, v, query_offset=query_offset, alibi_slopes=slopes, block_m=16, block_n=16
     )
-    _assert_parity(actual, expected)
+    assert_parity(actual, expected)
 
 
 @pytest.mark.parametrize("new_tokens", [1, 17])
@@ -123,7 +116,7 @@ def test_attention_picks_a_kernel_with_default_tiles(new_tokens: int) -> None:
     for query_offset in (0, 70 - new_tokens):
         expected = attention_reference(q, k, v, query_offset=query_offset)
         actual = triton_attention.attention(q, k, v, query_offset=query_offset)
-        _assert_parity(actual, expected)
+        assert_parity(actual, expected)
 
 
 def test_attention_refuses_what_the_reference_refuses() -> None:
@@ -145,7 +138,7 @@ def test_rms_norm(dtype: torch.dtype, block: int | None) -> None:
     actual = triton_norm.rms_norm(x, weight, 1e-6, block=block)
     # Two roundings (the normalized row to x's dtype, then the product), each of which may land
     # a step apart: rstd can differ in its last bit, and the interpreter truncates bf16.
-    _assert_parity(actual, rms_norm_reference(x, weight, 1e-6), ulps=2)
+    assert_parity(actual, rms_norm_reference(x, weight, 1e-6), ulps=2)
 
 
 def test_rms_norm_with_a_float32_weight_returns_float32() -> None:
@@ -179,9 +172,9 @@ def _rotary_expected(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> t
 def test_rotary(dtype: torch.dtype, new_tokens: int, cos_batch: int) -> None:
     x, cos, sin = _rotary_inputs(dtype, heads=4, new_tokens=new_tokens, cos_batch=cos_batch)
     actual = triton_rotary.rotary(x, cos, sin)
-    _assert_parity(actual, _rotary_expected(x, cos, sin))
+    assert_parity(actual, _rotary_expected(x, cos, sin))
     if dtype == torch.float32:
-        _assert_parity(actual, rotary_reference(x, cos, sin))
+        assert_parity(actual, rotary_reference(x, cos, sin))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -199,8 +192,8 @@ def test_rotary_append(dtype: torch.dtype, new_tokens: int) -> None:
     )  # fmt: skip
 
     actual_q = triton_rotary.rotary_append(q, k, v, cos, sin, keys=keys, values=values, start=5)
-    _assert_parity(actual_q, _rotary_expected(q, cos, sin))
-    _assert_parity(keys, expected_keys)  # positions outside 5 .. 5+T-1 untouched, exactly
+    assert_parity(actual_q, _rotary_expected(q, cos, sin))
+    assert_parity(keys, expected_keys)  # positions outside 5 .. 5+T-1 untouched, exactly
     assert torch.equal(values, expected_values)
 
 

@@ -14,11 +14,11 @@ from typing import Any
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
-from torch import nn
 
 from petals_core.models import BloomBlock, KVCache, LlamaBlock, QuantType, quantize_block
 from petals_core.models._batched import join_rows, join_tokens
 
+from ._steps import perturbed, twin_cache
 from .conftest import HIDDEN, tiny_bloom_config, tiny_llama_config
 
 torch.set_num_threads(1)
@@ -29,18 +29,6 @@ MAX_LENGTH = 24
 
 # (cache length before the step, rows, new tokens) for each session.
 Spec = tuple[int, int, int]
-
-
-def _perturbed(block: nn.Module, seed: int) -> nn.Module:
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in block.named_parameters():
-            noise = torch.randn(param.shape, generator=generator)
-            if name.endswith("layernorm.weight"):
-                param.copy_(1 + 0.2 * noise)
-            else:
-                param.copy_(0.15 * noise)
-    return block.eval()
 
 
 BLOCKS: dict[str, Callable[[], Block]] = {
@@ -61,14 +49,8 @@ BLOCKS: dict[str, Callable[[], Block]] = {
 
 def _block(name: str, seed: int = 0) -> Block:
     block = BLOCKS[name]()
-    _perturbed(block, seed)
+    perturbed(block, seed)
     return block
-
-
-def _twin(cache: KVCache) -> KVCache:
-    copy = KVCache(cache.keys.clone(), cache.values.clone())
-    copy.length = cache.length
-    return copy
 
 
 def _sessions(block: Block, specs: list[Spec], seed: int) -> list[KVCache]:
@@ -121,7 +103,7 @@ def test_forward_many_equals_one_by_one(block_name: str, spec_name: str) -> None
     block = _block(block_name)
     specs = SPECS[spec_name]
     caches = _sessions(block, specs, seed=1)
-    twins = [_twin(cache) for cache in caches]
+    twins = [twin_cache(cache) for cache in caches]
     for round_ in range(3):  # several steps in a row: the caches keep agreeing
         steps = _steps(specs if round_ == 0 else [(0, r, 1) for _, r, _ in specs], seed=2 + round_)
         expected = _one_by_one(block, steps, twins)
@@ -143,7 +125,7 @@ def test_forward_many_equals_one_by_one(block_name: str, spec_name: str) -> None
 def test_any_mix_of_sessions_equals_one_by_one(specs: list[Spec], family: str) -> None:
     block = _block(family)
     caches = _sessions(block, specs, seed=3)
-    twins = [_twin(cache) for cache in caches]
+    twins = [twin_cache(cache) for cache in caches]
     steps = _steps(specs, seed=4)
     expected = _one_by_one(block, steps, twins)
     got = block.forward_many(steps, caches)
@@ -206,7 +188,7 @@ BAD += ["same cache twice", "shared buffers", "count"]
 def test_refused_batch_leaves_every_cache_untouched(block_name: str, fault: str) -> None:
     block = _block(block_name)
     caches = _sessions(block, [(4, 1, 2), (0, 2, 2), (5, 1, 2)], seed=8)
-    before = [_twin(cache) for cache in caches]
+    before = [twin_cache(cache) for cache in caches]
     steps, given_caches, pattern = _bad_batches(block, caches)[fault]
     with pytest.raises(ValueError, match=pattern):
         block.forward_many(steps, given_caches)
@@ -230,7 +212,7 @@ def test_bfloat16_block(block_name: str) -> None:
     block16 = _block(block_name).to(torch.bfloat16)
     caches32 = _sessions(block32, specs, seed=9)
     caches16 = _sessions(block16, specs, seed=9)
-    twins16 = [_twin(cache) for cache in caches16]
+    twins16 = [twin_cache(cache) for cache in caches16]
     steps = _steps(specs, seed=10)
     exact = block32.forward_many(steps, caches32)
     got = block16.forward_many([h.bfloat16() for h in steps], caches16)
@@ -260,7 +242,7 @@ def test_quantised_block(block_name: str, quant_type: QuantType) -> None:
     quantize_block(block, quant_type)  # in place
     specs: list[Spec] = [(5, 1, 1), (0, 2, 3), (9, 2, 1), (2, 1, 1)]
     caches = _sessions(block, specs, seed=11)
-    twins = [_twin(cache) for cache in caches]
+    twins = [twin_cache(cache) for cache in caches]
     steps = _steps(specs, seed=12)
     expected = _one_by_one(block, steps, twins)
     got = block.forward_many(steps, caches)

@@ -87,6 +87,10 @@ class LlamaRotary:
         # and a server step asks each of them for the same positions (see ``__call__``).
         self._identity = (self.rope_type, self.attention_scaling, tuple(inv_freq.tolist()))
 
+    def same_angles(self, other: LlamaRotary) -> bool:
+        """Whether ``other`` gives the same angles for every position."""
+        return self._identity == other._identity
+
     def _rescaled(self, end: int) -> bool:
         """Whether a chunk ending at ``end - 1`` has frequencies of its own (dynamic NTK)."""
         return self.rope_type == "dynamic" and end > self.original_max_length

@@ -1,0 +1,329 @@
+"""Triton decode kernels over row tables (see :mod:`petals_core.kernels._rows`): one new token
+per row, each row's cache found through a pointer, so one launch serves many sessions whose
+caches are separate tensors.  Same semantics as :func:`rows_append_reference` and
+:func:`rows_attention_reference`.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._rows import RowTables
+from ._triton_attention import (
+    _MAX_SPLITS,
+    MAX_DECODE_ROWS,
+    _attend,
+    _block_d,
+    _combine_kernel,
+    _decode_tiles,
+    _default_splits,
+    _dot_config,
+    _qk_scale,
+)
+
+__all__ = ["rows_append", "rows_decode_attention"]
+
+
+@triton.jit
+def _rows_append_kernel(
+    # pointers
+    Q,
+    QOut,
+    K,
+    V,
+    KeyPtrs,
+    ValuePtrs,
+    HeadStrides,
+    Positions,
+    Cos,
+    Sin,
+    # sizes
+    n_head,
+    n_kv_head,
+    half,
+    # strides
+    stride_qr,
+    stride_qh,
+    stride_qor,
+    stride_qoh,
+    stride_kr,
+    stride_kh,
+    stride_vr,
+    stride_vh,
+    stride_cos,
+    stride_sin,
+    # meta
+    ROTARY: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+):
+    """One program: one head of one row; query heads (rotated into QOut) come first, then the
+    kv heads, whose rotated keys and values go into the row's cache at its position."""
+    pid = tl.program_id(0)
+    row = (pid // (n_head + n_kv_head)).to(tl.int64)
+    head = pid % (n_head + n_kv_head)
+    cols = tl.arange(0, BLOCK_HALF)
+    mask = cols < half
+    position = tl.load(Positions + row)
+
+    if ROTARY:
+        cos = Cos + position * stride_cos + cols
+        sin = Sin + position * stride_sin + cols
+        cos_lo = tl.load(cos, mask=mask, other=0.0).to(tl.float32)
+        cos_hi = tl.load(cos + half, mask=mask, other=0.0).to(tl.float32)
+        sin_lo = tl.load(sin, mask=mask, other=0.0).to(tl.float32)
+        sin_hi = tl.load(sin + half, mask=mask, other=0.0).to(tl.float32)
+
+    if head < n_head:
+        src = Q + row * stride_qr + head * stride_qh + cols
+        dst = QOut + row * stride_qor + head * stride_qoh + cols
+        x_lo = tl.load(src, mask=mask, other=0.0).to(tl.float32)
+        x_hi = tl.load(src + half, mask=mask, other=0.0).to(tl.float32)
+        out_lo = x_lo * cos_lo - x_hi * sin_lo
+        out_hi = x_hi * cos_hi + x_lo * sin_hi
+        tl.store(dst, out_lo.to(QOut.dtype.element_ty), mask=mask)
+        tl.store(dst + half, out_hi.to(QOut.dtype.element_ty), mask=mask)
+    else:
+        kv_head = (head - n_head).to(tl.int64)
+        offset = kv_head * tl.load(HeadStrides + row) + position * (2 * half) + cols
+        dtype = K.dtype.element_ty
+        keys = tl.load(KeyPtrs + row).to(tl.pointer_type(dtype)) + offset
+        values = tl.load(ValuePtrs + row).to(tl.pointer_type(dtype)) + offset
+        k = K + row * stride_kr + kv_head * stride_kh + cols
+        k_lo = tl.load(k, mask=mask, other=0.0)
+        k_hi = tl.load(k + half, mask=mask, other=0.0)
+        if ROTARY:
+            x_lo = k_lo.to(tl.float32)
+            x_hi = k_hi.to(tl.float32)
+            k_lo = (x_lo * cos_lo - x_hi * sin_lo).to(dtype)
+            k_hi = (x_hi * cos_hi + x_lo * sin_hi).to(dtype)
+        tl.store(keys, k_lo, mask=mask)
+        tl.store(keys + half, k_hi, mask=mask)
+        v = V + row * stride_vr + kv_head * stride_vh + cols
+        tl.store(values, tl.load(v, mask=mask, other=0.0), mask=mask)
+        tl.store(values + half, tl.load(v + half, mask=mask, other=0.0), mask=mask)
+
+
+@triton.jit
+def _rows_decode_kernel(
+    # pointers
+    Q,
+    Out,
+    PartialAcc,
+    PartialMax,
+    PartialSum,
+    Slopes,
+    KeyPtrs,
+    ValuePtrs,
+    HeadStrides,
+    Positions,
+    # sizes
+    n_head,
+    n_kv_head,
+    head_dim,
+    split_size,
+    num_splits,
+    qk_scale,
+    # strides
+    stride_qr,
+    stride_qh,
+    stride_or,
+    stride_oh,
+    # meta
+    HAS_ALIBI: tl.constexpr,
+    DIRECT: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    """One program: the query heads of one kv head of one row, over one split of the row's keys
+    (splits past the row's length attend to nothing; the last split runs to the row's end)."""
+    pid_rkv = tl.program_id(0)
+    split = tl.program_id(1)
+    row = (pid_rkv // n_kv_head).to(tl.int64)
+    kv_head = (pid_rkv % n_kv_head).to(tl.int64)
+    group = n_head // n_kv_head
+
+    heads = tl.arange(0, BLOCK_R)
+    head_mask = heads < group
+    head = kv_head * group + heads
+    dims = tl.arange(0, BLOCK_D)
+    dim_mask = dims < head_dim
+    tile_mask = head_mask[:, None] & dim_mask[None, :]
+
+    q = tl.load(
+        Q + row * stride_qr + head[:, None] * stride_qh + dims[None, :], mask=tile_mask, other=0.0
+    )
+    if HAS_ALIBI:
+        slope = tl.load(Slopes + head, mask=head_mask, other=0.0) * 1.4426950408889634
+    else:
+        slope = tl.zeros([BLOCK_R], dtype=tl.float32)
+
+    position = tl.load(Positions + row)
+    length = position + 1
+    dtype = Q.dtype.element_ty
+    head_offset = kv_head * tl.load(HeadStrides + row)
+    k_base = tl.load(KeyPtrs + row).to(tl.pointer_type(dtype)) + head_offset
+    v_base = tl.load(ValuePtrs + row).to(tl.pointer_type(dtype)) + head_offset
+    lo = split * split_size
+    hi = tl.minimum(lo + split_size, length)
+    if split == num_splits - 1:
+        hi = length
+    acc, m_i, l_i = _attend(
+        tl.zeros([BLOCK_R, BLOCK_D], dtype=tl.float32),
+        tl.full([BLOCK_R], float("-inf"), dtype=tl.float32),
+        tl.zeros([BLOCK_R], dtype=tl.float32),
+        q.to(DOT_DTYPE),
+        k_base,
+        v_base,
+        head_dim,
+        head_dim,
+        slope,
+        tl.zeros([BLOCK_R], dtype=tl.int64) + position,
+        lo,
+        hi,
+        head_dim,
+        qk_scale,
+        HAS_ALIBI,
+        True,
+        BLOCK_N,
+        BLOCK_D,
+        DOT_DTYPE,
+        PRECISION,
+    )
+    if DIRECT:
+        out = acc / l_i[:, None]
+        tl.store(
+            Out + row * stride_or + head[:, None] * stride_oh + dims[None, :],
+            out.to(Out.dtype.element_ty),
+            mask=tile_mask,
+        )
+    else:
+        # Partials are (rows, n_head, num_splits[, head_dim]), contiguous.
+        part = (row * n_head + head) * num_splits + split
+        tl.store(PartialAcc + part[:, None] * head_dim + dims[None, :], acc, mask=tile_mask)
+        tl.store(PartialMax + part, m_i, mask=head_mask)
+        tl.store(PartialSum + part, l_i, mask=head_mask)
+
+
+def rows_append(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    tables: RowTables,
+    *,
+    cos: torch.Tensor | None = None,
+    sin: torch.Tensor | None = None,
+) -> torch.Tensor | None:
+    """Write each row's new key and value into its cache at its position; with ``cos``/``sin``
+    tables, rotate the keys first and return the rotated queries.
+
+    q: (R, n_head, head_dim); k, v: (R, n_kv_head, head_dim); any strides with the last one 1.
+    cos, sin: (positions, head_dim) in the activations' dtype: row r uses line ``positions[r]``
+    (HF LLaMA's halves layout).  Without them, nothing is rotated and None is returned (q is
+    not read).  The caches must be in k's dtype, on k's device.
+    """
+    rows, n_kv_head, head_dim = k.shape
+    assert v.shape == k.shape and v.dtype == k.dtype, "k, v: (R, n_kv_head, head_dim)"
+    assert q.dim() == 3 and q.shape[0] == rows and q.shape[2] == head_dim
+    assert rows == tables.rows, f"{rows} rows of keys for tables of {tables.rows} rows"
+    assert head_dim % 2 == 0, "head_dim must be even"
+    assert q.stride(-1) == k.stride(-1) == v.stride(-1) == 1, "head_dim must be contiguous"
+    n_head = q.shape[1] if cos is not None else 0
+    if cos is not None:
+        assert sin is not None and cos.shape == sin.shape and cos.shape[1] == head_dim
+        assert cos.stride(-1) == sin.stride(-1) == 1, "cos, sin: (positions, head_dim)"
+        q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    else:
+        q_out = q  # never written: the grid covers the kv heads only
+        cos = sin = k  # never read
+    rotary = n_head > 0
+    if rows == 0:
+        return q_out if rotary else None
+    _rows_append_kernel[(rows * (n_head + n_kv_head),)](
+        q, q_out, k, v, tables.key_ptrs, tables.value_ptrs, tables.head_strides, tables.positions,
+        cos, sin,
+        n_head, n_kv_head, head_dim // 2,
+        q.stride(0), q.stride(1), q_out.stride(0), q_out.stride(1),
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0), sin.stride(0),
+        ROTARY=rotary, BLOCK_HALF=triton.next_power_of_2(head_dim // 2),
+        num_warps=1 if head_dim <= 128 else 2,
+    )  # fmt: skip
+    return q_out if rotary else None
+
+
+def rows_decode_attention(
+    q: torch.Tensor,
+    n_kv_head: int,
+    tables: RowTables,
+    *,
+    max_length: int,
+    scale: float | None = None,
+    alibi_slopes: torch.Tensor | None = None,
+    block_n: int | None = None,
+    num_splits: int | None = None,
+) -> torch.Tensor:
+    """Each row's query (its last position) over its cache's keys ``0 .. positions[r]``.
+
+    q: (R, n_head, head_dim), the last stride 1.  ``max_length`` bounds the rows' lengths for
+    the split of the key range into ``num_splits`` parallel parts (a row longer than that is
+    still attended in full, by its last split).  alibi_slopes: (n_head,) float32 on q's device.
+    Returns (R, n_head, head_dim) in q's dtype.
+    """
+    rows, n_head, head_dim = q.shape
+    assert rows == tables.rows, f"{rows} query rows for tables of {tables.rows} rows"
+    assert n_head % n_kv_head == 0, f"{n_head} heads cannot share {n_kv_head} kv heads"
+    group = n_head // n_kv_head
+    assert group <= MAX_DECODE_ROWS, f"{group} query heads per kv head, at most {MAX_DECODE_ROWS}"
+    assert q.stride(-1) == 1, "head_dim must be contiguous"
+    assert q.dtype in (torch.float16, torch.bfloat16, torch.float32), f"unsupported {q.dtype}"
+    assert max_length >= 1
+    if alibi_slopes is not None:
+        assert alibi_slopes.shape == (n_head,) and alibi_slopes.dtype == torch.float32
+        assert alibi_slopes.device == q.device and alibi_slopes.is_contiguous()
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if rows == 0:
+        return out
+    default_block_n, num_stages = _decode_tiles(q, head_dim)
+    block_n = block_n or default_block_n
+    if num_splits is None:
+        num_splits = _default_splits(q.device, rows * n_kv_head, max_length, block_n)
+    assert 1 <= num_splits <= _MAX_SPLITS, f"num_splits must be in [1, {_MAX_SPLITS}]"
+    split_size = triton.cdiv(triton.cdiv(max_length, num_splits), block_n) * block_n
+    num_splits = triton.cdiv(max_length, split_size)
+    direct = num_splits == 1
+    if direct:
+        partial_acc = partial_max = partial_sum = out  # not read: the kernel writes `out` itself
+    else:
+        # One allocation, cut into the three contiguous arrays the kernels index.
+        count = rows * n_head * num_splits
+        partials = torch.empty(count * (head_dim + 2), dtype=torch.float32, device=q.device)
+        partial_acc = partials[: count * head_dim]
+        partial_max = partials[count * head_dim : count * (head_dim + 1)]
+        partial_sum = partials[count * (head_dim + 1) :]
+    block_r = max(16, triton.next_power_of_2(group))
+    block_d = _block_d(head_dim)
+    dot_dtype, precision = _dot_config(q)
+    _rows_decode_kernel[(rows * n_kv_head, num_splits)](
+        q, out, partial_acc, partial_max, partial_sum,
+        q if alibi_slopes is None else alibi_slopes,
+        tables.key_ptrs, tables.value_ptrs, tables.head_strides, tables.positions,
+        n_head, n_kv_head, head_dim, split_size, num_splits, _qk_scale(scale, head_dim),
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        HAS_ALIBI=alibi_slopes is not None, DIRECT=direct,
+        BLOCK_R=block_r, BLOCK_N=block_n, BLOCK_D=block_d,
+        DOT_DTYPE=dot_dtype, PRECISION=precision,
+        num_warps=4 if block_r <= 32 else 8, num_stages=num_stages,
+    )  # fmt: skip
+    if not direct:
+        _combine_kernel[(rows * n_head,)](
+            partial_acc, partial_max, partial_sum, out,
+            n_head, 1, head_dim, num_splits,
+            out.stride(0), out.stride(1), 0,
+            BLOCK_SPLITS=triton.next_power_of_2(num_splits), BLOCK_D=block_d,
+            num_warps=4,
+        )  # fmt: skip
+    return out

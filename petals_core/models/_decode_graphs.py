@@ -1,0 +1,549 @@
+"""Decode steps of a span of blocks for many sessions at once, replayed from CUDA graphs.
+
+On a GPU a decode step is a few hundred small kernels, and launching them from Python costs far
+more than running them.  :class:`DecodeGraphs` captures a span's whole step once per shape bucket
+and replays it with one launch:
+
+- **Rows.**  Every session contributes its batch rows; the rows of all sessions in a step run
+  together (each weight read once for all of them), padded up to a *rows bucket* (1, 2, 4, ...,
+  ``max_rows``).  Padding rows compute on zeros and write into a scratch cache.
+- **Row tables.**  The step reads each row's position and the addresses of its caches from
+  device tables (:mod:`petals_core.kernels._triton_rows`), refilled before every replay.  So a
+  graph holds no session's cache: it serves any sessions at any positions, and nothing about a
+  graph changes when a session ends.
+- **Length buckets.**  Attention splits each row's keys across parallel programs; how many is
+  fixed per graph by a *length bucket* (a power of two, at least ``min_length_bucket``) above
+  every row's length.
+- **Graphs.**  One per (sub-span, active adapter, rows bucket, length bucket), made on first use
+  (a warm-up run on scratch rows compiles the kernels, then the capture), kept in LRU order up to
+  ``max_graphs``, all sharing one memory pool: only one replays at a time, and each copies its
+  output out before the next.
+
+What does not fit (several new tokens, left padding, deep prompts, rows beyond ``max_rows`` in
+one session, LLaMA's length-dependent "dynamic" rotary scaling, int8 layers whose outlier
+handling synchronises with the host) is left to the caller's eager path: :meth:`step` returns
+None for it before touching anything.
+
+Without ``capture`` (how the CPU tests run it, through Triton's interpreter) the same step runs
+eagerly on the same static buffers, so everything but the capture itself is exercised anywhere.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import attrs
+import torch
+from torch import nn
+
+from .. import kernels
+from .._errors import ConfigError
+from ._cache import KVCache
+from ._lora import active_adapter
+from .bloom import BloomBlock
+from .llama import LlamaBlock
+
+__all__ = ["DecodeGraphs", "DecodeGraphsConfig", "DecodeGraphsStatistics", "unsupported_reason"]
+
+log = logging.getLogger(__name__)
+
+Block = LlamaBlock | BloomBlock
+
+#: Rows of the tables before the per-block pointers: positions, then head strides.
+_POSITIONS, _HEAD_STRIDES, _FIRST_POINTER = 0, 1, 2
+#: Smallest rotary table (positions); it grows by doubling.
+_MIN_ROTARY_POSITIONS = 4096
+
+
+def _positive(instance: object, attribute: attrs.Attribute[int], value: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"{attribute.name} must be an int >= 1, not {value!r}")
+
+
+@attrs.frozen(kw_only=True)
+class DecodeGraphsConfig:
+    """``max_rows``: most rows (sum of the sessions' batches) one replay computes; larger steps
+    run as several replays.  ``max_graphs``: graphs kept (least recently used dropped first).
+    ``min_length_bucket``: the smallest length bucket, in positions."""
+
+    max_rows: int = attrs.field(default=64, validator=_positive)
+    max_graphs: int = attrs.field(default=32, validator=_positive)
+    min_length_bucket: int = attrs.field(default=256, validator=_positive)
+
+
+@attrs.frozen(kw_only=True)
+class DecodeGraphsStatistics:
+    """``graphs``: held now; ``captured`` / ``evicted``: since creation; ``replays``: steps run
+    (a step of more than ``max_rows`` rows counts once per replay); ``declined``: steps left to
+    the eager path; ``capture_failures``: captures that raised (the step then ran eagerly);
+    ``pool_bytes``: what the captures added to the device's reserved memory."""
+
+    graphs: int
+    captured: int
+    evicted: int
+    replays: int
+    declined: int
+    capture_failures: int
+    pool_bytes: int
+
+
+def unsupported_reason(blocks: Sequence[nn.Module]) -> str | None:
+    """Why these blocks cannot take the row-table decode step (None if they can)."""
+    if not blocks:
+        return "no blocks"
+    kinds = {type(block) for block in blocks}
+    if kinds not in ({LlamaBlock}, {BloomBlock}):
+        return f"only spans of LlamaBlock or of BloomBlock, not {sorted(k.__name__ for k in kinds)}"
+    first = blocks[0]
+    if isinstance(first, LlamaBlock):
+        if first.rotary.rope_type == "dynamic":
+            return "dynamic NTK rotary scaling depends on the length"
+        if not all(
+            isinstance(block, LlamaBlock) and block.rotary.same_angles(first.rotary)
+            for block in blocks
+        ):
+            return "the blocks' rotary frequencies differ"
+        attn = first.self_attn
+        if attn.head_dim % 2:
+            return "rotary needs an even head_dim"
+        if attn.n_head // attn.n_kv_head > 128:
+            return "more than 128 query heads per key/value head"
+    for block in blocks:
+        for module in block.modules():
+            if type(module).__name__ == "Linear8bitLt":
+                return "int8 layers synchronise with the host (outlier detection)"
+    return None
+
+
+class _Session:
+    """What a session contributes to the tables, computed once: its caches' row pointers."""
+
+    __slots__ = ("batch", "cache_ids", "head_stride", "pointers")
+
+    def __init__(self, caches: Sequence[KVCache], batch: int, pointers: torch.Tensor) -> None:
+        self.cache_ids = tuple(id(cache) for cache in caches)
+        self.batch = batch
+        self.head_stride = caches[0].keys.stride(1)
+        self.pointers = pointers  # (2 * len(caches), batch) int64: keys, values per block
+
+
+class _Graph:
+    """A captured step (``graph`` None: run eagerly) and its output buffer."""
+
+    __slots__ = ("graph", "output", "run")
+
+    def __init__(
+        self,
+        run: Callable[[], torch.Tensor],
+        graph: torch.cuda.CUDAGraph | None,
+        output: torch.Tensor | None,
+    ) -> None:
+        self.run = run
+        self.graph = graph
+        self.output = output
+
+    def replay(self) -> torch.Tensor:
+        if self.graph is None:
+            return self.run()
+        self.graph.replay()
+        assert self.output is not None
+        return self.output
+
+
+class DecodeGraphs:
+    """Row-table decode steps over ``blocks`` (a server's span), captured as CUDA graphs when
+    ``capture`` (default: on CUDA devices).
+
+    Not thread-safe: one step at a time (a server runs its inference steps one batch at a time).
+    """
+
+    def __init__(
+        self,
+        blocks: Sequence[Block],
+        *,
+        config: DecodeGraphsConfig | None = None,
+        capture: bool | None = None,
+    ) -> None:
+        reason = unsupported_reason(blocks)
+        if reason is not None:
+            raise ValueError(f"these blocks cannot run decode graphs: {reason}")
+        self.blocks = list(blocks)
+        self.config = config or DecodeGraphsConfig()
+        first = self.blocks[0]
+        weight = first.input_layernorm.weight
+        self.device = weight.device
+        self.dtype = weight.dtype
+        self.capture = self.device.type == "cuda" if capture is None else capture
+        if self.capture and self.device.type != "cuda":
+            raise ValueError("CUDA graphs need blocks on a CUDA device")
+        self.hidden_size = first.hidden_size
+        rows = self.config.max_rows
+        tables = (_FIRST_POINTER + 2 * len(self.blocks), rows)
+        self._tables = torch.zeros(tables, dtype=torch.int64, device=self.device)
+        pin = self.device.type == "cuda"
+        self._staging = torch.zeros(tables, dtype=torch.int64, pin_memory=pin)
+        self._staged: torch.cuda.Event | None = None
+        self._x = torch.zeros((rows, 1, self.hidden_size), dtype=self.dtype, device=self.device)
+        # Padding rows append at position 0 of this one-position cache and attend to it alone.
+        self._scratch = first.allocate_cache(1, 1)
+        self._cos: torch.Tensor | None = None  # (positions, head_dim), LLaMA only
+        self._sin: torch.Tensor | None = None
+        self._slopes: torch.Tensor | None = None  # (n_head,) float32 on the device, BLOOM only
+        if isinstance(first, BloomBlock):
+            self._slopes = first._slopes_on(self.device).contiguous()
+        self._graphs: OrderedDict[tuple[Any, ...], _Graph] = OrderedDict()
+        self._sessions: weakref.WeakKeyDictionary[KVCache, _Session] = weakref.WeakKeyDictionary()
+        self._pool: Any = None
+        self._stream: torch.cuda.Stream | None = None
+        self._disabled: str | None = None
+        self._counts = {
+            "captured": 0,
+            "evicted": 0,
+            "replays": 0,
+            "declined": 0,
+            "capture_failures": 0,
+            "pool_bytes": 0,
+        }
+
+    def statistics(self) -> DecodeGraphsStatistics:
+        return DecodeGraphsStatistics(graphs=len(self._graphs), **self._counts)
+
+    @property
+    def disabled_reason(self) -> str | None:
+        """Why steps no longer take this path (a capture failed), or None."""
+        return self._disabled
+
+    # -- the step --------------------------------------------------------------------------------
+
+    def step(
+        self,
+        start: int,
+        end: int,
+        hidden_states: Sequence[torch.Tensor],
+        caches: Sequence[Sequence[KVCache]],
+    ) -> list[torch.Tensor] | None:
+        """One new token per row through blocks ``start .. end - 1`` (indices into ``blocks``).
+
+        ``hidden_states[i]`` is ``(B_i, 1, hidden)`` in the blocks' dtype on their device, and
+        ``caches[i]`` that session's caches of those blocks.  Returns each item's output (as the
+        eager ``forward_many`` would) and advances every cache by one position; or None, having
+        changed nothing, when the step must take the eager path.
+        """
+        sessions = self._eligible(start, end, hidden_states, caches)
+        if sessions is None:
+            self._counts["declined"] += 1
+            return None
+        outputs: list[torch.Tensor] = []
+        group: list[int] = []
+        rows = 0
+        for index, session in enumerate(sessions):
+            if rows + session.batch > self.config.max_rows:
+                outputs += self._run(start, end, group, hidden_states, caches, sessions)
+                group, rows = [], 0
+            group.append(index)
+            rows += session.batch
+        outputs += self._run(start, end, group, hidden_states, caches, sessions)
+        return outputs
+
+    def _eligible(
+        self,
+        start: int,
+        end: int,
+        hidden_states: Sequence[torch.Tensor],
+        caches: Sequence[Sequence[KVCache]],
+    ) -> list[_Session] | None:
+        if self._disabled is not None or not hidden_states:
+            return None
+        if not 0 <= start < end <= len(self.blocks) or len(hidden_states) != len(caches):
+            return None
+        sessions = []
+        seen: set[int] = set()
+        for states, items in zip(hidden_states, caches, strict=True):
+            if (
+                states.dim() != 3
+                or states.shape[1] != 1
+                or states.shape[2] != self.hidden_size
+                or states.dtype != self.dtype
+                or states.device != self.device
+                or len(items) != end - start
+            ):
+                return None
+            first = items[0]
+            if not isinstance(first, KVCache) or first.padding is not None:
+                return None
+            length = first.length
+            if any(cache.length != length for cache in items) or length >= first.max_length:
+                return None
+            if states.shape[0] != first.batch or first.batch > self.config.max_rows:
+                return None
+            if id(first) in seen:
+                return None
+            seen.add(id(first))
+            session = self._session(start, items)
+            if session is None:
+                return None
+            sessions.append(session)
+        return sessions
+
+    def _session(self, start: int, caches: Sequence[KVCache]) -> _Session | None:
+        """The session's row pointers, checked and computed on its first step."""
+        first = caches[0]
+        known = self._sessions.get(first)
+        if known is not None and known.cache_ids == tuple(id(cache) for cache in caches):
+            return known
+        shape = first.keys.shape
+        for cache in caches:
+            keys, values = cache.keys, cache.values
+            if not (
+                isinstance(cache, KVCache)
+                and keys.shape == values.shape == shape
+                and keys.is_contiguous()
+                and values.is_contiguous()
+                and keys.dtype == values.dtype == self.dtype
+                and keys.device == values.device == self.device
+                and shape[1] == self._scratch.keys.shape[1]
+                and shape[3] == self._scratch.keys.shape[3]
+            ):
+                return None
+        batch = shape[0]
+        row_bytes = first.keys.stride(0) * first.keys.element_size()
+        bases = [(cache.keys.data_ptr(), cache.values.data_ptr()) for cache in caches]
+        pointers = torch.tensor(
+            [[base + row * row_bytes for row in range(batch)] for pair in bases for base in pair],
+            dtype=torch.int64,
+        )  # (2 * blocks, batch)
+        session = _Session(caches, batch, pointers)
+        self._sessions[first] = session
+        return session
+
+    def _run(
+        self,
+        start: int,
+        end: int,
+        group: Sequence[int],
+        hidden_states: Sequence[torch.Tensor],
+        caches: Sequence[Sequence[KVCache]],
+        sessions: Sequence[_Session],
+    ) -> list[torch.Tensor]:
+        rows = sum(sessions[index].batch for index in group)
+        bucket_rows = bucket(rows)
+        longest = max(caches[index][0].length for index in group) + 1
+        bucket_length = bucket(longest, self.config.min_length_bucket)
+        self._ensure_rotary(longest)
+        key = (start, end, active_adapter(), bucket_rows, bucket_length)
+        graph = self._graph(key)
+        if graph is None:  # the capture failed: this and later steps run eagerly
+            graph = _Graph(self._step_fn(start, end, bucket_rows, bucket_length), None, None)
+        self._fill(start, end, group, caches, sessions, bucket_rows)
+        joined = (
+            torch.cat([hidden_states[index] for index in group])
+            if len(group) > 1
+            else (hidden_states[group[0]])
+        )
+        self._x[:rows].copy_(joined)
+        output = graph.replay()[:rows].clone()  # (rows, 1, hidden): the buffer is reused
+        self._counts["replays"] += 1
+        for index in group:
+            for cache in caches[index]:
+                cache.length += 1
+        return list(output.split([sessions[index].batch for index in group]))
+
+    # -- tables ----------------------------------------------------------------------------------
+
+    def _fill(
+        self,
+        start: int,
+        end: int,
+        group: Sequence[int],
+        caches: Sequence[Sequence[KVCache]],
+        sessions: Sequence[_Session],
+        bucket_rows: int,
+    ) -> None:
+        """Stage the group's tables (padding columns on the scratch cache) and copy them over."""
+        if self._staged is not None:
+            self._staged.synchronize()  # the last copy out of the staging buffer is done
+        staging = self._staging
+        first, last = _FIRST_POINTER + 2 * start, _FIRST_POINTER + 2 * end
+        column = 0
+        for index in group:
+            session = sessions[index]
+            span = slice(column, column + session.batch)
+            staging[_POSITIONS, span] = caches[index][0].length
+            staging[_HEAD_STRIDES, span] = session.head_stride
+            staging[first:last, span] = session.pointers
+            column += session.batch
+        if column < bucket_rows:
+            self._fill_scratch(start, end, column, bucket_rows)
+        self._tables[:, :bucket_rows].copy_(staging[:, :bucket_rows], non_blocking=True)
+        if self.device.type == "cuda":
+            self._staged = torch.cuda.Event()
+            self._staged.record()
+
+    def _fill_scratch(self, start: int, end: int, first_column: int, last_column: int) -> None:
+        scratch = self._scratch
+        span = slice(first_column, last_column)
+        staging = self._staging
+        staging[_POSITIONS, span] = 0
+        staging[_HEAD_STRIDES, span] = scratch.keys.stride(1)
+        for block in range(start, end):
+            row = _FIRST_POINTER + 2 * block
+            staging[row, span] = scratch.keys.data_ptr()
+            staging[row + 1, span] = scratch.values.data_ptr()
+        self._x[first_column:last_column].zero_()
+
+    def _ensure_rotary(self, positions: int) -> None:
+        """Grow the rotary tables (LLaMA) to cover ``positions``; graphs captured on the old
+        tables are dropped."""
+        first = self.blocks[0]
+        if not isinstance(first, LlamaBlock):
+            return
+        if self._cos is not None and self._cos.shape[0] >= positions:
+            return
+        size = max(_MIN_ROTARY_POSITIONS, 1 << (positions - 1).bit_length())
+        with torch.inference_mode():
+            cos, sin = first.rotary(0, size, device=self.device, dtype=self.dtype)
+        self._cos, self._sin = cos[0].contiguous(), sin[0].contiguous()  # (size, head_dim)
+        self._counts["evicted"] += len(self._graphs)
+        self._graphs.clear()
+
+    # -- graphs ----------------------------------------------------------------------------------
+
+    def _graph(self, key: tuple[Any, ...]) -> _Graph | None:
+        graph = self._graphs.get(key)
+        if graph is not None:
+            self._graphs.move_to_end(key)
+            return graph
+        start, end, _, bucket_rows, bucket_length = key
+        run = self._step_fn(start, end, bucket_rows, bucket_length)
+        if self.capture:
+            try:
+                graph = self._capture(start, end, bucket_rows, run)
+            except Exception as error:  # a layer that cannot be captured: eager from now on
+                self._counts["capture_failures"] += 1
+                self._disabled = f"capturing a decode step failed: {error!r}"
+                log.warning("decode graphs off for this span: %s", self._disabled)
+                return None
+        else:
+            graph = _Graph(run, None, None)
+        self._graphs[key] = graph
+        self._counts["captured"] += 1
+        while len(self._graphs) > self.config.max_graphs:
+            self._graphs.popitem(last=False)
+            self._counts["evicted"] += 1
+        return graph
+
+    def _capture(
+        self, start: int, end: int, bucket_rows: int, run: Callable[[], torch.Tensor]
+    ) -> _Graph:
+        """Warm up on scratch rows (compiles the kernels; writes only the scratch cache), then
+        capture on a side stream into the shared pool."""
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+            self._stream = torch.cuda.Stream(self.device)
+        stream = self._stream
+        assert stream is not None
+        self._fill_scratch(start, end, 0, bucket_rows)
+        if self._staged is not None:
+            self._staged.synchronize()
+        self._tables[:, :bucket_rows].copy_(self._staging[:, :bucket_rows])
+        reserved = torch.cuda.memory_reserved(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            run()
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(
+            graph, pool=self._pool, stream=stream, capture_error_mode="thread_local"
+        ):
+            output = run()
+        self._counts["pool_bytes"] += max(0, torch.cuda.memory_reserved(self.device) - reserved)
+        return _Graph(run, graph, output)
+
+    def _step_fn(
+        self, start: int, end: int, bucket_rows: int, bucket_length: int
+    ) -> Callable[[], torch.Tensor]:
+        x = self._x[:bucket_rows]
+        tables = [
+            _row_tables(self._tables, start + index, bucket_rows) for index in range(end - start)
+        ]
+        blocks = self.blocks[start:end]
+
+        def run() -> torch.Tensor:
+            with torch.inference_mode():
+                y = x
+                for block, block_tables in zip(blocks, tables, strict=True):
+                    if isinstance(block, LlamaBlock):
+                        assert self._cos is not None and self._sin is not None
+                        y = _llama_step(block, y, block_tables, self._cos, self._sin, bucket_length)
+                    else:
+                        assert self._slopes is not None
+                        y = _bloom_step(block, y, block_tables, self._slopes, bucket_length)
+                return y
+
+        return run
+
+
+def _row_tables(tables: torch.Tensor, block: int, rows: int) -> kernels.RowTables:
+    pointer = _FIRST_POINTER + 2 * block
+    return kernels.RowTables(
+        positions=tables[_POSITIONS, :rows],
+        head_strides=tables[_HEAD_STRIDES, :rows],
+        key_ptrs=tables[pointer, :rows],
+        value_ptrs=tables[pointer + 1, :rows],
+    )
+
+
+def _llama_step(
+    block: LlamaBlock,
+    x: torch.Tensor,
+    tables: kernels.RowTables,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    bucket_length: int,
+) -> torch.Tensor:
+    """:meth:`LlamaBlock.forward_many` for one token per row, the attention through row tables."""
+    attn = block.self_attn
+    rows = x.shape[0]  # x: (rows, 1, hidden)
+    h = block.input_layernorm(x)
+    q = attn.q_proj(h).view(rows, attn.n_head, attn.head_dim)
+    k = attn.k_proj(h).view(rows, attn.n_kv_head, attn.head_dim)
+    v = attn.v_proj(h).view(rows, attn.n_kv_head, attn.head_dim)
+    q = kernels.rows_append(q, k, v, tables, cos=cos, sin=sin)
+    assert q is not None
+    y = kernels.rows_decode_attention(q, attn.n_kv_head, tables, max_length=bucket_length)
+    x = x + attn.o_proj(y.view(rows, 1, attn.n_head * attn.head_dim))
+    return x + block.mlp(block.post_attention_layernorm(x))
+
+
+def _bloom_step(
+    block: BloomBlock,
+    x: torch.Tensor,
+    tables: kernels.RowTables,
+    slopes: torch.Tensor,
+    bucket_length: int,
+) -> torch.Tensor:
+    """:meth:`BloomBlock.forward_many` for one token per row, the attention through row tables."""
+    attn = block.self_attention
+    rows = x.shape[0]  # x: (rows, 1, hidden)
+    normed = block.input_layernorm(x)
+    residual = normed if block.residual_after_norm else x
+    # Megatron's fused layout interleaves per head: [q_h, k_h, v_h] for each head h.
+    qkv = attn.query_key_value(normed).view(rows, attn.n_head, 3, attn.head_dim)
+    q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+    kernels.rows_append(q, k, v, tables)
+    y = kernels.rows_decode_attention(
+        q, attn.n_head, tables, max_length=bucket_length, alibi_slopes=slopes
+    )
+    x = residual + attn.dense(y.view(rows, 1, attn.n_head * attn.head_dim))
+    normed = block.post_attention_layernorm(x)
+    residual = normed if block.residual_after_norm else x
+    return residual + block.mlp(normed)
+
+
+def bucket(value: int, minimum: int = 1) -> int:
+    """The power of two at or above ``value`` (and ``minimum``)."""
+    return max(minimum, 1 << (max(value, 1) - 1).bit_length())

@@ -1,0 +1,214 @@
+"""Decode graphs' row-table steps against the eager ``forward_many``, on CPU.
+
+On CPU nothing is captured: :class:`DecodeGraphs` runs the same step on its static buffers
+eagerly, the row-table kernels through Triton's interpreter.  So these tests cover everything
+but the capture (buckets, tables, padding rows, groups beyond ``max_rows``, sub-spans, the graph
+cache) and compare with the eager path, outputs and caches both.  The capture itself runs in
+``tests/models/test_decode_graphs_cuda.py`` on machines with a GPU.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+from petals_core import ConfigError
+from petals_core.models import BloomBlock, KVCache, LlamaBlock
+from petals_core.models._decode_graphs import (
+    DecodeGraphs,
+    DecodeGraphsConfig,
+    bucket,
+    unsupported_reason,
+)
+
+from ._steps import eager_steps, perturbed, twin
+from .conftest import HIDDEN, tiny_bloom_config, tiny_llama_config
+
+torch.set_num_threads(1)
+
+Block = LlamaBlock | BloomBlock
+TOL: dict[str, Any] = {"atol": 1e-5, "rtol": 1e-5}
+SPAN = 3
+
+
+FAMILIES: dict[str, Callable[[int], Block]] = {
+    "llama-gqa": lambda i: LlamaBlock(tiny_llama_config(), i),
+    "llama3-rope": lambda i: LlamaBlock(
+        tiny_llama_config(
+            rope_scaling={
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 32,
+            }
+        ),
+        i,
+    ),
+    "bloom": lambda i: BloomBlock(tiny_bloom_config(), i),
+    "bloom-residual-post-ln": lambda i: BloomBlock(
+        tiny_bloom_config(apply_residual_connection_post_layernorm=True), i
+    ),
+}
+
+
+def _span(family: str) -> list[Block]:
+    return [perturbed(FAMILIES[family](i), seed=10 + i) for i in range(SPAN)]  # type: ignore[misc]
+
+
+def _sessions(
+    blocks: list[Block], specs: list[tuple[int, int, int]], seed: int = 0
+) -> list[list[KVCache]]:
+    """Each spec (batch, max_length, filled): that many positions prefilled eagerly."""
+    generator = torch.Generator().manual_seed(seed)
+    sessions = []
+    for batch, max_length, filled in specs:
+        caches = [block.allocate_cache(batch, max_length) for block in blocks]
+        x = torch.randn(batch, filled, HIDDEN, generator=generator)
+        with torch.inference_mode():
+            if not filled:
+                sessions.append(caches)
+                continue
+            for block, cache in zip(blocks, caches, strict=True):
+                x = block(x, cache=cache)
+        sessions.append(caches)
+    return sessions
+
+
+def _tokens(specs: list[tuple[int, int, int]], seed: int) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randn(batch, 1, HIDDEN, generator=generator) for batch, _, _ in specs]
+
+
+def _assert_same_caches(a: list[list[KVCache]], b: list[list[KVCache]]) -> None:
+    for caches_a, caches_b in zip(a, b, strict=True):
+        for cache_a, cache_b in zip(caches_a, caches_b, strict=True):
+            assert cache_a.length == cache_b.length
+            filled = slice(0, cache_a.length)
+            torch.testing.assert_close(
+                cache_a.keys[:, :, filled], cache_b.keys[:, :, filled], **TOL
+            )
+            torch.testing.assert_close(
+                cache_a.values[:, :, filled], cache_b.values[:, :, filled], **TOL
+            )
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_steps_equal_the_eager_path(family: str) -> None:
+    """Three sessions of 1, 2 and 1 rows (4 rows: no padding, then 3 rows padded to 4 when the
+    first one is left out), at different lengths and max lengths, over three steps."""
+    blocks = _span(family)
+    specs = [(1, 40, 0), (2, 24, 9), (1, 300, 257)]  # the last one needs a 512 length bucket
+    eager_sessions = _sessions(blocks, specs)
+    graph_sessions = twin(eager_sessions)
+    graphs = DecodeGraphs(blocks, config=DecodeGraphsConfig(min_length_bucket=16))
+    assert not graphs.capture  # CPU: the same step, run eagerly
+    for step in range(3):
+        chosen = [0, 1, 2] if step != 1 else [1, 2]
+        xs = _tokens(specs, seed=step)
+        xs = [xs[i] for i in chosen]
+        expected = eager_steps(blocks, xs, [eager_sessions[i] for i in chosen])
+        actual = graphs.step(0, SPAN, xs, [graph_sessions[i] for i in chosen])
+        assert actual is not None
+        for got, want in zip(actual, expected, strict=True):
+            assert got.shape == want.shape
+            torch.testing.assert_close(got, want, **TOL)
+        _assert_same_caches(graph_sessions, eager_sessions)
+    statistics = graphs.statistics()
+    assert statistics.replays == 3 and statistics.declined == 0
+    # (rows 4, length 512) for steps 0 and 2, (rows 4 from 3, length 512) for step 1: one graph.
+    assert statistics.graphs == statistics.captured == 1
+
+
+def test_groups_beyond_max_rows_and_sub_spans() -> None:
+    blocks = _span("llama-gqa")
+    specs = [(2, 32, 5), (3, 32, 7), (1, 32, 1)]
+    eager_sessions = _sessions(blocks, specs)
+    graph_sessions = twin(eager_sessions)
+    graphs = DecodeGraphs(blocks, config=DecodeGraphsConfig(max_rows=4, min_length_bucket=16))
+    # Blocks 1 and 2 only: the sessions' caches of those blocks.
+    xs = _tokens(specs, seed=5)
+    expected = eager_steps(blocks[1:], xs, [caches[1:] for caches in eager_sessions])
+    actual = graphs.step(1, SPAN, xs, [caches[1:] for caches in graph_sessions])
+    assert actual is not None
+    for got, want in zip(actual, expected, strict=True):
+        torch.testing.assert_close(got, want, **TOL)
+    _assert_same_caches(graph_sessions, eager_sessions)
+    # 2 rows, then 3 + 1 (4 rows): two replays of two buckets.
+    statistics = graphs.statistics()
+    assert statistics.replays == 2 and statistics.graphs == 2
+
+
+def test_the_graph_cache_keeps_the_most_recent() -> None:
+    blocks = _span("bloom")
+    graphs = DecodeGraphs(
+        blocks, config=DecodeGraphsConfig(max_graphs=2, min_length_bucket=16, max_rows=8)
+    )
+    for batch in (1, 2, 4, 1):  # buckets 1, 2, 4, then 1 again (evicted by 4)
+        sessions = _sessions(blocks, [(batch, 20, 3)])
+        assert graphs.step(0, SPAN, _tokens([(batch, 20, 3)], seed=batch), sessions) is not None
+    statistics = graphs.statistics()
+    assert statistics.graphs == 2
+    assert statistics.captured == 4 and statistics.evicted == 2
+
+
+def test_steps_it_declines_change_nothing() -> None:
+    blocks = _span("llama-gqa")
+    graphs = DecodeGraphs(blocks, config=DecodeGraphsConfig(max_rows=2, min_length_bucket=16))
+
+    def declined(xs: list[torch.Tensor], sessions: list[list[KVCache]]) -> None:
+        before = [[(cache.length, cache.keys.clone()) for cache in caches] for caches in sessions]
+        assert graphs.step(0, SPAN, xs, sessions) is None
+        for caches, saved in zip(sessions, before, strict=True):
+            for cache, (length, keys) in zip(caches, saved, strict=True):
+                assert cache.length == length and torch.equal(cache.keys, keys)
+
+    one = _sessions(blocks, [(1, 8, 2)])
+    declined([torch.randn(1, 2, HIDDEN)], one)  # two new tokens
+    declined([torch.randn(1, 1, HIDDEN, dtype=torch.float64)], one)  # another dtype
+    declined([torch.randn(2, 1, HIDDEN)], one)  # rows that do not match the cache
+    declined([torch.randn(1, 1, HIDDEN)] * 2, one * 2)  # one session twice
+    declined([torch.randn(3, 1, HIDDEN)], _sessions(blocks, [(3, 8, 2)]))  # over max_rows
+    full = _sessions(blocks, [(1, 4, 4)])
+    declined([torch.randn(1, 1, HIDDEN)], full)  # no room left
+    padded = _sessions(blocks, [(1, 8, 2)])
+    for cache in padded[0]:
+        cache.set_padding(torch.tensor([1]))
+    declined([torch.randn(1, 1, HIDDEN)], padded)  # left padding: the eager path handles it
+    uneven = _sessions(blocks, [(1, 8, 2)])
+    uneven[0][1].rollback(1)
+    declined([torch.randn(1, 1, HIDDEN)], uneven)  # caches at different lengths
+    declined([torch.randn(1, 1, HIDDEN)], [one[0][:2]])  # caches of fewer blocks than the span
+    assert graphs.statistics().declined == 9
+    assert graphs.statistics().replays == 0
+
+
+def test_unsupported_blocks() -> None:
+    dynamic = LlamaBlock(
+        tiny_llama_config(
+            max_position_embeddings=8, rope_scaling={"rope_type": "dynamic", "factor": 2.0}
+        )
+    )
+    assert "dynamic" in (unsupported_reason([dynamic]) or "")
+    mixed = [LlamaBlock(tiny_llama_config()), BloomBlock(tiny_bloom_config())]
+    assert "only spans" in (unsupported_reason(mixed) or "")
+    assert unsupported_reason([]) == "no blocks"
+    with pytest.raises(ValueError, match="cannot run decode graphs: dynamic"):
+        DecodeGraphs([dynamic])
+    with pytest.raises(ValueError, match="CUDA graphs need blocks on a CUDA device"):
+        DecodeGraphs([LlamaBlock(tiny_llama_config())], capture=True)
+
+
+def test_config_is_checked() -> None:
+    with pytest.raises(ConfigError, match="max_rows must be an int >= 1"):
+        DecodeGraphsConfig(max_rows=0)
+    with pytest.raises(ConfigError, match="max_graphs"):
+        DecodeGraphsConfig(max_graphs=True)
+
+
+def test_bucket() -> None:
+    assert [bucket(n) for n in (1, 2, 3, 4, 5, 64, 65)] == [1, 2, 4, 4, 8, 64, 128]
+    assert bucket(3, 256) == 256 and bucket(257, 256) == 512
