@@ -48,8 +48,9 @@ from huggingface_hub.errors import EntryNotFoundError, HfHubHTTPError, HFValidat
 from .._errors import ConfigError, PetalsError
 from ..models import AutoDistributedConfig, DistributedConfig, QuantType
 from ..models._smollm2 import SMOLLM2_REPO_ID
+from ._defaults import choose_defaults
 from ._handler import ServingLimits
-from ._server import SMOLLM2, ServerConfig, open_server, resolve_dtype, resolve_model
+from ._server import SMOLLM2, ServerConfig, open_server, resolve_model
 from ._throughput import ThroughputInfo, get_server_throughput
 
 __all__ = ["config_from_args", "main", "parse_nbytes"]
@@ -588,15 +589,13 @@ def dry_run(config: ServerConfig) -> ThroughputInfo:
     """Measure (or read from the cache) the throughput this server would announce, serving
     nothing: the model's config only, no blocks loaded, no node started."""
     _, config, model_config = _model_config(config)
-    device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    dtype = resolve_dtype(config.torch_dtype, model_config, device)
-    total = int(model_config.num_hidden_layers)
+    defaults = choose_defaults(config, model_config)
     return get_server_throughput(
         model_config,
-        device=device,
-        dtype=dtype,
-        quant_type=config.quant_type,
-        num_blocks=_served_count(config, total),
+        device=defaults.device,
+        dtype=defaults.dtype,
+        quant_type=defaults.quant_type,
+        num_blocks=defaults.num_blocks,
         cache_dir=Path(config.cache_dir or Path.home() / ".cache" / "petals_core"),
         network_bandwidth_bits_per_s=config.network_bandwidth_bits_per_s,
     )
