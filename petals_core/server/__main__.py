@@ -48,7 +48,7 @@ from huggingface_hub.errors import EntryNotFoundError, HfHubHTTPError, HFValidat
 from .._errors import ConfigError, PetalsError
 from ..models import AutoDistributedConfig, DistributedConfig, QuantType
 from ..models._smollm2 import SMOLLM2_REPO_ID
-from ._defaults import choose_defaults
+from ._defaults import DEFAULT_ATTN_CACHE_TOKENS, choose_defaults
 from ._handler import ServingLimits
 from ._server import SMOLLM2, ServerConfig, open_server, resolve_model
 from ._throughput import ThroughputInfo, get_server_throughput
@@ -197,7 +197,8 @@ def _parser() -> argparse.ArgumentParser:
         "--num_blocks",
         type=_positive_int,
         help="how many consecutive blocks to serve, placed where the swarm needs them most "
-        "(default: all blocks of the model)",
+        "(default: on CUDA as many as fit in free GPU memory with their attention cache and a "
+        "reserve for autograd, elsewhere all blocks of the model)",
     )
     blocks.add_argument(
         "--block_indices",
@@ -210,16 +211,17 @@ def _parser() -> argparse.ArgumentParser:
         choices=["auto", "float32", "bfloat16", "float16"],
         default=config.torch_dtype,
         help="dtype of the blocks; auto (default): float32 on CPU, else the checkpoint's dtype "
-        "or bfloat16",
+        "if float16 or bfloat16, otherwise bfloat16",
     )
     blocks.add_argument(
         "--device", help="torch device, e.g. cuda:0 (default: cuda if available, else cpu)"
     )
     blocks.add_argument(
         "--quant_type",
-        choices=list(get_args(QuantType)),
-        default=config.quant_type,
-        help=f"quantise the blocks' linear layers (default: {config.quant_type})",
+        choices=["auto", *get_args(QuantType)],
+        default="auto",
+        help="quantise the blocks' linear layers; auto (default): nf4 on CUDA (none if "
+        "bitsandbytes cannot run there), none elsewhere",
     )
     blocks.add_argument(
         "--adapters",
@@ -318,7 +320,8 @@ def _parser() -> argparse.ArgumentParser:
     serving.add_argument(
         "--attn_cache_tokens",
         type=_positive_int,
-        help="attention cache, in tokens (positions of one row) per served block (default: 16384)",
+        help="attention cache, in tokens (positions of one row) per served block "
+        f"(default: {DEFAULT_ATTN_CACHE_TOKENS})",
     )
     serving.add_argument(
         "--max_batch_size",
@@ -410,7 +413,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         block_indices=args.block_indices,
         torch_dtype=args.torch_dtype,
         device=args.device,
-        quant_type=args.quant_type,
+        quant_type=None if args.quant_type == "auto" else args.quant_type,
         identity_path=args.identity_path,
         host=args.host,
         port=args.port,
