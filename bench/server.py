@@ -298,6 +298,7 @@ async def _serve_and_measure(model: _Model, batching: bool) -> list[SessionsResu
         host="127.0.0.1",
         block_indices=model.blocks,
         torch_dtype="float32",
+        quant_type="none",
         throughput=1.0,
         cache_dir=model.cache_dir,
         limits=ServingLimits(batch_steps=batching),

@@ -9,11 +9,15 @@ Run it as ``python -m petals_core.server MODEL [options]``.  Its parts:
 - :class:`BlockBackend` / :class:`BlockServer`: the blocks and the RPCs over them (sessions,
   forward, backward, info; the messages are described in ``_protocol``);
 - :func:`open_server`: the whole life of a server in the swarm (:class:`ServerConfig`);
+- :class:`ServingDefaults`: the device, dtype, quantisation and number of blocks a server
+  chooses when not told, Petals' defaults (on CUDA: nf4, and as many blocks as fit, see
+  :class:`BlockBudget`);
 - :func:`get_server_throughput`: the throughput a server announces, measured once per device,
   dtype and quantisation and cached on disk.
 """
 
 from ._backend import BlockBackend as BlockBackend
+from ._defaults import BlockBudget as BlockBudget, ServingDefaults as ServingDefaults
 from ._handler import (
     BlockServer as BlockServer,
     BlockServerStatistics as BlockServerStatistics,

@@ -48,8 +48,9 @@ from huggingface_hub.errors import EntryNotFoundError, HfHubHTTPError, HFValidat
 from .._errors import ConfigError, PetalsError
 from ..models import AutoDistributedConfig, DistributedConfig, QuantType
 from ..models._smollm2 import SMOLLM2_REPO_ID
+from ._defaults import DEFAULT_ATTN_CACHE_TOKENS, choose_defaults
 from ._handler import ServingLimits
-from ._server import SMOLLM2, ServerConfig, open_server, resolve_dtype, resolve_model
+from ._server import SMOLLM2, ServerConfig, open_server, resolve_model
 from ._throughput import ThroughputInfo, get_server_throughput
 
 __all__ = ["config_from_args", "main", "parse_nbytes"]
@@ -196,7 +197,8 @@ def _parser() -> argparse.ArgumentParser:
         "--num_blocks",
         type=_positive_int,
         help="how many consecutive blocks to serve, placed where the swarm needs them most "
-        "(default: all blocks of the model)",
+        "(default: on CUDA as many as fit in free GPU memory with their attention cache and a "
+        "reserve for autograd, elsewhere all blocks of the model)",
     )
     blocks.add_argument(
         "--block_indices",
@@ -209,16 +211,17 @@ def _parser() -> argparse.ArgumentParser:
         choices=["auto", "float32", "bfloat16", "float16"],
         default=config.torch_dtype,
         help="dtype of the blocks; auto (default): float32 on CPU, else the checkpoint's dtype "
-        "or bfloat16",
+        "if float16 or bfloat16, otherwise bfloat16",
     )
     blocks.add_argument(
         "--device", help="torch device, e.g. cuda:0 (default: cuda if available, else cpu)"
     )
     blocks.add_argument(
         "--quant_type",
-        choices=list(get_args(QuantType)),
-        default=config.quant_type,
-        help=f"quantise the blocks' linear layers (default: {config.quant_type})",
+        choices=["auto", *get_args(QuantType)],
+        default="auto",
+        help="quantise the blocks' linear layers; auto (default): nf4 on CUDA (none if "
+        "bitsandbytes cannot run there), none elsewhere",
     )
     blocks.add_argument(
         "--no_cuda_graphs",
@@ -322,7 +325,8 @@ def _parser() -> argparse.ArgumentParser:
     serving.add_argument(
         "--attn_cache_tokens",
         type=_positive_int,
-        help="attention cache, in tokens (positions of one row) per served block (default: 16384)",
+        help="attention cache, in tokens (positions of one row) per served block "
+        f"(default: {DEFAULT_ATTN_CACHE_TOKENS})",
     )
     serving.add_argument(
         "--max_batch_size",
@@ -414,7 +418,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         block_indices=args.block_indices,
         torch_dtype=args.torch_dtype,
         device=args.device,
-        quant_type=args.quant_type,
+        quant_type=None if args.quant_type == "auto" else args.quant_type,
         cuda_graphs=not args.no_cuda_graphs,
         identity_path=args.identity_path,
         host=args.host,
@@ -594,15 +598,13 @@ def dry_run(config: ServerConfig) -> ThroughputInfo:
     """Measure (or read from the cache) the throughput this server would announce, serving
     nothing: the model's config only, no blocks loaded, no node started."""
     _, config, model_config = _model_config(config)
-    device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    dtype = resolve_dtype(config.torch_dtype, model_config, device)
-    total = int(model_config.num_hidden_layers)
+    defaults = choose_defaults(config, model_config)
     return get_server_throughput(
         model_config,
-        device=device,
-        dtype=dtype,
-        quant_type=config.quant_type,
-        num_blocks=_served_count(config, total),
+        device=defaults.device,
+        dtype=defaults.dtype,
+        quant_type=defaults.quant_type,
+        num_blocks=defaults.num_blocks,
         cache_dir=Path(config.cache_dir or Path.home() / ".cache" / "petals_core"),
         network_bandwidth_bits_per_s=config.network_bandwidth_bits_per_s,
     )

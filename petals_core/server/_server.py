@@ -7,7 +7,9 @@
    block RPCs (:class:`BlockServer`) are served together.  The server follows its model's topic,
    so it sees the swarm by DHT reads and gossip.
 2. Blocks: ``block_indices`` if given, else :func:`choose_best_blocks` over the swarm's
-   throughput per block (after one read of the peer table).  It announces JOINING for them
+   throughput per block (after one read of the peer table).  How many: ``num_blocks``, else on
+   CUDA as many as fit in free memory, else all (:mod:`._defaults`, with the dtype and the
+   quantisation).  It announces JOINING for them
    before loading (so others see what is coming) and ONLINE once it serves.
 3. Loading reads only the shards holding those blocks, casts, quantises and adds the LoRA
    adapters, in a worker thread.
@@ -28,7 +30,7 @@ import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any, Final, Literal
+from typing import Any, Final, Literal, get_args
 
 import attrs
 import torch
@@ -62,6 +64,7 @@ from ..transport import (
     open_node,
 )
 from ._backend import Block, BlockBackend
+from ._defaults import DEFAULT_ATTN_CACHE_TOKENS, ServingDefaults, choose_defaults
 from ._handler import BlockServer, ServingLimits
 from ._memory_cache import MemoryCache
 from ._task_pool import open_task_pool
@@ -84,6 +87,16 @@ def _dtype_name(instance: object, attribute: attrs.Attribute[str], value: str) -
         raise ConfigError(f"torch_dtype {value!r} is not a torch dtype (or 'auto')")
 
 
+def _quant_type(
+    instance: object, attribute: attrs.Attribute[QuantType | None], value: object
+) -> None:
+    if value is not None and value not in get_args(QuantType):
+        raise ConfigError(
+            f"quant_type {value!r} is not one of {', '.join(get_args(QuantType))} "
+            "(or None: nf4 on CUDA, none elsewhere)"
+        )
+
+
 @attrs.frozen(kw_only=True)
 class ServerConfig:
     """Everything a server is told; the command-line flags map onto these fields one to one."""
@@ -93,7 +106,8 @@ class ServerConfig:
     block_indices: tuple[int, int] | None = None
     torch_dtype: str = attrs.field(default="auto", validator=_dtype_name)
     device: str | None = None
-    quant_type: QuantType = "none"
+    #: None: nf4 on CUDA (when bitsandbytes runs there), none elsewhere.
+    quant_type: QuantType | None = attrs.field(default=None, validator=_quant_type)
     #: On CUDA, replay decode steps from CUDA graphs (see ``DecodeGraphs``).
     cuda_graphs: bool = True
     identity_path: str | None = None
@@ -162,8 +176,7 @@ class Server:
         dht: DHTNode,
         topic: Topic,
         block_server: BlockServer,
-        device: torch.device,
-        dtype: torch.dtype,
+        defaults: ServingDefaults,
         rng: random.Random,
     ) -> None:
         self.config = config
@@ -172,8 +185,10 @@ class Server:
         self.dht = dht
         self.topic = topic
         self.block_server = block_server
-        self.device = device
-        self.dtype = dtype
+        self.defaults = defaults
+        self.device = defaults.device
+        self.dtype = defaults.dtype
+        self.quant_type: QuantType = defaults.quant_type
         self._rng = rng
         self.backend: BlockBackend | None = None
         self.throughput: ThroughputInfo | float | None = None
@@ -227,7 +242,7 @@ class Server:
             end_block=self.blocks.stop,
             version=__version__,
             torch_dtype=str(self.dtype).removeprefix("torch."),
-            quant_type=self.config.quant_type,
+            quant_type=self.quant_type,
             public_name=self.config.public_name,
             adapters=tuple(sorted(backend.adapters)) if backend is not None else (),
             cache_tokens_left=self.block_server.cache_tokens_left if backend is not None else None,
@@ -304,21 +319,14 @@ class Server:
             del backend
 
     def _cache_bytes(self, backend: BlockBackend) -> int:
-        tokens = self.config.attn_cache_tokens
-        if tokens is None:
-            tokens = 16384
+        tokens = self.config.attn_cache_tokens or DEFAULT_ATTN_CACHE_TOKENS
         return tokens * backend.cache_bytes_per_token * (backend.end - backend.start)
 
     async def _choose_blocks(self) -> range:
         total = self.num_blocks_total
         if self.config.block_indices is not None:
-            start, end = self.config.block_indices
-            if end > total:
-                raise ConfigError(
-                    f"--block_indices {start}:{end} goes beyond the model's {total} blocks"
-                )
-            return range(start, end)
-        wanted = min(self.config.num_blocks or total, total)
+            return range(*self.config.block_indices)  # within the model: checked by the defaults
+        wanted = self.defaults.num_blocks
         await self.topic.wait_snapshot(lambda _: self.topic.refreshes >= 1)
         spans = spans_from_snapshot(self.topic.snapshot(), total)
         spans.pop(str(self.dht.peer_id), None)
@@ -346,7 +354,7 @@ class Server:
             )
             block.load_state_dict(states.pop(index))
             block = block.to(self.device, self.dtype)
-            quantize_block(block, cfg.quant_type)
+            quantize_block(block, self.quant_type)
             built.append(block)
         for name in cfg.adapters:
             adapter = load_lora_adapter(
@@ -381,7 +389,7 @@ class Server:
             self.model_config,
             device=self.device,
             dtype=self.dtype,
-            quant_type=cfg.quant_type,
+            quant_type=self.quant_type,
             num_blocks=len(self.blocks),
             cache_dir=cache_dir,
             network_bandwidth_bits_per_s=cfg.network_bandwidth_bits_per_s,
@@ -449,19 +457,6 @@ def resolve_model(config: ServerConfig) -> tuple[str, ServerConfig]:
     return config.model, config
 
 
-def resolve_dtype(name: str, model_config: DistributedConfig, device: torch.device) -> torch.dtype:
-    if name != "auto":
-        return getattr(torch, name)
-    if device.type == "cpu":
-        return torch.float32  # bf16 matmuls on CPUs without AMX are slower than fp32
-    stored = getattr(model_config, "dtype", None) or getattr(model_config, "torch_dtype", None)
-    if isinstance(stored, torch.dtype) and stored != torch.float32:
-        return stored
-    if isinstance(stored, str) and stored not in ("float32", "auto"):
-        return getattr(torch, stored)
-    return torch.bfloat16
-
-
 @asynccontextmanager
 async def open_server(
     config: ServerConfig, *, identity: Identity | None = None, seed: int | None = None
@@ -487,8 +482,7 @@ async def open_server(
             local_files_only=config.local_files_only,
         )
     )
-    device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    dtype = resolve_dtype(config.torch_dtype, model_config, device)
+    defaults = await trio.to_thread.run_sync(choose_defaults, config, model_config)
     if identity is None:
         identity = load_or_create_identity(config.identity_path) if config.identity_path else None
     block_server = BlockServer(config.limits, version=__version__)
@@ -521,7 +515,7 @@ async def open_server(
             return await node.connect(address)
 
         block_server.connect_peer = connect_peer
-        server = Server(config, model_config, model, dht, topic, block_server, device, dtype, rng)
+        server = Server(config, model_config, model, dht, topic, block_server, defaults, rng)
         async with trio.open_nursery() as nursery:
             await nursery.start(server._run)
             try:

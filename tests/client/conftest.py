@@ -98,6 +98,7 @@ class InProcessSwarm:
             "host": "127.0.0.1",
             "throughput": 1.0,
             "torch_dtype": "float32",
+            "quant_type": "none",  # the tests compare with unquantised models, on CUDA too
             "cache_dir": str(self._cache_dir / name),
         }
         async with AsyncExitStack() as stack:

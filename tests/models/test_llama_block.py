@@ -117,6 +117,19 @@ def test_parameter_names_are_transformers_layer_names(bias: bool) -> None:
 
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_builds_on_the_meta_device_with_real_frequencies(name: str) -> None:
+    """Counting a block's parameters builds it on "meta"; the rotary frequencies stay real."""
+    config = CONFIGS[name]
+    with torch.device("meta"):
+        block = LlamaBlock(config)
+    assert {parameter.device.type for parameter in block.parameters()} == {"meta"}
+    assert sum(p.numel() for p in block.parameters()) == sum(
+        p.numel() for p in LlamaBlock(config).parameters()
+    )
+    torch.testing.assert_close(block.rotary.inv_freq, LlamaRotary(config).inv_freq, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
 def test_rotary_equals_transformers(name: str) -> None:
     config = CONFIGS[name]
     ours = LlamaRotary(config)

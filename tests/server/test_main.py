@@ -200,6 +200,18 @@ def test_inline_compute_flag_reaches_the_serving_limits() -> None:
     assert set_.limits.inline_compute_s == pytest.approx(0.0025)
 
 
+def test_dtype_quantisation_and_block_count_default_to_auto() -> None:
+    """Unset, they are decided when the server starts (nf4 and as many blocks as fit on CUDA);
+    ``--quant_type none`` forces unquantised blocks on CUDA too."""
+    parser = _parser()
+    default = config_from_args(parser.parse_args(["model", "--new_swarm"]))
+    assert (default.torch_dtype, default.quant_type) == ("auto", None)
+    assert (default.num_blocks, default.block_indices, default.attn_cache_tokens) == (None,) * 3
+    for flag, expected in [("auto", None), ("none", "none"), ("int8", "int8"), ("nf4", "nf4")]:
+        args = parser.parse_args(["model", "--new_swarm", "--quant_type", flag])
+        assert config_from_args(args).quant_type == expected
+
+
 def test_parse_nbytes() -> None:
     assert parse_nbytes("10GB") == 10 * 10**9
     assert parse_nbytes("500MB") == 500 * 10**6

@@ -79,7 +79,10 @@ class LlamaRotary:
             if self.rope_type == "default"
             else ROPE_INIT_FUNCTIONS[self.rope_type]
         )
-        inv_freq, self.attention_scaling = self._init(config)
+        # On the CPU whatever the default device: a block built on "meta" (to count its
+        # parameters) still gets real frequencies.
+        with torch.device("cpu"):
+            inv_freq, self.attention_scaling = self._init(config)
         # A plain attribute, not a buffer, so that ``block.to(bfloat16)`` leaves it in float32.
         self.inv_freq = inv_freq  # (head_dim // 2,) float32
         self.original_max_length: int = config.max_position_embeddings
