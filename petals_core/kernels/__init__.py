@@ -11,7 +11,10 @@ from ._cpu_blas import (
     set_cpu_blas as set_cpu_blas,
 )
 from ._dispatch import (
+    DispatchChoice as DispatchChoice,
+    DispatchTable as DispatchTable,
     attention as attention,
+    dispatch_table as dispatch_table,
     rms_norm as rms_norm,
     rotary as rotary,
     rotary_append as rotary_append,

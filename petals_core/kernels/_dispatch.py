@@ -1,7 +1,13 @@
 """Choose each kernel's implementation by device: Triton on CUDA, the torch reference elsewhere.
 
-Kernels launch inside ``torch.cuda.device(<the tensors' device>)``: Triton launches on the current
-device, which for a block on ``cuda:1`` need not be the tensors' own.
+Attention on CUDA (without ALiBi, which only the Triton kernels compute exactly in 16 bits) has two
+candidates, the Triton kernels and torch's SDPA, and which is faster depends on the card, the
+shape and how costly a launch is on the host.  So the first call of each shape bucket times both
+(:class:`DispatchTable`) and later calls in the bucket take the faster; ``dispatch_table()``
+tells what was measured and chosen.  During a CUDA graph capture nothing can be timed: Triton runs.
+
+Kernels launch on the tensors' device: Triton launches on the current device, which for a block
+on ``cuda:1`` need not be the tensors' own.
 
 The Triton kernels are imported only when a CUDA tensor first needs them, so CPU-only programs never
 import triton.
@@ -9,9 +15,14 @@ import triton.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
+import threading
+import time
+from collections.abc import Callable, Iterator
 
+import attrs
 import torch
 import torch.nn.functional as F
 
@@ -22,7 +33,114 @@ from ._reference import (
     rotary_reference,
 )
 
-__all__ = ["attention", "rms_norm", "rotary", "rotary_append", "triton_usable"]
+__all__ = [
+    "DispatchChoice",
+    "DispatchTable",
+    "attention",
+    "dispatch_table",
+    "rms_norm",
+    "rotary",
+    "rotary_append",
+    "triton_usable",
+]
+
+
+@attrs.frozen(kw_only=True)
+class DispatchChoice:
+    """What one shape bucket runs: ``choice`` (a candidate's name), after timing each candidate
+    (``seconds``: mean seconds per call, launch included)."""
+
+    key: tuple[object, ...]
+    choice: str
+    seconds: dict[str, float]
+
+
+class DispatchTable:
+    """The faster of several implementations per key, timed on the key's first call.
+
+    ``timer`` runs a candidate ``repeats`` times and returns the seconds per call (on CUDA:
+    synchronised wall-clock time, so the host's launch cost counts, as it does for a real call).
+    Candidates must have no side effects: each runs ``1 + repeats`` times.
+    """
+
+    def __init__(self, *, repeats: int = 5) -> None:
+        self._repeats = repeats
+        self._choices: dict[tuple[object, ...], DispatchChoice] = {}
+        self._lock = threading.Lock()
+
+    def choose(
+        self,
+        key: tuple[object, ...],
+        candidates: dict[str, Callable[[], object]],
+        *,
+        synchronize: Callable[[], None] = lambda: None,
+    ) -> str:
+        known = self._choices.get(key)
+        if known is not None:
+            return known.choice
+        with self._lock:
+            known = self._choices.get(key)
+            if known is not None:
+                return known.choice
+            seconds = {}
+            for name, candidate in candidates.items():
+                candidate()  # compiles, allocates, warms caches
+                synchronize()
+                started = time.perf_counter()
+                for _ in range(self._repeats):
+                    candidate()
+                synchronize()
+                seconds[name] = (time.perf_counter() - started) / self._repeats
+            choice = min(seconds, key=seconds.__getitem__)
+            self._choices[key] = DispatchChoice(key=key, choice=choice, seconds=seconds)
+            return choice
+
+    def snapshot(self) -> list[DispatchChoice]:
+        return list(self._choices.values())
+
+
+#: The process's attention choices on CUDA.
+_ATTENTION_CHOICES = DispatchTable()
+
+
+def dispatch_table() -> list[DispatchChoice]:
+    """Every attention choice made so far in this process (CUDA shape buckets), with the timings
+    it was made from."""
+    return _ATTENTION_CHOICES.snapshot()
+
+
+def _bucket(value: int) -> int:
+    return 1 << (max(value, 1) - 1).bit_length()
+
+
+def _attention_key(q: torch.Tensor, k: torch.Tensor, query_offset: int) -> tuple[object, ...]:
+    """Calls in one bucket cost about the same: same device, dtype and heads, and batch, new
+    tokens and keys within a factor of two; whether the queries end the cache decides SDPA's
+    mask (none, causal or explicit)."""
+    batch, n_head, new, head_dim = q.shape
+    length = k.shape[2]
+    return (
+        q.device.index,
+        q.dtype,
+        n_head,
+        k.shape[1],
+        head_dim,
+        _bucket(batch),
+        _bucket(new),
+        _bucket(length),
+        query_offset + new == length,
+        query_offset == 0,
+    )
+
+
+@contextlib.contextmanager
+def _on(device: torch.device) -> Iterator[None]:
+    """Make ``device`` current while launching (a no-op when it already is)."""
+    if device.index is None or device.index == torch.cuda.current_device():
+        yield
+        return
+    with torch.cuda.device(device):
+        yield
 
 
 def attention(
@@ -37,10 +155,11 @@ def attention(
 ) -> torch.Tensor:
     """See :func:`attention_reference` for shapes and semantics.
 
-    On CUDA: the flash-decoding kernel for up to 16 new tokens, the prefill kernel beyond.
-    Elsewhere, and whenever autograd needs a backward: without ALiBi, torch's fused SDPA with the
-    same semantics (called as transformers' SDPA attention calls it, so LLaMA blocks match
-    transformers' default attention); with ALiBi, the reference (as transformers' BLOOM), except
+    On CUDA: the flash-decoding kernel for up to 16 new tokens, the prefill kernel beyond, or
+    torch's SDPA where the shape's bucket measured it faster (not with ALiBi).  Elsewhere, and
+    whenever autograd needs a backward: without ALiBi, torch's fused SDPA with the same semantics
+    (called as transformers' SDPA attention calls it, so LLaMA blocks match transformers' default
+    attention); with ALiBi, the reference (as transformers' BLOOM), except
     for an fp32 decode step (one query at the end of the cache), which gives the ALiBi term to
     SDPA as an additive mask: half the ops of the reference, the same scores.
     """
@@ -58,10 +177,24 @@ def attention(
     if q.is_cuda and _use_triton(q, k, v):
         from . import _triton_attention
 
-        with torch.cuda.device(q.device):
-            return _triton_attention.attention(
-                q, k, v, query_offset=query_offset, scale=scale, alibi_slopes=alibi_slopes
-            )
+        def triton_attention() -> torch.Tensor:
+            with _on(q.device):
+                return _triton_attention.attention(
+                    q, k, v, query_offset=query_offset, scale=scale, alibi_slopes=alibi_slopes
+                )
+
+        if alibi_slopes is not None or torch.cuda.is_current_stream_capturing():
+            return triton_attention()
+        choice = _ATTENTION_CHOICES.choose(
+            _attention_key(q, k, query_offset),
+            {
+                "triton": triton_attention,
+                "sdpa": lambda: _sdpa_attention(q, k, v, query_offset=query_offset, scale=scale),
+            },
+            synchronize=functools.partial(torch.cuda.synchronize, q.device),
+        )
+        if choice == "triton":
+            return triton_attention()
     if alibi_slopes is None:
         return _sdpa_attention(q, k, v, query_offset=query_offset, scale=scale)
     if (
@@ -127,7 +260,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if x.is_cuda and _use_triton(x, weight):
         from . import _triton_norm
 
-        with torch.cuda.device(x.device):
+        with _on(x.device):
             return _triton_norm.rms_norm(x, weight, eps)
     return rms_norm_reference(x, weight, eps)
 
@@ -136,7 +269,7 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     if x.is_cuda and cos.shape[0] == 1 and _use_triton(x, cos, sin):
         from . import _triton_rotary
 
-        with torch.cuda.device(x.device):
+        with _on(x.device):
             return _triton_rotary.rotary(x, cos, sin)
     return rotary_reference(x, cos, sin)
 
@@ -159,7 +292,7 @@ def rotary_append(
     if q.is_cuda and cos.shape[0] == 1 and _use_triton(q, k, v, cos, sin):
         from . import _triton_rotary
 
-        with torch.cuda.device(q.device):
+        with _on(q.device):
             return _triton_rotary.rotary_append(
                 q, k, v, cos, sin, keys=keys, values=values, start=start
             )

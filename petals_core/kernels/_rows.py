@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import torch
 
+from ._dispatch import _on
+
 __all__ = ["RowTables", "rows_append", "rows_decode_attention"]
 
 
@@ -70,7 +72,7 @@ def rows_append(
 
     if not k.is_cuda:
         return _triton_rows.rows_append(q, k, v, tables, cos=cos, sin=sin)
-    with torch.cuda.device(k.device):
+    with _on(k.device):
         return _triton_rows.rows_append(q, k, v, tables, cos=cos, sin=sin)
 
 
@@ -90,7 +92,7 @@ def rows_decode_attention(
         return _triton_rows.rows_decode_attention(
             q, n_kv_head, tables, max_length=max_length, scale=scale, alibi_slopes=alibi_slopes
         )
-    with torch.cuda.device(q.device):
+    with _on(q.device):
         return _triton_rows.rows_decode_attention(
             q, n_kv_head, tables, max_length=max_length, scale=scale, alibi_slopes=alibi_slopes
         )

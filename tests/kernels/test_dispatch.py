@@ -1,11 +1,20 @@
-"""The CPU dispatch of attention: torch's SDPA must keep the reference's semantics."""
+"""The dispatch of attention: on CPU torch's SDPA must keep the reference's semantics; on CUDA a
+measured table picks between implementations."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import pytest
 import torch
 
-from petals_core.kernels import alibi_slopes, attention, attention_reference
+from petals_core.kernels import (
+    DispatchTable,
+    alibi_slopes,
+    attention,
+    attention_reference,
+    dispatch_table,
+)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -55,3 +64,38 @@ def test_alibi_decode_path_matches_the_reference(heads: int, length: int) -> Non
         assert torch.equal(
             early, attention_reference(q, k, v, query_offset=length - 2, alibi_slopes=slopes)
         )
+
+
+def test_dispatch_table_times_each_candidate_once_per_key() -> None:
+    calls = {"a": 0, "b": 0}
+    synchronized = []
+
+    def candidate(name: str) -> Callable[[], None]:
+        def run() -> None:
+            calls[name] += 1
+
+        return run
+
+    table = DispatchTable(repeats=3)
+    candidates = {"a": candidate("a"), "b": candidate("b")}
+    first = table.choose(("x", 1), candidates, synchronize=lambda: synchronized.append(1))
+    assert calls == {"a": 4, "b": 4}  # a warm-up call, then the timed ones
+    assert len(synchronized) == 4  # before and after each candidate's timed calls
+    (entry,) = table.snapshot()
+    assert entry.key == ("x", 1) and entry.choice == first
+    assert set(entry.seconds) == {"a", "b"}
+    assert entry.seconds[first] == min(entry.seconds.values())
+    # Known key: nothing runs again; a new key is timed afresh.
+    assert table.choose(("x", 1), candidates) == first
+    assert calls == {"a": 4, "b": 4}
+    table.choose(("x", 2), candidates)
+    assert calls == {"a": 8, "b": 8}
+    assert [choice.key for choice in table.snapshot()] == [("x", 1), ("x", 2)]
+
+
+def test_cpu_attention_makes_no_dispatch_choices() -> None:
+    """Choices are for CUDA shapes; CPU attention goes its fixed way without timing anything."""
+    before = len(dispatch_table())
+    q, k = torch.randn(1, 2, 1, 8), torch.randn(1, 2, 4, 8)
+    attention(q, k, k, query_offset=3)
+    assert len(dispatch_table()) == before
