@@ -57,6 +57,14 @@ def bench(session: nox.Session) -> None:
     session.run("python", "-m", "bench", *session.posargs, env=_one_thread(session))
 
 
+@nox.session(python=False)
+def gpu(session: nox.Session) -> None:
+    """The GPU benchmark (``python -m bench.gpu``) on this machine's own Python, whose CUDA
+    build of torch and triton it needs: nothing is installed (``nox -s gpu -- --phases
+    kernels`` runs a part).  bench/README.md says what a bare CUDA machine lacks."""
+    session.run("python", "-m", "bench.gpu", *session.posargs, env={"PYTHONUNBUFFERED": "1"})
+
+
 @nox.session
 def demo(session: nox.Session) -> None:
     """Show what the project does so far (extra arguments pass to the demo)."""

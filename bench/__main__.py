@@ -21,7 +21,7 @@ BENCHMARKS = {
     "swarm": "bench.swarm",
 }
 # Run only when named: needs a CUDA GPU.
-ON_DEMAND = {"kernels_cuda": "bench.kernels_cuda"}
+ON_DEMAND = {"kernels_cuda": "bench.kernels_cuda", "gpu": "bench.gpu"}
 
 
 def main() -> None:

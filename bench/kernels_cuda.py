@@ -1,11 +1,15 @@
-"""Triton kernels on a CUDA GPU: parity with the torch references, then decode-attention speed.
+"""Triton kernels on a CUDA GPU: parity with the torch references, then attention speed.
 
-Parity: every kernel (decode and prefill attention, RMSNorm, rotary, fused rotary + cache append)
-against its reference on the same CUDA tensors.  Speed: one decode step (T=1) of LLaMA-like GQA
-attention (32 heads, 8 kv heads, head_dim 128, bf16) over cache prefix views of 1k, 4k and 16k
-positions, batch 1 and 8, as achieved GB/s of K/V read, next to the card's peak memory bandwidth
-and to ``torch.nn.functional.scaled_dot_product_attention`` on the same views.  Takes about a
-minute on an H100/H200, most of it compiling.
+Parity: every kernel (decode and prefill attention, RMSNorm, rotary, fused rotary + cache append,
+the row-table append and decode attention) against its reference on the same CUDA tensors.
+
+Speed: one decode step (T=1) of LLaMA-like GQA attention (32 heads, 8 kv heads, head_dim 128,
+bf16) over cache prefix views of 1k, 4k and 16k positions, batch 1 and 8, four ways: the
+dispatched attention eagerly (launch included; the dispatch's choice is shown), torch's SDPA
+eagerly, and both replayed from a CUDA graph (the row-table kernel, which is what decode graphs
+run, and SDPA).  GB/s of K/V read are set against the card's peak memory bandwidth.  Then the
+row-table kernel at other split counts and tiles, and prefill attention (Triton against SDPA,
+with the dispatch's choice).  Takes about a minute on an H100/H200, most of it compiling.
 
 Run from the repository root with ``python -m bench.kernels_cuda`` (or ``python
 bench/kernels_cuda.py``); writes ``bench/results/kernels_cuda.json``.  Exits non-zero if a
@@ -21,12 +25,15 @@ from typing import Any
 if __package__ in (None, ""):  # run as a file: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 import triton
 from triton.testing import do_bench
 
 from bench._report import print_table, write_json
+from petals_core import kernels
 from petals_core.kernels import _dispatch
 from petals_core.kernels._reference import (
     alibi_slopes,
@@ -34,6 +41,8 @@ from petals_core.kernels._reference import (
     rms_norm_reference,
     rotary_append_reference,
     rotary_reference,
+    rows_append_reference,
+    rows_attention_reference,
 )
 
 N_HEAD, N_KV_HEAD, HEAD_DIM = 32, 8, 128
@@ -46,14 +55,22 @@ _PEAK_BANDWIDTH = {"H200": 4.8e12, "H100": 3.35e12, "A100": 2.0e12}
 def main() -> None:
     if not torch.cuda.is_available():
         raise SystemExit("bench.kernels_cuda needs a CUDA GPU: torch.cuda.is_available() is False")
+    results = measure(torch.device("cuda"))
+    write_json("kernels_cuda", results)
+    failed = [p for p in results["parity"] if not p["ok"]]
+    if failed:
+        raise SystemExit(f"{len(failed)} parity checks failed")
+
+
+def measure(device: torch.device) -> dict[str, Any]:
+    """Parity, then speed; prints the tables and returns what ``main`` writes as JSON."""
     torch.manual_seed(0)
-    device = torch.device("cuda")
     properties = torch.cuda.get_device_properties(device)
     peak = _peak_bandwidth(properties)
     print(f"{properties.name}: {properties.multi_processor_count} SMs, peak memory bandwidth "
           f"{'unknown' if peak is None else f'{peak / 1e9:.0f} GB/s'}")  # fmt: skip
 
-    parity = _parity(device)
+    parity = _parity(device) + _rows_parity(device)
     print_table(
         "parity with the torch references (CUDA)",
         ["kernel", "case", "dtype", "max abs err", "allowed", "ok"],
@@ -63,31 +80,48 @@ def main() -> None:
 
     speed = [_decode_speed(device, batch, length, peak) for batch in BATCHES for length in LENGTHS]
     print_table(
-        f"decode attention, T=1, {N_HEAD}/{N_KV_HEAD} heads, head_dim {HEAD_DIM}, bf16",
-        ["B", "S", "K/V MB", "triton us", "triton GB/s", "% of peak", "sdpa us", "sdpa GB/s",
-         "speedup"],
-        [[s["batch"], s["length"], s["kv_bytes"] / 1e6, s["triton_us"], s["triton_gbps"],
-          s["triton_peak_fraction"] and 100 * s["triton_peak_fraction"], s["sdpa_us"],
-          s["sdpa_gbps"], s["sdpa_us"] / s["triton_us"]]
+        f"decode attention, T=1, {N_HEAD}/{N_KV_HEAD} heads, head_dim {HEAD_DIM}, bf16, us per "
+        "call: eager (launch included) and replayed from a CUDA graph",
+        ["B", "S", "K/V MB", "dispatch", "eager ours", "eager sdpa", "graph rows",
+         "graph sdpa", "rows GB/s", "% of peak", "rows / sdpa"],
+        [[s["batch"], s["length"], s["kv_bytes"] / 1e6, s["dispatch"], s["eager_us"],
+          s["eager_sdpa_us"], s["graph_rows_us"], s["graph_sdpa_us"], s["graph_rows_gbps"],
+          s["graph_rows_peak_fraction"] and 100 * s["graph_rows_peak_fraction"],
+          s["graph_sdpa_us"] / s["graph_rows_us"]]
          for s in speed],
     )  # fmt: skip
-    write_json(
-        "kernels_cuda",
-        {
-            "device": {
-                "name": properties.name,
-                "multiprocessors": properties.multi_processor_count,
-                "peak_bandwidth_gbps": None if peak is None else peak / 1e9,
-                "torch": torch.__version__,
-                "triton": triton.__version__,
-            },
-            "parity": parity,
-            "decode_attention": speed,
+    tiles = [_rows_tiles(device, batch, 16384, peak) for batch in BATCHES]
+    print_table(
+        "row-table decode attention, S=16384, graph-replayed: splits x tile sizes",
+        ["B", "splits", "block_n", "us", "GB/s", "% of peak"],
+        [[t["batch"], t["num_splits"], t["block_n"], t["us"], t["gbps"],
+          t["peak_fraction"] and 100 * t["peak_fraction"]]
+         for rows in tiles for t in rows],
+    )  # fmt: skip
+    prefill = [_prefill_speed(device, *case) for case in PREFILL_CASES]
+    print_table(
+        f"prefill attention, B=1, {N_HEAD}/{N_KV_HEAD} heads, bf16, us per call (eager)",
+        ["T", "offset", "dispatch", "triton us", "sdpa us"],
+        [[p["tokens"], p["offset"], p["dispatch"], p["triton_us"], p["sdpa_us"]]
+         for p in prefill],
+    )  # fmt: skip
+    return {
+        "device": {
+            "name": properties.name,
+            "multiprocessors": properties.multi_processor_count,
+            "peak_bandwidth_gbps": None if peak is None else peak / 1e9,
+            "torch": torch.__version__,
+            "triton": triton.__version__,
         },
-    )
-    failed = [p for p in parity if not p["ok"]]
-    if failed:
-        raise SystemExit(f"{len(failed)} parity checks failed")
+        "parity": parity,
+        "decode_attention": speed,
+        "rows_tiles": [t for rows in tiles for t in rows],
+        "prefill_attention": prefill,
+        "dispatch_table": [
+            {"key": [str(part) for part in c.key], "choice": c.choice, "seconds": c.seconds}
+            for c in kernels.dispatch_table()
+        ],
+    }
 
 
 def _peak_bandwidth(properties: Any) -> float | None:
@@ -218,6 +252,8 @@ def _decode_speed(
     k, v = _cache_views(batch, length, dtype, device)
     q = torch.randn(batch, N_HEAD, 1, HEAD_DIM, device=device, dtype=dtype)
     kv_bytes = 2 * k.numel() * k.element_size()
+    tables = _tables(k, v, [length - 1] * batch)
+    q_rows = q[:, :, 0]  # (B, n_head, head_dim)
 
     def ours() -> torch.Tensor:
         return _dispatch.attention(q, k, v, query_offset=length - 1)
@@ -225,20 +261,176 @@ def _decode_speed(
     def sdpa() -> torch.Tensor:
         return F.scaled_dot_product_attention(q, k, v, enable_gqa=True)  # T=1 sees every key
 
+    def rows() -> torch.Tensor:
+        return kernels.rows_decode_attention(q_rows, N_KV_HEAD, tables, max_length=length)
+
+    ours()  # the dispatch times both candidates on this bucket's first call
+    choice = next(
+        (c.choice for c in kernels.dispatch_table() if c.key[5:8] == (batch, 1, length)), None
+    )
     # do_bench flushes L2 between runs, so small caches are read from memory too.
-    triton_ms = do_bench(ours, warmup=25, rep=100, return_mode="median")
-    sdpa_ms = do_bench(sdpa, warmup=25, rep=100, return_mode="median")
-    triton_gbps = kv_bytes / (triton_ms * 1e-3) / 1e9
+    eager_ms = do_bench(ours, warmup=25, rep=100, return_mode="median")
+    eager_sdpa_ms = do_bench(sdpa, warmup=25, rep=100, return_mode="median")
+    graph_rows_ms = do_bench(_graphed(rows), warmup=25, rep=100, return_mode="median")
+    graph_sdpa_ms = do_bench(_graphed(sdpa), warmup=25, rep=100, return_mode="median")
+    rows_gbps = kv_bytes / (graph_rows_ms * 1e-3) / 1e9
     return {
         "batch": batch,
         "length": length,
         "kv_bytes": kv_bytes,
-        "triton_us": triton_ms * 1e3,
-        "triton_gbps": triton_gbps,
-        "triton_peak_fraction": None if peak is None else triton_gbps * 1e9 / peak,
-        "sdpa_us": sdpa_ms * 1e3,
-        "sdpa_gbps": kv_bytes / (sdpa_ms * 1e-3) / 1e9,
+        "dispatch": choice,
+        "eager_us": eager_ms * 1e3,
+        "eager_sdpa_us": eager_sdpa_ms * 1e3,
+        "graph_rows_us": graph_rows_ms * 1e3,
+        "graph_sdpa_us": graph_sdpa_ms * 1e3,
+        "graph_rows_gbps": rows_gbps,
+        "graph_rows_peak_fraction": None if peak is None else rows_gbps * 1e9 / peak,
+        "graph_sdpa_gbps": kv_bytes / (graph_sdpa_ms * 1e-3) / 1e9,
     }
+
+
+def _graphed(fn: Callable[[], torch.Tensor]) -> Callable[[], None]:
+    """``fn`` captured in a CUDA graph (after a warm-up on a side stream): its replay."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
+def _tables(k: torch.Tensor, v: torch.Tensor, positions: list[int]) -> kernels.RowTables:
+    """Row tables over the rows of batched cache views (row b of ``k`` is row b's cache)."""
+    device = k.device
+    row_bytes = k.stride(0) * k.element_size()
+    return kernels.RowTables(
+        positions=torch.tensor(positions, dtype=torch.int64, device=device),
+        head_strides=torch.full((k.shape[0],), k.stride(1), dtype=torch.int64, device=device),
+        key_ptrs=torch.tensor(
+            [k.data_ptr() + b * row_bytes for b in range(k.shape[0])], device=device
+        ),
+        value_ptrs=torch.tensor(
+            [v.data_ptr() + b * row_bytes for b in range(v.shape[0])], device=device
+        ),
+    )
+
+
+def _rows_tiles(
+    device: torch.device, batch: int, length: int, peak: float | None
+) -> list[dict[str, Any]]:
+    """The row-table kernel at other split counts and tile sizes than its defaults."""
+    from petals_core.kernels import _triton_attention, _triton_rows
+
+    dtype = torch.bfloat16
+    k, v = _cache_views(batch, length, dtype, device)
+    q = torch.randn(batch, N_HEAD, HEAD_DIM, device=device, dtype=dtype)
+    kv_bytes = 2 * k.numel() * k.element_size()
+    tables = _tables(k, v, [length - 1] * batch)
+    default_splits = _triton_attention._default_splits(device, batch * N_KV_HEAD, length, 64)
+    results = []
+    for factor in (1, 2, 4):
+        for block_n in (32, 64, 128):
+            splits = min(128, default_splits * factor)
+
+            def rows(splits: int = splits, block_n: int = block_n) -> torch.Tensor:
+                return _triton_rows.rows_decode_attention(
+                    q, N_KV_HEAD, tables, max_length=length, block_n=block_n, num_splits=splits
+                )
+
+            try:
+                ms = do_bench(_graphed(rows), warmup=10, rep=50, return_mode="median")
+            except Exception as error:  # a tile that does not fit this card's shared memory
+                results.append({"batch": batch, "num_splits": splits, "block_n": block_n,
+                                "us": None, "gbps": None, "peak_fraction": None,
+                                "error": repr(error)})  # fmt: skip
+                continue
+            gbps = kv_bytes / (ms * 1e-3) / 1e9
+            fraction = None if peak is None else gbps * 1e9 / peak
+            results.append({"batch": batch, "num_splits": splits, "block_n": block_n,
+                            "us": ms * 1e3, "gbps": gbps, "peak_fraction": fraction})  # fmt: skip
+    return results
+
+
+#: (new tokens, query offset): a prompt from the start, a long one, and a chunk after a prefix.
+PREFILL_CASES = ((128, 0), (2048, 0), (128, 1024))
+
+
+def _prefill_speed(device: torch.device, tokens: int, offset: int) -> dict[str, Any]:
+    from petals_core.kernels import _triton_attention
+
+    dtype = torch.bfloat16
+    k, v = _cache_views(1, offset + tokens, dtype, device)
+    q = torch.randn(1, tokens, N_HEAD, HEAD_DIM, device=device).to(dtype).transpose(1, 2)
+    _dispatch.attention(q, k, v, query_offset=offset)  # the dispatch times both candidates
+    choice = next(
+        (c.choice for c in kernels.dispatch_table()
+         if c.key[5:7] == (1, _dispatch._bucket(tokens)) and c.key[9] == (offset == 0)),
+        None,
+    )  # fmt: skip
+    triton_ms = do_bench(
+        lambda: _triton_attention.prefill_attention(q, k, v, query_offset=offset),
+        warmup=10, rep=50, return_mode="median",
+    )  # fmt: skip
+    sdpa_ms = do_bench(
+        lambda: _dispatch._sdpa_attention(q, k, v, query_offset=offset, scale=None),
+        warmup=10, rep=50, return_mode="median",
+    )  # fmt: skip
+    return {
+        "tokens": tokens,
+        "offset": offset,
+        "dispatch": choice,
+        "triton_us": triton_ms * 1e3,
+        "sdpa_us": sdpa_ms * 1e3,
+    }
+
+
+def _rows_parity(device: torch.device) -> list[dict[str, Any]]:
+    """The row-table kernels against their references: rows of different caches and positions."""
+    results = []
+    for dtype in (torch.bfloat16, torch.float32):
+        lengths = (1000, 37, 1)
+        keys = [torch.randn(N_KV_HEAD, 1100, HEAD_DIM, device=device).to(dtype) for _ in lengths]
+        values = [torch.randn_like(slab) for slab in keys]
+        positions = [length - 1 for length in lengths]
+        tables = kernels.RowTables(
+            positions=torch.tensor(positions, device=device),
+            head_strides=torch.tensor([s.stride(0) for s in keys], device=device),
+            key_ptrs=torch.tensor([s.data_ptr() for s in keys], device=device),
+            value_ptrs=torch.tensor([s.data_ptr() for s in values], device=device),
+        )
+        q = torch.randn(len(lengths), N_HEAD, HEAD_DIM, device=device).to(dtype)
+        k = torch.randn(len(lengths), N_KV_HEAD, HEAD_DIM, device=device).to(dtype)
+        v = torch.randn_like(k)
+        inv_freq = 10000.0 ** (-torch.arange(0, HEAD_DIM, 2, device=device) / HEAD_DIM)
+        angles = torch.arange(1100, device=device, dtype=torch.float32)[:, None] * inv_freq
+        angles = torch.cat([angles, angles], dim=-1)
+        cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+        expected_keys = [slab.clone() for slab in keys]
+        expected_values = [slab.clone() for slab in values]
+        expected_q = rows_append_reference(
+            q.float(), k.float(), v, keys=expected_keys, values=expected_values,
+            positions=positions, cos=cos.float(), sin=sin.float(),
+        )  # fmt: skip
+        assert expected_q is not None
+        expected_q = expected_q.to(dtype)
+        actual_q = kernels.rows_append(q, k, v, tables, cos=cos, sin=sin)
+        assert actual_q is not None
+        allowed = 1e-5 if dtype == torch.float32 else _step(expected_q)
+        results.append(_check("rows_append", "3 rows q", actual_q, expected_q, allowed))
+        results.append(
+            _check("rows_append", "3 rows keys", torch.stack(keys),
+                   torch.stack(expected_keys), allowed)
+        )  # fmt: skip
+        expected = rows_attention_reference(actual_q, keys=keys, values=values, positions=positions)
+        actual = kernels.rows_decode_attention(actual_q, N_KV_HEAD, tables, max_length=1024)
+        allowed = _attention_allowed(dtype, expected, torch.stack(values))
+        results.append(
+            _check("rows_decode_attention", "lengths 1000/37/1", actual, expected, allowed)
+        )
+    return results
 
 
 if __name__ == "__main__":

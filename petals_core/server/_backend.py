@@ -112,6 +112,21 @@ class BlockBackend:
         """The decode graphs' counters, or None when steps run eagerly."""
         return None if self._graphs is None else self._graphs.statistics()
 
+    def decode_graphs_info(self) -> dict[str, int | str | None] | None:
+        """:meth:`decode_graphs_statistics` as a plain dict (what ``petals.info`` reports), with
+        ``disabled``: why steps went back to the eager path, if they did."""
+        if self._graphs is None:
+            return None
+        info: dict[str, int | str | None] = attrs.asdict(self._graphs.statistics())
+        info["disabled"] = self._graphs.disabled_reason
+        return info
+
+    def device_memory_reserved_bytes(self) -> int | None:
+        """What torch's allocator holds on the blocks' CUDA device (None on other devices)."""
+        if self.device.type != "cuda":
+            return None
+        return int(torch.cuda.memory_reserved(self.device))
+
     def activation_bytes(self, batch: int, tokens: int) -> int:
         """Estimated bytes one block's autograd graph holds for a ``(batch, tokens)`` input."""
         per_token = self._activation_elements_per_token + 2 * self._attention_heads * tokens

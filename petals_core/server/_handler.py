@@ -369,6 +369,9 @@ class BlockServer:
             "inference_max_length": self.limits.inference_max_length,
             "max_batch_tokens": self.limits.max_batch_tokens,
             "open_sessions": len(self._sessions),
+            "device": str(backend.device),
+            "device_memory_reserved_bytes": backend.device_memory_reserved_bytes(),
+            "decode_graphs": backend.decode_graphs_info(),
         }
 
     # -- inference -------------------------------------------------------------------------------

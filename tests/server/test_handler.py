@@ -499,7 +499,12 @@ async def test_session_holds_its_cache_until_it_closes(
             serve(server_llama, cache_dir, blocks=(0, 6), attn_cache_tokens=1000) as server,
             connect(server) as connection,
         ):
-            before = (await info(connection))["cache_tokens_left"]
+            described = await info(connection)
+            # A CPU server: no device memory to report, and decode steps run eagerly.
+            assert described["device"] == "cpu"
+            assert described["device_memory_reserved_bytes"] is None
+            assert described["decode_graphs"] is None
+            before = described["cache_tokens_left"]
             assert before == 1000 * 6 == server.block_server.cache_tokens_left
             async with session(
                 connection, blocks=(1, 4), max_length=10, batch_size=2, session_id="held"

@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Download, into .whl/ (ignored by git), the wheels that a bare CUDA machine with Python 3.12,
+# torch and triton lacks for `python -m bench gpu` (see bench/README.md).  Needs the package
+# index; bench/gpu_run.sh installs them on the GPU machine, which needs none.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+mkdir -p .whl
+grep -qx '/.whl/' .git/info/exclude 2>/dev/null || echo '/.whl/' >> .git/info/exclude
+download() {
+    python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
+        --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 \
+        --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64 \
+        --platform manylinux2014_x86_64 --platform manylinux1_x86_64 -d .whl "$@"
+}
+download trio outcome sniffio 'aioquic>=1.7,<1.8' pylsqpack pyopenssl service-identity pyasn1 \
+    pyasn1-modules cryptography cffi pycparser cbor2 gguf pytest-trio 'bitsandbytes>=0.50'
+du -sh .whl
