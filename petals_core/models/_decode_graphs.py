@@ -182,12 +182,11 @@ class DecodeGraphs:
             raise ValueError("CUDA graphs need blocks on a CUDA device")
         self.hidden_size = first.hidden_size
         rows = self.config.max_rows
-        tables = (_FIRST_POINTER + 2 * len(self.blocks), rows)
-        self._tables = torch.zeros(tables, dtype=torch.int64, device=self.device)
-        pin = self.device.type == "cuda"
-        self._staging = torch.zeros(tables, dtype=torch.int64, pin_memory=pin)
+        # Per rows bucket: the tables as the kernels read them, and their staging on the host.
+        self._tables: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._staged: torch.cuda.Event | None = None
-        self._x = torch.zeros((rows, 1, self.hidden_size), dtype=self.dtype, device=self.device)
+        with torch.inference_mode(False):  # written in place from any mode
+            self._x = torch.zeros((rows, 1, self.hidden_size), dtype=self.dtype, device=self.device)
         # Padding rows append at position 0 of this one-position cache and attend to it alone.
         self._scratch = first.allocate_cache(1, 1)
         self._cos: torch.Tensor | None = None  # (positions, head_dim), LLaMA only
@@ -216,6 +215,21 @@ class DecodeGraphs:
     def disabled_reason(self) -> str | None:
         """Why steps no longer take this path (a capture failed), or None."""
         return self._disabled
+
+    def warm_up(self) -> None:
+        """Compile the step's kernels now (on scratch rows, eagerly; nothing is captured), so
+        that the first sessions' first steps do not wait for it: a short and a long length
+        bucket, whose attention runs in one pass and in splits."""
+        for length in (self.config.min_length_bucket, 16 * self.config.min_length_bucket):
+            self._ensure_rotary(length)
+            if self._staged is not None:
+                self._staged.synchronize()
+            self._fill_scratch(0, len(self.blocks), 0, 1)
+            staging, tables = self._tables_for(1)
+            tables.copy_(staging)
+            self._step_fn(0, len(self.blocks), 1, length)()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     # -- the step --------------------------------------------------------------------------------
 
@@ -364,9 +378,9 @@ class DecodeGraphs:
         bucket_rows: int,
     ) -> None:
         """Stage the group's tables (padding columns on the scratch cache) and copy them over."""
+        staging, tables = self._tables_for(bucket_rows)
         if self._staged is not None:
-            self._staged.synchronize()  # the last copy out of the staging buffer is done
-        staging = self._staging
+            self._staged.synchronize()  # the last copy out of a staging buffer is done
         first, last = _FIRST_POINTER + 2 * start, _FIRST_POINTER + 2 * end
         column = 0
         for index in group:
@@ -378,15 +392,29 @@ class DecodeGraphs:
             column += session.batch
         if column < bucket_rows:
             self._fill_scratch(start, end, column, bucket_rows)
-        self._tables[:, :bucket_rows].copy_(staging[:, :bucket_rows], non_blocking=True)
+        tables.copy_(staging, non_blocking=True)
         if self.device.type == "cuda":
             self._staged = torch.cuda.Event()
             self._staged.record()
 
+    def _tables_for(self, bucket_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The (staging, device) tables of a rows bucket: ``(2 + 2 * blocks, bucket_rows)``."""
+        known = self._tables.get(bucket_rows)
+        if known is None:
+            shape = (_FIRST_POINTER + 2 * len(self.blocks), bucket_rows)
+            pin = self.device.type == "cuda"
+            with torch.inference_mode(False):  # written in place from any mode
+                known = (
+                    torch.zeros(shape, dtype=torch.int64, pin_memory=pin),
+                    torch.zeros(shape, dtype=torch.int64, device=self.device),
+                )
+            self._tables[bucket_rows] = known
+        return known
+
     def _fill_scratch(self, start: int, end: int, first_column: int, last_column: int) -> None:
         scratch = self._scratch
         span = slice(first_column, last_column)
-        staging = self._staging
+        staging, _ = self._tables_for(last_column)
         staging[_POSITIONS, span] = 0
         staging[_HEAD_STRIDES, span] = scratch.keys.stride(1)
         for block in range(start, end):
@@ -446,10 +474,11 @@ class DecodeGraphs:
             self._stream = torch.cuda.Stream(self.device)
         stream = self._stream
         assert stream is not None
-        self._fill_scratch(start, end, 0, bucket_rows)
         if self._staged is not None:
             self._staged.synchronize()
-        self._tables[:, :bucket_rows].copy_(self._staging[:, :bucket_rows])
+        self._fill_scratch(start, end, 0, bucket_rows)
+        staging, tables = self._tables_for(bucket_rows)
+        tables.copy_(staging)
         reserved = torch.cuda.memory_reserved(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
@@ -467,9 +496,8 @@ class DecodeGraphs:
         self, start: int, end: int, bucket_rows: int, bucket_length: int
     ) -> Callable[[], torch.Tensor]:
         x = self._x[:bucket_rows]
-        tables = [
-            _row_tables(self._tables, start + index, bucket_rows) for index in range(end - start)
-        ]
+        _, device_tables = self._tables_for(bucket_rows)
+        tables = [_row_tables(device_tables, start + index) for index in range(end - start)]
         blocks = self.blocks[start:end]
 
         def run() -> torch.Tensor:
@@ -487,13 +515,13 @@ class DecodeGraphs:
         return run
 
 
-def _row_tables(tables: torch.Tensor, block: int, rows: int) -> kernels.RowTables:
+def _row_tables(tables: torch.Tensor, block: int) -> kernels.RowTables:
     pointer = _FIRST_POINTER + 2 * block
     return kernels.RowTables(
-        positions=tables[_POSITIONS, :rows],
-        head_strides=tables[_HEAD_STRIDES, :rows],
-        key_ptrs=tables[pointer, :rows],
-        value_ptrs=tables[pointer + 1, :rows],
+        positions=tables[_POSITIONS],
+        head_strides=tables[_HEAD_STRIDES],
+        key_ptrs=tables[pointer],
+        value_ptrs=tables[pointer + 1],
     )
 
 

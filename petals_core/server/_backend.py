@@ -101,6 +101,7 @@ class BlockBackend:
             ) or unsupported_reason(self.blocks)
             if reason is None:
                 self._graphs = DecodeGraphs(self.blocks, config=decode_graphs)
+                self._graphs.warm_up()
             logger.info(
                 "decode steps: %s",
                 "CUDA graphs (captured per rows and length bucket on first use)"

@@ -123,6 +123,21 @@ def test_steps_equal_the_eager_path(family: str) -> None:
     assert statistics.graphs == statistics.captured == 1
 
 
+def test_warm_up_writes_only_the_scratch_cache() -> None:
+    blocks = _span("llama-gqa")
+    graphs = DecodeGraphs(blocks, config=DecodeGraphsConfig(min_length_bucket=16))
+    sessions = _sessions(blocks, [(1, 32, 4)])
+    before = twin(sessions)
+    graphs.warm_up()
+    _assert_same_caches(sessions, before)
+    assert graphs.statistics().captured == 0  # nothing kept: graphs are made on first use
+    xs = _tokens([(1, 32, 4)], seed=3)
+    expected = eager_steps(blocks, xs, before)
+    actual = graphs.step(0, SPAN, xs, sessions)
+    assert actual is not None
+    torch.testing.assert_close(actual[0], expected[0], **TOL)
+
+
 def test_groups_beyond_max_rows_and_sub_spans() -> None:
     blocks = _span("llama-gqa")
     specs = [(2, 32, 5), (3, 32, 7), (1, 32, 1)]
@@ -132,7 +147,8 @@ def test_groups_beyond_max_rows_and_sub_spans() -> None:
     # Blocks 1 and 2 only: the sessions' caches of those blocks.
     xs = _tokens(specs, seed=5)
     expected = eager_steps(blocks[1:], xs, [caches[1:] for caches in eager_sessions])
-    actual = graphs.step(1, SPAN, xs, [caches[1:] for caches in graph_sessions])
+    with torch.inference_mode():  # as a server runs it
+        actual = graphs.step(1, SPAN, xs, [caches[1:] for caches in graph_sessions])
     assert actual is not None
     for got, want in zip(actual, expected, strict=True):
         torch.testing.assert_close(got, want, **TOL)
