@@ -9,6 +9,10 @@ int64 device tensors with one entry per row:
 - ``key_ptrs[r]``, ``value_ptrs[r]``: the addresses of row r's ``(kv_heads, max_length,
   head_dim)`` slabs of keys and values, in the activations' dtype.
 
+Every slab address must be a multiple of 16 bytes, and so must ``head_dim`` times the element
+size (so every head's row is): the kernels load and store in 16-byte vectors.  Tensors from
+torch's allocators are aligned far beyond that, and so are their rows.
+
 Because the tables are data, not launch arguments, a CUDA graph captured once for a number of rows
 and a length bucket replays for any sessions at any positions: only the tables change.
 

@@ -86,10 +86,14 @@ def _rows_append_kernel(
         tl.store(dst + half, out_hi.to(QOut.dtype.element_ty), mask=mask)
     else:
         kv_head = (head - n_head).to(tl.int64)
-        offset = kv_head * tl.load(HeadStrides + row) + position * (2 * half) + cols
         dtype = K.dtype.element_ty
-        keys = tl.load(KeyPtrs + row).to(tl.pointer_type(dtype)) + offset
-        values = tl.load(ValuePtrs + row).to(tl.pointer_type(dtype)) + offset
+        # The tables' contract (see RowTables): 16-byte aligned slabs and head rows, which
+        # lets the stores below be vectorised.
+        start = kv_head * tl.load(HeadStrides + row) + position * (2 * half)
+        keys = tl.multiple_of(tl.load(KeyPtrs + row).to(tl.pointer_type(dtype)) + start, 16)
+        values = tl.multiple_of(tl.load(ValuePtrs + row).to(tl.pointer_type(dtype)) + start, 16)
+        keys += cols
+        values += cols
         k = K + row * stride_kr + kv_head * stride_kh + cols
         k_lo = tl.load(k, mask=mask, other=0.0)
         k_hi = tl.load(k + half, mask=mask, other=0.0)
@@ -166,8 +170,9 @@ def _rows_decode_kernel(
     length = position + 1
     dtype = Q.dtype.element_ty
     head_offset = kv_head * tl.load(HeadStrides + row)
-    k_base = tl.load(KeyPtrs + row).to(tl.pointer_type(dtype)) + head_offset
-    v_base = tl.load(ValuePtrs + row).to(tl.pointer_type(dtype)) + head_offset
+    # 16-byte aligned (the tables' contract): the key and value tiles load in vectors.
+    k_base = tl.multiple_of(tl.load(KeyPtrs + row).to(tl.pointer_type(dtype)) + head_offset, 16)
+    v_base = tl.multiple_of(tl.load(ValuePtrs + row).to(tl.pointer_type(dtype)) + head_offset, 16)
     lo = split * split_size
     hi = tl.minimum(lo + split_size, length)
     if split == num_splits - 1:

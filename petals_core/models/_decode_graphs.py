@@ -321,6 +321,10 @@ class DecodeGraphs:
                 and keys.device == values.device == self.device
                 and shape[1] == self._scratch.keys.shape[1]
                 and shape[3] == self._scratch.keys.shape[3]
+                # The row-table kernels' alignment contract (kernels._rows).
+                and keys.data_ptr() % 16 == 0
+                and values.data_ptr() % 16 == 0
+                and shape[3] * keys.element_size() % 16 == 0
             ):
                 return None
         batch = shape[0]
