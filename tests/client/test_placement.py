@@ -233,6 +233,32 @@ def test_causal_lm_forward_sessions_and_generate_follow_the_model(
 
 
 @pytest.mark.parametrize(("device", "dtype"), PLACEMENTS)
+def test_a_session_goes_on_after_the_model_moves(
+    served: ServedModel, device: str, dtype: torch.dtype
+) -> None:
+    """generate() calls in one session continue across a move of the model: the tokens so far
+    (on the CPU) go along to where the model is."""
+    model = AutoDistributedModelForCausalLM.from_pretrained(
+        served.folder, initial_peers=served.initial_peers
+    )
+    try:
+        ids = _ids(2, 4, seed=8)
+        greedy = {"do_sample": False, **_no_eos(model.config.pad_token_id)}
+        whole = model.generate(ids, max_new_tokens=8, **greedy)
+        with model.inference_session(max_length=16):
+            first = model.generate(ids, max_new_tokens=4, **greedy)
+            model.to(device, dtype)
+            second = model.generate(first.to(device), max_new_tokens=2, **greedy)  # the whole
+            third = model.generate(None, max_new_tokens=2, **greedy)  # only the new tokens
+        for result in (second, third):
+            assert result.device.type == device
+        assert torch.equal(second.cpu(), whole[:, :10])
+        assert torch.equal(third.cpu(), whole[:, 10:])
+    finally:
+        model.shutdown()
+
+
+@pytest.mark.parametrize(("device", "dtype"), PLACEMENTS)
 @pytest.mark.parametrize("tuning_mode", ["ptune", "deep_ptune"])
 def test_prompt_tuning_gradients_follow_the_model(
     served: ServedModel, tuning_mode: str, device: str, dtype: torch.dtype

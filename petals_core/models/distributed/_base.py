@@ -492,7 +492,9 @@ class DistributedCausalLMMixin:
             skipped = 0
             active = base.active_session
             if active is not None and active.output_ids is not None:
-                inputs, skipped = _continue_from(active.output_ids, inputs)
+                # On the device of the new inputs, or the model's (it may have moved since).
+                device = base.local_device if inputs is None else inputs.device
+                inputs, skipped = _continue_from(active.output_ids.to(device), inputs)
             self._generation_stack = stack
             try:
                 result = super().generate(inputs, *args, **kwargs)  # type: ignore[misc]
@@ -540,8 +542,9 @@ class DistributedCausalLMMixin:
 
 
 def _continue_from(previous: torch.Tensor, inputs: torch.Tensor | None) -> tuple[torch.Tensor, int]:
-    """The whole sequence for a generate() that continues ``previous``, and how many tokens of
-    the result to drop (Petals' way) or 0 (transformers' way)."""
+    """The whole sequence for a generate() that continues ``previous`` (on the device of
+    ``inputs``), and how many tokens of the result to drop (Petals' way) or 0 (transformers'
+    way)."""
     if inputs is None:
         return previous, previous.shape[1]
     if inputs.dim() != 2 or inputs.shape[0] != previous.shape[0]:
@@ -550,9 +553,9 @@ def _continue_from(previous: torch.Tensor, inputs: torch.Tensor | None) -> tuple
             f"{tuple(inputs.shape)}"
         )
     count = previous.shape[1]
-    if inputs.shape[1] >= count and torch.equal(inputs[:, :count].to(previous.device), previous):
+    if inputs.shape[1] >= count and torch.equal(inputs[:, :count], previous):
         return inputs, 0
-    return torch.cat([previous, inputs.to(previous.device)], dim=1), count
+    return torch.cat([previous, inputs], dim=1), count
 
 
 class DistributedSequenceClassificationMixin:
