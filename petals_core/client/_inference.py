@@ -32,6 +32,7 @@ from .._errors import PetalsError, RemoteError, ServerError, TransportError
 from ..routing import RemoteSequenceManager, RouteSpan
 from ..server._protocol import INFERENCE
 from ..transport import Call, open_call
+from ._placement import describe, like, to_wire
 
 __all__ = ["InferenceSession"]
 
@@ -129,7 +130,7 @@ class _SpanSession:
             or reply.get("position") != expected
         ):
             raise ServerError(
-                f"server {self.peer} answered a step with {_describe(output)} at position "
+                f"server {self.peer} answered a step with {describe(output)} at position "
                 f"{reply.get('position')!r}; expected {tuple(hidden.shape)} at {expected}"
             )
         return output.to(hidden.dtype), reply.get("pushed") is True
@@ -225,20 +226,36 @@ class InferenceSession:
         (``(B,)``) reorders the rows of everything so far before the step.  ``padding``
         (``(B,)``, only at position 0) says how many leading positions of each row are left
         padding, hidden from the row's real tokens (batched generation of prompts of different
-        lengths)."""
+        lengths).
+
+        The tensors may live on any device, in any floating-point dtype (see
+        ``petals_core.client._placement``); the output is on the device and in the dtype of
+        ``hidden``."""
         if self._closed:
             raise PetalsError("the inference session is closed")
+        home = hidden
+        hidden = to_wire(hidden, "hidden states")
+        if prompts is not None:
+            prompts = to_wire(prompts, "deep prompts")
         self._check(hidden, prompts, hypo_ids)
+        if hypo_ids is not None:
+            hypo_ids = hypo_ids.to("cpu", torch.int64)
         if padding is not None:
             if self._position != 0:
                 raise ValueError("left padding goes with the first step (position 0)")
-            if padding.shape != (hidden.shape[0],) or padding.dtype.is_floating_point:
+            if (
+                not isinstance(padding, torch.Tensor)
+                or padding.shape != (hidden.shape[0],)
+                or padding.dtype.is_floating_point
+                or padding.dtype == torch.bool
+            ):
                 raise ValueError(f"padding must be ({hidden.shape[0]},) integers")
-            if not bool(((padding >= 0) & (padding <= hidden.shape[1])).all()):
+            lengths = padding.tolist()
+            if not all(0 <= length <= hidden.shape[1] for length in lengths):
                 raise ValueError(f"padding must lie in [0, {hidden.shape[1]}] (this step's length)")
             if self._spans:
                 await self._close_spans()
-            self._padding = [int(p) for p in padding]
+            self._padding = lengths
         if self._drop_spans:
             self._drop_spans = False
             await self._close_spans()
@@ -246,9 +263,9 @@ class InferenceSession:
             self._prompts = prompts
         if hypo_ids is not None:
             for start, history in self._history.items():
-                self._history[start] = history[hypo_ids.to(history.device)]
+                self._history[start] = history[hypo_ids]
             if self._padding is not None:
-                self._padding = [self._padding[int(i)] for i in hypo_ids]
+                self._padding = [self._padding[i] for i in hypo_ids.tolist()]
         attempt = 0
         # Sessions opened during this step have their caches built from the (already reordered)
         # history: hypo_ids are not for them.
@@ -309,7 +326,7 @@ class InferenceSession:
             x = output
             index += 1
         self._position += hidden.shape[1]
-        return x
+        return like(x, home)
 
     # -- internals -------------------------------------------------------------------------------
 
@@ -318,7 +335,7 @@ class InferenceSession:
     ) -> None:
         if not isinstance(hidden, torch.Tensor) or hidden.dim() != 3 or hidden.shape[0] < 1:
             raise ValueError(
-                f"hidden states must be (batch, tokens, hidden), got {_describe(hidden)}"
+                f"hidden states must be (batch, tokens, hidden), got {describe(hidden)}"
             )
         if self._batch is None:
             self._batch, self._hidden_size = hidden.shape[0], hidden.shape[2]
@@ -335,9 +352,13 @@ class InferenceSession:
         if prompts is not None and self._position != 0:
             raise ValueError("deep prompts go with the first step (position 0)")
         if hypo_ids is not None and (
-            hypo_ids.shape != (self._batch,) or hypo_ids.dtype.is_floating_point
+            not isinstance(hypo_ids, torch.Tensor)
+            or hypo_ids.shape != (self._batch,)
+            or hypo_ids.dtype.is_floating_point
+            or hypo_ids.dtype == torch.bool
+            or not bool(((hypo_ids >= 0) & (hypo_ids < self._batch)).all())
         ):
-            raise ValueError(f"hypo_ids must be ({self._batch},) integers")
+            raise ValueError(f"hypo_ids must be ({self._batch},) integers in [0, {self._batch})")
 
     def _span_prompts(self, span: RouteSpan) -> torch.Tensor | None:
         if self._prompts is None:
@@ -498,9 +519,3 @@ class _Placeholder(_SpanSession):
 
     async def close(self) -> None:
         return None
-
-
-def _describe(value: object) -> str:
-    if isinstance(value, torch.Tensor):
-        return f"a {tuple(value.shape)} {value.dtype} tensor"
-    return type(value).__name__

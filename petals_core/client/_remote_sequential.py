@@ -20,6 +20,7 @@ from torch import nn
 from ..routing import RemoteSequenceManager
 from ._bridge import bridge
 from ._inference import InferenceSession
+from ._placement import like, to_wire
 from ._sequential import DEFAULT_MAX_CHUNK_TOKENS, Saved, remote_backward, remote_forward
 
 __all__ = ["RemoteSequential", "SyncInferenceSession"]
@@ -100,7 +101,10 @@ class RemoteSequential(nn.Module):
     # -- forward / backward ----------------------------------------------------------------------
 
     def forward(self, hidden: torch.Tensor, prompts: torch.Tensor | None = None) -> torch.Tensor:
-        """Remote forward with autograd (backward goes through the servers)."""
+        """Remote forward with autograd (backward goes through the servers).
+
+        The output is on the device and in the dtype of ``hidden``; the backward gives the
+        gradients of ``hidden`` and ``prompts`` on their devices, in their dtypes."""
         if prompts is None:
             prompts = hidden.new_zeros(0)
         return _RemoteForward.apply(hidden, prompts, self)
@@ -163,14 +167,21 @@ class SyncInferenceSession:
         hypo_ids: torch.Tensor | None = None,
         padding: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """See :meth:`InferenceSession.step`; the output is on the device and in the dtype of
+        ``hidden``."""
+        # Copies to and from the caller's device are made here, in the caller's thread (on its
+        # current stream), not in the thread that runs the network part.
+        sent = to_wire(hidden, "hidden states")
+        if prompts is not None:
+            prompts = to_wire(prompts, "deep prompts")
         token = self._owner._token()
 
         async def run() -> torch.Tensor:
             return await self.session.step(
-                hidden, prompts=prompts, hypo_ids=hypo_ids, padding=padding
+                sent, prompts=prompts, hypo_ids=hypo_ids, padding=padding
             )
 
-        return bridge.run(run, token=token)
+        return like(bridge.run(run, token=token), hidden)
 
     def close(self) -> None:
         token = self._owner.sequence_manager.state.loop_token
@@ -183,16 +194,19 @@ class _RemoteForward(torch.autograd.Function):
     def forward(
         ctx: Any, hidden: torch.Tensor, prompts: torch.Tensor, sequential: RemoteSequential
     ) -> torch.Tensor:
+        # Copies to and from the caller's device are made in the caller's thread (see
+        # SyncInferenceSession.step); what the backward needs is kept on the CPU, as sent.
+        sent = to_wire(hidden, "hidden states")
+        given = to_wire(prompts, "deep prompts") if prompts.numel() else None
         token = sequential._token()
-        given = prompts if prompts.numel() else None
         # A backward will follow: the servers may keep their graphs for it.
         wants_grad = bool(ctx.needs_input_grad[0] or ctx.needs_input_grad[1])
 
         async def run() -> tuple[torch.Tensor, list[Saved]]:
             return await remote_forward(
                 sequential.sequence_manager,
-                hidden.detach(),
-                None if given is None else given.detach(),
+                sent,
+                given,
                 max_chunk_tokens=sequential.max_chunk_tokens,
                 keep_for_backward=wants_grad,
             )
@@ -201,24 +215,30 @@ class _RemoteForward(torch.autograd.Function):
         ctx.sequential = sequential
         ctx.saved = saved
         ctx.prompts = given
+        # Where the gradients go: the devices and dtypes of the inputs.
+        ctx.hidden_home = (hidden.device, hidden.dtype)
+        ctx.prompts_home = (prompts.device, prompts.dtype)
         ctx.prompts_shape = prompts.shape
-        return output
+        return like(output, hidden)
 
     @staticmethod
     def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[Any, ...]:
         sequential: RemoteSequential = ctx.sequential
-        prompts = ctx.prompts
+        sent = to_wire(grad_output, "grad_output")
 
         async def run() -> tuple[torch.Tensor, torch.Tensor | None]:
             return await remote_backward(
                 sequential.sequence_manager,
-                grad_output.contiguous(),
+                sent,
                 ctx.saved,
-                None if prompts is None else prompts.detach(),
+                ctx.prompts,
                 max_chunk_tokens=sequential.max_chunk_tokens,
             )
 
         grad_input, grad_prompts = bridge.run(run, token=sequential._token())
+        prompts_device, prompts_dtype = ctx.prompts_home
         if grad_prompts is None:
-            grad_prompts = grad_output.new_zeros(ctx.prompts_shape)
-        return grad_input, grad_prompts, None
+            grad_prompts = torch.zeros(
+                ctx.prompts_shape, device=prompts_device, dtype=prompts_dtype
+            )
+        return grad_input.to(*ctx.hidden_home), grad_prompts.to(*ctx.prompts_home), None

@@ -27,6 +27,7 @@ from ..routing import RemoteSequenceManager, RouteSpan
 from ..server._protocol import BACKWARD, FORWARD, receive_tensors, send_tensors
 from ..transport import open_call
 from ._inference import RETRIABLE
+from ._placement import like, to_wire
 
 __all__ = ["remote_backward", "remote_forward"]
 
@@ -173,7 +174,15 @@ async def remote_forward(
 ) -> tuple[torch.Tensor, list[Saved]]:
     """Run ``(B, T, hidden)`` through the manager's blocks; returns the output and, per row
     chunk, what the backward needs.  ``keep_for_backward``: a :func:`remote_backward` follows;
-    servers may keep their graphs for it."""
+    servers may keep their graphs for it.
+
+    ``hidden`` and ``prompts`` may live on any device, in any floating-point dtype; the output
+    is on the device and in the dtype of ``hidden`` (what is kept for the backward stays on the
+    CPU, as sent)."""
+    home = hidden
+    hidden = to_wire(hidden, "hidden states")
+    if prompts is not None:
+        prompts = to_wire(prompts, "deep prompts")
     chunks = _row_chunks(hidden, max_chunk_tokens)
     outputs: list[torch.Tensor | None] = [None] * len(chunks)
     saved: list[Saved] = [[] for _ in chunks]
@@ -186,7 +195,7 @@ async def remote_forward(
         )
 
     await _run_chunks(run, chunks)
-    return torch.cat([o for o in outputs if o is not None]), saved
+    return like(torch.cat([o for o in outputs if o is not None]), home), saved
 
 
 async def remote_backward(
@@ -197,7 +206,13 @@ async def remote_backward(
     *,
     max_chunk_tokens: int = DEFAULT_MAX_CHUNK_TOKENS,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Gradients of the input (and of the deep prompts) of a :func:`remote_forward`."""
+    """Gradients of the input (and of the deep prompts) of a :func:`remote_forward`: the
+    first on the device and in the dtype of ``grad_output``, the second in those of
+    ``prompts``."""
+    home, home_prompts = grad_output, prompts
+    grad_output = to_wire(grad_output, "grad_output")
+    if prompts is not None:
+        prompts = to_wire(prompts, "deep prompts")
     chunks = _row_chunks(grad_output, max_chunk_tokens)
     if len(chunks) != len(saved):
         raise ValueError("grad_output does not match the saved forward")
@@ -219,7 +234,9 @@ async def remote_backward(
             grad_prompts = torch.stack(parts).sum(dim=0)
         else:
             grad_prompts = torch.cat(parts, dim=1)
-    return grad_input, grad_prompts
+    if grad_prompts is not None and home_prompts is not None:
+        grad_prompts = like(grad_prompts, home_prompts)
+    return like(grad_input, home), grad_prompts
 
 
 async def _backward_chunk(

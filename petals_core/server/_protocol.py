@@ -59,12 +59,15 @@ async def send_tensors(
     *,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
 ) -> None:
-    """Send ``meta`` and ``tensors`` (None values are left out) in parts."""
+    """Send ``meta`` and ``tensors`` (None values are left out) in parts.
+
+    A tensor on another device is copied to the CPU once, whole, before its parts are encoded
+    (the codec would otherwise copy each part on its own)."""
     await send({"meta": dict(meta)})
     for name, tensor in tensors.items():
         if tensor is None:
             continue
-        flat = tensor.detach().contiguous().reshape(-1)
+        flat = tensor.detach().to("cpu").contiguous().reshape(-1)
         per_part = max(1, chunk_bytes // max(1, flat.element_size()))
         shape = list(tensor.shape)
         if flat.numel() == 0:

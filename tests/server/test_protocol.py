@@ -108,6 +108,21 @@ async def test_parts_are_at_most_chunk_bytes() -> None:
     assert messages[0] == {"meta": {}} and messages[-1] == {"done": True}
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+async def test_a_gpu_tensor_is_sent_from_one_cpu_copy() -> None:
+    messages: list[Message] = []
+
+    async def record(message: Message) -> None:
+        messages.append(message)
+
+    tensor = _tensor((4, 33), torch.float32, seed=9).cuda()
+    await send_tensors(record, {}, {"t": tensor}, chunk_bytes=64)
+    parts = [m["part"] for m in messages if m.get("name") == "t"]
+    assert len(parts) > 1 and all(part.device.type == "cpu" for part in parts)
+    assert len({part.untyped_storage().data_ptr() for part in parts}) == 1
+    assert torch.equal(torch.cat(parts).view(4, 33), tensor.cpu())
+
+
 shapes = st.lists(st.integers(0, 5), min_size=0, max_size=4).map(tuple)
 
 

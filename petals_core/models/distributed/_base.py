@@ -19,6 +19,10 @@ Outside a session a mask is accepted only if it changes nothing: all ones, or ri
 (ones then zeros per row), where causal attention never lets a real token see the pads after it.
 Other masks, left padding with trainable prompts, and ``position_ids`` other than the positions
 the servers use are refused with :class:`ValueError`.
+
+Devices and dtypes. The local layers may be moved (``model.cuda()``, ``model.to(torch.bfloat16)``);
+inputs must be on their device. What the servers return (hidden states, gradients of the prompts)
+comes back on that device and in that dtype (see ``petals_core.client._placement``).
 """
 
 from __future__ import annotations
@@ -249,6 +253,12 @@ class DistributedModelMixin:
         """The session every forward currently steps through, if any."""
         return self._active_session
 
+    @property
+    def local_device(self) -> torch.device:
+        """Where the local layers (embeddings, prompts, norm) are, and so the inputs must be."""
+        assert isinstance(self, nn.Module)
+        return next(self.parameters()).device
+
     def inference_session(self, max_length: int, **kwargs: Any) -> RemoteInferenceSession:
         """A session of up to ``max_length`` tokens: ``with model.inference_session(...) as s:``.
 
@@ -316,6 +326,14 @@ class DistributedModelMixin:
             raise ValueError(
                 f"distributed models keep their cache on servers; got a {type(cache).__name__} "
                 "(use model.inference_session(...), or pass a RemoteCache)"
+            )
+        inputs = input_ids if inputs_embeds is None else inputs_embeds
+        assert inputs is not None
+        if inputs.device != self.local_device:
+            name = "input_ids" if inputs_embeds is None else "inputs_embeds"
+            raise ValueError(
+                f"{name} are on {inputs.device}, but the model's local layers are on "
+                f"{self.local_device}: move them there (.to(model.device))"
             )
         if inputs_embeds is None:
             assert input_ids is not None
@@ -474,7 +492,9 @@ class DistributedCausalLMMixin:
             skipped = 0
             active = base.active_session
             if active is not None and active.output_ids is not None:
-                inputs, skipped = _continue_from(active.output_ids, inputs)
+                # On the device of the new inputs, or the model's (it may have moved since).
+                device = base.local_device if inputs is None else inputs.device
+                inputs, skipped = _continue_from(active.output_ids.to(device), inputs)
             self._generation_stack = stack
             try:
                 result = super().generate(inputs, *args, **kwargs)  # type: ignore[misc]
@@ -522,8 +542,9 @@ class DistributedCausalLMMixin:
 
 
 def _continue_from(previous: torch.Tensor, inputs: torch.Tensor | None) -> tuple[torch.Tensor, int]:
-    """The whole sequence for a generate() that continues ``previous``, and how many tokens of
-    the result to drop (Petals' way) or 0 (transformers' way)."""
+    """The whole sequence for a generate() that continues ``previous`` (on the device of
+    ``inputs``), and how many tokens of the result to drop (Petals' way) or 0 (transformers'
+    way)."""
     if inputs is None:
         return previous, previous.shape[1]
     if inputs.dim() != 2 or inputs.shape[0] != previous.shape[0]:
@@ -532,9 +553,9 @@ def _continue_from(previous: torch.Tensor, inputs: torch.Tensor | None) -> tuple
             f"{tuple(inputs.shape)}"
         )
     count = previous.shape[1]
-    if inputs.shape[1] >= count and torch.equal(inputs[:, :count].to(previous.device), previous):
+    if inputs.shape[1] >= count and torch.equal(inputs[:, :count], previous):
         return inputs, 0
-    return torch.cat([previous, inputs.to(previous.device)], dim=1), count
+    return torch.cat([previous, inputs], dim=1), count
 
 
 class DistributedSequenceClassificationMixin:
