@@ -3,9 +3,8 @@
 Runs with no network in about five minutes and writes ``bench/results/gpu.json`` after every
 phase (so a run cut short keeps what it measured).  The phases, in order:
 
-1. **tests**: the CUDA-only tests (``tests/**/test_*_cuda.py``) in a pytest process with compiled
-   Triton kernels: decode graphs against the eager path, a client on the GPU, quantised blocks
-   against bf16, the GPU defaults.
+1. **tests**: the tests marked ``cuda`` in a pytest process with compiled Triton kernels: decode
+   graphs against the eager path, a client on the GPU, quantised blocks against bf16.
 2. **swarm**: a TinyLlama-1.1B-shaped LLaMA and a bloom-560m-shaped BLOOM, random weights made
    on the GPU and saved as sharded safetensors, each served by 2 server processes on this GPU
    per variant (fp32, bf16, nf4, int8; every variant under its own DHT prefix, all servers
@@ -156,12 +155,18 @@ def _environment() -> dict[str, Any]:
 
 
 def _tests() -> dict[str, Any]:
-    files = sorted(str(path.relative_to(ROOT)) for path in ROOT.glob("tests/**/test_*_cuda.py"))
+    # Every test marked ``cuda``; only the files that hold one are collected, which keeps the
+    # CPU parity tests (they select Triton's interpreter for the whole process) out.
+    files = sorted(
+        str(path.relative_to(ROOT))
+        for path in ROOT.glob("tests/**/test_*.py")
+        if "pytest.mark.cuda" in path.read_text()
+    )
     with tempfile.TemporaryDirectory() as folder:
         junit = Path(folder) / "junit.xml"
         env = {**os.environ, "TRITON_INTERPRET": "0", "OMP_NUM_THREADS": "4"}
         process = subprocess.run(
-            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "cuda",
              f"--junitxml={junit}", *files],
             cwd=ROOT, env=env, capture_output=True, text=True, timeout=TESTS_TIMEOUT_S,
         )  # fmt: skip

@@ -33,7 +33,10 @@ TOLERANCE = 1e-4
 BF16_TOLERANCE = 0.15
 PROMPT_LEN = 3
 
-CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+CUDA = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
 
 #: (device, dtype) of the client under test; the reference is the same client on the CPU in
 #: float32.

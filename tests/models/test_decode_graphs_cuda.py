@@ -17,10 +17,13 @@ from petals_core.models._quantize import quantize_block
 from ._steps import eager_steps, twin
 from .conftest import tiny_bloom_config, tiny_llama_config
 
-pytestmark = pytest.mark.skipif(
-    not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1",
-    reason="needs a CUDA GPU and compiled Triton kernels (run by python -m bench gpu)",
-)
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(
+        not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1",
+        reason="needs a CUDA GPU and compiled Triton kernels (run by python -m bench gpu)",
+    ),
+]
 
 HIDDEN, HEADS, KV_HEADS = 512, 8, 2  # head_dim 64
 SPAN = 4

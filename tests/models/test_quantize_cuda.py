@@ -16,10 +16,13 @@ from petals_core.models._quantize import quantize_block
 
 from .test_quantize import BLOCK_BOUND, LINEAR_BOUND, QUANTIZED_CLASS, inputs, pair, relative_error
 
-pytestmark = pytest.mark.skipif(
-    not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1",
-    reason="needs a CUDA GPU and compiled Triton kernels (run by python -m bench gpu)",
-)
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(
+        not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1",
+        reason="needs a CUDA GPU and compiled Triton kernels (run by python -m bench gpu)",
+    ),
+]
 
 QUANT_TYPES = ["int8", "nf4"]
 

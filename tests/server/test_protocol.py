@@ -108,6 +108,7 @@ async def test_parts_are_at_most_chunk_bytes() -> None:
     assert messages[0] == {"meta": {}} and messages[-1] == {"done": True}
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 async def test_a_gpu_tensor_is_sent_from_one_cpu_copy() -> None:
     messages: list[Message] = []
