@@ -16,6 +16,7 @@ blocks only, then the backward continues there.
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Any
 
@@ -58,8 +59,11 @@ async def _call(
     }
     with trio.fail_after(manager.config.request_timeout):
         async with open_call(connection, method) as call:
-            await send_tensors(call.send, meta, tensors)
-            await call.send_eof()
+            # The end of our side goes with the last part: the server answers (and stops
+            # reading) once it has that part, and an end sent later would meet a closed stream.
+            await send_tensors(
+                call.send, meta, tensors, last=functools.partial(call.send, eof=True)
+            )
             return await receive_tensors(call.receive, max_elements=_MAX_ELEMENTS)
 
 

@@ -58,8 +58,11 @@ async def send_tensors(
     tensors: Mapping[str, torch.Tensor | None],
     *,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    last: Send | None = None,
 ) -> None:
-    """Send ``meta`` and ``tensors`` (None values are left out) in parts.
+    """Send ``meta`` and ``tensors`` (None values are left out) in parts; the closing
+    ``{"done": True}`` goes through ``last`` when given (a caller's send that also ends its
+    side: the callee may answer and stop reading as soon as it has it).
 
     A tensor on another device is copied to the CPU once, whole, before its parts are encoded
     (the codec would otherwise copy each part on its own)."""
@@ -75,7 +78,7 @@ async def send_tensors(
             continue
         for offset in range(0, flat.numel(), per_part):
             await send({"name": name, "shape": shape, "part": flat[offset : offset + per_part]})
-    await send({"done": True})
+    await (last or send)({"done": True})
 
 
 async def receive_tensors(

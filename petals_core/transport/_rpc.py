@@ -140,8 +140,10 @@ class Call:
     def peer_id(self) -> PeerID:
         return self._framed.stream.peer_id
 
-    async def send(self, message: Mapping[str, Any]) -> None:
-        await self._framed.send({"msg": message})
+    async def send(self, message: Mapping[str, Any], *, eof: bool = False) -> None:
+        """Send ``message``; with ``eof``, end our side in the same write (a callee that
+        answers as soon as it has the message then finds nothing left to wait for)."""
+        await self._framed.send({"msg": message}, eof=eof)
 
     async def send_eof(self) -> None:
         """Tell the callee no more messages will come."""

@@ -509,3 +509,33 @@ async def test_receive_some_refuses_a_zero_size() -> None:
             with pytest.raises(ValueError, match="max_bytes"):
                 await stream.receive_some(0)
             stream.reset()
+
+
+async def test_the_last_message_can_end_the_callers_side() -> None:
+    """A callee that answers the first message and returns at once (the RPC layer then stops
+    reading the stream): a caller that ended its side with that message gets the answer."""
+    answered = trio.Event()
+    handlers = Handlers()
+
+    @handlers.stream("first")
+    async def first(call: ServerCall) -> None:
+        message = await call.receive()
+        await call.send({"got": message["x"]})
+        answered.set()
+
+    with trio.fail_after(DEADLINE_S):
+        async with (
+            open_node() as server,
+            open_node() as client,
+            trio.open_nursery() as nursery,
+        ):
+            await nursery.start(serve_rpc, server, handlers)
+            connection = await client.connect(server.listen_multiaddr)
+            for x in range(3):
+                async with open_call(connection, "first") as call:
+                    await call.send({"x": x}, eof=True)
+                    await answered.wait()
+                    assert await call.receive() == {"got": x}
+                    assert [m async for m in call] == []
+                answered = trio.Event()
+            nursery.cancel_scope.cancel()
