@@ -35,6 +35,10 @@ from typing import Any
 
 import trio
 
+from petals_core.transport import TransportConfig
+from petals_core.transport._endpoint import ConnectionReady, Endpoint, StreamData
+from petals_core.transport._identity import Identity
+
 from ._report import percentile
 
 _SOL_UDP = 17
@@ -43,6 +47,9 @@ _PAGE = mmap.PAGESIZE
 # Datagrams sent (or read) between drains (refills) of the receiving socket.
 _BURST = 32
 TALLY = b"t"
+WORK = b"w"
+_CLIENT = ("127.0.0.1", 1000)
+_SERVER = ("127.0.0.1", 2000)
 
 
 # -- the cost of one call -------------------------------------------------------------------------
@@ -325,7 +332,9 @@ def difference(after: dict[str, Any], before: dict[str, Any], per: float) -> dic
 
 
 async def serve_udp(ready: Callable[[str], None]) -> None:
-    """Echo every datagram back; answer :data:`TALLY` with this process's tally as JSON."""
+    """Echo every datagram back; answer :data:`TALLY` with this process's tally as JSON.  A
+    datagram that starts with :data:`WORK` is answered after computing for the number of
+    microseconds that follows (as a QUIC peer computes before it answers)."""
     io_waits = IoWaits()
     trio.lowlevel.add_instrument(io_waits)
     sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
@@ -342,6 +351,8 @@ async def serve_udp(ready: Callable[[str], None]) -> None:
                 break
             if data == TALLY:
                 data = json.dumps(process_tally(io_waits)).encode()
+            elif data.startswith(WORK):
+                _spin(int(data[len(WORK) :].split(b" ", 1)[0]) / 1e6)
             sock.sendto(data, source)
 
 
@@ -363,17 +374,25 @@ async def _udp_exchange(sock: socket.socket, payload: bytes, target: tuple[str, 
         # Lost on loopback (a full buffer): ask again.
 
 
+def _spin(seconds: float) -> None:
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
 async def udp_ping_pong(
-    address: str, *, rounds: int, message: int, io_waits: IoWaits
+    address: str, *, rounds: int, message: int, io_waits: IoWaits, server_work_us: int = 0
 ) -> dict[str, Any]:
-    """Round trips of ``message`` bytes to :func:`serve_udp`: times (ms) and, per round trip,
-    what each process spent."""
+    """Round trips of ``message`` bytes to :func:`serve_udp` (which computes ``server_work_us``
+    before each answer): times (ms) and, per round trip, what each process spent."""
     host, port = address.rsplit(":", 1)
     target = (host, int(port))
     sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     sock.bind(("127.0.0.1", 0))
     sock.setblocking(False)
     payload = bytes(message)
+    if server_work_us:
+        payload = (WORK + b"%d " % server_work_us).ljust(message, b"\0")
     try:
         for _ in range(rounds // 10):
             await _udp_exchange(sock, payload, target)
@@ -408,3 +427,126 @@ def udp_drops(port: int) -> int | None:
             if len(fields) >= 13 and int(fields[1].rsplit(":", 1)[1], 16) == port:
                 return int(fields[-1])
     return None
+
+
+# -- the CPU alone ------------------------------------------------------------------------------
+
+
+def cpu_speed() -> dict[str, float]:
+    """How fast this host runs plain Python and the AEAD that protects every packet."""
+    from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
+    def python_loop() -> None:
+        x = 0
+        for i in range(100_000):
+            x = (x * 31 + i) & 0xFFFF
+
+    aead = AESGCM(bytes(16))
+    nonce = bytes(12)
+    return {
+        "plain Python loop, 100k iterations, ms": _per_call_us(python_loop, 5) / 1e3,
+        "AES-128-GCM seal 1452 B, µs": _per_call_us(
+            lambda: aead.encrypt(nonce, bytes(1452), b""), 200
+        ),
+        "AES-128-GCM seal 16 KiB, µs": _per_call_us(
+            lambda: aead.encrypt(nonce, bytes(16384), b""), 200
+        ),
+    }
+
+
+class _Pair:
+    """Two endpoints in this process with datagrams handed across at once: QUIC's work alone,
+    without sockets or an event loop.  Time is real, but jumps ahead to the next timer whenever
+    nothing moved (so that pacing or a delayed ACK never spins).  The server consumes what
+    arrives, and with ``echo`` sends it back."""
+
+    def __init__(self, datagram: int, *, echo: bool = False) -> None:
+        config = TransportConfig(
+            loopback_datagram_bytes=datagram, max_datagram_bytes=datagram, keepalive_interval_s=None
+        )
+        self.client = Endpoint(Identity.generate(), config)
+        self.server = Endpoint(Identity.generate(), config)
+        self.echo = echo
+        self.received = 0
+        self.echoed = 0
+        self._skew = 0.0
+        self._ready = 0
+        self.handle = self.client.connect(_SERVER, self.server.identity.peer_id, self.now())
+        while self._ready < 2:
+            self.step()
+
+    def now(self) -> float:
+        return time.perf_counter() + self._skew
+
+    def step(self) -> int:
+        """Deliver what each side has to send and run due timers; the datagrams moved."""
+        moved = 0
+        now = self.now()
+        for endpoint, other, source in (
+            (self.client, self.server, _CLIENT),
+            (self.server, self.client, _SERVER),
+        ):
+            timer = endpoint.next_timer()
+            if timer is not None and timer <= now:
+                endpoint.handle_timers(now)
+            for data, _ in endpoint.datagrams_to_send(now):
+                other.receive_datagram(data, source, now)
+                moved += 1
+            self._events(endpoint, now)
+        if not moved:
+            timers = [t for t in (self.client.next_timer(), self.server.next_timer()) if t]
+            if timers and min(timers) > now:
+                self._skew += min(timers) - now
+        return moved
+
+    def _events(self, endpoint: Endpoint, now: float) -> None:
+        for event in endpoint.events():
+            if isinstance(event, ConnectionReady):
+                self._ready += 1
+            elif isinstance(event, StreamData):
+                endpoint.adopt_stream(event.handle, event.stream_id)
+                endpoint.consume(event.handle, event.stream_id, len(event.data), now)
+                if endpoint is self.client:
+                    self.echoed += len(event.data)
+                    continue
+                self.received += len(event.data)
+                if self.echo:
+                    endpoint.send_stream_data(event.handle, event.stream_id, event.data, now)
+
+
+def quic_cpu(*, quick: bool = False) -> dict[str, float]:
+    """Microseconds of QUIC processing alone (both ends in this process, no sockets): per round
+    trip of a 64-byte message on a reused stream, and per datagram of a bulk transfer.  What the
+    transport costs over this is sockets, scheduling and waiting."""
+    results = {}
+    pair = _Pair(16384, echo=True)
+    stream_id = pair.client.open_stream(pair.handle)
+    message = bytes(64)
+    rounds = 200 if quick else 1000
+    start = time.process_time()
+    for index in range(rounds + rounds // 10):
+        if index == rounds // 10:
+            start = time.process_time()
+        pair.client.send_stream_data(pair.handle, stream_id, message, pair.now())
+        expected = pair.echoed + len(message)
+        while pair.echoed < expected:
+            pair.step()
+    results["round trip, both ends, µs"] = (time.process_time() - start) / rounds * 1e6
+    for datagram, label in ((1452, "1452 B"), (16384, "16 KiB")):
+        pair = _Pair(datagram)
+        stream_id = pair.client.open_stream(pair.handle)
+        total = (4 if quick else 16) << 20
+        block = bytes(256 << 10)
+        sent = 0
+        start = time.process_time()
+        datagrams = 0
+        while pair.received < total:
+            while sent < total and pair.client.send_room(pair.handle, stream_id) >= len(block):
+                pair.client.send_stream_data(pair.handle, stream_id, block, pair.now())
+                sent += len(block)
+            datagrams += pair.step()
+        # Datagrams both ways (data and acknowledgements), each processed by both ends.
+        results[f"bulk {label} datagrams, both ends, µs per datagram"] = (
+            (time.process_time() - start) / datagrams * 1e6
+        )
+    return results

@@ -53,8 +53,10 @@ from ._report import median, percentile, print_table, summarize, write_json
 from ._transport_probes import (
     TALLY,
     IoWaits,
+    cpu_speed,
     difference,
     process_tally,
+    quic_cpu,
     serve_udp,
     sleep_overshoot,
     syscall_costs,
@@ -64,6 +66,9 @@ from ._transport_probes import (
 )
 
 MESSAGE = 64
+# How long the plain UDP server computes before answering, in the second UDP row: about what a
+# QUIC peer spends on a round trip, so the client idles as long as it does against QUIC.
+SERVER_WORK_US = 250
 PARALLEL = 8
 CHUNK = 1 << 20
 _READY = "ready "
@@ -386,7 +391,17 @@ async def _tcp_client(address: str, sizes: Sizes) -> Results:
 async def _udp_client(address: str, sizes: Sizes) -> dict[str, Any]:
     io_waits = IoWaits()
     trio.lowlevel.add_instrument(io_waits)
-    return await udp_ping_pong(address, rounds=sizes.rtt_rounds, message=MESSAGE, io_waits=io_waits)
+    plain = await udp_ping_pong(
+        address, rounds=sizes.rtt_rounds, message=MESSAGE, io_waits=io_waits
+    )
+    working = await udp_ping_pong(
+        address,
+        rounds=sizes.rtt_rounds // 4,
+        message=MESSAGE,
+        io_waits=io_waits,
+        server_work_us=SERVER_WORK_US,
+    )
+    return plain | {"rtt_with_work_ms": working["rtt_ms"]}
 
 
 class _Server:
@@ -422,6 +437,8 @@ def measure(*, quick: bool = False, offload: bool = True) -> dict[str, Any]:
     }
     try:
         host = {
+            "cpu": cpu_speed(),
+            "quic_cpu_us": quic_cpu(quick=quick),
             "syscall_us": syscall_costs(quick=quick),
             "timer_late_us": trio.run(lambda: timer_overshoot(quick=quick))
             | sleep_overshoot(quick=quick),
@@ -449,6 +466,8 @@ def measure(*, quick: bool = False, offload: bool = True) -> dict[str, Any]:
         "udp_rtt_ms": {
             "median": median(udp["rtt_ms"]),
             "p90": percentile(udp["rtt_ms"], 0.9),
+            f"median, less {SERVER_WORK_US} µs of server work": median(udp["rtt_with_work_ms"])
+            - SERVER_WORK_US / 1e3,
         },
         "per_round_trip": {
             "udp": {"client": udp["client"], "server": udp["server"]},
@@ -564,6 +583,11 @@ def report(results: dict[str, Any]) -> None:
 def _report_host(results: dict[str, Any]) -> None:
     host = results["host"]
     print_table(
+        "host: the CPU alone (QUIC: both endpoints in one process, no sockets)",
+        ["what", "value"],
+        list(host["cpu"].items()) + [(f"QUIC {k}", v) for k, v in host["quic_cpu_us"].items()],
+    )
+    print_table(
         "host: microseconds per call (median of 5 loops)",
         ["call", "µs"],
         [(name, "n/a" if us is None else us) for name, us in host["syscall_us"].items()],
@@ -607,9 +631,10 @@ def _report_round_trips(results: dict[str, Any]) -> None:
                 except KeyError:
                     row.append(None)
         table.append(row)
-    udp = results["udp_rtt_ms"]
-    print(
-        f"\nplain UDP through trio, round trip ms: median {udp['median']:.3f}, p90 {udp['p90']:.3f}"
+    print_table(
+        "plain UDP through trio, in the pump's style, round trip ms",
+        ["what", "ms"],
+        list(results["udp_rtt_ms"].items()),
     )
     print_table("where a round trip goes (each side, per round trip)", header, table)
 
