@@ -38,7 +38,9 @@ _MAX_RUN_BYTES = 65507
 _RECEIVE_BYTES = 65536
 _SEGMENT_SIZE = struct.Struct("=H")
 _GRO_SIZE = struct.Struct("=i")
-_GRO_SPACE = socket.CMSG_SPACE(_GRO_SIZE.size)
+# Room for the segment size that comes with a coalesced run (platforms without ancillary data
+# have no receive offload either).
+_GRO_SPACE = socket.CMSG_SPACE(_GRO_SIZE.size) if hasattr(socket, "CMSG_SPACE") else 0
 
 
 class DatagramSocket:
@@ -53,7 +55,7 @@ class DatagramSocket:
         #: Whether runs of datagrams leave in one send (UDP segmentation offload).
         self.segmentation = offload and _set_option(sock, _UDP_SEGMENT, 0)
         #: Whether runs of datagrams arrive in one receive (UDP receive offload).
-        self.coalescing = offload and _set_option(sock, _UDP_GRO, 1)
+        self.coalescing = offload and _GRO_SPACE > 0 and _set_option(sock, _UDP_GRO, 1)
         self.datagrams_sent = 0
         self.bytes_sent = 0
         self.send_calls = 0
