@@ -78,15 +78,15 @@ class DatagramSocket:
     # -- receiving --------------------------------------------------------------------------------
 
     def receive(self, limit: int) -> list[tuple[bytes, Address]]:
-        """The datagrams waiting in the kernel, at most about ``limit`` of them; never blocks.
-
-        Fewer than ``limit`` means the socket was found empty.
-        """
+        """The datagrams waiting in the kernel, at most about ``limit`` of them; never blocks."""
         received: list[tuple[bytes, Address]] = []
         sock = self.sock
+        coalescing = self.coalescing
+        mapped = self.family == socket.AF_INET6
+        calls = nbytes = 0
         for _ in range(limit):
             try:
-                if self.coalescing:
+                if coalescing:
                     data, ancillary, _flags, source = sock.recvmsg(_RECEIVE_BYTES, _GRO_SPACE)
                 else:
                     data, source = sock.recvfrom(_RECEIVE_BYTES)
@@ -96,11 +96,12 @@ class DatagramSocket:
                 break
             except OSError:
                 # ICMP errors surface here on some systems; QUIC's own timers handle them.
-                self.receive_calls += 1
+                calls += 1
                 continue
-            self.receive_calls += 1
-            address = (normalise_host(source[0]), source[1])
+            calls += 1
+            address = (normalise_host(source[0]), source[1]) if mapped else source
             size = len(data)
+            nbytes += size
             segment = _segment_size(ancillary) if ancillary else 0
             if 0 < segment < size:
                 received.extend(
@@ -108,9 +109,10 @@ class DatagramSocket:
                 )
             else:
                 received.append((data, address))
-            self.bytes_received += size
             if len(received) >= limit:
                 break
+        self.receive_calls += calls
+        self.bytes_received += nbytes
         self.datagrams_received += len(received)
         return received
 
@@ -127,7 +129,7 @@ class DatagramSocket:
         while outbox:
             data, address = outbox[0]
             target = self._socket_address(address)
-            run = self._run(outbox) if self.segmentation else None
+            run = self._run(outbox) if self.segmentation and len(outbox) > 1 else None
             if run is not None:
                 try:
                     sock.sendmsg(
@@ -161,8 +163,8 @@ class DatagramSocket:
         address, the same size but for a shorter last one; None for fewer than two."""
         first, address = outbox[0]
         size = len(first)
-        most = min(_MAX_SEGMENTS, _MAX_RUN_BYTES // size)
-        if most < 2 or len(outbox) < 2:
+        most = min(_MAX_SEGMENTS, _MAX_RUN_BYTES // size) if size else 0
+        if most < 2:
             return None
         run = [first]
         for data, to in itertools.islice(outbox, 1, most):
