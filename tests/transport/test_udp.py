@@ -96,15 +96,15 @@ def test_runs_split_where_the_address_or_the_size_changes() -> None:
             + [(payload, to_second) for payload in _datagrams(3, 1300)]
             # Larger than the run before: a new run starts.
             + [(payload, to_second) for payload in _datagrams(4, 1400, last=20)]
-            + [(b"x" * 1500, to_first), (b"y" * 64, to_first)]
+            + [(b"x" * 1500, to_first), (b"y" * 64, to_first), (b"", to_first)]
         )
         expected_first = [data for data, to in outbox if to == to_first]
         expected_second = [data for data, to in outbox if to == to_second]
         sender.send(outbox)
         assert not outbox
         if sender.segmentation:
-            assert sender.send_calls == 4
-        assert [data for data, _ in _receive_all(first, 7)] == expected_first
+            assert sender.send_calls == 5
+        assert [data for data, _ in _receive_all(first, 8)] == expected_first
         assert [data for data, _ in _receive_all(second, 7)] == expected_second
     finally:
         for udp in (sender, first, second):
