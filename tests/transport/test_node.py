@@ -3,8 +3,9 @@
 The timer tests run on a clock of their own: virtual time moves a microsecond each time something
 reads it (work takes time, so the pacer's budget refills as it would), never with the real clock,
 and jumps to the next timer only when nothing at all can happen for a whole real second (trio's
-autojump).  However slow or busy the machine, a timer falls due only where the exchange waits for
-one, so counting timer wake-ups is deterministic.
+autojump).  However slow or busy the machine (short of stalling for a second with a datagram in
+flight), a timer falls due only where the exchange waits for one, so counting timer wake-ups is
+deterministic.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ class TickingClock(trio.abc.Clock):
     def __init__(self, *, tick_s: float = 1e-6, idle_s: float = 1.0) -> None:
         self.tick_s = tick_s
         self.idle_s = idle_s
+        # Well past 0, where aioquic's pacer starts counting its budget from.
         self._now = 100.0
         self._idle: tuple[float, float] | None = None
 
