@@ -64,6 +64,9 @@ class TransportConfig:
     #: Requested kernel socket buffer (the kernel may cap it); big bursts of datagrams on loopback
     #: otherwise overflow the default buffer and look like loss.
     socket_buffer_bytes: int = attrs.field(default=8 << 20, validator=v.ge(0))
+    #: Send and receive runs of datagrams in one system call where the kernel offers it (UDP
+    #: segmentation and receive offload on Linux); without it, or False, one datagram per call.
+    udp_offload: bool = attrs.field(default=True, validator=v.instance_of(bool))
     #: Limits for decoding messages from peers.
     codec_limits: CodecLimits = _DEFAULT_CODEC_LIMITS
     #: Frames larger than this are assembled one at a time per connection, so what a peer can

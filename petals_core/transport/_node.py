@@ -40,26 +40,45 @@ from ._endpoint import (
 )
 from ._identity import Identity, PeerID
 from ._multiaddr import Multiaddr, as_multiaddr
+from ._udp import DatagramSocket
 
 __all__ = ["Connection", "Node", "NodeStatistics", "Stream", "open_node"]
 
 logger = logging.getLogger(__name__)
 
+# Datagrams the pump takes in before it processes them and lets others run.
 _RECV_BATCH = 256
-_MAX_UDP = 65536
 # Largest slice handed to aioquic at once, so one big write does not monopolise the send buffer.
 _WRITE_SLICE = 1 << 20
 _SMALL_WRITE = 64 << 10
 
 
-@attrs.frozen
+@attrs.frozen(kw_only=True)
 class NodeStatistics:
+    """What a node holds now, and what it did since it opened (the counters)."""
+
     connections: int
     streams: int
     datagrams_sent: int
     datagrams_received: int
     bytes_sent: int
     bytes_received: int
+    #: System calls that sent datagrams (one sends a run of them with segmentation offload).
+    send_calls: int
+    #: Sends put off because the socket's buffer was full.
+    blocked_sends: int
+    #: System calls that received datagrams (one takes a run of them with receive offload).
+    receive_calls: int
+    #: Receive calls that found nothing waiting (each wake-up's reading ends with one).
+    empty_receives: int
+    #: Times the pump woke up: a datagram arrived, a timer fell due, or both.
+    pump_wakeups: int
+    #: Wake-ups at a timer's deadline with no datagram waiting.
+    timer_wakeups: int
+    #: Whether runs of datagrams leave in one system call (UDP segmentation offload).
+    segmentation_offload: bool
+    #: Whether runs of datagrams arrive in one system call (UDP receive offload).
+    receive_offload: bool
 
 
 class Stream:
@@ -407,13 +426,10 @@ def _peer_initiated(connection: Connection, stream_id: int) -> bool:
 class Node:
     """A transport endpoint: identity, one UDP socket, its connections.  Use :func:`open_node`."""
 
-    def __init__(
-        self, identity: Identity, config: TransportConfig, sock: socket.socket, family: int
-    ) -> None:
+    def __init__(self, identity: Identity, config: TransportConfig, udp: DatagramSocket) -> None:
         self.identity = identity
         self.config = config
-        self._sock = sock
-        self._family = family
+        self._udp = udp
         self._endpoint = Endpoint(identity, config)
         self._connections: dict[int, Connection] = {}
         self._by_peer: dict[PeerID, Connection] = {}
@@ -424,10 +440,10 @@ class Node:
         self._dispatching = False
         self._stream_handler: Callable[[Stream], None] | None = None
         self._closed = False
-        self._stats = [0, 0, 0, 0]
-        host, port = sock.getsockname()[:2]
+        self._pump_wakeups = 0
+        self._timer_wakeups = 0
         self.listen_multiaddr = Multiaddr.from_socket_address(
-            _normalise_host(host), port, peer_id=identity.peer_id
+            *udp.local_address(), peer_id=identity.peer_id
         )
 
     @property
@@ -435,13 +451,22 @@ class Node:
         return self.identity.peer_id
 
     def statistics(self) -> NodeStatistics:
+        udp = self._udp
         return NodeStatistics(
             connections=len(self._connections),
             streams=sum(len(c._streams) for c in self._connections.values()),
-            datagrams_sent=self._stats[0],
-            datagrams_received=self._stats[1],
-            bytes_sent=self._stats[2],
-            bytes_received=self._stats[3],
+            datagrams_sent=udp.datagrams_sent,
+            datagrams_received=udp.datagrams_received,
+            bytes_sent=udp.bytes_sent,
+            bytes_received=udp.bytes_received,
+            send_calls=udp.send_calls,
+            blocked_sends=udp.blocked_sends,
+            receive_calls=udp.receive_calls,
+            empty_receives=udp.empty_receives,
+            pump_wakeups=self._pump_wakeups,
+            timer_wakeups=self._timer_wakeups,
+            segmentation_offload=udp.segmentation,
+            receive_offload=udp.coalescing,
         )
 
     def set_stream_handler(self, handler: Callable[[Stream], None] | None) -> None:
@@ -502,27 +527,21 @@ class Node:
     # -- the pump ----------------------------------------------------------------------------------
 
     async def _pump(self) -> None:
-        sock = self._sock
+        udp = self._udp
         endpoint = self._endpoint
         while True:
             deadline = endpoint.next_timer()
-            if deadline is None:
-                deadline = math.inf
-            with trio.move_on_at(deadline) as self._pump_scope:
-                await trio.lowlevel.wait_readable(sock)
+            with trio.move_on_at(math.inf if deadline is None else deadline) as scope:
+                self._pump_scope = scope
+                await trio.lowlevel.wait_readable(udp.sock)
             self._pump_scope = None
             now = trio.current_time()
-            for _ in range(_RECV_BATCH):
-                try:
-                    data, addr = sock.recvfrom(_MAX_UDP)
-                except (BlockingIOError, InterruptedError):
-                    break
-                except OSError:
-                    # ICMP errors surface here on some systems; QUIC's own timers handle them.
-                    continue
-                self._stats[1] += 1
-                self._stats[3] += len(data)
-                endpoint.receive_datagram(data, _normalise_address(addr), now)
+            datagrams = udp.receive(_RECV_BATCH)
+            self._pump_wakeups += 1
+            if scope.cancelled_caught and not datagrams:
+                self._timer_wakeups += 1
+            for data, address in datagrams:
+                endpoint.receive_datagram(data, address, now)
             endpoint.handle_timers(now)
             self._dispatch_events()
             # Let the tasks just woken answer first (one schedule point to take their data,
@@ -541,7 +560,7 @@ class Node:
             await self._outbox_ready.wait()
             self._outbox_ready = trio.Event()
             while self._outbox:
-                await trio.lowlevel.wait_writable(self._sock)
+                await trio.lowlevel.wait_writable(self._udp.sock)
                 self._send_outbox()
 
     def _flush(self) -> None:
@@ -573,22 +592,16 @@ class Node:
             self._dispatching = False
 
     def _send_outbox(self) -> None:
-        sock = self._sock
         outbox = self._outbox
         while outbox:
-            data, address = outbox[0]
             try:
-                sock.sendto(data, self._socket_address(address))
+                self._udp.send(outbox)
             except (BlockingIOError, InterruptedError):
                 return
             except OSError as exc:
-                outbox.popleft()
+                _, address = outbox.popleft()
                 if exc.errno not in (errno.EMSGSIZE,):
                     self._unreachable(address, exc)
-                continue
-            outbox.popleft()
-            self._stats[0] += 1
-            self._stats[2] += len(data)
 
     def _unreachable(self, address: Address, exc: OSError) -> None:
         now = trio.current_time()
@@ -598,12 +611,6 @@ class Node:
                 error.__cause__ = exc
                 self._endpoint.fail(connection._handle, error, now)
         self._dispatch_events()
-
-    def _socket_address(self, address: Address) -> tuple[str, int]:
-        host, port = address
-        if self._family == socket.AF_INET6 and ":" not in host:
-            return (f"::ffff:{host}", port)
-        return address
 
     def _dispatch(self, event: object) -> None:
         if isinstance(event, StreamData):
@@ -670,15 +677,7 @@ def _only_cancellation(exc: BaseException) -> bool:
     return isinstance(exc, trio.Cancelled)
 
 
-def _normalise_host(host: str) -> str:
-    return host[7:] if host.startswith("::ffff:") and "." in host else host
-
-
-def _normalise_address(addr: tuple[str, int] | tuple[str, int, int, int]) -> Address:
-    return (_normalise_host(addr[0]), addr[1])
-
-
-def _bind(host: str, port: int, buffer_bytes: int) -> tuple[socket.socket, int]:
+def _bind(host: str, port: int, config: TransportConfig) -> DatagramSocket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_DGRAM)
     try:
@@ -686,14 +685,14 @@ def _bind(host: str, port: int, buffer_bytes: int) -> tuple[socket.socket, int]:
             # Dual stack where the host allows it: one socket reaches IPv4 and IPv6 peers.
             sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
         for option in (socket.SO_RCVBUF, socket.SO_SNDBUF):
-            if buffer_bytes:
-                sock.setsockopt(socket.SOL_SOCKET, option, buffer_bytes)
+            if config.socket_buffer_bytes:
+                sock.setsockopt(socket.SOL_SOCKET, option, config.socket_buffer_bytes)
         sock.bind((host, port))
         sock.setblocking(False)
     except OSError as exc:
         sock.close()
         raise PeerUnreachable(f"cannot bind UDP {host} port {port}: {exc}") from exc
-    return sock, family
+    return DatagramSocket(sock, offload=config.udp_offload)
 
 
 @asynccontextmanager
@@ -711,8 +710,8 @@ async def open_node(
     """
     identity = identity if identity is not None else Identity.generate()
     config = config if config is not None else TransportConfig()
-    sock, family = _bind(host, port, config.socket_buffer_bytes)
-    node = Node(identity, config, sock, family)
+    udp = _bind(host, port, config)
+    node = Node(identity, config, udp)
     # The block's own exception is raised as it is, not wrapped in the nursery's group.
     raised: BaseException | None = None
     try:
@@ -733,6 +732,6 @@ async def open_node(
         if raised is None or not _only_cancellation(exc):
             raise
     finally:
-        sock.close()
+        udp.close()
     if raised is not None:
         raise raised

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import random
+from collections.abc import Callable
 
 import attrs
 import pytest
@@ -40,6 +41,8 @@ class Recorder:
         self.now = 0.0
         #: When each datagram this endpoint produced left.
         self.sent_at: list[float] = []
+        #: How often the network ran this endpoint's timers (each time one was due).
+        self.timer_runs = 0
 
     # Endpoint protocol for MemoryNetwork, collecting events as they appear.
     def receive_datagram(self, data: bytes, address: tuple[str, int], now: float) -> None:
@@ -58,6 +61,7 @@ class Recorder:
 
     def handle_timers(self, now: float) -> None:
         self.now = now
+        self.timer_runs += 1
         self.endpoint.handle_timers(now)
         self._events(now)
 
@@ -207,6 +211,54 @@ def test_a_lone_request_is_acknowledged_by_its_answer() -> None:
     while d.net.step(until=d.net.now + 0.2):
         pass
     assert len(d.server.sent_at) == d.server_sent + 1
+
+
+def _ends_with(recorder: Recorder, key: tuple[int, int], data: bytes) -> Callable[[], bool]:
+    return lambda: bytes(recorder.received.get(key, b"")).endswith(data)
+
+
+@pytest.mark.parametrize("think_s", [0.0, 0.004, 0.010])
+@pytest.mark.parametrize("new_stream_per_call", [False, True])
+def test_request_response_exchanges_need_no_timer(
+    think_s: float, new_stream_per_call: bool
+) -> None:
+    # Each side thinks up to 10 ms before it speaks (the server before its answer, the client
+    # before its next request).  In steady state every packet carries the ACK of the one before:
+    # no timer falls due on either side, and one datagram goes each way per exchange.
+    d = deliver(b"settle")
+    while d.net.step(until=d.net.now + 0.2):
+        pass
+    net, client, server = d.net, d.client, d.server
+    rounds = 20
+    timer_runs = client.timer_runs, server.timer_runs
+    sent = len(client.sent_at), len(server.sent_at)
+    stream_id = d.stream_id
+    for index in range(rounds):
+        request, answer = b"request %d" % index, b"answer %d" % index
+        if new_stream_per_call:
+            stream_id = client.endpoint.open_stream(d.handle)
+        client.endpoint.send_stream_data(
+            d.handle, stream_id, request, net.now, end_stream=new_stream_per_call
+        )
+        key = (d.server_handle, stream_id)
+        assert net.run_until(_ends_with(server, key, request))
+        while net.step(until=net.now + think_s):
+            pass
+        server.endpoint.send_stream_data(
+            d.server_handle, stream_id, answer, net.now, end_stream=new_stream_per_call
+        )
+        if new_stream_per_call:
+            server.endpoint.release_stream(d.server_handle, stream_id, net.now)
+        key = (d.handle, stream_id)
+        assert net.run_until(_ends_with(client, key, answer))
+        if new_stream_per_call:
+            assert key in client.finished
+            client.endpoint.release_stream(d.handle, stream_id, net.now)
+        while net.step(until=net.now + think_s):
+            pass
+    assert (client.timer_runs, server.timer_runs) == timer_runs
+    assert len(client.sent_at) - sent[0] == rounds
+    assert len(server.sent_at) - sent[1] == rounds
 
 
 def test_a_lone_packet_without_answer_is_still_acknowledged() -> None:

@@ -1,0 +1,196 @@
+"""The trio node on loopback: its statistics, and exchanges that never wait for a timer.
+
+The timer tests run on a clock of their own: virtual time moves a microsecond each time something
+reads it (work takes time, so the pacer's budget refills as it would), never with the real clock,
+and jumps to the next timer only when nothing at all can happen for a whole real second (trio's
+autojump).  However slow or busy the machine (short of stalling for a second with a datagram in
+flight), a timer falls due only where the exchange waits for one, so counting timer wake-ups is
+deterministic.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import attrs
+import pytest
+import trio
+
+from petals_core.transport import (
+    Handlers,
+    NodeStatistics,
+    ServerCall,
+    Stream,
+    TransportConfig,
+    call_unary,
+    open_node,
+    serve_rpc,
+)
+
+ROUNDS = 100
+MESSAGE = bytes(range(64))
+
+
+class TickingClock(trio.abc.Clock):
+    """Virtual time that advances by ``tick_s`` at every reading, and jumps to the next deadline
+    when the run loop found nothing to do for ``idle_s`` of real time (as trio's autojump does)."""
+
+    def __init__(self, *, tick_s: float = 1e-6, idle_s: float = 1.0) -> None:
+        self.tick_s = tick_s
+        self.idle_s = idle_s
+        # Well past 0, where aioquic's pacer starts counting its budget from.
+        self._now = 100.0
+        self._idle: tuple[float, float] | None = None
+
+    def start_clock(self) -> None:
+        self._idle = None
+
+    def current_time(self) -> float:
+        if self._idle is not None:
+            deadline, since = self._idle
+            self._idle = None
+            if time.perf_counter() - since >= self.idle_s:
+                self._now = max(self._now, deadline)
+        self._now += self.tick_s
+        return self._now
+
+    def deadline_to_sleep_time(self, deadline: float) -> float:
+        if deadline <= self._now:
+            return 0.0
+        if math.isfinite(deadline):
+            self._idle = (deadline, time.perf_counter())
+        return self.idle_s
+
+
+@pytest.fixture
+def ticking_clock() -> TickingClock:
+    return TickingClock()
+
+
+def _delta(after: NodeStatistics, before: NodeStatistics) -> dict[str, int]:
+    return {
+        name: value - getattr(before, name)
+        for name, value in attrs.asdict(after).items()
+        if type(value) is int
+    }
+
+
+async def _echo(stream: Stream) -> None:
+    async with stream:
+        while data := await stream.receive_some():
+            await stream.send_all(data)
+        await stream.send_eof()
+
+
+async def _exchange(stream: Stream) -> None:
+    await stream.send_all(MESSAGE)
+    got = b""
+    while len(got) < len(MESSAGE):
+        got += await stream.receive_some()
+    assert got == MESSAGE
+
+
+async def test_round_trips_on_a_reused_stream_wait_for_no_timer(
+    ticking_clock: TickingClock,
+) -> None:
+    async with open_node() as server, open_node() as client, trio.open_nursery() as nursery:
+        server.set_stream_handler(lambda stream: nursery.start_soon(_echo, stream))
+        connection = await client.connect(server.listen_multiaddr)
+        stream = await connection.open_stream()
+        for _ in range(10):
+            await _exchange(stream)
+        before = client.statistics(), server.statistics()
+        for _ in range(ROUNDS):
+            await _exchange(stream)
+        after = client.statistics(), server.statistics()
+        for node_after, node_before in zip(after, before, strict=True):
+            delta = _delta(node_after, node_before)
+            assert delta["timer_wakeups"] == 0
+            # One datagram each way per round trip: each carries the ACK of the one before.
+            assert delta["datagrams_sent"] == ROUNDS
+            assert delta["datagrams_received"] == ROUNDS
+            assert delta["pump_wakeups"] == ROUNDS
+        await stream.aclose()
+        nursery.cancel_scope.cancel()
+
+
+async def test_unary_calls_wait_for_no_timer(ticking_clock: TickingClock) -> None:
+    handlers = Handlers()
+
+    @handlers.unary("ping")
+    async def ping(request: dict[str, bytes], call: ServerCall) -> dict[str, bytes]:
+        return request
+
+    async with open_node() as server, open_node() as client, trio.open_nursery() as nursery:
+        await nursery.start(serve_rpc, server, handlers)
+        connection = await client.connect(server.listen_multiaddr)
+        for _ in range(10):
+            await call_unary(connection, "ping", {"p": MESSAGE})
+        before = client.statistics(), server.statistics()
+        for _ in range(ROUNDS):
+            assert await call_unary(connection, "ping", {"p": MESSAGE}) == {"p": MESSAGE}
+        after = client.statistics(), server.statistics()
+        client_delta, server_delta = (
+            _delta(node_after, node_before)
+            for node_after, node_before in zip(after, before, strict=True)
+        )
+        assert client_delta["timer_wakeups"] == server_delta["timer_wakeups"] == 0
+        # The call and its reply each leave in one datagram.
+        assert client_delta["datagrams_sent"] == ROUNDS
+        assert ROUNDS <= server_delta["datagrams_sent"] <= ROUNDS + ROUNDS // 10
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_quiet_connection_wakes_its_pump_by_timer(ticking_clock: TickingClock) -> None:
+    config = TransportConfig(keepalive_interval_s=5.0)
+    async with open_node(config=config) as server, open_node(config=config) as client:
+        await client.connect(server.listen_multiaddr)
+        before = client.statistics()
+        # Nothing to do but the keep-alive: the clock jumps to it.
+        with trio.move_on_after(6.0):
+            await trio.sleep_forever()
+        delta = _delta(client.statistics(), before)
+        assert delta["timer_wakeups"] >= 1
+        assert delta["datagrams_sent"] >= 1
+
+
+async def test_statistics_count_calls_datagrams_and_bytes() -> None:
+    with trio.fail_after(60):
+        for offload in (False, True):
+            config = TransportConfig(udp_offload=offload)
+            async with (
+                open_node(config=config) as server,
+                open_node(config=config) as client,
+                trio.open_nursery() as nursery,
+            ):
+                server.set_stream_handler(lambda stream: nursery.start_soon(_echo, stream))
+                connection = await client.connect(server.listen_multiaddr)
+                stream = await connection.open_stream()
+                payload = bytes(range(256)) * 4096
+                await stream.send_all(payload, eof=True)
+                echoed = b""
+                while data := await stream.receive_some():
+                    echoed += data
+                assert echoed == payload
+                _check_consistent(client.statistics(), offload=offload)
+                _check_consistent(server.statistics(), offload=offload)
+                assert client.statistics().bytes_sent > len(payload)
+                await stream.aclose()
+                nursery.cancel_scope.cancel()
+
+
+def _check_consistent(statistics: NodeStatistics, *, offload: bool) -> None:
+    assert statistics.connections == 1
+    assert 0 < statistics.send_calls <= statistics.datagrams_sent
+    assert 0 < statistics.receive_calls <= statistics.datagrams_received
+    assert statistics.bytes_sent >= statistics.datagrams_sent
+    assert statistics.bytes_received >= statistics.datagrams_received
+    assert 0 <= statistics.timer_wakeups <= statistics.pump_wakeups
+    # Each wake-up's reading ends with a receive that finds the socket empty (or its batch full).
+    assert statistics.empty_receives <= statistics.pump_wakeups
+    if not offload:
+        assert not statistics.segmentation_offload
+        assert not statistics.receive_offload
+        assert statistics.send_calls == statistics.datagrams_sent
+        assert statistics.receive_calls == statistics.datagrams_received
