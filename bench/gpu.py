@@ -18,7 +18,8 @@ phase (so a run cut short keeps what it measured).  The phases, in order:
      through the swarm;
    - what torch holds on the GPU in each server, and its decode-graph counters (``petals.info``).
 3. **kernels**: parity and speed of the Triton kernels (:mod:`bench.kernels_cuda`).
-4. **transport**: QUIC against trio TCP on this host (:mod:`bench.transport`).
+4. **transport**: QUIC against trio TCP on this host, and where the time goes
+   (:mod:`bench.transport`), then a quick run without UDP offload beside it.
 
 Targets (the issue's): decode attention at least SDPA's speed at every shape and at least 85% of
 peak bandwidth at B=8, S=16k; TinyLlama shape, 2 servers, bf16, client on the GPU: at most 6 ms
@@ -557,9 +558,24 @@ def _kernels() -> dict[str, Any]:
 
 
 def _transport() -> dict[str, Any]:
+    """The full transport benchmark, then a quick one without UDP offload beside it."""
     from . import transport
 
-    return transport.measure()
+    results = transport.measure()
+    transport.report(results)
+    rows = results["rows"]
+    results["headline"] = {
+        "rtt_quic_ms": rows["RTT reused stream ms (median)"]["quic"],
+        "rtt_tcp_ms": rows["RTT reused stream ms (median)"]["tcp"],
+        "bulk_1452_mb_s": rows["bulk, 1452 B datagrams, MB/s"]["quic"],
+        "bulk_16k_mb_s": rows["bulk, 16 KiB datagrams, MB/s"]["quic"],
+    }
+    try:
+        without = transport.measure(quick=True, offload=False)
+        results["quick_without_offload"] = {"rows": without["rows"], "host": without["host"]}
+    except Exception:
+        results["quick_without_offload"] = {"error": traceback.format_exc()}
+    return results
 
 
 # -- targets -------------------------------------------------------------------------------------
