@@ -34,7 +34,6 @@ from transformers.modeling_outputs import (
     CausalLMOutputWithPast,
     SequenceClassifierOutputWithPast,
 )
-from transformers.modeling_utils import slice_logits_to_keep
 from transformers.utils import ModelOutput
 
 from ... import kernels
@@ -126,6 +125,26 @@ class ChunkedLMHead(nn.Module):
     def extra_repr(self) -> str:
         vocab, hidden = self.weight.shape
         return f"hidden={hidden}, vocab={vocab}, chunk_rows={self.chunk_rows}"
+
+
+def _keep_positions(hidden: torch.Tensor, logits_to_keep: int | torch.Tensor) -> torch.Tensor:
+    """The positions of ``hidden`` ``(B, T, H)`` that go through the LM head, as transformers'
+    ``logits_to_keep``: an int ``n`` keeps the last ``n`` (``0`` keeps all), a 1-D integer
+    tensor keeps those positions."""
+    if isinstance(logits_to_keep, torch.Tensor):
+        dtype = logits_to_keep.dtype
+        integer = not (dtype.is_floating_point or dtype.is_complex or dtype == torch.bool)
+        if logits_to_keep.dim() != 1 or not integer:
+            raise ValueError(
+                "logits_to_keep must be an int or a 1-D integer tensor of positions, got a "
+                f"tensor of shape {tuple(logits_to_keep.shape)} and dtype {logits_to_keep.dtype}"
+            )
+        return hidden[:, logits_to_keep.to(hidden.device), :]
+    if isinstance(logits_to_keep, bool) or not isinstance(logits_to_keep, int):
+        raise ValueError(f"logits_to_keep must be an int or a tensor, got {logits_to_keep!r}")
+    if logits_to_keep < 0:
+        raise ValueError(f"logits_to_keep must be >= 0 (0 keeps all), got {logits_to_keep}")
+    return hidden[:, -logits_to_keep:, :] if logits_to_keep else hidden
 
 
 def _check_attention_mask(
@@ -434,7 +453,7 @@ class DistributedCausalLMMixin:
             output_attentions=output_attentions,
             output_hidden_states=output_hidden_states,
         )
-        logits = self.lm_head(slice_logits_to_keep(hidden, logits_to_keep))
+        logits = self.lm_head(_keep_positions(hidden, logits_to_keep))
         loss = None
         if labels is not None:
             loss_function: Any = getattr(self, "loss_function")  # noqa: B009  (transformers')
