@@ -40,6 +40,7 @@ from ... import kernels
 from ..._errors import ConfigError
 from ...client import RemoteSequential
 from ...routing import RemoteSequenceManager, SequenceManagerConfig
+from .._hf_compat import CACHE_ARG, cache_kwargs
 from ._cache import RemoteCache
 from ._session import RemoteInferenceSession
 
@@ -460,7 +461,7 @@ class DistributedCausalLMMixin:
             loss = loss_function(
                 logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs
             )
-        result = CausalLMOutputWithPast(loss=loss, logits=logits, cache=cache)
+        result = CausalLMOutputWithPast(loss=loss, logits=logits, **cache_kwargs(cache))
         return result if return_dict is not False else result.to_tuple()
 
     def generate(
@@ -524,7 +525,7 @@ class DistributedCausalLMMixin:
         Returns True, as transformers' does (nothing reads it)."""
         if generation_config.cache_implementation is not None:
             raise ValueError("cache_implementation is not supported: the cache lives on servers")
-        given = model_kwargs.get("cache")
+        given = model_kwargs.get(CACHE_ARG)
         if given is not None and not isinstance(given, RemoteCache):
             raise ValueError(f"distributed models cannot use a {type(given).__name__}")
         base = self.distributed_base
@@ -536,7 +537,7 @@ class DistributedCausalLMMixin:
             session = self._generation_stack.enter_context(
                 base.inference_session(max_length=max_length)
             )
-        model_kwargs["cache"] = RemoteCache(session.token_position)
+        model_kwargs[CACHE_ARG] = RemoteCache(session.token_position)
         return True
 
 
@@ -626,5 +627,5 @@ class DistributedSequenceClassificationMixin:
             loss = loss_function(
                 logits=logits, labels=labels, pooled_logits=pooled, config=self.config
             )
-        result = SequenceClassifierOutputWithPast(loss=loss, logits=pooled, cache=cache)
+        result = SequenceClassifierOutputWithPast(loss=loss, logits=pooled, **cache_kwargs(cache))
         return result if return_dict is not False else result.to_tuple()
