@@ -369,6 +369,9 @@ def hub(local_hub: LocalHub, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) ->
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
     monkeypatch.setattr(constants, "HF_HUB_DISABLE_TELEMETRY", True)
-    monkeypatch.setattr(transformers.utils.hub, "_hf_api", None)
+    # transformers >= 5.x keeps one HfApi, made with the endpoint of its creation time.
+    shared_api = getattr(transformers.utils.hub, "hf_api", None)
+    if shared_api is not None:
+        monkeypatch.setattr(shared_api(), "endpoint", local_hub.url)
     local_hub.clear_log()
     return Hub(server=local_hub, cache_dir=cache_dir, monkeypatch=monkeypatch)
