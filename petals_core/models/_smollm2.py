@@ -128,10 +128,12 @@ def _write_checkpoint(gguf: Path, folder: Path, *, max_shard_size: int | str) ->
     )
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
 
-    # transformers marks a GGUF-loaded model as quantised and refuses to save it; the weights are
-    # plain float32 by now, so the checkpoint is written with huggingface_hub's serializer.
+    # Newer transformers releases mark a GGUF-loaded model as quantised and refuse to save it; the
+    # weights are plain float32 by now, so the checkpoint is written with huggingface_hub's
+    # serializer, and its config without the mark.
     config = model.config
-    del config.quantization_config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
     config.architectures = [type(model).__name__]
     config.save_pretrained(folder)
     model.generation_config.save_pretrained(folder)

@@ -58,6 +58,22 @@ def test_logits_and_loss_equal_transformers(models: tuple[Any, Any]) -> None:
     torch.testing.assert_close(last, theirs.logits[:, -1:], atol=TOLERANCE, rtol=0)
 
 
+def test_logits_to_keep_selects_positions_as_transformers(models: tuple[Any, Any]) -> None:
+    model, reference = models
+    ids = _ids(2, 7)
+    with torch.no_grad():
+        theirs = reference(ids).logits
+        every = model(ids, logits_to_keep=0).logits
+        last_three = model(ids, logits_to_keep=3).logits
+        chosen = model(ids, logits_to_keep=torch.tensor([0, 4, 6])).logits
+    torch.testing.assert_close(every, theirs, atol=TOLERANCE, rtol=0)
+    torch.testing.assert_close(last_three, theirs[:, -3:], atol=TOLERANCE, rtol=0)
+    torch.testing.assert_close(chosen, theirs[:, [0, 4, 6]], atol=TOLERANCE, rtol=0)
+    for bad in (-1, True, 1.5, torch.tensor([[0, 1]]), torch.tensor([0.0]), torch.tensor([True])):
+        with pytest.raises(ValueError, match="logits_to_keep"), torch.no_grad():
+            model(ids, logits_to_keep=bad)
+
+
 def test_right_padding_equals_transformers_with_its_mask(models: tuple[Any, Any]) -> None:
     model, reference = models
     ids = _ids(2, 8, seed=1)

@@ -351,8 +351,9 @@ def hub(local_hub: LocalHub, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) ->
 
     huggingface_hub reads ``HF_ENDPOINT``, ``HF_HUB_CACHE`` and ``HF_HUB_OFFLINE`` into
     ``huggingface_hub.constants`` when imported, so the environment variables are set for
-    subprocesses and the constants patched for this process. transformers keeps one ``HfApi`` (with
-    the endpoint of its creation time): it is dropped so that it is made again here.
+    subprocesses and the constants patched for this process. Newer transformers releases keep one
+    ``HfApi`` (``transformers.utils.hub.hf_api()``, with the endpoint of its creation time): it is
+    pointed at the local hub too.
     """
     import transformers.utils.hub
 
@@ -369,6 +370,8 @@ def hub(local_hub: LocalHub, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) ->
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
     monkeypatch.setattr(constants, "HF_HUB_DISABLE_TELEMETRY", True)
-    monkeypatch.setattr(transformers.utils.hub, "_hf_api", None)
+    shared_api = getattr(transformers.utils.hub, "hf_api", None)
+    if shared_api is not None:
+        monkeypatch.setattr(shared_api(), "endpoint", local_hub.url)
     local_hub.clear_log()
     return Hub(server=local_hub, cache_dir=cache_dir, monkeypatch=monkeypatch)

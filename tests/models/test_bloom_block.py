@@ -9,9 +9,9 @@ import pytest
 import torch
 from transformers import BloomConfig
 from transformers.cache_utils import DynamicCache
-from transformers.masking_utils import create_causal_mask
 from transformers.models.bloom import modeling_bloom as hf_bloom
 
+from petals_core.models._hf_compat import cache_kwargs
 from petals_core.models.bloom import BloomBlock
 
 HIDDEN, HEADS = 64, 4
@@ -19,11 +19,7 @@ FP32_ATOL = 1e-5
 
 
 def make_config(*, n_head: int = HEADS, hidden: int = HIDDEN, **overrides: object) -> BloomConfig:
-    config = BloomConfig(hidden_size=hidden, n_head=n_head, n_layer=3, vocab_size=128, **overrides)
-    # BloomModel sets this when it is built; a bare block needs it for create_causal_mask to
-    # materialise eager's additive mask (left unset, it returns None: no causal mask at all).
-    config._attn_implementation = "eager"
-    return config
+    return BloomConfig(hidden_size=hidden, n_head=n_head, n_layer=3, vocab_size=128, **overrides)
 
 
 def randomize_(module: torch.nn.Module, seed: int) -> None:
@@ -48,6 +44,16 @@ def make_pair(config: BloomConfig, seed: int = 0) -> tuple[hf_bloom.BloomBlock, 
     return hf, ours
 
 
+def additive_causal_mask(batch: int, new: int, past: int, dtype: torch.dtype) -> torch.Tensor:
+    """The mask BloomModel gives its blocks' eager attention, ``(B, 1, new, past + new)``: 0 where
+    a query may attend, the dtype's minimum where the key lies in its future."""
+    query = torch.arange(past, past + new)[:, None]
+    key = torch.arange(past + new)[None, :]
+    mask = torch.zeros(new, past + new, dtype=dtype)
+    mask = mask.masked_fill(key > query, torch.finfo(dtype).min)  # (new, past + new)
+    return mask.expand(batch, 1, new, past + new)
+
+
 def hf_forward(
     block: hf_bloom.BloomBlock,
     config: BloomConfig,
@@ -57,7 +63,7 @@ def hf_forward(
     """transformers' block driven as BloomModel drives it: ALiBi, causal mask over past + new."""
     batch, new, _ = x.shape
     past = 0 if cache is None else cache.get_seq_length()
-    mask = create_causal_mask(config=config, inputs_embeds=x, attention_mask=None, cache=cache)
+    mask = additive_causal_mask(batch, new, past, x.dtype)
     alibi = hf_bloom.build_alibi_tensor(torch.ones(batch, past + new), config.n_head, x.dtype)
     return block(
         x, alibi=alibi, attention_mask=mask, layer_past=cache, use_cache=cache is not None
@@ -212,9 +218,9 @@ def test_model_run_layer_by_layer() -> None:
         for start, end in [(0, 6), (6, 7), (7, 10)]:
             out = model(
                 inputs_embeds=x[:, start:end],
-                cache=hf_cache,
                 use_cache=True,
                 output_hidden_states=True,
+                **cache_kwargs(hf_cache),
             )
             hidden = out.hidden_states[0]  # after word_embeddings_layernorm
             for i, (block, cache) in enumerate(zip(blocks, caches, strict=True)):

@@ -18,6 +18,7 @@ from transformers import DynamicCache, LlamaConfig, LlamaModel
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from petals_core.models._cache import KVCache
+from petals_core.models._hf_compat import cache_kwargs
 from petals_core.models.llama import LlamaBlock, LlamaRotary
 
 torch.set_num_threads(1)
@@ -91,7 +92,7 @@ class Pair:
         return torch.randn(batch, length, self.config.hidden_size, generator=generator)
 
     def hf_run(self, x: torch.Tensor, cache: DynamicCache | None = None) -> torch.Tensor:
-        out = self.hf(inputs_embeds=x, cache=cache, use_cache=cache is not None)
+        out = self.hf(inputs_embeds=x, use_cache=cache is not None, **cache_kwargs(cache))
         return out.last_hidden_state
 
     def caches(self, batch: int, max_length: int) -> list[KVCache]:
@@ -333,7 +334,7 @@ def test_bfloat16_error_is_no_worse_than_transformers() -> None:
         return h
 
     def run_hf(h: torch.Tensor, cache: DynamicCache) -> torch.Tensor:
-        return hf_bf16(inputs_embeds=h, cache=cache, use_cache=True).last_hidden_state
+        return hf_bf16(inputs_embeds=h, use_cache=True, **cache_kwargs(cache)).last_hidden_state
 
     with torch.no_grad():
         exact = pair.run(x)

@@ -38,13 +38,13 @@ from transformers.modeling_outputs import (
     CausalLMOutputWithPast,
     SequenceClassifierOutputWithPast,
 )
-from transformers.modeling_utils import slice_logits_to_keep
 from transformers.utils import ModelOutput
 
 from ... import kernels
 from ..._errors import ConfigError
 from ...client import RemoteSequential
 from ...routing import RemoteSequenceManager, SequenceManagerConfig
+from .._hf_compat import CACHE_ARG, cache_kwargs
 from ._cache import RemoteCache
 from ._session import RemoteInferenceSession
 
@@ -130,6 +130,26 @@ class ChunkedLMHead(nn.Module):
     def extra_repr(self) -> str:
         vocab, hidden = self.weight.shape
         return f"hidden={hidden}, vocab={vocab}, chunk_rows={self.chunk_rows}"
+
+
+def _keep_positions(hidden: torch.Tensor, logits_to_keep: int | torch.Tensor) -> torch.Tensor:
+    """The positions of ``hidden`` ``(B, T, H)`` that go through the LM head, as transformers'
+    ``logits_to_keep``: an int ``n`` keeps the last ``n`` (``0`` keeps all), a 1-D integer
+    tensor keeps those positions."""
+    if isinstance(logits_to_keep, torch.Tensor):
+        dtype = logits_to_keep.dtype
+        integer = not (dtype.is_floating_point or dtype.is_complex or dtype == torch.bool)
+        if logits_to_keep.dim() != 1 or not integer:
+            raise ValueError(
+                "logits_to_keep must be an int or a 1-D integer tensor of positions, got a "
+                f"tensor of shape {tuple(logits_to_keep.shape)} and dtype {logits_to_keep.dtype}"
+            )
+        return hidden[:, logits_to_keep.to(hidden.device), :]
+    if isinstance(logits_to_keep, bool) or not isinstance(logits_to_keep, int):
+        raise ValueError(f"logits_to_keep must be an int or a tensor, got {logits_to_keep!r}")
+    if logits_to_keep < 0:
+        raise ValueError(f"logits_to_keep must be >= 0 (0 keeps all), got {logits_to_keep}")
+    return hidden[:, -logits_to_keep:, :] if logits_to_keep else hidden
 
 
 def _check_attention_mask(
@@ -452,14 +472,14 @@ class DistributedCausalLMMixin:
             output_attentions=output_attentions,
             output_hidden_states=output_hidden_states,
         )
-        logits = self.lm_head(slice_logits_to_keep(hidden, logits_to_keep))
+        logits = self.lm_head(_keep_positions(hidden, logits_to_keep))
         loss = None
         if labels is not None:
             loss_function: Any = getattr(self, "loss_function")  # noqa: B009  (transformers')
             loss = loss_function(
                 logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs
             )
-        result = CausalLMOutputWithPast(loss=loss, logits=logits, cache=cache)
+        result = CausalLMOutputWithPast(loss=loss, logits=logits, **cache_kwargs(cache))
         return result if return_dict is not False else result.to_tuple()
 
     def generate(
@@ -525,7 +545,7 @@ class DistributedCausalLMMixin:
         Returns True, as transformers' does (nothing reads it)."""
         if generation_config.cache_implementation is not None:
             raise ValueError("cache_implementation is not supported: the cache lives on servers")
-        given = model_kwargs.get("cache")
+        given = model_kwargs.get(CACHE_ARG)
         if given is not None and not isinstance(given, RemoteCache):
             raise ValueError(f"distributed models cannot use a {type(given).__name__}")
         base = self.distributed_base
@@ -537,7 +557,7 @@ class DistributedCausalLMMixin:
             session = self._generation_stack.enter_context(
                 base.inference_session(max_length=max_length)
             )
-        model_kwargs["cache"] = RemoteCache(session.token_position)
+        model_kwargs[CACHE_ARG] = RemoteCache(session.token_position)
         return True
 
 
@@ -628,5 +648,5 @@ class DistributedSequenceClassificationMixin:
             loss = loss_function(
                 logits=logits, labels=labels, pooled_logits=pooled, config=self.config
             )
-        result = SequenceClassifierOutputWithPast(loss=loss, logits=pooled, cache=cache)
+        result = SequenceClassifierOutputWithPast(loss=loss, logits=pooled, **cache_kwargs(cache))
         return result if return_dict is not False else result.to_tuple()

@@ -13,6 +13,7 @@ from transformers.models.bloom.modeling_bloom import BloomPreTrainedModel
 from ...client import RemoteSequential
 from ...routing import SequenceManagerConfig
 from .._config import DistributedBloomConfig
+from .._hf_compat import cache_kwargs
 from ._base import (
     ChunkedLMHead,
     DistributedCausalLMMixin,
@@ -95,7 +96,7 @@ class DistributedBloomModel(  # type: ignore[misc]  # from_pretrained takes keyw
             output_attentions=output_attentions,
             output_hidden_states=output_hidden_states,
         )
-        outputs = BaseModelOutputWithPast(last_hidden_state=hidden, cache=cache)
+        outputs = BaseModelOutputWithPast(last_hidden_state=hidden, **cache_kwargs(cache))
         return outputs if return_dict is not False else outputs.to_tuple()
 
 

@@ -13,6 +13,7 @@ from transformers.models.llama.modeling_llama import LlamaPreTrainedModel, Llama
 from ...client import RemoteSequential
 from ...routing import SequenceManagerConfig
 from .._config import DistributedLlamaConfig
+from .._hf_compat import cache_kwargs
 from ._base import (
     ChunkedLMHead,
     DistributedCausalLMMixin,
@@ -91,7 +92,7 @@ class DistributedLlamaModel(  # type: ignore[misc]  # from_pretrained takes keyw
             output_attentions=output_attentions,
             output_hidden_states=output_hidden_states,
         )
-        outputs = BaseModelOutputWithPast(last_hidden_state=hidden, cache=cache)
+        outputs = BaseModelOutputWithPast(last_hidden_state=hidden, **cache_kwargs(cache))
         return outputs if return_dict is not False else outputs.to_tuple()
 
 
