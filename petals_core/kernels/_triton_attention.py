@@ -391,11 +391,12 @@ def decode_attention(
     if direct:
         partial_acc = partial_max = partial_sum = out  # not read: the kernel writes `out` itself
     else:
-        partial_acc = torch.empty(
-            (batch, n_head, new_tokens, num_splits, head_dim), dtype=torch.float32, device=q.device
-        )
-        partial_max = torch.empty(partial_acc.shape[:-1], dtype=torch.float32, device=q.device)
-        partial_sum = torch.empty_like(partial_max)
+        # One allocation, cut into the three contiguous arrays the kernels index.
+        count = batch * n_head * new_tokens * num_splits
+        partials = torch.empty(count * (head_dim + 2), dtype=torch.float32, device=q.device)
+        partial_acc = partials[: count * head_dim]
+        partial_max = partials[count * head_dim : count * (head_dim + 1)]
+        partial_sum = partials[count * (head_dim + 1) :]
     block_r = max(16, triton.next_power_of_2(rows))
     block_d = _block_d(head_dim)
     dot_dtype, precision = _dot_config(q)
