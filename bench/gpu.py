@@ -19,7 +19,7 @@ phase (so a run cut short keeps what it measured).  The phases, in order:
    - what torch holds on the GPU in each server, and its decode-graph counters (``petals.info``).
 3. **kernels**: parity and speed of the Triton kernels (:mod:`bench.kernels_cuda`).
 4. **transport**: QUIC against trio TCP on this host, and where the time goes
-   (:mod:`bench.transport`), then a quick run without UDP offload beside it.
+   (:mod:`bench.transport`, its quick sizes), then again without UDP offload.
 
 Targets (the issue's): decode attention at least SDPA's speed at every shape and at least 85% of
 peak bandwidth at B=8, S=16k; TinyLlama shape, 2 servers, bf16, client on the GPU: at most 6 ms
@@ -560,10 +560,10 @@ def _kernels() -> dict[str, Any]:
 
 
 def _transport() -> dict[str, Any]:
-    """The full transport benchmark, then a quick one without UDP offload beside it."""
+    """The transport benchmark (its quick sizes), then again without UDP offload."""
     from . import transport
 
-    results = transport.measure()
+    results = transport.measure(quick=True)
     transport.report(results)
     rows = results["rows"]
     results["headline"] = {
