@@ -19,13 +19,12 @@ mean the same ``batch_fn``; the picked job's is used.  If the batch raises, each
 (``batch_fn([item])``) so that only the caller whose item is at fault sees the exception.
 
 Small jobs run inline: a :meth:`TaskPool.run_batched` batch (or a :meth:`TaskPool.run` job that
-names a ``cost_key``) whose expected duration is below
-``inline_below_s`` runs on the event loop's own thread instead of a worker thread.  Handing a job
-to a thread and its result back costs two thread wake-ups and GIL hand-offs — a few hundred
-microseconds, more on a busy machine — which is as much as a one-token step through a few small
-blocks computes.  The expectation is learnt per key: the seconds per unit of ``size`` (a step's
-tokens) of that key's last batches, as a moving average; a key with no measurement yet runs in a
-thread, and so does any batch expected to take longer, so the loop stalls at most about
+names a ``cost_key``) whose expected duration is below ``inline_below_s`` runs on the event loop's
+own thread instead of a worker thread.  Handing a job to a thread and its result back costs two
+thread wake-ups and GIL hand-offs, which for a one-token step through a few small blocks is as much
+as the step's own compute.  The expectation is learnt per key: the seconds per unit of ``size`` (a
+step's tokens) of that key's last batches, as a moving average; a key with no measurement yet runs
+in a thread, and so does any batch expected to take longer, so the loop stalls at most about
 ``inline_below_s`` for one inline batch (a measurement is an average: a batch that takes longer
 than usual, e.g. while another thread holds the CPU, stalls it longer).  ``inline_below_s=0``
 turns this off.

@@ -189,7 +189,7 @@ def test_memory_shrinks(quant_type: str, bound: float) -> None:
     before = stored_bytes(layer)
     quantize_block(layer, quant_type)  # type: ignore[arg-type]
     assert stored_bytes(layer) < bound * before
-    # At hidden 64 the per-row and per-layer extras weigh more: measured 0.270 and 0.164.
+    # At hidden 64 the per-row scales and per-layer code tables weigh more: looser bounds.
     block = bloom_block()
     before = stored_bytes(block.self_attention) + stored_bytes(block.mlp)
     quantize_block(block, quant_type)  # type: ignore[arg-type]

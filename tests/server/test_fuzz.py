@@ -20,9 +20,9 @@ EXAMPLES = int(os.environ.get("PETALS_FUZZ_EXAMPLES", "150"))
 #: What the process may grow by over the run.  The server's per-call state is freed when the
 #: call ends (checked after every example); what remains is allocator slack (torch's and glibc's
 #: arenas, the transport's buffers) and the examples hypothesis keeps for shrinking, which
-#: ``run_fuzz`` gives back every 500 examples.  Measured: +18 MB for 150 examples, +32 MB for
-#: 2000, +40 MB for 10000 (flat over the last 4000).  A leak of 20 KB per example (a stream's
-#: state, a session's tensors) would exceed it within 10000 examples.
+#: ``run_fuzz`` gives back every 500 examples.  That slack levels off after a few thousand
+#: examples, well under this bound, while a leak of 20 KB per example (a stream's state, a
+#: session's tensors) would exceed it within 10000 examples.
 RSS_GROWTH_BOUND_BYTES = 200 << 20
 
 
