@@ -387,7 +387,7 @@ async def _answer(
     stopper: _Stopper,
 ) -> _SwarmRun:
     """Load the client, and generate through the swarm's servers (streaming the answer)."""
-    from .models.distributed import AutoDistributedModelForCausalLM
+    from .distributed import AutoDistributedModelForCausalLM
 
     names = {_peer_id(p.address): f"server-{i}" for i, p in enumerate(servers)}
     _say(out, f"  bootstrap  pid {swarm.bootstrap.process.pid:<7} {swarm.bootstrap.address}")

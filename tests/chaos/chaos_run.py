@@ -54,7 +54,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, LogitsProcessor, LogitsP
 
 from petals_core import PetalsError
 from petals_core.dht import PeerTableSnapshot
-from petals_core.models.distributed import AutoDistributedModelForCausalLM
+from petals_core.distributed import AutoDistributedModelForCausalLM
 from petals_core.routing import RemoteSequenceManager
 from petals_core.testing import LocalSwarm, SwarmProcess, fixed_server_args, open_local_swarm
 

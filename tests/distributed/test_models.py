@@ -13,7 +13,7 @@ from transformers import AutoModel, AutoModelForCausalLM
 
 import petals_core
 from petals_core import ConfigError
-from petals_core.models.distributed import (
+from petals_core.distributed import (
     AutoDistributedModel,
     AutoDistributedModelForCausalLM,
     ChunkedLMHead,
@@ -22,7 +22,7 @@ from petals_core.models.distributed import (
     DistributedLlamaModel,
 )
 
-from .conftest import ServedModel
+from .._served_swarm import ServedModel
 
 TOLERANCE = 1e-4
 

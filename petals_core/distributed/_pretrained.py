@@ -27,10 +27,9 @@ import attrs
 import torch
 from transformers.initialization import no_init_weights
 
-from ..._errors import CheckpointError, ConfigError
-from ...routing import SequenceManagerConfig
-from .._config import AutoDistributedConfig, DistributedConfig
-from .._loading import client_state_dict
+from .._errors import CheckpointError, ConfigError
+from ..models import AutoDistributedConfig, DistributedConfig, client_state_dict
+from ..routing import SequenceManagerConfig
 from ._base import tuning_settings
 
 __all__ = ["LoadOptions", "load_pretrained", "split_options"]

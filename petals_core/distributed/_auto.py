@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from typing import Any, ClassVar
 
-from ..._errors import ConfigError
+from .._errors import ConfigError
 from ._bloom import (
     DistributedBloomForCausalLM,
     DistributedBloomForSequenceClassification,

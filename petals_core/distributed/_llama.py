@@ -10,10 +10,10 @@ from transformers import GenerationMixin
 from transformers.modeling_outputs import BaseModelOutputWithPast
 from transformers.models.llama.modeling_llama import LlamaPreTrainedModel, LlamaRMSNorm
 
-from ...client import RemoteSequential
-from ...routing import SequenceManagerConfig
-from .._config import DistributedLlamaConfig
 from .._hf_compat import cache_kwargs
+from ..client import RemoteSequential
+from ..models import DistributedLlamaConfig
+from ..routing import SequenceManagerConfig
 from ._base import (
     ChunkedLMHead,
     DistributedCausalLMMixin,

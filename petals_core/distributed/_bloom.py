@@ -10,10 +10,10 @@ from transformers import GenerationMixin
 from transformers.modeling_outputs import BaseModelOutputWithPast
 from transformers.models.bloom.modeling_bloom import BloomPreTrainedModel
 
-from ...client import RemoteSequential
-from ...routing import SequenceManagerConfig
-from .._config import DistributedBloomConfig
 from .._hf_compat import cache_kwargs
+from ..client import RemoteSequential
+from ..models import DistributedBloomConfig
+from ..routing import SequenceManagerConfig
 from ._base import (
     ChunkedLMHead,
     DistributedCausalLMMixin,

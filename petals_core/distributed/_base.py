@@ -40,11 +40,11 @@ from transformers.modeling_outputs import (
 )
 from transformers.utils import ModelOutput
 
-from ... import kernels
-from ..._errors import ConfigError
-from ...client import RemoteSequential
-from ...routing import RemoteSequenceManager, SequenceManagerConfig
+from .. import kernels
+from .._errors import ConfigError
 from .._hf_compat import CACHE_ARG, cache_kwargs
+from ..client import RemoteSequential
+from ..routing import RemoteSequenceManager, SequenceManagerConfig
 from ._cache import RemoteCache
 from ._session import RemoteInferenceSession
 

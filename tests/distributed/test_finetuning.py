@@ -11,13 +11,13 @@ import torch
 from torch import nn
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
-from petals_core.models import BloomBlock, LlamaBlock
-from petals_core.models.distributed import (
+from petals_core.distributed import (
     AutoDistributedModelForCausalLM,
     AutoDistributedModelForSequenceClassification,
 )
+from petals_core.models import BloomBlock, LlamaBlock
 
-from .conftest import ServedModel
+from .._served_swarm import ServedModel
 
 TOLERANCE = 1e-4
 PROMPT_LEN = 3
