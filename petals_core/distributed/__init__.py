@@ -21,23 +21,24 @@ from ._auto import (
     AutoDistributedModelForCausalLM as AutoDistributedModelForCausalLM,
     AutoDistributedModelForSequenceClassification as AutoDistributedModelForSequenceClassification,
 )
-from ._base import (
-    DEFAULT_LM_HEAD_CHUNK_ROWS as DEFAULT_LM_HEAD_CHUNK_ROWS,
-    ChunkedLMHead as ChunkedLMHead,
-    DistributedCausalLMMixin as DistributedCausalLMMixin,
-    DistributedModelMixin as DistributedModelMixin,
-    DistributedSequenceClassificationMixin as DistributedSequenceClassificationMixin,
-    TuningMode as TuningMode,
-)
+from ._base import DistributedModelMixin as DistributedModelMixin
 from ._bloom import (
     DistributedBloomForCausalLM as DistributedBloomForCausalLM,
     DistributedBloomForSequenceClassification as DistributedBloomForSequenceClassification,
     DistributedBloomModel as DistributedBloomModel,
 )
 from ._cache import RemoteCache as RemoteCache
+from ._heads import (
+    DEFAULT_LM_HEAD_CHUNK_ROWS as DEFAULT_LM_HEAD_CHUNK_ROWS,
+    ChunkedLMHead as ChunkedLMHead,
+    DistributedCausalLMMixin as DistributedCausalLMMixin,
+    DistributedHeadMixin as DistributedHeadMixin,
+    DistributedSequenceClassificationMixin as DistributedSequenceClassificationMixin,
+)
 from ._llama import (
     DistributedLlamaForCausalLM as DistributedLlamaForCausalLM,
     DistributedLlamaForSequenceClassification as DistributedLlamaForSequenceClassification,
     DistributedLlamaModel as DistributedLlamaModel,
 )
+from ._pretrained import TuningMode as TuningMode
 from ._session import RemoteInferenceSession as RemoteInferenceSession

@@ -21,7 +21,7 @@ import copy
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 import attrs
 import torch
@@ -30,9 +30,18 @@ from transformers.initialization import no_init_weights
 from .._errors import CheckpointError, ConfigError
 from ..models import AutoDistributedConfig, DistributedConfig, client_state_dict
 from ..routing import SequenceManagerConfig
-from ._base import tuning_settings
 
-__all__ = ["LoadOptions", "load_pretrained", "split_options"]
+__all__ = [
+    "FromPretrainedMixin",
+    "LoadOptions",
+    "TuningMode",
+    "load_pretrained",
+    "split_options",
+    "tuning_settings",
+]
+
+TuningMode = Literal["ptune", "deep_ptune"]
+_TUNING_MODES = (None, "ptune", "deep_ptune")
 
 _HUB_KEYS = ("cache_dir", "revision", "token", "local_files_only")
 _MANAGER_KEYS = frozenset(
@@ -71,6 +80,17 @@ def split_options(kwargs: dict[str, Any]) -> LoadOptions:
         pre_seq_len=kwargs.pop("pre_seq_len", 0),
         config_overrides=kwargs,
     )
+
+
+def tuning_settings(config: Any) -> tuple[TuningMode | None, int]:
+    """``(tuning_mode, pre_seq_len)`` of a config, validated."""
+    mode = getattr(config, "tuning_mode", None)
+    prompt_len = getattr(config, "pre_seq_len", 0) or 0
+    if mode not in _TUNING_MODES:
+        raise ConfigError(f"tuning_mode must be one of {_TUNING_MODES}, got {mode!r}")
+    if mode is not None and (not isinstance(prompt_len, int) or prompt_len < 1):
+        raise ConfigError(f"tuning_mode={mode!r} needs pre_seq_len >= 1, got {prompt_len!r}")
+    return mode, prompt_len if mode is not None else 0
 
 
 def load_config(
@@ -117,9 +137,8 @@ def load_pretrained(
     *,
     config: DistributedConfig | None,
     options: LoadOptions,
-    keep: tuple[str, ...],
 ) -> Any:
-    """Build ``cls`` and load its client tensors (those whose names start with ``keep``)."""
+    """Build ``cls`` and load its client tensors (:meth:`FromPretrainedMixin.client_tensors`)."""
     if config is None:
         config = load_config(model_name_or_path, options)
     expected = getattr(cls, "config_class", None)
@@ -136,6 +155,7 @@ def load_pretrained(
     with no_init_weights(), _default_dtype(dtype):
         model = cls(config, sequence_manager_config=manager_config)
 
+    keep, strip = cls.client_tensors()
     wants_head = any(prefix.startswith("lm_head") for prefix in keep)
     load_config_ = config
     if not wants_head and not config.tie_word_embeddings:
@@ -143,7 +163,6 @@ def load_pretrained(
         load_config_ = copy.copy(config)
         load_config_.tie_word_embeddings = True
     tensors = client_state_dict(model_name_or_path, config=load_config_, dtype=dtype, **options.hub)
-    strip = getattr(model, "_checkpoint_prefix_to_strip", "")
     state = {
         name.removeprefix(strip): tensor
         for name, tensor in tensors.items()
@@ -172,13 +191,25 @@ def load_pretrained(
 class FromPretrainedMixin:
     """``from_pretrained`` for the distributed model classes.
 
-    ``_client_tensors``: the prefixes (as :func:`client_state_dict` names them) this class
-    loads; ``_checkpoint_prefix_to_strip``: removed from those names first (a base model's
-    parameters have no ``model.`` / ``transformer.`` prefix).
+    What a class loads follows from transformers' ``base_model_prefix`` (``"model"``,
+    ``"transformer"``): the base model's tensors, plus ``_local_heads`` (``("lm_head.",)`` for a
+    causal LM); a base model itself (``_is_base_model``) holds them without the prefix.
     """
 
-    _client_tensors: tuple[str, ...] = ()
-    _checkpoint_prefix_to_strip: str = ""
+    base_model_prefix: str
+    _local_heads: ClassVar[tuple[str, ...]] = ()
+    _is_base_model: ClassVar[bool] = False
+
+    if TYPE_CHECKING:  # the family's *PreTrainedModel defines it
+
+        def post_init(self) -> None: ...
+
+    @classmethod
+    def client_tensors(cls) -> tuple[tuple[str, ...], str]:
+        """The prefixes of the tensors (as :func:`client_state_dict` names them) this class
+        loads, and the prefix removed from their names first."""
+        base = f"{cls.base_model_prefix}."
+        return (base, *cls._local_heads), base if cls._is_base_model else ""
 
     @classmethod
     def from_pretrained(
@@ -204,5 +235,4 @@ class FromPretrainedMixin:
             model_name_or_path,
             config=config,
             options=split_options(kwargs),
-            keep=cls._client_tensors,
         )

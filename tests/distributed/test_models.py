@@ -69,9 +69,18 @@ def test_logits_to_keep_selects_positions_as_transformers(models: tuple[Any, Any
     torch.testing.assert_close(every, theirs, atol=TOLERANCE, rtol=0)
     torch.testing.assert_close(last_three, theirs[:, -3:], atol=TOLERANCE, rtol=0)
     torch.testing.assert_close(chosen, theirs[:, [0, 4, 6]], atol=TOLERANCE, rtol=0)
-    for bad in (-1, True, 1.5, torch.tensor([[0, 1]]), torch.tensor([0.0]), torch.tensor([True])):
+    bad_values = (-1, True, 1.5, torch.tensor([[0, 1]]), torch.tensor([0.0]), torch.tensor([True]))
+    for bad in bad_values:
         with pytest.raises(ValueError, match="logits_to_keep"), torch.no_grad():
             model(ids, logits_to_keep=bad)
+    # Refused before the step is sent: the session holds nothing more, and goes on.
+    with torch.no_grad(), model.inference_session(max_length=8) as session:
+        for bad in bad_values:
+            with pytest.raises(ValueError, match="logits_to_keep"):
+                model(ids[:, :3], logits_to_keep=bad)
+        assert session.token_position == 0
+        first = model(ids[:, :3], logits_to_keep=1).logits
+    torch.testing.assert_close(first, theirs[:, 2:3], atol=TOLERANCE, rtol=0)
 
 
 def test_right_padding_equals_transformers_with_its_mask(models: tuple[Any, Any]) -> None:
