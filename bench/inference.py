@@ -699,7 +699,7 @@ def _measure_family(folder: str, swarm: LocalSwarm) -> FamilyResults:
 
     from petals_core.distributed import AutoDistributedModelForCausalLM
 
-    kwargs = {"initial_peers": swarm.initial_peers, "request_timeout": 60.0}
+    kwargs = {"initial_peers": swarm.initial_peers, "request_timeout_s": 60.0}
     reference = AutoModelForCausalLM.from_pretrained(folder).eval()
     model = AutoDistributedModelForCausalLM.from_pretrained(folder, **kwargs).eval()
     try:

@@ -58,7 +58,7 @@ def _measure(repo: str, initial_peers: list[str], swarm: LocalSwarm) -> DecodeRe
 
     reference = AutoModelForCausalLM.from_pretrained(repo, local_files_only=True).eval()
     model = AutoDistributedModelForCausalLM.from_pretrained(
-        repo, initial_peers=initial_peers, local_files_only=True, request_timeout=60.0
+        repo, initial_peers=initial_peers, local_files_only=True, request_timeout_s=60.0
     ).eval()
     try:
         return measure_decode(

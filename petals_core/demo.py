@@ -408,7 +408,7 @@ async def _answer(
             dht_prefix=model.dht_prefix,
             torch_dtype=torch.float32,
             local_files_only=model.local_files_only,
-            request_timeout=config.request_timeout_s,
+            request_timeout_s=config.request_timeout_s,
         ).eval()
 
     client = await trio.to_thread.run_sync(load, abandon_on_cancel=True)

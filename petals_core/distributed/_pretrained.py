@@ -5,8 +5,10 @@ Keyword arguments are sorted into four groups:
 - Hub access (``cache_dir``, ``revision``, ``token``, ``local_files_only``): for the config and
   the weights alike;
 - :class:`~petals_core.routing.SequenceManagerConfig` fields (``initial_peers``,
-  ``request_timeout``, ...), ``dht_prefix`` (settled by
-  :class:`~petals_core.models.AutoDistributedConfig`: given, stored, or derived from the name);
+  ``request_timeout_s``, ...; the times also under Petals' names without the unit,
+  ``request_timeout``, ``ban_timeout``, ...: see :data:`PETALS_MANAGER_NAMES`), ``dht_prefix``
+  (settled by :class:`~petals_core.models.AutoDistributedConfig`: given, stored, or derived from
+  the name);
 - ``torch_dtype`` / ``dtype`` (``"auto"`` by default: the config's dtype, else float32),
   ``tuning_mode`` (None, ``"ptune"``, ``"deep_ptune"``) and ``pre_seq_len``;
 - everything else overrides config attributes, as in transformers (``num_labels=3``).
@@ -21,7 +23,7 @@ import copy
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any, ClassVar, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Final, Literal
 
 import attrs
 import torch
@@ -32,6 +34,7 @@ from ..models import AutoDistributedConfig, DistributedConfig, client_state_dict
 from ..routing import SequenceManagerConfig
 
 __all__ = [
+    "PETALS_MANAGER_NAMES",
     "FromPretrainedMixin",
     "LoadOptions",
     "TuningMode",
@@ -47,6 +50,17 @@ _HUB_KEYS = ("cache_dir", "revision", "token", "local_files_only")
 _MANAGER_KEYS = frozenset(
     field.name for field in attrs.fields(SequenceManagerConfig) if field.name != "dht_prefix"
 )
+#: Petals' names of the :class:`SequenceManagerConfig` times, which ``from_pretrained`` takes
+#: as well as ours (seconds either way).
+PETALS_MANAGER_NAMES: Final = {
+    "connect_timeout": "connect_timeout_s",
+    "request_timeout": "request_timeout_s",
+    "update_period": "update_period_s",
+    "min_backoff": "min_backoff_s",
+    "max_backoff": "max_backoff_s",
+    "ban_timeout": "ban_timeout_s",
+    "ping_timeout": "ping_timeout_s",
+}
 # transformers' from_pretrained options that mean nothing here and are dropped, so that scripts
 # written for Petals or transformers keep working.
 _IGNORED_KEYS = ("low_cpu_mem_usage", "_from_auto", "trust_remote_code")
@@ -69,6 +83,11 @@ def split_options(kwargs: dict[str, Any]) -> LoadOptions:
     kwargs = dict(kwargs)
     for key in _IGNORED_KEYS:
         kwargs.pop(key, None)
+    for petals_name, name in PETALS_MANAGER_NAMES.items():
+        if petals_name in kwargs:
+            if name in kwargs:
+                raise ConfigError(f"give {name} or {petals_name} (Petals' name for it), not both")
+            kwargs[name] = kwargs.pop(petals_name)
     dtype = kwargs.pop("torch_dtype", None)
     dtype = kwargs.pop("dtype", None) if dtype is None else dtype
     return LoadOptions(
@@ -223,7 +242,8 @@ class FromPretrainedMixin:
 
         ``initial_peers=...``, ``torch_dtype=...``, ``tuning_mode=None | "ptune" |
         "deep_ptune"``, ``pre_seq_len=...``, ``dht_prefix=...``, any
-        :class:`~petals_core.routing.SequenceManagerConfig` field, ``cache_dir``, ``revision``,
+        :class:`~petals_core.routing.SequenceManagerConfig` field (its times also under Petals'
+        names: ``request_timeout`` for ``request_timeout_s``, ...), ``cache_dir``, ``revision``,
         ``token``, ``local_files_only``; other keyword arguments override config attributes.
         Raises :class:`~petals_core.ConfigError` for a checkpoint of another family or a bad
         option, :class:`~petals_core.CheckpointError` for missing or unreadable weights.

@@ -146,6 +146,10 @@ def test_family_classes_refuse_other_families(
         DistributedLlamaModel.from_pretrained(served_llama.folder, tuning_mode="lora")
     with pytest.raises(ConfigError, match="pre_seq_len"):
         DistributedLlamaModel.from_pretrained(served_llama.folder, tuning_mode="ptune")
+    with pytest.raises(ConfigError, match="request_timeout_s or request_timeout"):
+        DistributedLlamaModel.from_pretrained(
+            served_llama.folder, request_timeout=1.0, request_timeout_s=2.0
+        )
 
 
 def test_config_overrides_dtype_and_manager_options(served_llama: ServedModel) -> None:
@@ -153,14 +157,15 @@ def test_config_overrides_dtype_and_manager_options(served_llama: ServedModel) -
         served_llama.folder,
         initial_peers=served_llama.initial_peers,
         torch_dtype=torch.bfloat16,
-        request_timeout=30.0,
+        request_timeout_s=30.0,
+        ban_timeout=3.0,  # Petals' name of ban_timeout_s
         dht_prefix="another-swarm",
         rms_norm_eps=1e-3,
     )
     assert model.lm_head.weight.dtype == torch.bfloat16
     assert model.config.rms_norm_eps == 1e-3
     manager = model.model.layers.sequence_manager
-    assert manager.config.request_timeout == 30.0
+    assert (manager.config.request_timeout_s, manager.config.ban_timeout_s) == (30.0, 3.0)
     assert manager.config.dht_prefix == "another-swarm"
     assert manager.config.initial_peers == served_llama.initial_peers
 
