@@ -19,6 +19,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast, SequenceClassi
 from transformers.utils import ModelOutput
 
 from .. import kernels
+from .._errors import ConfigError
 from .._hf_compat import CACHE_ARG, cache_kwargs
 from ..routing import SequenceManagerConfig
 from ._base import DistributedModelMixin
@@ -57,7 +58,7 @@ class ChunkedLMHead(nn.Module):
     ) -> None:
         super().__init__()
         if chunk_rows < 1:
-            raise ValueError(f"chunk_rows must be >= 1, got {chunk_rows}")
+            raise ConfigError(f"chunk_rows must be >= 1, got {chunk_rows}")
         self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size))
         self.chunk_rows = chunk_rows
 

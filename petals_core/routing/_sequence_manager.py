@@ -32,6 +32,7 @@ import attrs
 import trio
 
 from .._errors import ConfigError, PeerUnreachable, TransportError
+from .._validators import positive
 from ..dht import DHTNode, PeerTableSnapshot, ServerInfo, Topic, open_dht_node
 from ..transport import Connection, Multiaddr, call_unary
 from ._planning import (
@@ -55,11 +56,6 @@ def _peers(value: Any) -> frozenset[str] | None:
     return None if value is None else frozenset(str(v) for v in value)
 
 
-def _positive(instance: object, attribute: attrs.Attribute[Any], value: float) -> None:
-    if isinstance(value, bool) or not value > 0:
-        raise ConfigError(f"{attribute.name} must be positive, got {value!r}")
-
-
 @attrs.frozen(kw_only=True)
 class SequenceManagerConfig:
     """How a client finds and uses servers; also ``from_pretrained`` keyword arguments.
@@ -76,16 +72,16 @@ class SequenceManagerConfig:
     show_route: bool | Literal["inference"] = "inference"
     allowed_servers: frozenset[str] | None = attrs.field(default=None, converter=_peers)
     blocked_servers: frozenset[str] = attrs.field(factory=frozenset, converter=frozenset)
-    connect_timeout_s: float = attrs.field(default=5.0, validator=_positive)
-    request_timeout_s: float = attrs.field(default=3 * 60.0, validator=_positive)
-    update_period_s: float = attrs.field(default=60.0, validator=_positive)
+    connect_timeout_s: float = attrs.field(default=5.0, validator=positive)
+    request_timeout_s: float = attrs.field(default=3 * 60.0, validator=positive)
+    update_period_s: float = attrs.field(default=60.0, validator=positive)
     max_retries: int | None = None
-    min_backoff_s: float = attrs.field(default=1.0, validator=_positive)
-    max_backoff_s: float = attrs.field(default=60.0, validator=_positive)
-    ban_timeout_s: float = attrs.field(default=15.0, validator=_positive)
+    min_backoff_s: float = attrs.field(default=1.0, validator=positive)
+    max_backoff_s: float = attrs.field(default=60.0, validator=positive)
+    ban_timeout_s: float = attrs.field(default=15.0, validator=positive)
     active_adapter: str | None = None
-    max_pinged: int = attrs.field(default=3, validator=_positive)
-    ping_timeout_s: float = attrs.field(default=2.0, validator=_positive)
+    max_pinged: int = attrs.field(default=3, validator=positive)
+    ping_timeout_s: float = attrs.field(default=2.0, validator=positive)
     use_server_to_server: bool = True
 
     def __attrs_post_init__(self) -> None:

@@ -177,7 +177,7 @@ def test_chunked_lm_head_is_the_same_matmul() -> None:
     # A few rows (decoding: one matmul) and many (prefill: chunks of the vocabulary).
     for hidden in (torch.randn(2, 5, 16), torch.randn(2, 40, 16)):
         torch.testing.assert_close(head(hidden), F.linear(hidden, head.weight), atol=1e-5, rtol=0)
-    with pytest.raises(ValueError, match="chunk_rows"):
+    with pytest.raises(ConfigError, match="chunk_rows"):
         ChunkedLMHead(16, 1000, chunk_rows=0)
 
 
