@@ -109,11 +109,10 @@ def soak(session: nox.Session) -> None:
 # kernels, and the distributed models (forward, generate, fine-tuning) over an in-process swarm.
 LOWEST_TESTS = (
     "tests/test_layering.py",
+    "tests/test_hf_compat.py",
     "tests/models",
     "tests/kernels",
-    "tests/client/test_models.py",
-    "tests/client/test_generate.py",
-    "tests/client/test_finetuning.py",
+    "tests/distributed",
     "tests/client/test_readme.py",
 )
 

@@ -405,7 +405,7 @@ def _time_swarm(client: Any, ids: torch.Tensor) -> dict[str, Any]:
 
 
 def _time_transformers(model: Any, ids: torch.Tensor) -> dict[str, Any]:
-    from petals_core.models._hf_compat import CACHE_ARG, cache_kwargs
+    from petals_core._hf_compat import CACHE_ARG, cache_kwargs
 
     prefill_ms = []
     decode_ms = []

@@ -4,7 +4,7 @@ For each family (LLaMA, BLOOM) a random 8-block model — hidden 256, 4 attentio
 key/value heads, FFN 1024; BLOOM: FFN 4 x 256), vocabulary 1024 — is generated with transformers
 and saved to a temporary folder.  Two servers hold blocks 0:4 and 4:8: real processes from
 :func:`~petals_core.testing.open_local_swarm` (fp32, CPU, one torch thread each, loopback).  The
-client is :class:`~petals_core.models.distributed.AutoDistributedModelForCausalLM` in this
+client is :class:`~petals_core.distributed.AutoDistributedModelForCausalLM` in this
 process; the local reference is transformers' ``*ForCausalLM`` of the same checkpoint, in this
 process too, with one torch thread.
 
@@ -614,7 +614,7 @@ def measure_ptune(
     steps: int = PTUNE_STEPS,
 ) -> tuple[Timing, Timing]:
     """(swarm, local) ms of one p-tuning step: forward, loss, backward, Adam."""
-    from petals_core.models.distributed import AutoDistributedModelForCausalLM
+    from petals_core.distributed import AutoDistributedModelForCausalLM
 
     torch.manual_seed(1)
     tuned = AutoDistributedModelForCausalLM.from_pretrained(
@@ -697,9 +697,9 @@ class FamilyResults:
 def _measure_family(folder: str, swarm: LocalSwarm) -> FamilyResults:
     from transformers import AutoModelForCausalLM
 
-    from petals_core.models.distributed import AutoDistributedModelForCausalLM
+    from petals_core.distributed import AutoDistributedModelForCausalLM
 
-    kwargs = {"initial_peers": swarm.initial_peers, "request_timeout": 60.0}
+    kwargs = {"initial_peers": swarm.initial_peers, "request_timeout_s": 60.0}
     reference = AutoModelForCausalLM.from_pretrained(folder).eval()
     model = AutoDistributedModelForCausalLM.from_pretrained(folder, **kwargs).eval()
     try:

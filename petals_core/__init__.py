@@ -50,7 +50,7 @@ _DISTRIBUTED_MODELS = frozenset(
 
 def __getattr__(name: str) -> object:
     if name in _DISTRIBUTED_MODELS:
-        from .models import distributed
+        from . import distributed
 
         return getattr(distributed, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

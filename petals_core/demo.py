@@ -39,6 +39,7 @@ import attrs
 import trio
 
 from ._errors import ConfigError, PetalsError
+from ._validators import positive
 
 if TYPE_CHECKING:
     from .testing import LocalSwarm, SwarmProcess
@@ -63,16 +64,6 @@ DEFAULT_PROMPT: Final = "What is the capital of France?"
 SMOLLM2: Final = "smollm2"
 
 
-def _positive(instance: Any, attribute: attrs.Attribute[int], value: int) -> None:
-    if value < 1:
-        raise ConfigError(f"{attribute.name} must be >= 1, got {value}")
-
-
-def _positive_float(instance: Any, attribute: attrs.Attribute[float], value: float) -> None:
-    if not value > 0:
-        raise ConfigError(f"{attribute.name} must be > 0, got {value}")
-
-
 @attrs.frozen(kw_only=True)
 class DemoConfig:
     """What the demo runs (the command line's options)."""
@@ -81,12 +72,12 @@ class DemoConfig:
     model: str = SMOLLM2
     prompt: str = DEFAULT_PROMPT
     #: Servers started; the model's blocks are split evenly over them.
-    servers: int = attrs.field(default=3, validator=_positive)
-    max_new_tokens: int = attrs.field(default=32, validator=_positive)
+    servers: int = attrs.field(default=3, validator=positive)
+    max_new_tokens: int = attrs.field(default=32, validator=positive)
     #: Longest wait for one request to the swarm (and for the route to be complete).
-    request_timeout_s: float = attrs.field(default=60.0, validator=_positive_float)
+    request_timeout_s: float = attrs.field(default=60.0, validator=positive)
     #: Longest wait for the swarm to start (all servers loaded and announced).
-    start_timeout_s: float = attrs.field(default=300.0, validator=_positive_float)
+    start_timeout_s: float = attrs.field(default=300.0, validator=positive)
 
 
 @attrs.frozen(kw_only=True)
@@ -387,7 +378,7 @@ async def _answer(
     stopper: _Stopper,
 ) -> _SwarmRun:
     """Load the client, and generate through the swarm's servers (streaming the answer)."""
-    from .models.distributed import AutoDistributedModelForCausalLM
+    from .distributed import AutoDistributedModelForCausalLM
 
     names = {_peer_id(p.address): f"server-{i}" for i, p in enumerate(servers)}
     _say(out, f"  bootstrap  pid {swarm.bootstrap.process.pid:<7} {swarm.bootstrap.address}")
@@ -408,7 +399,7 @@ async def _answer(
             dht_prefix=model.dht_prefix,
             torch_dtype=torch.float32,
             local_files_only=model.local_files_only,
-            request_timeout=config.request_timeout_s,
+            request_timeout_s=config.request_timeout_s,
         ).eval()
 
     client = await trio.to_thread.run_sync(load, abandon_on_cancel=True)

@@ -1,8 +1,43 @@
-"""Settings for the whole test session."""
+"""Settings and fixtures for the whole test session."""
+
+from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+import pytest
+
+if TYPE_CHECKING:
+    from ._served_swarm import InProcessSwarm, ServedModel
 
 # The Triton kernels are tested on CPU through Triton's interpreter, which must be selected before
 # anything imports triton (bitsandbytes and transformers may, in other test modules).  This
 # process never launches compiled kernels: there is no GPU in CI.
 os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+# The swarm serves tests/distributed and tests/client alike: one for the whole session.  Its
+# module (torch, transformers, the server) is imported only when a test asks for it.
+@pytest.fixture(scope="session")
+def client_swarm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[InProcessSwarm]:
+    from ._served_swarm import open_client_swarm
+
+    with open_client_swarm(tmp_path_factory) as swarm:
+        yield swarm
+
+
+@pytest.fixture(scope="session")
+def served_llama(client_swarm: InProcessSwarm) -> ServedModel:
+    return client_swarm.served["llama"]
+
+
+@pytest.fixture(scope="session")
+def served_bloom(client_swarm: InProcessSwarm) -> ServedModel:
+    return client_swarm.served["bloom"]
+
+
+@pytest.fixture(scope="session", params=["llama", "bloom"])
+def served(request: pytest.FixtureRequest, client_swarm: InProcessSwarm) -> ServedModel:
+    """Each family in turn."""
+    return client_swarm.served[request.param]

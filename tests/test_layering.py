@@ -1,15 +1,38 @@
-"""The layering rules of the architecture, checked by importing in fresh interpreters."""
+"""The layering rules of the architecture, checked by importing in fresh interpreters and by
+reading the import statements of each package."""
 
 from __future__ import annotations
 
+import ast
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 HEAVY = ("torch", "transformers", "triton")
-# Our network layers (trio itself may come in through huggingface_hub's HTTP client).
-NETWORK = ("aioquic", "petals_core.transport", "petals_core.dht", "petals_core.client")
+#: What model code must not import: our network layers, routing, and the layer above the client
+#: (trio itself may come in through huggingface_hub's HTTP client).
+ABOVE_MODELS = (
+    "petals_core.transport",
+    "petals_core.dht",
+    "petals_core.routing",
+    "petals_core.client",
+    "petals_core.distributed",
+)
+#: Every package below the Hugging Face-facing models (``petals_core.distributed``).
+BELOW_DISTRIBUTED = (
+    "petals_core",
+    "petals_core.transport",
+    "petals_core.kernels",
+    "petals_core.models",
+    "petals_core.dht",
+    "petals_core.routing",
+    "petals_core.server",
+    "petals_core.client",
+    "petals_core.testing",
+)
+PACKAGE = Path(__file__).resolve().parents[1] / "petals_core"
 
 
 def _imported_after(module: str, watched: tuple[str, ...]) -> list[str]:
@@ -37,6 +60,7 @@ def test_transport_imports_no_torch(module: str) -> None:
 @pytest.mark.parametrize(
     "module",
     [
+        "petals_core.models",
         "petals_core.models.llama",
         "petals_core.models.bloom",
         "petals_core.models._loading",
@@ -45,9 +69,58 @@ def test_transport_imports_no_torch(module: str) -> None:
     ],
 )
 def test_model_code_knows_nothing_of_the_network(module: str) -> None:
-    assert _imported_after(module, NETWORK) == []
+    assert _imported_after(module, ("aioquic", *ABOVE_MODELS)) == []
 
 
 def test_kernels_import_no_triton_on_cpu() -> None:
     # Triton is loaded only when a CUDA tensor first needs a kernel.
     assert _imported_after("petals_core.kernels", ("triton",)) == []
+
+
+def _imports_in(package: str) -> dict[str, set[str]]:
+    """What each file of ``package`` imports, as absolute names, lazy imports inside functions
+    included."""
+    found: dict[str, set[str]] = {}
+    for path in sorted(PACKAGE.joinpath(*package.split(".")[1:]).rglob("*.py")):
+        # The package a relative import starts from (for __init__.py, its own).
+        here = path.relative_to(PACKAGE.parent).parts[:-1]
+        names: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                names.update(alias.name for alias in node.names)
+            elif isinstance(node, ast.ImportFrom):
+                base = here[: len(here) - node.level + 1] if node.level else ()
+                stem = ".".join([*base, node.module] if node.module else base)
+                names.add(stem)
+                names.update(f"{stem}.{alias.name}" for alias in node.names)
+        found[path.relative_to(PACKAGE.parent).as_posix()] = names
+    return found
+
+
+def _within(name: str, packages: tuple[str, ...]) -> bool:
+    return any(name == package or name.startswith(package + ".") for package in packages)
+
+
+def test_models_import_nothing_above_them() -> None:
+    offending = {
+        path: sorted(name for name in names if _within(name, ABOVE_MODELS))
+        for path, names in _imports_in("petals_core.models").items()
+    }
+    assert {path: names for path, names in offending.items() if names} == {}
+
+
+@pytest.mark.parametrize("package", [p for p in BELOW_DISTRIBUTED if p != "petals_core"])
+def test_nothing_below_the_distributed_models_imports_them(package: str) -> None:
+    offending = {
+        path: sorted(name for name in names if _within(name, ("petals_core.distributed",)))
+        for path, names in _imports_in(package).items()
+    }
+    assert {path: names for path, names in offending.items() if names} == {}
+
+
+# The server, the client and the testing swarm import every other lower layer.
+@pytest.mark.parametrize(
+    "module", ["petals_core", "petals_core.server", "petals_core.client", "petals_core.testing"]
+)
+def test_importing_a_lower_layer_loads_no_distributed_model(module: str) -> None:
+    assert _imported_after(module, ("petals_core.distributed",)) == []

@@ -6,7 +6,7 @@ plans a min-latency route and opens one ``petals.inference`` stream per span of 
 output of one is the input of the next (activations return through the client).
 
 The client keeps, for every span, the inputs it sent (``history``: ``(B, position, hidden)``).
-When a server fails, stalls past ``request_timeout`` or refuses a step it should have taken, the
+When a server fails, stalls past ``request_timeout_s`` or refuses a step it should have taken, the
 session bans it, plans a new route for that span's blocks (it may take several servers), replays
 the history through the replacements so that they rebuild their caches, and carries on from the
 same step.  Rolling back (setting ``position`` lower) cuts every history; reordering rows for beam
@@ -288,7 +288,7 @@ class InferenceSession:
         while index < len(self._spans):
             span = self._spans[index]
             try:
-                with trio.fail_after(self.manager.config.request_timeout):
+                with trio.fail_after(self.manager.config.request_timeout_s):
                     if pushed_id is not None:
                         output, pushed = await span.answer(x, self._position, pushed_id)
                     else:
@@ -428,7 +428,7 @@ class InferenceSession:
                 session = _SpanSession(span)
                 opened.append(session)
                 try:
-                    with trio.fail_after(self.manager.config.request_timeout):
+                    with trio.fail_after(self.manager.config.request_timeout_s):
                         await session.open(
                             self.manager,
                             max_length=self.max_length,
@@ -470,7 +470,7 @@ class InferenceSession:
                 if x is None or x.shape[1] == 0:
                     break
                 try:
-                    with trio.fail_after(self.manager.config.request_timeout):
+                    with trio.fail_after(self.manager.config.request_timeout_s):
                         output, _ = await session.step(
                             x,
                             0,

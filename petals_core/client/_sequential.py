@@ -57,7 +57,7 @@ async def _call(
         "points": 0.0,
         **extra,
     }
-    with trio.fail_after(manager.config.request_timeout):
+    with trio.fail_after(manager.config.request_timeout_s):
         async with open_call(connection, method) as call:
             # The end of our side goes with the last part: the server answers (and stops
             # reading) once it has that part, and an end sent later would meet a closed stream.

@@ -16,8 +16,8 @@ Nothing starts at construction.  The DHT node starts on first use, inside the nu
 provides (``async with manager:`` in a trio program) or the client bridge's service nursery
 (plain scripts): building models before a fork, or in a web backend's parent process, starts no
 thread and no task.  A refresh makes one attempt; retries belong to the requests, with
-exponential backoff between ``min_backoff`` and ``max_backoff`` (:meth:`retry_delay`).  A failed
-server is banned for ``ban_timeout``, twice as long after each further failure.
+exponential backoff between ``min_backoff_s`` and ``max_backoff_s`` (:meth:`retry_delay`).  A failed
+server is banned for ``ban_timeout_s``, twice as long after each further failure.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ import attrs
 import trio
 
 from .._errors import ConfigError, PeerUnreachable, TransportError
+from .._validators import positive
 from ..dht import DHTNode, PeerTableSnapshot, ServerInfo, Topic, open_dht_node
 from ..transport import Connection, Multiaddr, call_unary
 from ._planning import (
@@ -55,16 +56,12 @@ def _peers(value: Any) -> frozenset[str] | None:
     return None if value is None else frozenset(str(v) for v in value)
 
 
-def _positive(instance: object, attribute: attrs.Attribute[Any], value: float) -> None:
-    if isinstance(value, bool) or not value > 0:
-        raise ConfigError(f"{attribute.name} must be positive, got {value!r}")
-
-
 @attrs.frozen(kw_only=True)
 class SequenceManagerConfig:
     """How a client finds and uses servers; also ``from_pretrained`` keyword arguments.
 
-    Times are seconds.  ``max_retries=None`` retries for ever.  ``show_route`` logs routes (True),
+    Times are in seconds (``*_s``; ``from_pretrained`` also takes them under Petals' names,
+    without the suffix).  ``max_retries=None`` retries for ever.  ``show_route`` logs routes (True),
     inference routes only (``"inference"``), or none (False).  ``use_server_to_server``: an
     inference step goes from each server straight to the next (each still answers the client,
     which keeps every span's inputs to replay); False: every step returns through the client.
@@ -75,23 +72,23 @@ class SequenceManagerConfig:
     show_route: bool | Literal["inference"] = "inference"
     allowed_servers: frozenset[str] | None = attrs.field(default=None, converter=_peers)
     blocked_servers: frozenset[str] = attrs.field(factory=frozenset, converter=frozenset)
-    connect_timeout: float = attrs.field(default=5.0, validator=_positive)
-    request_timeout: float = attrs.field(default=3 * 60.0, validator=_positive)
-    update_period: float = attrs.field(default=60.0, validator=_positive)
+    connect_timeout_s: float = attrs.field(default=5.0, validator=positive)
+    request_timeout_s: float = attrs.field(default=3 * 60.0, validator=positive)
+    update_period_s: float = attrs.field(default=60.0, validator=positive)
     max_retries: int | None = None
-    min_backoff: float = attrs.field(default=1.0, validator=_positive)
-    max_backoff: float = attrs.field(default=60.0, validator=_positive)
-    ban_timeout: float = attrs.field(default=15.0, validator=_positive)
+    min_backoff_s: float = attrs.field(default=1.0, validator=positive)
+    max_backoff_s: float = attrs.field(default=60.0, validator=positive)
+    ban_timeout_s: float = attrs.field(default=15.0, validator=positive)
     active_adapter: str | None = None
-    max_pinged: int = attrs.field(default=3, validator=_positive)
-    ping_timeout: float = attrs.field(default=2.0, validator=_positive)
+    max_pinged: int = attrs.field(default=3, validator=positive)
+    ping_timeout_s: float = attrs.field(default=2.0, validator=positive)
     use_server_to_server: bool = True
 
     def __attrs_post_init__(self) -> None:
         if self.max_retries is not None and self.max_retries < 0:
             raise ConfigError(f"max_retries must be >= 0 or None, got {self.max_retries}")
-        if self.min_backoff > self.max_backoff:
-            raise ConfigError("min_backoff must not exceed max_backoff")
+        if self.min_backoff_s > self.max_backoff_s:
+            raise ConfigError("min_backoff_s must not exceed max_backoff_s")
 
 
 @attrs.define(eq=False)
@@ -184,7 +181,7 @@ class RemoteSequenceManager:
                 async with open_dht_node(
                     client_mode=True,
                     initial_peers=self.config.initial_peers,
-                    request_timeout_s=self.config.connect_timeout,
+                    request_timeout_s=self.config.connect_timeout_s,
                 ) as dht:
                     state.dht = dht
                     await self._serve(task_status)
@@ -204,7 +201,7 @@ class RemoteSequenceManager:
         assert state.dht is not None and state.started is not None and state.stop is not None
         assert self.config.dht_prefix is not None
         state.topic = state.dht.follow(
-            self.config.dht_prefix, self.num_blocks, update_period_s=self.config.update_period
+            self.config.dht_prefix, self.num_blocks, update_period_s=self.config.update_period_s
         )
         state.start_error = None
         state.loop_token = trio.lowlevel.current_trio_token()
@@ -267,7 +264,7 @@ class RemoteSequenceManager:
     ) -> list[RouteSpan]:
         """A route over ``[start, end)`` (default: this manager's blocks).
 
-        Waits (up to ``request_timeout``) until the peer table holds servers for every block;
+        Waits (up to ``request_timeout_s``) until the peer table holds servers for every block;
         then raises :class:`MissingBlocksError` naming the blocks nobody serves.
         """
         start = self.block_indices.start if start is None else start
@@ -287,7 +284,7 @@ class RemoteSequenceManager:
             return make_route_max_throughput(servers, start, end, rng=self._rng)
 
         route: list[RouteSpan] | None = None
-        with trio.move_on_after(self.config.request_timeout):
+        with trio.move_on_after(self.config.request_timeout_s):
             while route is None:
                 try:
                     route = plan()
@@ -318,7 +315,7 @@ class RemoteSequenceManager:
                 nursery.start_soon(self._ping, peer)
 
     async def _ping(self, peer: str) -> None:
-        with trio.move_on_after(self.config.ping_timeout):
+        with trio.move_on_after(self.config.ping_timeout_s):
             try:
                 began = trio.current_time()
                 connection = await self.connect(peer)
@@ -334,10 +331,10 @@ class RemoteSequenceManager:
         if address is None:
             raise PeerUnreachable(f"server {peer} announced no address")
         assert self.state.dht is not None
-        with trio.move_on_after(self.config.connect_timeout):
+        with trio.move_on_after(self.config.connect_timeout_s):
             return await self.state.dht.node.connect(address)
         raise PeerUnreachable(
-            f"server {peer} did not answer within {self.config.connect_timeout} s"
+            f"server {peer} did not answer within {self.config.connect_timeout_s} s"
         )
 
     # -- what servers deliver --------------------------------------------------------------------
@@ -369,12 +366,12 @@ class RemoteSequenceManager:
     # -- failures --------------------------------------------------------------------------------
 
     def on_request_failure(self, peer: str | None) -> None:
-        """Ban ``peer`` for ``ban_timeout``, doubling with each failure in a row."""
+        """Ban ``peer`` for ``ban_timeout_s``, doubling with each failure in a row."""
         if peer is None:
             return
         ban = self.state.bans.get(peer)
         failures = 1 if ban is None else ban.failures + 1
-        duration = self.config.ban_timeout * 2 ** (failures - 1)
+        duration = self.config.ban_timeout_s * 2 ** (failures - 1)
         self.state.bans[peer] = _Ban(until=time.monotonic() + duration, failures=failures)
         self.state.pings.pop(peer, None)
         logger.info("banned %s for %.1f s after %d failure(s)", peer, duration, failures)
@@ -390,7 +387,7 @@ class RemoteSequenceManager:
         """Seconds to wait before retry ``attempt`` (0: none)."""
         if attempt <= 0:
             return 0.0
-        return float(min(self.config.min_backoff * 2 ** (attempt - 1), self.config.max_backoff))
+        return float(min(self.config.min_backoff_s * 2 ** (attempt - 1), self.config.max_backoff_s))
 
     def may_retry(self, attempt: int) -> bool:
         """Whether retry number ``attempt`` (1 = the first retry) is allowed."""

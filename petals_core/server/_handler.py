@@ -66,6 +66,7 @@ import torch
 import trio
 
 from .._errors import AdapterError, CallEnded, CodecError, ServerError, TransportError
+from .._validators import non_negative as _non_negative, positive as _positive
 from ..models import KVCache
 from ..transport import Call, Connection, Handlers, ServerCall, open_call
 from ._backend import BlockBackend, Graph
@@ -91,16 +92,6 @@ _DIAL_TIMEOUT_S: Final = 10.0
 _UNREACHABLE_S: Final = 60.0
 _MAX_UNREACHABLE: Final = 4096
 _ALLOWED_DTYPES: Final = (torch.float32, torch.float16, torch.bfloat16)
-
-
-def _positive(instance: object, attribute: attrs.Attribute[Any], value: float) -> None:
-    if isinstance(value, bool) or not value > 0:
-        raise ValueError(f"{attribute.name} must be positive, got {value!r}")
-
-
-def _non_negative(instance: object, attribute: attrs.Attribute[Any], value: float) -> None:
-    if isinstance(value, bool) or not 0 <= value < float("inf"):
-        raise ValueError(f"{attribute.name} must be a number >= 0, got {value!r}")
 
 
 @attrs.frozen(kw_only=True)

@@ -157,7 +157,9 @@ class ServerConfig:
             raise ConfigError(f"throughput must be a number >= 0, got {self.throughput}")
 
     @property
-    def expiration(self) -> float:
+    def effective_expiration_s(self) -> float:
+        """How long an announcement stays valid: ``expiration_s``, else ``max(2 *
+        update_period_s, 300)``."""
         return (
             self.expiration_s
             if self.expiration_s is not None
@@ -255,7 +257,7 @@ class Server:
         """Announce our info now: pushed by gossip at once, stored in the DHT within
         ``timeout_s`` if it can be (a store slowed by departed peers is cut short, and the next
         period stores it again)."""
-        expiration = time.time() + self.config.expiration
+        expiration = time.time() + self.config.effective_expiration_s
         with trio.move_on_after(timeout_s):
             try:
                 await self.dht.announce(self.dht_prefix, self.info(), expiration=expiration)

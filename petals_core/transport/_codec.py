@@ -55,6 +55,7 @@ import cbor2
 from attrs import validators as v
 
 from petals_core._errors import CodecError
+from petals_core._validators import in_range
 
 if TYPE_CHECKING:
     import torch
@@ -100,7 +101,7 @@ _TENSOR_FIELDS: Final = (_TEXT, _ARRAY, _BYTES, _TEXT, _BYTES)
 
 
 def _count(minimum: int, maximum: int) -> Callable[[Any, Any, Any], Any]:
-    return v.and_(v.instance_of(int), v.ge(minimum), v.le(maximum))
+    return v.and_(v.instance_of(int), in_range(minimum, maximum))
 
 
 @attrs.frozen(kw_only=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import attrs
 from attrs import validators as v
 
+from .._validators import at_least, in_range, one_of, positive, positive_or_none
 from ._codec import CodecLimits
 
 __all__ = ["ALPN", "TransportConfig"]
@@ -13,17 +14,9 @@ __all__ = ["ALPN", "TransportConfig"]
 #: handshake with a clear error instead of misreading our frames.
 ALPN = "petals-core/1"
 
-_positive_s = v.gt(0.0)
 _DEFAULT_KEEPALIVE_S: float | None = 15.0
 # A long prefill's hidden states fit (e.g. 4096 tokens x 8192 x 2 bytes = 64 MiB).
 _DEFAULT_CODEC_LIMITS = CodecLimits(max_frame_bytes=128 << 20)
-
-
-def _positive_or_none(
-    instance: object, attribute: attrs.Attribute[float | None], value: float | None
-) -> None:
-    if value is not None and not value > 0:
-        raise ValueError(f"'{attribute.name}' must be > 0 or None: {value!r}")
 
 
 @attrs.frozen(kw_only=True)
@@ -31,39 +24,37 @@ class TransportConfig:
     """How a node's QUIC endpoint behaves.  Sizes in bytes, times in seconds."""
 
     #: Largest UDP payload towards peers on other hosts (1500-byte MTU minus IPv6 and UDP headers).
-    max_datagram_bytes: int = attrs.field(default=1452, validator=v.and_(v.ge(1200), v.le(65527)))
+    max_datagram_bytes: int = attrs.field(default=1452, validator=in_range(1200, 65527))
     #: Largest UDP payload towards loopback peers: larger datagrams mean far fewer packets to
     #: encrypt and acknowledge.  Above 16 KiB aioquic's connections were seen to break.
-    loopback_datagram_bytes: int = attrs.field(
-        default=16384, validator=v.and_(v.ge(1200), v.le(16384))
-    )
+    loopback_datagram_bytes: int = attrs.field(default=16384, validator=in_range(1200, 16384))
     #: A connection with no traffic for this long is closed (both sides apply their own value).
-    idle_timeout_s: float = attrs.field(default=60.0, validator=_positive_s)
+    idle_timeout_s: float = attrs.field(default=60.0, validator=positive)
     #: Send a PING after this much quiet so NAT bindings and idle timers stay fresh; None: never.
     keepalive_interval_s: float | None = attrs.field(
-        default=_DEFAULT_KEEPALIVE_S, validator=_positive_or_none
+        default=_DEFAULT_KEEPALIVE_S, validator=positive_or_none
     )
     #: How long ``connect`` waits for the handshake.
-    connect_timeout_s: float = attrs.field(default=10.0, validator=_positive_s)
+    connect_timeout_s: float = attrs.field(default=10.0, validator=positive)
     #: How long a served call may take to send its header (and a unary call its request): a
     #: peer opening streams and sending nothing holds no handler task for longer.
-    request_header_timeout_s: float = attrs.field(default=30.0, validator=_positive_s)
+    request_header_timeout_s: float = attrs.field(default=30.0, validator=positive)
     #: Unread bytes a peer may have in flight towards us on one stream / one connection.
-    stream_window_bytes: int = attrs.field(default=4 << 20, validator=v.ge(64 << 10))
-    connection_window_bytes: int = attrs.field(default=16 << 20, validator=v.ge(64 << 10))
+    stream_window_bytes: int = attrs.field(default=4 << 20, validator=at_least(64 << 10))
+    connection_window_bytes: int = attrs.field(default=16 << 20, validator=at_least(64 << 10))
     #: Unacknowledged bytes we queue on one connection before senders wait.
-    send_buffer_bytes: int = attrs.field(default=8 << 20, validator=v.ge(64 << 10))
+    send_buffer_bytes: int = attrs.field(default=8 << 20, validator=at_least(64 << 10))
     #: Connections this endpoint holds at once; new handshakes beyond it are ignored.
-    max_connections: int = attrs.field(default=1024, validator=v.gt(0))
+    max_connections: int = attrs.field(default=1024, validator=positive)
     #: Calls a peer may have open towards us at once on one connection (the QUIC stream limit we
     #: advertise: the peer's further calls wait for one of these to finish).
-    max_incoming_streams: int = attrs.field(default=100, validator=v.and_(v.gt(0), v.le(1024)))
+    max_incoming_streams: int = attrs.field(default=100, validator=in_range(1, 1024))
     #: How finely the event loop can sleep (trio rounds shorter sleeps up to about 1 ms): the
     #: pacer lets a burst cover this much time so pacing never waits on sub-tick timers.
-    timer_granularity_s: float = attrs.field(default=0.001, validator=v.gt(0))
+    timer_granularity_s: float = attrs.field(default=0.001, validator=positive)
     #: Requested kernel socket buffer (the kernel may cap it); big bursts of datagrams on loopback
     #: otherwise overflow the default buffer and look like loss.
-    socket_buffer_bytes: int = attrs.field(default=8 << 20, validator=v.ge(0))
+    socket_buffer_bytes: int = attrs.field(default=8 << 20, validator=at_least(0))
     #: Send and receive runs of datagrams in one system call where the kernel offers it (UDP
     #: segmentation and receive offload on Linux); without it, or False, one datagram per call.
     udp_offload: bool = attrs.field(default=True, validator=v.instance_of(bool))
@@ -72,6 +63,6 @@ class TransportConfig:
     #: Frames larger than this are assembled one at a time per connection, so what a peer can
     #: make us buffer is bounded by about ``max_incoming_streams * large_frame_bytes +
     #: codec_limits.max_frame_bytes`` plus the receive windows.
-    large_frame_bytes: int = attrs.field(default=1 << 20, validator=v.ge(64 << 10))
+    large_frame_bytes: int = attrs.field(default=1 << 20, validator=at_least(64 << 10))
     #: "reno" or "cubic".
-    congestion_control: str = attrs.field(default="cubic", validator=v.in_(("reno", "cubic")))
+    congestion_control: str = attrs.field(default="cubic", validator=one_of(("reno", "cubic")))

@@ -11,7 +11,7 @@ uses the model classes (``AutoDistributedModelForCausalLM``), as a user would.
   the generation's thread) calls into the trio program, which picks a random server of the
   session's current route and either kills it (SIGKILL: it vanishes without closing anything)
   or stops it (SIGSTOP: it holds its connections open and answers nothing; only the client's
-  ``request_timeout`` finds it).  A killed server is replaced by a new process with the same
+  ``request_timeout_s`` finds it).  A killed server is replaced by a new process with the same
   span (``swarm.add_server``), so that every block is held twice again for the next fault; a
   stopped one is resumed (SIGCONT) after the generation.
 - Fine-tuning steps (p-tuning: trainable prompts, remote forward and backward): the forward
@@ -54,7 +54,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, LogitsProcessor, LogitsP
 
 from petals_core import PetalsError
 from petals_core.dht import PeerTableSnapshot
-from petals_core.models.distributed import AutoDistributedModelForCausalLM
+from petals_core.distributed import AutoDistributedModelForCausalLM
 from petals_core.routing import RemoteSequenceManager
 from petals_core.testing import LocalSwarm, SwarmProcess, fixed_server_args, open_local_swarm
 
@@ -226,13 +226,13 @@ def client_options(initial_peers: Sequence[str], request_timeout_s: float) -> di
         "initial_peers": tuple(initial_peers),
         "dht_prefix": PREFIX,
         "torch_dtype": torch.float32,
-        "request_timeout": request_timeout_s,
-        "connect_timeout": 2.0,
-        "ping_timeout": 1.0,
-        "ban_timeout": 2.0,
-        "min_backoff": 0.05,
-        "max_backoff": 0.5,
-        "update_period": 1.0,
+        "request_timeout_s": request_timeout_s,
+        "connect_timeout_s": 2.0,
+        "ping_timeout_s": 1.0,
+        "ban_timeout_s": 2.0,
+        "min_backoff_s": 0.05,
+        "max_backoff_s": 0.5,
+        "update_period_s": 1.0,
         "max_retries": 10,
         "show_route": False,
     }

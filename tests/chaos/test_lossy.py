@@ -168,7 +168,7 @@ class RelayedManager(RemoteSequenceManager):
         )
 
     async def connect(self, peer: str) -> Connection:
-        with trio.fail_after(self.config.connect_timeout):
+        with trio.fail_after(self.config.connect_timeout_s):
             return await self.node.connect(self.relays[peer])
 
 
@@ -202,8 +202,8 @@ async def lossy_swarm(
                 host, port, peer_id=server.dht.peer_id
             )
             relay_list.append(relay)
-        direct = manager_for(servers, request_timeout=30.0)
-        settings = attrs.evolve(direct.config, connect_timeout=30.0)
+        direct = manager_for(servers, request_timeout_s=30.0)
+        settings = attrs.evolve(direct.config, connect_timeout_s=30.0)
         relayed = RelayedManager(settings, N_BLOCKS, node=node, relays=relays)
         async with RemoteSequential(direct), RemoteSequential(relayed):
             await wait_for_servers(direct, 2)

@@ -170,11 +170,11 @@ def manager_for(
     settings: dict[str, Any] = {
         "initial_peers": tuple(initial_peers),
         "dht_prefix": dht_prefix,
-        "min_backoff": 0.05,
-        "max_backoff": 0.2,
-        "request_timeout": 10.0,
-        "connect_timeout": 2.0,
-        "update_period": 0.5,
+        "min_backoff_s": 0.05,
+        "max_backoff_s": 0.2,
+        "request_timeout_s": 10.0,
+        "connect_timeout_s": 2.0,
+        "update_period_s": 0.5,
     }
     settings.update(fields)
     return RemoteSequenceManager(SequenceManagerConfig(**settings), N_BLOCKS)

@@ -157,7 +157,7 @@ async def test_stall_and_kill_failover_in_a_process_swarm(model: Model) -> None:
     """One swarm of processes: A holds 0:3, B 3:6, C 0:6.
 
     1. A session routed through C (A and B banned while it opens); C is stopped (SIGSTOP) after
-       2 steps: a short ``request_timeout`` finds the stall, C is banned and the session goes on
+       2 steps: a short ``request_timeout_s`` finds the stall, C is banned and the session goes on
        through A and B with the same outputs.  C is resumed.
     2. A session routed through A and B (C banned while it opens): 10 single-token steps after a
        4-token prefill; A is killed (SIGKILL) after step 5: blocks 0:3 move to C, all outputs
@@ -180,7 +180,7 @@ async def test_stall_and_kill_failover_in_a_process_swarm(model: Model) -> None:
             }
 
             # 1. A stall, found by the request timeout.
-            stalling = manager_for(**common, request_timeout=3.0)
+            stalling = manager_for(**common, request_timeout_s=3.0)
             async with RemoteSequential(stalling) as seq:
                 await wait_for_servers(stalling, 3)
                 reference = Reference(model)
@@ -209,7 +209,7 @@ async def test_stall_and_kill_failover_in_a_process_swarm(model: Model) -> None:
                     ]
 
             # 2. A kill during a session.
-            manager = manager_for(**common, request_timeout=4.0)
+            manager = manager_for(**common, request_timeout_s=4.0)
             async with RemoteSequential(manager) as seq:
                 await wait_for_servers(manager, 3)
                 reference = Reference(model)
@@ -256,7 +256,7 @@ async def test_stall_and_kill_failover_in_a_process_swarm(model: Model) -> None:
                 # usable server left and names the blocks.
                 process_of(swarm, c).kill()
                 impatient = RemoteSequenceManager(
-                    attrs.evolve(manager.config, max_retries=1, request_timeout=2.0),
+                    attrs.evolve(manager.config, max_retries=1, request_timeout_s=2.0),
                     N_BLOCKS,
                     state=manager.state,
                 )

@@ -18,13 +18,13 @@ from transformers import AutoModelForCausalLM
 
 from petals_core.client import RemoteSequential
 from petals_core.client._placement import like, to_wire
-from petals_core.models.distributed import (
+from petals_core.distributed import (
     AutoDistributedModelForCausalLM,
     AutoDistributedModelForSequenceClassification,
 )
 
+from .._served_swarm import ServedModel
 from ._swarm_helpers import HIDDEN, N_BLOCKS, manager_for
-from .conftest import ServedModel
 
 #: Outputs in float32 on another device, or in float64 (sent as float32), equal the CPU's up to
 #: this.

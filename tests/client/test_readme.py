@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import ServedModel
+from .._served_swarm import ServedModel
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 SECTION = "## Using a swarm from Python"

@@ -1,6 +1,6 @@
 """The sequence manager: a frozen config that nothing changes, slices that keep every setting and
 share state, nothing started before first use, bans that double, exponential capped backoff,
-the retry budget, and a missing block named after ``request_timeout`` (real in-process servers).
+the retry budget, and a missing block named after ``request_timeout_s`` (real in-process servers).
 """
 
 from __future__ import annotations
@@ -40,8 +40,8 @@ def config(**fields: object) -> SequenceManagerConfig:
     settings: dict[str, object] = {
         "initial_peers": ("/ip4/127.0.0.1/udp/1/quic-v1/p2p/QmNobody",),
         "dht_prefix": "tiny",
-        "request_timeout": 7.0,
-        "ban_timeout": 10.0,
+        "request_timeout_s": 7.0,
+        "ban_timeout_s": 10.0,
         "max_retries": 2,
     }
     settings.update(fields)
@@ -51,13 +51,13 @@ def config(**fields: object) -> SequenceManagerConfig:
 def test_config_is_frozen_and_validated() -> None:
     settings = config()
     with pytest.raises(attrs.exceptions.FrozenInstanceError):
-        settings.request_timeout = 1.0  # type: ignore[misc]
+        settings.request_timeout_s = 1.0  # type: ignore[misc]
     assert settings.initial_peers == ("/ip4/127.0.0.1/udp/1/quic-v1/p2p/QmNobody",)
     assert config(allowed_servers=["a", "b"]).allowed_servers == frozenset({"a", "b"})
     for bad in (
-        {"request_timeout": 0},
-        {"ban_timeout": -1.0},
-        {"min_backoff": 5.0, "max_backoff": 1.0},
+        {"request_timeout_s": 0},
+        {"ban_timeout_s": -1.0},
+        {"min_backoff_s": 5.0, "max_backoff_s": 1.0},
         {"max_retries": -1},
     ):
         with pytest.raises(ConfigError):
@@ -74,7 +74,7 @@ def test_slices_keep_every_setting_and_share_state() -> None:
     manager = RemoteSequenceManager(settings, N_BLOCKS)
     part = manager[1:3]
     assert part.config is manager.config
-    assert part.config.request_timeout == 7.0
+    assert part.config.request_timeout_s == 7.0
     assert part.block_indices == range(1, 3)
     assert part.state is manager.state
     assert part[1:].block_indices == range(2, 3)
@@ -117,7 +117,7 @@ def test_construction_starts_nothing() -> None:
 
 
 def test_bans_double_and_success_clears() -> None:
-    manager = RemoteSequenceManager(config(ban_timeout=10.0), N_BLOCKS)
+    manager = RemoteSequenceManager(config(ban_timeout_s=10.0), N_BLOCKS)
     manager.on_request_failure(None)  # a failure nobody caused bans nobody
     assert not manager.state.bans
     began = time.monotonic()
@@ -141,22 +141,22 @@ def test_bans_double_and_success_clears() -> None:
 
 
 @given(
-    min_backoff=st.floats(0.01, 10.0),
+    min_backoff_s=st.floats(0.01, 10.0),
     factor=st.floats(1.0, 100.0),
     attempt=st.integers(1, 60),
 )
 def test_retry_delay_is_exponential_and_capped(
-    min_backoff: float, factor: float, attempt: int
+    min_backoff_s: float, factor: float, attempt: int
 ) -> None:
     manager = RemoteSequenceManager(
-        config(min_backoff=min_backoff, max_backoff=min_backoff * factor), N_BLOCKS
+        config(min_backoff_s=min_backoff_s, max_backoff_s=min_backoff_s * factor), N_BLOCKS
     )
     delay = manager.retry_delay(attempt)
     assert manager.retry_delay(0) == 0.0
-    assert delay == min(min_backoff * 2 ** (attempt - 1), min_backoff * factor)
-    assert min_backoff <= delay <= min_backoff * factor
+    assert delay == min(min_backoff_s * 2 ** (attempt - 1), min_backoff_s * factor)
+    assert min_backoff_s <= delay <= min_backoff_s * factor
     assert manager.retry_delay(attempt + 1) >= delay
-    if delay < min_backoff * factor / 2:
+    if delay < min_backoff_s * factor / 2:
         assert manager.retry_delay(attempt + 1) == 2 * delay
 
 
@@ -174,10 +174,10 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Model:
 
 
 async def test_missing_block_is_named_after_request_timeout(model: Model, tmp_path: Path) -> None:
-    """Nobody serves blocks 3:6: routes over them wait ``request_timeout``, then name them; a
+    """Nobody serves blocks 3:6: routes over them wait ``request_timeout_s``, then name them; a
     forward raises that error itself (not an exception group)."""
     async with in_process_swarm(model, tmp_path, [(0, 3)]) as swarm:
-        manager = manager_for(list(swarm.servers.values()), request_timeout=1.0, max_retries=1)
+        manager = manager_for(list(swarm.servers.values()), request_timeout_s=1.0, max_retries=1)
         settings = attrs.asdict(manager.config)
         with trio.fail_after(DEADLINE_S):
             async with RemoteSequential(manager):

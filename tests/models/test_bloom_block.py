@@ -11,7 +11,7 @@ from transformers import BloomConfig
 from transformers.cache_utils import DynamicCache
 from transformers.models.bloom import modeling_bloom as hf_bloom
 
-from petals_core.models._hf_compat import cache_kwargs
+from petals_core._hf_compat import cache_kwargs
 from petals_core.models.bloom import BloomBlock
 
 HIDDEN, HEADS = 64, 4

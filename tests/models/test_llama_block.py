@@ -17,8 +17,8 @@ from torch import nn
 from transformers import DynamicCache, LlamaConfig, LlamaModel
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
+from petals_core._hf_compat import cache_kwargs
 from petals_core.models._cache import KVCache
-from petals_core.models._hf_compat import cache_kwargs
 from petals_core.models.llama import LlamaBlock, LlamaRotary
 
 torch.set_num_threads(1)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from typing import Any, ClassVar
 
-from ..._errors import ConfigError
+from .._errors import ConfigError
 from ._bloom import (
     DistributedBloomForCausalLM,
     DistributedBloomForSequenceClassification,
@@ -43,13 +43,7 @@ class _AutoDistributed:
                 f"{cls.__name__} has no class for model_type {config.model_type!r}; "
                 f"supported: {', '.join(sorted(cls._classes))}"
             )
-        return load_pretrained(
-            model_class,
-            model_name_or_path,
-            config=config,
-            options=options,
-            keep=model_class._client_tensors,
-        )
+        return load_pretrained(model_class, model_name_or_path, config=config, options=options)
 
 
 class AutoDistributedModel(_AutoDistributed):

@@ -11,13 +11,13 @@ import torch
 from torch import nn
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
-from petals_core.models import BloomBlock, LlamaBlock
-from petals_core.models.distributed import (
+from petals_core.distributed import (
     AutoDistributedModelForCausalLM,
     AutoDistributedModelForSequenceClassification,
 )
+from petals_core.models import BloomBlock, LlamaBlock
 
-from .conftest import ServedModel
+from .._served_swarm import ServedModel
 
 TOLERANCE = 1e-4
 PROMPT_LEN = 3
@@ -193,6 +193,9 @@ def test_sequence_classification_equals_transformers_and_trains(served: ServedMo
             theirs = reference(ids, attention_mask=mask).logits
         assert ours.shape == (3, labels)
         torch.testing.assert_close(ours, theirs, atol=TOLERANCE, rtol=0)
+        # logits_to_keep is the causal LM's: refused before anything is sent.
+        with pytest.raises(ValueError, match="logits_to_keep is a causal LM's"), torch.no_grad():
+            model(ids, attention_mask=mask, logits_to_keep=1)
 
         assert [n for n, p in model.named_parameters() if p.requires_grad] == ["score.weight"]
         before = model.score.weight.detach().clone()

@@ -13,7 +13,7 @@ from transformers import AutoModel, AutoModelForCausalLM
 
 import petals_core
 from petals_core import ConfigError
-from petals_core.models.distributed import (
+from petals_core.distributed import (
     AutoDistributedModel,
     AutoDistributedModelForCausalLM,
     ChunkedLMHead,
@@ -22,7 +22,7 @@ from petals_core.models.distributed import (
     DistributedLlamaModel,
 )
 
-from .conftest import ServedModel
+from .._served_swarm import ServedModel
 
 TOLERANCE = 1e-4
 
@@ -69,9 +69,18 @@ def test_logits_to_keep_selects_positions_as_transformers(models: tuple[Any, Any
     torch.testing.assert_close(every, theirs, atol=TOLERANCE, rtol=0)
     torch.testing.assert_close(last_three, theirs[:, -3:], atol=TOLERANCE, rtol=0)
     torch.testing.assert_close(chosen, theirs[:, [0, 4, 6]], atol=TOLERANCE, rtol=0)
-    for bad in (-1, True, 1.5, torch.tensor([[0, 1]]), torch.tensor([0.0]), torch.tensor([True])):
+    bad_values = (-1, True, 1.5, torch.tensor([[0, 1]]), torch.tensor([0.0]), torch.tensor([True]))
+    for bad in bad_values:
         with pytest.raises(ValueError, match="logits_to_keep"), torch.no_grad():
             model(ids, logits_to_keep=bad)
+    # Refused before the step is sent: the session holds nothing more, and goes on.
+    with torch.no_grad(), model.inference_session(max_length=8) as session:
+        for bad in bad_values:
+            with pytest.raises(ValueError, match="logits_to_keep"):
+                model(ids[:, :3], logits_to_keep=bad)
+        assert session.token_position == 0
+        first = model(ids[:, :3], logits_to_keep=1).logits
+    torch.testing.assert_close(first, theirs[:, 2:3], atol=TOLERANCE, rtol=0)
 
 
 def test_right_padding_equals_transformers_with_its_mask(models: tuple[Any, Any]) -> None:
@@ -137,6 +146,10 @@ def test_family_classes_refuse_other_families(
         DistributedLlamaModel.from_pretrained(served_llama.folder, tuning_mode="lora")
     with pytest.raises(ConfigError, match="pre_seq_len"):
         DistributedLlamaModel.from_pretrained(served_llama.folder, tuning_mode="ptune")
+    with pytest.raises(ConfigError, match="request_timeout_s or request_timeout"):
+        DistributedLlamaModel.from_pretrained(
+            served_llama.folder, request_timeout=1.0, request_timeout_s=2.0
+        )
 
 
 def test_config_overrides_dtype_and_manager_options(served_llama: ServedModel) -> None:
@@ -144,14 +157,15 @@ def test_config_overrides_dtype_and_manager_options(served_llama: ServedModel) -
         served_llama.folder,
         initial_peers=served_llama.initial_peers,
         torch_dtype=torch.bfloat16,
-        request_timeout=30.0,
+        request_timeout_s=30.0,
+        ban_timeout=3.0,  # Petals' name of ban_timeout_s
         dht_prefix="another-swarm",
         rms_norm_eps=1e-3,
     )
     assert model.lm_head.weight.dtype == torch.bfloat16
     assert model.config.rms_norm_eps == 1e-3
     manager = model.model.layers.sequence_manager
-    assert manager.config.request_timeout == 30.0
+    assert (manager.config.request_timeout_s, manager.config.ban_timeout_s) == (30.0, 3.0)
     assert manager.config.dht_prefix == "another-swarm"
     assert manager.config.initial_peers == served_llama.initial_peers
 
@@ -163,7 +177,7 @@ def test_chunked_lm_head_is_the_same_matmul() -> None:
     # A few rows (decoding: one matmul) and many (prefill: chunks of the vocabulary).
     for hidden in (torch.randn(2, 5, 16), torch.randn(2, 40, 16)):
         torch.testing.assert_close(head(hidden), F.linear(hidden, head.weight), atol=1e-5, rtol=0)
-    with pytest.raises(ValueError, match="chunk_rows"):
+    with pytest.raises(ConfigError, match="chunk_rows"):
         ChunkedLMHead(16, 1000, chunk_rows=0)
 
 

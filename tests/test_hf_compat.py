@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from transformers import DynamicCache, LlamaConfig, LlamaModel
 
-from petals_core.models._hf_compat import CACHE_ARG, cache_kwargs
+from petals_core._hf_compat import CACHE_ARG, cache_kwargs
 
 
 def test_models_read_and_return_the_cache_under_its_name() -> None:

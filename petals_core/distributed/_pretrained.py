@@ -5,8 +5,10 @@ Keyword arguments are sorted into four groups:
 - Hub access (``cache_dir``, ``revision``, ``token``, ``local_files_only``): for the config and
   the weights alike;
 - :class:`~petals_core.routing.SequenceManagerConfig` fields (``initial_peers``,
-  ``request_timeout``, ...), ``dht_prefix`` (settled by
-  :class:`~petals_core.models.AutoDistributedConfig`: given, stored, or derived from the name);
+  ``request_timeout_s``, ...; the times also under Petals' names without the unit,
+  ``request_timeout``, ``ban_timeout``, ...: see :data:`PETALS_MANAGER_NAMES`), ``dht_prefix``
+  (settled by :class:`~petals_core.models.AutoDistributedConfig`: given, stored, or derived from
+  the name);
 - ``torch_dtype`` / ``dtype`` (``"auto"`` by default: the config's dtype, else float32),
   ``tuning_mode`` (None, ``"ptune"``, ``"deep_ptune"``) and ``pre_seq_len``;
 - everything else overrides config attributes, as in transformers (``num_labels=3``).
@@ -21,24 +23,44 @@ import copy
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any, ClassVar, Final, Literal
 
 import attrs
 import torch
 from transformers.initialization import no_init_weights
 
-from ..._errors import CheckpointError, ConfigError
-from ...routing import SequenceManagerConfig
-from .._config import AutoDistributedConfig, DistributedConfig
-from .._loading import client_state_dict
-from ._base import tuning_settings
+from .._errors import CheckpointError, ConfigError
+from ..models import AutoDistributedConfig, DistributedConfig, client_state_dict
+from ..routing import SequenceManagerConfig
 
-__all__ = ["LoadOptions", "load_pretrained", "split_options"]
+__all__ = [
+    "PETALS_MANAGER_NAMES",
+    "FromPretrainedMixin",
+    "LoadOptions",
+    "TuningMode",
+    "load_pretrained",
+    "split_options",
+    "tuning_settings",
+]
+
+TuningMode = Literal["ptune", "deep_ptune"]
+_TUNING_MODES = (None, "ptune", "deep_ptune")
 
 _HUB_KEYS = ("cache_dir", "revision", "token", "local_files_only")
 _MANAGER_KEYS = frozenset(
     field.name for field in attrs.fields(SequenceManagerConfig) if field.name != "dht_prefix"
 )
+#: Petals' names of the :class:`SequenceManagerConfig` times, which ``from_pretrained`` takes
+#: as well as ours (seconds either way).
+PETALS_MANAGER_NAMES: Final = {
+    "connect_timeout": "connect_timeout_s",
+    "request_timeout": "request_timeout_s",
+    "update_period": "update_period_s",
+    "min_backoff": "min_backoff_s",
+    "max_backoff": "max_backoff_s",
+    "ban_timeout": "ban_timeout_s",
+    "ping_timeout": "ping_timeout_s",
+}
 # transformers' from_pretrained options that mean nothing here and are dropped, so that scripts
 # written for Petals or transformers keep working.
 _IGNORED_KEYS = ("low_cpu_mem_usage", "_from_auto", "trust_remote_code")
@@ -61,6 +83,11 @@ def split_options(kwargs: dict[str, Any]) -> LoadOptions:
     kwargs = dict(kwargs)
     for key in _IGNORED_KEYS:
         kwargs.pop(key, None)
+    for petals_name, name in PETALS_MANAGER_NAMES.items():
+        if petals_name in kwargs:
+            if name in kwargs:
+                raise ConfigError(f"give {name} or {petals_name} (Petals' name for it), not both")
+            kwargs[name] = kwargs.pop(petals_name)
     dtype = kwargs.pop("torch_dtype", None)
     dtype = kwargs.pop("dtype", None) if dtype is None else dtype
     return LoadOptions(
@@ -72,6 +99,17 @@ def split_options(kwargs: dict[str, Any]) -> LoadOptions:
         pre_seq_len=kwargs.pop("pre_seq_len", 0),
         config_overrides=kwargs,
     )
+
+
+def tuning_settings(config: Any) -> tuple[TuningMode | None, int]:
+    """``(tuning_mode, pre_seq_len)`` of a config, validated."""
+    mode = getattr(config, "tuning_mode", None)
+    prompt_len = getattr(config, "pre_seq_len", 0) or 0
+    if mode not in _TUNING_MODES:
+        raise ConfigError(f"tuning_mode must be one of {_TUNING_MODES}, got {mode!r}")
+    if mode is not None and (not isinstance(prompt_len, int) or prompt_len < 1):
+        raise ConfigError(f"tuning_mode={mode!r} needs pre_seq_len >= 1, got {prompt_len!r}")
+    return mode, prompt_len if mode is not None else 0
 
 
 def load_config(
@@ -118,9 +156,8 @@ def load_pretrained(
     *,
     config: DistributedConfig | None,
     options: LoadOptions,
-    keep: tuple[str, ...],
 ) -> Any:
-    """Build ``cls`` and load its client tensors (those whose names start with ``keep``)."""
+    """Build ``cls`` and load its client tensors (:meth:`FromPretrainedMixin.client_tensors`)."""
     if config is None:
         config = load_config(model_name_or_path, options)
     expected = getattr(cls, "config_class", None)
@@ -137,6 +174,7 @@ def load_pretrained(
     with no_init_weights(), _default_dtype(dtype):
         model = cls(config, sequence_manager_config=manager_config)
 
+    keep, strip = cls.client_tensors()
     wants_head = any(prefix.startswith("lm_head") for prefix in keep)
     load_config_ = config
     if not wants_head and not config.tie_word_embeddings:
@@ -144,7 +182,6 @@ def load_pretrained(
         load_config_ = copy.copy(config)
         load_config_.tie_word_embeddings = True
     tensors = client_state_dict(model_name_or_path, config=load_config_, dtype=dtype, **options.hub)
-    strip = getattr(model, "_checkpoint_prefix_to_strip", "")
     state = {
         name.removeprefix(strip): tensor
         for name, tensor in tensors.items()
@@ -173,13 +210,25 @@ def load_pretrained(
 class FromPretrainedMixin:
     """``from_pretrained`` for the distributed model classes.
 
-    ``_client_tensors``: the prefixes (as :func:`client_state_dict` names them) this class
-    loads; ``_checkpoint_prefix_to_strip``: removed from those names first (a base model's
-    parameters have no ``model.`` / ``transformer.`` prefix).
+    What a class loads follows from transformers' ``base_model_prefix`` (``"model"``,
+    ``"transformer"``): the base model's tensors, plus ``_local_heads`` (``("lm_head.",)`` for a
+    causal LM); a base model itself (``_is_base_model``) holds them without the prefix.
     """
 
-    _client_tensors: tuple[str, ...] = ()
-    _checkpoint_prefix_to_strip: str = ""
+    base_model_prefix: str
+    _local_heads: ClassVar[tuple[str, ...]] = ()
+    _is_base_model: ClassVar[bool] = False
+
+    if TYPE_CHECKING:  # the family's *PreTrainedModel defines it
+
+        def post_init(self) -> None: ...
+
+    @classmethod
+    def client_tensors(cls) -> tuple[tuple[str, ...], str]:
+        """The prefixes of the tensors (as :func:`client_state_dict` names them) this class
+        loads, and the prefix removed from their names first."""
+        base = f"{cls.base_model_prefix}."
+        return (base, *cls._local_heads), base if cls._is_base_model else ""
 
     @classmethod
     def from_pretrained(
@@ -193,7 +242,8 @@ class FromPretrainedMixin:
 
         ``initial_peers=...``, ``torch_dtype=...``, ``tuning_mode=None | "ptune" |
         "deep_ptune"``, ``pre_seq_len=...``, ``dht_prefix=...``, any
-        :class:`~petals_core.routing.SequenceManagerConfig` field, ``cache_dir``, ``revision``,
+        :class:`~petals_core.routing.SequenceManagerConfig` field (its times also under Petals'
+        names: ``request_timeout`` for ``request_timeout_s``, ...), ``cache_dir``, ``revision``,
         ``token``, ``local_files_only``; other keyword arguments override config attributes.
         Raises :class:`~petals_core.ConfigError` for a checkpoint of another family or a bad
         option, :class:`~petals_core.CheckpointError` for missing or unreadable weights.
@@ -205,5 +255,4 @@ class FromPretrainedMixin:
             model_name_or_path,
             config=config,
             options=split_options(kwargs),
-            keep=cls._client_tensors,
         )

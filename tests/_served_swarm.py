@@ -1,15 +1,18 @@
-"""Swarms for the client-model tests: tiny LLaMA (grouped-query attention) and BLOOM checkpoints,
-each served by two in-process servers holding blocks 0:3 and 3:6, in fp32.
+"""Swarms for the tests of the distributed models and the client: tiny LLaMA (grouped-query
+attention) and BLOOM checkpoints, each served by two in-process servers holding blocks 0:3 and
+3:6, in fp32.
 
 The servers run in one trio program on a daemon thread (``trio.run``), for the whole test
 session; the models under test are sync and reach them through the client bridge's own thread.
+``tests/conftest.py`` makes them the session fixtures ``served``, ``served_llama`` and
+``served_bloom``, importing this module only when a test asks for one.
 """
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Iterator
-from contextlib import AsyncExitStack
+from contextlib import AsyncExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +24,7 @@ from transformers import BloomForCausalLM, LlamaForCausalLM
 
 from petals_core.server import ServerConfig, open_server
 
-from ..models.conftest import (
+from .models.conftest import (
     SHARD_SIZE,
     TinyCheckpoint,
     _save,
@@ -117,8 +120,9 @@ class InProcessSwarm:
             await self._stop.wait()
 
 
-@pytest.fixture(scope="session")
-def client_swarm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[InProcessSwarm]:
+@contextmanager
+def open_client_swarm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[InProcessSwarm]:
+    """A swarm of each family (``served["llama"]``, ``served["bloom"]``) until the block ends."""
     torch.manual_seed(20)
     llama = LlamaForCausalLM(tiny_llama_config(pad_token_id=0))
     torch.manual_seed(21)
@@ -129,19 +133,3 @@ def client_swarm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[InProcess
     }
     with InProcessSwarm(checkpoints, tmp_path_factory.mktemp("client-cache")) as swarm:
         yield swarm
-
-
-@pytest.fixture(scope="session")
-def served_llama(client_swarm: InProcessSwarm) -> ServedModel:
-    return client_swarm.served["llama"]
-
-
-@pytest.fixture(scope="session")
-def served_bloom(client_swarm: InProcessSwarm) -> ServedModel:
-    return client_swarm.served["bloom"]
-
-
-@pytest.fixture(scope="session", params=["llama", "bloom"])
-def served(request: pytest.FixtureRequest, client_swarm: InProcessSwarm) -> ServedModel:
-    """Each family in turn."""
-    return client_swarm.served[request.param]

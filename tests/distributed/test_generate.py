@@ -9,9 +9,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from petals_core.models.distributed import AutoDistributedModelForCausalLM, RemoteInferenceSession
+from petals_core.distributed import AutoDistributedModelForCausalLM, RemoteInferenceSession
 
-from .conftest import ServedModel
+from .._served_swarm import ServedModel
 
 TOLERANCE = 1e-4
 

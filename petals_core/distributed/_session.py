@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:
-    from ...client import SyncInferenceSession
-    from ...routing import RouteSpan
+    from ..client import SyncInferenceSession
+    from ..routing import RouteSpan
     from ._base import DistributedModelMixin
 
 __all__ = ["RemoteInferenceSession"]
