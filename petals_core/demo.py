@@ -30,7 +30,7 @@ import statistics
 import sys
 import threading
 import time
-from collections.abc import Awaitable, Callable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final, TextIO, TypeVar
@@ -39,6 +39,7 @@ import attrs
 import trio
 
 from ._errors import ConfigError, PetalsError
+from ._groups import raising_single_error, single_error
 
 if TYPE_CHECKING:
     from .testing import LocalSwarm, SwarmProcess
@@ -366,7 +367,7 @@ async def _start_servers(
             model.server_model, fixed_server_args(spans[index], dht_prefix=model.dht_prefix)
         )
 
-    with _unwrapped():
+    with raising_single_error():
         async with trio.open_nursery() as nursery:
             for index in range(len(spans)):
                 nursery.start_soon(start, index)
@@ -470,7 +471,10 @@ async def _stop_on_signals(fn: Callable[[_Stopper], Awaitable[T]], out: TextIO) 
         return await fn(stopper)
     received: list[str] = []
     result: list[T] = []
-    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals, _unwrapped():
+    with (
+        trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals,
+        raising_single_error(),
+    ):
         async with trio.open_nursery() as nursery:
 
             async def watch() -> None:
@@ -498,29 +502,6 @@ async def _stop_on_signals(fn: Callable[[_Stopper], Awaitable[T]], out: TextIO) 
 
 
 # -- the whole run ------------------------------------------------------------------------------
-
-
-def single_error(error: BaseException) -> BaseException:
-    """The one error inside (nested) exception groups of one error each, else ``error``."""
-    while isinstance(error, BaseExceptionGroup) and len(error.exceptions) == 1:
-        error = error.exceptions[0]
-    return error
-
-
-@contextlib.contextmanager
-def _unwrapped() -> Iterator[None]:
-    """Raise the one error of a nursery's exception group itself."""
-    try:
-        yield
-    except BaseExceptionGroup as group:
-        error = single_error(group)
-        if error is group:
-            raise
-        context = error.__context__  # raising it here would set the group as its context
-        try:
-            raise error from None
-        finally:
-            error.__context__ = context
 
 
 def _child_pids() -> set[int]:

@@ -24,6 +24,7 @@ def _imported_after(module: str, watched: tuple[str, ...]) -> list[str]:
     "module",
     [
         "petals_core",
+        "petals_core._groups",
         "petals_core.transport",
         "petals_core.testing",
         "petals_core.dht",

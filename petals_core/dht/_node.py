@@ -40,6 +40,7 @@ import attrs
 import trio
 
 from .._errors import CodecError, ConfigError, PeerUnreachable, TransportError
+from .._groups import open_block_nursery
 from ..transport import (
     Handlers,
     Identity,
@@ -52,7 +53,6 @@ from ..transport import (
     open_node,
     serve_rpc,
 )
-from ..transport._node import _only_cancellation
 from ._gossip import Action, Gossip, PeerTableSnapshot, build_snapshot
 from ._lookup import Lookup, LookupResult
 from ._records import (
@@ -812,44 +812,35 @@ async def open_dht_node(
             )
         # The block's own exception (or the bootstrap's) is raised as it is, not wrapped in the
         # nursery's group.
-        raised: BaseException | None = None
-        try:
-            async with trio.open_nursery() as nursery:
-                try:
-                    dht = DHTNode(
-                        node,
-                        nursery,
-                        client_mode=client_mode,
-                        k=k,
-                        alpha=alpha,
-                        replicas=replicas,
-                        request_timeout_s=request_timeout_s,
-                        clock=clock,
-                        rng=rng if rng is not None else random.Random(),
-                        refresh_interval_s=refresh_interval_s,
-                        expire_interval_s=expire_interval_s,
-                        republish_interval_s=republish_interval_s,
-                    )
-                    served = dht._handlers()
-                    if handlers is not None:
-                        served.include(handlers)
-                    if not client_mode or handlers is not None:
-                        await nursery.start(serve_rpc, node, served)
-                    if initial_peers:
-                        await dht._bootstrap(initial_peers)
-                    if expire_interval_s is not None:
-                        nursery.start_soon(dht._expire_forever, expire_interval_s)
-                    if refresh_interval_s is not None:
-                        nursery.start_soon(dht._refresh_forever, refresh_interval_s)
-                    if republish_interval_s is not None and not client_mode:
-                        nursery.start_soon(dht._republish_forever, republish_interval_s)
-                    yield dht
-                except BaseException as exc:
-                    raised = exc
-                finally:
-                    nursery.cancel_scope.cancel()
-        except BaseException as exc:
-            if raised is None or not _only_cancellation(exc):
-                raise
-        if raised is not None:
-            raise raised
+        async with open_block_nursery() as nursery:
+            try:
+                dht = DHTNode(
+                    node,
+                    nursery,
+                    client_mode=client_mode,
+                    k=k,
+                    alpha=alpha,
+                    replicas=replicas,
+                    request_timeout_s=request_timeout_s,
+                    clock=clock,
+                    rng=rng if rng is not None else random.Random(),
+                    refresh_interval_s=refresh_interval_s,
+                    expire_interval_s=expire_interval_s,
+                    republish_interval_s=republish_interval_s,
+                )
+                served = dht._handlers()
+                if handlers is not None:
+                    served.include(handlers)
+                if not client_mode or handlers is not None:
+                    await nursery.start(serve_rpc, node, served)
+                if initial_peers:
+                    await dht._bootstrap(initial_peers)
+                if expire_interval_s is not None:
+                    nursery.start_soon(dht._expire_forever, expire_interval_s)
+                if refresh_interval_s is not None:
+                    nursery.start_soon(dht._refresh_forever, refresh_interval_s)
+                if republish_interval_s is not None and not client_mode:
+                    nursery.start_soon(dht._republish_forever, republish_interval_s)
+                yield dht
+            finally:
+                nursery.cancel_scope.cancel()

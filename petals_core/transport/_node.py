@@ -26,6 +26,7 @@ from .._errors import (
     StreamReset,
     TransportError,
 )
+from .._groups import open_block_nursery
 from ._config import TransportConfig
 from ._endpoint import (
     APP_CANCELLED,
@@ -671,12 +672,6 @@ class Node:
         return stream
 
 
-def _only_cancellation(exc: BaseException) -> bool:
-    if isinstance(exc, BaseExceptionGroup):
-        return exc.split(trio.Cancelled)[1] is None
-    return isinstance(exc, trio.Cancelled)
-
-
 def _bind(host: str, port: int, config: TransportConfig) -> DatagramSocket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_DGRAM)
@@ -712,26 +707,15 @@ async def open_node(
     config = config if config is not None else TransportConfig()
     udp = _bind(host, port, config)
     node = Node(identity, config, udp)
-    # The block's own exception is raised as it is, not wrapped in the nursery's group.
-    raised: BaseException | None = None
     try:
-        async with trio.open_nursery() as nursery:
+        async with open_block_nursery() as nursery:
             nursery.start_soon(node._pump)
             nursery.start_soon(node._sender)
             try:
                 yield node
-            except BaseException as exc:
-                raised = exc
             finally:
                 nursery.cancel_scope.cancel()
                 with trio.CancelScope(shield=True):
                     await node.aclose()
-    except BaseException as exc:
-        # Leaving the nursery inside a cancelled scope raises Cancelled (in a group); the
-        # block's own error, if it had one, is what the caller must see.
-        if raised is None or not _only_cancellation(exc):
-            raise
     finally:
         udp.close()
-    if raised is not None:
-        raise raised
