@@ -48,7 +48,7 @@ from typing import Any, Final, NamedTuple
 import attrs
 
 from .._errors import CodecError, ConfigError, LocalProtocolError
-from ..transport._codec import CodecLimits, decode_message_untrusted, encode_message
+from ..transport import CodecLimits, decode_message_untrusted, encode_message
 from ..transport._identity import Identity, PeerID, verify_signature
 from ..transport._multiaddr import Multiaddr
 

@@ -39,14 +39,16 @@ from .._errors import (
     TransportError as TransportError,
 )
 from ._codec import (
-    CodecLimits as CodecLimits,
-    Compressed as Compressed,
     FrameDecoder as FrameDecoder,
-    RawTensor as RawTensor,
-    compress as compress,
     decode_message_untrusted as decode_message_untrusted,
     encode_frame as encode_frame,
     encode_message as encode_message,
+)
+from ._codec_format import CodecLimits as CodecLimits
+from ._codec_tensors import (
+    Compressed as Compressed,
+    RawTensor as RawTensor,
+    compress as compress,
 )
 from ._config import ALPN as ALPN, TransportConfig as TransportConfig
 from ._identity import (

@@ -5,7 +5,7 @@ from __future__ import annotations
 import attrs
 from attrs import validators as v
 
-from ._codec import CodecLimits
+from ._codec_format import CodecLimits
 
 __all__ = ["ALPN", "TransportConfig"]
 

@@ -27,7 +27,8 @@ from .._errors import (
     RemoteProtocolError,
     TransportError,
 )
-from ._codec import CodecLimits, FrameDecoder, decode_message_untrusted, encode_frame
+from ._codec import FrameDecoder, decode_message_untrusted, encode_frame
+from ._codec_format import CodecLimits
 from ._endpoint import APP_CANCELLED, APP_PROTOCOL
 from ._identity import PeerID
 from ._node import Connection, Node, Stream

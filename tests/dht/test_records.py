@@ -28,7 +28,7 @@ from petals_core.dht._records import (
     merge,
     merge_records,
 )
-from petals_core.transport._codec import decode_message_untrusted, encode_message
+from petals_core.transport import decode_message_untrusted, encode_message
 from petals_core.transport._identity import Identity
 
 NOW = 1_700_000_000.0
