@@ -51,6 +51,7 @@ from ._codec_tensors import (
     compress as compress,
 )
 from ._config import ALPN as ALPN, TransportConfig as TransportConfig
+from ._connection import Connection as Connection, Stream as Stream
 from ._identity import (
     Identity as Identity,
     PeerID as PeerID,
@@ -58,13 +59,7 @@ from ._identity import (
     verify_signature as verify_signature,
 )
 from ._multiaddr import Multiaddr as Multiaddr, dialable_multiaddrs as dialable_multiaddrs
-from ._node import (
-    Connection as Connection,
-    Node as Node,
-    NodeStatistics as NodeStatistics,
-    Stream as Stream,
-    open_node as open_node,
-)
+from ._node import Node as Node, NodeStatistics as NodeStatistics, open_node as open_node
 from ._rpc import (
     Call as Call,
     Handlers as Handlers,

@@ -29,9 +29,10 @@ from .._errors import (
 )
 from ._codec import FrameDecoder, decode_message_untrusted, encode_frame
 from ._codec_format import CodecLimits
+from ._connection import Connection, Stream
 from ._endpoint import APP_CANCELLED, APP_PROTOCOL
 from ._identity import PeerID
-from ._node import Connection, Node, Stream
+from ._node import Node
 
 __all__ = ["Call", "Handlers", "ServerCall", "call_unary", "open_call", "serve_rpc"]
 
