@@ -58,10 +58,9 @@ from ._messages import (
     decode_contacts_untrusted,
     decode_records_untrusted,
 )
+from ._record_store import RecordStore, RecordStoreStatistics
 from ._records import (
     Record,
-    RecordStore,
-    RecordStoreStatistics,
     ServerInfo,
     StoredValue,
     encode_record,

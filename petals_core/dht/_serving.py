@@ -18,7 +18,8 @@ from ._messages import (
     key_untrusted,
     target_untrusted,
 )
-from ._records import RecordStore, encode_record
+from ._record_store import RecordStore
+from ._records import encode_record
 from ._routing import Contact, NodeID, RoutingTable
 from ._topic import Topic, reply_for
 

@@ -41,7 +41,8 @@ from ._gossip import (
     Want,
     build_snapshot,
 )
-from ._records import Record, RecordStore, decode_record_untrusted, encode_record
+from ._record_store import RecordStore
+from ._records import Record, decode_record_untrusted, encode_record
 
 if TYPE_CHECKING:
     from ._node import DHTNode

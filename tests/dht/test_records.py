@@ -15,10 +15,10 @@ from hypothesis import given, settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from petals_core._errors import CodecError, ConfigError, LocalProtocolError
+from petals_core.dht import RecordStore
 from petals_core.dht._records import (
     Entry,
     Record,
-    RecordStore,
     ServerInfo,
     ServerState,
     StoredValue,
@@ -637,7 +637,7 @@ def test_server_info_from_peer_bytes_raises_only_codec_error(data: bytes, draw: 
 
 
 def test_records_import_no_torch() -> None:
-    code = "import sys, petals_core.dht._records\nprint('torch' in sys.modules)"
+    code = "import sys, petals_core.dht._record_store\nprint('torch' in sys.modules)"
     result = subprocess.run(
         [sys.executable, "-c", code], check=True, timeout=120, capture_output=True, text=True
     )
