@@ -30,14 +30,13 @@ from typing import Any
 import attrs
 import torch
 import torch.nn.functional as F
-from huggingface_hub import HfApi, hf_hub_download, is_offline_mode
 from huggingface_hub.errors import LocalEntryNotFoundError, RemoteEntryNotFoundError
 from safetensors import safe_open
 from torch import nn
 from transformers import PreTrainedConfig
 
 from .._errors import AdapterError, CheckpointError
-from ._loading import _hub_errors, _unreadable
+from ._hub import HubRepo, unreadable
 
 __all__ = [
     "AdapterError",
@@ -394,7 +393,7 @@ def load_lora_adapter(
 def _as_adapter_error() -> Iterator[None]:
     try:
         yield
-    except CheckpointError as error:  # from _loading's helpers: Hub, cache and file failures
+    except CheckpointError as error:  # from _hub: Hub, cache and file failures
         raise AdapterError(str(error)) from error
     except OSError as error:
         raise AdapterError(f"cannot read the adapter: {error}") from error
@@ -419,27 +418,15 @@ def _fetch(
         return source, folder / CONFIG_FILE, folder / WEIGHTS_FILE
 
     repo_id = os.fspath(name_or_path)
-    source = f"adapter repo {repo_id!r} at revision {revision or 'main'!r}"
-    cache = None if cache_dir is None else Path(cache_dir)
-    offline = local_files_only or is_offline_mode()
-    with _hub_errors(source):
-        # Pins both files to one commit, and lets cached files skip the Hub.
-        resolved = HfApi().resolve_revision(
-            repo_id, revision=revision, cache_dir=cache, local_files_only=offline, token=token
-        )
-
-    def fetch(filename: str) -> Path:
-        with _hub_errors(f"{source}, file {filename!r}"):
-            path = hf_hub_download(
-                repo_id,
-                filename,
-                revision=resolved,
-                cache_dir=cache,
-                token=token,
-                local_files_only=offline,
-            )
-        return Path(str(path))
-
+    repo = HubRepo.resolve(
+        repo_id,
+        source=f"adapter repo {repo_id!r} at revision {revision or 'main'!r}",
+        revision=revision,
+        token=token,
+        cache_dir=cache_dir,
+        local_files_only=local_files_only,
+    )
+    source, fetch = repo.source, repo.fetch
     config_path = _fetch_or(
         fetch, CONFIG_FILE, f"{source} has no {CONFIG_FILE}: not a PEFT adapter"
     )
@@ -447,8 +434,7 @@ def _fetch(
         weights_path = fetch(WEIGHTS_FILE)
     except CheckpointError as error:
         if isinstance(error.__cause__, RemoteEntryNotFoundError):
-            pickled = [] if offline else _pickled_in_repo(repo_id, resolved.resolved, token, source)
-            raise _no_safetensors(source, pickled) from None
+            raise _no_safetensors(source, repo.present(_PICKLED_FILES)) from None
         raise
     return source, config_path, weights_path
 
@@ -462,18 +448,6 @@ def _fetch_or(fetch: Callable[[str], Path], filename: str, missing: str) -> Path
         if isinstance(error.__cause__, LocalEntryNotFoundError):
             raise AdapterError(str(error)) from error
         raise
-
-
-def _pickled_in_repo(
-    repo_id: str, revision: str, token: str | bool | None, source: str
-) -> list[str]:
-    api = HfApi()
-    with _hub_errors(source):
-        return [
-            name
-            for name in _PICKLED_FILES
-            if api.file_exists(repo_id, name, revision=revision, token=token)
-        ]
 
 
 def _no_safetensors(source: str, pickled: list[str]) -> AdapterError:
@@ -638,7 +612,7 @@ def _read_weights(
     lora_re = re.compile(r"(?P<module>.+)\.lora_(?P<which>[AB])(?:\.[^.]+)?\.weight")
     wanted = set(indices)
     where = f"{source}, file {WEIGHTS_FILE!r}"
-    with _unreadable(where), safe_open(path, framework="pt") as file:
+    with unreadable(where), safe_open(path, framework="pt") as file:
         names: dict[tuple[int, str, str], str] = {}  # (block, module, "A"|"B") -> stored name
         stored_names = file.keys()
         for stored in stored_names:
