@@ -162,14 +162,7 @@ class Call:
         return _unwrap(envelope, self.method)
 
     def __aiter__(self) -> AsyncIterator[Message]:
-        return self._iterate()
-
-    async def _iterate(self) -> AsyncIterator[Message]:
-        while True:
-            try:
-                yield await self.receive()
-            except CallEnded:
-                return
+        return _until_ended(self.receive)
 
 
 @asynccontextmanager
@@ -252,14 +245,16 @@ class ServerCall:
         return message
 
     def __aiter__(self) -> AsyncIterator[Message]:
-        return self._iterate()
+        return _until_ended(self.receive)
 
-    async def _iterate(self) -> AsyncIterator[Message]:
-        while True:
-            try:
-                yield await self.receive()
-            except CallEnded:
-                return
+
+async def _until_ended(receive: Callable[[], Awaitable[Message]]) -> AsyncIterator[Message]:
+    """The messages ``receive`` returns until it raises :class:`CallEnded`."""
+    while True:
+        try:
+            yield await receive()
+        except CallEnded:
+            return
 
 
 class Handlers:
