@@ -1,7 +1,7 @@
 """The DHT node: a trio driver that runs the sans-IO cores over the transport's RPC.
 
-It serves ``dht.ping``, ``dht.find_node``, ``dht.find_value`` and ``dht.store``, and offers
-``store`` / ``get`` built on iterative :class:`Lookup` s.  Everything it starts lives in the
+It serves the ``dht.*`` RPCs (:class:`DHTService`), and offers ``store`` / ``get`` built on
+iterative :class:`Lookup` s.  Everything it starts lives in the
 nursery of :func:`open_dht_node`: nothing outlives that block.
 
 On top of those, servers ``announce`` a :class:`ServerInfo` under ``f"{prefix}.{block}"`` for each
@@ -53,19 +53,9 @@ from ..transport import (
 )
 from ._gossip import Gossip, PeerTableSnapshot, build_snapshot
 from ._lookup import Lookup, LookupResult
-from ._messages import (
-    MAX_RECORDS_PER_REQUEST,
-    decode_contacts_untrusted,
-    decode_records_untrusted,
-)
+from ._messages import MAX_RECORDS_PER_REQUEST, decode_contacts_untrusted, decode_records_untrusted
 from ._record_store import RecordStore, RecordStoreStatistics
-from ._records import (
-    Record,
-    ServerInfo,
-    StoredValue,
-    encode_record,
-    merge,
-)
+from ._records import Record, ServerInfo, StoredValue, encode_record, merge
 from ._routing import Contact, NodeID, PingOldest, RoutingTable, RoutingTableStatistics
 from ._serving import DHTService
 from ._topic import Topic
