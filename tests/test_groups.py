@@ -29,25 +29,25 @@ async def _fail(error: BaseException) -> None:
     raise error
 
 
+async def _tasks_raising(*errors: BaseException) -> None:
+    async with trio.open_nursery() as nursery:
+        for error in errors:
+            nursery.start_soon(_fail, error)
+
+
 async def test_raising_single_error_raises_the_task_error_with_its_own_context() -> None:
     cause = OSError("disk")
-    try:
-        raise cause
-    except OSError:
-        error = RuntimeError("task")  # created while handling: its context is set below
+    error = RuntimeError("task")
     error.__context__ = cause
     with pytest.raises(RuntimeError) as info, raising_single_error():
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(_fail, error)
+        await _tasks_raising(error)
     assert info.value is error
     assert error.__context__ is cause
 
 
 async def test_raising_single_error_leaves_a_group_of_several_errors() -> None:
     with pytest.raises(ExceptionGroup) as info, raising_single_error():
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(_fail, KeyError("a"))
-            nursery.start_soon(_fail, KeyError("b"))
+        await _tasks_raising(KeyError("a"), KeyError("b"))
     assert sorted(str(e) for e in info.value.exceptions) == ["'a'", "'b'"]
 
 
@@ -95,8 +95,11 @@ async def test_open_block_nursery_raises_the_block_cancellation_from_outside() -
 
 
 async def test_open_block_nursery_raises_a_task_error_in_its_group() -> None:
-    with pytest.raises(ExceptionGroup) as info:
+    async def block_waiting_for_a_failing_task() -> None:
         async with open_block_nursery() as nursery:
             nursery.start_soon(_fail, KeyError("task"))
             await trio.sleep_forever()
+
+    with pytest.raises(ExceptionGroup) as info:
+        await block_waiting_for_a_failing_task()
     assert [type(e) for e in info.value.exceptions] == [KeyError]
