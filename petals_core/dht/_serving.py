@@ -9,6 +9,8 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import attrs
+
 from .._errors import CodecError
 from ..transport import Handlers, PeerID, ServerCall
 from ._messages import (
@@ -26,30 +28,20 @@ from ._topic import Topic, reply_for
 __all__ = ["DHTService"]
 
 
+@attrs.define(kw_only=True, eq=False)
 class DHTService:
     """Answers ``dht.ping``, ``dht.find_node``, ``dht.find_value``, ``dht.store`` and
     ``dht.gossip``; the node it belongs to acts on what callers reveal (``observe``)."""
 
-    def __init__(
-        self,
-        *,
-        peer_id: PeerID,
-        table: RoutingTable,
-        records: RecordStore,
-        topics: Mapping[str, Topic],
-        k: int,
-        clock: Callable[[], float],
-        observe: Callable[[Contact, float], None],
-    ) -> None:
-        self._peer_id = peer_id
-        self._table = table
-        self._records = records
-        self._topics = topics
-        self._k = k
-        self._clock = clock
-        self._observe = observe
-        #: Requests answered or refused so far.
-        self.served = 0
+    _peer_id: PeerID
+    _table: RoutingTable
+    _records: RecordStore
+    _topics: Mapping[str, Topic]
+    _k: int
+    _clock: Callable[[], float]
+    _observe: Callable[[Contact, float], None]
+    #: Requests answered or refused so far.
+    served: int = attrs.field(default=0, init=False)
 
     def handlers(self) -> Handlers:
         handlers = Handlers()
