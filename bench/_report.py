@@ -113,6 +113,20 @@ def summarize(
     return row
 
 
+def summarize_ratio(
+    benchmark: str, what: str, ours: float, baseline: float, *, at_most: float
+) -> SummaryRow:
+    """Record a headline number whose target is at most ``at_most`` times its baseline."""
+    return summarize(
+        benchmark,
+        what,
+        ours,
+        baseline,
+        target=f"<= {at_most}x",
+        met=ours <= at_most * baseline,
+    )
+
+
 def summary_rows() -> list[SummaryRow]:
     """The rows recorded so far, in the order the benchmarks recorded them."""
     return list(_SUMMARY)

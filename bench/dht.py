@@ -44,9 +44,9 @@ from typing import Any
 
 import attrs
 
+from petals_core.dht import Record, RecordStore
 from petals_core.dht._gossip import Digest, Gossip, Push, Want
 from petals_core.dht._lookup import Lookup, LookupResult, Query
-from petals_core.dht._records import Record, RecordStore
 from petals_core.dht._routing import NODE_ID_BITS, Contact, NodeID, PingOldest, RoutingTable
 from petals_core.transport import PeerID
 from petals_core.transport._identity import Identity

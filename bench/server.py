@@ -167,8 +167,8 @@ async def _session(
         run.finished_at.append(time.perf_counter())
 
 
-async def _run_sessions(
-    connection: Connection,
+async def _clients(
+    address: str,
     sessions: int,
     blocks: tuple[int, int],
     hidden_size: int,
@@ -183,9 +183,11 @@ async def _run_sessions(
     run = _Run(
         sessions=sessions, warm=_Barrier(sessions), calibrated=_Barrier(sessions, choose_steps)
     )
-    async with trio.open_nursery() as nursery:
-        for index in range(sessions):
-            nursery.start_soon(_session, connection, run, index, blocks, hidden_size, dtype)
+    async with open_node() as node:
+        connection = await node.connect(address)
+        async with trio.open_nursery() as nursery:
+            for index in range(sessions):
+                nursery.start_soon(_session, connection, run, index, blocks, hidden_size, dtype)
     elapsed_s = max(run.finished_at) - run.calibrated.released_at
     return SessionsResult(
         sessions=sessions,
@@ -195,19 +197,6 @@ async def _run_sessions(
         median_step_ms=median(run.step_ms),
         p90_step_ms=percentile(run.step_ms, 0.9),
     )
-
-
-async def _clients(
-    address: str,
-    sessions: int,
-    blocks: tuple[int, int],
-    hidden_size: int,
-    dtype: torch.dtype,
-    target_s: float,
-) -> SessionsResult:
-    async with open_node() as node:
-        connection = await node.connect(address)
-        return await _run_sessions(connection, sessions, blocks, hidden_size, dtype, target_s)
 
 
 def _clients_main(argv: list[str]) -> None:

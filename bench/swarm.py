@@ -26,16 +26,15 @@ import trio
 
 from petals_core.testing import LocalSwarm
 
-from ._report import print_table, summarize, write_json
-from .inference import (
+from ._decode import (
     DecodeResults,
     breakdown_rows,
     load_note,
     measure_decode,
     quiet_transformers,
-    ratio_row,
     server_args,
 )
+from ._report import print_table, summarize_ratio, write_json
 
 SPANS = ((0, 10), (10, 20), (20, 30))
 PREFILL = 128
@@ -115,45 +114,21 @@ def main() -> None:
         "swarm: SmolLM2-135M (30 blocks, hidden 576, fp32) on 3 servers x 10 blocks (processes, "
         "loopback, 1 torch thread each) against transformers in this process",
         ["model", "what", "swarm ms", "local ms", "swarm/local", "target", "met"],
-        [
-            ratio_row(
-                "smollm2",
-                "decode ms/token (median)",
-                d.decode_swarm.median_ms,
-                d.decode_local.median_ms,
-                TARGET,
-            ),
-            ratio_row(
-                "smollm2",
-                "decode ms/token (p90)",
-                d.decode_swarm.p90_ms,
-                d.decode_local.p90_ms,
-                None,
-            ),
-            ratio_row(
-                "smollm2",
-                f"prefill {PREFILL} tokens ms",
-                d.prefill_swarm.median_ms,
-                d.prefill_local.median_ms,
-                TARGET,
-            ),
-        ],
+        d.ratio_rows("smollm2", decode_target=TARGET, prefill_target=TARGET),
     )
-    summarize(
+    summarize_ratio(
         "swarm",
         "SmolLM2-135M decode ms/token (median), 3 servers vs local",
         d.decode_swarm.median_ms,
         d.decode_local.median_ms,
-        target=f"<= {TARGET}x",
-        met=d.decode_swarm.median_ms <= TARGET * d.decode_local.median_ms,
+        at_most=TARGET,
     )
-    summarize(
+    summarize_ratio(
         "swarm",
         f"SmolLM2-135M prefill {PREFILL} tokens, 3 servers vs local",
         d.prefill_swarm.median_ms,
         d.prefill_local.median_ms,
-        target=f"<= {TARGET}x",
-        met=d.prefill_swarm.median_ms <= TARGET * d.prefill_local.median_ms,
+        at_most=TARGET,
     )
     print(f"machine: before {load_before}; after {load_after}")
     print(f"total {time.perf_counter() - started:.0f} s")
@@ -165,19 +140,6 @@ def main() -> None:
             "prefill": PREFILL,
             "target": TARGET,
             "load": {"before": load_before, "after": load_after},
-            "decode_swarm": d.decode_swarm.summary(),
-            "decode_local": d.decode_local.summary(),
-            "prefill_swarm": d.prefill_swarm.summary(),
-            "prefill_local": d.prefill_local.summary(),
-            "session_step": d.session_step.summary(),
-            "compute_per_span": [t.summary() for t in d.compute],
-            "raw_step_per_span": [t.summary() for t in d.raw_step],
-            "empty_step_per_span": [t.summary() for t in d.empty_step],
-            "idle_step_per_span": [t.summary() for t in d.idle_step],
-            "idle_compute_per_span": [t.summary() for t in d.idle_compute],
-            "pipes": d.pipes.summary(),
-            "idle_gap_ms": d.idle_gap_s * 1e3,
-            "cpu_swarm": None if d.cpu_swarm is None else d.cpu_swarm.summary(),
-            "cpu_local": None if d.cpu_local is None else d.cpu_local.summary(),
+            **d.summary(),
         },
     )

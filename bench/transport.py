@@ -27,29 +27,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
-import sys
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 import attrs
 import trio
 
-from petals_core.transport import (
-    Connection,
-    Handlers,
-    Multiaddr,
-    Node,
-    ServerCall,
-    Stream,
-    TransportConfig,
-    TransportError,
-    call_unary,
-    open_node,
-    serve_rpc,
-)
+from petals_core.transport import Connection, Multiaddr, Node, call_unary, open_node
 
-from ._report import median, percentile, print_table, summarize, write_json
+from ._report import median, percentile, write_json
 from ._transport_probes import (
     TALLY,
     IoWaits,
@@ -57,13 +43,16 @@ from ._transport_probes import (
     difference,
     process_tally,
     quic_cpu,
-    serve_udp,
     sleep_overshoot,
     syscall_costs,
     timer_overshoot,
     udp_drops,
     udp_ping_pong,
 )
+from ._transport_report import report
+from ._transport_servers import Server, node_config
+
+__all__ = ["measure", "report"]
 
 MESSAGE = 64
 # How long the plain UDP server computes before answering, in the second UDP row: about what a
@@ -71,7 +60,6 @@ MESSAGE = 64
 SERVER_WORK_US = 250
 PARALLEL = 8
 CHUNK = 1 << 20
-_READY = "ready "
 
 
 @attrs.frozen(kw_only=True)
@@ -85,108 +73,8 @@ class Sizes:
 
 
 FULL = Sizes(rtt_rounds=2000, handshakes=30, bulk_bytes=64 << 20, parallel_bytes=4 << 20)
+
 QUICK = Sizes(rtt_rounds=500, handshakes=10, bulk_bytes=16 << 20, parallel_bytes=1 << 20)
-
-
-# -- servers (child processes) ----------------------------------------------------------------
-
-
-async def _drain_and_count(receive: Callable[[], Awaitable[bytes]]) -> int:
-    total = 0
-    while data := await receive():
-        total += len(data)
-    return total
-
-
-def _quic_tally(nodes: dict[str, Node], io_waits: IoWaits) -> dict[str, Any]:
-    return process_tally(io_waits) | {
-        name: attrs.asdict(node.statistics()) for name, node in nodes.items()
-    }
-
-
-async def _quic_stream(stream: Stream, tally: Callable[[], dict[str, Any]]) -> None:
-    """The first byte says what the stream is for: b"e" echo until EOF, b"s" count and reply,
-    b"t" reply with this process's tally (JSON)."""
-    async with stream:
-        kind = await stream.receive_some(1)
-        if kind == b"e":
-            while data := await stream.receive_some():
-                await stream.send_all(data)
-        elif kind == b"s":
-            total = await _drain_and_count(stream.receive_some)
-            await stream.send_all(total.to_bytes(8, "big"))
-        elif kind == TALLY:
-            await stream.send_all(json.dumps(tally()).encode())
-        await stream.send_eof()
-
-
-async def _quic_stream_guarded(stream: Stream, tally: Callable[[], dict[str, Any]]) -> None:
-    try:
-        await _quic_stream(stream, tally)
-    except TransportError:
-        pass  # the client may let go of a stream before reading our end of it
-
-
-def _config(datagram: int, *, offload: bool) -> TransportConfig:
-    return TransportConfig(
-        loopback_datagram_bytes=datagram, max_datagram_bytes=datagram, udp_offload=offload
-    )
-
-
-async def _serve_quic(datagram: int, offload: bool) -> None:
-    io_waits = IoWaits()
-    trio.lowlevel.add_instrument(io_waits)
-    config = _config(datagram, offload=offload)
-    handlers = Handlers()
-
-    @handlers.unary("ping")
-    async def ping(request: dict[str, Any], call: ServerCall) -> dict[str, Any]:
-        return request
-
-    # One node answers raw streams (byte-level rows), another RPC calls (the unary row).
-    async with (
-        open_node(config=config) as raw,
-        open_node(config=config) as rpc,
-        trio.open_nursery() as nursery,
-    ):
-
-        def tally() -> dict[str, Any]:
-            return _quic_tally({"raw": raw, "rpc": rpc}, io_waits)
-
-        raw.set_stream_handler(
-            lambda stream: nursery.start_soon(_quic_stream_guarded, stream, tally)
-        )
-        await nursery.start(serve_rpc, rpc, handlers)
-        print(_READY + f"{raw.listen_multiaddr} {rpc.listen_multiaddr}", flush=True)
-        await trio.sleep_forever()
-
-
-async def _serve_tcp() -> None:
-    io_waits = IoWaits()
-    trio.lowlevel.add_instrument(io_waits)
-
-    async def handle(stream: trio.SocketStream) -> None:
-        stream.setsockopt(6, 1, 1)  # TCP_NODELAY
-        kind = await stream.receive_some(1)
-        if kind == b"e":
-            while data := await stream.receive_some():
-                await stream.send_all(data)
-        elif kind == b"s":
-            total = await _drain_and_count(stream.receive_some)
-            await stream.send_all(total.to_bytes(8, "big"))
-        elif kind == TALLY:
-            await stream.send_all(json.dumps(process_tally(io_waits)).encode())
-        await stream.aclose()
-
-    listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
-    port = listeners[0].socket.getsockname()[1]
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(trio.serve_listeners, handle, listeners)
-        print(_READY + f"127.0.0.1:{port}", flush=True)
-        await trio.sleep_forever()
-
-
-# -- clients ----------------------------------------------------------------------------------
 
 
 @attrs.define
@@ -268,7 +156,7 @@ async def _quic_client(
     results = Results()
     raw_address, rpc_address = address.split()
     target = Multiaddr.parse(raw_address)
-    async with open_node(config=_config(datagram, offload=offload)) as node:
+    async with open_node(config=node_config(datagram, offload=offload)) as node:
         if full:
             for _ in range(sizes.handshakes):
                 start = trio.current_time()
@@ -404,36 +292,15 @@ async def _udp_client(address: str, sizes: Sizes) -> dict[str, Any]:
     return plain | {"rtt_with_work_ms": working["rtt_ms"]}
 
 
-class _Server:
-    """A benchmark server in a child process (one Python interpreter, its own core if free)."""
-
-    def __init__(self, *args: str) -> None:
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "bench.transport", "--serve", *args],
-            stdout=subprocess.PIPE,
-            text=True,
-        )
-        assert self.process.stdout is not None
-        line = self.process.stdout.readline()
-        if not line.startswith(_READY):
-            self.close()
-            raise SystemExit(f"benchmark server did not start: {line!r}")
-        self.address = line[len(_READY) :].strip()
-
-    def close(self) -> None:
-        self.process.terminate()
-        self.process.wait(timeout=30)
-
-
 def measure(*, quick: bool = False, offload: bool = True) -> dict[str, Any]:
     """Run every part; the results as one JSON-ready dict (what :func:`report` prints)."""
     sizes = QUICK if quick else FULL
     flag = "offload" if offload else "no-offload"
     servers = {
-        "tcp": _Server("tcp"),
-        "udp": _Server("udp"),
-        "quic16k": _Server("quic", "16384", flag),
-        "quic1452": _Server("quic", "1452", flag),
+        "tcp": Server("tcp"),
+        "udp": Server("udp"),
+        "quic16k": Server("quic", "16384", flag),
+        "quic1452": Server("quic", "1452", flag),
     }
     try:
         host = {
@@ -492,33 +359,21 @@ def _ratio(a: float, b: float) -> float:
     return a / b if b else float("nan")
 
 
+def _median_and_p90(
+    what: str, quic_ms: list[float], tcp_ms: list[float]
+) -> list[tuple[str, float, float, str]]:
+    """Rows of round-trip samples against TCP's, whose target is at most 2.5x TCP."""
+    return [
+        (f"{what} ms (median)", median(quic_ms), median(tcp_ms), "<= 2.5x TCP"),
+        (f"{what} ms (p90)", percentile(quic_ms, 0.9), percentile(tcp_ms, 0.9), "<= 2.5x TCP"),
+    ]
+
+
 def _rows(quic: Results, quic1452: Results, tcp: Results) -> dict[str, dict[str, Any]]:
     rows = [
         ("handshake ms (median)", median(quic.handshake_ms), median(tcp.handshake_ms), None),
-        (
-            "RTT reused stream ms (median)",
-            median(quic.rtt_reused_ms),
-            median(tcp.rtt_reused_ms),
-            "<= 2.5x TCP",
-        ),
-        (
-            "RTT reused stream ms (p90)",
-            percentile(quic.rtt_reused_ms, 0.9),
-            percentile(tcp.rtt_reused_ms, 0.9),
-            "<= 2.5x TCP",
-        ),
-        (
-            "RTT new stream (unary call) ms (median)",
-            median(quic.rtt_new_ms),
-            median(tcp.rtt_reused_ms),
-            "<= 2.5x TCP",
-        ),
-        (
-            "RTT new stream (unary call) ms (p90)",
-            percentile(quic.rtt_new_ms, 0.9),
-            percentile(tcp.rtt_reused_ms, 0.9),
-            "<= 2.5x TCP",
-        ),
+        *_median_and_p90("RTT reused stream", quic.rtt_reused_ms, tcp.rtt_reused_ms),
+        *_median_and_p90("RTT new stream (unary call)", quic.rtt_new_ms, tcp.rtt_reused_ms),
         (
             "bulk, 1452 B datagrams, new connection, MB/s",
             quic1452.bulk_cold_mb_s,
@@ -541,172 +396,20 @@ def _rows(quic: Results, quic1452: Results, tcp: Results) -> dict[str, dict[str,
     }
 
 
-# -- the report ---------------------------------------------------------------------------------
-
-
-def report(results: dict[str, Any]) -> None:
-    """Print the tables and record the headline numbers for the summary."""
-    rows = results["rows"]
-    print_table(
-        "transport: QUIC (petals_core) vs trio TCP, separate processes on loopback",
-        ["metric", "QUIC", "TCP", "QUIC/TCP", "target"],
-        [
-            (name, row["quic"], row["tcp"], f"{row['ratio']:.2f}x", row["target"])
-            for name, row in rows.items()
-        ],
-    )
-    _report_host(results)
-    _report_round_trips(results)
-    _report_bulk(results)
-    rtt = rows["RTT reused stream ms (median)"]
-    summarize(
-        "transport",
-        "RTT reused stream (median), QUIC vs TCP",
-        rtt["quic"],
-        rtt["tcp"],
-        target="<= 2.5x",
-        met=rtt["ratio"] <= 2.5,
-    )
-    for label, target_mb_s in (("1452 B", 60), ("16 KiB", 400)):
-        row = rows[f"bulk, {label} datagrams, MB/s"]
-        summarize(
-            "transport",
-            f"bulk, {label} datagrams, QUIC vs TCP",
-            row["quic"],
-            row["tcp"],
-            unit="MB/s",
-            target=f">= {target_mb_s} MB/s",
-            met=row["quic"] >= target_mb_s,
-        )
-
-
-def _report_host(results: dict[str, Any]) -> None:
-    host = results["host"]
-    print_table(
-        "host: the CPU alone (QUIC: both endpoints in one process, no sockets)",
-        ["what", "value"],
-        list(host["cpu"].items()) + [(f"QUIC {k}", v) for k, v in host["quic_cpu_us"].items()],
-    )
-    print_table(
-        "host: microseconds per call (median of 5 loops)",
-        ["call", "µs"],
-        [(name, "n/a" if us is None else us) for name, us in host["syscall_us"].items()],
-    )
-    print_table(
-        "host: how late trio wakes, µs past the deadline",
-        ["wait", "median", "p90"],
-        [(name, late["median"], late["p90"]) for name, late in host["timer_late_us"].items()],
-    )
-
-
-_ROUND_TRIP_ROWS = [
-    ("CPU µs, user + system", lambda s: (s["user_s"] + s["system_s"]) * 1e6),
-    ("  of which system", lambda s: s["system_s"] * 1e6),
-    ("run-queue wait µs", lambda s: s.get("run_queue_wait_s", float("nan")) * 1e6),
-    ("trio scheduler rounds", lambda s: s["scheduler_rounds"]),
-    ("  of which could block", lambda s: s["blocking_rounds"]),
-    ("context switches", lambda s: s["voluntary_switches"] + s["involuntary_switches"]),
-    ("datagrams sent", lambda s: s["node"]["datagrams_sent"]),
-    ("datagrams received", lambda s: s["node"]["datagrams_received"]),
-    ("send calls", lambda s: s["node"]["send_calls"]),
-    ("receive calls", lambda s: s["node"]["receive_calls"]),
-    ("  that found nothing", lambda s: s["node"]["empty_receives"]),
-    ("pump wake-ups", lambda s: s["node"]["pump_wakeups"]),
-    ("  by a timer", lambda s: s["node"]["timer_wakeups"]),
-]
-
-
-def _report_round_trips(results: dict[str, Any]) -> None:
-    columns = results["per_round_trip"]
-    header = ["per round trip"]
-    for name in columns:
-        header += [f"{name}: client", "server"]
-    table = []
-    for label, read in _ROUND_TRIP_ROWS:
-        row: list[Any] = [label]
-        for sides in columns.values():
-            for side in ("client", "server"):
-                try:
-                    row.append(read(sides[side]))
-                except KeyError:
-                    row.append(None)
-        table.append(row)
-    print_table(
-        "plain UDP through trio, in the pump's style, round trip ms",
-        ["what", "ms"],
-        list(results["udp_rtt_ms"].items()),
-    )
-    print_table("where a round trip goes (each side, per round trip)", header, table)
-
-
-def _report_bulk(results: dict[str, Any]) -> None:
-    header = ["warm bulk, per 1000 datagrams sent"]
-    table: list[list[Any]] = []
-    columns = results["bulk"]
-    for name in columns:
-        header += [f"{name}: sender", "receiver"]
-    per_thousand = [
-        ("CPU ms, user + system", lambda s: (s["user_s"] + s["system_s"]) * 1e3),
-        ("run-queue wait ms", lambda s: s.get("run_queue_wait_s", float("nan")) * 1e3),
-        ("trio scheduler rounds", lambda s: s["scheduler_rounds"]),
-        ("datagrams sent", lambda s: s["node"]["datagrams_sent"]),
-        ("send calls", lambda s: s["node"]["send_calls"]),
-        ("blocked sends", lambda s: s["node"]["blocked_sends"]),
-        ("datagrams received", lambda s: s["node"]["datagrams_received"]),
-        ("receive calls", lambda s: s["node"]["receive_calls"]),
-        ("  that found nothing", lambda s: s["node"]["empty_receives"]),
-        ("pump wake-ups", lambda s: s["node"]["pump_wakeups"]),
-        ("  by a timer", lambda s: s["node"]["timer_wakeups"]),
-    ]
-    for label, read in per_thousand:
-        row: list[Any] = [label]
-        for bulk in columns.values():
-            sent = bulk["client"]["node"]["datagrams_sent"] / 1000
-            row += [read(bulk["client"]) / sent, read(bulk["server"]) / sent]
-        table.append(row)
-    for label, read_bulk in (
-        (
-            "wire bytes per payload byte",
-            lambda b: b["client"]["node"]["bytes_sent"] / b["payload_bytes"],
-        ),
-        ("receiver's socket drops (run)", lambda b: b["server_drops"]),
-        ("segmentation offload", lambda b: b["client"]["node"]["segmentation_offload"]),
-        ("receive offload", lambda b: b["server"]["node"]["receive_offload"]),
-    ):
-        row = [label]
-        for bulk in columns.values():
-            row += [read_bulk(bulk), None]
-        table.append(row)
-    print_table("where a bulk transfer goes", header, table)
-
-
 def main(*, quick: bool = False, offload: bool = True) -> None:
     results = measure(quick=quick, offload=offload)
     report(results)
     write_json("transport", results)
 
 
-def _serve(kind: str, rest: list[str]) -> None:
-    if kind == "tcp":
-        trio.run(_serve_tcp)
-    elif kind == "udp":
-        trio.run(serve_udp, lambda address: print(_READY + address, flush=True))
-    else:
-        trio.run(_serve_quic, int(rest[0]), rest[1] == "offload")
-
-
 def _command_line() -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.transport", description=__doc__)
-    parser.add_argument("--serve", nargs="+", help=argparse.SUPPRESS)
     parser.add_argument("--quick", action="store_true", help="about a quarter of the work")
     parser.add_argument(
         "--no-offload", action="store_true", help="one datagram per system call in QUIC nodes"
     )
     args = parser.parse_args()
-    if args.serve:
-        _serve(args.serve[0], args.serve[1:])
-    else:
-        main(quick=args.quick, offload=not args.no_offload)
+    main(quick=args.quick, offload=not args.no_offload)
 
 
 if __name__ == "__main__":

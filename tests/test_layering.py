@@ -47,6 +47,7 @@ def _imported_after(module: str, watched: tuple[str, ...]) -> list[str]:
     "module",
     [
         "petals_core",
+        "petals_core._groups",
         "petals_core.transport",
         "petals_core.testing",
         "petals_core.dht",
@@ -64,6 +65,7 @@ def test_transport_imports_no_torch(module: str) -> None:
         "petals_core.models.llama",
         "petals_core.models.bloom",
         "petals_core.models._loading",
+        "petals_core.models._lora_loading",
         "petals_core.models._config",
         "petals_core.kernels",
     ],

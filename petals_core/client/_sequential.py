@@ -24,6 +24,7 @@ import torch
 import trio
 
 from .._errors import PetalsError
+from .._groups import raising_single_error
 from ..routing import RemoteSequenceManager, RouteSpan
 from ..server._protocol import BACKWARD, FORWARD, receive_tensors, send_tensors
 from ..transport import open_call
@@ -307,19 +308,10 @@ async def _run_chunks(run: Any, chunks: list[slice]) -> None:
     if len(chunks) == 1:
         await run(0, chunks[0])
         return
-    try:
+    with raising_single_error():
         async with trio.open_nursery() as nursery:
             for i, rows in enumerate(chunks):
                 nursery.start_soon(run, i, rows)
-    except BaseExceptionGroup as group:
-        if len(group.exceptions) != 1:
-            raise
-        error = group.exceptions[0]
-        context = error.__context__  # raising it here would set the group as its context
-        try:
-            raise error
-        finally:
-            error.__context__ = context
 
 
 def _row_chunks(hidden: torch.Tensor, max_chunk_tokens: int) -> list[slice]:

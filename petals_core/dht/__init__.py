@@ -42,11 +42,13 @@ from ._node import (
     DHTStatistics as DHTStatistics,
     open_dht_node as open_dht_node,
 )
+from ._record_store import (
+    RecordStore as RecordStore,
+    RecordStoreStatistics as RecordStoreStatistics,
+)
 from ._records import (
     Entry as Entry,
     Record as Record,
-    RecordStore as RecordStore,
-    RecordStoreStatistics as RecordStoreStatistics,
     ServerInfo as ServerInfo,
     ServerState as ServerState,
     StoredValue as StoredValue,

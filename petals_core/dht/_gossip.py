@@ -36,7 +36,8 @@ from typing import Final, NamedTuple
 import attrs
 
 from .._errors import CodecError, ConfigError, LocalProtocolError
-from ._records import Record, RecordStore, ServerInfo, ServerState, StoreRefusal, _peer_id_or_none
+from ._record_store import RecordStore
+from ._records import Record, ServerInfo, ServerState, StoreRefusal, peer_id_or_none
 
 __all__ = [
     "Action",
@@ -449,7 +450,7 @@ def build_snapshot(
         if stored is None:
             continue
         for subkey, entry in stored.entries.items():
-            if subkey is None or _peer_id_or_none(subkey) is None:
+            if subkey is None or peer_id_or_none(subkey) is None:
                 continue
             if entry.value not in decoded:
                 try:

@@ -1,7 +1,7 @@
 """The DHT node: a trio driver that runs the sans-IO cores over the transport's RPC.
 
-It serves ``dht.ping``, ``dht.find_node``, ``dht.find_value`` and ``dht.store``, and offers
-``store`` / ``get`` built on iterative :class:`Lookup` s.  Everything it starts lives in the
+It serves the ``dht.*`` RPCs (:class:`DHTService`), and offers ``store`` / ``get`` built on
+iterative :class:`Lookup` s.  Everything it starts lives in the
 nursery of :func:`open_dht_node`: nothing outlives that block.
 
 On top of those, servers ``announce`` a :class:`ServerInfo` under ``f"{prefix}.{block}"`` for each
@@ -27,60 +27,42 @@ be added to anyone's table.
 
 from __future__ import annotations
 
-import ipaddress
 import logging
 import math
 import random
 import time
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
-from typing import Any, Final
+from typing import Any
 
 import attrs
 import trio
 
 from .._errors import CodecError, ConfigError, PeerUnreachable, TransportError
+from .._groups import open_block_nursery
 from ..transport import (
     Handlers,
     Identity,
     Multiaddr,
     Node,
     PeerID,
-    ServerCall,
     TransportConfig,
     call_unary,
     open_node,
     serve_rpc,
 )
-from ..transport._node import _only_cancellation
-from ._gossip import Action, Gossip, PeerTableSnapshot, build_snapshot
+from ._gossip import Gossip, PeerTableSnapshot, build_snapshot
 from ._lookup import Lookup, LookupResult
-from ._records import (
-    Record,
-    RecordStore,
-    RecordStoreStatistics,
-    ServerInfo,
-    StoredValue,
-    decode_record_untrusted,
-    encode_record,
-    merge,
-)
+from ._messages import MAX_RECORDS_PER_REQUEST, decode_contacts_untrusted, decode_records_untrusted
+from ._record_store import RecordStore, RecordStoreStatistics
+from ._records import Record, ServerInfo, StoredValue, encode_record, merge
 from ._routing import Contact, NodeID, PingOldest, RoutingTable, RoutingTableStatistics
-from ._topic import Topic, decode_entries_untrusted, encode_action, reply_for
+from ._serving import DHTService
+from ._topic import Topic
 
 __all__ = ["DHTNode", "DHTStatistics", "open_dht_node"]
 
-#: Records one STORE request may carry.
-MAX_RECORDS_PER_REQUEST: Final = 64
-#: Contacts we read from one reply (a peer returns at most its ``k``; more is padding).
-_MAX_CONTACTS_PER_REPLY: Final = 64
-_NODE_ID_BYTES: Final = 20
-
 logger = logging.getLogger(__name__)
-
-
-class _BadReply(Exception):
-    """A peer's reply did not have the shape we expect."""
 
 
 @attrs.frozen(kw_only=True)
@@ -117,41 +99,6 @@ class _Rounds:
             await self._event.wait()
 
 
-def _encode_contacts(contacts: Iterable[Contact]) -> list[list[str]]:
-    return [[str(contact.peer_id), contact.address] for contact in contacts]
-
-
-def _decode_contacts_untrusted(obj: object, now: float) -> list[Contact]:
-    if not isinstance(obj, list) or len(obj) > _MAX_CONTACTS_PER_REPLY:
-        raise _BadReply(f"contacts are a list of at most {_MAX_CONTACTS_PER_REPLY}")
-    contacts = []
-    for item in obj:
-        if not (
-            isinstance(item, list) and len(item) == 2 and all(isinstance(x, str) for x in item)
-        ):
-            raise _BadReply("a contact is [peer_id, multiaddr]")
-        try:
-            peer_id = PeerID.from_string(item[0])
-            address = Multiaddr.parse(item[1]).with_peer_id(peer_id)
-        except (ConfigError, ValueError, TypeError) as exc:
-            raise _BadReply(f"invalid contact {item!r}: {exc}") from None
-        contacts.append(Contact.from_peer_id(peer_id, str(address), last_seen=now))
-    return contacts
-
-
-def _decode_records_untrusted(obj: object) -> list[Record]:
-    if not isinstance(obj, list) or len(obj) > MAX_RECORDS_PER_REQUEST:
-        raise CodecError(f"records are a list of at most {MAX_RECORDS_PER_REQUEST}")
-    return [decode_record_untrusted(item) for item in obj]
-
-
-def _key_untrusted(request: dict[str, Any]) -> str:
-    key = request.get("key")
-    if not isinstance(key, str) or not key:
-        raise CodecError("'key' must be a non-empty str")
-    return key
-
-
 class DHTNode:
     """A Kademlia node on the transport; build it with :func:`open_dht_node`."""
 
@@ -182,7 +129,6 @@ class DHTNode:
         self._own = NodeID.from_peer_id(node.peer_id)
         self._table = RoutingTable(self._own, k=k, rng=rng)
         self._records = RecordStore()
-        self._served = 0
         self._sent = 0
         self._failed = 0
         self._refresh_interval_s = refresh_interval_s
@@ -196,6 +142,15 @@ class DHTNode:
         self._topics: dict[str, Topic] = {}
         self._handed_off = 0
         self._cached = 0
+        self._service = DHTService(
+            peer_id=node.peer_id,
+            table=self._table,
+            records=self._records,
+            topics=self._topics,
+            k=k,
+            clock=clock,
+            observe=self._observe,
+        )
 
     @property
     def peer_id(self) -> PeerID:
@@ -223,7 +178,7 @@ class DHTNode:
         return DHTStatistics(
             routing=self._table.statistics(),
             records=self._records.statistics(),
-            requests_served=self._served,
+            requests_served=self._service.served,
             requests_sent=self._sent,
             requests_failed=self._failed,
             refresh_rounds=self._refresh_rounds.finished,
@@ -340,7 +295,7 @@ class DHTNode:
             record = Record.signed(self._node.identity, f"{prefix}.{block}", value, expiration)
             if topic is not None:
                 for push in topic.publish(record):
-                    self._nursery.start_soon(self._send_gossip, topic, push)
+                    topic.send_soon(push)
             if await self._store_record(record):
                 announced += 1
 
@@ -421,57 +376,18 @@ class DHTNode:
         )
         topic = Topic(
             self,
+            self._nursery,
             prefix=prefix,
             num_blocks=num_blocks,
             gossip=gossip,
             store=store,
             clock=self._clock,
+            rng=self._rng,
         )
         self._topics[prefix] = topic
-        self._nursery.start_soon(self._topic_refresh_forever, topic, update_period_s)
-        self._nursery.start_soon(self._topic_gossip_forever, topic, gossip_interval_s)
+        self._nursery.start_soon(topic.refresh_forever, update_period_s)
+        self._nursery.start_soon(topic.gossip_forever, gossip_interval_s)
         return topic
-
-    async def _topic_refresh_forever(self, topic: Topic, period_s: float) -> None:
-        while True:
-            await topic.refresh()
-            await trio.sleep(period_s)
-
-    async def _topic_gossip_forever(self, topic: Topic, interval_s: float) -> None:
-        while True:
-            await trio.sleep(interval_s * self._rng.uniform(0.75, 1.25))
-            for digest in topic.digest_round():
-                self._nursery.start_soon(self._send_gossip, topic, digest)
-
-    async def _send_gossip(self, topic: Topic, action: Action) -> None:
-        """Carry ``action`` to its peer and act on the reply (pushes for us, wants from us)."""
-        address = topic.address_of(action.peer)
-        if address is None:
-            return
-        request = encode_action(topic.prefix, action)
-        self._sent += 1
-        reply: dict[str, Any] | None = None
-        with trio.move_on_after(self._request_timeout_s):
-            try:
-                connection = await self._node.connect(address)
-                reply = await call_unary(connection, "dht.gossip", self._identify(request))
-            except TransportError as exc:
-                logger.debug("gossip to %s failed: %s", action.peer, exc)
-        if reply is None:
-            self._failed += 1
-            return
-        try:
-            pushes = reply.get("pushes", [])
-            if pushes:
-                topic.on_message(action.peer, {"kind": "push", "ttl": 0, "records": pushes})
-            wants = decode_entries_untrusted(reply.get("wants", []))
-            if wants:
-                for push in topic.on_message(
-                    action.peer, {"kind": "want", "entries": reply["wants"]}
-                ):
-                    self._nursery.start_soon(self._send_gossip, topic, push)
-        except CodecError as exc:
-            logger.debug("a bad gossip reply from %s: %s", action.peer, exc)
 
     # -- lookups ---------------------------------------------------------------------------------
 
@@ -523,11 +439,11 @@ class DHTNode:
         if reply is None:
             return lookup.on_failure(contact.node_id, now)
         try:
-            contacts = _decode_contacts_untrusted(reply.get("contacts"), now)
+            contacts = decode_contacts_untrusted(reply.get("contacts"), now)
             records = None
             if lookup.want_value is not None:
-                records = _decode_records_untrusted(reply.get("records", []))
-        except (_BadReply, CodecError):
+                records = decode_records_untrusted(reply.get("records", []))
+        except CodecError:
             self._table.failed(contact.node_id, now)
             return lookup.on_failure(contact.node_id, now)
         return lookup.on_reply(contact.node_id, contacts, records, now)
@@ -545,21 +461,27 @@ class DHTNode:
         self, contact: Contact, method: str, request: dict[str, Any]
     ) -> dict[str, Any] | None:
         """Call ``method`` on ``contact``; None (and the contact dropped) if it failed."""
-        self._sent += 1
-        reply: dict[str, Any] | None = None
-        with trio.move_on_after(self._request_timeout_s):
-            try:
-                connection = await self._node.connect(contact.address)
-                reply = await call_unary(connection, method, self._identify(request))
-            except TransportError:
-                pass
+        reply = await self._call(contact.address, method, request)
         now = self._clock()
         if reply is None:
-            self._failed += 1
             self._table.failed(contact.node_id, now)
             return None
         self._observe(contact, now)
         return reply
+
+    async def _call(
+        self, address: Multiaddr | str, method: str, request: dict[str, Any]
+    ) -> dict[str, Any] | None:
+        """Call ``method`` at ``address`` within the request timeout; None if it failed."""
+        self._sent += 1
+        with trio.move_on_after(self._request_timeout_s):
+            try:
+                connection = await self._node.connect(address)
+                return await call_unary(connection, method, self._identify(request))
+            except TransportError as exc:
+                logger.debug("%s to %s failed: %s", method, address, exc)
+        self._failed += 1
+        return None
 
     def _observe(self, contact: Contact, now: float) -> None:
         known = contact.node_id in self._table
@@ -585,17 +507,7 @@ class DHTNode:
                 self._handed_off += len(batch)
 
     async def _ping_oldest(self, contact: Contact) -> None:
-        self._sent += 1
-        alive = False
-        with trio.move_on_after(self._request_timeout_s):
-            try:
-                connection = await self._node.connect(contact.address)
-                await call_unary(connection, "dht.ping", self._identify({}))
-                alive = True
-            except TransportError:
-                pass
-        if not alive:
-            self._failed += 1
+        alive = await self._call(contact.address, "dht.ping", {}) is not None
         self._table.ping_result(contact.node_id, alive, self._clock())
 
     async def _bootstrap(self, initial_peers: Sequence[str]) -> None:
@@ -676,88 +588,6 @@ class DHTNode:
             # A refresh is best effort: the bucket stays due and the next round retries it.
             logger.warning("refreshing the bucket of %s failed", target, exc_info=True)
 
-    # -- serving ---------------------------------------------------------------------------------
-
-    def _caller(self, request: object, call: ServerCall) -> dict[str, Any]:
-        """Check the fields every request carries and note the caller in the routing table."""
-        if not isinstance(request, dict):
-            raise CodecError("a request is a map")
-        self._served += 1
-        if request.get("client") is True:
-            return request
-        address = request.get("address")
-        if not isinstance(address, str):
-            raise CodecError("a request carries 'address' (a multiaddr str) or 'client': true")
-        try:
-            maddr = Multiaddr.parse(address)
-        except ConfigError as exc:
-            raise CodecError(f"invalid 'address': {exc}") from None
-        if maddr.peer_id not in (None, call.peer_id):
-            raise CodecError("'address' names a PeerID other than the caller's")
-        if ipaddress.ip_address(maddr.host).is_unspecified:
-            # A node listening on every interface (0.0.0.0 / ::) cannot know which of its
-            # addresses we reach it by: the one its request came from, with its port.
-            maddr = Multiaddr.from_socket_address(call.remote_address[0], maddr.port)
-        now = self._clock()
-        contact = Contact.from_peer_id(
-            call.peer_id, str(maddr.with_peer_id(call.peer_id)), last_seen=now
-        )
-        self._observe(contact, now)
-        return request
-
-    def _handlers(self) -> Handlers:
-        handlers = Handlers()
-
-        @handlers.unary("dht.ping")
-        async def ping(request: dict[str, Any], call: ServerCall) -> dict[str, Any]:
-            self._caller(request, call)
-            return {"peer_id": str(self.peer_id)}
-
-        @handlers.unary("dht.find_node")
-        async def find_node(request: dict[str, Any], call: ServerCall) -> dict[str, Any]:
-            self._caller(request, call)
-            target = request.get("target")
-            if not isinstance(target, bytes) or len(target) != _NODE_ID_BYTES:
-                raise CodecError(f"'target' must be {_NODE_ID_BYTES} bytes")
-            closest = self._table.closest(NodeID.from_bytes(target), self._k)
-            return {"contacts": _encode_contacts(closest)}
-
-        @handlers.unary("dht.find_value")
-        async def find_value(request: dict[str, Any], call: ServerCall) -> dict[str, Any]:
-            self._caller(request, call)
-            key = _key_untrusted(request)
-            held = self._records.get(key, self._clock())
-            records = [encode_record(r) for r in held.records(key)] if held else []
-            closest = self._table.closest(NodeID.from_key(key), self._k)
-            return {"records": records, "contacts": _encode_contacts(closest)}
-
-        @handlers.unary("dht.store")
-        async def store(request: dict[str, Any], call: ServerCall) -> dict[str, Any]:
-            self._caller(request, call)
-            records = _decode_records_untrusted(request.get("records"))
-            now = self._clock()
-            results = []
-            for record in records:
-                outcome = self._records.store(record, now, from_peer=str(call.peer_id))
-                reason = outcome.reason
-                results.append(None if reason is None else f"{reason.value}: {outcome.message}")
-            return {"results": results}
-
-        @handlers.unary("dht.gossip")
-        async def gossip(request: dict[str, Any], call: ServerCall) -> dict[str, Any]:
-            self._caller(request, call)
-            prefix = request.get("prefix")
-            topic = self._topics.get(prefix) if isinstance(prefix, str) else None
-            if topic is None:
-                raise CodecError(f"this node does not follow {prefix!r}")
-            caller = str(call.peer_id)
-            reply, others = reply_for(caller, topic.on_message(caller, request))
-            for action in others:
-                self._nursery.start_soon(self._send_gossip, topic, action)
-            return reply
-
-        return handlers
-
 
 @asynccontextmanager
 async def open_dht_node(
@@ -812,44 +642,35 @@ async def open_dht_node(
             )
         # The block's own exception (or the bootstrap's) is raised as it is, not wrapped in the
         # nursery's group.
-        raised: BaseException | None = None
-        try:
-            async with trio.open_nursery() as nursery:
-                try:
-                    dht = DHTNode(
-                        node,
-                        nursery,
-                        client_mode=client_mode,
-                        k=k,
-                        alpha=alpha,
-                        replicas=replicas,
-                        request_timeout_s=request_timeout_s,
-                        clock=clock,
-                        rng=rng if rng is not None else random.Random(),
-                        refresh_interval_s=refresh_interval_s,
-                        expire_interval_s=expire_interval_s,
-                        republish_interval_s=republish_interval_s,
-                    )
-                    served = dht._handlers()
-                    if handlers is not None:
-                        served.include(handlers)
-                    if not client_mode or handlers is not None:
-                        await nursery.start(serve_rpc, node, served)
-                    if initial_peers:
-                        await dht._bootstrap(initial_peers)
-                    if expire_interval_s is not None:
-                        nursery.start_soon(dht._expire_forever, expire_interval_s)
-                    if refresh_interval_s is not None:
-                        nursery.start_soon(dht._refresh_forever, refresh_interval_s)
-                    if republish_interval_s is not None and not client_mode:
-                        nursery.start_soon(dht._republish_forever, republish_interval_s)
-                    yield dht
-                except BaseException as exc:
-                    raised = exc
-                finally:
-                    nursery.cancel_scope.cancel()
-        except BaseException as exc:
-            if raised is None or not _only_cancellation(exc):
-                raise
-        if raised is not None:
-            raise raised
+        async with open_block_nursery() as nursery:
+            try:
+                dht = DHTNode(
+                    node,
+                    nursery,
+                    client_mode=client_mode,
+                    k=k,
+                    alpha=alpha,
+                    replicas=replicas,
+                    request_timeout_s=request_timeout_s,
+                    clock=clock,
+                    rng=rng if rng is not None else random.Random(),
+                    refresh_interval_s=refresh_interval_s,
+                    expire_interval_s=expire_interval_s,
+                    republish_interval_s=republish_interval_s,
+                )
+                served = dht._service.handlers()
+                if handlers is not None:
+                    served.include(handlers)
+                if not client_mode or handlers is not None:
+                    await nursery.start(serve_rpc, node, served)
+                if initial_peers:
+                    await dht._bootstrap(initial_peers)
+                if expire_interval_s is not None:
+                    nursery.start_soon(dht._expire_forever, expire_interval_s)
+                if refresh_interval_s is not None:
+                    nursery.start_soon(dht._refresh_forever, refresh_interval_s)
+                if republish_interval_s is not None and not client_mode:
+                    nursery.start_soon(dht._republish_forever, republish_interval_s)
+                yield dht
+            finally:
+                nursery.cancel_scope.cancel()

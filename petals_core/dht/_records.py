@@ -1,44 +1,20 @@
-"""DHT records, sans-IO: what a node stores, what it refuses, and how answers from several nodes
-merge.  ``now`` comes in as an argument (absolute seconds on the clock that expirations use).
+"""DHT records, sans-IO: a record and its signature, what a key holds, how answers from
+several nodes merge, records on the wire, and :class:`ServerInfo`, the value servers announce.
 
-A key holds either one value or a dictionary of subkeys, each entry with its own expiration.
-Values are opaque bytes here (the encoded form, e.g. :meth:`ServerInfo.to_bytes`), so that size
-limits are exact.  The rules, all here:
+A key holds either one value or a dictionary of subkeys, each entry with its own expiration; the
+rules of storing them are :class:`RecordStore`'s (``_record_store``).
 
-- **Expiration.**  An entry whose expiration is ``<= now`` is gone: it is refused on arrival,
-  dropped lazily when its key is read, and swept by :meth:`RecordStore.expire`.  An expiration
-  more than ``max_expiration_s`` after ``now`` is refused, so nothing squats a node for long.
-- **Newest wins**, per subkey (or for the single value): an entry replaces the one it finds only
-  if it ranks at least as high, comparing ``(expiration, value, signer, signature)`` in that
-  order.  The tie-break after the expiration is arbitrary but the same everywhere, so every node,
-  and :func:`merge`, picks the same winner.  Re-storing an identical entry is accepted (it changes
-  nothing); replaying an older one is refused.
-- **Dictionaries beat single values.**  Single values carry no protection (anyone may overwrite
-  one with a newer expiration), so a dictionary entry replaces a single value whatever the
-  expirations, and a single value is refused by a key that holds unexpired dictionary entries:
-  otherwise one unsigned write could wipe every server's announcement for a block.
-- **Ownership.**  A name that parses as a PeerID (``PeerID.from_string``) belongs to that peer.
-  A record whose subkey is a PeerID must be signed by that peer's key; a record whose key is a
-  PeerID must be too (and so has that PeerID as subkey).  Every signed record has its signer's
-  PeerID as subkey, so no one can file a record in another's name, and only the owner can replace
-  its entry.  Anything else may be unsigned.  A signature covers key, subkey, value and
-  expiration (a canonical, domain-separated encoding), so none can be altered nor the record moved.
-- **Limits.**  A value larger than ``max_value_bytes`` is refused.  Each peer that sends us
-  records (``from_peer``) may hold at most ``max_records_per_peer`` entries and
-  ``max_bytes_per_peer`` bytes here; our own stores (``from_peer=None``) are not counted.  A key
-  holds at most ``max_subkeys_per_key`` entries and the store ``max_records`` entries and
-  ``max_total_bytes`` bytes: when full, the soonest-expiring entries give way, but only to a
-  record that expires strictly later than each of them.
-
-Checks run cheapest first, signatures before anything that compares with what is stored.  Quotas
-bound what one PeerID can take, not what many can: minting PeerIDs is cheap, and the store-wide
-limits are what hold then.
+**Ownership.**  A name that parses as a PeerID (``PeerID.from_string``) belongs to that peer.  A
+record whose subkey is a PeerID must be signed by that peer's key; a record whose key is a PeerID
+must be too (and so has that PeerID as subkey).  Every signed record has its signer's PeerID as
+subkey, so no one can file a record in another's name, and only the owner can replace its entry.
+Anything else may be unsigned.  A signature covers key, subkey, value and expiration (a
+canonical, domain-separated encoding), so none can be altered nor the record moved.
 """
 
 from __future__ import annotations
 
 import enum
-import heapq
 import math
 import struct
 import types
@@ -48,16 +24,20 @@ from typing import Any, Final, NamedTuple
 import attrs
 
 from .._errors import CodecError, ConfigError, LocalProtocolError
-from ..transport._codec import CodecLimits, decode_message_untrusted, encode_message
-from ..transport._identity import Identity, PeerID, verify_signature
-from ..transport._multiaddr import Multiaddr
+from ..transport import (
+    CodecLimits,
+    Identity,
+    Multiaddr,
+    PeerID,
+    decode_message_untrusted,
+    encode_message,
+    verify_signature,
+)
 
 __all__ = [
     "DEFAULT_MAX_VALUE_BYTES",
     "Entry",
     "Record",
-    "RecordStore",
-    "RecordStoreStatistics",
     "ServerInfo",
     "ServerState",
     "StoreRefusal",
@@ -70,10 +50,15 @@ __all__ = [
 ]
 
 MAX_KEY_BYTES: Final = 512
+
 MAX_SUBKEY_BYTES: Final = 128
+
 DEFAULT_MAX_VALUE_BYTES: Final = 64 << 10
+
 _PUBLIC_KEY_BYTES: Final = 32
+
 _SIGNATURE_BYTES: Final = 64
+
 # Domain separation: these signatures can never be mistaken for any other message signed with
 # the node's key (the TLS handshake's, or a later record format's).
 _SIGNATURE_DOMAIN: Final = b"petals-core/dht-record/v1\x00"
@@ -100,7 +85,7 @@ def _to_float(value: Any) -> Any:
     return value
 
 
-def _peer_id_or_none(name: str | None) -> PeerID | None:
+def peer_id_or_none(name: str | None) -> PeerID | None:
     if name is None:
         return None
     try:
@@ -165,7 +150,7 @@ class StoreResult:
         return self.reason is None
 
 
-_ACCEPTED: Final = StoreResult()
+ACCEPTED: Final = StoreResult()
 
 
 def _check_record(record: Record) -> None:
@@ -233,13 +218,13 @@ class Record:
         its signer's PeerID is its subkey (and its key, if that is a PeerID) and the signature
         matches.  Expiration and size are the store's business, not this.
         """
-        return _authorship_problem(self) is None
+        return authorship_problem(self) is None
 
 
-def _authorship_problem(record: Record) -> StoreResult | None:
-    key_owner = _peer_id_or_none(record.key)
+def authorship_problem(record: Record) -> StoreResult | None:
+    key_owner = peer_id_or_none(record.key)
     if record.signer is None or record.signature is None:
-        if key_owner is not None or _peer_id_or_none(record.subkey) is not None:
+        if key_owner is not None or peer_id_or_none(record.subkey) is not None:
             return StoreResult(
                 StoreRefusal.UNSIGNED_PROTECTED,
                 f"key {record.key!r} / subkey {record.subkey!r} names a peer, and the record is "
@@ -268,7 +253,7 @@ class Entry(NamedTuple):
     signature: bytes | None = None
 
 
-def _rank(entry: Entry) -> tuple[float, bytes, bytes, bytes]:
+def rank(entry: Entry) -> tuple[float, bytes, bytes, bytes]:
     return (entry.expiration, entry.value, entry.signer or b"", entry.signature or b"")
 
 
@@ -314,7 +299,7 @@ def merge(a: StoredValue | None, b: StoredValue | None) -> StoredValue | None:
     entries = dict(a.entries)
     for subkey, entry in b.entries.items():
         mine = entries.get(subkey)
-        if mine is None or _rank(entry) > _rank(mine):
+        if mine is None or rank(entry) > rank(mine):
             entries[subkey] = entry
     return StoredValue(entries)
 
@@ -370,281 +355,6 @@ def decode_record_untrusted(
         raise CodecError(f"invalid record: {exc}") from None
 
 
-@attrs.frozen
-class RecordStoreStatistics:
-    keys: int
-    records: int
-    #: Bytes counted against ``max_total_bytes``: keys, subkeys, values, signers and signatures.
-    stored_bytes: int
-    #: Peers holding records here (our own stores not counted).
-    peers: int
-
-
-@attrs.define
-class _Held:
-    key: str
-    subkey: str | None
-    entry: Entry
-    from_peer: str | None
-    footprint: int
-    sequence: int
-
-
-@attrs.define
-class _Usage:
-    records: int = 0
-    bytes: int = 0
-
-
-def _footprint(record: Record) -> int:
-    return (
-        len(record.key.encode())
-        + len((record.subkey or "").encode())
-        + len(record.value)
-        + len(record.signer or b"")
-        + len(record.signature or b"")
-    )
-
-
-def _positive(name: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < math.inf:
-        raise ConfigError(f"{name} must be a positive number, got {value!r}")
-
-
-class RecordStore:
-    """One node's records, with the rules of the module docstring.  Sans-IO: pass ``now``."""
-
-    def __init__(
-        self,
-        *,
-        max_value_bytes: int = DEFAULT_MAX_VALUE_BYTES,
-        max_expiration_s: float = 24 * 3600.0,
-        max_records: int = 100_000,
-        max_total_bytes: int = 64 << 20,
-        max_records_per_peer: int = 2048,
-        max_bytes_per_peer: int = 4 << 20,
-        max_subkeys_per_key: int = 1024,
-    ) -> None:
-        for name, value in [
-            ("max_value_bytes", max_value_bytes),
-            ("max_expiration_s", max_expiration_s),
-            ("max_records", max_records),
-            ("max_total_bytes", max_total_bytes),
-            ("max_records_per_peer", max_records_per_peer),
-            ("max_bytes_per_peer", max_bytes_per_peer),
-            ("max_subkeys_per_key", max_subkeys_per_key),
-        ]:
-            _positive(name, value)
-        self._max_value_bytes = max_value_bytes
-        self._max_expiration_s = max_expiration_s
-        self._max_records = max_records
-        self._max_total_bytes = max_total_bytes
-        self._max_records_per_peer = max_records_per_peer
-        self._max_bytes_per_peer = max_bytes_per_peer
-        self._max_subkeys_per_key = max_subkeys_per_key
-        self._keys: dict[str, dict[str | None, _Held]] = {}
-        self._records = 0
-        self._bytes = 0
-        self._usage: dict[str, _Usage] = {}
-        # (expiration, sequence, key, subkey) of every entry, soonest first; an item whose
-        # sequence no longer matches the held entry is stale and skipped when it surfaces.
-        self._heap: list[tuple[float, int, str, str | None]] = []
-        self._sequence = 0
-
-    def store(self, record: Record, now: float, *, from_peer: str | None = None) -> StoreResult:
-        """Store ``record`` received from ``from_peer`` (None: our own), or say why not."""
-        if record.expiration <= now:
-            return StoreResult(StoreRefusal.EXPIRED, f"expired at {record.expiration}, now {now}")
-        if record.expiration > now + self._max_expiration_s:
-            return StoreResult(
-                StoreRefusal.EXPIRATION_TOO_FAR,
-                f"expires {record.expiration - now:.0f} s from now, more than the "
-                f"{self._max_expiration_s:.0f} s allowed",
-            )
-        if len(record.value) > self._max_value_bytes:
-            return StoreResult(
-                StoreRefusal.VALUE_TOO_LARGE,
-                f"a value of {len(record.value)} bytes exceeds {self._max_value_bytes}",
-            )
-        problem = _authorship_problem(record)
-        if problem is not None:
-            return problem
-
-        held = self._live(record.key, now)
-        new = record.entry
-        displaced: list[_Held] = []
-        if held:
-            if record.subkey is None and None not in held:
-                return StoreResult(
-                    StoreRefusal.KEY_HOLDS_DICTIONARY,
-                    f"key {record.key!r} holds a dictionary, which a single value cannot replace",
-                )
-            current = held.get(record.subkey)
-            if current is not None:
-                if _rank(new) < _rank(current.entry):
-                    return StoreResult(
-                        StoreRefusal.OLDER,
-                        f"we hold a newer entry (expiring at {current.entry.expiration}) for key "
-                        f"{record.key!r} / subkey {record.subkey!r}",
-                    )
-                if new == current.entry:
-                    return _ACCEPTED
-                displaced.append(current)
-            elif None in held:  # a dictionary entry replaces a single value
-                displaced.append(held[None])
-            elif len(held) >= self._max_subkeys_per_key:
-                soonest = min(held.values(), key=lambda entry: _rank(entry.entry))
-                if soonest.entry.expiration >= new.expiration:
-                    return StoreResult(
-                        StoreRefusal.KEY_FULL,
-                        f"key {record.key!r} holds {len(held)} subkeys, none expiring sooner",
-                    )
-                displaced.append(soonest)
-
-        footprint = _footprint(record)
-        if from_peer is not None:
-            usage = self._peer_usage(from_peer, footprint, displaced)
-            if self._over_quota(usage):
-                self.expire(now)  # expired entries no longer count
-                usage = self._peer_usage(from_peer, footprint, displaced)
-            if self._over_quota(usage):
-                return StoreResult(
-                    StoreRefusal.PEER_QUOTA,
-                    f"peer {from_peer} would hold {usage.records} records and {usage.bytes} "
-                    f"bytes here, beyond its quota of {self._max_records_per_peer} and "
-                    f"{self._max_bytes_per_peer}",
-                )
-
-        victims = self._make_room(new.expiration, footprint, displaced, now)
-        if victims is None:
-            return StoreResult(
-                StoreRefusal.STORE_FULL,
-                f"the store is full of entries expiring no sooner than {new.expiration}",
-            )
-        for gone in victims:
-            self._remove(gone)
-        for gone in displaced:
-            self._remove(gone)
-        self._insert(record, from_peer, footprint)
-        return _ACCEPTED
-
-    def get(self, key: str, now: float) -> StoredValue | None:
-        """What ``key`` holds at ``now``, or None; expired entries are dropped on the way."""
-        held = self._live(key, now)
-        if not held:
-            return None
-        return StoredValue({subkey: entry.entry for subkey, entry in held.items()})
-
-    def expire(self, now: float) -> int:
-        """Drop every entry expired at ``now``; return how many were dropped."""
-        dropped = 0
-        while self._heap and self._heap[0][0] <= now:
-            held = self._current(heapq.heappop(self._heap))
-            if held is not None:
-                self._remove(held)
-                dropped += 1
-        return dropped
-
-    def keys(self, now: float) -> list[str]:
-        """The keys holding unexpired entries at ``now`` (e.g. to hand records to new nodes)."""
-        self.expire(now)
-        return list(self._keys)
-
-    def statistics(self) -> RecordStoreStatistics:
-        return RecordStoreStatistics(
-            keys=len(self._keys),
-            records=self._records,
-            stored_bytes=self._bytes,
-            peers=len(self._usage),
-        )
-
-    def _live(self, key: str, now: float) -> dict[str | None, _Held] | None:
-        held = self._keys.get(key)
-        if held is not None:
-            for entry in [entry for entry in held.values() if entry.entry.expiration <= now]:
-                self._remove(entry)
-        return self._keys.get(key)
-
-    def _peer_usage(self, peer: str, footprint: int, displaced: list[_Held]) -> _Usage:
-        """What ``peer`` would hold here once its new entry replaced ``displaced``."""
-        usage = self._usage.get(peer, _Usage())
-        mine = [held for held in displaced if held.from_peer == peer]
-        return _Usage(
-            records=usage.records + 1 - len(mine),
-            bytes=usage.bytes + footprint - sum(held.footprint for held in mine),
-        )
-
-    def _over_quota(self, usage: _Usage) -> bool:
-        return usage.records > self._max_records_per_peer or usage.bytes > self._max_bytes_per_peer
-
-    def _make_room(
-        self, expiration: float, footprint: int, displaced: list[_Held], now: float
-    ) -> list[_Held] | None:
-        """Entries to evict so that a new entry fits, or None if it cannot; evicts nothing."""
-        records = self._records + 1 - len(displaced)
-        stored = self._bytes + footprint - sum(held.footprint for held in displaced)
-        if records <= self._max_records and stored <= self._max_total_bytes:
-            return []
-        self.expire(now)
-        records = self._records + 1 - len(displaced)
-        stored = self._bytes + footprint - sum(held.footprint for held in displaced)
-        popped: list[tuple[float, int, str, str | None]] = []
-        victims: list[_Held] = []
-        while (records > self._max_records or stored > self._max_total_bytes) and self._heap:
-            if self._heap[0][0] >= expiration:
-                break
-            item = heapq.heappop(self._heap)
-            held = self._current(item)
-            if held is None:
-                continue  # stale: nothing to put back
-            popped.append(item)
-            if any(held is other for other in displaced):
-                continue  # already leaving
-            victims.append(held)
-            records -= 1
-            stored -= held.footprint
-        if records > self._max_records or stored > self._max_total_bytes:
-            for item in popped:
-                heapq.heappush(self._heap, item)
-            return None
-        return victims
-
-    def _current(self, item: tuple[float, int, str, str | None]) -> _Held | None:
-        _, sequence, key, subkey = item
-        held = self._keys.get(key, {}).get(subkey)
-        return held if held is not None and held.sequence == sequence else None
-
-    def _insert(self, record: Record, from_peer: str | None, footprint: int) -> None:
-        self._sequence += 1
-        held = _Held(record.key, record.subkey, record.entry, from_peer, footprint, self._sequence)
-        self._keys.setdefault(record.key, {})[record.subkey] = held
-        heapq.heappush(self._heap, (record.expiration, self._sequence, record.key, record.subkey))
-        self._records += 1
-        self._bytes += footprint
-        if from_peer is not None:
-            usage = self._usage.setdefault(from_peer, _Usage())
-            usage.records += 1
-            usage.bytes += footprint
-        # Replaced entries leave stale heap items behind; rebuild before they outnumber the live.
-        if len(self._heap) > 2 * self._records + 64:
-            self._heap = [item for item in self._heap if self._current(item) is not None]
-            heapq.heapify(self._heap)
-
-    def _remove(self, held: _Held) -> None:
-        entries = self._keys[held.key]
-        del entries[held.subkey]
-        if not entries:
-            del self._keys[held.key]
-        self._records -= 1
-        self._bytes -= held.footprint
-        if held.from_peer is not None:
-            usage = self._usage[held.from_peer]
-            usage.records -= 1
-            usage.bytes -= held.footprint
-            if not usage.records:
-                del self._usage[held.from_peer]
-
-
 class ServerState(enum.StrEnum):
     """What a server announces about itself."""
 
@@ -654,11 +364,17 @@ class ServerState(enum.StrEnum):
 
 
 _MAX_NAME_BYTES: Final = 256
+
 _MAX_ADAPTERS: Final = 64
+
 _MAX_PINGS: Final = 256
+
 _MAX_ADDRESSES: Final = 8
+
 _MAX_BLOCKS: Final = 2**32
+
 _MAX_TOKENS: Final = 2**63
+
 # An announcement is small: these bound the work of decoding one whatever a peer sends.  Tensors
 # are left raw, so decoding never imports torch.
 _SERVER_INFO_LIMITS: Final = CodecLimits(
@@ -740,7 +456,7 @@ def _check_server_info(info: ServerInfo) -> None:
     if not isinstance(info.next_pings, Mapping) or len(info.next_pings) > _MAX_PINGS:
         raise LocalProtocolError(f"next_pings maps at most {_MAX_PINGS} PeerIDs to seconds")
     for peer, rtt in info.next_pings.items():
-        if not isinstance(peer, str) or _peer_id_or_none(peer) is None:
+        if not isinstance(peer, str) or peer_id_or_none(peer) is None:
             raise LocalProtocolError(f"next_pings keys are PeerIDs, not {peer!r}")
         _check_rate(f"the ping to {peer}", rtt)
 
@@ -804,6 +520,7 @@ class ServerInfo:
 
 
 _SERVER_INFO_FIELDS: Final = tuple(field.name for field in attrs.fields(ServerInfo))
+
 _SERVER_INFO_REQUIRED: Final = tuple(
     field.name for field in attrs.fields(ServerInfo) if field.default is attrs.NOTHING
 )

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import math
+import random
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Final
 
@@ -40,7 +41,8 @@ from ._gossip import (
     Want,
     build_snapshot,
 )
-from ._records import Record, RecordStore, decode_record_untrusted, encode_record
+from ._record_store import RecordStore
+from ._records import Record, decode_record_untrusted, encode_record
 
 if TYPE_CHECKING:
     from ._node import DHTNode
@@ -98,14 +100,18 @@ class Topic:
     def __init__(
         self,
         dht: DHTNode,
+        nursery: trio.Nursery,
         *,
         prefix: str,
         num_blocks: int,
         gossip: Gossip,
         store: RecordStore,
         clock: Callable[[], float],
+        rng: random.Random,
     ) -> None:
         self._dht = dht
+        self._nursery = nursery
+        self._rng = rng
         self.prefix = prefix
         self.num_blocks = num_blocks
         self._gossip = gossip
@@ -241,7 +247,43 @@ class Topic:
         self.snapshot()  # members follow the table
         return self._gossip.digest_round(self._clock())
 
+    async def refresh_forever(self, period_s: float) -> None:
+        while True:
+            await self.refresh()
+            await trio.sleep(period_s)
+
+    async def gossip_forever(self, interval_s: float) -> None:
+        while True:
+            await trio.sleep(interval_s * self._rng.uniform(0.75, 1.25))
+            for digest in self.digest_round():
+                self.send_soon(digest)
+
+    def send_soon(self, action: Action) -> None:
+        """Carry ``action`` to its peer in the background."""
+        self._nursery.start_soon(self._send, action)
+
     # -- helpers ---------------------------------------------------------------------------------
+
+    async def _send(self, action: Action) -> None:
+        """Carry ``action`` to its peer and act on the reply (pushes for us, wants from us)."""
+        address = self.address_of(action.peer)
+        if address is None:
+            return
+        reply = await self._dht._call(address, "dht.gossip", encode_action(self.prefix, action))
+        if reply is None:
+            return
+        try:
+            pushes = reply.get("pushes", [])
+            if pushes:
+                self.on_message(action.peer, {"kind": "push", "ttl": 0, "records": pushes})
+            wants = decode_entries_untrusted(reply.get("wants", []))
+            if wants:
+                for push in self.on_message(
+                    action.peer, {"kind": "want", "entries": reply["wants"]}
+                ):
+                    self.send_soon(push)
+        except CodecError as exc:
+            logger.debug("a bad gossip reply from %s: %s", action.peer, exc)
 
     def _mark_changed(self) -> None:
         self._dirty = True

@@ -27,9 +27,9 @@ from ._lora import (
     active_adapter as active_adapter,
     adapter_names as adapter_names,
     add_adapter as add_adapter,
-    load_lora_adapter as load_lora_adapter,
     using_adapter as using_adapter,
 )
+from ._lora_loading import load_lora_adapter as load_lora_adapter
 from ._quantize import QuantType as QuantType, quantize_block as quantize_block
 from ._smollm2 import prepare_smollm2 as prepare_smollm2, smollm2_gguf_path as smollm2_gguf_path
 from .bloom import BloomBlock as BloomBlock

@@ -5,10 +5,9 @@ those blocks, and a client the shards that hold the embeddings, the final norm a
 neither ever sees the rest. The shard index (``model.safetensors.index.json``) says which shard
 holds which tensor, and ``safetensors.safe_open`` reads single tensors out of a shard.
 
-Hub repos go through huggingface_hub: the revision is resolved to a commit once per call
-(``HfApi.resolve_revision``), then every file comes from that commit through ``hf_hub_download``,
-with its cache, its offline mode (``HF_HUB_OFFLINE``, ``local_files_only``) and its endpoint
-(``HF_ENDPOINT``). Once cached, a load makes one request (the revision lookup), or none offline.
+Hub repos go through huggingface_hub (see :class:`HubRepo`): the revision is resolved to a commit
+once per call, then every file comes from that commit. Once cached, a load makes one request (the
+revision lookup), or none offline.
 A local folder is read in place.
 
 Only safetensors checkpoints load: pickled ``.bin`` checkpoints run code when unpickled, so they are
@@ -22,37 +21,24 @@ detected from the names in the index, and both load.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 
 import attrs
 import torch
-from huggingface_hub import (
-    _CACHED_NO_EXIST,
-    HfApi,
-    hf_hub_download,
-    is_offline_mode,
-    try_to_load_from_cache,
-)
 from huggingface_hub.errors import (
     EntryNotFoundError,
-    HfHubHTTPError,
-    HFValidationError,
     LocalEntryNotFoundError,
-    OfflineModeIsEnabled,
     RemoteEntryNotFoundError,
-    RepositoryNotFoundError,
-    RevisionNotFoundError,
-    RevisionResolutionError,
 )
-from safetensors import SafetensorError, safe_open
+from safetensors import safe_open
 from transformers import PreTrainedConfig
 
 from .._errors import CheckpointError
+from ._hub import HubRepo, unreadable
 
 __all__ = ["CheckpointError", "block_state_dict", "client_state_dict", "load_blocks"]
 
@@ -311,38 +297,19 @@ class _Checkpoint:
         cache_dir: str | os.PathLike[str] | None,
         local_files_only: bool,
     ) -> _Checkpoint:
-        source = f"repo {repo_id!r} at revision {revision or 'main'!r}"
-        cache = None if cache_dir is None else Path(cache_dir)
-        offline = local_files_only or is_offline_mode()
-        with _hub_errors(source):
-            # Pins every file of this load to one commit, and lets cached files skip the Hub.
-            resolved = HfApi().resolve_revision(
-                repo_id,
-                revision=revision,
-                cache_dir=cache,
-                local_files_only=offline,
-                token=token,
-            )
-
-        def fetch(filename: str) -> Path:
-            with _hub_errors(f"{source}, file {filename!r}"):
-                path = hf_hub_download(
-                    repo_id,
-                    filename,
-                    revision=resolved,
-                    cache_dir=cache,
-                    token=token,
-                    local_files_only=offline,
-                )
-            return Path(str(path))
-
+        repo = HubRepo.resolve(
+            repo_id,
+            source=f"repo {repo_id!r} at revision {revision or 'main'!r}",
+            revision=revision,
+            token=token,
+            cache_dir=cache_dir,
+            local_files_only=local_files_only,
+        )
+        source, fetch = repo.source, repo.fetch
         # A sharded checkpoint has an index; a small one may be a single file. The cache remembers
         # that a file does not exist at a commit, which spares asking again.
         index_path = None
-        if (
-            try_to_load_from_cache(repo_id, INDEX_FILE, cache_dir=cache, revision=resolved.resolved)
-            is not _CACHED_NO_EXIST
-        ):
+        if not repo.cached_as_absent(INDEX_FILE):
             index_path = _unless_absent(fetch, INDEX_FILE)
         if index_path is not None:
             return cls(
@@ -360,10 +327,7 @@ class _Checkpoint:
                     "failure)"
                 ) from error
             if isinstance(error.__cause__, RemoteEntryNotFoundError):
-                pickled = (
-                    [] if offline else _pickled_files(repo_id, resolved.resolved, token, source)
-                )
-                raise _no_safetensors(source, pickled) from None
+                raise _no_safetensors(source, repo.present(_PICKLED_FILES)) from None
             raise
         weight_map = _single_file_weight_map(single_path, source)
         return cls(source=source, weight_map=weight_map, fetch=fetch)
@@ -377,7 +341,7 @@ class _Checkpoint:
         for filename, file_names in sorted(names_in.items()):
             path = self.fetch(filename)
             with (
-                _unreadable(f"{self.source}, file {filename!r}"),
+                unreadable(f"{self.source}, file {filename!r}"),
                 safe_open(path, framework="pt") as file,
             ):
                 missing = set(file_names).difference(file.keys())
@@ -419,7 +383,7 @@ def _weight_map_untrusted(index_bytes: bytes, source: str) -> dict[str, str]:
 
 
 def _single_file_weight_map(path: Path, source: str) -> dict[str, str]:
-    with _unreadable(f"{source}, file {SINGLE_FILE!r}"), safe_open(path, framework="pt") as file:
+    with unreadable(f"{source}, file {SINGLE_FILE!r}"), safe_open(path, framework="pt") as file:
         return dict.fromkeys(file.keys(), SINGLE_FILE)
 
 
@@ -431,56 +395,3 @@ def _no_safetensors(source: str, pickled: list[str]) -> CheckpointError:
             "it, e.g. with transformers: from_pretrained(...) then save_pretrained(folder)"
         )
     return CheckpointError(f"{source} has no safetensors weights ({INDEX_FILE} or {SINGLE_FILE})")
-
-
-def _pickled_files(repo_id: str, revision: str, token: str | bool | None, source: str) -> list[str]:
-    """Which pickled checkpoint files the repo has (to say why it cannot load)."""
-    api = HfApi()
-    with _hub_errors(source):
-        return [
-            name
-            for name in _PICKLED_FILES
-            if api.file_exists(repo_id, name, revision=revision, token=token)
-        ]
-
-
-@contextlib.contextmanager
-def _unreadable(what: str) -> Iterator[None]:
-    """A file that is not safetensors (or is cut short) raises :class:`CheckpointError`."""
-    try:
-        yield
-    except (OSError, SafetensorError) as error:
-        raise CheckpointError(f"{what} cannot be read: {error}") from error
-
-
-@contextlib.contextmanager
-def _hub_errors(what: str) -> Iterator[None]:
-    """Translate huggingface_hub's failures into :class:`CheckpointError`, chained."""
-    try:
-        yield
-    except (
-        EntryNotFoundError,
-        HfHubHTTPError,
-        HFValidationError,
-        OfflineModeIsEnabled,
-        RevisionResolutionError,
-    ) as error:
-        raise CheckpointError(f"{what}: {_hub_failure(error)}") from error
-
-
-def _hub_failure(error: Exception) -> str:
-    unreachable = "the Hub cannot be reached (offline mode, local_files_only, or a network failure)"
-    if isinstance(error, RepositoryNotFoundError):  # also gated repos without a token
-        return "no such repo on the Hub, or it is private or gated and needs a token"
-    if isinstance(error, RevisionNotFoundError):
-        return "no such revision in the repo"
-    if isinstance(error, RemoteEntryNotFoundError):
-        return "no such file in the repo"
-    if isinstance(error, LocalEntryNotFoundError):
-        return f"not in the local cache, and {unreachable}"
-    if isinstance(error, RevisionResolutionError | OfflineModeIsEnabled):
-        return f"the revision is not in the local cache, and {unreachable}"
-    if isinstance(error, HFValidationError):
-        return f"neither a local folder nor a valid repo id ({error})"
-    lines = [line for line in str(error).splitlines() if line.strip()]
-    return " ".join(lines[:2]) or type(error).__name__

@@ -1,43 +1,27 @@
 """LoRA adapters in PEFT's format for the blocks a server holds, chosen per request.
 
-A server loads the adapters named on its command line (a Hub repo id or a local folder each), keeps
-their weights for its own blocks only, and wraps every targeted ``Linear`` of a block in a
-:class:`LoraLinear` holding all adapters that target it. A request runs its blocks inside
-``using_adapter(name)`` (a :class:`contextvars.ContextVar`, so set it in the thread that computes);
-each wrapped layer then returns ``base(x) + (x @ A.T @ B.T) * scaling`` for that adapter, or plain
-``base(x)`` outside any adapter.
-
-The format is what ``peft`` saves: ``adapter_config.json`` (``peft_type`` ``"LORA"``, ``r``,
-``lora_alpha``, ``target_modules``, ``use_rslora``, ...) and ``adapter_model.safetensors`` with
-names like ``base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight``. Only the tensors of
-the requested blocks are read. Pickled ``adapter_model.bin`` files are refused, never unpickled.
-Tensors outside the blocks (``modules_to_save`` copies of embeddings or the LM head) concern the
-client and are not read here.
+A server loads the adapters named on its command line (a Hub repo id or a local folder each, with
+:func:`load_lora_adapter`), keeps their weights for its own blocks only, and wraps every targeted
+``Linear`` of a block in a :class:`LoraLinear` holding all adapters that target it. A request runs
+its blocks inside ``using_adapter(name)`` (a :class:`contextvars.ContextVar`, so set it in the
+thread that computes); each wrapped layer then returns ``base(x) + (x @ A.T @ B.T) * scaling`` for
+that adapter, or plain ``base(x)`` outside any adapter.
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
-import json
 import math
-import os
-import re
-from collections.abc import Callable, Iterable, Iterator, Mapping
-from pathlib import Path
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import attrs
 import torch
 import torch.nn.functional as F
-from huggingface_hub import HfApi, hf_hub_download, is_offline_mode
-from huggingface_hub.errors import LocalEntryNotFoundError, RemoteEntryNotFoundError
-from safetensors import safe_open
 from torch import nn
-from transformers import PreTrainedConfig
 
-from .._errors import AdapterError, CheckpointError
-from ._loading import _hub_errors, _unreadable
+from .._errors import AdapterError
 
 __all__ = [
     "AdapterError",
@@ -46,54 +30,17 @@ __all__ = [
     "active_adapter",
     "adapter_names",
     "add_adapter",
-    "load_lora_adapter",
     "using_adapter",
 ]
 
-CONFIG_FILE = "adapter_config.json"
-WEIGHTS_FILE = "adapter_model.safetensors"
-_PICKLED_FILES = ("adapter_model.bin",)
-_ALL_LINEAR = "all-linear"  # PEFT's shorthand for every linear layer but the output head
 
-
-@attrs.frozen(kw_only=True)
-class _Family:
-    """Where a model family keeps its blocks, and which of their modules are LoRA-able Linears."""
-
-    label: str  # for messages
-    module_prefix: str  # PEFT's module name of block N is f"{module_prefix}{N}.{path}"
-    stored_prefix: str  # regex of the block part of stored tensor names (before the index)
-    linears: tuple[str, ...]  # module paths within a block
-
-
-_FAMILIES: dict[str, _Family] = {
-    "llama": _Family(
-        label="LLaMA",
-        module_prefix="model.layers.",
-        stored_prefix=r"(?:model\.)?layers\.",
-        linears=(
-            "self_attn.q_proj",
-            "self_attn.k_proj",
-            "self_attn.v_proj",
-            "self_attn.o_proj",
-            "mlp.gate_proj",
-            "mlp.up_proj",
-            "mlp.down_proj",
-        ),
-    ),
-    "bloom": _Family(
-        label="BLOOM",
-        module_prefix="transformer.h.",
-        # bigscience checkpoints name blocks h.N without "transformer.": accept adapters of both.
-        stored_prefix=r"(?:transformer\.)?h\.",
-        linears=(
-            "self_attention.query_key_value",
-            "self_attention.dense",
-            "mlp.dense_h_to_4h",
-            "mlp.dense_4h_to_h",
-        ),
-    ),
-}
+def check_lora_pair(a: torch.Tensor, b: torch.Tensor, rank: int, where: str) -> None:
+    """Refuse an A and a B that are not (r, in) and (out, r)."""
+    if a.dim() != 2 or b.dim() != 2 or a.shape[0] != rank or b.shape[1] != rank:
+        raise AdapterError(
+            f"{where}: lora_A is {tuple(a.shape)} and lora_B {tuple(b.shape)}, not (r, in) and "
+            f"(out, r) with r={rank}"
+        )
 
 
 def _check_weights(
@@ -103,17 +50,8 @@ def _check_weights(
 ) -> None:
     for index, modules in value.items():
         for path, (a, b) in modules.items():
-            if (
-                a.dim() != 2
-                or b.dim() != 2
-                or a.shape[0] != instance.rank
-                or b.shape[1] != instance.rank
-            ):
-                raise AdapterError(
-                    f"adapter {instance.name!r}, block {index}, module {path!r}: lora_A "
-                    f"{tuple(a.shape)} and lora_B {tuple(b.shape)} are not (r, in) and (out, r) "
-                    f"with r={instance.rank}"
-                )
+            where = f"adapter {instance.name!r}, block {index}, module {path!r}"
+            check_lora_pair(a, b, instance.rank, where)
 
 
 @attrs.frozen(kw_only=True)
@@ -135,8 +73,6 @@ class LoraAdapter:
         if not math.isfinite(value):
             raise AdapterError(f"adapter {self.name!r}: scaling must be finite, got {value}")
 
-
-# --- which adapter is active ----------------------------------------------------------------
 
 _ACTIVE: contextvars.ContextVar[str | None] = contextvars.ContextVar(
     "petals_core_active_adapter", default=None
@@ -162,8 +98,6 @@ def active_adapter() -> str | None:
     """The adapter that :func:`using_adapter` made active here, if any."""
     return _ACTIVE.get()
 
-
-# --- blocks holding adapters ----------------------------------------------------------------
 
 _REGISTRY_ATTR = "_petals_lora_adapters"
 
@@ -318,388 +252,3 @@ def _compute_dtype(block: nn.Module) -> torch.dtype:
         if parameter.is_floating_point():
             return parameter.dtype
     return torch.get_default_dtype()
-
-
-# --- loading --------------------------------------------------------------------------------
-
-
-@attrs.frozen(kw_only=True)
-class _LoraConfig:
-    rank: int
-    alpha: float
-    use_rslora: bool
-    target_modules: str | tuple[str, ...]  # a regex (PEFT: re.fullmatch) or names
-    exclude_modules: str | tuple[str, ...]
-    layers_to_transform: frozenset[int] | None
-
-    @property
-    def scaling(self) -> float:
-        return self.alpha / (math.sqrt(self.rank) if self.use_rslora else self.rank)
-
-
-def load_lora_adapter(
-    name_or_path: str | os.PathLike[str],
-    *,
-    config: PreTrainedConfig,
-    block_indices: Iterable[int],
-    revision: str | None = None,
-    token: str | bool | None = None,
-    cache_dir: str | os.PathLike[str] | None = None,
-    local_files_only: bool = False,
-    dtype: torch.dtype | None = None,
-) -> LoraAdapter:
-    """Load a PEFT LoRA adapter's weights for blocks ``block_indices`` of the model of ``config``.
-
-    ``name_or_path`` is a Hub repo id or a local folder, and (as given) becomes the adapter's name;
-    ``revision``, ``token``, ``cache_dir`` and ``local_files_only`` mean what they mean to
-    ``hf_hub_download``. Only the requested blocks' tensors are read, cast to ``dtype`` if given.
-
-    Raises :class:`AdapterError` when the adapter is not LoRA, uses what a server cannot apply
-    (biases, DoRA, per-module ranks, ``fan_in_fan_out``), targets modules the family lacks, lacks
-    or has extra tensors for a requested block, has ill-shaped tensors, is pickled
-    (``adapter_model.bin``), or cannot be fetched (Hub and cache failures chained).
-    """
-    name = os.fspath(name_or_path)
-    family = _FAMILIES.get(config.model_type)
-    if family is None:
-        raise AdapterError(
-            f"cannot load adapters for model_type {config.model_type!r}; "
-            f"supported model types: {', '.join(sorted(_FAMILIES))}"
-        )
-    num_blocks: int = config.num_hidden_layers
-    indices = sorted(set(block_indices))
-    for index in indices:
-        if not 0 <= index < num_blocks:
-            raise AdapterError(
-                f"block index {index} is out of range: the model has {num_blocks} blocks "
-                f"(0..{num_blocks - 1})"
-            )
-    with _as_adapter_error():
-        source, config_path, weights_path = _fetch(
-            name_or_path, revision, token, cache_dir, local_files_only
-        )
-        lora = _parse_config_untrusted(config_path.read_bytes(), source)
-        expected = _targets(lora, family, num_blocks, source)
-        weights = _read_weights(weights_path, family, lora, expected, indices, source, dtype)
-    return LoraAdapter(
-        name=name,
-        rank=lora.rank,
-        scaling=lora.scaling,
-        target_modules=frozenset().union(*expected.values()),
-        weights=weights,
-    )
-
-
-@contextlib.contextmanager
-def _as_adapter_error() -> Iterator[None]:
-    try:
-        yield
-    except CheckpointError as error:  # from _loading's helpers: Hub, cache and file failures
-        raise AdapterError(str(error)) from error
-    except OSError as error:
-        raise AdapterError(f"cannot read the adapter: {error}") from error
-
-
-def _fetch(
-    name_or_path: str | os.PathLike[str],
-    revision: str | None,
-    token: str | bool | None,
-    cache_dir: str | os.PathLike[str] | None,
-    local_files_only: bool,
-) -> tuple[str, Path, Path]:
-    """Where to read from (for messages), and the local paths of the config and the weights."""
-    if os.path.isdir(name_or_path):
-        folder = Path(name_or_path)
-        source = f"adapter folder {os.fspath(folder)!r}"
-        if not (folder / CONFIG_FILE).is_file():
-            raise AdapterError(f"{source} has no {CONFIG_FILE}: not a PEFT adapter")
-        if not (folder / WEIGHTS_FILE).is_file():
-            pickled = [name for name in _PICKLED_FILES if (folder / name).is_file()]
-            raise _no_safetensors(source, pickled)
-        return source, folder / CONFIG_FILE, folder / WEIGHTS_FILE
-
-    repo_id = os.fspath(name_or_path)
-    source = f"adapter repo {repo_id!r} at revision {revision or 'main'!r}"
-    cache = None if cache_dir is None else Path(cache_dir)
-    offline = local_files_only or is_offline_mode()
-    with _hub_errors(source):
-        # Pins both files to one commit, and lets cached files skip the Hub.
-        resolved = HfApi().resolve_revision(
-            repo_id, revision=revision, cache_dir=cache, local_files_only=offline, token=token
-        )
-
-    def fetch(filename: str) -> Path:
-        with _hub_errors(f"{source}, file {filename!r}"):
-            path = hf_hub_download(
-                repo_id,
-                filename,
-                revision=resolved,
-                cache_dir=cache,
-                token=token,
-                local_files_only=offline,
-            )
-        return Path(str(path))
-
-    config_path = _fetch_or(
-        fetch, CONFIG_FILE, f"{source} has no {CONFIG_FILE}: not a PEFT adapter"
-    )
-    try:
-        weights_path = fetch(WEIGHTS_FILE)
-    except CheckpointError as error:
-        if isinstance(error.__cause__, RemoteEntryNotFoundError):
-            pickled = [] if offline else _pickled_in_repo(repo_id, resolved.resolved, token, source)
-            raise _no_safetensors(source, pickled) from None
-        raise
-    return source, config_path, weights_path
-
-
-def _fetch_or(fetch: Callable[[str], Path], filename: str, missing: str) -> Path:
-    try:
-        return fetch(filename)
-    except CheckpointError as error:
-        if isinstance(error.__cause__, RemoteEntryNotFoundError):
-            raise AdapterError(missing) from error
-        if isinstance(error.__cause__, LocalEntryNotFoundError):
-            raise AdapterError(str(error)) from error
-        raise
-
-
-def _pickled_in_repo(
-    repo_id: str, revision: str, token: str | bool | None, source: str
-) -> list[str]:
-    api = HfApi()
-    with _hub_errors(source):
-        return [
-            name
-            for name in _PICKLED_FILES
-            if api.file_exists(repo_id, name, revision=revision, token=token)
-        ]
-
-
-def _no_safetensors(source: str, pickled: list[str]) -> AdapterError:
-    if pickled:
-        return AdapterError(
-            f"{source} holds only pickled adapter weights ({', '.join(pickled)}); petals_core "
-            f"loads {WEIGHTS_FILE} only, because unpickling runs arbitrary code. Convert it, e.g. "
-            "with peft: PeftModel.from_pretrained(...).save_pretrained(folder, "
-            "safe_serialization=True)"
-        )
-    return AdapterError(f"{source} has no {WEIGHTS_FILE}")
-
-
-def _parse_config_untrusted(data: bytes, source: str) -> _LoraConfig:
-    """Validate ``adapter_config.json``; anything a server cannot apply raises AdapterError."""
-    where = f"{source}, {CONFIG_FILE}"
-    try:
-        raw = json.loads(data)
-    except ValueError as error:
-        raise AdapterError(f"{where} is not valid JSON: {error}") from error
-    if not isinstance(raw, dict):
-        raise AdapterError(f"{where} is not a JSON object")
-    peft_type = raw.get("peft_type")
-    if peft_type != "LORA":
-        raise AdapterError(f"{where}: peft_type is {peft_type!r}; only 'LORA' adapters load")
-    rank = raw.get("r")
-    if not isinstance(rank, int) or isinstance(rank, bool) or rank <= 0:
-        raise AdapterError(f"{where}: r must be a positive integer, got {rank!r}")
-    alpha = raw.get("lora_alpha")
-    if not isinstance(alpha, int | float) or isinstance(alpha, bool) or not math.isfinite(alpha):
-        raise AdapterError(f"{where}: lora_alpha must be a finite number, got {alpha!r}")
-    use_rslora = raw.get("use_rslora", False)
-    if not isinstance(use_rslora, bool):
-        raise AdapterError(f"{where}: use_rslora must be true or false, got {use_rslora!r}")
-    bias = raw.get("bias", "none")
-    if bias != "none":
-        raise AdapterError(
-            f"{where}: bias is {bias!r}; only 'none' is supported (trained biases would replace "
-            "the base model's, which other requests share)"
-        )
-    refused = {
-        "fan_in_fan_out": "LLaMA and BLOOM layers are nn.Linear, so PEFT never sets it for them",
-        "use_dora": "DoRA adapters are not supported",
-        "lora_bias": "LoRA biases are not supported",
-    }
-    for key, why in refused.items():
-        if raw.get(key):
-            raise AdapterError(f"{where}: {key} is {raw[key]!r}; must be false ({why})")
-    for key in ("rank_pattern", "alpha_pattern"):
-        if raw.get(key):
-            raise AdapterError(
-                f"{where}: {key} is set; per-module ranks and alphas are not supported"
-            )
-    if raw.get("layer_replication"):
-        raise AdapterError(f"{where}: layer_replication is not supported")
-    if raw.get("target_parameters"):
-        raise AdapterError(f"{where}: target_parameters is not supported")
-    target_modules = _module_selector(raw.get("target_modules"), "target_modules", where)
-    if not target_modules:
-        raise AdapterError(f"{where}: target_modules names no module")
-    exclude = raw.get("exclude_modules")
-    exclude_modules = () if exclude is None else _module_selector(exclude, "exclude_modules", where)
-    layers = raw.get("layers_to_transform")
-    if layers is None:
-        layers_to_transform = None
-    elif isinstance(layers, int) and not isinstance(layers, bool):
-        layers_to_transform = frozenset({layers})
-    elif isinstance(layers, list) and all(
-        isinstance(i, int) and not isinstance(i, bool) for i in layers
-    ):
-        layers_to_transform = frozenset(layers)
-    else:
-        raise AdapterError(f"{where}: layers_to_transform must be an integer or a list of them")
-    return _LoraConfig(
-        rank=rank,
-        alpha=float(alpha),
-        use_rslora=use_rslora,
-        target_modules=target_modules,
-        exclude_modules=exclude_modules,
-        layers_to_transform=layers_to_transform,
-    )
-
-
-def _module_selector(value: object, key: str, where: str) -> str | tuple[str, ...]:
-    if isinstance(value, str):
-        try:
-            re.compile(value)
-        except re.error as error:
-            raise AdapterError(f"{where}: {key} is not a valid regex: {error}") from error
-        return value
-    if isinstance(value, list) and all(isinstance(item, str) for item in value):
-        return tuple(value)
-    raise AdapterError(f"{where}: {key} must be a list of module names or a regex string")
-
-
-def _selects(selector: str | tuple[str, ...], key: str) -> bool:
-    """PEFT's rule: a regex must match the whole module name; a name, it or its dotted suffix."""
-    if isinstance(selector, str):
-        return re.fullmatch(selector, key) is not None
-    return any(key == name or key.endswith("." + name) for name in selector)
-
-
-def _targets(
-    lora: _LoraConfig, family: _Family, num_blocks: int, source: str
-) -> dict[int, frozenset[str]]:
-    """For every block of the model, the module paths the adapter has weights for."""
-    selector = lora.target_modules
-    if selector == _ALL_LINEAR:
-        selector = family.linears
-    elif isinstance(selector, str) and not any(
-        re.fullmatch(selector, f"{family.module_prefix}{i}.{path}")
-        for i in range(num_blocks)
-        for path in family.linears
-    ):
-        raise AdapterError(
-            f"{source}: target_modules regex {selector!r} matches no module of {family.label} "
-            f"blocks (named {family.module_prefix}N.{{{', '.join(family.linears)}}})"
-        )
-    if isinstance(selector, tuple):
-        every_key = [
-            f"{family.module_prefix}{i}.{path}"
-            for i in range(num_blocks)
-            for path in family.linears
-        ]
-        unknown = [
-            name for name in selector if not any(_selects((name,), key) for key in every_key)
-        ]
-        if unknown:
-            raise AdapterError(
-                f"{source}: unknown target modules {unknown} for {family.label} blocks; "
-                f"known: {', '.join(family.linears)}"
-            )
-    targets: dict[int, frozenset[str]] = {}
-    for i in range(num_blocks):
-        if lora.layers_to_transform is not None and i not in lora.layers_to_transform:
-            targets[i] = frozenset()
-            continue
-        keys = {path: f"{family.module_prefix}{i}.{path}" for path in family.linears}
-        targets[i] = frozenset(
-            path
-            for path, key in keys.items()
-            if _selects(selector, key) and not _selects(lora.exclude_modules, key)
-        )
-    if not any(targets.values()):
-        raise AdapterError(f"{source}: the config targets no module of any block")
-    return targets
-
-
-def _read_weights(
-    path: Path,
-    family: _Family,
-    lora: _LoraConfig,
-    expected: Mapping[int, frozenset[str]],
-    indices: list[int],
-    source: str,
-    dtype: torch.dtype | None,
-) -> dict[int, dict[str, tuple[torch.Tensor, torch.Tensor]]]:
-    """The (A, B) pairs of the requested blocks; other blocks' tensors are never read."""
-    block_re = re.compile(
-        rf"(?:base_model\.model\.)?{family.stored_prefix}(?P<index>\d+)\.(?P<rest>.+)"
-    )
-    lora_re = re.compile(r"(?P<module>.+)\.lora_(?P<which>[AB])(?:\.[^.]+)?\.weight")
-    wanted = set(indices)
-    where = f"{source}, file {WEIGHTS_FILE!r}"
-    with _unreadable(where), safe_open(path, framework="pt") as file:
-        names: dict[tuple[int, str, str], str] = {}  # (block, module, "A"|"B") -> stored name
-        stored_names = file.keys()
-        for stored in stored_names:
-            block = block_re.fullmatch(stored)
-            if block is None or int(block["index"]) not in wanted:
-                continue  # another block's, or outside the blocks (modules_to_save: the client's)
-            index = int(block["index"])
-            tensor = lora_re.fullmatch(block["rest"])
-            if tensor is None:
-                raise AdapterError(
-                    f"{where}: tensor {stored!r} is not a LoRA weight (lora_A or lora_B) that a "
-                    "server can apply"
-                )
-            key = (index, tensor["module"], tensor["which"])
-            if key in names:
-                raise AdapterError(
-                    f"{where}: both {names[key]!r} and {stored!r} hold the same weight"
-                )
-            names[key] = stored
-        weights: dict[int, dict[str, tuple[torch.Tensor, torch.Tensor]]] = {}
-        for index in indices:
-            found = {module for (i, module, _) in names if i == index}
-            unknown = sorted(found.difference(family.linears))
-            if unknown:
-                raise AdapterError(
-                    f"{where}: block {index} has weights for unknown modules {unknown}; "
-                    f"{family.label} blocks have {', '.join(family.linears)}"
-                )
-            untargeted = sorted(found - expected[index])
-            if untargeted:
-                raise AdapterError(
-                    f"{where}: block {index} has weights for {untargeted}, which the config does "
-                    "not target"
-                )
-            weights[index] = {}
-            for module in sorted(expected[index]):
-                pair = []
-                for which in ("A", "B"):
-                    stored_name = names.get((index, module, which))
-                    if stored_name is None:
-                        raise AdapterError(
-                            f"{where}: block {index}, module {module!r} lacks lora_{which}"
-                        )
-                    pair.append(_tensor(file.get_tensor(stored_name), stored_name, where, dtype))
-                a, b = pair
-                if (
-                    a.dim() != 2
-                    or b.dim() != 2
-                    or a.shape[0] != lora.rank
-                    or b.shape[1] != lora.rank
-                ):
-                    raise AdapterError(
-                        f"{where}: block {index}, module {module!r}: lora_A is {tuple(a.shape)} "
-                        f"and lora_B {tuple(b.shape)}, not (r, in) and (out, r) with "
-                        f"r={lora.rank}"
-                    )
-                weights[index][module] = (a, b)
-    return weights
-
-
-def _tensor(tensor: torch.Tensor, name: str, where: str, dtype: torch.dtype | None) -> torch.Tensor:
-    if not tensor.is_floating_point():
-        raise AdapterError(f"{where}: {name!r} is {tensor.dtype}, not floating point")
-    return tensor if dtype is None else tensor.to(dtype)

@@ -54,6 +54,7 @@ import outcome
 import trio
 
 from .._errors import ConfigError, ServerError
+from .._groups import open_block_nursery
 
 __all__ = ["Priority", "TaskPool", "TaskPoolStatistics", "open_task_pool"]
 
@@ -431,12 +432,6 @@ class TaskPool:
         self._idle.unpark_all()
 
 
-def _only_cancellation(exc: BaseException) -> bool:
-    if isinstance(exc, BaseExceptionGroup):
-        return exc.split(trio.Cancelled)[1] is None
-    return isinstance(exc, trio.Cancelled)
-
-
 @asynccontextmanager
 async def open_task_pool(
     *,
@@ -484,22 +479,12 @@ async def open_task_pool(
         max_batch_size=max_batch_size,
         shared_inference=shared_inference,
     )
-    # The block's own exception is raised as it is, not wrapped in the nursery's group.
-    raised: BaseException | None = None
-    try:
-        async with trio.open_nursery() as nursery:
-            for index in range(workers):
-                nursery.start_soon(pool._worker, index < reserved_workers)
-            try:
-                yield pool
-            except BaseException as exc:
-                raised = exc
-            finally:
-                pool._close()
-    except BaseException as exc:
-        # Cancelled from outside, the idle workers leave by Cancelled; the block's own error, if
-        # it had one, is what the caller must see.
-        if raised is None or not _only_cancellation(exc):
-            raise
-    if raised is not None:
-        raise raised
+    # The block's own exception is raised as it is, not wrapped in the nursery's group; cancelled
+    # from outside, the idle workers leave by Cancelled.
+    async with open_block_nursery() as nursery:
+        for index in range(workers):
+            nursery.start_soon(pool._worker, index < reserved_workers)
+        try:
+            yield pool
+        finally:
+            pool._close()

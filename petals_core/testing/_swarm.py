@@ -20,6 +20,8 @@ from typing import Final
 import attrs
 import trio
 
+from .._groups import raising_single_error
+
 __all__ = ["LocalSwarm", "SwarmProcess", "fixed_server_args", "open_local_swarm"]
 
 DHT_READY: Final = "DHT node listening on "
@@ -129,7 +131,9 @@ async def open_local_swarm(
     }
     bootstrap: SwarmProcess | None = None
     swarm: LocalSwarm | None = None
-    try:
+    # The nursery wraps what is raised inside it (a process that failed to start, or the caller's
+    # own error from the block): raise that itself, as documented.
+    with raising_single_error():
         async with trio.open_nursery() as nursery:
             try:
                 bootstrap = await _start(
@@ -153,17 +157,6 @@ async def open_local_swarm(
                     if bootstrap is not None:
                         await bootstrap.stop(stop_timeout_s)
                 nursery.cancel_scope.cancel()
-    except BaseExceptionGroup as group:
-        # The nursery wraps what is raised inside it (a process that failed to start, or the
-        # caller's own error from the block): raise that itself, as documented.
-        if len(group.exceptions) != 1:
-            raise
-        error = group.exceptions[0]
-        context = error.__context__  # raising it here would set the group as its context
-        try:
-            raise error
-        finally:
-            error.__context__ = context
 
 
 async def _start(

@@ -39,16 +39,19 @@ from .._errors import (
     TransportError as TransportError,
 )
 from ._codec import (
-    CodecLimits as CodecLimits,
-    Compressed as Compressed,
     FrameDecoder as FrameDecoder,
-    RawTensor as RawTensor,
-    compress as compress,
     decode_message_untrusted as decode_message_untrusted,
     encode_frame as encode_frame,
     encode_message as encode_message,
 )
+from ._codec_format import CodecLimits as CodecLimits
+from ._codec_tensors import (
+    Compressed as Compressed,
+    RawTensor as RawTensor,
+    compress as compress,
+)
 from ._config import ALPN as ALPN, TransportConfig as TransportConfig
+from ._connection import Connection as Connection, Stream as Stream
 from ._identity import (
     Identity as Identity,
     PeerID as PeerID,
@@ -56,13 +59,7 @@ from ._identity import (
     verify_signature as verify_signature,
 )
 from ._multiaddr import Multiaddr as Multiaddr, dialable_multiaddrs as dialable_multiaddrs
-from ._node import (
-    Connection as Connection,
-    Node as Node,
-    NodeStatistics as NodeStatistics,
-    Stream as Stream,
-    open_node as open_node,
-)
+from ._node import Node as Node, NodeStatistics as NodeStatistics, open_node as open_node
 from ._rpc import (
     Call as Call,
     Handlers as Handlers,

@@ -6,7 +6,7 @@ import attrs
 from attrs import validators as v
 
 from .._validators import at_least, in_range, one_of, positive, positive_or_none
-from ._codec import CodecLimits
+from ._codec_format import CodecLimits
 
 __all__ = ["ALPN", "TransportConfig"]
 

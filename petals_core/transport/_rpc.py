@@ -27,10 +27,12 @@ from .._errors import (
     RemoteProtocolError,
     TransportError,
 )
-from ._codec import CodecLimits, FrameDecoder, decode_message_untrusted, encode_frame
+from ._codec import FrameDecoder, decode_message_untrusted, encode_frame
+from ._codec_format import CodecLimits
+from ._connection import Connection, Stream
 from ._endpoint import APP_CANCELLED, APP_PROTOCOL
 from ._identity import PeerID
-from ._node import Connection, Node, Stream
+from ._node import Node
 
 __all__ = ["Call", "Handlers", "ServerCall", "call_unary", "open_call", "serve_rpc"]
 
@@ -160,14 +162,7 @@ class Call:
         return _unwrap(envelope, self.method)
 
     def __aiter__(self) -> AsyncIterator[Message]:
-        return self._iterate()
-
-    async def _iterate(self) -> AsyncIterator[Message]:
-        while True:
-            try:
-                yield await self.receive()
-            except CallEnded:
-                return
+        return _until_ended(self.receive)
 
 
 @asynccontextmanager
@@ -250,14 +245,16 @@ class ServerCall:
         return message
 
     def __aiter__(self) -> AsyncIterator[Message]:
-        return self._iterate()
+        return _until_ended(self.receive)
 
-    async def _iterate(self) -> AsyncIterator[Message]:
-        while True:
-            try:
-                yield await self.receive()
-            except CallEnded:
-                return
+
+async def _until_ended(receive: Callable[[], Awaitable[Message]]) -> AsyncIterator[Message]:
+    """The messages ``receive`` returns until it raises :class:`CallEnded`."""
+    while True:
+        try:
+            yield await receive()
+        except CallEnded:
+            return
 
 
 class Handlers:

@@ -15,6 +15,7 @@ import attrs
 import pytest
 
 from petals_core._errors import ConfigError, LocalProtocolError
+from petals_core.dht import Record, RecordStore, ServerInfo, ServerState
 from petals_core.dht._gossip import (
     Action,
     Digest,
@@ -25,7 +26,6 @@ from petals_core.dht._gossip import (
     Want,
     build_snapshot,
 )
-from petals_core.dht._records import Record, RecordStore, ServerInfo, ServerState
 from petals_core.transport._identity import Identity
 
 NOW = 1_700_000_000.0

@@ -15,10 +15,10 @@ from hypothesis import given, settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from petals_core._errors import CodecError, ConfigError, LocalProtocolError
+from petals_core.dht import RecordStore
 from petals_core.dht._records import (
     Entry,
     Record,
-    RecordStore,
     ServerInfo,
     ServerState,
     StoredValue,
@@ -28,7 +28,7 @@ from petals_core.dht._records import (
     merge,
     merge_records,
 )
-from petals_core.transport._codec import decode_message_untrusted, encode_message
+from petals_core.transport import decode_message_untrusted, encode_message
 from petals_core.transport._identity import Identity
 
 NOW = 1_700_000_000.0
@@ -637,7 +637,7 @@ def test_server_info_from_peer_bytes_raises_only_codec_error(data: bytes, draw: 
 
 
 def test_records_import_no_torch() -> None:
-    code = "import sys, petals_core.dht._records\nprint('torch' in sys.modules)"
+    code = "import sys, petals_core.dht._record_store\nprint('torch' in sys.modules)"
     result = subprocess.run(
         [sys.executable, "-c", code], check=True, timeout=120, capture_output=True, text=True
     )

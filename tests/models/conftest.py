@@ -90,6 +90,13 @@ def tiny_bloom_config(**overrides: Any) -> BloomConfig:
     return BloomConfig(**settings)
 
 
+@pytest.fixture
+def llama_config() -> LlamaConfig:
+    config = tiny_llama_config()
+    assert config.num_key_value_heads == 2 < config.num_attention_heads  # GQA
+    return config
+
+
 @pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> TinyCheckpoint:
     """A 6-block LLaMA with an untied LM head, in several shards."""

@@ -80,6 +80,18 @@ def _one_by_one(
         return [block(h, cache=c) for h, c in zip(steps, caches, strict=True)]
 
 
+def _batched_and_one_by_one(
+    block: Block, specs: list[Spec], seed: int
+) -> tuple[list[torch.Tensor], list[torch.Tensor], list[KVCache], list[KVCache]]:
+    """One step of each session of ``specs`` through ``forward_many``, and the same steps one
+    session at a time on twin caches: (batched outputs, one-by-one outputs, caches, twins)."""
+    caches = _sessions(block, specs, seed=seed)
+    twins = [twin_cache(cache) for cache in caches]
+    steps = _steps(specs, seed=seed + 1)
+    expected = _one_by_one(block, steps, twins)
+    return block.forward_many(steps, caches), expected, caches, twins
+
+
 def _assert_caches_close(got: list[KVCache], expected: list[KVCache]) -> None:
     for ours, theirs in zip(got, expected, strict=True):
         assert ours.length == theirs.length
@@ -124,11 +136,7 @@ def test_forward_many_equals_one_by_one(block_name: str, spec_name: str) -> None
 )
 def test_any_mix_of_sessions_equals_one_by_one(specs: list[Spec], family: str) -> None:
     block = _block(family)
-    caches = _sessions(block, specs, seed=3)
-    twins = [twin_cache(cache) for cache in caches]
-    steps = _steps(specs, seed=4)
-    expected = _one_by_one(block, steps, twins)
-    got = block.forward_many(steps, caches)
+    got, expected, caches, twins = _batched_and_one_by_one(block, specs, seed=3)
     for ours, theirs in zip(got, expected, strict=True):
         torch.testing.assert_close(ours, theirs, **TOL)
     _assert_caches_close(caches, twins)
@@ -241,11 +249,7 @@ def test_quantised_block(block_name: str, quant_type: QuantType) -> None:
     block = _block(block_name)
     quantize_block(block, quant_type)  # in place
     specs: list[Spec] = [(5, 1, 1), (0, 2, 3), (9, 2, 1), (2, 1, 1)]
-    caches = _sessions(block, specs, seed=11)
-    twins = [twin_cache(cache) for cache in caches]
-    steps = _steps(specs, seed=12)
-    expected = _one_by_one(block, steps, twins)
-    got = block.forward_many(steps, caches)
+    got, expected, caches, twins = _batched_and_one_by_one(block, specs, seed=11)
     for ours, theirs in zip(got, expected, strict=True):
         if quant_type == "nf4":
             torch.testing.assert_close(ours, theirs, **TOL)

@@ -18,19 +18,18 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from petals_core._errors import CodecError
-from petals_core.transport._codec import (
-    DEFAULT_LIMITS,
-    DTYPES,
+from petals_core.transport import (
     CodecLimits,
     Compressed,
     FrameDecoder,
     RawTensor,
-    _TagDecoders,
     compress,
     decode_message_untrusted,
     encode_frame,
     encode_message,
 )
+from petals_core.transport._codec import _TagDecoders
+from petals_core.transport._codec_format import DEFAULT_LIMITS, DTYPES
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 TENSOR_TAG = 42_000
@@ -193,7 +192,7 @@ def test_codec_works_without_torch() -> None:
     script = """
 import sys
 sys.modules["torch"] = None  # any attempt to import torch now fails
-import petals_core.transport._codec as codec
+import petals_core.transport as codec
 
 raw = codec.RawTensor("float16", (2, 2), bytes(8))
 squeezed = codec.RawTensor("float32", (3,), bytes(6), compression="float16")

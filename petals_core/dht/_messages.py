@@ -1,0 +1,90 @@
+"""What the DHT's requests and replies carry: contacts, records, keys and the caller's address.
+
+Readers of what a peer sent end in ``_untrusted`` and raise :class:`CodecError` only: a request
+that fails them is refused, and a reply that fails them counts as the peer's failure.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from collections.abc import Iterable
+from typing import Any, Final
+
+from .._errors import CodecError, ConfigError
+from ..transport import Multiaddr, PeerID
+from ._records import Record, decode_record_untrusted
+from ._routing import NODE_ID_BITS, Contact, NodeID
+
+__all__ = ["MAX_RECORDS_PER_REQUEST"]
+
+#: Records one STORE request may carry.
+MAX_RECORDS_PER_REQUEST: Final = 64
+#: Contacts we read from one reply (a peer returns at most its ``k``; more is padding).
+_MAX_CONTACTS_PER_REPLY: Final = 64
+_NODE_ID_BYTES: Final = NODE_ID_BITS // 8
+
+
+def encode_contacts(contacts: Iterable[Contact]) -> list[list[str]]:
+    return [[str(contact.peer_id), contact.address] for contact in contacts]
+
+
+def decode_contacts_untrusted(obj: object, now: float) -> list[Contact]:
+    if not isinstance(obj, list) or len(obj) > _MAX_CONTACTS_PER_REPLY:
+        raise CodecError(f"contacts are a list of at most {_MAX_CONTACTS_PER_REPLY}")
+    contacts = []
+    for item in obj:
+        if not (
+            isinstance(item, list) and len(item) == 2 and all(isinstance(x, str) for x in item)
+        ):
+            raise CodecError("a contact is [peer_id, multiaddr]")
+        try:
+            peer_id = PeerID.from_string(item[0])
+            address = Multiaddr.parse(item[1]).with_peer_id(peer_id)
+        except (ConfigError, ValueError, TypeError) as exc:
+            raise CodecError(f"invalid contact {item!r}: {exc}") from None
+        contacts.append(Contact.from_peer_id(peer_id, str(address), last_seen=now))
+    return contacts
+
+
+def decode_records_untrusted(obj: object) -> list[Record]:
+    if not isinstance(obj, list) or len(obj) > MAX_RECORDS_PER_REQUEST:
+        raise CodecError(f"records are a list of at most {MAX_RECORDS_PER_REQUEST}")
+    return [decode_record_untrusted(item) for item in obj]
+
+
+def key_untrusted(request: dict[str, Any]) -> str:
+    key = request.get("key")
+    if not isinstance(key, str) or not key:
+        raise CodecError("'key' must be a non-empty str")
+    return key
+
+
+def target_untrusted(request: dict[str, Any]) -> NodeID:
+    target = request.get("target")
+    if not isinstance(target, bytes) or len(target) != _NODE_ID_BYTES:
+        raise CodecError(f"'target' must be {_NODE_ID_BYTES} bytes")
+    return NodeID.from_bytes(target)
+
+
+def caller_contact_untrusted(
+    request: dict[str, Any], peer_id: PeerID, remote_host: str, now: float
+) -> Contact | None:
+    """The caller of ``request`` (``peer_id``, as its connection proved, calling from
+    ``remote_host``) as a contact for the routing table; None for a client-mode caller, which
+    serves nothing."""
+    if request.get("client") is True:
+        return None
+    address = request.get("address")
+    if not isinstance(address, str):
+        raise CodecError("a request carries 'address' (a multiaddr str) or 'client': true")
+    try:
+        maddr = Multiaddr.parse(address)
+    except ConfigError as exc:
+        raise CodecError(f"invalid 'address': {exc}") from None
+    if maddr.peer_id not in (None, peer_id):
+        raise CodecError("'address' names a PeerID other than the caller's")
+    if ipaddress.ip_address(maddr.host).is_unspecified:
+        # A node listening on every interface (0.0.0.0 / ::) cannot know which of its
+        # addresses we reach it by: the one its request came from, with its port.
+        maddr = Multiaddr.from_socket_address(remote_host, maddr.port)
+    return Contact.from_peer_id(peer_id, str(maddr.with_peer_id(peer_id)), last_seen=now)

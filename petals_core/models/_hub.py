@@ -1,0 +1,155 @@
+"""Files of Hub repos for checkpoints and adapters, and their failures as :class:`CheckpointError`.
+
+A :class:`HubRepo` resolves its revision to a commit once (``HfApi.resolve_revision``); every file
+then comes from that commit through ``hf_hub_download``, with its cache, its offline mode
+(``HF_HUB_OFFLINE``, ``local_files_only``) and its endpoint (``HF_ENDPOINT``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+import attrs
+from huggingface_hub import (
+    _CACHED_NO_EXIST,
+    HfApi,
+    ResolvedRevision,
+    hf_hub_download,
+    is_offline_mode,
+    try_to_load_from_cache,
+)
+from huggingface_hub.errors import (
+    EntryNotFoundError,
+    HfHubHTTPError,
+    HFValidationError,
+    LocalEntryNotFoundError,
+    OfflineModeIsEnabled,
+    RemoteEntryNotFoundError,
+    RepositoryNotFoundError,
+    RevisionNotFoundError,
+    RevisionResolutionError,
+)
+from safetensors import SafetensorError
+
+from .._errors import CheckpointError
+
+__all__ = ["HubRepo", "hub_errors", "unreadable"]
+
+
+@attrs.frozen(kw_only=True)
+class HubRepo:
+    """A Hub repo's files at one commit; build it with :meth:`resolve`."""
+
+    repo_id: str
+    source: str  # for messages: "repo 'a/b' at revision 'main'"
+    revision: ResolvedRevision
+    cache_dir: Path | None
+    token: str | bool | None
+    #: Files come from the local cache only.
+    offline: bool
+
+    @classmethod
+    def resolve(
+        cls,
+        repo_id: str,
+        *,
+        source: str,
+        revision: str | None,
+        token: str | bool | None,
+        cache_dir: str | os.PathLike[str] | None,
+        local_files_only: bool,
+    ) -> HubRepo:
+        cache = None if cache_dir is None else Path(cache_dir)
+        offline = local_files_only or is_offline_mode()
+        with hub_errors(source):
+            # Pins every file of this repo to one commit, and lets cached files skip the Hub.
+            resolved = HfApi().resolve_revision(
+                repo_id, revision=revision, cache_dir=cache, local_files_only=offline, token=token
+            )
+        return cls(
+            repo_id=repo_id,
+            source=source,
+            revision=resolved,
+            cache_dir=cache,
+            token=token,
+            offline=offline,
+        )
+
+    def fetch(self, filename: str) -> Path:
+        """The local path of ``filename``, downloaded if it is not cached yet."""
+        with hub_errors(f"{self.source}, file {filename!r}"):
+            path = hf_hub_download(
+                self.repo_id,
+                filename,
+                revision=self.revision,
+                cache_dir=self.cache_dir,
+                token=self.token,
+                local_files_only=self.offline,
+            )
+        return Path(str(path))
+
+    def cached_as_absent(self, filename: str) -> bool:
+        """Whether the cache remembers that the commit lacks ``filename``."""
+        cached = try_to_load_from_cache(
+            self.repo_id, filename, cache_dir=self.cache_dir, revision=self.revision.resolved
+        )
+        return cached is _CACHED_NO_EXIST
+
+    def present(self, filenames: Iterable[str]) -> list[str]:
+        """Which of ``filenames`` the commit holds, asking the Hub (none when offline)."""
+        if self.offline:
+            return []
+        api = HfApi()
+        with hub_errors(self.source):
+            return [
+                name
+                for name in filenames
+                if api.file_exists(
+                    self.repo_id, name, revision=self.revision.resolved, token=self.token
+                )
+            ]
+
+
+@contextlib.contextmanager
+def unreadable(what: str) -> Iterator[None]:
+    """A file that is not safetensors (or is cut short) raises :class:`CheckpointError`."""
+    try:
+        yield
+    except (OSError, SafetensorError) as error:
+        raise CheckpointError(f"{what} cannot be read: {error}") from error
+
+
+@contextlib.contextmanager
+def hub_errors(what: str) -> Iterator[None]:
+    """Translate huggingface_hub's failures into :class:`CheckpointError`, chained."""
+    try:
+        yield
+    except (
+        EntryNotFoundError,
+        HfHubHTTPError,
+        HFValidationError,
+        OfflineModeIsEnabled,
+        RevisionResolutionError,
+    ) as error:
+        raise CheckpointError(f"{what}: {_hub_failure(error)}") from error
+
+
+def _hub_failure(error: Exception) -> str:
+    unreachable = "the Hub cannot be reached (offline mode, local_files_only, or a network failure)"
+    if isinstance(error, RepositoryNotFoundError):  # also gated repos without a token
+        return "no such repo on the Hub, or it is private or gated and needs a token"
+    if isinstance(error, RevisionNotFoundError):
+        return "no such revision in the repo"
+    if isinstance(error, RemoteEntryNotFoundError):
+        return "no such file in the repo"
+    if isinstance(error, LocalEntryNotFoundError):
+        return f"not in the local cache, and {unreachable}"
+    if isinstance(error, RevisionResolutionError | OfflineModeIsEnabled):
+        return f"the revision is not in the local cache, and {unreachable}"
+    if isinstance(error, HFValidationError):
+        return f"neither a local folder nor a valid repo id ({error})"
+    lines = [line for line in str(error).splitlines() if line.strip()]
+    return " ".join(lines[:2]) or type(error).__name__

@@ -1,0 +1,101 @@
+"""What DHT requests and replies carry: contacts, records, keys, targets and the caller's address,
+read back from a peer with CodecError as the only error."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from petals_core._errors import CodecError
+from petals_core.dht import NodeID, Record, encode_record
+from petals_core.dht._messages import (
+    MAX_RECORDS_PER_REQUEST,
+    caller_contact_untrusted,
+    decode_contacts_untrusted,
+    decode_records_untrusted,
+    encode_contacts,
+    key_untrusted,
+    target_untrusted,
+)
+from petals_core.dht._routing import Contact
+from petals_core.transport import Identity, Multiaddr
+
+PEER = Identity.generate().peer_id
+OTHER = Identity.generate().peer_id
+
+
+def test_contacts_round_trip() -> None:
+    contact = Contact.from_peer_id(
+        PEER, f"/ip4/10.0.0.2/udp/4001/quic-v1/p2p/{PEER}", last_seen=5.0
+    )
+    assert decode_contacts_untrusted(encode_contacts([contact]), 5.0) == [contact]
+
+
+@pytest.mark.parametrize(
+    "contacts",
+    [
+        "nope",
+        [["only one"]],
+        [[str(PEER), 7]],
+        [["not a peer id", "/ip4/10.0.0.2/udp/4001/quic-v1"]],
+        [[str(PEER), "/ip4/10.0.0.2/tcp/4001"]],
+        [[str(PEER), "/ip4/10.0.0.2/udp/4001/quic-v1"]] * 65,
+    ],
+)
+def test_bad_contacts_are_codec_errors(contacts: object) -> None:
+    with pytest.raises(CodecError):
+        decode_contacts_untrusted(contacts, 0.0)
+
+
+def test_records_are_bounded_per_request() -> None:
+    encoded = encode_record(Record("k", None, b"v", 100.0))
+    assert decode_records_untrusted([encoded]) == [Record("k", None, b"v", 100.0)]
+    with pytest.raises(CodecError, match="at most"):
+        decode_records_untrusted([encoded] * (MAX_RECORDS_PER_REQUEST + 1))
+    with pytest.raises(CodecError):
+        decode_records_untrusted("nope")
+
+
+@pytest.mark.parametrize("request_", [{}, {"key": ""}, {"key": 3}])
+def test_a_key_is_a_non_empty_string(request_: dict[str, Any]) -> None:
+    with pytest.raises(CodecError, match="'key'"):
+        key_untrusted(request_)
+    assert key_untrusted({"key": "model.0"}) == "model.0"
+
+
+@pytest.mark.parametrize("target", [None, b"short", "a" * 20, bytes(21)])
+def test_a_target_is_a_node_id(target: object) -> None:
+    with pytest.raises(CodecError, match="'target'"):
+        target_untrusted({"target": target})
+    node_id = NodeID.from_key("model.0")
+    assert target_untrusted({"target": node_id.to_bytes()}) == node_id
+
+
+def test_the_caller_is_noted_where_it_listens() -> None:
+    request = {"address": "/ip4/10.0.0.2/udp/4001/quic-v1"}
+    contact = caller_contact_untrusted(request, PEER, "10.0.0.2", 3.0)
+    assert contact == Contact.from_peer_id(
+        PEER, f"/ip4/10.0.0.2/udp/4001/quic-v1/p2p/{PEER}", last_seen=3.0
+    )
+    # A node listening on every interface is reached at the address its request came from.
+    wildcard = caller_contact_untrusted(
+        {"address": "/ip4/0.0.0.0/udp/4001/quic-v1"}, PEER, "192.0.2.7", 3.0
+    )
+    assert wildcard is not None
+    assert Multiaddr.parse(wildcard.address).host == "192.0.2.7"
+    assert caller_contact_untrusted({"client": True}, PEER, "10.0.0.2", 3.0) is None
+
+
+@pytest.mark.parametrize(
+    "request_",
+    [
+        {},
+        {"address": 7},
+        {"address": "not a multiaddr"},
+        {"address": f"/ip4/10.0.0.2/udp/4001/quic-v1/p2p/{OTHER}"},
+    ],
+)
+def test_a_caller_without_a_valid_address_is_refused(request_: dict[str, Any]) -> None:
+    with pytest.raises(CodecError):
+        caller_contact_untrusted(request_, PEER, "10.0.0.2", 0.0)
