@@ -61,7 +61,7 @@ from transformers import (
 from transformers.utils import logging as hf_logging
 
 from petals_core.models import BloomBlock, LlamaBlock
-from petals_core.server import INFERENCE
+from petals_core.protocol import INFERENCE
 from petals_core.testing import LocalSwarm, fixed_server_args, open_local_swarm
 from petals_core.transport import open_call, open_node
 

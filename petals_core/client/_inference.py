@@ -29,8 +29,8 @@ import torch
 import trio
 
 from .._errors import PetalsError, RemoteError, ServerError, TransportError
+from ..protocol import INFERENCE
 from ..routing import RemoteSequenceManager, RouteSpan
-from ..server._protocol import INFERENCE
 from ..transport import Call, open_call
 from ._placement import describe, like, to_wire
 

@@ -24,8 +24,8 @@ import torch
 import trio
 
 from .._errors import PetalsError
+from ..protocol import BACKWARD, FORWARD, receive_tensors, send_tensors
 from ..routing import RemoteSequenceManager, RouteSpan
-from ..server._protocol import BACKWARD, FORWARD, receive_tensors, send_tensors
 from ..transport import open_call
 from ._inference import RETRIABLE
 from ._placement import like, to_wire

@@ -36,11 +36,11 @@ Scheduling: single-step work of different sessions over the same blocks and adap
 processed in chunks, each a separate job, so that a long prefill never holds up other sessions.
 
 **Forward / backward** (``petals.forward`` / ``petals.backward``): tensors sent in parts (see
-``_protocol``): meta ``{"blocks", "active_adapter", "points"}`` with ``hidden_states`` (and
-``grad_outputs`` for backward, ``prompts`` optionally), below inference steps in priority.  A
-forward runs each block as its own job.  A backward recomputes its span's forward with autograd,
-in groups of blocks whose graphs fit ``backward_activation_bytes`` (one group: no extra forward),
-then returns ``grad_inputs`` (and ``grad_prompts``).
+:mod:`petals_core.protocol`): meta ``{"blocks", "active_adapter", "points"}`` with
+``hidden_states`` (and ``grad_outputs`` for backward, ``prompts`` optionally), below inference
+steps in priority.  A forward runs each block as its own job.  A backward recomputes its span's
+forward with autograd, in groups of blocks whose graphs fit ``backward_activation_bytes`` (one
+group: no extra forward), then returns ``grad_inputs`` (and ``grad_prompts``).
 
 A forward whose meta says ``"keep_for_backward": true`` may instead run with autograd and keep
 its graph (estimated bytes within ``backward_activation_bytes`` and, with the other kept graphs,
@@ -67,10 +67,10 @@ import trio
 
 from .._errors import AdapterError, CallEnded, CodecError, ServerError, TransportError
 from ..models import KVCache
+from ..protocol import BACKWARD, FORWARD, INFERENCE, INFO, PUSH, receive_tensors, send_tensors
 from ..transport import Call, Connection, Handlers, ServerCall, open_call
 from ._backend import BlockBackend, Graph
 from ._memory_cache import MemoryCache
-from ._protocol import BACKWARD, FORWARD, INFERENCE, INFO, PUSH, receive_tensors, send_tensors
 from ._task_pool import Priority, TaskPool
 
 __all__ = ["BlockServer", "ServingLimits"]

@@ -18,7 +18,8 @@ import trio
 from petals_core import RemoteError
 from petals_core._errors import PeerUnreachable
 from petals_core.client import InferenceSession, RemoteSequential
-from petals_core.server import INFERENCE, PUSH, Server
+from petals_core.protocol import INFERENCE, PUSH
+from petals_core.server import Server
 from petals_core.transport import Connection, open_call, open_node
 
 from ._swarm_helpers import (

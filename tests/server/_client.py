@@ -15,19 +15,16 @@ import torch
 from transformers import LlamaConfig
 
 from petals_core.models import KVCache, LlamaBlock
-from petals_core.server import (
+from petals_core.protocol import (
     BACKWARD,
+    DEFAULT_CHUNK_BYTES,
     FORWARD,
     INFERENCE,
     INFO,
-    Server,
-    ServerConfig,
-    ServingLimits,
-    open_server,
     receive_tensors,
     send_tensors,
 )
-from petals_core.server._protocol import DEFAULT_CHUNK_BYTES
+from petals_core.server import Server, ServerConfig, ServingLimits, open_server
 from petals_core.transport import Call, CallEnded, Connection, call_unary, open_call, open_node
 
 from ..models.conftest import TinyCheckpoint

@@ -11,7 +11,8 @@ import torch
 import trio
 
 from petals_core import RemoteError
-from petals_core.server import INFERENCE, ServingLimits
+from petals_core.protocol import INFERENCE
+from petals_core.server import ServingLimits
 from petals_core.transport import Connection, open_call, open_node
 
 from ..models.conftest import TinyCheckpoint

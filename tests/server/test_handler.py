@@ -16,7 +16,8 @@ import torch
 import trio
 
 from petals_core import RemoteError
-from petals_core.server import BACKWARD, FORWARD, INFERENCE, ServingLimits, send_tensors
+from petals_core.protocol import BACKWARD, FORWARD, INFERENCE, send_tensors
+from petals_core.server import ServingLimits
 from petals_core.transport import Connection, open_call
 
 from ..models.conftest import TinyCheckpoint
