@@ -51,3 +51,9 @@ def test_model_code_knows_nothing_of_the_network(module: str) -> None:
 def test_kernels_import_no_triton_on_cpu() -> None:
     # Triton is loaded only when a CUDA tensor first needs a kernel.
     assert _imported_after("petals_core.kernels", ("triton",)) == []
+
+
+def test_the_client_loads_neither_the_server_nor_the_models() -> None:
+    # The messages it shares with servers come from petals_core.protocol.
+    watched = ("petals_core.server", "petals_core.models", "transformers", "triton")
+    assert _imported_after("petals_core.client", watched) == []
