@@ -18,12 +18,21 @@ from typing import Any
 
 import attrs
 
-from ..protocol import BACKWARD, FORWARD, INFERENCE, INFO, PUSH
+from ..protocol import (
+    BACKWARD,
+    FORWARD,
+    INFERENCE,
+    INFO,
+    PUSH,
+    TENSOR_DTYPES,
+    InfoReply,
+    InfoRequest,
+)
 from ..transport import Connection, Handlers, ServerCall
 from ._backend import BlockBackend
 from ._inference import InferenceHandlers
 from ._memory_cache import MemoryCache
-from ._serving import ALLOWED_DTYPES, Serving
+from ._serving import Serving
 from ._task_pool import TaskPool
 from ._training import TrainingHandlers
 
@@ -183,20 +192,21 @@ class BlockServer:
         return handlers
 
     async def _info(self, request: dict[str, Any], call: ServerCall) -> dict[str, Any]:
+        InfoRequest.from_wire_untrusted(request)
         backend, _, _ = self._serving.parts()
-        return {
-            "version": self.version,
-            "start_block": backend.start,
-            "end_block": backend.end,
-            "hidden_size": backend.hidden_size,
-            "torch_dtype": str(backend.dtype).removeprefix("torch."),
-            "accepted_dtypes": [str(d).removeprefix("torch.") for d in ALLOWED_DTYPES],
-            "adapters": sorted(backend.adapters),
-            "cache_tokens_left": self.cache_tokens_left,
-            "inference_max_length": self.limits.inference_max_length,
-            "max_batch_tokens": self.limits.max_batch_tokens,
-            "open_sessions": self._inference.open_sessions,
-            "device": str(backend.device),
-            "device_memory_reserved_bytes": backend.device_memory_reserved_bytes(),
-            "decode_graphs": backend.decode_graphs_info(),
-        }
+        return InfoReply(
+            version=self.version,
+            start_block=backend.start,
+            end_block=backend.end,
+            hidden_size=backend.hidden_size,
+            torch_dtype=str(backend.dtype).removeprefix("torch."),
+            accepted_dtypes=tuple(str(d).removeprefix("torch.") for d in TENSOR_DTYPES),
+            adapters=tuple(sorted(backend.adapters)),
+            cache_tokens_left=self.cache_tokens_left,
+            inference_max_length=self.limits.inference_max_length,
+            max_batch_tokens=self.limits.max_batch_tokens,
+            open_sessions=self._inference.open_sessions,
+            device=str(backend.device),
+            device_memory_reserved_bytes=backend.device_memory_reserved_bytes(),
+            decode_graphs=backend.decode_graphs_info(),
+        ).to_wire()

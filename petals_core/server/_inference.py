@@ -40,26 +40,24 @@ import trio
 
 from .._errors import CallEnded, CodecError, ServerError, TransportError
 from ..models import KVCache
-from ..protocol import PUSH
+from ..protocol import (
+    PUSH,
+    OpenPush,
+    OpenSession,
+    PushTarget,
+    SessionReady,
+    Step,
+    StepResult,
+)
 from ..transport import Call, Connection, ServerCall, open_call
 from ._backend import BlockBackend
-from ._serving import (
-    ALLOWED_DTYPES,
-    MAX_SESSION_ID_CHARS,
-    Serving,
-    read_adapter,
-    read_blocks,
-    read_integer,
-    read_number,
-)
+from ._serving import Serving, check_blocks_held
 from ._task_pool import Priority, TaskPool
 
 __all__ = ["InferenceHandlers"]
 
 logger = logging.getLogger(__name__)
 
-#: Servers after this one that a pushed step may name.
-_MAX_PUSH_CHAIN: Final = 64
 #: Steps (the client's and pushed ones) waiting in a session's inbox.
 _INBOX_SIZE: Final = 8
 #: Longest wait to hand the next server a pushed step.
@@ -78,8 +76,8 @@ class _Dialling:
 
 _DIALLING: Final = _Dialling()
 
-#: What a session's inbox holds: a step and whether it was pushed, None when the client ended its
-#: side, or the exception the client's stream failed with.
+#: What a session's inbox holds: a step as it came and whether it was pushed, None when the
+#: client ended its side, or the exception the client's stream failed with.
 _InboxItem = tuple[dict[str, Any], bool] | None | Exception
 
 
@@ -140,21 +138,23 @@ class InferenceHandlers:
     async def serve_session(self, call: ServerCall) -> None:
         backend, pool, cache = self._serving.parts()
         with trio.move_on_after(self.limits.step_timeout_s) as waited:
-            opening = await call.receive()
+            message = await call.receive()
         if waited.cancelled_caught:
             raise ServerError("no session request arrived in time")
-        session_id, start, end, batch, max_length, alloc_timeout, adapter, points = self._opening(
-            opening, backend
-        )
-        padding = _left_padding(opening, batch, max_length)
+        opening = self._opening(message, backend)
+        session_id, (start, end) = opening.session_id, opening.blocks
+        batch, max_length = opening.batch_size, opening.max_length
+        padding = None
+        if opening.left_padding is not None:
+            padding = torch.tensor(opening.left_padding, dtype=torch.int64)
         peer = str(call.peer_id)
         self._check_peer_quota(peer)
         nbytes = backend.cache_bytes_per_token * batch * max_length * (end - start)
-        async with cache.allocate(nbytes, timeout_s=alloc_timeout):
+        async with cache.allocate(nbytes, timeout_s=opening.alloc_timeout):
             caches = await pool.run(
                 lambda: backend.allocate_caches(start, end, batch, max_length, padding=padding),
                 priority=Priority.INFERENCE,
-                points=points,
+                points=opening.points,
             )
             # Checked again with no await before the session is registered: another opening
             # with the same id (or of the same peer) may have registered while we waited.
@@ -168,8 +168,8 @@ class InferenceHandlers:
                 end=end,
                 batch=batch,
                 max_length=max_length,
-                adapter=adapter,
-                points=points,
+                adapter=opening.active_adapter,
+                points=opening.points,
                 caches=caches,
                 scope=trio.CancelScope(),
             )
@@ -179,7 +179,7 @@ class InferenceHandlers:
             try:
                 with session.scope:
                     session.scope.deadline = trio.current_time() + self.limits.session_timeout_s
-                    await call.send({"ready": True, "position": 0})
+                    await call.send(SessionReady(position=0).to_wire())
                     await self._run_session(call, session, steps, backend, pool)
                     return
                 if session.closed_because is not None:
@@ -201,23 +201,20 @@ class InferenceHandlers:
                 f"this peer already holds {self.limits.max_sessions_per_peer} sessions here"
             )
 
-    def _opening(
-        self, request: dict[str, Any], backend: BlockBackend
-    ) -> tuple[str, int, int, int, int, float, str | None, float]:
-        session_id = request.get("session_id")
-        if not isinstance(session_id, str) or not 0 < len(session_id) <= MAX_SESSION_ID_CHARS:
-            raise CodecError(f"session_id must be a string of 1..{MAX_SESSION_ID_CHARS} chars")
-        if session_id in self._sessions:
-            raise ServerError(f"session id {session_id!r} is already in use")
-        start, end = read_blocks(request, backend)
-        max_length = read_integer(request, "max_length", 1, self.limits.inference_max_length)
-        batch = read_integer(request, "batch_size", 1, self.limits.max_batch_tokens, default=1)
-        alloc_timeout = read_number(request, "alloc_timeout", default=0.0)
-        if alloc_timeout < 0:
-            raise CodecError("alloc_timeout must be >= 0")
-        adapter = read_adapter(request, backend)
-        points = read_number(request, "points", default=0.0)
-        return session_id, start, end, batch, max_length, alloc_timeout, adapter, points
+    def _opening(self, message: dict[str, Any], backend: BlockBackend) -> OpenSession:
+        """The opening, checked against what this server holds and allows."""
+        opening = OpenSession.from_wire_untrusted(message)
+        if opening.session_id in self._sessions:
+            raise ServerError(f"session id {opening.session_id!r} is already in use")
+        check_blocks_held(opening.blocks, backend)
+        for name, value, limit in (
+            ("max_length", opening.max_length, self.limits.inference_max_length),
+            ("batch_size", opening.batch_size, self.limits.max_batch_tokens),
+        ):
+            if value > limit:
+                raise CodecError(f"{name} must be an integer in [1, {limit}], got {value!r}")
+        backend.check_adapter(opening.active_adapter)
+        return opening
 
     async def _run_session(
         self,
@@ -265,75 +262,61 @@ class InferenceHandlers:
                 return  # the client ended its side
             if isinstance(item, BaseException):
                 raise item  # the client's stream failed
-            step, pushed = item
+            message, pushed = item
             try:
-                step_id = _step_id(step)
+                step = Step.from_wire_untrusted(message)
+                step_id = step.step_id
                 if pushed and (step_id is None or step_id <= session.last_step_id):
                     self._serving.count("stale_pushes")
                     continue
                 if step_id is not None:
                     session.last_step_id = max(session.last_step_id, step_id)
-                chain = _push_chain(step)
-                if chain and step_id is None:
-                    raise ValueError("a step to push on needs a step_id")
                 output = await self._step(step, session, backend, pool)
             except (ValueError, CodecError) as exc:
                 self._serving.count("failures")
                 raise ServerError(f"step refused: {exc}") from None
-            answer: dict[str, Any] = {"hidden_states": output, "position": session.position}
-            if step_id is not None:
-                answer["step_id"] = step_id
-            if chain:
+            pushed_on = None
+            if step.push:
                 start = session.position - output.shape[1]  # where this step began
-                answer["pushed"] = await self._push(session, chain, output, start, step_id)
+                pushed_on = await self._push(session, step.push, output, start, step_id)
             if pushed:
                 self._serving.count("pushed_steps")
-            await call.send(answer)
+            result = StepResult(
+                hidden_states=output, position=session.position, step_id=step_id, pushed=pushed_on
+            )
+            await call.send(result.to_wire())
 
     async def _step(
-        self, step: dict[str, Any], session: _Session, backend: BlockBackend, pool: TaskPool
+        self, step: Step, session: _Session, backend: BlockBackend, pool: TaskPool
     ) -> torch.Tensor:
-        hidden = backend.check_hidden(step.get("hidden_states"))
-        if hidden.dtype not in ALLOWED_DTYPES:
-            raise ValueError(f"hidden_states must be one of {ALLOWED_DTYPES}, not {hidden.dtype}")
+        hidden = backend.check_hidden(step.hidden_states)
         if hidden.shape[0] != session.batch:
             raise ValueError(
                 f"the session has {session.batch} rows; this step has {hidden.shape[0]}"
             )
         position = session.position
-        start_from = step.get("start_from_position")
-        if start_from is not None:
-            if isinstance(start_from, bool) or not isinstance(start_from, int):
-                raise ValueError("start_from_position must be an integer")
-            if not 0 <= start_from <= position:
+        if step.start_from_position is not None:
+            if step.start_from_position > position:
                 raise ValueError(
-                    f"cannot start from position {start_from}: the cache holds {position}"
+                    f"cannot start from position {step.start_from_position}: the cache holds "
+                    f"{position}"
                 )
-            position = start_from
+            position = step.start_from_position
         tokens = hidden.shape[1]
         if position + tokens > session.max_length:
             raise ValueError(
                 f"{position} + {tokens} positions exceed the session's max_length "
                 f"{session.max_length}"
             )
-        hypo_ids = step.get("hypo_ids")
-        if hypo_ids is not None and (
-            not isinstance(hypo_ids, torch.Tensor)
-            or hypo_ids.dtype.is_floating_point
-            or hypo_ids.dtype == torch.bool
-            or hypo_ids.shape != (session.batch,)
-            or not bool(((hypo_ids >= 0) & (hypo_ids < session.batch)).all())
-        ):
-            raise ValueError(f"hypo_ids must be ({session.batch},) integers in [0, batch)")
-        prompts = step.get("prompts")
+        prompts = step.prompts
         backend.check_prompts(prompts, session.start, session.end, hidden)
         # Checked: from here on the step runs (and rolls back what it wrote if it fails).
         for cache in session.caches:
             cache.rollback(position)
         self._serving.count("steps")
-        if hypo_ids is not None:
+        if step.hypo_ids is not None:
             # As row indices: torch refuses int8 indices and reads uint8 ones as a mask.
-            reorder = hypo_ids.to(torch.int64)
+            reorder = step.hypo_ids.to(torch.int64)
 
             def reorder_all() -> None:
                 for cache in session.caches:
@@ -397,32 +380,28 @@ class InferenceHandlers:
     async def _push(
         self,
         session: _Session,
-        chain: list[dict[str, str]],
+        chain: tuple[PushTarget, ...],
         output: torch.Tensor,
         start: int,
         step_id: int | None,
     ) -> bool:
         """Hand ``output`` to the next server's session as its step; whether it was sent."""
         target = chain[0]
-        key = (target["peer"], target["session_id"])
+        key = (target.peer, target.session_id)
         if key not in session.pushes:
             self._start_dial(session, key)
         push_call = session.pushes[key]
         if not isinstance(push_call, Call):
             return False  # being dialled, or it failed
-        message: dict[str, Any] = {
-            "hidden_states": output,
-            "start_from_position": start,
-            "step_id": step_id,
-        }
-        if len(chain) > 1:
-            message["push"] = chain[1:]
+        step = Step(
+            hidden_states=output, start_from_position=start, step_id=step_id, push=chain[1:]
+        )
         with trio.move_on_after(_PUSH_TIMEOUT_S):
             try:
-                await push_call.send(message)
+                await push_call.send(step.to_wire())
                 return True
             except TransportError as exc:
-                logger.info("cannot push to %s: %r", target["peer"], exc)
+                logger.info("cannot push to %s: %r", target.peer, exc)
         session.pushes[key] = None
         return False
 
@@ -450,7 +429,7 @@ class InferenceHandlers:
             try:
                 connection = await connect_peer(peer)
                 opened = await session.exits.enter_async_context(open_call(connection, PUSH))
-                await opened.send({"session_id": session_id})
+                await opened.send(OpenPush(session_id=session_id).to_wire())
             except TransportError as exc:
                 logger.info("cannot push to %s: %r", peer, exc)
             else:
@@ -478,8 +457,11 @@ class InferenceHandlers:
             header = await call.receive()
         if waited.cancelled_caught:
             raise ServerError("no push header arrived in time")
-        session_id = header.get("session_id")
-        session = self._sessions.get(session_id) if isinstance(session_id, str) else None
+        try:
+            session_id = OpenPush.from_wire_untrusted(header).session_id
+        except CodecError as exc:
+            raise ServerError(f"push refused: {exc}") from None
+        session = self._sessions.get(session_id)
         if session is None or session.inbox is None:
             raise ServerError(f"unknown session {session_id!r}")
         inbox = session.inbox
@@ -492,22 +474,6 @@ class InferenceHandlers:
                 await inbox.send((step, True))
             except (trio.ClosedResourceError, trio.BrokenResourceError):
                 return  # the session ended
-
-
-def _left_padding(request: dict[str, Any], batch: int, max_length: int) -> torch.Tensor | None:
-    """The opening's ``left_padding``: per row, how many leading positions are padding."""
-    padding = request.get("left_padding")
-    if padding is None:
-        return None
-    if (
-        not isinstance(padding, list)
-        or len(padding) != batch
-        or not all(
-            isinstance(p, int) and not isinstance(p, bool) and 0 <= p <= max_length for p in padding
-        )
-    ):
-        raise CodecError(f"left_padding must be {batch} integers in [0, {max_length}]")
-    return torch.tensor(padding, dtype=torch.int64)
 
 
 async def _read_client(call: ServerCall, inbox: trio.MemorySendChannel[_InboxItem]) -> None:
@@ -523,36 +489,3 @@ async def _read_client(call: ServerCall, inbox: trio.MemorySendChannel[_InboxIte
             await inbox.send(exc)
             return
         await inbox.send((step, False))
-
-
-def _step_id(step: dict[str, Any]) -> int | None:
-    step_id = step.get("step_id")
-    if step_id is None:
-        return None
-    if isinstance(step_id, bool) or not isinstance(step_id, int) or step_id < 0:
-        raise ValueError("step_id must be an integer >= 0")
-    return step_id
-
-
-def _push_chain(step: dict[str, Any]) -> list[dict[str, str]]:
-    chain = step.get("push")
-    if chain is None:
-        return []
-    if (
-        not isinstance(chain, list)
-        or not 0 < len(chain) <= _MAX_PUSH_CHAIN
-        or not all(
-            isinstance(entry, dict)
-            and isinstance(entry.get("peer"), str)
-            and isinstance(entry.get("session_id"), str)
-            and 0 < len(entry["session_id"]) <= MAX_SESSION_ID_CHARS
-            and 0 < len(entry["peer"]) <= MAX_SESSION_ID_CHARS
-            for entry in chain
-        )
-    ):
-        raise ValueError(
-            f"push must be a list of 1..{_MAX_PUSH_CHAIN} {{'peer', 'session_id'}} entries"
-        )
-    if step.get("prompts") is not None or step.get("hypo_ids") is not None:
-        raise ValueError("a step with prompts or hypo_ids cannot be pushed on")
-    return [{"peer": entry["peer"], "session_id": entry["session_id"]} for entry in chain]

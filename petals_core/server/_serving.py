@@ -1,13 +1,11 @@
 """What the block RPC families (``_inference``, ``_training``) share: the parts they compute with
-while the server serves, the counters behind :class:`BlockServerStatistics`, and how they read
-the fields of requests."""
+while the server serves, the counters behind :class:`BlockServerStatistics`, and the checks of
+a request against the blocks this server holds."""
 
 from __future__ import annotations
 
-import math
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Final
 
-import torch
 import trio
 
 from .._errors import CodecError, ServerError
@@ -18,20 +16,7 @@ from ._task_pool import TaskPool
 if TYPE_CHECKING:
     from ._handler import ServingLimits
 
-__all__ = [
-    "ALLOWED_DTYPES",
-    "COUNTERS",
-    "MAX_SESSION_ID_CHARS",
-    "Serving",
-    "read_adapter",
-    "read_blocks",
-    "read_integer",
-    "read_number",
-]
-
-MAX_SESSION_ID_CHARS: Final = 128
-#: The dtypes of activations and gradients a request may carry.
-ALLOWED_DTYPES: Final = (torch.float32, torch.float16, torch.bfloat16)
+__all__ = ["COUNTERS", "Serving", "check_blocks_held"]
 
 #: What :class:`BlockServerStatistics` counts (besides what is open now).
 COUNTERS: Final = (
@@ -92,33 +77,8 @@ class Serving:
         await self._counted.wait()
 
 
-# -- fields of requests ----------------------------------------------------------------------------
-
-
-def read_integer(
-    request: dict[str, Any], name: str, low: int, high: int, *, default: int | None = None
-) -> int:
-    value = request.get(name, default)
-    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
-        raise CodecError(f"{name} must be an integer in [{low}, {high}], got {value!r}")
-    return value
-
-
-def read_number(request: dict[str, Any], name: str, *, default: float) -> float:
-    value = request.get(name, default)
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-        raise CodecError(f"{name} must be a finite number, got {value!r}")
-    return float(value)
-
-
-def read_blocks(request: dict[str, Any], backend: BlockBackend) -> tuple[int, int]:
-    blocks = request.get("blocks")
-    if (
-        not isinstance(blocks, list)
-        or len(blocks) != 2
-        or not all(isinstance(b, int) and not isinstance(b, bool) for b in blocks)
-    ):
-        raise CodecError("blocks must be [start, end]")
+def check_blocks_held(blocks: tuple[int, int], backend: BlockBackend) -> tuple[int, int]:
+    """``blocks`` as ``(start, end)`` if this server holds all of them; else :class:`CodecError`."""
     start, end = blocks
     if not backend.start <= start < end <= backend.end:
         raise CodecError(
@@ -126,13 +86,3 @@ def read_blocks(request: dict[str, Any], backend: BlockBackend) -> tuple[int, in
             f"[{backend.start}, {backend.end})"
         )
     return start, end
-
-
-def read_adapter(request: dict[str, Any], backend: BlockBackend) -> str | None:
-    adapter = request.get("active_adapter")
-    if adapter is not None and not isinstance(adapter, str):
-        raise CodecError("active_adapter must be a string or null")
-    if adapter == "":
-        adapter = None
-    backend.check_adapter(adapter)
-    return adapter

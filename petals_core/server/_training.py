@@ -20,21 +20,30 @@ from __future__ import annotations
 import contextlib
 import functools
 import secrets
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any, TypeVar
 
 import attrs
 import torch
 import trio
 
 from .._errors import AdapterError, CodecError, ServerError
-from ..protocol import receive_tensors, send_tensors
+from ..protocol import (
+    BackwardReply,
+    BackwardRequest,
+    ForwardReply,
+    ForwardRequest,
+    receive_tensors,
+    send_tensors,
+)
 from ..transport import ServerCall
 from ._backend import BlockBackend, Graph
-from ._serving import ALLOWED_DTYPES, Serving, read_adapter, read_blocks, read_number
+from ._serving import Serving, check_blocks_held
 from ._task_pool import Priority, TaskPool
 
 __all__ = ["TrainingHandlers"]
+
+_Request = TypeVar("_Request", ForwardRequest, BackwardRequest)
 
 
 @attrs.frozen(kw_only=True, eq=False)
@@ -100,11 +109,12 @@ class TrainingHandlers:
             meta, tensors = await receive_tensors(
                 call.receive, max_elements=self.limits.max_request_elements
             )
-            start, end, adapter, points, hidden, prompts = self._pass(meta, tensors, backend)
-            keep = meta.get("keep_for_backward") is True
+            request = self._checked(ForwardRequest.from_wire_untrusted, meta, tensors, backend)
+            (start, end), hidden, prompts = request.blocks, request.hidden_states, request.prompts
+            adapter, points = request.active_adapter, request.points
             nbytes = backend.activation_bytes(hidden.shape[0], hidden.shape[1]) * (end - start)
-            reply: dict[str, Any] = {}
-            if keep and nbytes <= min(
+            token = None
+            if request.keep_for_backward and nbytes <= min(
                 self.limits.backward_activation_bytes, self.limits.kept_forward_bytes
             ):
                 output, graph = await pool.run(
@@ -119,7 +129,7 @@ class TrainingHandlers:
                     priority=Priority.FORWARD,
                     points=points,
                 )
-                reply["kept"] = self._keep(
+                token = self._keep(
                     _Kept(
                         peer=str(call.peer_id),
                         start=start,
@@ -139,7 +149,8 @@ class TrainingHandlers:
                     )
                 )[-1]
             self._serving.count("forwards")
-            await send_tensors(call.send, reply, {"hidden_states": output.to(hidden.dtype)})
+            reply = ForwardReply(hidden_states=output.to(hidden.dtype), kept=token)
+            await send_tensors(call.send, *reply.to_wire())
 
     def _keep(self, kept: _Kept) -> str:
         """Store ``kept`` (dropping expired graphs, then the oldest, to make room); its token."""
@@ -170,60 +181,54 @@ class TrainingHandlers:
             meta, tensors = await receive_tensors(
                 call.receive, max_elements=self.limits.max_request_elements
             )
-            start, end, adapter, points, hidden, prompts = self._pass(meta, tensors, backend)
-            grad_outputs = tensors.get("grad_outputs")
-            if not isinstance(grad_outputs, torch.Tensor) or grad_outputs.shape != hidden.shape:
-                raise ServerError(
-                    f"grad_outputs must have the shape of hidden_states, {tuple(hidden.shape)}"
-                )
-            if grad_outputs.dtype not in ALLOWED_DTYPES:
-                raise ServerError(f"grad_outputs must be one of {ALLOWED_DTYPES}")
-            kept = self._take_kept(meta.get("kept"), str(call.peer_id))
+            request = self._checked(BackwardRequest.from_wire_untrusted, meta, tensors, backend)
+            (start, end), hidden, prompts = request.blocks, request.hidden_states, request.prompts
+            adapter, points = request.active_adapter, request.points
+            kept = self._take_kept(request.kept, str(call.peer_id))
             if kept is not None and kept.matches(start, end, adapter, hidden, prompts):
                 grad, grad_prompts = await pool.run(
-                    functools.partial(backend.backward_from_graph, kept.graph, grad_outputs),
+                    functools.partial(
+                        backend.backward_from_graph, kept.graph, request.grad_outputs
+                    ),
                     priority=Priority.BACKWARD,
                     points=points,
                 )
                 self._serving.count("kept_backwards")
             else:
                 grad, grad_prompts = await self._recompute_backward(
-                    backend, pool, start, end, hidden, grad_outputs, prompts, adapter, points
+                    backend, pool, request, start, end
                 )
             self._serving.count("backwards")
-            await send_tensors(
-                call.send,
-                {},
-                {
-                    "grad_inputs": grad.to(hidden.dtype),
-                    "grad_prompts": None
-                    if grad_prompts is None or prompts is None
-                    else grad_prompts.to(prompts.dtype),
-                },
+            reply = BackwardReply(
+                grad_inputs=grad.to(hidden.dtype),
+                grad_prompts=None
+                if grad_prompts is None or prompts is None
+                else grad_prompts.to(prompts.dtype),
             )
+            await send_tensors(call.send, *reply.to_wire())
 
-    def _take_kept(self, token: object, peer: str) -> _Kept | None:
+    def _take_kept(self, token: str | None, peer: str) -> _Kept | None:
         """The graph ``token`` names, if ``peer`` kept it; it serves one backward (or none)."""
-        kept = self._kept.get(token) if isinstance(token, str) else None
+        if token is None:
+            return None
+        kept = self._kept.get(token)
         if kept is None or kept.peer != peer:
             return None  # unknown, or another peer's: not this caller's to spend
-        self._forget(str(token))
+        self._forget(token)
         return kept
 
     async def _recompute_backward(
         self,
         backend: BlockBackend,
         pool: TaskPool,
+        request: BackwardRequest,
         start: int,
         end: int,
-        hidden: torch.Tensor,
-        grad_outputs: torch.Tensor,
-        prompts: torch.Tensor | None,
-        adapter: str | None,
-        points: float,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Gradients of the input (and prompts) of blocks ``[start, end)``, each group of blocks
         recomputed with its graph."""
+        hidden, prompts = request.hidden_states, request.prompts
+        adapter, points = request.active_adapter, request.points
         groups = self._backward_groups(backend, start, end, hidden)
         # Each group's input: the request's for the first, a forward (no graph) for the others.
         group_inputs = [hidden]
@@ -232,7 +237,7 @@ class TrainingHandlers:
                 backend, pool, start, groups[-1][0], hidden, prompts, adapter, points
             )
             group_inputs += [outputs[group_start - start - 1] for group_start, _ in groups[1:]]
-        grad = grad_outputs
+        grad = request.grad_outputs
         prompt_grads: list[torch.Tensor] = []
         for (group_start, group_end), group_input in zip(
             reversed(groups), reversed(group_inputs), strict=True
@@ -280,32 +285,32 @@ class TrainingHandlers:
                 f"({self.limits.request_timeout_s} s)"
             )
 
-    def _pass(
-        self, meta: dict[str, Any], tensors: dict[str, torch.Tensor], backend: BlockBackend
-    ) -> tuple[int, int, str | None, float, torch.Tensor, torch.Tensor | None]:
+    def _checked(
+        self,
+        parse: Callable[[Mapping[str, Any], Mapping[str, Any]], _Request],
+        meta: dict[str, Any],
+        tensors: dict[str, torch.Tensor],
+        backend: BlockBackend,
+    ) -> _Request:
+        """The request, checked against what this server holds and allows."""
         try:
-            start, end = read_blocks(meta, backend)
-            adapter = read_adapter(meta, backend)
-            points = read_number(meta, "points", default=0.0)
-            hidden = backend.check_hidden(tensors.get("hidden_states"))
-            if hidden.dtype not in ALLOWED_DTYPES:
-                raise ValueError(f"hidden_states must be one of {ALLOWED_DTYPES}")
-            if hidden.shape[1] < 1:
-                raise ValueError("hidden_states must hold at least one token")
+            request = parse(meta, tensors)
+            start, end = check_blocks_held(request.blocks, backend)
+            backend.check_adapter(request.active_adapter)
+            hidden = backend.check_hidden(request.hidden_states)
             if hidden.shape[1] > self.limits.inference_max_length:
                 raise ValueError(
                     f"{hidden.shape[1]} tokens exceed this server's longest sequence, "
                     f"{self.limits.inference_max_length} (--inference_max_length)"
                 )
-            prompts = tensors.get("prompts")
-            backend.check_prompts(prompts, start, end, hidden)
+            backend.check_prompts(request.prompts, start, end, hidden)
         except AdapterError:
             self._serving.count("failures")
             raise
         except (ValueError, CodecError) as exc:
             self._serving.count("failures")
             raise ServerError(f"request refused: {exc}") from None
-        return start, end, adapter, points, hidden, prompts
+        return request
 
     async def _run_forward(
         self,

@@ -21,6 +21,8 @@ from petals_core.protocol import (
     FORWARD,
     INFERENCE,
     INFO,
+    InfoReply,
+    InfoRequest,
     receive_tensors,
     send_tensors,
 )
@@ -69,8 +71,10 @@ async def connect(server: Server) -> AsyncIterator[Connection]:
         yield await node.connect(server.multiaddrs[0])
 
 
-async def info(connection: Connection) -> dict[str, Any]:
-    return await call_unary(connection, INFO, {})
+async def info(connection: Connection) -> InfoReply:
+    return InfoReply.from_wire_untrusted(
+        await call_unary(connection, INFO, InfoRequest().to_wire())
+    )
 
 
 # -- inference sessions ----------------------------------------------------------------------------

@@ -470,7 +470,7 @@ async def test_a_malformed_frame_mid_session_is_reported_and_the_server_goes_on(
                 await call.finish()
             await call.close()
             output = await forward(connection, (0, 2), hidden)
-            assert (await info(connection))["open_sessions"] == 0
+            assert (await info(connection)).open_sessions == 0
     assert_close(output, run_local(local_blocks(server_llama, 0, 2), hidden).detach())
 
 
@@ -502,24 +502,24 @@ async def test_session_holds_its_cache_until_it_closes(
         ):
             described = await info(connection)
             # A CPU server: no device memory to report, and decode steps run eagerly.
-            assert described["device"] == "cpu"
-            assert described["device_memory_reserved_bytes"] is None
-            assert described["decode_graphs"] is None
-            before = described["cache_tokens_left"]
+            assert described.device == "cpu"
+            assert described.device_memory_reserved_bytes is None
+            assert described.decode_graphs is None
+            before = described.cache_tokens_left
             assert before == 1000 * 6 == server.block_server.cache_tokens_left
             async with session(
                 connection, blocks=(1, 4), max_length=10, batch_size=2, session_id="held"
             ) as opened:
                 held = await info(connection)
-                assert held["cache_tokens_left"] == before - 10 * 2 * 3
-                assert held["open_sessions"] == 1
+                assert held.cache_tokens_left == before - 10 * 2 * 3
+                assert held.open_sessions == 1
                 await opened.step(torch.randn(2, 3, HIDDEN))
                 assert server.block_server.cache_tokens_left == before - 60
             # session() closed it and waited for the server's end of the call: the handler has
             # returned, and the cache is back.
             assert server.block_server.cache_tokens_left == before
             after = await info(connection)
-            assert (after["cache_tokens_left"], after["open_sessions"]) == (before, 0)
+            assert (after.cache_tokens_left, after.open_sessions) == (before, 0)
 
 
 async def test_allocation_beyond_the_budget_fails_at_once(
@@ -725,7 +725,7 @@ async def test_refusals_name_the_fault_and_the_server_keeps_serving(
                 assert keeper.position == 6
                 await _check_serving(server_llama, connection)
             assert server.block_server.cache_tokens_left == budget
-            assert (await info(connection))["open_sessions"] == 0
+            assert (await info(connection)).open_sessions == 0
     assert_close(
         torch.cat([before, after], dim=1), run_local(local_blocks(server_llama, 2, 5), hidden)
     )
