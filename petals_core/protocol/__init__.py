@@ -26,7 +26,6 @@ names it), ``AllocationFailed`` (the cache cannot hold the session, now or withi
 (a malformed session opening).
 """
 
-from ._checks import MAX_ID_CHARS as MAX_ID_CHARS, TENSOR_DTYPES as TENSOR_DTYPES
 from ._inference import (
     INFERENCE as INFERENCE,
     MAX_PUSH_CHAIN as MAX_PUSH_CHAIN,
@@ -53,3 +52,4 @@ from ._transfer import (
     receive_tensors as receive_tensors,
     send_tensors as send_tensors,
 )
+from ._wire import MAX_ID_CHARS as MAX_ID_CHARS, TENSOR_DTYPES as TENSOR_DTYPES

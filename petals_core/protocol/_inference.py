@@ -16,14 +16,15 @@ A step asks for its output to be pushed on by naming the next servers' sessions
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, Final
+from typing import Any, ClassVar, Final
 
 import attrs
 import torch
 
 from .._errors import LocalProtocolError
-from ._checks import (
+from ._wire import (
     TENSOR_EQ,
+    WireMessage,
     as_tuple,
     check_adapter,
     check_blocks,
@@ -35,9 +36,10 @@ from ._checks import (
     check_text,
     is_integer,
     no_empty_adapter,
-    read,
+    present,
     to_float,
     untrusted,
+    wire_fields,
 )
 
 __all__ = [
@@ -60,14 +62,16 @@ MAX_PUSH_CHAIN: Final = 64
 
 
 @attrs.frozen(kw_only=True)
-class OpenSession:
+class OpenSession(WireMessage):
     """The first message of a session: the server reserves ``batch_size x max_length x
     (end - start)`` cache tokens for blocks ``[start, end)`` (``blocks``), waiting up to
     ``alloc_timeout`` seconds for them (capped by its own limit)."""
 
+    what: ClassVar[str] = "session opening"
+
     #: Names the session; also the capability the next servers' pushes name it by.
     session_id: str
-    blocks: tuple[int, int]
+    blocks: tuple[int, int] = attrs.field(converter=as_tuple)
     #: Positions the session holds at most.
     max_length: int
     batch_size: int = 1
@@ -78,7 +82,7 @@ class OpenSession:
     #: What the client offers for priority among requests.
     points: float = attrs.field(default=0.0, converter=to_float)
     #: Per row, how many leading positions are padding, hidden from the row's real tokens.
-    left_padding: tuple[int, ...] | None = None
+    left_padding: tuple[int, ...] | None = attrs.field(default=None, converter=as_tuple)
 
     def __attrs_post_init__(self) -> None:
         check_text("session_id", self.session_id)
@@ -99,7 +103,8 @@ class OpenSession:
             )
 
     def to_wire(self) -> dict[str, Any]:
-        message: dict[str, Any] = {
+        padding = None if self.left_padding is None else list(self.left_padding)
+        return {
             "session_id": self.session_id,
             "blocks": list(self.blocks),
             "max_length": self.max_length,
@@ -107,33 +112,15 @@ class OpenSession:
             "alloc_timeout": self.alloc_timeout,
             "active_adapter": self.active_adapter,
             "points": self.points,
+            **present(left_padding=padding),
         }
-        if self.left_padding is not None:
-            message["left_padding"] = list(self.left_padding)
-        return message
-
-    @classmethod
-    def from_wire_untrusted(cls, message: Mapping[str, Any]) -> OpenSession:
-        """Raises :class:`CodecError` only; fields it does not know are ignored."""
-        return untrusted(
-            "session opening",
-            lambda: cls(
-                session_id=read(message, "session_id"),
-                blocks=as_tuple(read(message, "blocks")),
-                max_length=read(message, "max_length"),
-                batch_size=read(message, "batch_size", 1),
-                alloc_timeout=read(message, "alloc_timeout", 0.0),
-                active_adapter=read(message, "active_adapter"),
-                points=read(message, "points", 0.0),
-                left_padding=as_tuple(read(message, "left_padding")),
-            ),
-            message,
-        )
 
 
 @attrs.frozen(kw_only=True)
-class SessionReady:
+class SessionReady(WireMessage):
     """The server's answer to :class:`OpenSession`: the session is open, its cache empty."""
+
+    what: ClassVar[str] = "session answer"
 
     position: int = 0
 
@@ -148,11 +135,11 @@ class SessionReady:
         """Raises :class:`CodecError` only."""
 
         def build() -> SessionReady:
-            if read(message, "ready") is not True:
+            if message.get("ready") is not True:
                 raise LocalProtocolError("an open session is answered with {'ready': true, ...}")
-            return cls(position=read(message, "position"))
+            return cls(**wire_fields(cls, message))
 
-        return untrusted("session answer", build, message)
+        return untrusted(cls.what, build, message)
 
 
 @attrs.frozen(kw_only=True)
@@ -170,19 +157,18 @@ class PushTarget:
         return {"peer": self.peer, "session_id": self.session_id}
 
 
-def _push_chain(value: object) -> tuple[PushTarget, ...]:
-    """A step's ``push`` from the wire (None: no push)."""
+def _push_targets(value: object) -> Any:
+    """A step's ``push`` from the wire (a list of ``{"peer", "session_id"}``; null: none) as
+    targets; a tuple is taken as it is, anything else left for the check to refuse."""
     if value is None:
         return ()
-    if (
-        not isinstance(value, list)
-        or not 0 < len(value) <= MAX_PUSH_CHAIN
-        or not all(isinstance(entry, dict) for entry in value)
-    ):
+    if not isinstance(value, list):
+        return value
+    if not 0 < len(value) <= MAX_PUSH_CHAIN or not all(isinstance(e, dict) for e in value):
         raise _push_error()
     try:
         return tuple(
-            PushTarget(peer=read(entry, "peer"), session_id=read(entry, "session_id"))
+            PushTarget(peer=entry.get("peer"), session_id=entry.get("session_id"))
             for entry in value
         )
     except LocalProtocolError:
@@ -196,7 +182,7 @@ def _push_error() -> LocalProtocolError:
 
 
 @attrs.frozen(kw_only=True)
-class Step:
+class Step(WireMessage):
     """New positions for a session: ``hidden_states`` ``(B, T, hidden)``, any ``T >= 0``.
 
     ``start_from_position`` rolls the server's cache back to there first (a client resending
@@ -206,12 +192,14 @@ class Step:
     of the client's route: the server pushes its output on to the first of them, as that
     session's next step (a step with prompts or ``hypo_ids`` cannot be pushed on)."""
 
+    what: ClassVar[str] = "step"
+
     hidden_states: torch.Tensor = attrs.field(eq=TENSOR_EQ, hash=False)
     start_from_position: int | None = None
     step_id: int | None = None
     hypo_ids: torch.Tensor | None = attrs.field(default=None, eq=TENSOR_EQ, hash=False)
     prompts: torch.Tensor | None = attrs.field(default=None, eq=TENSOR_EQ, hash=False)
-    push: tuple[PushTarget, ...] = ()
+    push: tuple[PushTarget, ...] = attrs.field(default=(), converter=_push_targets)
 
     def __attrs_post_init__(self) -> None:
         check_hidden("hidden_states", self.hidden_states)
@@ -232,34 +220,17 @@ class Step:
                 raise LocalProtocolError("a step to push on needs a step_id")
 
     def to_wire(self) -> dict[str, Any]:
-        message: dict[str, Any] = {"hidden_states": self.hidden_states}
-        if self.start_from_position is not None:
-            message["start_from_position"] = self.start_from_position
-        if self.step_id is not None:
-            message["step_id"] = self.step_id
-        if self.prompts is not None:
-            message["prompts"] = self.prompts
-        if self.hypo_ids is not None:
-            message["hypo_ids"] = self.hypo_ids
-        if self.push:
-            message["push"] = [target.to_wire() for target in self.push]
-        return message
-
-    @classmethod
-    def from_wire_untrusted(cls, message: Mapping[str, Any]) -> Step:
-        """Raises :class:`CodecError` only; fields it does not know are ignored."""
-        return untrusted(
-            "step",
-            lambda: cls(
-                hidden_states=read(message, "hidden_states"),
-                start_from_position=read(message, "start_from_position"),
-                step_id=read(message, "step_id"),
-                hypo_ids=read(message, "hypo_ids"),
-                prompts=read(message, "prompts"),
-                push=_push_chain(read(message, "push")),
+        push = [target.to_wire() for target in self.push] or None
+        return {
+            "hidden_states": self.hidden_states,
+            **present(
+                start_from_position=self.start_from_position,
+                step_id=self.step_id,
+                prompts=self.prompts,
+                hypo_ids=self.hypo_ids,
+                push=push,
             ),
-            message,
-        )
+        }
 
 
 def _check_hypo_ids(hypo_ids: object, batch: int) -> None:
@@ -276,11 +247,13 @@ def _check_hypo_ids(hypo_ids: object, batch: int) -> None:
 
 
 @attrs.frozen(kw_only=True)
-class StepResult:
+class StepResult(WireMessage):
     """The answer to a :class:`Step`: its output, and the positions the cache holds since.
 
     ``step_id`` repeats the step's; ``pushed`` (for a step that asked for a push) says whether
     the output went on to the next server (if not, the client sends it there itself)."""
+
+    what: ClassVar[str] = "step result"
 
     hidden_states: torch.Tensor = attrs.field(eq=TENSOR_EQ, hash=False)
     position: int
@@ -295,32 +268,19 @@ class StepResult:
             raise LocalProtocolError(f"pushed must be true or false, got {self.pushed!r}")
 
     def to_wire(self) -> dict[str, Any]:
-        message: dict[str, Any] = {"hidden_states": self.hidden_states, "position": self.position}
-        if self.step_id is not None:
-            message["step_id"] = self.step_id
-        if self.pushed is not None:
-            message["pushed"] = self.pushed
-        return message
-
-    @classmethod
-    def from_wire_untrusted(cls, message: Mapping[str, Any]) -> StepResult:
-        """Raises :class:`CodecError` only; fields it does not know are ignored."""
-        return untrusted(
-            "step result",
-            lambda: cls(
-                hidden_states=read(message, "hidden_states"),
-                position=read(message, "position"),
-                step_id=read(message, "step_id"),
-                pushed=read(message, "pushed"),
-            ),
-            message,
-        )
+        return {
+            "hidden_states": self.hidden_states,
+            "position": self.position,
+            **present(step_id=self.step_id, pushed=self.pushed),
+        }
 
 
 @attrs.frozen(kw_only=True)
-class OpenPush:
+class OpenPush(WireMessage):
     """The first message of a ``petals.push`` stream: the session of the receiving server that
     the stream's steps belong to."""
+
+    what: ClassVar[str] = "push opening"
 
     session_id: str
 
@@ -329,12 +289,3 @@ class OpenPush:
 
     def to_wire(self) -> dict[str, Any]:
         return {"session_id": self.session_id}
-
-    @classmethod
-    def from_wire_untrusted(cls, message: Mapping[str, Any]) -> OpenPush:
-        """Raises :class:`CodecError` only."""
-        return untrusted(
-            "push opening",
-            lambda: cls(session_id=read(message, "session_id")),
-            message,
-        )

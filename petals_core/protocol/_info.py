@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, Final
+from typing import Any, ClassVar, Final
 
 import attrs
 
 from .._errors import LocalProtocolError
-from ._checks import as_tuple, check_integer, is_integer, read, untrusted
+from ._wire import WireMessage, as_tuple, check_integer, is_integer, untrusted, wire_fields
 
 __all__ = ["INFO", "InfoReply", "InfoRequest"]
 
@@ -16,16 +16,13 @@ INFO: Final = "petals.info"
 
 
 @attrs.frozen(kw_only=True)
-class InfoRequest:
+class InfoRequest(WireMessage):
     """Asks a server what it holds (the request has no fields)."""
+
+    what: ClassVar[str] = "info request"
 
     def to_wire(self) -> dict[str, Any]:
         return {}
-
-    @classmethod
-    def from_wire_untrusted(cls, message: Mapping[str, Any]) -> InfoRequest:
-        """Raises :class:`CodecError` only; fields it does not know are ignored."""
-        return untrusted("info request", cls, message)
 
 
 _COUNTS: Final = (
@@ -41,7 +38,7 @@ _TEXTS: Final = ("version", "torch_dtype", "device")
 
 
 @attrs.frozen(kw_only=True)
-class InfoReply:
+class InfoReply(WireMessage):
     """What a server holds (blocks ``[start_block, end_block)``, in ``torch_dtype`` on
     ``device``, with ``adapters``) and expects (activations in one of ``accepted_dtypes``,
     sessions of at most ``inference_max_length`` positions, ``max_batch_tokens`` tokens per
@@ -49,13 +46,15 @@ class InfoReply:
     block.  ``device_memory_reserved_bytes`` and ``decode_graphs`` (the CUDA-graph decode
     path's counters) are None where they do not apply."""
 
+    what: ClassVar[str] = "server info"
+
     version: str
     start_block: int
     end_block: int
     hidden_size: int
     torch_dtype: str
-    accepted_dtypes: tuple[str, ...]
-    adapters: tuple[str, ...]
+    accepted_dtypes: tuple[str, ...] = attrs.field(converter=as_tuple)
+    adapters: tuple[str, ...] = attrs.field(converter=as_tuple)
     cache_tokens_left: int
     inference_max_length: int
     max_batch_tokens: int
@@ -100,18 +99,15 @@ class InfoReply:
         may add some)."""
 
         def build() -> InfoReply:
-            fields = {name: read(message, name) for name in _FIELDS}
+            fields = wire_fields(cls, message)
             missing = [name for name in _REQUIRED if fields[name] is None]
             if missing:
                 raise LocalProtocolError(f"server info lacks {', '.join(missing)}")
-            fields["accepted_dtypes"] = as_tuple(fields["accepted_dtypes"])
-            fields["adapters"] = as_tuple(fields["adapters"])
             return cls(**fields)
 
-        return untrusted("server info", build, message)
+        return untrusted(cls.what, build, message)
 
 
-_FIELDS: Final = tuple(field.name for field in attrs.fields(InfoReply))
 _REQUIRED: Final = tuple(
     field.name for field in attrs.fields(InfoReply) if field.default is attrs.NOTHING
 )

@@ -12,16 +12,16 @@ kept graph; anything else is recomputed, so the token is only ever a hint.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any, Final
+from typing import Any, ClassVar, Final
 
 import attrs
 import torch
 
 from .._errors import LocalProtocolError
-from ._checks import (
+from ._wire import (
     TENSOR_DTYPES,
     TENSOR_EQ,
+    WireTransfer,
     as_tuple,
     check_adapter,
     check_blocks,
@@ -29,9 +29,8 @@ from ._checks import (
     check_number,
     check_prompts,
     no_empty_adapter,
-    read,
+    present,
     to_float,
-    untrusted,
 )
 
 __all__ = [
@@ -50,12 +49,12 @@ Tensors = dict[str, torch.Tensor | None]
 
 
 @attrs.frozen(kw_only=True)
-class _Pass:
+class _Pass(WireTransfer):
     """What a forward and a backward request both carry: ``hidden_states`` ``(B, T >= 1,
     hidden)`` through blocks ``[start, end)`` (``blocks``), with deep ``prompts`` ``(blocks,
     1 or B, prefix, hidden)`` added before each block if given."""
 
-    blocks: tuple[int, int]
+    blocks: tuple[int, int] = attrs.field(converter=as_tuple)
     hidden_states: torch.Tensor = attrs.field(eq=TENSOR_EQ, hash=False)
     prompts: torch.Tensor | None = attrs.field(default=None, eq=TENSOR_EQ, hash=False)
     #: The adapter the blocks run with (an empty name means none).
@@ -80,20 +79,12 @@ class _Pass:
         }
 
 
-def _pass_fields(meta: Mapping[str, Any], tensors: Mapping[str, Any]) -> dict[str, Any]:
-    return {
-        "blocks": as_tuple(read(meta, "blocks")),
-        "active_adapter": read(meta, "active_adapter"),
-        "points": read(meta, "points", 0.0),
-        "hidden_states": read(tensors, "hidden_states"),
-        "prompts": read(tensors, "prompts"),
-    }
-
-
 @attrs.frozen(kw_only=True)
 class ForwardRequest(_Pass):
     """A ``petals.forward`` request; ``keep_for_backward``: a backward follows, and the server
     may keep its graph for it."""
+
+    what: ClassVar[str] = "forward request"
 
     keep_for_backward: bool = False
 
@@ -108,26 +99,13 @@ class ForwardRequest(_Pass):
             meta["keep_for_backward"] = True
         return meta, {"hidden_states": self.hidden_states, "prompts": self.prompts}
 
-    @classmethod
-    def from_wire_untrusted(
-        cls, meta: Mapping[str, Any], tensors: Mapping[str, Any]
-    ) -> ForwardRequest:
-        """Raises :class:`CodecError` only; fields it does not know are ignored."""
-        return untrusted(
-            "forward request",
-            lambda: cls(
-                **_pass_fields(meta, tensors),
-                keep_for_backward=read(meta, "keep_for_backward", False),
-            ),
-            meta,
-            tensors,
-        )
-
 
 @attrs.frozen(kw_only=True)
-class ForwardReply:
+class ForwardReply(WireTransfer):
     """The output of the last block of the request's span; ``kept``: the token of the graph
     the server kept for a backward, if it kept one."""
+
+    what: ClassVar[str] = "forward reply"
 
     hidden_states: torch.Tensor = attrs.field(eq=TENSOR_EQ, hash=False)
     kept: str | None = None
@@ -137,26 +115,15 @@ class ForwardReply:
         _check_token(self.kept)
 
     def to_wire(self) -> tuple[dict[str, Any], Tensors]:
-        meta = {} if self.kept is None else {"kept": self.kept}
-        return meta, {"hidden_states": self.hidden_states}
-
-    @classmethod
-    def from_wire_untrusted(
-        cls, meta: Mapping[str, Any], tensors: Mapping[str, Any]
-    ) -> ForwardReply:
-        """Raises :class:`CodecError` only."""
-        return untrusted(
-            "forward reply",
-            lambda: cls(hidden_states=read(tensors, "hidden_states"), kept=read(meta, "kept")),
-            meta,
-            tensors,
-        )
+        return present(kept=self.kept), {"hidden_states": self.hidden_states}
 
 
 @attrs.frozen(kw_only=True)
 class BackwardRequest(_Pass):
     """A ``petals.backward`` request: ``grad_outputs``, the gradient of the span's output (the
     shape of ``hidden_states``); ``kept``: the token a forward's reply gave, if any."""
+
+    what: ClassVar[str] = "backward request"
 
     grad_outputs: torch.Tensor = attrs.field(eq=TENSOR_EQ, hash=False)
     kept: str | None = None
@@ -171,36 +138,19 @@ class BackwardRequest(_Pass):
         _check_token(self.kept)
 
     def to_wire(self) -> tuple[dict[str, Any], Tensors]:
-        meta = self._meta()
-        if self.kept is not None:
-            meta["kept"] = self.kept
-        return meta, {
+        return {**self._meta(), **present(kept=self.kept)}, {
             "hidden_states": self.hidden_states,
             "grad_outputs": self.grad_outputs,
             "prompts": self.prompts,
         }
 
-    @classmethod
-    def from_wire_untrusted(
-        cls, meta: Mapping[str, Any], tensors: Mapping[str, Any]
-    ) -> BackwardRequest:
-        """Raises :class:`CodecError` only; fields it does not know are ignored."""
-        return untrusted(
-            "backward request",
-            lambda: cls(
-                **_pass_fields(meta, tensors),
-                grad_outputs=read(tensors, "grad_outputs"),
-                kept=read(meta, "kept"),
-            ),
-            meta,
-            tensors,
-        )
-
 
 @attrs.frozen(kw_only=True)
-class BackwardReply:
+class BackwardReply(WireTransfer):
     """The gradients of the request's ``hidden_states`` (``grad_inputs``) and, if it had
     prompts, of its prompts."""
+
+    what: ClassVar[str] = "backward reply"
 
     grad_inputs: torch.Tensor = attrs.field(eq=TENSOR_EQ, hash=False)
     grad_prompts: torch.Tensor | None = attrs.field(default=None, eq=TENSOR_EQ, hash=False)
@@ -211,21 +161,6 @@ class BackwardReply:
 
     def to_wire(self) -> tuple[dict[str, Any], Tensors]:
         return {}, {"grad_inputs": self.grad_inputs, "grad_prompts": self.grad_prompts}
-
-    @classmethod
-    def from_wire_untrusted(
-        cls, meta: Mapping[str, Any], tensors: Mapping[str, Any]
-    ) -> BackwardReply:
-        """Raises :class:`CodecError` only."""
-        return untrusted(
-            "backward reply",
-            lambda: cls(
-                grad_inputs=read(tensors, "grad_inputs"),
-                grad_prompts=read(tensors, "grad_prompts"),
-            ),
-            meta,
-            tensors,
-        )
 
 
 def _check_token(token: object) -> None:

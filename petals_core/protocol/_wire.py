@@ -1,9 +1,12 @@
-"""The checks the block RPCs' messages make of their fields, and how one is read from the wire.
+"""How the block RPCs' messages are read from the wire, and the checks they make of their fields.
 
 Messages are built checked: a field of the wrong type or shape raises
-:class:`LocalProtocolError` when the message is constructed, so nothing malformed is sent. A
-parser of a peer's message (``from_wire_untrusted``) builds the message through
-:func:`untrusted`, and so raises :class:`CodecError` and nothing else.
+:class:`LocalProtocolError` when the message is constructed, so nothing malformed is sent.  A
+peer's message is read by ``from_wire_untrusted`` (:class:`WireMessage`, or
+:class:`WireTransfer` for one sent as a transfer in parts), which builds it through
+:func:`untrusted` and so raises :class:`CodecError` and nothing else.  On the wire a field goes
+by its name; an absent one takes its default (a null is a value, refused where the field takes
+none); a transfer carries its tensor fields apart from the rest (:func:`transfer_fields`).
 
 The checks are about the message alone; what depends on the receiver's state (the blocks it
 holds, its limits, a session's position) is the receiver's to check.
@@ -13,7 +16,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
-from typing import Any, Final, TypeVar
+from typing import Any, ClassVar, Final, Self, TypeVar
 
 import attrs
 import torch
@@ -24,6 +27,8 @@ __all__ = [
     "MAX_ID_CHARS",
     "TENSOR_DTYPES",
     "TENSOR_EQ",
+    "WireMessage",
+    "WireTransfer",
     "as_tuple",
     "check_adapter",
     "check_blocks",
@@ -35,10 +40,12 @@ __all__ = [
     "check_text",
     "is_integer",
     "no_empty_adapter",
-    "read",
+    "present",
     "same_tensor",
     "to_float",
+    "transfer_fields",
     "untrusted",
+    "wire_fields",
 ]
 
 #: The floating-point dtypes activations and their gradients travel in.
@@ -47,6 +54,36 @@ TENSOR_DTYPES: Final = (torch.float32, torch.float16, torch.bfloat16)
 MAX_ID_CHARS: Final = 128
 
 _Message = TypeVar("_Message")
+
+
+class WireMessage:
+    """A message that travels as one map, each field under its name (see the module's
+    docstring)."""
+
+    #: What the message is called in errors.
+    what: ClassVar[str]
+
+    @classmethod
+    def from_wire_untrusted(cls, message: Mapping[str, Any]) -> Self:
+        """The message a peer sent; raises :class:`CodecError` only.  Fields it does not know
+        are ignored."""
+        return untrusted(cls.what, lambda: cls(**wire_fields(cls, message)), message)
+
+
+class WireTransfer:
+    """A message that travels as a transfer in parts: its tensors apart from its other fields,
+    the meta map."""
+
+    #: What the message is called in errors.
+    what: ClassVar[str]
+
+    @classmethod
+    def from_wire_untrusted(cls, meta: Mapping[str, Any], tensors: Mapping[str, Any]) -> Self:
+        """The message a peer sent; raises :class:`CodecError` only.  Fields and tensors it does
+        not know are ignored."""
+        return untrusted(
+            cls.what, lambda: cls(**transfer_fields(cls, meta, tensors)), meta, tensors
+        )
 
 
 def untrusted(what: str, build: Callable[[], _Message], *parts: object) -> _Message:
@@ -58,12 +95,35 @@ def untrusted(what: str, build: Callable[[], _Message], *parts: object) -> _Mess
     try:
         return build()
     except LocalProtocolError as exc:
-        raise CodecError(f"{exc}") from None
+        raise CodecError(str(exc)) from None
 
 
-def read(message: Mapping[str, Any], name: str, default: Any = None) -> Any:
-    """``message[name]``, or ``default`` when absent (a null is a value: it stays None)."""
-    return message.get(name, default)
+def present(**fields: Any) -> dict[str, Any]:
+    """The ``fields`` that are not None: optional fields are left out of the wire when unset."""
+    return {name: value for name, value in fields.items() if value is not None}
+
+
+def wire_fields(cls: type, message: Mapping[str, Any]) -> dict[str, Any]:
+    """The fields of the attrs class ``cls`` as ``message`` holds them: an absent one takes its
+    default (None where it has none, for the checks to refuse)."""
+    return {field.name: message.get(field.name, _default(field)) for field in attrs.fields(cls)}
+
+
+def transfer_fields(
+    cls: type, meta: Mapping[str, Any], tensors: Mapping[str, Any]
+) -> dict[str, Any]:
+    """:func:`wire_fields` of a transfer: its tensor fields from ``tensors``, the rest from
+    ``meta``."""
+    return {
+        field.name: (tensors if field.eq_key is TENSOR_EQ else meta).get(
+            field.name, _default(field)
+        )
+        for field in attrs.fields(cls)
+    }
+
+
+def _default(field: attrs.Attribute[Any]) -> Any:
+    return None if field.default is attrs.NOTHING else field.default
 
 
 def as_tuple(value: object) -> Any:

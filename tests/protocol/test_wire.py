@@ -1,4 +1,5 @@
-"""The field checks the messages share, and how messages compare tensors."""
+"""The field checks the messages share, how messages compare tensors, and how a peer's
+message is read."""
 
 from __future__ import annotations
 
@@ -8,14 +9,17 @@ import pytest
 import torch
 
 from petals_core import CodecError, LocalProtocolError
-from petals_core.protocol._checks import (
+from petals_core.protocol import ForwardRequest, OpenSession
+from petals_core.protocol._wire import (
     check_blocks,
     check_hidden,
     check_integer,
     check_number,
     same_tensor,
     to_float,
+    transfer_fields,
     untrusted,
+    wire_fields,
 )
 
 
@@ -67,3 +71,17 @@ def test_a_parser_raises_codec_error_and_nothing_else() -> None:
     assert refused.value.__cause__ is None and refused.value.__suppress_context__
     with pytest.raises(CodecError, match="a thing is made of maps, not bytes"):
         untrusted("thing", build, {}, b"x")
+
+
+def test_a_field_goes_by_its_name_and_an_absent_one_takes_its_default() -> None:
+    fields = wire_fields(OpenSession, {"session_id": "s", "points": None, "unknown": 1})
+    assert fields["points"] is None  # a null is a value: the check refuses it
+    assert fields["alloc_timeout"] == 0.0 and fields["blocks"] is None
+    assert "unknown" not in fields
+    hidden = torch.zeros(1, 1, 8)
+    fields = transfer_fields(
+        ForwardRequest,
+        {"blocks": [0, 1], "hidden_states": "in the meta"},
+        {"hidden_states": hidden, "blocks": "in the tensors"},
+    )
+    assert fields["blocks"] == [0, 1] and fields["hidden_states"] is hidden
