@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import functools
 import logging
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import torch
 import trio
@@ -50,6 +51,7 @@ _MAX_ELEMENTS = 1 << 30
 #: What a forward keeps for its backward: per span, the span, its input and the server's token
 #: for the graph it kept (None if it kept none).
 Saved = list[tuple[RouteSpan, torch.Tensor, str | None]]
+_Reply = TypeVar("_Reply", ForwardReply, BackwardReply)
 
 
 async def _call(
@@ -66,6 +68,20 @@ async def _call(
                 call.send, *request.to_wire(), last=functools.partial(call.send, eof=True)
             )
             return await receive_tensors(call.receive, max_elements=_MAX_ELEMENTS)
+
+
+def _parse_reply(
+    parse: Callable[[dict[str, Any], dict[str, torch.Tensor]], _Reply],
+    span: RouteSpan,
+    what: str,
+    meta: dict[str, Any],
+    tensors: dict[str, torch.Tensor],
+) -> _Reply:
+    """A server's reply; a malformed one fails the call, as one of the wrong shape does."""
+    try:
+        return parse(meta, tensors)
+    except CodecError as exc:
+        raise PetalsError(f"server {span.peer_id} returned a malformed {what}: {exc}") from None
 
 
 def _prompts_for(
@@ -119,12 +135,7 @@ async def _forward_span(
             blocks=span.end - span.start,
             seconds=trio.current_time() - began,
         )
-        try:
-            reply = ForwardReply.from_wire_untrusted(meta, tensors)
-        except CodecError as exc:
-            raise PetalsError(
-                f"server {span.peer_id} returned a malformed forward: {exc}"
-            ) from None
+        reply = _parse_reply(ForwardReply.from_wire_untrusted, span, "forward", meta, tensors)
         if reply.hidden_states.shape != hidden.shape:
             raise PetalsError(f"server {span.peer_id} returned a forward of the wrong shape")
     except RETRIABLE as exc:
@@ -274,12 +285,7 @@ async def _backward_chunk(
         )
         try:
             meta, tensors = await _call(manager, span, request)
-            try:
-                reply = BackwardReply.from_wire_untrusted(meta, tensors)
-            except CodecError as exc:
-                raise PetalsError(
-                    f"server {span.peer_id} returned a malformed backward: {exc}"
-                ) from None
+            reply = _parse_reply(BackwardReply.from_wire_untrusted, span, "backward", meta, tensors)
             if reply.grad_inputs.shape != inputs.shape:
                 raise PetalsError(f"server {span.peer_id} returned a backward of the wrong shape")
         except RETRIABLE as exc:

@@ -106,10 +106,7 @@ class TrainingHandlers:
     async def forward(self, call: ServerCall) -> None:
         backend, pool, _ = self._serving.parts()
         with self._request_deadline():
-            meta, tensors = await receive_tensors(
-                call.receive, max_elements=self.limits.max_request_elements
-            )
-            request = self._checked(ForwardRequest.from_wire_untrusted, meta, tensors, backend)
+            request = await self._receive(call, ForwardRequest.from_wire_untrusted, backend)
             (start, end), hidden, prompts = request.blocks, request.hidden_states, request.prompts
             adapter, points = request.active_adapter, request.points
             nbytes = backend.activation_bytes(hidden.shape[0], hidden.shape[1]) * (end - start)
@@ -178,20 +175,19 @@ class TrainingHandlers:
     async def backward(self, call: ServerCall) -> None:
         backend, pool, _ = self._serving.parts()
         with self._request_deadline():
-            meta, tensors = await receive_tensors(
-                call.receive, max_elements=self.limits.max_request_elements
-            )
-            request = self._checked(BackwardRequest.from_wire_untrusted, meta, tensors, backend)
-            (start, end), hidden, prompts = request.blocks, request.hidden_states, request.prompts
-            adapter, points = request.active_adapter, request.points
+            request = await self._receive(call, BackwardRequest.from_wire_untrusted, backend)
+            start, end = request.blocks
+            hidden, prompts = request.hidden_states, request.prompts
             kept = self._take_kept(request.kept, str(call.peer_id))
-            if kept is not None and kept.matches(start, end, adapter, hidden, prompts):
+            if kept is not None and kept.matches(
+                start, end, request.active_adapter, hidden, prompts
+            ):
                 grad, grad_prompts = await pool.run(
                     functools.partial(
                         backend.backward_from_graph, kept.graph, request.grad_outputs
                     ),
                     priority=Priority.BACKWARD,
-                    points=points,
+                    points=request.points,
                 )
                 self._serving.count("kept_backwards")
             else:
@@ -285,14 +281,16 @@ class TrainingHandlers:
                 f"({self.limits.request_timeout_s} s)"
             )
 
-    def _checked(
+    async def _receive(
         self,
+        call: ServerCall,
         parse: Callable[[Mapping[str, Any], Mapping[str, Any]], _Request],
-        meta: dict[str, Any],
-        tensors: dict[str, torch.Tensor],
         backend: BlockBackend,
     ) -> _Request:
-        """The request, checked against what this server holds and allows."""
+        """The call's request, checked against what this server holds and allows."""
+        meta, tensors = await receive_tensors(
+            call.receive, max_elements=self.limits.max_request_elements
+        )
         try:
             request = parse(meta, tensors)
             start, end = check_blocks_held(request.blocks, backend)
