@@ -33,6 +33,10 @@ from ..models.conftest import TinyCheckpoint
 
 #: What a reply may hold; far above anything these tests send.
 MAX_ELEMENTS = 1 << 24
+#: The tiny checkpoint's hidden size.
+HIDDEN = 64
+#: Generous: a whole test module takes seconds; this only turns a hang into a failure.
+DEADLINE_S = 60.0
 
 
 # -- servers ---------------------------------------------------------------------------------------
@@ -196,6 +200,24 @@ async def backward(
     return tensors
 
 
+async def check_serving(
+    checkpoint: TinyCheckpoint,
+    connection: Connection,
+    *,
+    blocks: tuple[int, int] = (2, 5),
+    max_length: int = 4,
+) -> None:
+    """A new session over ``blocks`` computes what the local blocks compute."""
+    hidden = torch.randn(1, max_length, HIDDEN)
+    async with session(
+        connection, blocks=blocks, max_length=max_length, session_id="check"
+    ) as opened:
+        output = torch.cat(
+            [await opened.step(hidden[:, :-1]), await opened.step(hidden[:, -1:])], dim=1
+        )
+    assert_close(output, run_local(local_blocks(checkpoint, *blocks), hidden))
+
+
 # -- the local reference ---------------------------------------------------------------------------
 
 
@@ -246,3 +268,8 @@ def run_local_cached(
         for block, cache in zip(blocks, caches, strict=True):
             x = block(x, cache=cache)
     return x
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, tolerance: float = 1e-5) -> None:
+    assert actual.dtype == expected.dtype
+    torch.testing.assert_close(actual, expected, rtol=tolerance, atol=tolerance)
