@@ -17,7 +17,7 @@ from transformers import DynamicCache, PreTrainedModel
 from transformers.utils import logging as hf_logging
 
 from petals_core.models import BloomBlock, LlamaBlock
-from petals_core.server import INFERENCE
+from petals_core.protocol import INFERENCE
 from petals_core.testing import LocalSwarm, fixed_server_args
 from petals_core.transport import open_call, open_node
 

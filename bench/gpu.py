@@ -485,7 +485,7 @@ async def _steps(session: Any, hidden: torch.Tensor, count: int) -> None:
 
 
 async def _server_info(swarm: Any) -> list[dict[str, Any]]:
-    from petals_core.server import INFO
+    from petals_core.protocol import INFO
     from petals_core.transport import call_unary, open_node
 
     infos = []

@@ -39,7 +39,8 @@ import attrs
 import torch
 import trio
 
-from petals_core.server import INFERENCE, Server, ServerConfig, ServingLimits, open_server
+from petals_core.protocol import INFERENCE
+from petals_core.server import Server, ServerConfig, ServingLimits, open_server
 from petals_core.transport import Connection, open_call, open_node
 
 from ._report import median, percentile, print_table, summarize, write_json

@@ -126,3 +126,24 @@ def test_nothing_below_the_distributed_models_imports_them(package: str) -> None
 )
 def test_importing_a_lower_layer_loads_no_distributed_model(module: str) -> None:
     assert _imported_after(module, ("petals_core.distributed",)) == []
+
+
+def test_the_client_loads_neither_the_server_nor_the_models() -> None:
+    # The messages it shares with servers come from petals_core.protocol.
+    watched = ("petals_core.server", "petals_core.models", "transformers", "triton")
+    assert _imported_after("petals_core.client", watched) == []
+
+
+def test_the_protocol_is_messages_only() -> None:
+    # Message classes and transfers in parts over any send / receive: no event loop, no network,
+    # neither side of the RPCs.
+    watched = (
+        "trio",
+        "aioquic",
+        "petals_core.transport",
+        "petals_core.server",
+        "petals_core.client",
+        "petals_core.models",
+        "transformers",
+    )
+    assert _imported_after("petals_core.protocol", watched) == []

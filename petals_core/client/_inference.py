@@ -2,7 +2,7 @@
 
 An :class:`InferenceSession` covers the blocks of its sequence manager.  On the first step it
 plans a min-latency route and opens one ``petals.inference`` stream per span of it (see
-``petals_core.server._handler`` for the messages).  Each step goes through the spans in turn: the
+:mod:`petals_core.protocol` for the messages).  Each step goes through the spans in turn: the
 output of one is the input of the next (activations return through the client).
 
 The client keeps, for every span, the inputs it sent (``history``: ``(B, position, hidden)``).
@@ -28,9 +28,9 @@ from typing import Any
 import torch
 import trio
 
-from .._errors import PetalsError, RemoteError, ServerError, TransportError
+from .._errors import CodecError, PetalsError, RemoteError, ServerError, TransportError
+from ..protocol import INFERENCE, OpenSession, PushTarget, SessionReady, Step, StepResult
 from ..routing import RemoteSequenceManager, RouteSpan
-from ..server._protocol import INFERENCE
 from ..transport import Call, open_call
 from ._placement import describe, like, to_wire
 
@@ -66,21 +66,22 @@ class _SpanSession:
     ) -> None:
         connection = await manager.connect(self.peer)
         self.call = await self.stack.enter_async_context(open_call(connection, INFERENCE))
-        opening: dict[str, Any] = {
-            "session_id": self.session_id,
-            "blocks": [self.span.start, self.span.end],
-            "max_length": max_length,
-            "batch_size": batch,
-            "alloc_timeout": alloc_timeout,
-            "active_adapter": manager.config.active_adapter,
-            "points": 0.0,
-        }
-        if padding is not None and any(padding):
-            opening["left_padding"] = padding
-        await self.call.send(opening)
+        opening = OpenSession(
+            session_id=self.session_id,
+            blocks=(self.span.start, self.span.end),
+            max_length=max_length,
+            batch_size=batch,
+            alloc_timeout=alloc_timeout,
+            active_adapter=manager.config.active_adapter,
+            points=0.0,
+            left_padding=tuple(padding) if padding is not None and any(padding) else None,
+        )
+        await self.call.send(opening.to_wire())
         reply = await self.call.receive()
-        if reply.get("ready") is not True:
-            raise ServerError(f"server {self.peer} did not open the session: {reply!r}")
+        try:
+            SessionReady.from_wire_untrusted(reply)
+        except CodecError:
+            raise ServerError(f"server {self.peer} did not open the session: {reply!r}") from None
 
     async def step(
         self,
@@ -90,25 +91,22 @@ class _SpanSession:
         prompts: torch.Tensor | None,
         hypo_ids: torch.Tensor | None,
         step_id: int,
-        push: list[dict[str, str]] | None = None,
+        push: tuple[PushTarget, ...] = (),
     ) -> tuple[torch.Tensor, bool]:
         """Send ``hidden`` at ``position`` and wait for the answer: the output and whether the
         server pushed it on to the next server (``push``: their sessions, see the server)."""
         assert self.call is not None
         # The position is always explicit: after a pushed step that failed half-way, what the
         # server holds is not known here, and resending from the position is always right.
-        message: dict[str, Any] = {
-            "hidden_states": hidden,
-            "start_from_position": position,
-            "step_id": step_id,
-        }
-        if prompts is not None:
-            message["prompts"] = prompts
-        if hypo_ids is not None:
-            message["hypo_ids"] = hypo_ids
-        if push:
-            message["push"] = push
-        await self.call.send(message)
+        step = Step(
+            hidden_states=hidden,
+            start_from_position=position,
+            step_id=step_id,
+            prompts=prompts,
+            hypo_ids=hypo_ids,
+            push=push,
+        )
+        await self.call.send(step.to_wire())
         return await self.answer(hidden, position, step_id)
 
     async def answer(
@@ -120,20 +118,22 @@ class _SpanSession:
         assert self.call is not None
         while True:
             reply = await self.call.receive()
-            if reply.get("step_id") == step_id:
+            try:
+                result = StepResult.from_wire_untrusted(reply)
+            except CodecError as exc:
+                raise ServerError(
+                    f"server {self.peer} sent a malformed step result: {exc}"
+                ) from None
+            if result.step_id == step_id:
                 break
-        output = reply.get("hidden_states")
+        output = result.hidden_states
         expected = position + hidden.shape[1]
-        if (
-            not isinstance(output, torch.Tensor)
-            or output.shape != hidden.shape
-            or reply.get("position") != expected
-        ):
+        if output.shape != hidden.shape or result.position != expected:
             raise ServerError(
                 f"server {self.peer} answered a step with {describe(output)} at position "
-                f"{reply.get('position')!r}; expected {tuple(hidden.shape)} at {expected}"
+                f"{result.position}; expected {tuple(hidden.shape)} at {expected}"
             )
-        return output.to(hidden.dtype), reply.get("pushed") is True
+        return output.to(hidden.dtype), result.pushed is True
 
     async def close(self) -> None:
         call, self.call = self.call, None
@@ -293,12 +293,12 @@ class InferenceSession:
                         output, pushed = await span.answer(x, self._position, pushed_id)
                     else:
                         step_id = next(self._step_ids)
-                        chain = None
+                        chain: tuple[PushTarget, ...] = ()
                         if push and index + 1 < len(self._spans):
-                            chain = [
-                                {"peer": later.peer, "session_id": later.session_id}
+                            chain = tuple(
+                                PushTarget(peer=later.peer, session_id=later.session_id)
                                 for later in self._spans[index + 1 :]
-                            ]
+                            )
                         output, pushed = await span.step(
                             x,
                             self._position,
@@ -508,7 +508,7 @@ class _Placeholder(_SpanSession):
         prompts: torch.Tensor | None,
         hypo_ids: torch.Tensor | None,
         step_id: int,
-        push: list[dict[str, str]] | None = None,
+        push: tuple[PushTarget, ...] = (),
     ) -> tuple[torch.Tensor, bool]:
         raise ServerError(f"no server holds blocks {self.span.start}:{self.span.end} yet")
 

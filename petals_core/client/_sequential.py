@@ -18,15 +18,25 @@ from __future__ import annotations
 
 import functools
 import logging
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import torch
 import trio
 
-from .._errors import PetalsError
+from .._errors import CodecError, PetalsError
 from .._groups import raising_single_error
+from ..protocol import (
+    BACKWARD,
+    FORWARD,
+    BackwardReply,
+    BackwardRequest,
+    ForwardReply,
+    ForwardRequest,
+    receive_tensors,
+    send_tensors,
+)
 from ..routing import RemoteSequenceManager, RouteSpan
-from ..server._protocol import BACKWARD, FORWARD, receive_tensors, send_tensors
 from ..transport import open_call
 from ._inference import RETRIABLE
 from ._placement import like, to_wire
@@ -42,30 +52,37 @@ _MAX_ELEMENTS = 1 << 30
 #: What a forward keeps for its backward: per span, the span, its input and the server's token
 #: for the graph it kept (None if it kept none).
 Saved = list[tuple[RouteSpan, torch.Tensor, str | None]]
+_Reply = TypeVar("_Reply", ForwardReply, BackwardReply)
 
 
 async def _call(
-    manager: RemoteSequenceManager,
-    method: str,
-    span: RouteSpan,
-    tensors: dict[str, torch.Tensor | None],
-    **extra: Any,
+    manager: RemoteSequenceManager, span: RouteSpan, request: ForwardRequest | BackwardRequest
 ) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """Send ``request`` to ``span``'s server; the reply's meta and tensors."""
     connection = await manager.connect(span.peer_id)
-    meta = {
-        "blocks": [span.start, span.end],
-        "active_adapter": manager.config.active_adapter,
-        "points": 0.0,
-        **extra,
-    }
+    method = FORWARD if isinstance(request, ForwardRequest) else BACKWARD
     with trio.fail_after(manager.config.request_timeout_s):
         async with open_call(connection, method) as call:
             # The end of our side goes with the last part: the server answers (and stops
             # reading) once it has that part, and an end sent later would meet a closed stream.
             await send_tensors(
-                call.send, meta, tensors, last=functools.partial(call.send, eof=True)
+                call.send, *request.to_wire(), last=functools.partial(call.send, eof=True)
             )
             return await receive_tensors(call.receive, max_elements=_MAX_ELEMENTS)
+
+
+def _parse_reply(
+    parse: Callable[[dict[str, Any], dict[str, torch.Tensor]], _Reply],
+    span: RouteSpan,
+    what: str,
+    meta: dict[str, Any],
+    tensors: dict[str, torch.Tensor],
+) -> _Reply:
+    """A server's reply; a malformed one fails the call, as one of the wrong shape does."""
+    try:
+        return parse(meta, tensors)
+    except CodecError as exc:
+        raise PetalsError(f"server {span.peer_id} returned a malformed {what}: {exc}") from None
 
 
 def _prompts_for(
@@ -103,30 +120,30 @@ async def _forward_span(
     prompts: torch.Tensor | None,
     keep: bool,
 ) -> tuple[torch.Tensor, str | None]:
+    request = ForwardRequest(
+        blocks=(span.start, span.end),
+        active_adapter=manager.config.active_adapter,
+        hidden_states=hidden,
+        prompts=_prompts_for(manager, prompts, span),
+        keep_for_backward=keep,
+    )
     try:
         began = trio.current_time()
-        meta, result = await _call(
-            manager,
-            FORWARD,
-            span,
-            {"hidden_states": hidden, "prompts": _prompts_for(manager, prompts, span)},
-            **({"keep_for_backward": True} if keep else {}),
-        )
+        meta, tensors = await _call(manager, span, request)
         manager.on_forward_measured(
             span.peer_id,
             tokens=hidden.shape[0] * hidden.shape[1],
             blocks=span.end - span.start,
             seconds=trio.current_time() - began,
         )
-        output = result.get("hidden_states")
-        if not isinstance(output, torch.Tensor) or output.shape != hidden.shape:
+        reply = _parse_reply(ForwardReply.from_wire_untrusted, span, "forward", meta, tensors)
+        if reply.hidden_states.shape != hidden.shape:
             raise PetalsError(f"server {span.peer_id} returned a forward of the wrong shape")
     except RETRIABLE as exc:
         exc._petals_peer = span.peer_id  # type: ignore[union-attr]
         raise
     manager.on_request_success(span.peer_id)
-    token = meta.get("kept")
-    return output.to(hidden.dtype), (token if isinstance(token, str) else None)
+    return reply.hidden_states.to(hidden.dtype), reply.kept
 
 
 async def _forward_blocks(
@@ -259,20 +276,18 @@ async def _backward_chunk(
     pending = list(saved)
     while pending:
         span, inputs, token = pending.pop()
+        request = BackwardRequest(
+            blocks=(span.start, span.end),
+            active_adapter=manager.config.active_adapter,
+            hidden_states=inputs,
+            grad_outputs=grad,
+            prompts=_prompts_for(manager, prompts, span),
+            kept=token,
+        )
         try:
-            _, result = await _call(
-                manager,
-                BACKWARD,
-                span,
-                {
-                    "hidden_states": inputs,
-                    "grad_outputs": grad,
-                    "prompts": _prompts_for(manager, prompts, span),
-                },
-                **({} if token is None else {"kept": token}),
-            )
-            new_grad = result.get("grad_inputs")
-            if not isinstance(new_grad, torch.Tensor) or new_grad.shape != inputs.shape:
+            meta, tensors = await _call(manager, span, request)
+            reply = _parse_reply(BackwardReply.from_wire_untrusted, span, "backward", meta, tensors)
+            if reply.grad_inputs.shape != inputs.shape:
                 raise PetalsError(f"server {span.peer_id} returned a backward of the wrong shape")
         except RETRIABLE as exc:
             attempt[0] += 1
@@ -291,9 +306,9 @@ async def _backward_chunk(
             pending.extend(resaved)
             continue
         manager.on_request_success(span.peer_id)
-        grad = new_grad.to(grad_output.dtype)
+        grad = reply.grad_inputs.to(grad_output.dtype)
         if grad_prompts is not None:
-            span_grads = result.get("grad_prompts")
+            span_grads = reply.grad_prompts
             if span_grads is not None:
                 grad_prompts[span.start - base : span.end - base] += span_grads.to(
                     grad_prompts.dtype

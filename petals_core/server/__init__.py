@@ -7,7 +7,7 @@ Run it as ``python -m petals_core.server MODEL [options]``.  Its parts:
 - :func:`open_task_pool`: compute off the event loop, inference steps first, then by client
   points and arrival, with single-token steps of concurrent sessions batched together;
 - :class:`BlockBackend` / :class:`BlockServer`: the blocks and the RPCs over them (sessions,
-  forward, backward, info; the messages are described in ``_protocol``);
+  forward, backward, info; the messages are :mod:`petals_core.protocol`'s);
 - :func:`open_server`: the whole life of a server in the swarm (:class:`ServerConfig`);
 - :class:`ServingDefaults`: the device, dtype, quantisation and number of blocks a server
   chooses when not told, Petals' defaults (on CUDA: nf4, and as many blocks as fit, see
@@ -27,16 +27,6 @@ from ._memory_cache import (
     CacheGrant as CacheGrant,
     MemoryCache as MemoryCache,
     MemoryCacheStatistics as MemoryCacheStatistics,
-)
-from ._protocol import (
-    BACKWARD as BACKWARD,
-    DEFAULT_CHUNK_BYTES as DEFAULT_CHUNK_BYTES,
-    FORWARD as FORWARD,
-    INFERENCE as INFERENCE,
-    INFO as INFO,
-    PUSH as PUSH,
-    receive_tensors as receive_tensors,
-    send_tensors as send_tensors,
 )
 from ._server import (
     SMOLLM2 as SMOLLM2,

@@ -1,7 +1,7 @@
 """The blocks a server hosts and the blocking computations on them.
 
 Everything here is plain torch and runs in the task pool's worker threads; the RPC layer
-(``_handler.py``) validates requests, schedules these calls and owns the sessions.
+(``_inference``, ``_training``) validates requests, schedules these calls and owns the sessions.
 
 Conventions of every call:
 

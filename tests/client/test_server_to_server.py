@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
 from pathlib import Path
 
 import pytest
@@ -18,8 +19,9 @@ import trio
 from petals_core import RemoteError
 from petals_core._errors import PeerUnreachable
 from petals_core.client import InferenceSession, RemoteSequential
-from petals_core.server import INFERENCE, PUSH, Server
-from petals_core.transport import Connection, open_call, open_node
+from petals_core.protocol import INFERENCE, PUSH
+from petals_core.server import Server
+from petals_core.transport import Call, Connection, open_call, open_node
 
 from ._swarm_helpers import (
     DEADLINE_S,
@@ -157,9 +159,23 @@ async def test_a_server_that_cannot_push_lets_the_client_send(model: Model, tmp_
         assert first.block_server.statistics().push_streams == 0
 
 
+@asynccontextmanager
+async def _session_at_step_5(
+    connection: Connection, session_id: str, prefix: torch.Tensor
+) -> AsyncIterator[Call]:
+    """A raw session over blocks 0:6 that took ``prefix`` as its step 5."""
+    async with open_call(connection, INFERENCE) as call:
+        await call.send({"session_id": session_id, "blocks": [0, 6], "max_length": 8})
+        assert (await call.receive())["ready"] is True
+        await call.send({"hidden_states": prefix, "step_id": 5})
+        assert (await call.receive())["step_id"] == 5
+        yield call
+
+
 async def test_stale_and_misaddressed_pushes(model: Model, tmp_path: Path) -> None:
     """Raw calls: a pushed step whose id is not above the session's last one is dropped; the
-    next one is computed and answered on the client's stream; an unknown session is refused."""
+    next one is computed and answered on the client's stream; an unknown session, and a
+    header that names none, are refused."""
     torch.manual_seed(5)
     async with in_process_swarm(model, tmp_path, [(0, 6)]) as swarm:
         (server,) = swarm.servers.values()
@@ -171,11 +187,7 @@ async def test_stale_and_misaddressed_pushes(model: Model, tmp_path: Path) -> No
         with trio.fail_after(DEADLINE_S):
             async with open_node(host="127.0.0.1") as node:
                 connection = await node.connect(server.multiaddrs[0])
-                async with open_call(connection, INFERENCE) as call:
-                    await call.send({"session_id": session_id, "blocks": [0, 6], "max_length": 8})
-                    assert (await call.receive())["ready"] is True
-                    await call.send({"hidden_states": prefix, "step_id": 5})
-                    assert (await call.receive())["step_id"] == 5
+                async with _session_at_step_5(connection, session_id, prefix) as call:
                     async with open_call(connection, PUSH) as push:
                         await push.send({"session_id": session_id})
                         stale = {"hidden_states": torch.randn(1, 1, HIDDEN), "step_id": 5}
@@ -194,3 +206,28 @@ async def test_stale_and_misaddressed_pushes(model: Model, tmp_path: Path) -> No
                     await push.send({"session_id": "no-such-session"})
                     with pytest.raises(RemoteError, match="unknown session"):
                         await push.receive()
+                async with open_call(connection, PUSH) as push:
+                    await push.send({"session_id": 7})
+                    with pytest.raises(RemoteError, match="push refused: session_id must be"):
+                        await push.receive()
+
+
+async def test_a_malformed_pushed_step_ends_the_session(model: Model, tmp_path: Path) -> None:
+    """A pushed step is read as the client's own are: a malformed one ends the session with the
+    fault named, whatever its step id."""
+    async with in_process_swarm(model, tmp_path, [(0, 6)]) as swarm:
+        (server,) = swarm.servers.values()
+        session_id = os.urandom(8).hex()
+        with trio.fail_after(DEADLINE_S):
+            async with open_node(host="127.0.0.1") as node:
+                connection = await node.connect(server.multiaddrs[0])
+                prefix = torch.randn(1, 2, HIDDEN)
+                async with (
+                    _session_at_step_5(connection, session_id, prefix) as call,
+                    open_call(connection, PUSH) as push,
+                ):
+                    await push.send({"session_id": session_id})
+                    await push.send({"hidden_states": torch.ones(1, 1, HIDDEN).long()})
+                    with pytest.raises(RemoteError, match="step refused: hidden_states must"):
+                        await call.receive()
+            assert server.block_server.open_sessions == 0

@@ -15,25 +15,28 @@ import torch
 from transformers import LlamaConfig
 
 from petals_core.models import KVCache, LlamaBlock
-from petals_core.server import (
+from petals_core.protocol import (
     BACKWARD,
+    DEFAULT_CHUNK_BYTES,
     FORWARD,
     INFERENCE,
     INFO,
-    Server,
-    ServerConfig,
-    ServingLimits,
-    open_server,
+    InfoReply,
+    InfoRequest,
     receive_tensors,
     send_tensors,
 )
-from petals_core.server._protocol import DEFAULT_CHUNK_BYTES
+from petals_core.server import Server, ServerConfig, ServingLimits, open_server
 from petals_core.transport import Call, CallEnded, Connection, call_unary, open_call, open_node
 
 from ..models.conftest import TinyCheckpoint
 
 #: What a reply may hold; far above anything these tests send.
 MAX_ELEMENTS = 1 << 24
+#: The tiny checkpoint's hidden size.
+HIDDEN = 64
+#: Generous: a whole test module takes seconds; this only turns a hang into a failure.
+DEADLINE_S = 60.0
 
 
 # -- servers ---------------------------------------------------------------------------------------
@@ -72,8 +75,10 @@ async def connect(server: Server) -> AsyncIterator[Connection]:
         yield await node.connect(server.multiaddrs[0])
 
 
-async def info(connection: Connection) -> dict[str, Any]:
-    return await call_unary(connection, INFO, {})
+async def info(connection: Connection) -> InfoReply:
+    return InfoReply.from_wire_untrusted(
+        await call_unary(connection, INFO, InfoRequest().to_wire())
+    )
 
 
 # -- inference sessions ----------------------------------------------------------------------------
@@ -195,6 +200,24 @@ async def backward(
     return tensors
 
 
+async def check_serving(
+    checkpoint: TinyCheckpoint,
+    connection: Connection,
+    *,
+    blocks: tuple[int, int] = (2, 5),
+    max_length: int = 4,
+) -> None:
+    """A new session over ``blocks`` computes what the local blocks compute."""
+    hidden = torch.randn(1, max_length, HIDDEN)
+    async with session(
+        connection, blocks=blocks, max_length=max_length, session_id="check"
+    ) as opened:
+        output = torch.cat(
+            [await opened.step(hidden[:, :-1]), await opened.step(hidden[:, -1:])], dim=1
+        )
+    assert_close(output, run_local(local_blocks(checkpoint, *blocks), hidden))
+
+
 # -- the local reference ---------------------------------------------------------------------------
 
 
@@ -245,3 +268,8 @@ def run_local_cached(
         for block, cache in zip(blocks, caches, strict=True):
             x = block(x, cache=cache)
     return x
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, tolerance: float = 1e-5) -> None:
+    assert actual.dtype == expected.dtype
+    torch.testing.assert_close(actual, expected, rtol=tolerance, atol=tolerance)

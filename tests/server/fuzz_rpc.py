@@ -45,7 +45,8 @@ import trio
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from petals_core import RemoteError
-from petals_core.server import BACKWARD, FORWARD, INFERENCE, INFO, Server, ServingLimits
+from petals_core.protocol import BACKWARD, FORWARD, INFERENCE, INFO
+from petals_core.server import Server, ServingLimits
 from petals_core.transport import (
     CodecLimits,
     Connection,

@@ -66,7 +66,7 @@ async def test_adapter_is_chosen_per_request(
             connect(server) as connection,
         ):
             # What it holds: in petals.info and in its announcement.
-            assert (await info(connection))["adapters"] == [name]
+            assert (await info(connection)).adapters == (name,)
             own = str(server.dht.peer_id)
             snapshot = await server.topic.wait_snapshot(
                 lambda s: (

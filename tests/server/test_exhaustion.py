@@ -11,7 +11,8 @@ import torch
 import trio
 
 from petals_core import RemoteError
-from petals_core.server import INFERENCE, ServingLimits
+from petals_core.protocol import INFERENCE
+from petals_core.server import ServingLimits
 from petals_core.transport import Connection, open_call, open_node
 
 from ..models.conftest import TinyCheckpoint
@@ -58,16 +59,16 @@ async def test_an_idle_client_loses_its_session_and_the_cache_comes_back(
             serve(server_llama, cache_dir, limits=limits) as server,
             connect(server) as connection,
         ):
-            baseline = (await info(connection))["cache_tokens_left"]
+            baseline = (await info(connection)).cache_tokens_left
             async with open_call(connection, INFERENCE) as call:
                 await call.send({"session_id": "idle", "blocks": [0, 6], "max_length": 32})
                 assert await call.receive() == {"ready": True, "position": 0}
-                assert (await info(connection))["cache_tokens_left"] == baseline - 32 * 6
+                assert (await info(connection)).cache_tokens_left == baseline - 32 * 6
                 # Send nothing: the server gives up on us with a clear reason.
                 with pytest.raises(RemoteError, match="step timeout") as ended:
                     await call.receive()
                 assert ended.value.remote_type == "ServerError"
-            assert (await info(connection))["cache_tokens_left"] == baseline
+            assert (await info(connection)).cache_tokens_left == baseline
             assert server.block_server.open_sessions == 0
 
 
@@ -91,14 +92,14 @@ async def test_many_abandoned_streams_leave_the_server_serving(
 ) -> None:
     with trio.fail_after(DEADLINE_S):
         async with serve(server_llama, cache_dir) as server, connect(server) as connection:
-            baseline = (await info(connection))["cache_tokens_left"]
+            baseline = (await info(connection)).cache_tokens_left
             for round_ in range(3):
                 async with trio.open_nursery() as nursery:
                     for i in range(40):
                         nursery.start_soon(_abandon, connection, f"{round_}-{i}")
             async with session(connection, blocks=(0, 6), max_length=4, session_id="ok") as s:
                 assert (await s.step(torch.randn(1, 1, 64))).shape == (1, 1, 64)
-            assert (await info(connection))["cache_tokens_left"] == baseline
+            assert (await info(connection)).cache_tokens_left == baseline
 
 
 async def _abandon(connection: Connection, session_id: str) -> None:

@@ -34,8 +34,8 @@ def test_hostile_inputs_leave_the_server_serving(
     print(report)
     assert report.examples >= min(EXAMPLES, 50)
     # The sample reached both sides: calls that computed (which mix depends on the draw; the
-    # valid paths of every RPC are covered one by one in test_handler.py), and refusals of each
-    # kind of call.
+    # valid paths of every RPC are covered one by one in test_inference.py and test_training.py),
+    # and refusals of each kind of call.
     computed = ("Opening:closed", "Steps:closed", "Transfer:ok")
     assert sum(report.outcomes.get(outcome, 0) for outcome in computed) > 0, report.outcomes
     for kind in ("RawStream", "Opening", "Steps", "Transfer"):

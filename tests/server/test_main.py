@@ -22,7 +22,7 @@ import pytest
 import trio
 
 from petals_core import ConfigError
-from petals_core.server import INFO
+from petals_core.protocol import INFO
 from petals_core.server.__main__ import (
     _parser,
     check_disk_space,

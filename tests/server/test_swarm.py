@@ -22,16 +22,13 @@ import trio
 
 from petals_core import RemoteError, __version__
 from petals_core.dht import PeerTableSnapshot, ServerInfo, ServerState, Topic, open_dht_node
+from petals_core.protocol import FORWARD, INFERENCE, receive_tensors, send_tensors
 from petals_core.server import (
-    FORWARD,
-    INFERENCE,
     Server,
     ServerConfig,
     ServingLimits,
     _server as server_module,
     open_server,
-    receive_tensors,
-    send_tensors,
 )
 from petals_core.transport import Identity, call_unary, open_call, open_node
 

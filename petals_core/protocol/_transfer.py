@@ -1,18 +1,11 @@
-"""The block RPCs' messages, shared by servers and clients.
+"""Tensors in parts: how ``petals.forward`` and ``petals.backward`` move their messages.
 
-Methods (on the transport's RPC, one QUIC stream per call):
+A transfer is ``{"meta": {...}}``, then for each tensor one or more ``{"name", "shape",
+"part"}`` messages whose ``part`` is a flat slice of at most ``chunk_bytes``, in order, then
+``{"done": true}``.  The receiver checks every declared shape and dtype against its limits
+before it allocates anything, and refuses parts that overrun.
 
-- ``petals.info`` (unary): what the server holds and expects;
-- ``petals.inference`` (stream): an inference session, see ``_handler.py``;
-- ``petals.push`` (stream): another server's outputs for a session here (server-to-server
-  inference), see ``_handler.py``;
-- ``petals.forward`` / ``petals.backward`` (stream): stateless fine-tuning passes whose tensors
-  may be large, so they travel in parts (:func:`send_tensors` / :func:`receive_tensors`).
-
-A tensor transfer is ``{"meta": {...}}``, then for each tensor one or more
-``{"name", "shape", "part"}`` messages whose ``part`` is a flat slice of at most
-``chunk_bytes``, in order, then ``{"done": true}``.  The receiver checks every declared shape and
-dtype against its limits before it allocates anything, and refuses parts that overrun.
+The functions take the call's ``send`` and ``receive``; nothing here knows the event loop.
 """
 
 from __future__ import annotations
@@ -25,22 +18,7 @@ import torch
 
 from .._errors import CodecError
 
-__all__ = [
-    "DEFAULT_CHUNK_BYTES",
-    "INFERENCE",
-    "INFO",
-    "PUSH",
-    "FORWARD",
-    "BACKWARD",
-    "receive_tensors",
-    "send_tensors",
-]
-
-INFO: Final = "petals.info"
-INFERENCE: Final = "petals.inference"
-PUSH: Final = "petals.push"
-FORWARD: Final = "petals.forward"
-BACKWARD: Final = "petals.backward"
+__all__ = ["DEFAULT_CHUNK_BYTES", "MAX_TENSORS", "receive_tensors", "send_tensors"]
 
 #: Parts of large tensors are at most this big (frames above 1 MiB are assembled one at a time
 #: per connection by the transport, so parts of a few MiB keep both memory and latency low).

@@ -18,7 +18,7 @@ import trio
 from hypothesis import given, settings, strategies as st
 
 from petals_core import CodecError
-from petals_core.server import receive_tensors, send_tensors
+from petals_core.protocol import receive_tensors, send_tensors
 from petals_core.transport import decode_message_untrusted, encode_message
 
 Message = Mapping[str, Any]

@@ -1,0 +1,491 @@
+"""Inference sessions (``petals.inference``) and server-to-server pushes (``petals.push``).
+
+The messages are :mod:`petals_core.protocol`'s.  A session's opening reserves its cache
+(waiting up to its ``alloc_timeout``, capped by ``--max_alloc_timeout``; refusing at once what
+can never fit); the cache is freed when the client ends its side.  Any error ends the session
+with a message naming the cause: a step is checked fully before the cache is touched, so
+nothing of another session, nor of this one before the failed step, is changed.
+
+**Pushes.**  After computing a step that names the next servers' sessions (``push``), this
+server sends its output, as the next step of the first of them (same ``step_id``,
+``start_from_position`` the step's own, the rest of the list as its ``push``), over a
+``petals.push`` stream to that peer -- dialled at the address the peer table gives (read from
+the DHT if the table lacks it), never one a client names -- and answers the client with
+``pushed: true``.  The stream is dialled in the background on the first step that names that
+session: until it is open, and if it cannot be, the answer says ``pushed: false`` and the
+client sends the step on itself, so that a dial never delays a step.  The receiving server
+takes pushed steps in its session's order beside the client's own: the session id, known to
+the client and the servers it chose only, is the capability.  A pushed step whose ``step_id``
+is not above every id the session has seen is stale (its client has resent that step itself
+since) and is dropped.
+
+**Scheduling.**  Single-step work of different sessions over the same blocks and adapter is
+batched (:meth:`BlockBackend.inference_steps`); steps longer than ``max_batch_tokens`` tokens
+are processed in chunks, each a separate job, so that a long prefill never holds up other
+sessions.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import math
+from collections.abc import Awaitable, Callable
+from typing import Any, Final
+
+import attrs
+import torch
+import trio
+
+from .._errors import CallEnded, CodecError, ServerError, TransportError
+from ..models import KVCache
+from ..protocol import (
+    PUSH,
+    OpenPush,
+    OpenSession,
+    PushTarget,
+    SessionReady,
+    Step,
+    StepResult,
+)
+from ..transport import Call, Connection, ServerCall, open_call
+from ._backend import BlockBackend
+from ._serving import Serving, check_blocks_held
+from ._task_pool import Priority, TaskPool
+
+__all__ = ["InferenceHandlers"]
+
+logger = logging.getLogger(__name__)
+
+#: Steps (the client's and pushed ones) waiting in a session's inbox.
+_INBOX_SIZE: Final = 8
+#: Longest wait to hand the next server a pushed step.
+_PUSH_TIMEOUT_S: Final = 2.0
+#: Longest wait to dial the next server and open the push stream (once per session, meanwhile
+#: the client sends the steps on itself).
+_DIAL_TIMEOUT_S: Final = 10.0
+#: How long a server that could not be dialled for a push is not dialled again.
+_UNREACHABLE_S: Final = 60.0
+_MAX_UNREACHABLE: Final = 4096
+
+
+class _Dialling:
+    """A push stream being opened."""
+
+
+_DIALLING: Final = _Dialling()
+
+#: What a session's inbox holds: a step as it came and whether it was pushed, None when the
+#: client ended its side, or the exception the client's stream failed with.
+_InboxItem = tuple[dict[str, Any], bool] | None | Exception
+
+
+@attrs.define(eq=False)
+class _Session:
+    session_id: str
+    peer: str
+    start: int
+    end: int
+    batch: int
+    max_length: int
+    adapter: str | None
+    points: float
+    caches: list[KVCache]
+    scope: trio.CancelScope
+    closed_because: str | None = None
+    #: The client's steps and pushed ones, in arrival order: (message, pushed).
+    inbox: trio.MemorySendChannel[_InboxItem] | None = None
+    #: The highest step_id seen (pushed steps at or below it are stale).
+    last_step_id: int = -1
+    #: Push streams to the next servers' sessions, by (peer, session id); None: that push failed
+    #: (not tried again in this session), _DIALLING: being opened.
+    pushes: dict[tuple[str, str], Call | _Dialling | None] = attrs.field(factory=dict)
+    exits: contextlib.AsyncExitStack = attrs.field(factory=contextlib.AsyncExitStack)
+    #: Where the session's background tasks run (the client reader, push dials).
+    nursery: trio.Nursery | None = None
+
+    @property
+    def position(self) -> int:
+        return self.caches[0].length
+
+
+class InferenceHandlers:
+    """The ``petals.inference`` and ``petals.push`` handlers, and the open sessions."""
+
+    def __init__(self, serving: Serving) -> None:
+        self._serving = serving
+        self.limits = serving.limits
+        #: Dials another server by its PeerID (at the address the peer table gives); pushes to
+        #: the next server need it.
+        self.connect_peer: Callable[[str], Awaitable[Connection]] | None = None
+        self._sessions: dict[str, _Session] = {}
+        #: Servers a push could not dial, until when they are not tried again.
+        self._unreachable: dict[str, float] = {}
+
+    @property
+    def open_sessions(self) -> int:
+        return len(self._sessions)
+
+    def close_all(self, reason: str) -> None:
+        """End every open session with ``reason``."""
+        for session in list(self._sessions.values()):
+            session.closed_because = reason
+            session.scope.cancel()
+
+    # -- sessions --------------------------------------------------------------------------------
+
+    async def serve_session(self, call: ServerCall) -> None:
+        backend, pool, cache = self._serving.parts()
+        with trio.move_on_after(self.limits.step_timeout_s) as waited:
+            message = await call.receive()
+        if waited.cancelled_caught:
+            raise ServerError("no session request arrived in time")
+        opening = self._opening(message, backend)
+        session_id, (start, end) = opening.session_id, opening.blocks
+        batch, max_length = opening.batch_size, opening.max_length
+        padding = None
+        if opening.left_padding is not None:
+            padding = torch.tensor(opening.left_padding, dtype=torch.int64)
+        peer = str(call.peer_id)
+        self._check_peer_quota(peer)
+        nbytes = backend.cache_bytes_per_token * batch * max_length * (end - start)
+        async with cache.allocate(nbytes, timeout_s=opening.alloc_timeout):
+            caches = await pool.run(
+                lambda: backend.allocate_caches(start, end, batch, max_length, padding=padding),
+                priority=Priority.INFERENCE,
+                points=opening.points,
+            )
+            # Checked again with no await before the session is registered: another opening
+            # with the same id (or of the same peer) may have registered while we waited.
+            if session_id in self._sessions:
+                raise ServerError(f"session id {session_id!r} is already in use")
+            self._check_peer_quota(peer)
+            session = _Session(
+                session_id=session_id,
+                peer=peer,
+                start=start,
+                end=end,
+                batch=batch,
+                max_length=max_length,
+                adapter=opening.active_adapter,
+                points=opening.points,
+                caches=caches,
+                scope=trio.CancelScope(),
+            )
+            inbox, steps = trio.open_memory_channel[_InboxItem](_INBOX_SIZE)
+            session.inbox = inbox
+            self._sessions[session_id] = session
+            try:
+                with session.scope:
+                    session.scope.deadline = trio.current_time() + self.limits.session_timeout_s
+                    await call.send(SessionReady(position=0).to_wire())
+                    await self._run_session(call, session, steps, backend, pool)
+                    return
+                if session.closed_because is not None:
+                    raise ServerError(session.closed_because)
+                raise ServerError(
+                    f"the session exceeded this server's session timeout "
+                    f"({self.limits.session_timeout_s} s)"
+                )
+            finally:
+                del self._sessions[session_id]
+                inbox.close()
+                session.caches.clear()
+
+    def _check_peer_quota(self, peer: str) -> None:
+        if sum(1 for s in self._sessions.values() if s.peer == peer) >= (
+            self.limits.max_sessions_per_peer
+        ):
+            raise ServerError(
+                f"this peer already holds {self.limits.max_sessions_per_peer} sessions here"
+            )
+
+    def _opening(self, message: dict[str, Any], backend: BlockBackend) -> OpenSession:
+        """The opening, checked against what this server holds and allows."""
+        opening = OpenSession.from_wire_untrusted(message)
+        if opening.session_id in self._sessions:
+            raise ServerError(f"session id {opening.session_id!r} is already in use")
+        check_blocks_held(opening.blocks, backend)
+        for name, value, limit in (
+            ("max_length", opening.max_length, self.limits.inference_max_length),
+            ("batch_size", opening.batch_size, self.limits.max_batch_tokens),
+        ):
+            if value > limit:
+                raise CodecError(f"{name} must be an integer in [1, {limit}], got {value!r}")
+        backend.check_adapter(opening.active_adapter)
+        return opening
+
+    async def _run_session(
+        self,
+        call: ServerCall,
+        session: _Session,
+        steps: trio.MemoryReceiveChannel[_InboxItem],
+        backend: BlockBackend,
+        pool: TaskPool,
+    ) -> None:
+        """The session's steps, with a task reading the client's into the inbox beside pushes.
+
+        Whatever ends the steps is raised as it is (not in an exception group), so that the RPC
+        layer tells the client, or sees its stream fail, as with any other handler."""
+        assert session.inbox is not None
+        failure: BaseException | None = None
+        async with session.exits, trio.open_nursery() as nursery:
+            session.nursery = nursery
+            nursery.start_soon(_read_client, call, session.inbox)
+            try:
+                await self._steps(call, session, steps, backend, pool)
+            except BaseException as exc:
+                failure = exc
+            finally:
+                nursery.cancel_scope.cancel()
+        if failure is not None:
+            raise failure
+
+    async def _steps(
+        self,
+        call: ServerCall,
+        session: _Session,
+        steps: trio.MemoryReceiveChannel[_InboxItem],
+        backend: BlockBackend,
+        pool: TaskPool,
+    ) -> None:
+        while True:
+            with trio.move_on_after(self.limits.step_timeout_s) as waited:
+                item = await steps.receive()
+            if waited.cancelled_caught:
+                raise ServerError(
+                    f"no step arrived within this server's step timeout "
+                    f"({self.limits.step_timeout_s} s): the session is closed"
+                )
+            if item is None:
+                return  # the client ended its side
+            if isinstance(item, BaseException):
+                raise item  # the client's stream failed
+            message, pushed = item
+            try:
+                step = Step.from_wire_untrusted(message)
+                step_id = step.step_id
+                if pushed and (step_id is None or step_id <= session.last_step_id):
+                    self._serving.count("stale_pushes")
+                    continue
+                if step_id is not None:
+                    session.last_step_id = max(session.last_step_id, step_id)
+                output = await self._step(step, session, backend, pool)
+            except (ValueError, CodecError) as exc:
+                self._serving.count("failures")
+                raise ServerError(f"step refused: {exc}") from None
+            pushed_on = None
+            if step.push:
+                start = session.position - output.shape[1]  # where this step began
+                pushed_on = await self._push(session, step.push, output, start, step_id)
+            if pushed:
+                self._serving.count("pushed_steps")
+            result = StepResult(
+                hidden_states=output, position=session.position, step_id=step_id, pushed=pushed_on
+            )
+            await call.send(result.to_wire())
+
+    async def _step(
+        self, step: Step, session: _Session, backend: BlockBackend, pool: TaskPool
+    ) -> torch.Tensor:
+        hidden = backend.check_hidden(step.hidden_states)
+        if hidden.shape[0] != session.batch:
+            raise ValueError(
+                f"the session has {session.batch} rows; this step has {hidden.shape[0]}"
+            )
+        position = session.position
+        if step.start_from_position is not None:
+            if step.start_from_position > position:
+                raise ValueError(
+                    f"cannot start from position {step.start_from_position}: the cache holds "
+                    f"{position}"
+                )
+            position = step.start_from_position
+        tokens = hidden.shape[1]
+        if position + tokens > session.max_length:
+            raise ValueError(
+                f"{position} + {tokens} positions exceed the session's max_length "
+                f"{session.max_length}"
+            )
+        prompts = step.prompts
+        backend.check_prompts(prompts, session.start, session.end, hidden)
+        # Checked: from here on the step runs (and rolls back what it wrote if it fails).
+        for cache in session.caches:
+            cache.rollback(position)
+        self._serving.count("steps")
+        if step.hypo_ids is not None:
+            # As row indices: torch refuses int8 indices and reads uint8 ones as a mask.
+            reorder = step.hypo_ids.to(torch.int64)
+
+            def reorder_all() -> None:
+                for cache in session.caches:
+                    cache.reorder(reorder)
+
+            await pool.run(reorder_all, priority=Priority.INFERENCE, points=session.points)
+        if tokens == 0:
+            return hidden
+        chunk = max(1, self.limits.max_batch_tokens // session.batch)
+        if prompts is None and tokens <= chunk and self.limits.batch_steps:
+            self._serving.count("batched_steps")
+            key = ("step", session.start, session.end, session.adapter)
+            adapter, start, end = session.adapter, session.start, session.end
+
+            def run_batch(
+                items: list[tuple[torch.Tensor, list[KVCache]]],
+            ) -> list[torch.Tensor]:
+                return backend.inference_steps(start, end, items, adapter=adapter)
+
+            return await pool.run_batched(
+                key,
+                (hidden, session.caches),
+                run_batch,
+                priority=Priority.INFERENCE,
+                points=session.points,
+                size=session.batch * tokens,
+            )
+        outputs = []
+        for offset in range(0, tokens, chunk):
+            part = hidden[:, offset : offset + chunk]
+            part_prompts = None
+            if prompts is not None and offset < prompts.shape[2]:
+                part_prompts = prompts[:, :, offset : offset + chunk]
+            outputs.append(
+                await pool.run(
+                    functools.partial(
+                        backend.inference_step,
+                        session.start,
+                        session.end,
+                        part,
+                        session.caches,
+                        prompts=part_prompts,
+                        adapter=session.adapter,
+                    ),
+                    priority=Priority.INFERENCE,
+                    points=session.points,
+                    cost_key=(
+                        "chunk",
+                        session.start,
+                        session.end,
+                        session.adapter,
+                        part_prompts is not None,
+                    ),
+                    size=session.batch * part.shape[1],
+                )
+            )
+        return torch.cat(outputs, dim=1)
+
+    # -- pushes ----------------------------------------------------------------------------------
+
+    async def _push(
+        self,
+        session: _Session,
+        chain: tuple[PushTarget, ...],
+        output: torch.Tensor,
+        start: int,
+        step_id: int | None,
+    ) -> bool:
+        """Hand ``output`` to the next server's session as its step; whether it was sent."""
+        target = chain[0]
+        key = (target.peer, target.session_id)
+        if key not in session.pushes:
+            self._start_dial(session, key)
+        push_call = session.pushes[key]
+        if not isinstance(push_call, Call):
+            return False  # being dialled, or it failed
+        step = Step(
+            hidden_states=output, start_from_position=start, step_id=step_id, push=chain[1:]
+        )
+        with trio.move_on_after(_PUSH_TIMEOUT_S):
+            try:
+                await push_call.send(step.to_wire())
+                return True
+            except TransportError as exc:
+                logger.info("cannot push to %s: %r", target.peer, exc)
+        session.pushes[key] = None
+        return False
+
+    def _start_dial(self, session: _Session, key: tuple[str, str]) -> None:
+        peer = key[0]
+        if (
+            self.connect_peer is None
+            or session.nursery is None
+            or trio.current_time() < self._unreachable.get(peer, -math.inf)
+        ):
+            session.pushes[key] = None
+            return
+        session.pushes[key] = _DIALLING
+        session.nursery.start_soon(self._dial, session, key, self.connect_peer)
+
+    async def _dial(
+        self,
+        session: _Session,
+        key: tuple[str, str],
+        connect_peer: Callable[[str], Awaitable[Connection]],
+    ) -> None:
+        """Open the push stream to ``key``'s session (in the session's nursery)."""
+        peer, session_id = key
+        with trio.move_on_after(_DIAL_TIMEOUT_S):
+            try:
+                connection = await connect_peer(peer)
+                opened = await session.exits.enter_async_context(open_call(connection, PUSH))
+                await opened.send(OpenPush(session_id=session_id).to_wire())
+            except TransportError as exc:
+                logger.info("cannot push to %s: %r", peer, exc)
+            else:
+                self._unreachable.pop(peer, None)
+                session.pushes[key] = opened
+                self._serving.count("push_streams")
+                return
+        self._mark_unreachable(peer)
+        self._serving.count("push_dial_failures")
+        session.pushes[key] = None
+
+    def _mark_unreachable(self, peer: str) -> None:
+        """Until proven otherwise (the dial succeeds); at most a few thousand remembered."""
+        now = trio.current_time()
+        if len(self._unreachable) >= _MAX_UNREACHABLE:
+            for other in [p for p, until in self._unreachable.items() if until <= now]:
+                del self._unreachable[other]
+            while len(self._unreachable) >= _MAX_UNREACHABLE:
+                del self._unreachable[next(iter(self._unreachable))]
+        self._unreachable[peer] = now + _UNREACHABLE_S
+
+    async def serve_push(self, call: ServerCall) -> None:
+        """Another server's outputs, as steps of one of our sessions."""
+        with trio.move_on_after(self.limits.step_timeout_s) as waited:
+            header = await call.receive()
+        if waited.cancelled_caught:
+            raise ServerError("no push header arrived in time")
+        try:
+            session_id = OpenPush.from_wire_untrusted(header).session_id
+        except CodecError as exc:
+            raise ServerError(f"push refused: {exc}") from None
+        session = self._sessions.get(session_id)
+        if session is None or session.inbox is None:
+            raise ServerError(f"unknown session {session_id!r}")
+        inbox = session.inbox
+        while True:
+            try:
+                step = await call.receive()
+            except CallEnded:
+                return
+            try:
+                await inbox.send((step, True))
+            except (trio.ClosedResourceError, trio.BrokenResourceError):
+                return  # the session ended
+
+
+async def _read_client(call: ServerCall, inbox: trio.MemorySendChannel[_InboxItem]) -> None:
+    """The client's steps into the session's inbox: then None once the client ended its side,
+    or the error its stream failed with (raised by the session's own task)."""
+    while True:
+        try:
+            step = await call.receive()
+        except CallEnded:
+            await inbox.send(None)
+            return
+        except Exception as exc:
+            await inbox.send(exc)
+            return
+        await inbox.send((step, False))

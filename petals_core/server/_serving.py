@@ -1,0 +1,88 @@
+"""What the block RPC families (``_inference``, ``_training``) share: the parts they compute with
+while the server serves, the counters behind :class:`BlockServerStatistics`, and the checks of
+a request against the blocks this server holds."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Final
+
+import trio
+
+from .._errors import CodecError, ServerError
+from ._backend import BlockBackend
+from ._memory_cache import MemoryCache
+from ._task_pool import TaskPool
+
+if TYPE_CHECKING:
+    from ._handler import ServingLimits
+
+__all__ = ["COUNTERS", "Serving", "check_blocks_held"]
+
+#: What :class:`BlockServerStatistics` counts (besides what is open now).
+COUNTERS: Final = (
+    "steps",
+    "batched_steps",
+    "pushed_steps",
+    "stale_pushes",
+    "push_streams",
+    "push_dial_failures",
+    "forwards",
+    "backwards",
+    "kept_backwards",
+    "failures",
+)
+
+
+class Serving:
+    """The server's limits, its backend, task pool and cache once attached (until then every
+    call is refused, see :meth:`parts`), and its counters."""
+
+    def __init__(self, limits: ServingLimits) -> None:
+        self.limits = limits
+        self.backend: BlockBackend | None = None
+        self.pool: TaskPool | None = None
+        self.cache: MemoryCache | None = None
+        self.refusing: str | None = "the server is still loading its blocks"
+        self.counts = dict.fromkeys(COUNTERS, 0)
+        #: Set (and dropped) at the next count; made by a waiter.
+        self._counted: trio.Event | None = None
+
+    def attach(self, backend: BlockBackend, pool: TaskPool, cache: MemoryCache) -> None:
+        self.backend, self.pool, self.cache = backend, pool, cache
+        self.refusing = None
+
+    def detach(self, reason: str) -> None:
+        self.refusing = reason
+        self.backend = self.pool = self.cache = None
+
+    def parts(self) -> tuple[BlockBackend, TaskPool, MemoryCache]:
+        """What a call computes with; raises :class:`ServerError` while the server does not
+        serve."""
+        if self.refusing is not None or self.backend is None:
+            raise ServerError(self.refusing or "the server is not serving")
+        assert self.pool is not None and self.cache is not None
+        return self.backend, self.pool, self.cache
+
+    def count(self, name: str) -> None:
+        self.counts[name] += 1
+        # An event only while someone waits: counting sits on every step's path.
+        counted, self._counted = self._counted, None
+        if counted is not None:
+            counted.set()
+
+    async def wait_counted(self) -> None:
+        """Until the next count."""
+        if self._counted is None:
+            self._counted = trio.Event()
+        await self._counted.wait()
+
+
+def check_blocks_held(blocks: tuple[int, int], backend: BlockBackend) -> tuple[int, int]:
+    """``blocks`` as ``(start, end)`` if this server holds all of them; else :class:`CodecError`."""
+    start, end = blocks
+    if not backend.start <= start < end <= backend.end:
+        raise CodecError(
+            f"blocks [{start}, {end}) are not inside the blocks this server holds, "
+            f"[{backend.start}, {backend.end})"
+        )
+    return start, end

@@ -1,0 +1,335 @@
+"""Fine-tuning passes: ``petals.forward`` and ``petals.backward``, and the forward graphs kept
+for a coming backward.
+
+The messages are :mod:`petals_core.protocol`'s; both passes rank below inference steps.  A
+forward runs each block as its own job.  A backward recomputes its span's forward with
+autograd, in groups of blocks whose graphs fit ``backward_activation_bytes`` (one group: no
+extra forward), then returns the gradients of its input (and of its prompts).
+
+A forward asked to keep its graph for a backward may instead run with autograd and keep it
+(estimated bytes within ``backward_activation_bytes`` and, with the other kept graphs,
+``kept_forward_bytes``; the oldest are dropped to make room, and any after
+``kept_forward_timeout_s``); its reply then holds the graph's token.  A backward from the same
+peer naming that token, with the same blocks, adapter, hidden states and prompts, takes the
+gradients from the kept graph without recomputing; anything else (an unknown, used or expired
+token, other inputs) is recomputed as usual.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import secrets
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any, TypeVar
+
+import attrs
+import torch
+import trio
+
+from .._errors import AdapterError, CodecError, ServerError
+from ..protocol import (
+    BackwardReply,
+    BackwardRequest,
+    ForwardReply,
+    ForwardRequest,
+    receive_tensors,
+    send_tensors,
+)
+from ..transport import ServerCall
+from ._backend import BlockBackend, Graph
+from ._serving import Serving, check_blocks_held
+from ._task_pool import Priority, TaskPool
+
+__all__ = ["TrainingHandlers"]
+
+_Request = TypeVar("_Request", ForwardRequest, BackwardRequest)
+
+
+@attrs.frozen(kw_only=True, eq=False)
+class _Kept:
+    """A forward's graph kept for its backward."""
+
+    peer: str
+    start: int
+    end: int
+    adapter: str | None
+    hidden: torch.Tensor
+    prompts: torch.Tensor | None
+    graph: Graph
+    nbytes: int
+    expires_at: float
+
+    def matches(
+        self,
+        start: int,
+        end: int,
+        adapter: str | None,
+        hidden: torch.Tensor,
+        prompts: torch.Tensor | None,
+    ) -> bool:
+        if (self.start, self.end, self.adapter) != (start, end, adapter):
+            return False
+        if not _same(self.hidden, hidden):
+            return False
+        if self.prompts is None or prompts is None:
+            return self.prompts is None and prompts is None
+        return _same(self.prompts, prompts)
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and bool(torch.equal(a, b))
+
+
+class TrainingHandlers:
+    """The ``petals.forward`` and ``petals.backward`` handlers, and the kept forward graphs."""
+
+    def __init__(self, serving: Serving) -> None:
+        self._serving = serving
+        self.limits = serving.limits
+        #: Token -> kept forward graph, oldest first.
+        self._kept: dict[str, _Kept] = {}
+        self._kept_bytes = 0
+
+    def kept_statistics(self) -> tuple[int, int]:
+        """The forward graphs kept now, and their estimated bytes."""
+        self._drop_expired()
+        return len(self._kept), self._kept_bytes
+
+    def clear(self) -> None:
+        """Drop every kept graph."""
+        self._kept.clear()
+        self._kept_bytes = 0
+
+    # -- forward ---------------------------------------------------------------------------------
+
+    async def forward(self, call: ServerCall) -> None:
+        backend, pool, _ = self._serving.parts()
+        with self._request_deadline():
+            request = await self._receive(call, ForwardRequest.from_wire_untrusted, backend)
+            (start, end), hidden, prompts = request.blocks, request.hidden_states, request.prompts
+            adapter, points = request.active_adapter, request.points
+            nbytes = backend.activation_bytes(hidden.shape[0], hidden.shape[1]) * (end - start)
+            token = None
+            if request.keep_for_backward and nbytes <= min(
+                self.limits.backward_activation_bytes, self.limits.kept_forward_bytes
+            ):
+                output, graph = await pool.run(
+                    functools.partial(
+                        backend.forward_keeping_graph,
+                        start,
+                        end,
+                        hidden,
+                        prompts=prompts,
+                        adapter=adapter,
+                    ),
+                    priority=Priority.FORWARD,
+                    points=points,
+                )
+                token = self._keep(
+                    _Kept(
+                        peer=str(call.peer_id),
+                        start=start,
+                        end=end,
+                        adapter=adapter,
+                        hidden=hidden,
+                        prompts=prompts,
+                        graph=graph,
+                        nbytes=nbytes,
+                        expires_at=trio.current_time() + self.limits.kept_forward_timeout_s,
+                    )
+                )
+            else:
+                output = (
+                    await self._run_forward(
+                        backend, pool, start, end, hidden, prompts, adapter, points
+                    )
+                )[-1]
+            self._serving.count("forwards")
+            reply = ForwardReply(hidden_states=output.to(hidden.dtype), kept=token)
+            await send_tensors(call.send, *reply.to_wire())
+
+    def _keep(self, kept: _Kept) -> str:
+        """Store ``kept`` (dropping expired graphs, then the oldest, to make room); its token."""
+        self._drop_expired()
+        while self._kept and self._kept_bytes + kept.nbytes > self.limits.kept_forward_bytes:
+            self._forget(next(iter(self._kept)))
+        token = secrets.token_hex(16)
+        self._kept[token] = kept
+        self._kept_bytes += kept.nbytes
+        return token
+
+    def _forget(self, token: str) -> _Kept | None:
+        kept = self._kept.pop(token, None)
+        if kept is not None:
+            self._kept_bytes -= kept.nbytes
+        return kept
+
+    def _drop_expired(self) -> None:
+        now = trio.current_time()
+        for token in [t for t, kept in self._kept.items() if kept.expires_at <= now]:
+            self._forget(token)
+
+    # -- backward --------------------------------------------------------------------------------
+
+    async def backward(self, call: ServerCall) -> None:
+        backend, pool, _ = self._serving.parts()
+        with self._request_deadline():
+            request = await self._receive(call, BackwardRequest.from_wire_untrusted, backend)
+            start, end = request.blocks
+            hidden, prompts = request.hidden_states, request.prompts
+            kept = self._take_kept(request.kept, str(call.peer_id))
+            if kept is not None and kept.matches(
+                start, end, request.active_adapter, hidden, prompts
+            ):
+                grad, grad_prompts = await pool.run(
+                    functools.partial(
+                        backend.backward_from_graph, kept.graph, request.grad_outputs
+                    ),
+                    priority=Priority.BACKWARD,
+                    points=request.points,
+                )
+                self._serving.count("kept_backwards")
+            else:
+                grad, grad_prompts = await self._recompute_backward(
+                    backend, pool, request, start, end
+                )
+            self._serving.count("backwards")
+            reply = BackwardReply(
+                grad_inputs=grad.to(hidden.dtype),
+                grad_prompts=None
+                if grad_prompts is None or prompts is None
+                else grad_prompts.to(prompts.dtype),
+            )
+            await send_tensors(call.send, *reply.to_wire())
+
+    def _take_kept(self, token: str | None, peer: str) -> _Kept | None:
+        """The graph ``token`` names, if ``peer`` kept it; it serves one backward (or none)."""
+        if token is None:
+            return None
+        kept = self._kept.get(token)
+        if kept is None or kept.peer != peer:
+            return None  # unknown, or another peer's: not this caller's to spend
+        self._forget(token)
+        return kept
+
+    async def _recompute_backward(
+        self,
+        backend: BlockBackend,
+        pool: TaskPool,
+        request: BackwardRequest,
+        start: int,
+        end: int,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Gradients of the input (and prompts) of blocks ``[start, end)``, each group of blocks
+        recomputed with its graph."""
+        hidden, prompts = request.hidden_states, request.prompts
+        adapter, points = request.active_adapter, request.points
+        groups = self._backward_groups(backend, start, end, hidden)
+        # Each group's input: the request's for the first, a forward (no graph) for the others.
+        group_inputs = [hidden]
+        if len(groups) > 1:
+            outputs = await self._run_forward(
+                backend, pool, start, groups[-1][0], hidden, prompts, adapter, points
+            )
+            group_inputs += [outputs[group_start - start - 1] for group_start, _ in groups[1:]]
+        grad = request.grad_outputs
+        prompt_grads: list[torch.Tensor] = []
+        for (group_start, group_end), group_input in zip(
+            reversed(groups), reversed(group_inputs), strict=True
+        ):
+            group_prompts = (
+                None if prompts is None else prompts[group_start - start : group_end - start]
+            )
+            grad, prompt_grad = await pool.run(
+                functools.partial(
+                    backend.backward_span,
+                    group_start,
+                    group_end,
+                    group_input,
+                    grad,
+                    prompts=group_prompts,
+                    adapter=adapter,
+                ),
+                priority=Priority.BACKWARD,
+                points=points,
+            )
+            if prompt_grad is not None:
+                prompt_grads.append(prompt_grad)
+        grad_prompts = torch.cat(prompt_grads[::-1]) if prompt_grads else None
+        return grad, grad_prompts
+
+    def _backward_groups(
+        self, backend: BlockBackend, start: int, end: int, hidden: torch.Tensor
+    ) -> list[tuple[int, int]]:
+        """Blocks ``[start, end)`` in consecutive groups whose autograd graphs fit the backward
+        memory budget (``ServingLimits.backward_activation_bytes``), at least one block each: a
+        group is recomputed with its graph in one job; the fewer groups, the less recomputed."""
+        per_block = backend.activation_bytes(hidden.shape[0], hidden.shape[1])
+        size = max(1, self.limits.backward_activation_bytes // max(1, per_block))
+        return [(g, min(g + size, end)) for g in range(start, end, size)]
+
+    # -- both ------------------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def _request_deadline(self) -> Iterator[None]:
+        with trio.move_on_after(self.limits.request_timeout_s) as scope:
+            yield
+        if scope.cancelled_caught:
+            raise ServerError(
+                f"the request exceeded this server's request timeout "
+                f"({self.limits.request_timeout_s} s)"
+            )
+
+    async def _receive(
+        self,
+        call: ServerCall,
+        parse: Callable[[Mapping[str, Any], Mapping[str, Any]], _Request],
+        backend: BlockBackend,
+    ) -> _Request:
+        """The call's request, checked against what this server holds and allows."""
+        meta, tensors = await receive_tensors(
+            call.receive, max_elements=self.limits.max_request_elements
+        )
+        try:
+            request = parse(meta, tensors)
+            start, end = check_blocks_held(request.blocks, backend)
+            backend.check_adapter(request.active_adapter)
+            hidden = backend.check_hidden(request.hidden_states)
+            if hidden.shape[1] > self.limits.inference_max_length:
+                raise ValueError(
+                    f"{hidden.shape[1]} tokens exceed this server's longest sequence, "
+                    f"{self.limits.inference_max_length} (--inference_max_length)"
+                )
+            backend.check_prompts(request.prompts, start, end, hidden)
+        except AdapterError:
+            self._serving.count("failures")
+            raise
+        except (ValueError, CodecError) as exc:
+            self._serving.count("failures")
+            raise ServerError(f"request refused: {exc}") from None
+        return request
+
+    async def _run_forward(
+        self,
+        backend: BlockBackend,
+        pool: TaskPool,
+        start: int,
+        end: int,
+        hidden: torch.Tensor,
+        prompts: torch.Tensor | None,
+        adapter: str | None,
+        points: float,
+    ) -> list[torch.Tensor]:
+        """Every block's output, each block a job of its own."""
+        outputs = []
+        x = hidden
+        for index in range(start, end):
+            prompt = None if prompts is None else prompts[index - start]
+            x = await pool.run(
+                functools.partial(backend.forward_block, index, x, prompt=prompt, adapter=adapter),
+                priority=Priority.FORWARD,
+                points=points,
+            )
+            outputs.append(x)
+        return outputs
