@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -41,6 +43,8 @@ def test_transport_imports_no_torch(module: str) -> None:
         "petals_core.models.bloom",
         "petals_core.models._loading",
         "petals_core.models._config",
+        "petals_core.models._cpu_decode",
+        "petals_core.models._span_steps",
         "petals_core.kernels",
     ],
 )
@@ -51,3 +55,17 @@ def test_model_code_knows_nothing_of_the_network(module: str) -> None:
 def test_kernels_import_no_triton_on_cpu() -> None:
     # Triton is loaded only when a CUDA tensor first needs a kernel.
     assert _imported_after("petals_core.kernels", ("triton",)) == []
+
+
+def test_the_library_reads_no_private_module_state() -> None:
+    """torch's hook tables and nn.Module's dicts are torch's own: what a block may compute with
+    is decided from public information (module types, adapters added) by the block's owner."""
+    private = re.compile(r"_global_forward|\._modules\b|\._parameters\b|_forward_(pre_)?hooks")
+    package = Path(__file__).resolve().parent.parent / "petals_core"
+    found = [
+        f"{path.relative_to(package)}:{number}"
+        for path in sorted(package.rglob("*.py"))
+        for number, line in enumerate(path.read_text().splitlines(), 1)
+        if private.search(line)
+    ]
+    assert found == []
