@@ -67,6 +67,7 @@ from petals_core.transport import open_call, open_node
 
 from ._pipes import PipeChain
 from ._report import median, percentile, print_table, summarize, write_json
+from ._server_steps import server_steps
 
 HIDDEN = 256
 BLOCKS = 8
@@ -385,11 +386,11 @@ def measure_decode(
         def session_step() -> None:
             steps.step(torch.randn(1, 1, hidden_size))
 
+        server = server_steps(blocks)
+
         def span_compute(span: tuple[int, int]) -> Callable[[], None]:
             def run() -> None:
-                x = torch.randn(1, 1, hidden_size)
-                for index in range(*span):
-                    x = blocks[index](x, cache=caches[index])
+                server(*span, [torch.randn(1, 1, hidden_size)], [caches[slice(*span)]])
 
             return run
 
