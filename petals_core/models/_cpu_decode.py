@@ -24,7 +24,8 @@ Results differ from the torch path in rounding only (fp32: relative differences 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+from collections.abc import Callable, Sequence
 from typing import Literal
 
 import numpy as np
@@ -36,6 +37,7 @@ from . import _numpy_ops as ops
 from ._batched import check_many_inputs
 from ._cache import KVCache
 from ._lora import adapter_names
+from ._span_steps import Sessions, States
 from .bloom import BloomAttention, BloomBlock, BloomMLP
 from .llama import LlamaAttention, LlamaBlock, LlamaMLP, LlamaRMSNorm, LlamaRotary
 
@@ -97,7 +99,7 @@ def _unsupported_reason(blocks: Sequence[nn.Module]) -> str | None:
     if not blocks:
         return "no blocks"
     if not sync_openblas_threads():
-        return "numpy has no OpenBLAS, whose threads would follow torch's"
+        return "numpy has no OpenBLAS (to which the backend gives torch's thread count)"
     reasons = [block_unsupported_reason(block) for block in blocks]
     if all(reasons):
         return f"block 0: {reasons[0]}"
@@ -138,11 +140,7 @@ class CpuDecode:
         return sum(step is not None for step in self._steps)
 
     def step(
-        self,
-        start: int,
-        end: int,
-        hidden_states: Sequence[torch.Tensor],
-        caches: Sequence[Sequence[KVCache]],
+        self, start: int, end: int, hidden_states: States, caches: Sessions
     ) -> list[torch.Tensor] | None:
         """:meth:`SpanSteps.step`: computed here when the step is decode-sized, in float32 on
         the CPU, without left padding; None otherwise.  Each block checks its caches as its
@@ -172,13 +170,7 @@ class CpuDecode:
         assert x is not None
         return _split_rows(x, shapes)
 
-    def _takes(
-        self,
-        start: int,
-        end: int,
-        hidden_states: Sequence[torch.Tensor],
-        caches: Sequence[Sequence[KVCache]],
-    ) -> bool:
+    def _takes(self, start: int, end: int, hidden_states: States, caches: Sessions) -> bool:
         if not 0 <= start < end <= len(self.blocks) or len(hidden_states) != len(caches):
             return False
         rows = 0
@@ -259,6 +251,20 @@ def _rotary_table(tables: list[_RotaryTable], rotary: LlamaRotary) -> _RotaryTab
     return tables[-1]
 
 
+def _checker(
+    block: Block, kv_heads: int, head_dim: int
+) -> Callable[[States, Sequence[KVCache]], None]:
+    """What checks a step's items for ``block`` as its ``forward_many`` does, before anything
+    is written."""
+    return functools.partial(
+        check_many_inputs,
+        hidden_size=block.hidden_size,
+        weight=block.input_layernorm.weight,
+        kv_heads=kv_heads,
+        head_dim=head_dim,
+    )
+
+
 class _LlamaStep:
     """A :class:`LlamaBlock`'s step over numpy views of its weights."""
 
@@ -273,18 +279,7 @@ class _LlamaStep:
         self.norm2, self.eps2 = norm2.weight.detach().numpy(), norm2.eps
         self.n_head, self.n_kv_head, self.head_dim = attn.n_head, attn.n_kv_head, attn.head_dim
         self.angles = angles
-        self.hidden_size = block.hidden_size
-        self.reference = norm1.weight
-
-    def check(self, hidden_states: Sequence[torch.Tensor], caches: Sequence[KVCache]) -> None:
-        check_many_inputs(
-            hidden_states,
-            caches,
-            hidden_size=self.hidden_size,
-            weight=self.reference,
-            kv_heads=self.n_kv_head,
-            head_dim=self.head_dim,
-        )
+        self.check = _checker(block, attn.n_kv_head, attn.head_dim)
 
     def __call__(
         self, x: np.ndarray, shapes: Sequence[tuple[int, int]], caches: Sequence[KVCache]
@@ -339,25 +334,14 @@ class _BloomStep:
         self.n_head, self.head_dim = block.n_head, block.head_dim
         self.residual_after_norm = block.residual_after_norm
         self.alibi = alibi
-        self.hidden_size = block.hidden_size
-        self.reference = norm1.weight
-
-    def check(self, hidden_states: Sequence[torch.Tensor], caches: Sequence[KVCache]) -> None:
-        check_many_inputs(
-            hidden_states,
-            caches,
-            hidden_size=self.hidden_size,
-            weight=self.reference,
-            kv_heads=self.n_head,
-            head_dim=self.head_dim,
-        )
+        self.check = _checker(block, block.n_head, block.head_dim)
 
     def __call__(
         self, x: np.ndarray, shapes: Sequence[tuple[int, int]], caches: Sequence[KVCache]
     ) -> np.ndarray:
-        """``x`` (N, hidden) rows of the items ``shapes`` in, the block's output rows out."""
+        """As :meth:`_LlamaStep.__call__`."""
         n_head, head_dim = self.n_head, self.head_dim
-        normed = ops.layer_norm(x, *self.norm1)
+        normed = ops.layer_norm(x, *self.norm1)  # (N, hidden)
         qkv_all = ops.project(normed, *self.qkv)  # (N, 3 * hidden), per head [q_h, k_h, v_h]
         outputs = []
         start = 0

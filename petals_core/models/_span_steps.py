@@ -23,16 +23,17 @@ from ._cache import KVCache
 from .bloom import BloomBlock
 from .llama import LlamaBlock
 
-__all__ = ["EagerSteps", "SpanSteps"]
+__all__ = ["EagerSteps", "Sessions", "SpanSteps", "States"]
+
+#: Each session's hidden states, ``(B_i, T_i, hidden)``.
+States = Sequence[torch.Tensor]
+#: Each session's caches of the blocks of a step, in order.
+Sessions = Sequence[Sequence[KVCache]]
 
 
 class SpanSteps(Protocol):
     def step(
-        self,
-        start: int,
-        end: int,
-        hidden_states: Sequence[torch.Tensor],
-        caches: Sequence[Sequence[KVCache]],
+        self, start: int, end: int, hidden_states: States, caches: Sessions
     ) -> list[torch.Tensor] | None:
         """Sessions' steps through blocks ``start .. end - 1`` (indices into the backend's
         blocks): ``hidden_states[i]`` is ``(B_i, T_i, hidden)`` in the blocks' dtype on their
@@ -49,11 +50,7 @@ class EagerSteps:
         self.blocks = list(blocks)
 
     def step(
-        self,
-        start: int,
-        end: int,
-        hidden_states: Sequence[torch.Tensor],
-        caches: Sequence[Sequence[KVCache]],
+        self, start: int, end: int, hidden_states: States, caches: Sessions
     ) -> list[torch.Tensor]:
         """:meth:`SpanSteps.step`, never declining: bad input raises what ``forward_many``
         raises."""
