@@ -23,6 +23,7 @@ from petals_core.transport import open_call, open_node
 
 from ._cpu import CpuPerToken, cpu_per_token, schedstat_available
 from ._pipes import PipeChain
+from ._server_steps import server_steps
 from ._timing import Timing, interleaved
 
 #: Decode: untimed tokens first, then ROUNDS rounds of PER_ROUND tokens of each measurement.
@@ -257,11 +258,11 @@ def measure_decode(
         def session_step() -> None:
             steps.step(torch.randn(1, 1, hidden_size))
 
+        server = server_steps(blocks)
+
         def span_compute(span: tuple[int, int]) -> Callable[[], None]:
             def run() -> None:
-                x = torch.randn(1, 1, hidden_size)
-                for index in range(*span):
-                    x = blocks[index](x, cache=caches[index])
+                server(*span, [torch.randn(1, 1, hidden_size)], [caches[slice(*span)]])
 
             return run
 

@@ -17,6 +17,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from ._server_steps import server_steps
+
 __all__ = ["PipeChain"]
 
 #: Longest wait for a worker to start or stop.
@@ -34,6 +36,7 @@ def _worker(
     torch.set_num_threads(1)
     with torch.inference_mode():
         caches = [block.allocate_cache(1, max_length) for block in blocks]
+        step = server_steps(blocks)
         ready.send_bytes(b"ready")
         while True:
             data = receive.recv_bytes()
@@ -41,8 +44,7 @@ def _worker(
                 send.send_bytes(b"")  # stop: pass it on
                 return
             x = torch.frombuffer(bytearray(data), dtype=torch.float32).view(1, -1, hidden_size)
-            for block, cache in zip(blocks, caches, strict=True):
-                x = block(x, cache=cache)
+            (x,) = step(0, len(blocks), [x], [caches])
             send.send_bytes(x.numpy().tobytes())
 
 

@@ -8,11 +8,12 @@ and a ``DynamicCache`` (created per prefill: it grows as it goes); ours runs the
 ``KVCache``, allocated once per session as a server does and rolled back between runs.  Both in
 ``torch.inference_mode()`` with one thread.  Target: ours / transformers <= 1.0.
 
-Our fp32 decode steps run in numpy (``petals_core.models._cpu_decode``: small array operations
-without torch's per-op dispatch, products on numpy's OpenBLAS); the decode step is also timed with
-that switched off (``kernels.set_cpu_blas(False)``: torch's ops and matmul, as transformers uses),
-and through a whole server span (SmolLM2's 10 blocks, 140 MB of weights streaming from memory each
-step, where the two BLAS libraries differ most) for ours each way and for transformers.
+Our fp32 decode steps run, as a server runs them by default, on the CPU decode backend
+(:class:`petals_core.models.CpuDecode`: numpy, without torch's per-op dispatch); the decode step is
+also timed on the blocks' torch path (``--cpu_decode torch``: torch's ops and matmul, as
+transformers uses), in rounds that alternate the three, and through a whole server span
+(SmolLM2's 10 blocks, 140 MB of weights streaming from memory each step) for ours each way and
+for transformers.
 
 Run with ``nox -s bench -- blocks``.
 """
@@ -28,11 +29,10 @@ import torch
 from torch import nn
 from transformers import BloomConfig, BloomModel, DynamicCache, LlamaConfig, LlamaModel
 
-from petals_core import kernels
-from petals_core.models.bloom import BloomBlock
-from petals_core.models.llama import LlamaBlock
+from petals_core.models import BloomBlock, LlamaBlock
 
 from ._report import print_table, summarize, write_json
+from ._server_steps import server_steps
 
 PREFILL = 128
 DECODE_STEPS = 32
@@ -49,17 +49,17 @@ def _time(step: Callable[[], object], repeats: int) -> float:
     return statistics.median(samples)
 
 
-def _torch_only(step: Callable[[], object], repeats: int) -> float:
-    """:func:`_time` with our decode steps left to torch (its ops and its matmul)."""
-    kernels.set_cpu_blas(False)
-    try:
-        return _time(step, repeats)
-    finally:
-        kernels.set_cpu_blas(True)
-
-
 SPAN_BLOCKS = 10
-SPAN_ROUNDS = 4
+ROUNDS = 4
+
+
+def _alternating(steps: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
+    """Median ms per call of each of ``steps``, timed in ROUNDS rounds that take turns."""
+    samples: dict[str, list[float]] = {name: [] for name in steps}
+    for _ in range(ROUNDS):
+        for name, step in steps.items():
+            samples[name].append(_time(step, max(1, repeats // ROUNDS)))
+    return {name: statistics.median(values) * 1e3 for name, values in samples.items()}
 
 
 def _measure_span(config: LlamaConfig) -> dict[str, float]:
@@ -74,7 +74,6 @@ def _measure_span(config: LlamaConfig) -> dict[str, float]:
     generator = torch.Generator().manual_seed(1)
     prompt = torch.randn(1, PREFILL, config.hidden_size, generator=generator)
     token = torch.randn(1, 1, config.hidden_size, generator=generator)
-    samples: dict[str, list[float]] = {"ours": [], "ours_torch_only": [], "hf": []}
     with torch.inference_mode():
         hf_cache = DynamicCache(config=config)
         hf(inputs_embeds=prompt, cache=hf_cache, use_cache=True)
@@ -82,8 +81,15 @@ def _measure_span(config: LlamaConfig) -> dict[str, float]:
         x = prompt
         for block, cache in zip(blocks, caches, strict=True):
             x = block(x, cache=cache)
+        server = server_steps(blocks)
 
         def ours() -> object:
+            y = server(0, SPAN_BLOCKS, [token], [caches])
+            for cache in caches:
+                cache.rollback(PREFILL)
+            return y
+
+        def ours_torch_only() -> object:
             y = token
             for block, cache in zip(blocks, caches, strict=True):
                 y = block(y, cache=cache)
@@ -95,11 +101,9 @@ def _measure_span(config: LlamaConfig) -> dict[str, float]:
             hf_cache.crop(-1)
             return out
 
-        for _ in range(SPAN_ROUNDS):
-            samples["ours"].append(_time(ours, DECODE_STEPS // SPAN_ROUNDS))
-            samples["ours_torch_only"].append(_torch_only(ours, DECODE_STEPS // SPAN_ROUNDS))
-            samples["hf"].append(_time(theirs, DECODE_STEPS // SPAN_ROUNDS))
-    return {name: statistics.median(values) * 1e3 for name, values in samples.items()}
+        return _alternating(
+            {"ours": ours, "ours_torch_only": ours_torch_only, "hf": theirs}, DECODE_STEPS
+        )
 
 
 def _llama_pair(config: LlamaConfig, dtype: torch.dtype) -> tuple[nn.Module, nn.Module]:
@@ -147,15 +151,26 @@ def _measure(hf: nn.Module, ours: Any, hidden: int, dtype: torch.dtype) -> dict[
             hf_cache.crop(-1)  # every step decodes position PREFILL, like ours below
             return out
 
+        server = server_steps([ours])
+
         def ours_decode() -> object:
+            out = server(0, 1, [token], [[cache]])
+            cache.rollback(PREFILL)
+            return out
+
+        def ours_torch_only_decode() -> object:
             out = ours(token, cache=cache)
             cache.rollback(PREFILL)
             return out
 
+        decode = _alternating(
+            {"ours": ours_decode, "ours_torch_only": ours_torch_only_decode, "hf": hf_decode},
+            DECODE_STEPS,
+        )
         return {
-            "decode_ours_ms": _time(ours_decode, DECODE_STEPS) * 1e3,
-            "decode_ours_torch_only_ms": _torch_only(ours_decode, DECODE_STEPS) * 1e3,
-            "decode_hf_ms": _time(hf_decode, DECODE_STEPS) * 1e3,
+            "decode_ours_ms": decode["ours"],
+            "decode_ours_torch_only_ms": decode["ours_torch_only"],
+            "decode_hf_ms": decode["hf"],
             "prefill_ours_ms": _time(ours_prefill, 5) * 1e3,
             "prefill_hf_ms": _time(hf_prefill, 5) * 1e3,
         }

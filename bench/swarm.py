@@ -78,12 +78,15 @@ def _measure(repo: str, initial_peers: list[str], swarm: LocalSwarm) -> DecodeRe
         model.shutdown()
 
 
-async def _run(repo: str) -> DecodeResults:
+async def run(repo: str, **server_flags: object) -> DecodeResults:
+    """Start the swarm (each server also given ``server_flags``, e.g. ``cpu_decode="torch"``)
+    and measure it."""
     from petals_core.server import SMOLLM2
     from petals_core.testing import open_local_swarm
 
+    args = [server_args(span, **server_flags) for span in SPANS]
     with trio.fail_after(TIMEOUT_S):
-        async with open_local_swarm(SMOLLM2, [server_args(span) for span in SPANS]) as swarm:
+        async with open_local_swarm(SMOLLM2, args) as swarm:
             return await trio.to_thread.run_sync(_measure, repo, swarm.initial_peers, swarm)
 
 
@@ -102,7 +105,7 @@ def main() -> None:
     load_before = load_note()
     with quiet_transformers():
         repo = prepare_smollm2()  # instant once the cache holds it
-        results = trio.run(_run, repo)
+        results = trio.run(run, repo)
     load_after = load_note()
     print_table(
         "swarm: where a swarm decode token's time goes (medians)",

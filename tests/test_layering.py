@@ -4,6 +4,7 @@ reading the import statements of each package."""
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -67,6 +68,8 @@ def test_transport_imports_no_torch(module: str) -> None:
         "petals_core.models._loading",
         "petals_core.models._lora_loading",
         "petals_core.models._config",
+        "petals_core.models._cpu_decode",
+        "petals_core.models._span_steps",
         "petals_core.kernels",
     ],
 )
@@ -147,3 +150,17 @@ def test_the_protocol_is_messages_only() -> None:
         "transformers",
     )
     assert _imported_after("petals_core.protocol", watched) == []
+
+
+def test_the_library_reads_no_private_module_state() -> None:
+    """torch's hook tables and nn.Module's dicts are torch's own: what a block may compute with
+    is decided from public information (module types, adapters added) by the block's owner."""
+    private = re.compile(r"_global_forward|\._modules\b|\._parameters\b|_forward_(pre_)?hooks")
+    package = PACKAGE
+    found = [
+        f"{path.relative_to(package)}:{number}"
+        for path in sorted(package.rglob("*.py"))
+        for number, line in enumerate(path.read_text().splitlines(), 1)
+        if private.search(line)
+    ]
+    assert found == []

@@ -2,13 +2,14 @@
 
 Dispatch picks a Triton kernel for CUDA tensors (when no backward is needed), torch's fused
 attention or the reference otherwise.  Triton is imported only when a CUDA tensor needs it.
-``linear`` sends decode-sized fp32 CPU products to numpy's OpenBLAS (see ``_cpu_blas``).
+``linear`` sends products of one or two fp32 rows on CPU to numpy's OpenBLAS (see ``_cpu_blas``).
 """
 
 from ._cpu_blas import (
     cpu_blas_enabled as cpu_blas_enabled,
     linear as linear,
     set_cpu_blas as set_cpu_blas,
+    sync_openblas_threads as sync_openblas_threads,
 )
 from ._dispatch import (
     DispatchChoice as DispatchChoice,

@@ -1,12 +1,11 @@
-"""``linear`` for decoding on CPU: one or two rows through numpy's OpenBLAS, the rest through torch.
+"""``linear`` for one or two rows on CPU through numpy's OpenBLAS, the rest through torch.
 
-A decode step multiplies one row of activations by every weight matrix of a block: a matrix-vector
-product whose speed is the speed at which the weights stream from memory.  torch's CPU build does
-these products with MKL, whose kernels on some CPUs (AMD EPYC among them) stream weights from DRAM
-at about half the rate OpenBLAS reaches on the same core (``bench blocks`` measures both).  numpy
-ships OpenBLAS, and numpy arrays can view torch tensors without a copy, so a product of one or two
-rows runs there; everything else (more rows, other dtypes or devices, anything autograd must
-differentiate) stays with torch.
+A product of one row of activations by a weight matrix (the client's LM head on a decode step)
+runs at the speed at which the weight streams from memory.  torch's CPU build does it with MKL,
+whose kernels on some CPUs stream weights from DRAM more slowly than OpenBLAS on the same core.
+numpy ships OpenBLAS, and numpy arrays can view torch tensors without a copy, so a product of one
+or two rows runs there; everything else (more rows, other dtypes or devices, anything autograd
+must differentiate) stays with torch.  ``set_cpu_blas(False)`` keeps every product on torch.
 
 Results differ from torch's in the order a dot product is summed, i.e. in the last bits (fp32:
 relative differences around 1e-6), as they do between any two BLAS libraries.  Small weights
@@ -14,12 +13,13 @@ relative differences around 1e-6), as they do between any two BLAS libraries.  S
 
 OpenBLAS keeps its own thread count; before each product it is set to torch's
 (``torch.set_num_threads``), so a process given one torch thread computes on one thread here too.
-Nothing starts at import: the library is looked up (threadpoolctl) on the first product.
+Nothing starts at import: the library is looked up (threadpoolctl) on the first product.  The CPU
+decode backend, whose products are numpy's, keeps the thread counts together the same way
+(:func:`sync_openblas_threads`).
 """
 
 from __future__ import annotations
 
-import os
 import threading
 from typing import Any
 
@@ -27,15 +27,14 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-__all__ = ["cpu_blas_enabled", "linear", "set_cpu_blas"]
+__all__ = ["cpu_blas_enabled", "linear", "set_cpu_blas", "sync_openblas_threads"]
 
-#: Products of at most this many rows take OpenBLAS (measured: from 4 rows on, MKL is as fast).
+#: Products of at most this many rows take OpenBLAS: with more, a product is no longer bound by
+#: how fast the weight streams from memory.
 MAX_BLAS_ROWS = 2
 #: ...with a weight of at least this many elements: below (a 256 x 128 matrix and smaller) the
 #: product is so short that the numpy round trip (a few microseconds) costs more than it saves.
 MIN_BLAS_WEIGHT = 256 * 256
-#: Set to "0" to keep every product on torch.
-ENV_SWITCH = "PETALS_CORE_CPU_BLAS"
 
 
 class _Blas:
@@ -43,14 +42,15 @@ class _Blas:
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
-        self.enabled = os.environ.get(ENV_SWITCH, "1") != "0"
+        self.enabled = True
         self.found: bool | None = None  # None: not looked up yet
         self.controller: Any = None
         self.threads = 0
 
     def ready(self) -> bool:
-        if not self.enabled:
-            return False
+        return self.enabled and self.sync()
+
+    def sync(self) -> bool:
         if self.found is None:
             self._find()
         if not self.found:
@@ -84,6 +84,12 @@ _PLAIN = (torch.Tensor, torch.nn.Parameter)
 def set_cpu_blas(enabled: bool) -> None:
     """Let decode-sized fp32 CPU products use OpenBLAS (the default) or keep them on torch."""
     _BLAS.enabled = bool(enabled)
+
+
+def sync_openblas_threads() -> bool:
+    """Give numpy's OpenBLAS torch's thread count (if it changed); False if numpy has no
+    OpenBLAS.  The library is looked up on the first call."""
+    return _BLAS.sync()
 
 
 def cpu_blas_enabled() -> bool:

@@ -11,6 +11,7 @@ from ._config import (
     DistributedLlamaConfig as DistributedLlamaConfig,
     default_dht_prefix as default_dht_prefix,
 )
+from ._cpu_decode import CpuDecode as CpuDecode, CpuDecodeChoice as CpuDecodeChoice
 from ._decode_graphs import (
     DecodeGraphs as DecodeGraphs,
     DecodeGraphsConfig as DecodeGraphsConfig,
@@ -32,5 +33,6 @@ from ._lora import (
 from ._lora_loading import load_lora_adapter as load_lora_adapter
 from ._quantize import QuantType as QuantType, quantize_block as quantize_block
 from ._smollm2 import prepare_smollm2 as prepare_smollm2, smollm2_gguf_path as smollm2_gguf_path
+from ._span_steps import EagerSteps as EagerSteps, SpanSteps as SpanSteps
 from .bloom import BloomBlock as BloomBlock
 from .llama import LlamaBlock as LlamaBlock

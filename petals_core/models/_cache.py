@@ -8,7 +8,9 @@ concatenation, and the server's memory budget is known when the session opens.
 from __future__ import annotations
 
 import operator
+from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from .. import kernels
@@ -73,6 +75,7 @@ class KVCache:
         #: (B,) int64 or None: how many leading positions of each row are left padding (hidden
         #: from the row's real tokens; LLaMA counts positions from the first real token).
         self.padding: torch.Tensor | None = None
+        self._arrays: tuple[np.ndarray, np.ndarray] | None = None  # numpy views, on first use
 
     @classmethod
     def allocate(
@@ -134,9 +137,34 @@ class KVCache:
         self.length = end
         return q, self.keys[:, :, :end], self.values[:, :, :end]
 
+    def append_arrays(self, keys: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """:meth:`append` for numpy arrays (the CPU decode backend computes in numpy), on a cache
+        numpy can view (on the CPU, in a dtype numpy has): writes ``(batch, kv_heads, T,
+        head_dim)`` new entries and returns numpy views of everything filled so far."""
+        end = self._check_shapes(keys.shape, values.shape)
+        if self._arrays is None:
+            self._arrays = self.keys.numpy(), self.values.numpy()
+        key_array, value_array = self._arrays
+        key_array[:, :, self.length : end] = keys
+        value_array[:, :, self.length : end] = values
+        self.length = end
+        return key_array[:, :, :end], value_array[:, :, :end]
+
     def _check_new(self, keys: torch.Tensor, values: torch.Tensor) -> int:
         """Validate new entries before anything is written; returns the new length."""
-        new = keys.shape[2] if keys.dim() == 4 else 0
+        end = self._check_shapes(keys.shape, values.shape)
+        if keys.requires_grad or values.requires_grad:
+            # Writing into the preallocated buffer would grow one autograd graph over a whole
+            # session; training runs without a cache.
+            raise ValueError(
+                "the cache does not track gradients: run inference under torch.inference_mode() "
+                "or torch.no_grad()"
+            )
+        return end
+
+    def _check_shapes(self, keys: Sequence[int], values: Sequence[int]) -> int:
+        """Validate the shapes of new entries; returns the new length."""
+        new = keys[2] if len(keys) == 4 else 0
         end = self.length + new
         if end > self.max_length:
             raise ValueError(
@@ -145,20 +173,13 @@ class KVCache:
             )
         batch, kv_heads, _, head_dim = self.keys.shape
         if (
-            keys.dim() != 4
-            or values.shape != keys.shape
-            or (keys.shape[0], keys.shape[1], keys.shape[3]) != (batch, kv_heads, head_dim)
+            len(keys) != 4
+            or tuple(values) != tuple(keys)
+            or (keys[0], keys[1], keys[3]) != (batch, kv_heads, head_dim)
         ):
             raise ValueError(
                 f"new keys/values must be ({batch}, {kv_heads}, T, {head_dim}), "
-                f"got {tuple(keys.shape)} and {tuple(values.shape)}"
-            )
-        if keys.requires_grad or values.requires_grad:
-            # Writing into the preallocated buffer would grow one autograd graph over a whole
-            # session; training runs without a cache.
-            raise ValueError(
-                "the cache does not track gradients: run inference under torch.inference_mode() "
-                "or torch.no_grad()"
+                f"got {tuple(keys)} and {tuple(values)}"
             )
         return end
 

@@ -46,7 +46,7 @@ from huggingface_hub import constants, hf_hub_download, is_offline_mode, try_to_
 from huggingface_hub.errors import EntryNotFoundError, HfHubHTTPError, HFValidationError
 
 from .._errors import ConfigError, PetalsError
-from ..models import AutoDistributedConfig, DistributedConfig, QuantType
+from ..models import AutoDistributedConfig, CpuDecodeChoice, DistributedConfig, QuantType
 from ..models._smollm2 import SMOLLM2_REPO_ID
 from ._defaults import DEFAULT_ATTN_CACHE_TOKENS, choose_defaults
 from ._handler import ServingLimits
@@ -227,6 +227,12 @@ def _parser() -> argparse.ArgumentParser:
         "--no_cuda_graphs",
         action="store_true",
         help="on CUDA, run decode steps eagerly instead of replaying them from CUDA graphs",
+    )
+    blocks.add_argument(
+        "--cpu_decode",
+        choices=get_args(CpuDecodeChoice),
+        default=config.cpu_decode,
+        help="on the CPU, compute float32 decode steps with numpy (default) or with torch",
     )
     blocks.add_argument(
         "--adapters",
@@ -420,6 +426,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         device=args.device,
         quant_type=None if args.quant_type == "auto" else args.quant_type,
         cuda_graphs=not args.no_cuda_graphs,
+        cpu_decode=args.cpu_decode,
         identity_path=args.identity_path,
         host=args.host,
         port=args.port,

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from typing import get_args
 
 import attrs
 import torch
@@ -27,11 +28,15 @@ from .. import kernels
 from .._errors import AdapterError
 from ..models import (
     BloomBlock,
+    CpuDecode,
+    CpuDecodeChoice,
     DecodeGraphs,
     DecodeGraphsConfig,
     DecodeGraphsStatistics,
+    EagerSteps,
     KVCache,
     LlamaBlock,
+    SpanSteps,
     using_adapter,
 )
 from ..models._decode_graphs import unsupported_reason
@@ -65,12 +70,23 @@ class BlockBackend:
         device: torch.device,
         adapters: Sequence[str] = (),
         decode_graphs: DecodeGraphsConfig | None = None,
+        cpu_decode: CpuDecodeChoice = "numpy",
     ) -> None:
-        """``decode_graphs``: on CUDA, run decode steps (one new token per row, any number of
+        """``blocks`` are final: loaded, quantised and given their adapters (the backend of
+        decode steps is chosen for them as they are).
+
+        ``decode_graphs``: on CUDA, run decode steps (one new token per row, any number of
         sessions) as replays of CUDA graphs (see :class:`DecodeGraphs`); None keeps every step
-        eager."""
+        eager.  ``cpu_decode``: on the CPU, ``"numpy"`` computes fp32 steps of a row or two
+        with numpy (see :class:`CpuDecode`) where the blocks allow it; ``"torch"`` keeps every
+        step on the blocks' torch path."""
         if not blocks:
             raise ValueError("a backend holds at least one block")
+        if cpu_decode not in get_args(CpuDecodeChoice):
+            raise ValueError(
+                f"cpu_decode must be one of {', '.join(get_args(CpuDecodeChoice))}, "
+                f"not {cpu_decode!r}"
+            )
         self.blocks = list(blocks)
         self.start = start
         self.end = start + len(self.blocks)
@@ -95,19 +111,45 @@ class BlockBackend:
             default=1,
         )
         self._graphs: DecodeGraphs | None = None
-        if decode_graphs is not None and device.type == "cuda":
+        self._eager = EagerSteps(self.blocks)
+        #: Tried before the eager path; chosen once, for the blocks as they are now.
+        self._decode: SpanSteps | None = self._choose_decode(decode_graphs, cpu_decode)
+
+    def _choose_decode(
+        self, decode_graphs: DecodeGraphsConfig | None, cpu_decode: CpuDecodeChoice
+    ) -> SpanSteps | None:
+        if self.device.type == "cuda" and decode_graphs is not None:
             reason = (
-                None if kernels.triton_usable(device) else "Triton cannot run on this GPU"
+                None if kernels.triton_usable(self.device) else "Triton cannot run on this GPU"
             ) or unsupported_reason(self.blocks)
-            if reason is None:
-                self._graphs = DecodeGraphs(self.blocks, config=decode_graphs)
-                self._graphs.warm_up()
             logger.info(
                 "decode steps: %s",
                 "CUDA graphs (captured per rows and length bucket on first use)"
                 if reason is None
                 else f"eager ({reason})",
             )
+            if reason is None:
+                self._graphs = DecodeGraphs(self.blocks, config=decode_graphs)
+                self._graphs.warm_up()
+            return self._graphs
+        if self.device.type == "cpu" and cpu_decode == "numpy":
+            reason = CpuDecode.unsupported_reason(self.blocks)
+            if reason is not None:
+                logger.info("decode steps: torch (%s)", reason)
+                return None
+            steps = CpuDecode(self.blocks)
+            logger.info(
+                "decode steps of fp32 rows: numpy for %d of %d blocks",
+                steps.numpy_blocks,
+                len(self.blocks),
+            )
+            return steps
+        return None
+
+    @property
+    def decode_steps(self) -> SpanSteps | None:
+        """What inference steps are offered before the eager path (None: nothing)."""
+        return self._decode
 
     def decode_graphs_statistics(self) -> DecodeGraphsStatistics | None:
         """The decode graphs' counters, or None when steps run eagerly."""
@@ -210,10 +252,13 @@ class BlockBackend:
         lengths = [cache.length for cache in caches]
         try:
             with using_adapter(adapter), torch.inference_mode():
+                blocks = self.span(start, end)
                 x = hidden.to(self.device, self.dtype)
-                for index, (block, cache) in enumerate(
-                    zip(self.span(start, end), caches, strict=True)
-                ):
+                if self._decode is not None and (prompts is None or prompts.shape[2] == 0):
+                    stepped = self._decode.step(start - self.start, end - self.start, [x], [caches])
+                    if stepped is not None:
+                        return stepped[0].to(hidden.dtype)
+                for index, (block, cache) in enumerate(zip(blocks, caches, strict=True)):
                     x = _with_prompt(x, prompts, index)
                     x = block(x, cache=cache)
                 return x.to(hidden.dtype)
@@ -229,25 +274,22 @@ class BlockBackend:
         *,
         adapter: str | None = None,
     ) -> list[torch.Tensor]:
-        """Several sessions' steps at once, block by block (:meth:`LlamaBlock.forward_many`):
-        the same results as :meth:`inference_step` for each.  On failure every cache is rolled
-        back."""
+        """Several sessions' steps at once: the decode backend's step, or block by block
+        (:meth:`LlamaBlock.forward_many`) where it declines; the same results as
+        :meth:`inference_step` for each.  On failure every cache is rolled back."""
         lengths = [[cache.length for cache in caches] for _, caches in items]
         try:
             with using_adapter(adapter), torch.inference_mode():
+                self.span(start, end)
                 xs = [hidden.to(self.device, self.dtype) for hidden, _ in items]
-                if self._graphs is not None:
-                    stepped = self._graphs.step(
-                        start - self.start, end - self.start, xs, [caches for _, caches in items]
-                    )
-                    if stepped is not None:
-                        return [
-                            x.to(hidden.dtype)
-                            for x, (hidden, _) in zip(stepped, items, strict=True)
-                        ]
-                for index, block in enumerate(self.span(start, end)):
-                    xs = block.forward_many(xs, [caches[index] for _, caches in items])
-                return [x.to(hidden.dtype) for x, (hidden, _) in zip(xs, items, strict=True)]
+                sessions = [caches for _, caches in items]
+                first, last = start - self.start, end - self.start
+                stepped = (
+                    None if self._decode is None else self._decode.step(first, last, xs, sessions)
+                )
+                if stepped is None:
+                    stepped = self._eager.step(first, last, xs, sessions)
+                return [x.to(hidden.dtype) for x, (hidden, _) in zip(stepped, items, strict=True)]
         except BaseException:
             for (_, caches), saved in zip(items, lengths, strict=True):
                 _restore(caches, saved)

@@ -42,6 +42,7 @@ from ..dht import DHTNode, ServerInfo, ServerState, Topic, open_dht_node
 from ..models import (
     AutoDistributedConfig,
     BloomBlock,
+    CpuDecodeChoice,
     DecodeGraphsConfig,
     DistributedConfig,
     LlamaBlock,
@@ -97,6 +98,13 @@ def _quant_type(
         )
 
 
+def _cpu_decode(instance: object, attribute: attrs.Attribute[str], value: object) -> None:
+    if value not in get_args(CpuDecodeChoice):
+        raise ConfigError(
+            f"cpu_decode {value!r} is not one of {', '.join(get_args(CpuDecodeChoice))}"
+        )
+
+
 @attrs.frozen(kw_only=True)
 class ServerConfig:
     """Everything a server is told; the command-line flags map onto these fields one to one."""
@@ -110,6 +118,9 @@ class ServerConfig:
     quant_type: QuantType | None = attrs.field(default=None, validator=_quant_type)
     #: On CUDA, replay decode steps from CUDA graphs (see ``DecodeGraphs``).
     cuda_graphs: bool = True
+    #: On the CPU, compute fp32 decode steps of a row or two with numpy ("numpy", see
+    #: ``CpuDecode``) or on the blocks' torch path ("torch").
+    cpu_decode: CpuDecodeChoice = attrs.field(default="numpy", validator=_cpu_decode)
     identity_path: str | None = None
     host: str = "0.0.0.0"
     port: int = 0
@@ -379,6 +390,7 @@ class Server:
             device=self.device,
             adapters=cfg.adapters,
             decode_graphs=DecodeGraphsConfig() if cfg.cuda_graphs else None,
+            cpu_decode=cfg.cpu_decode,
         )
 
     def _throughput(self) -> ThroughputInfo | float:

@@ -46,7 +46,15 @@ import torch
 from transformers import BloomConfig, LlamaConfig, PretrainedConfig
 
 from .._errors import ConfigError
-from ..models import BloomBlock, LlamaBlock, QuantType, quantize_block
+from ..models import (
+    BloomBlock,
+    CpuDecode,
+    EagerSteps,
+    LlamaBlock,
+    QuantType,
+    SpanSteps,
+    quantize_block,
+)
 
 __all__ = [
     "CACHE_FILE_NAME",
@@ -179,10 +187,16 @@ def measure_compute_rps(
 
         # Decode: prefill (also the warm-up), one untimed step, then the timed steps.
         cache = block.allocate_cache(1, n_tokens + 1 + n_decode_steps)
+        # Decode steps as a server computes them by default: with numpy where it can.
+        decode: SpanSteps = (
+            CpuDecode([block])
+            if CpuDecode.unsupported_reason([block]) is None
+            else EagerSteps([block])
+        )
         block(prompt, cache=cache)
-        block(token, cache=cache)
+        decode.step(0, 1, [token], [[cache]])
         steps, elapsed_s = _timed(
-            lambda: block(token, cache=cache), n_decode_steps, phase_budget_s, device
+            lambda: decode.step(0, 1, [token], [[cache]]), n_decode_steps, phase_budget_s, device
         )
         inference_rps = steps / elapsed_s
 

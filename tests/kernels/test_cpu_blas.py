@@ -1,4 +1,4 @@
-"""``kernels.linear``: decode-sized fp32 CPU products through numpy's OpenBLAS, the rest torch's."""
+"""``kernels.linear``: one or two fp32 CPU rows through numpy's OpenBLAS, the rest torch's."""
 
 from __future__ import annotations
 
@@ -8,11 +8,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 from threadpoolctl import ThreadpoolController
-from torch import nn
 
 from petals_core import kernels
 from petals_core.kernels import _cpu_blas
-from petals_core.models._linear import Linear
 
 
 def _numpy_has_openblas() -> bool:
@@ -123,28 +121,11 @@ def test_openblas_gets_torchs_thread_count() -> None:
             with torch.no_grad():
                 kernels.linear(torch.ones(1, IN), torch.ones(OUT, IN))
             assert {info["num_threads"] for info in openblas.info()} == {threads}
+        # The same for numpy's own products (the CPU decode backend's), switch or not.
+        kernels.set_cpu_blas(False)
+        for threads in (2, 1):
+            torch.set_num_threads(threads)
+            assert kernels.sync_openblas_threads()
+            assert {info["num_threads"] for info in openblas.info()} == {threads}
     finally:
         torch.set_num_threads(before)
-
-
-def test_the_environment_switch_turns_it_off(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(_cpu_blas.ENV_SWITCH, "0")
-    assert not _cpu_blas._Blas().ready()
-    monkeypatch.setenv(_cpu_blas.ENV_SWITCH, "1")
-    assert _cpu_blas._Blas().ready()
-
-
-def test_linear_module_is_an_nn_linear_with_the_same_state() -> None:
-    torch.manual_seed(6)
-    ours = Linear(IN, OUT)
-    plain = nn.Linear(IN, OUT)
-    plain.load_state_dict(ours.state_dict())
-    assert isinstance(ours, nn.Linear)
-    assert list(ours.state_dict()) == list(plain.state_dict()) == ["weight", "bias"]
-    x = torch.randn(1, 1, IN)
-    with torch.no_grad():
-        torch.testing.assert_close(ours(x), plain(x), atol=1e-4, rtol=1e-5)
-        assert torch.equal(ours(x), _numpy_product(x, ours.weight, ours.bias))
-    # Training keeps torch's op (and its backward).
-    ours(x).sum().backward()
-    assert ours.weight.grad is not None

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from petals_core.models import BloomBlock, KVCache, LlamaBlock
+from petals_core.models import BloomBlock, EagerSteps, KVCache, LlamaBlock
 
 
 def perturbed(block: nn.Module, seed: int, *, scale: float = 0.15) -> nn.Module:
@@ -44,6 +44,4 @@ def eager_steps(
 ) -> list[torch.Tensor]:
     """The sessions' steps through ``blocks`` with ``forward_many``, block after block."""
     with torch.inference_mode():
-        for index, block in enumerate(blocks):
-            xs = block.forward_many(xs, [caches[index] for caches in sessions])
-    return xs
+        return EagerSteps(blocks).step(0, len(blocks), xs, sessions)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -98,3 +99,28 @@ def test_append_rotated_equals_rotating_then_appending() -> None:
     with pytest.raises(ValueError, match="do not fit"):
         fused.append_rotated(q, *(torch.randn(3, 2, 6, 4),) * 2, cos, sin)
     assert fused.length == 5
+
+
+def test_append_arrays_is_append_for_numpy_arrays() -> None:
+    """The CPU decode backend's append: the same checks and writes, numpy views back."""
+    cache, twin = _cache(max_length=5), _cache(max_length=5)
+    keys, values = torch.randn(3, 2, 4, 4), torch.randn(3, 2, 4, 4)
+    filled_keys, filled_values = cache.append_arrays(keys.numpy(), values.numpy())
+    twin.append(keys, values)
+    assert cache.length == twin.length == 4
+    assert torch.equal(cache.keys, twin.keys) and torch.equal(cache.values, twin.values)
+    assert filled_keys.shape == filled_values.shape == (3, 2, 4, 4)
+    filled_keys[0, 0, 0, 0] = 7.0  # a view of the cache
+    assert cache.keys[0, 0, 0, 0].item() == 7.0
+    with pytest.raises(ValueError, match="holds 5 positions; 4 are used and 2 more do not fit"):
+        cache.append_arrays(np.zeros((3, 2, 2, 4), np.float32), np.zeros((3, 2, 2, 4), np.float32))
+    with pytest.raises(ValueError, match=r"must be \(3, 2, T, 4\)"):
+        cache.append_arrays(np.zeros((3, 1, 1, 4), np.float32), np.zeros((3, 1, 1, 4), np.float32))
+    with pytest.raises(ValueError, match="new keys/values"):
+        cache.append_arrays(np.zeros((3, 2, 1, 4), np.float32), np.zeros((3, 2, 2, 4), np.float32))
+    assert cache.length == 4
+    cache.rollback(1)
+    more = np.ones((3, 2, 1, 4), np.float32)
+    filled_keys, _ = cache.append_arrays(more, 2 * more)
+    assert cache.length == 2 and filled_keys.shape == (3, 2, 2, 4)
+    assert torch.equal(cache.values[:, :, 1], torch.full((3, 2, 4), 2.0))

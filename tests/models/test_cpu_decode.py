@@ -1,8 +1,13 @@
-"""Decode steps computed with numpy (``models._cpu_decode``) against the blocks' torch path."""
+"""The CPU decode backend (``CpuDecode``): numpy steps against the blocks' torch path.
+
+Each test runs the same sessions twice, on twin caches: once through :class:`CpuDecode` and once
+through :class:`EagerSteps` (the blocks' ``forward_many``), and compares the outputs (fp32
+tolerance: numpy sums products in another order) and the caches afterwards.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -10,309 +15,304 @@ import torch
 from torch import nn
 from transformers import BloomConfig, LlamaConfig
 
-from petals_core import kernels
-from petals_core.models import BloomBlock, LlamaBlock
-from petals_core.models._cache import KVCache
+from petals_core.models import (
+    BloomBlock,
+    CpuDecode,
+    EagerSteps,
+    KVCache,
+    LlamaBlock,
+    LoraAdapter,
+    SpanSteps,
+    add_adapter,
+    quantize_block,
+    using_adapter,
+)
 from petals_core.models._cpu_decode import MAX_ROWS
 
-Block = LlamaBlock | BloomBlock
+from ._steps import twin
 
-CONFIGS: dict[str, Callable[[], Block]] = {
-    "llama-gqa": lambda: LlamaBlock(
+Block = LlamaBlock | BloomBlock
+HIDDEN = 64
+
+CONFIGS: dict[str, Callable[[int], Block]] = {
+    "llama-gqa": lambda index: LlamaBlock(
         LlamaConfig(
-            hidden_size=64,
+            hidden_size=HIDDEN,
             intermediate_size=96,
             num_attention_heads=4,
             num_key_value_heads=2,
             rms_norm_eps=1e-5,
         ),
-        1,
+        index,
     ),
-    "llama-mha-biases": lambda: LlamaBlock(
+    "llama-mha-biases": lambda index: LlamaBlock(
         LlamaConfig(
-            hidden_size=64,
+            hidden_size=HIDDEN,
             intermediate_size=80,
             num_attention_heads=4,
             num_key_value_heads=4,
             attention_bias=True,
             mlp_bias=True,
         ),
-        0,
+        index,
     ),
-    "llama-dynamic-rope": lambda: LlamaBlock(
+    "llama-dynamic-rope": lambda index: LlamaBlock(
         LlamaConfig(
-            hidden_size=64,
+            hidden_size=HIDDEN,
             intermediate_size=96,
             num_attention_heads=2,
             num_key_value_heads=1,
             max_position_embeddings=6,
             rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0},
         ),
-        0,
+        index,
     ),
-    "bloom": lambda: BloomBlock(BloomConfig(hidden_size=64, n_head=4), 2),
-    "bloom-residual-after-norm": lambda: BloomBlock(
-        BloomConfig(hidden_size=64, n_head=8, apply_residual_connection_post_layernorm=True), 0
+    "bloom": lambda index: BloomBlock(BloomConfig(hidden_size=HIDDEN, n_head=4), index),
+    "bloom-residual-after-norm": lambda index: BloomBlock(
+        BloomConfig(hidden_size=HIDDEN, n_head=8, apply_residual_connection_post_layernorm=True),
+        index,
     ),
 }
+TOL: dict[str, Any] = {"rtol": 1e-5, "atol": 1e-5}
 
 
-def _block(name: str) -> Block:
+def _blocks(name: str, count: int = 1) -> list[Block]:
     torch.manual_seed(sum(map(ord, name)))
-    block = CONFIGS[name]().eval()
+    blocks = [CONFIGS[name](index).eval() for index in range(count)]
     with torch.no_grad():
-        for parameter in block.parameters():
-            parameter.normal_(0.0, 0.2)
-    return block
+        for block in blocks:
+            for parameter in block.parameters():
+                parameter.normal_(0.0, 0.2)
+    return blocks
 
 
-@pytest.fixture(autouse=True)
-def _switch_restored() -> Iterator[None]:
-    kernels.set_cpu_blas(True)
-    yield
-    kernels.set_cpu_blas(True)
+def _sessions(blocks: list[Block], specs: list[tuple[int, int]], **kw: int) -> list[list[KVCache]]:
+    """One session per ``(rows, filled positions)``: a cache per block, filled eagerly."""
+    max_length = kw.get("max_length", 32)
+    sessions = []
+    eager = EagerSteps(blocks)
+    for batch, length in specs:
+        caches = [block.allocate_cache(batch, max_length) for block in blocks]
+        with torch.inference_mode():
+            eager.step(0, len(blocks), [torch.randn(batch, length, HIDDEN)], [caches])
+        sessions.append(caches)
+    return sessions
 
 
-@pytest.fixture
-def numpy_steps(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
-    """Whether each block step since was computed with numpy (the real method, watched)."""
-    taken: list[bool] = []
-    for cls in (LlamaBlock, BloomBlock):
-        original = cls._numpy_step
-
-        def watched(self: Any, *args: Any, _original: Any = original) -> Any:
-            result = _original(self, *args)
-            taken.append(result is not None)
-            return result
-
-        monkeypatch.setattr(cls, "_numpy_step", watched)
-    return taken
+def _assert_same_caches(a: list[list[KVCache]], b: list[list[KVCache]]) -> None:
+    for caches, others in zip(a, b, strict=True):
+        for cache, other in zip(caches, others, strict=True):
+            assert cache.length == other.length
+            torch.testing.assert_close(cache.keys, other.keys, **TOL)
+            torch.testing.assert_close(cache.values, other.values, **TOL)
 
 
-def _torch_path(step: Callable[[], torch.Tensor]) -> torch.Tensor:
-    kernels.set_cpu_blas(False)
-    try:
-        return step()
-    finally:
-        kernels.set_cpu_blas(True)
-
-
-def _prefilled(block: Block, batch: int, tokens: int, max_length: int = 32) -> list[KVCache]:
-    """Two caches holding the same ``tokens`` positions."""
-    prompt = torch.randn(batch, tokens, 64, dtype=next(block.parameters()).dtype)
-    caches = [block.allocate_cache(batch, max_length) for _ in range(2)]
-    for cache in caches:
-        _torch_path(lambda cache=cache: block(prompt, cache=cache))
-    return caches
-
-
-def _assert_caches_equal(a: KVCache, b: KVCache) -> None:
-    assert a.length == b.length
-    torch.testing.assert_close(a.keys[:, :, : a.length], b.keys[:, :, : b.length])
-    torch.testing.assert_close(a.values[:, :, : a.length], b.values[:, :, : b.length])
+def _step_both(
+    backend: CpuDecode, xs: list[torch.Tensor], sessions: list[list[KVCache]], **span: int
+) -> tuple[list[torch.Tensor] | None, list[list[KVCache]]]:
+    """``backend``'s step of ``xs`` on ``sessions``, compared with the eager step on twins of
+    them when it is taken; returns its result and the twins."""
+    start, end = span.get("start", 0), span.get("end", len(backend.blocks))
+    reference = twin([caches[start:end] for caches in sessions])
+    with torch.inference_mode():
+        got = backend.step(start, end, xs, [caches[start:end] for caches in sessions])
+        if got is not None:
+            expected = EagerSteps(backend.blocks).step(start, end, xs, reference)
+            for g, e in zip(got, expected, strict=True):
+                assert g.shape == e.shape
+                torch.testing.assert_close(g, e, **TOL)
+            _assert_same_caches([caches[start:end] for caches in sessions], reference)
+    return got, reference
 
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 @pytest.mark.parametrize(("batch", "lengths"), [(1, [1, 1, 2, 1, 1]), (2, [1, 1, 1])])
-def test_steps_match_the_torch_path(
-    name: str, batch: int, lengths: list[int], numpy_steps: list[bool]
-) -> None:
+def test_steps_match_the_torch_path(name: str, batch: int, lengths: list[int]) -> None:
     assert batch * max(lengths) <= MAX_ROWS  # every step is decode-sized
-    block = _block(name)
+    blocks = _blocks(name)
+    backend = CpuDecode(blocks)
+    assert backend.numpy_blocks == 1
     # The dynamic-rope config rescales past 6 positions: the steps cross that line.
-    reference, cache = _prefilled(block, batch, 4)
+    (session,) = _sessions(blocks, [(batch, 4)])
     for new in lengths:
-        got, expected = _step_both(
-            block, torch.randn(batch, new, 64), reference, cache, numpy_steps
-        )
-        assert numpy_steps == [True]
-        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
-        _assert_caches_equal(cache, reference)
+        got, _ = _step_both(backend, [torch.randn(batch, new, HIDDEN)], [session])
+        assert got is not None
 
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))
-def test_batched_sessions_match_the_torch_path(name: str, numpy_steps: list[bool]) -> None:
-    """forward_many with two sessions of one row each, at different lengths."""
-    block = _block(name)
-    first, first_reference = _prefilled(block, 1, 3)
-    second, second_reference = _prefilled(block, 1, 6)
-    with torch.inference_mode():
-        for _ in range(3):
-            xs = [torch.randn(1, 1, 64), torch.randn(1, 1, 64)]
-            expected = _torch_path(
-                lambda xs=xs: block.forward_many(xs, [first_reference, second_reference])
-            )
-            numpy_steps.clear()
-            got = block.forward_many(xs, [first, second])
-            assert numpy_steps == [True]
-            for g, e in zip(got, expected, strict=True):
-                assert g.shape == e.shape
-                torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-5)
-    _assert_caches_equal(first, first_reference)
-    _assert_caches_equal(second, second_reference)
-
-
-def _step_both(
-    block: Block, x: torch.Tensor, reference: KVCache, cache: KVCache, numpy_steps: list[bool]
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``block``'s step of ``x`` through the torch path (on ``reference``) and as it comes (on
-    ``cache``), in inference mode; ``numpy_steps`` then holds the latter's path only."""
-    with torch.inference_mode():
-        expected = _torch_path(lambda: block(x, cache=reference))
-        numpy_steps.clear()
-        got = block(x, cache=cache)
-    return got, expected
-
-
-def _one_step_path(block: Block, x: torch.Tensor, numpy_steps: list[bool]) -> bool:
-    """Whether ``block``'s step of ``x`` ran with numpy; checks its result against the torch
-    path's either way."""
-    reference, cache = _prefilled(block, x.shape[0], 3)
-    got, expected = _step_both(block, x, reference, cache, numpy_steps)
-    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
-    _assert_caches_equal(cache, reference)
-    return numpy_steps == [True]
+def test_sessions_of_a_span_match_the_torch_path(name: str) -> None:
+    """Two sessions of one row each, at different lengths, through three blocks and through a
+    sub-span of them."""
+    blocks = _blocks(name, 3)
+    backend = CpuDecode(blocks)
+    sessions = _sessions(blocks, [(1, 3), (1, 6)])
+    for span in ({}, {"start": 1, "end": 3}, {"start": 0, "end": 1}):
+        xs = [torch.randn(1, 1, HIDDEN), torch.randn(1, 1, HIDDEN)]
+        got, _ = _step_both(backend, xs, sessions, **span)
+        assert got is not None
+    assert [cache.length for cache in sessions[0]] == [5, 5, 5]
 
 
 @pytest.mark.parametrize("name", ["llama-gqa", "bloom"])
-def test_more_rows_than_a_decode_step_take_the_torch_path(
-    name: str, numpy_steps: list[bool]
-) -> None:
-    block = _block(name)
-    assert not _one_step_path(block, torch.randn(1, MAX_ROWS + 1, 64), numpy_steps)
-    assert not _one_step_path(block, torch.randn(MAX_ROWS + 1, 1, 64), numpy_steps)
-
-
-@pytest.mark.parametrize("name", ["llama-gqa", "bloom"])
-def test_switched_off_takes_the_torch_path(name: str, numpy_steps: list[bool]) -> None:
-    block = _block(name)
-    reference, cache = _prefilled(block, 1, 3)
-    x = torch.randn(1, 1, 64)
-    numpy_steps.clear()
-    with torch.inference_mode():
-        kernels.set_cpu_blas(False)
-        got = block(x, cache=cache)
-        expected = block(x, cache=reference)
-    assert numpy_steps == [False, False]
-    assert torch.equal(got, expected)
-
-
-@pytest.mark.parametrize("name", ["llama-gqa", "bloom"])
-def test_hooked_layers_take_the_torch_path_and_their_hooks_run(
-    name: str, numpy_steps: list[bool]
-) -> None:
-    block = _block(name)
-    layer = next(module for module in block.modules() if isinstance(module, nn.Linear))
-    reference, cache = _prefilled(block, 1, 3)
-    x = torch.randn(1, 1, 64)
-    calls: list[str] = []
-    handle = layer.register_forward_hook(lambda *_: calls.append("hook"))
-    try:
-        with torch.inference_mode():
-            expected = _torch_path(lambda: block(x, cache=reference))
-            calls.clear()
-            numpy_steps.clear()
-            got = block(x, cache=cache)
-    finally:
-        handle.remove()
-    assert numpy_steps == [False]
-    assert calls == ["hook"]
-    assert torch.equal(got, expected)
-    assert _one_step_path(block, torch.randn(1, 1, 64), numpy_steps)
-
-
-@pytest.mark.parametrize("name", ["llama-gqa", "bloom"])
-def test_a_global_module_hook_keeps_the_torch_path(name: str, numpy_steps: list[bool]) -> None:
-    block = _block(name)
-    seen: list[type] = []
-    handle = nn.modules.module.register_module_forward_pre_hook(
-        lambda module, _: seen.append(type(module))
-    )
-    try:
-        assert not _one_step_path(block, torch.randn(1, 1, 64), numpy_steps)
-    finally:
-        handle.remove()
-    assert seen
-
-
-@pytest.mark.parametrize("name", ["llama-gqa", "bloom"])
-def test_replaced_layers_take_the_torch_path(name: str, numpy_steps: list[bool]) -> None:
-    """A layer that is not the library's own (as adapters and quantisation wrap them)."""
-    block = _block(name)
-    parent = block.self_attn if isinstance(block, LlamaBlock) else block.self_attention
-    attribute = "o_proj" if isinstance(block, LlamaBlock) else "dense"
+def test_blocks_it_cannot_take_run_their_torch_path_inside_the_step(name: str) -> None:
+    """A span whose middle block has a layer that is not the library's own, and whose last one
+    holds a LoRA adapter: the other block computes with numpy, the step still matches."""
+    blocks = _blocks(name, 3)
+    parent = blocks[1].self_attn if isinstance(blocks[1], LlamaBlock) else blocks[1].self_attention
+    attribute = "o_proj" if isinstance(blocks[1], LlamaBlock) else "dense"
     own = getattr(parent, attribute)
-    foreign = nn.Linear(own.in_features, own.out_features, bias=own.bias is not None)
+
+    class Foreign(nn.Linear):
+        pass
+
+    foreign = Foreign(own.in_features, own.out_features, bias=own.bias is not None)
     foreign.load_state_dict(own.state_dict())
     setattr(parent, attribute, foreign)
-    assert not _one_step_path(block, torch.randn(1, 1, 64), numpy_steps)
+    path = "self_attn.q_proj" if name.startswith("llama") else "self_attention.query_key_value"
+    target = blocks[2].get_submodule(path)
+    assert isinstance(target, nn.Linear)
+    generator = torch.Generator().manual_seed(7)
+    adapter = LoraAdapter(
+        name="tuned",
+        rank=2,
+        scaling=0.5,
+        target_modules=frozenset({path}),
+        weights={
+            2: {
+                path: (
+                    torch.randn(2, target.in_features, generator=generator),
+                    torch.randn(target.out_features, 2, generator=generator),
+                )
+            }
+        },
+    )
+    add_adapter(blocks[2], adapter, 2)
+    backend = CpuDecode(blocks)
+    assert backend.numpy_blocks == 1
+    sessions = _sessions(blocks, [(1, 3)])
+    with using_adapter("tuned"):
+        got, _ = _step_both(backend, [torch.randn(1, 1, HIDDEN)], sessions)
+    assert got is not None
 
 
-@pytest.mark.parametrize("name", ["llama-gqa", "bloom"])
-def test_other_dtypes_and_padding_take_the_torch_path(name: str, numpy_steps: list[bool]) -> None:
-    block = _block(name).to(torch.float64)
-    assert not _one_step_path(block, torch.randn(1, 1, 64, dtype=torch.float64), numpy_steps)
-    block = _block(name)
-    reference, cache = _prefilled(block, 2, 4)
-    for each in (reference, cache):
-        each.set_padding(torch.tensor([0, 2]))
-    got, expected = _step_both(block, torch.randn(2, 1, 64), reference, cache, numpy_steps)
-    assert numpy_steps == [False]
-    assert torch.equal(got, expected)
-
-
-@pytest.mark.parametrize("name", ["llama-gqa", "bloom"])
-def test_a_full_cache_is_refused_before_anything_is_written(
-    name: str, numpy_steps: list[bool]
+def _unchanged_when_declined(
+    backend: CpuDecode, xs: list[torch.Tensor], sessions: list[list[KVCache]]
 ) -> None:
-    block = _block(name)
-    cache = block.allocate_cache(1, 4)
-    with torch.inference_mode():
-        block(torch.randn(1, 4, 64), cache=cache)
-        keys = cache.keys.clone()
-        with pytest.raises(ValueError, match="do not fit"):
-            block(torch.randn(1, 1, 64), cache=cache)
-    assert cache.length == 4
-    assert torch.equal(cache.keys, keys)
-    assert numpy_steps[-1] is False
-
-
-def test_inputs_that_require_grad_step_without_a_graph(numpy_steps: list[bool]) -> None:
-    block = _block("llama-gqa")
-    reference, cache = _prefilled(block, 1, 3)
-    x = torch.randn(1, 1, 64, requires_grad=True)
-    expected = _torch_path(lambda: block(x, cache=reference))
-    numpy_steps.clear()
-    got = block(x, cache=cache)
-    assert numpy_steps == [True]
-    assert not got.requires_grad
-    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
-
-
-def test_rotary_angle_tables_hold_the_angles_of_every_position() -> None:
-    """The numpy step's angles, read from a table that grows, equal the rotary's own."""
-    block = _block("llama-gqa")
-    rotary = block.rotary
-    with torch.inference_mode():
-        for position, length in [(0, 1), (5, 2), (255, 2), (700, 1), (3, 1)]:
-            cos, sin = rotary.numpy_angles(position, length)
-            expected_cos, expected_sin = rotary(
-                position, length, device=torch.device("cpu"), dtype=torch.float32
-            )
-            assert cos.shape == sin.shape == (1, 1, length, rotary.inv_freq.shape[0] * 2)
-            torch.testing.assert_close(torch.from_numpy(cos[0]), expected_cos)
-            torch.testing.assert_close(torch.from_numpy(sin[0]), expected_sin)
+    before = twin(sessions)
+    got, _ = _step_both(backend, xs, sessions)
+    assert got is None
+    for caches, saved in zip(sessions, before, strict=True):
+        for cache, copy in zip(caches, saved, strict=True):
+            assert cache.length == copy.length
+            assert torch.equal(cache.keys, copy.keys) and torch.equal(cache.values, copy.values)
 
 
 @pytest.mark.parametrize("name", ["llama-gqa", "bloom"])
-def test_steps_past_the_first_position_tables_match_the_torch_path(
-    name: str, numpy_steps: list[bool]
-) -> None:
+def test_it_declines_what_is_not_a_decode_step_and_changes_nothing(name: str) -> None:
+    blocks = _blocks(name, 2)
+    backend = CpuDecode(blocks)
+    sessions = _sessions(blocks, [(1, 4)])
+    _unchanged_when_declined(backend, [torch.randn(1, MAX_ROWS + 1, HIDDEN)], sessions)
+    wide = _sessions(blocks, [(MAX_ROWS + 1, 4)])
+    _unchanged_when_declined(backend, [torch.randn(MAX_ROWS + 1, 1, HIDDEN)], wide)
+    _unchanged_when_declined(backend, [torch.randn(1, 1, HIDDEN, dtype=torch.float64)], sessions)
+    padded = _sessions(blocks, [(2, 4)])
+    for cache in padded[0]:
+        cache.set_padding(torch.tensor([0, 2]))
+    _unchanged_when_declined(backend, [torch.randn(2, 1, HIDDEN)], padded)
+    _unchanged_when_declined(backend, [], [])
+    with torch.inference_mode():
+        assert backend.step(0, 3, [torch.randn(1, 1, HIDDEN)], sessions) is None  # past the end
+        assert backend.step(0, 2, [torch.randn(1, 1, HIDDEN)], [sessions[0][:1]]) is None
+
+
+@pytest.mark.parametrize("name", ["llama-gqa", "bloom"])
+def test_a_full_cache_is_refused_before_it_is_written(name: str) -> None:
+    (block,) = _blocks(name)
+    backend = CpuDecode([block])
+    (session,) = _sessions([block], [(1, 4)], max_length=4)
+    keys = session[0].keys.clone()
+    with torch.inference_mode(), pytest.raises(ValueError, match="do not fit"):
+        backend.step(0, 1, [torch.randn(1, 1, HIDDEN)], [session])
+    assert session[0].length == 4
+    assert torch.equal(session[0].keys, keys)
+
+
+def test_a_cache_of_another_layout_is_refused() -> None:
+    (block,) = _blocks("llama-gqa")
+    backend = CpuDecode([block])
+    wrong = KVCache.allocate(batch=1, kv_heads=4, max_length=8, head_dim=16, dtype=torch.float32)
+    with torch.inference_mode(), pytest.raises(ValueError, match="allocate it with"):
+        backend.step(0, 1, [torch.randn(1, 1, HIDDEN)], [[wrong]])
+    assert wrong.length == 0
+
+
+def test_inputs_that_require_grad_step_without_a_graph() -> None:
+    (block,) = _blocks("llama-gqa")
+    backend = CpuDecode([block])
+    (session,) = _sessions([block], [(1, 3)])
+    reference = twin([session])
+    x = torch.randn(1, 1, HIDDEN, requires_grad=True)
+    got = backend.step(0, 1, [x], [session])
+    assert got is not None
+    assert not got[0].requires_grad
+    (expected,) = EagerSteps([block]).step(0, 1, [x], reference)
+    torch.testing.assert_close(got[0], expected, **TOL)
+
+
+@pytest.mark.parametrize("name", ["llama-gqa", "bloom"])
+def test_steps_past_the_first_tables_match_the_torch_path(name: str) -> None:
     """Rotary angles and ALiBi terms come from tables that start at 256 positions and grow."""
-    block = _block(name)
-    sessions = [_prefilled(block, 1, 5), _prefilled(block, 1, 300, max_length=600)]
-    for reference, cache in sessions:  # a short session first: the smallest tables
-        got, expected = _step_both(block, torch.randn(1, 1, 64), reference, cache, numpy_steps)
-        assert numpy_steps == [True]
-        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
-        _assert_caches_equal(cache, reference)
+    blocks = _blocks(name)
+    backend = CpuDecode(blocks)
+    short = _sessions(blocks, [(1, 5)])
+    long = _sessions(blocks, [(1, 300)], max_length=600)
+    for sessions in (short, long, short):  # a short session first: the smallest tables
+        got, _ = _step_both(backend, [torch.randn(1, 1, HIDDEN)], sessions)
+        assert got is not None
+
+
+def test_weights_are_views_taken_once() -> None:
+    """A change in place (``load_state_dict`` copies into the parameters) is seen."""
+    (block,) = _blocks("llama-gqa")
+    backend = CpuDecode([block])
+    block.load_state_dict({name: 2 * value for name, value in block.state_dict().items()})
+    (session,) = _sessions([block], [(1, 3)])
+    got, _ = _step_both(backend, [torch.randn(1, 1, HIDDEN)], [session])
+    assert got is not None
+
+
+def test_blocks_it_cannot_take_at_all_are_refused() -> None:
+    (block,) = _blocks("llama-gqa")
+    doubles = _blocks("bloom")[0].to(torch.float64)
+    assert CpuDecode.unsupported_reason([doubles]) == (
+        "block 0: its weights are not float32 on the CPU"
+    )
+    with pytest.raises(ValueError, match="not float32 on the CPU"):
+        CpuDecode([doubles])
+    assert CpuDecode.unsupported_reason([]) == "no blocks"
+    assert CpuDecode.unsupported_reason([block, doubles]) is None  # one of them can
+    gelu = LlamaBlock(LlamaConfig(hidden_size=HIDDEN, num_attention_heads=4, hidden_act="gelu"))
+    assert CpuDecode.unsupported_reason([gelu]) == "block 0: its MLP's activation is not SiLU"
+    assert "not a LlamaBlock or BloomBlock" in str(CpuDecode.unsupported_reason([nn.Linear(2, 2)]))
+
+
+def test_quantised_blocks_are_refused() -> None:
+    pytest.importorskip("bitsandbytes")
+    (block,) = _blocks("bloom")
+    quantize_block(block, "int8")
+    reason = CpuDecode.unsupported_reason([block])
+    assert reason is not None and reason.startswith("block 0: its ")
+
+
+def test_every_backend_fits_the_interface() -> None:
+    blocks = _blocks("llama-gqa")
+    backends: list[SpanSteps] = [CpuDecode(blocks), EagerSteps(blocks)]
+    session = _sessions(blocks, [(1, 2)])
+    outputs = []
+    for backend, sessions in zip(backends, [session, twin(session)], strict=True):
+        with torch.inference_mode():
+            got = backend.step(0, 1, [torch.ones(1, 1, HIDDEN)], sessions)
+        assert got is not None
+        outputs.append(got[0])
+    torch.testing.assert_close(outputs[0], outputs[1], **TOL)

@@ -295,8 +295,7 @@ def test_smollm2_shaped_layer() -> None:
         assert _max_diff(pair.run(x[:, :16], caches), pair.hf_run(x[:, :16], hf_cache)) <= ATOL
         for t in range(16, 20):
             ours, theirs = pair.run(x[:, t : t + 1], caches), pair.hf_run(x[:, t : t + 1], hf_cache)
-            # Decode products go through OpenBLAS (kernels.linear), which sums in its own order:
-            # the outputs (tens here) agree to float32's relative precision, not to 1e-5 absolute.
+            # The outputs (tens here) agree to float32's relative precision, not to 1e-5 absolute.
             scale = max(1.0, theirs.abs().max().item())
             assert _max_diff(ours, theirs) <= ATOL * scale, t
 

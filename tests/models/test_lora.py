@@ -22,7 +22,6 @@ from torch import nn
 from transformers import BloomConfig, LlamaConfig, PreTrainedConfig
 
 from petals_core._errors import AdapterError
-from petals_core.models._linear import Linear
 from petals_core.models._lora import (
     LoraAdapter,
     LoraLinear,
@@ -226,10 +225,10 @@ def test_two_adapters_on_one_block_switch(tmp_path: Path, llama_config: Any) -> 
     assert adapter_names(block) == {adapter_a.name, adapter_b.name}
     q_proj = block.get_submodule("self_attn.q_proj")
     assert isinstance(q_proj, LoraLinear)
-    assert type(q_proj.base) is Linear  # wrapped once, not twice
+    assert type(q_proj.base) is nn.Linear  # wrapped once, not twice
     assert q_proj.adapter_names() == {adapter_a.name, adapter_b.name}
     k_proj = block.get_submodule("self_attn.k_proj")
-    assert type(k_proj) is Linear  # targeted by neither
+    assert type(k_proj) is nn.Linear  # targeted by neither
 
     x = hidden()
     with torch.no_grad():

@@ -28,7 +28,6 @@ from bitsandbytes.nn import Linear4bit, Linear8bitLt
 from torch import nn
 from transformers import BloomConfig, LlamaConfig
 
-from petals_core.models._linear import Linear
 from petals_core.models._quantize import quantize_block
 from petals_core.models.bloom import BloomBlock
 
@@ -99,7 +98,7 @@ def test_unknown_quant_type_raises() -> None:
     block = bloom_block()
     with pytest.raises(ValueError, match="unknown quant_type 'fp8'; expected one of"):
         quantize_block(block, "fp8")  # type: ignore[arg-type]
-    assert type(block.self_attention.query_key_value) is Linear
+    assert type(block.self_attention.query_key_value) is nn.Linear
 
 
 def test_none_leaves_the_block_alone() -> None:

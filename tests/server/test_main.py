@@ -176,6 +176,7 @@ async def test_a_config_that_cannot_start_exits_1_and_dry_run_measures(
         (["--step_timeout", "0"], "argument --step_timeout: must be a positive number"),
         (["--quant_type", "int4"], "argument --quant_type: invalid choice"),
         (["--inline_compute_ms", "-1"], "argument --inline_compute_ms: must be a number >= 0"),
+        (["--cpu_decode", "fast"], "argument --cpu_decode: invalid choice"),
     ],
 )
 def test_bad_flags_exit_2_with_argparse_message(
@@ -210,6 +211,16 @@ def test_dtype_quantisation_and_block_count_default_to_auto() -> None:
     for flag, expected in [("auto", None), ("none", "none"), ("int8", "int8"), ("nf4", "nf4")]:
         args = parser.parse_args(["model", "--new_swarm", "--quant_type", flag])
         assert config_from_args(args).quant_type == expected
+
+
+def test_cpu_decode_flag_reaches_the_config() -> None:
+    parser = _parser()
+    assert config_from_args(parser.parse_args(["model", "--new_swarm"])).cpu_decode == "numpy"
+    for choice in ("numpy", "torch"):
+        args = parser.parse_args(["model", "--new_swarm", "--cpu_decode", choice])
+        assert config_from_args(args).cpu_decode == choice
+    with pytest.raises(ConfigError, match="cpu_decode 'fast' is not one of numpy, torch"):
+        ServerConfig(model="model", cpu_decode="fast")  # type: ignore[arg-type]
 
 
 def test_parse_nbytes() -> None:

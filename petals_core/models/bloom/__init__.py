@@ -1,3 +1,7 @@
 """BLOOM: transformer blocks with ALiBi positions and a fused, head-interleaved QKV projection."""
 
-from ._block import BloomBlock as BloomBlock
+from ._block import (
+    BloomAttention as BloomAttention,
+    BloomBlock as BloomBlock,
+    BloomMLP as BloomMLP,
+)

@@ -13,24 +13,22 @@ Differences from transformers, on purpose:
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from ...kernels import alibi_slopes, attention
-from .. import _cpu_decode
 from .._batched import check_many_inputs, join_rows, join_tokens, split_tokens
 from .._cache import KVCache, check_block_input
-from .._linear import Linear
 
 if TYPE_CHECKING:
     from transformers import BloomConfig
 
-__all__ = ["BloomBlock"]
+__all__ = ["BloomAttention", "BloomBlock", "BloomMLP"]
 
 
 def bloom_gelu(x: torch.Tensor) -> torch.Tensor:
@@ -48,8 +46,8 @@ class BloomAttention(nn.Module):
         super().__init__()
         self.n_head = config.n_head
         self.head_dim = config.hidden_size // config.n_head
-        self.query_key_value = Linear(config.hidden_size, 3 * config.hidden_size)
-        self.dense = Linear(config.hidden_size, config.hidden_size)
+        self.query_key_value = nn.Linear(config.hidden_size, 3 * config.hidden_size)
+        self.dense = nn.Linear(config.hidden_size, config.hidden_size)
 
     def forward(
         self,
@@ -109,8 +107,8 @@ class BloomAttention(nn.Module):
 class BloomMLP(nn.Module):
     def __init__(self, config: BloomConfig) -> None:
         super().__init__()
-        self.dense_h_to_4h = Linear(config.hidden_size, 4 * config.hidden_size)
-        self.dense_4h_to_h = Linear(4 * config.hidden_size, config.hidden_size)
+        self.dense_h_to_4h = nn.Linear(config.hidden_size, 4 * config.hidden_size)
+        self.dense_4h_to_h = nn.Linear(4 * config.hidden_size, config.hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.dense_4h_to_h(bloom_gelu(self.dense_h_to_4h(x)))
@@ -137,7 +135,6 @@ class BloomBlock(nn.Module):
         self.mlp = BloomMLP(config)
         # A plain attribute, not a buffer: ``block.to(torch.bfloat16)`` must not round the slopes.
         self._slopes = alibi_slopes(config.n_head)  # (n_head,) float32
-        self._alibi_table: _cpu_decode.AlibiTable | None = None  # built by a numpy step
 
     def forward(
         self,
@@ -163,30 +160,23 @@ class BloomBlock(nn.Module):
         )
         if position is not None and position < 0:
             raise ValueError(f"position must be >= 0, got {position}")
-        if cache is None:
-            return self._forward(hidden_states, None, 0)
-        if position is not None and position != cache.length:
+        if cache is not None and position is not None and position != cache.length:
             raise ValueError(
                 f"the cache holds {cache.length} positions, so the next one is {cache.length}, "
                 f"not {position}; roll the cache back to resend from an earlier position"
             )
-        if hidden_states.shape[0] != cache.batch:
-            raise ValueError(
-                f"{hidden_states.shape[0]} rows of hidden states for a cache of {cache.batch} rows"
-            )
-        stepped = self._numpy_step([hidden_states], [cache])  # no autograd in numpy
-        if stepped is not None:
-            return stepped[0]
-        with torch.no_grad():  # the cache checks that the new entries fit before writing them
-            return self._forward(hidden_states, cache, cache.length)
-
-    def _forward(self, x: torch.Tensor, cache: KVCache | None, position: int) -> torch.Tensor:
-        normed = self.input_layernorm(x)  # (B, T, hidden)
-        residual = normed if self.residual_after_norm else x
-        x = residual + self.self_attention(normed, self._slopes_on(x.device), cache, position)
-        normed = self.post_attention_layernorm(x)
-        residual = normed if self.residual_after_norm else x
-        return residual + self.mlp(normed)
+        offset = 0 if cache is None else cache.length
+        # Without a cache: autograd, for training.  With one: none (the cache checks that the new
+        # entries fit before writing them).
+        with contextlib.nullcontext() if cache is None else torch.no_grad():
+            x = hidden_states
+            normed = self.input_layernorm(x)  # (B, T, hidden)
+            residual = normed if self.residual_after_norm else x
+            slopes = self._slopes_on(x.device)
+            x = residual + self.self_attention(normed, slopes, cache, offset)
+            normed = self.post_attention_layernorm(x)
+            residual = normed if self.residual_after_norm else x
+            return residual + self.mlp(normed)
 
     def forward_many(
         self, hidden_states: Sequence[torch.Tensor], caches: Sequence[KVCache]
@@ -206,15 +196,12 @@ class BloomBlock(nn.Module):
             hidden_states,
             caches,
             hidden_size=self.hidden_size,
-            weight=self._modules["input_layernorm"]._parameters["weight"],  # type: ignore[union-attr,arg-type]
+            weight=self.input_layernorm.weight,
             kv_heads=self.n_head,
             head_dim=self.head_dim,
         )
         if not hidden_states:
             return []
-        stepped = self._numpy_step(hidden_states, caches)  # no autograd in numpy
-        if stepped is not None:
-            return stepped
         with torch.no_grad():
             x = join_tokens(hidden_states)  # (1, N, hidden)
             shapes = [(states.shape[0], states.shape[1]) for states in hidden_states]
@@ -225,74 +212,6 @@ class BloomBlock(nn.Module):
             normed = self.post_attention_layernorm(x)
             residual = normed if self.residual_after_norm else x
             return split_tokens(residual + self.mlp(normed), hidden_states)
-
-    def _numpy_step(
-        self, hidden_states: Sequence[torch.Tensor], caches: Sequence[KVCache]
-    ) -> list[torch.Tensor] | None:
-        """The step computed with numpy (see :mod:`petals_core.models._cpu_decode`), or None
-        when it must take the torch path.  The items are validated; nothing is written before
-        the step is known to run here."""
-        if not _cpu_decode.usable(hidden_states, caches):
-            return None
-        weights = _cpu_decode.linear_weights(
-            self,
-            (
-                ("self_attention", BloomAttention, ("query_key_value", "dense")),
-                ("mlp", BloomMLP, ("dense_h_to_4h", "dense_4h_to_h")),
-            ),
-        )
-        # Read from the dict: nn.Module's __getattr__ is a Python call per attribute.
-        modules = self._modules
-        norm1: nn.LayerNorm = modules["input_layernorm"]  # type: ignore[assignment]
-        norm2: nn.LayerNorm = modules["post_attention_layernorm"]  # type: ignore[assignment]
-        if weights is None or not _cpu_decode.plain(nn.LayerNorm, norm1, norm2):
-            return None
-        norms = _cpu_decode.weight_arrays((norm1, norm2))
-        if norms is None:
-            return None
-        alibi = self._alibi_table
-        if alibi is None:
-            slopes = _cpu_decode.array(self._slopes)
-            if slopes is None:
-                return None
-            alibi = self._alibi_table = _cpu_decode.AlibiTable(slopes)
-        qkv_proj, dense, h_to_4h, to_h = weights
-        (weight1, bias1), (weight2, bias2) = norms
-        if bias1 is None or bias2 is None:
-            return None
-        n_head, head_dim = self.n_head, self.head_dim
-        project = _cpu_decode.project
-        x = _cpu_decode.rows_of(hidden_states)  # (N, hidden)
-        normed = _cpu_decode.layer_norm(x, weight1, bias1, norm1.eps)
-        qkv_all = project(normed, *qkv_proj)  # (N, 3 * hidden), per head [q_h, k_h, v_h]
-        outputs = []
-        start = 0
-        for states, cache in zip(hidden_states, caches, strict=True):
-            batch, new = states.shape[0], states.shape[1]
-            end = start + batch * new
-            qkv = qkv_all[start:end].reshape(batch, new, n_head, 3, head_dim)
-            position = cache.length
-            length = position + new
-            keys, values = cache.keys.numpy(), cache.values.numpy()
-            keys[:, :, position:length] = qkv[..., 1, :].transpose(0, 2, 1, 3)
-            values[:, :, position:length] = qkv[..., 2, :].transpose(0, 2, 1, 3)
-            cache.length = length
-            y = _cpu_decode.attend(
-                qkv[..., 0, :].transpose(0, 2, 1, 3),  # (B, n_head, T, head_dim)
-                keys[:, :, :length],
-                values[:, :, :length],
-                start=position,
-                scale=head_dim**-0.5,
-                alibi=alibi.upto(length),
-            )
-            outputs.append(y.reshape(batch * new, -1))
-            start = end
-        y = outputs[0] if len(outputs) == 1 else np.concatenate(outputs)
-        x = (normed if self.residual_after_norm else x) + project(y, *dense)
-        normed = _cpu_decode.layer_norm(x, weight2, bias2, norm2.eps)
-        out = project(_cpu_decode.gelu_tanh(project(normed, *h_to_4h)), *to_h)
-        out += normed if self.residual_after_norm else x
-        return _cpu_decode.split_rows(out, hidden_states)
 
     def allocate_cache(
         self,

@@ -11,10 +11,10 @@ The block holds no per-session state: one instance serves every session, each br
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import numpy as np
 import torch
 from torch import nn
 from transformers import LlamaConfig
@@ -23,34 +23,13 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from ... import kernels
-from .. import _cpu_decode
 from .._batched import check_many_inputs, join_rows, join_tokens, split_tokens
 from .._cache import KVCache, check_block_input
-from .._linear import Linear
 
-__all__ = ["LlamaBlock", "LlamaRotary"]
+__all__ = ["LlamaAttention", "LlamaBlock", "LlamaMLP", "LlamaRMSNorm", "LlamaRotary"]
 
 # RoPE types whose frequencies depend on the configuration alone; "dynamic" also on the length.
 _STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
-
-
-def _rotate_rows(
-    rows: np.ndarray, batch: int, heads: int, angles: tuple[np.ndarray, np.ndarray]
-) -> np.ndarray:
-    """``(B * T, heads * head_dim)`` projections to ``(B, heads, T, head_dim)``, rotated by
-    ``angles`` (cos, sin: ``(1, 1, T, head_dim)``): :func:`kernels.rotary_reference` in numpy."""
-    cos, sin = angles
-    new, head_dim = cos.shape[2], cos.shape[3]
-    half = head_dim // 2
-    x = rows.reshape(batch, new, heads, head_dim).transpose(0, 2, 1, 3)
-    rotated = np.concatenate((-x[..., half:], x[..., :half]), axis=-1)
-    rotated *= sin
-    rotated += x * cos
-    return rotated
-
-
-_ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
-_MLP_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 
 
 class LlamaRotary:
@@ -152,32 +131,6 @@ class LlamaRotary:
             _last_angles[0] = (key, angles)  # one store: safe for readers in other threads
         return angles
 
-    def numpy_angles(self, position: int, length: int) -> tuple[np.ndarray, np.ndarray]:
-        """float32 cos, sin of positions ``position .. position + length - 1`` as numpy arrays
-        ``(1, 1, T, head_dim)``: the values of ``__call__`` (without padding), for the numpy
-        decode step.  With frequencies that do not depend on the length they are read from a
-        table of every position so far, computed once per distinct set of frequencies and
-        shared by every block that has them (grown by doubling; a one-token step then costs a
-        slice instead of a dozen torch operations)."""
-        end = position + length
-        if self.rope_type == "dynamic":
-            cos, sin = self(position, length, device=torch.device("cpu"), dtype=torch.float32)
-            return cos.numpy()[:, None], sin.numpy()[:, None]
-        table = _angle_tables.get(self._identity)
-        if table is None or table[0].shape[0] < end:
-            size = max(_MIN_TABLE_POSITIONS, 1 << (end - 1).bit_length())
-            with torch.inference_mode():
-                cos, sin = self.__call__(0, size, device=torch.device("cpu"), dtype=torch.float32)
-            table = cos[0].numpy(), sin[0].numpy()  # (size, head_dim) each
-            _angle_tables[self._identity] = table  # one store: safe for readers in other threads
-        return table[0][None, None, position:end], table[1][None, None, position:end]
-
-
-#: Positions in the smallest table of :meth:`LlamaRotary.numpy_angles`.
-_MIN_TABLE_POSITIONS = 256
-
-#: :meth:`LlamaRotary.numpy_angles`' tables (cos, sin), by the frequencies' identity.
-_angle_tables: dict[tuple[Any, ...], tuple[np.ndarray, np.ndarray]] = {}
 
 #: The angles :class:`LlamaRotary` computed last under inference mode, with their key.
 _last_angles: list[tuple[tuple[Any, ...], tuple[torch.Tensor, torch.Tensor]] | None] = [None]
@@ -202,10 +155,10 @@ class LlamaAttention(nn.Module):
         if self.n_head % self.n_kv_head:
             raise ValueError(f"{self.n_head} heads cannot share {self.n_kv_head} key/value heads")
         hidden, bias = config.hidden_size, config.attention_bias
-        self.q_proj = Linear(hidden, self.n_head * self.head_dim, bias=bias)
-        self.k_proj = Linear(hidden, self.n_kv_head * self.head_dim, bias=bias)
-        self.v_proj = Linear(hidden, self.n_kv_head * self.head_dim, bias=bias)
-        self.o_proj = Linear(self.n_head * self.head_dim, hidden, bias=bias)
+        self.q_proj = nn.Linear(hidden, self.n_head * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(hidden, self.n_kv_head * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(hidden, self.n_kv_head * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.n_head * self.head_dim, hidden, bias=bias)
 
     def forward(
         self,
@@ -275,11 +228,11 @@ class LlamaMLP(nn.Module):
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
         hidden, inner, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
-        self.gate_proj = Linear(hidden, inner, bias=bias)
-        self.up_proj = Linear(hidden, inner, bias=bias)
-        self.down_proj = Linear(inner, hidden, bias=bias)
+        self.gate_proj = nn.Linear(hidden, inner, bias=bias)
+        self.up_proj = nn.Linear(hidden, inner, bias=bias)
+        self.down_proj = nn.Linear(inner, hidden, bias=bias)
         self.act_fn = ACT2FN[config.hidden_act]
-        #: Whether the activation is SiLU, which the numpy decode step computes.
+        #: Whether the activation is SiLU, which the CPU decode backend computes.
         self.silu: bool = config.hidden_act in ("silu", "swish")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -355,28 +308,21 @@ class LlamaBlock(nn.Module):
             )
         if position < 0:
             raise ValueError(f"position must be >= 0, got {position}")
-        if cache is not None:
-            stepped = self._numpy_step([hidden_states], [cache])  # no autograd in numpy
-            if stepped is not None:
-                return stepped[0]
-            with torch.no_grad():
-                return self._forward(hidden_states, cache, position)
-        return self._forward(hidden_states, None, position)
-
-    def _forward(
-        self, hidden_states: torch.Tensor, cache: KVCache | None, position: int
-    ) -> torch.Tensor:
-        cos, sin = self.rotary(
-            position,
-            hidden_states.shape[1],
-            device=hidden_states.device,
-            dtype=hidden_states.dtype,
-            padding=None if cache is None else cache.padding,
-        )  # (1 or B, T, head_dim) each
-        x = hidden_states
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache=cache, position=position)
-        x = x + self.mlp(self.post_attention_layernorm(x))
-        return x
+        # Without a cache: autograd, for training.  With one: none (a graph kept through the
+        # cache would grow for the whole session).
+        with contextlib.nullcontext() if cache is None else torch.no_grad():
+            cos, sin = self.rotary(
+                position,
+                hidden_states.shape[1],
+                device=hidden_states.device,
+                dtype=hidden_states.dtype,
+                padding=None if cache is None else cache.padding,
+            )  # (1 or B, T, head_dim) each
+            x = hidden_states
+            x = x + self.self_attn(
+                self.input_layernorm(x), cos, sin, cache=cache, position=position
+            )
+            return x + self.mlp(self.post_attention_layernorm(x))
 
     def forward_many(
         self, hidden_states: Sequence[torch.Tensor], caches: Sequence[KVCache]
@@ -392,98 +338,26 @@ class LlamaBlock(nn.Module):
         Every item is checked before any cache is written: if one is refused, no cache changes.
         Runs without autograd, like the single-step cache path.
         """
-        attn = self._modules["self_attn"]
+        attn = self.self_attn
         check_many_inputs(
             hidden_states,
             caches,
             hidden_size=self.hidden_size,
-            weight=self._modules["input_layernorm"]._parameters["weight"],  # type: ignore[union-attr,arg-type]
-            kv_heads=attn.n_kv_head,  # type: ignore[union-attr,arg-type]
-            head_dim=attn.head_dim,  # type: ignore[union-attr,arg-type]
+            weight=self.input_layernorm.weight,
+            kv_heads=attn.n_kv_head,
+            head_dim=attn.head_dim,
         )
         if not hidden_states:
             return []
-        stepped = self._numpy_step(hidden_states, caches)  # no autograd in numpy
-        if stepped is not None:
-            return stepped
         with torch.no_grad():
-            return self._forward_many(hidden_states, caches)
-
-    def _numpy_step(
-        self, hidden_states: Sequence[torch.Tensor], caches: Sequence[KVCache]
-    ) -> list[torch.Tensor] | None:
-        """The step computed with numpy (see :mod:`petals_core.models._cpu_decode`), or None
-        when it must take the torch path.  The items are validated; nothing is written before
-        the step is known to run here."""
-        if not _cpu_decode.usable(hidden_states, caches):
-            return None
-        weights = _cpu_decode.linear_weights(
-            self,
-            (
-                ("self_attn", LlamaAttention, ("q_proj", "k_proj", "v_proj", "o_proj")),
-                ("mlp", LlamaMLP, ("gate_proj", "up_proj", "down_proj")),
-            ),
-        )
-        # Read from the dicts: nn.Module's __getattr__ is a Python call per attribute.
-        modules = self._modules
-        attn: LlamaAttention = modules["self_attn"]  # type: ignore[assignment]
-        mlp: LlamaMLP = modules["mlp"]  # type: ignore[assignment]
-        norm1: LlamaRMSNorm = modules["input_layernorm"]  # type: ignore[assignment]
-        norm2: LlamaRMSNorm = modules["post_attention_layernorm"]  # type: ignore[assignment]
-        if weights is None or not (_cpu_decode.plain(LlamaRMSNorm, norm1, norm2) and mlp.silu):
-            return None
-        norm_weight1 = _cpu_decode.array(norm1._parameters["weight"])  # type: ignore[arg-type]
-        norm_weight2 = _cpu_decode.array(norm2._parameters["weight"])  # type: ignore[arg-type]
-        if norm_weight1 is None or norm_weight2 is None:
-            return None
-        q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj = weights
-        n_head, n_kv_head, head_dim = attn.n_head, attn.n_kv_head, attn.head_dim
-        project = _cpu_decode.project
-        x = _cpu_decode.rows_of(hidden_states)  # (N, hidden)
-        h = _cpu_decode.rms_norm(x, norm_weight1, norm1.eps)
-        q_all, k_all, v_all = project(h, *q_proj), project(h, *k_proj), project(h, *v_proj)
-        outputs = []
-        start = 0
-        for states, cache in zip(hidden_states, caches, strict=True):
-            batch, new = states.shape[0], states.shape[1]
-            end = start + batch * new
-            position = cache.length
-            angles = self.rotary.numpy_angles(position, new)  # (1, 1, T, head_dim) each
-            length = position + new
-            keys, values = cache.keys.numpy(), cache.values.numpy()
-            keys[:, :, position:length] = _rotate_rows(k_all[start:end], batch, n_kv_head, angles)
-            values[:, :, position:length] = (
-                v_all[start:end].reshape(batch, new, n_kv_head, head_dim).transpose(0, 2, 1, 3)
-            )
-            cache.length = length
-            y = _cpu_decode.attend(
-                _rotate_rows(q_all[start:end], batch, n_head, angles),
-                keys[:, :, :length],
-                values[:, :, :length],
-                start=position,
-                scale=head_dim**-0.5,
-            )
-            outputs.append(y.reshape(batch * new, -1))
-            start = end
-        y = outputs[0] if len(outputs) == 1 else np.concatenate(outputs)
-        x = x + project(y, *o_proj)
-        h = _cpu_decode.rms_norm(x, norm_weight2, norm2.eps)
-        gate = _cpu_decode.silu(project(h, *gate_proj))
-        gate *= project(h, *up_proj)
-        x += project(gate, *down_proj)
-        return _cpu_decode.split_rows(x, hidden_states)
-
-    def _forward_many(
-        self, hidden_states: Sequence[torch.Tensor], caches: Sequence[KVCache]
-    ) -> list[torch.Tensor]:
-        x = join_tokens(hidden_states)  # (1, N, hidden)
-        shapes = [(states.shape[0], states.shape[1]) for states in hidden_states]
-        angles = [
-            self.rotary(
-                cache.length, new, device=x.device, dtype=x.dtype, padding=cache.padding
-            )  # (1 or B_i, T_i, head_dim)
-            for (_, new), cache in zip(shapes, caches, strict=True)
-        ]
-        x = x + self.self_attn.forward_many(self.input_layernorm(x), shapes, angles, caches)
-        x = x + self.mlp(self.post_attention_layernorm(x))
-        return split_tokens(x, hidden_states)
+            x = join_tokens(hidden_states)  # (1, N, hidden)
+            shapes = [(states.shape[0], states.shape[1]) for states in hidden_states]
+            angles = [
+                self.rotary(
+                    cache.length, new, device=x.device, dtype=x.dtype, padding=cache.padding
+                )  # (1 or B_i, T_i, head_dim)
+                for (_, new), cache in zip(shapes, caches, strict=True)
+            ]
+            x = x + attn.forward_many(self.input_layernorm(x), shapes, angles, caches)
+            x = x + self.mlp(self.post_attention_layernorm(x))
+            return split_tokens(x, hidden_states)
