@@ -47,11 +47,11 @@ from ..protocol import (
     PushTarget,
     SessionReady,
     Step,
-    StepResult,
 )
 from ..transport import Call, Connection, ServerCall, open_call
 from ._backend import BlockBackend
 from ._serving import Serving, check_blocks_held
+from ._session_state import SessionState, StepPlan
 from ._task_pool import Priority, TaskPool
 
 __all__ = ["InferenceHandlers"]
@@ -93,21 +93,17 @@ class _Session:
     points: float
     caches: list[KVCache]
     scope: trio.CancelScope
+    #: Positions and step ids: what each step does (see SessionState).
+    state: SessionState
     closed_because: str | None = None
     #: The client's steps and pushed ones, in arrival order: (message, pushed).
     inbox: trio.MemorySendChannel[_InboxItem] | None = None
-    #: The highest step_id seen (pushed steps at or below it are stale).
-    last_step_id: int = -1
     #: Push streams to the next servers' sessions, by (peer, session id); None: that push failed
     #: (not tried again in this session), _DIALLING: being opened.
     pushes: dict[tuple[str, str], Call | _Dialling | None] = attrs.field(factory=dict)
     exits: contextlib.AsyncExitStack = attrs.field(factory=contextlib.AsyncExitStack)
     #: Where the session's background tasks run (the client reader, push dials).
     nursery: trio.Nursery | None = None
-
-    @property
-    def position(self) -> int:
-        return self.caches[0].length
 
 
 class InferenceHandlers:
@@ -172,6 +168,7 @@ class InferenceHandlers:
                 points=opening.points,
                 caches=caches,
                 scope=trio.CancelScope(),
+                state=SessionState(batch=batch, max_length=max_length),
             )
             inbox, steps = trio.open_memory_channel[_InboxItem](_INBOX_SIZE)
             session.inbox = inbox
@@ -264,59 +261,37 @@ class InferenceHandlers:
                 raise item  # the client's stream failed
             message, pushed = item
             try:
-                step = Step.from_wire_untrusted(message)
-                step_id = step.step_id
-                if pushed and (step_id is None or step_id <= session.last_step_id):
+                plan = session.state.plan(Step.from_wire_untrusted(message), pushed=pushed)
+                if plan is None:
                     self._serving.count("stale_pushes")
                     continue
-                if step_id is not None:
-                    session.last_step_id = max(session.last_step_id, step_id)
-                output = await self._step(step, session, backend, pool)
+                output = await self._step(plan, session, backend, pool)
             except (ValueError, CodecError) as exc:
                 self._serving.count("failures")
                 raise ServerError(f"step refused: {exc}") from None
             pushed_on = None
-            if step.push:
-                start = session.position - output.shape[1]  # where this step began
-                pushed_on = await self._push(session, step.push, output, start, step_id)
+            push = SessionState.push_step(plan, output)
+            if push is not None:
+                pushed_on = await self._push(session, plan.push[0], push)
             if pushed:
                 self._serving.count("pushed_steps")
-            result = StepResult(
-                hidden_states=output, position=session.position, step_id=step_id, pushed=pushed_on
-            )
+            result = session.state.completed(plan, output, pushed=pushed_on)
             await call.send(result.to_wire())
 
     async def _step(
-        self, step: Step, session: _Session, backend: BlockBackend, pool: TaskPool
+        self, plan: StepPlan, session: _Session, backend: BlockBackend, pool: TaskPool
     ) -> torch.Tensor:
-        hidden = backend.check_hidden(step.hidden_states)
-        if hidden.shape[0] != session.batch:
-            raise ValueError(
-                f"the session has {session.batch} rows; this step has {hidden.shape[0]}"
-            )
-        position = session.position
-        if step.start_from_position is not None:
-            if step.start_from_position > position:
-                raise ValueError(
-                    f"cannot start from position {step.start_from_position}: the cache holds "
-                    f"{position}"
-                )
-            position = step.start_from_position
-        tokens = hidden.shape[1]
-        if position + tokens > session.max_length:
-            raise ValueError(
-                f"{position} + {tokens} positions exceed the session's max_length "
-                f"{session.max_length}"
-            )
-        prompts = step.prompts
+        hidden = backend.check_hidden(plan.hidden)
+        prompts = plan.prompts
         backend.check_prompts(prompts, session.start, session.end, hidden)
         # Checked: from here on the step runs (and rolls back what it wrote if it fails).
         for cache in session.caches:
-            cache.rollback(position)
+            cache.rollback(plan.position)
+        session.state.rolled_back(plan)
         self._serving.count("steps")
-        if step.hypo_ids is not None:
-            # As row indices: torch refuses int8 indices and reads uint8 ones as a mask.
-            reorder = step.hypo_ids.to(torch.int64)
+        tokens = plan.tokens
+        if plan.reorder is not None:
+            reorder = plan.reorder
 
             def reorder_all() -> None:
                 for cache in session.caches:
@@ -377,25 +352,14 @@ class InferenceHandlers:
 
     # -- pushes ----------------------------------------------------------------------------------
 
-    async def _push(
-        self,
-        session: _Session,
-        chain: tuple[PushTarget, ...],
-        output: torch.Tensor,
-        start: int,
-        step_id: int | None,
-    ) -> bool:
-        """Hand ``output`` to the next server's session as its step; whether it was sent."""
-        target = chain[0]
+    async def _push(self, session: _Session, target: PushTarget, step: Step) -> bool:
+        """Hand ``step`` to ``target``, the next server's session; whether it was sent."""
         key = (target.peer, target.session_id)
         if key not in session.pushes:
             self._start_dial(session, key)
         push_call = session.pushes[key]
         if not isinstance(push_call, Call):
             return False  # being dialled, or it failed
-        step = Step(
-            hidden_states=output, start_from_position=start, step_id=step_id, push=chain[1:]
-        )
         with trio.move_on_after(_PUSH_TIMEOUT_S):
             try:
                 await push_call.send(step.to_wire())

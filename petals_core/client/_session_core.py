@@ -1,0 +1,356 @@
+"""An inference session's state on the client, without I/O: fed events, it says what to send.
+
+:class:`SessionCore` holds what a session must remember to survive its servers: the position,
+every span's history (the inputs sent to it, ``(B, position, hidden)``, to replay on a
+replacement), deep prompts and left padding given at position 0, the step ids, and the chain of
+spans (:class:`SpanState`).  The trio driver (``client/_inference.py``) asks it for each message
+(:meth:`SessionCore.opening`, :meth:`SessionCore.request`, :meth:`SessionCore.replay`), tells
+it what came back (:meth:`SessionCore.answered`) or failed (:meth:`SessionCore.failed`), and
+does the I/O, the timeouts and the retries.
+
+A step, as the core sees it: :meth:`SessionCore.begin` checks it (``ValueError`` for the
+caller's mistakes, before anything is sent) and applies what it changes first (new padding,
+beam reordering of the histories); spans are opened if there are none (:meth:`route_opened`);
+then for each span in order, a request (or, when the previous server pushed the step on, just
+the answer to wait for), and its answer, whose output is the next span's input.  A span that
+fails is replaced: :meth:`SessionCore.take_for_replacement` gives its history, the replacements
+(:meth:`route_opened`) are replayed from position 0 (:meth:`replay`, :meth:`replayed`), and the
+step goes on from that span.  :meth:`SessionCore.finish` ends the step.
+"""
+
+from __future__ import annotations
+
+import itertools
+import uuid
+
+import attrs
+import torch
+
+from .._errors import ServerError
+from ..protocol import OpenSession, PushTarget, Step, StepResult
+from ..routing import RouteSpan
+from ._placement import describe
+
+__all__ = ["SessionCore", "SpanState"]
+
+
+@attrs.define(eq=False)
+class SpanState:
+    """One span of the chain: its server's blocks, and the session id it holds there.
+    ``gone``: its server failed and no replacement is open yet (its next step fails)."""
+
+    span: RouteSpan
+    session_id: str = attrs.field(factory=lambda: uuid.uuid4().hex)
+    gone: bool = False
+
+    @property
+    def peer(self) -> str:
+        return self.span.peer_id
+
+
+class SessionCore:
+    """A session of up to ``max_length`` positions through ``blocks`` (see the module)."""
+
+    def __init__(self, *, blocks: range, max_length: int) -> None:
+        if max_length < 1:
+            raise ValueError(f"max_length must be >= 1, got {max_length}")
+        self.blocks = blocks
+        self.max_length = max_length
+        self.spans: list[SpanState] = []
+        self.position = 0
+        self.batch: int | None = None
+        self.hidden_size: int | None = None
+        self.prompts: torch.Tensor | None = None
+        self.padding: list[int] | None = None
+        #: Each span's inputs so far, by the span's first block.
+        self.history: dict[int, torch.Tensor] = {}
+        self._buffers: dict[int, torch.Tensor] = {}  # what the histories are views of
+        self._drop_spans = False
+        self._step_ids = itertools.count()
+        # The step under way.
+        self._tokens = 0
+        self._hypo_ids: torch.Tensor | None = None
+        self._fresh: set[int] = set()  # spans opened during it: hypo_ids are not for them
+        self._push = False
+        self._pushed_id: int | None = None  # the step id pushed to the span to answer next
+        self._expected: dict[int, int] = {}  # id(span) -> step id of the answer awaited
+
+    # -- position --------------------------------------------------------------------------------
+
+    def rollback(self, position: int) -> None:
+        """Forget everything from ``position`` on (the servers are told with the next step)."""
+        if not 0 <= position <= self.position:
+            raise ValueError(
+                f"position can only go back: {position} is not in [0, {self.position}]"
+            )
+        self.position = position
+        for start, history in self.history.items():
+            self.history[start] = history[:, :position]
+        if position == 0:
+            self.prompts = None
+            if self.padding is not None:
+                # New rows may come: the servers' sessions hold the old padding.
+                self.padding = None
+                self._drop_spans = True
+
+    # -- a step ----------------------------------------------------------------------------------
+
+    def begin(
+        self,
+        hidden: torch.Tensor,
+        *,
+        prompts: torch.Tensor | None,
+        hypo_ids: torch.Tensor | None,
+        padding: torch.Tensor | None,
+    ) -> bool:
+        """Check a step (``ValueError`` for the caller's mistakes) and apply what comes before
+        it.  Returns whether the open spans must be closed first (padding changed: the servers'
+        sessions hold the old one); :meth:`spans` is then empty."""
+        self._check(hidden, prompts, hypo_ids)
+        lengths = None if padding is None else self._check_padding(hidden, padding)
+        close = False
+        if lengths is not None:
+            close = bool(self.spans)
+            self.padding = lengths
+        if self._drop_spans:
+            self._drop_spans = False
+            close = close or bool(self.spans)
+        if close:
+            self.spans = []
+        if self.position == 0 and prompts is not None:
+            self.prompts = prompts
+        if hypo_ids is not None:
+            hypo_ids = hypo_ids.to("cpu", torch.int64)
+            for start, history in self.history.items():
+                self.history[start] = history[hypo_ids]
+            if self.padding is not None:
+                self.padding = [self.padding[i] for i in hypo_ids.tolist()]
+        self._tokens = hidden.shape[1]
+        self._hypo_ids = hypo_ids
+        self._fresh = set()
+        self._push = False
+        self._pushed_id = None
+        self._expected = {}
+        return close
+
+    def route_opened(self, route: list[RouteSpan], at: int) -> list[SpanState]:
+        """Spans for ``route``, put at index ``at`` of the chain (their sessions are to be
+        opened with :meth:`opening`)."""
+        opened = [SpanState(span) for span in route]
+        self.spans[at:at] = opened
+        self._fresh.update(id(state) for state in opened)
+        return opened
+
+    def route_abandoned(self, opened: list[SpanState]) -> None:
+        """Spans from :meth:`route_opened` whose sessions could not all be opened."""
+        for state in opened:
+            self.spans.remove(state)
+
+    def opening(
+        self, state: SpanState, *, alloc_timeout: float, active_adapter: str | None
+    ) -> OpenSession:
+        assert self.batch is not None
+        padding = self.padding
+        return OpenSession(
+            session_id=state.session_id,
+            blocks=(state.span.start, state.span.end),
+            max_length=self.max_length,
+            batch_size=self.batch,
+            alloc_timeout=alloc_timeout,
+            active_adapter=active_adapter,
+            points=0.0,
+            left_padding=tuple(padding) if padding is not None and any(padding) else None,
+        )
+
+    def start_chain(self, *, server_to_server: bool) -> None:
+        """The spans are open: decide whether the step goes from server to server (a plain step
+        goes to the first server, which pushes its output on to the next, and so on)."""
+        self._push = (
+            server_to_server
+            and len(self.spans) > 1
+            and self._hypo_ids is None
+            and (self.position > 0 or self.prompts is None)
+        )
+
+    def request(self, index: int, x: torch.Tensor) -> Step | None:
+        """The step message for span ``index`` with input ``x``, or None when the previous
+        server pushed the step on to it (its answer is awaited all the same)."""
+        state = self.spans[index]
+        if state.gone:
+            raise ServerError(f"no server holds blocks {state.span.start}:{state.span.end} yet")
+        if self._pushed_id is not None:
+            self._expected[id(state)] = self._pushed_id
+            return None
+        step_id = next(self._step_ids)
+        push: tuple[PushTarget, ...] = ()
+        if self._push and index + 1 < len(self.spans):
+            push = tuple(
+                PushTarget(peer=later.peer, session_id=later.session_id)
+                for later in self.spans[index + 1 :]
+            )
+        self._expected[id(state)] = step_id
+        # The position is always explicit: after a pushed step that failed half-way, what the
+        # server holds is not known here, and resending from the position is always right.
+        return Step(
+            hidden_states=x,
+            start_from_position=self.position,
+            step_id=step_id,
+            prompts=self._span_prompts(state.span) if self.position == 0 else None,
+            hypo_ids=None if id(state) in self._fresh else self._hypo_ids,
+            push=push,
+        )
+
+    def is_answer(self, index: int, result: StepResult) -> bool:
+        """Whether ``result`` answers the step awaited from span ``index`` (others are stale:
+        pushed steps that were resent since)."""
+        return result.step_id == self._expected.get(id(self.spans[index]))
+
+    def answered(self, index: int, x: torch.Tensor, result: StepResult) -> torch.Tensor:
+        """Span ``index`` answered its step (input ``x``): its output, the next span's input.
+        Raises :class:`ServerError` for an answer that does not fit the step."""
+        state = self.spans[index]
+        output = _checked(state, x, result, self.position)
+        self._pushed_id = self._expected.pop(id(state)) if result.pushed is True else None
+        self._remember(state.span.start, x)
+        return output
+
+    def failed(self) -> None:
+        """A span failed during the step: from here on, step by step (what the servers after
+        it got is unknown; explicit positions and fresh step ids make any of it harmless)."""
+        self._push = False
+        self._pushed_id = None
+
+    def take_for_replacement(self, index: int) -> tuple[SpanState, torch.Tensor | None]:
+        """Span ``index`` is to be replaced: it leaves the chain with its history."""
+        state = self.spans.pop(index)
+        self._expected.pop(id(state), None)
+        return state, self.history.pop(state.span.start, None)
+
+    def replay(self, state: SpanState, x: torch.Tensor) -> Step:
+        """The step that rebuilds a replacement's cache from its span's history ``x``."""
+        step_id = next(self._step_ids)
+        self._expected[id(state)] = step_id
+        return Step(
+            hidden_states=x,
+            start_from_position=0,
+            step_id=step_id,
+            prompts=self._span_prompts(state.span),
+        )
+
+    def replayed(self, state: SpanState, x: torch.Tensor, result: StepResult) -> torch.Tensor:
+        """A replacement answered its replay of history ``x``: its output, the next
+        replacement's history.  Raises :class:`ServerError` for an answer that does not fit."""
+        output = _checked(state, x, result, 0)
+        self._expected.pop(id(state), None)
+        self.history[state.span.start] = x
+        return output
+
+    def replacement_failed(
+        self,
+        index: int,
+        failed: SpanState,
+        history: torch.Tensor | None,
+        opened: list[SpanState],
+    ) -> None:
+        """A replacement did not complete: its spans leave the chain, the failed span's history
+        is kept, and a span whose server is gone stands in (its next step replaces it again),
+        so that the chain always covers every block."""
+        for state in opened:
+            if state in self.spans:
+                self.spans.remove(state)
+            self.history.pop(state.span.start, None)
+        if history is not None:
+            self.history[failed.span.start] = history
+        self.spans.insert(index, SpanState(failed.span, gone=True))
+
+    def finish(self) -> None:
+        """Every span answered: the step's positions are the session's."""
+        self.position += self._tokens
+
+    # -- internals -------------------------------------------------------------------------------
+
+    def _check(
+        self, hidden: torch.Tensor, prompts: torch.Tensor | None, hypo_ids: torch.Tensor | None
+    ) -> None:
+        if not isinstance(hidden, torch.Tensor) or hidden.dim() != 3 or hidden.shape[0] < 1:
+            raise ValueError(
+                f"hidden states must be (batch, tokens, hidden), got {describe(hidden)}"
+            )
+        if self.batch is None:
+            self.batch, self.hidden_size = hidden.shape[0], hidden.shape[2]
+        if (hidden.shape[0], hidden.shape[2]) != (self.batch, self.hidden_size):
+            raise ValueError(
+                f"this session has {self.batch} rows of size {self.hidden_size}; "
+                f"got {tuple(hidden.shape)}"
+            )
+        if self.position + hidden.shape[1] > self.max_length:
+            raise ValueError(
+                f"{self.position} + {hidden.shape[1]} positions exceed the session's "
+                f"max_length {self.max_length}"
+            )
+        if prompts is not None and self.position != 0:
+            raise ValueError("deep prompts go with the first step (position 0)")
+        if hypo_ids is not None and (
+            not isinstance(hypo_ids, torch.Tensor)
+            or hypo_ids.shape != (self.batch,)
+            or hypo_ids.dtype.is_floating_point
+            or hypo_ids.dtype == torch.bool
+            or not bool(((hypo_ids >= 0) & (hypo_ids < self.batch)).all())
+        ):
+            raise ValueError(f"hypo_ids must be ({self.batch},) integers in [0, {self.batch})")
+
+    def _check_padding(self, hidden: torch.Tensor, padding: torch.Tensor) -> list[int]:
+        if self.position != 0:
+            raise ValueError("left padding goes with the first step (position 0)")
+        if (
+            not isinstance(padding, torch.Tensor)
+            or padding.shape != (hidden.shape[0],)
+            or padding.dtype.is_floating_point
+            or padding.dtype == torch.bool
+        ):
+            raise ValueError(f"padding must be ({hidden.shape[0]},) integers")
+        lengths: list[int] = padding.tolist()
+        if not all(0 <= length <= hidden.shape[1] for length in lengths):
+            raise ValueError(f"padding must lie in [0, {hidden.shape[1]}] (this step's length)")
+        return lengths
+
+    def _span_prompts(self, span: RouteSpan) -> torch.Tensor | None:
+        if self.prompts is None:
+            return None
+        base = self.blocks.start
+        return self.prompts[span.start - base : span.end - base]
+
+    def _remember(self, start: int, inputs: torch.Tensor) -> None:
+        # Histories are views of buffers that grow by doubling, so that a step appends in
+        # place instead of copying everything sent so far.
+        history = self.history.get(start)
+        kept = 0 if history is None else min(self.position, history.shape[1])
+        end = kept + inputs.shape[1]
+        buffer = self._buffers.get(start)
+        if (
+            buffer is None
+            or history is None
+            or buffer.shape[0] != inputs.shape[0]
+            or buffer.shape[1] < end
+            or buffer.dtype != inputs.dtype
+            or history.data_ptr() != buffer.data_ptr()
+        ):
+            capacity = min(max(2 * end, 16), max(self.max_length, end))
+            grown = inputs.new_empty((inputs.shape[0], capacity, inputs.shape[2]))
+            if history is not None and kept:
+                grown[:, :kept] = history[:, :kept]
+            buffer = self._buffers[start] = grown
+        buffer[:, kept:end] = inputs.detach()
+        self.history[start] = buffer[:, :end]
+
+
+def _checked(state: SpanState, x: torch.Tensor, result: StepResult, position: int) -> torch.Tensor:
+    """The output of ``result``, the answer to input ``x`` at ``position``, in ``x``'s dtype."""
+    output = result.hidden_states
+    expected = position + x.shape[1]
+    if output.shape != x.shape or result.position != expected:
+        raise ServerError(
+            f"server {state.peer} answered a step with {describe(output)} at position "
+            f"{result.position}; expected {tuple(x.shape)} at {expected}"
+        )
+    return output.to(x.dtype)

@@ -1,0 +1,327 @@
+"""The client's session core paired with servers' session states, in memory.
+
+A hypothesis state machine drives one :class:`SessionCore` through steps, rollbacks, beam
+reorderings and server failures (also during a replacement's replay), while each span's server
+is a :class:`SessionState` beside a simulated computation: its cache is the span's inputs, and
+each block adds to every position the running sum of its inputs so far (so an output depends on
+everything the cache holds, in order).  What travels between them are the protocol's messages,
+including server-to-server pushes of the next span's step.  After every step the outputs must
+equal the model computed from scratch over the session's history, and every live server must
+hold exactly the inputs the client remembers for its span: failures, replays and pushes change
+nothing that can be seen.
+
+Values are small integers in float32, so every sum is exact.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+from typing import Any
+
+import attrs
+import pytest
+import torch
+from hypothesis import settings, strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from petals_core import ServerError
+from petals_core.client._session_core import SessionCore, SpanState
+from petals_core.protocol import Step, StepResult
+from petals_core.routing import RouteSpan
+from petals_core.server._session_state import SessionState, StepPlan
+
+BLOCKS = 4
+BATCH = 2
+HIDDEN = 3
+MAX_LENGTH = 10
+
+
+def run_blocks(x: torch.Tensor, start: int, end: int) -> torch.Tensor:
+    """Blocks ``start .. end - 1`` over every position of ``x`` ``(B, T, H)``: each adds the
+    running sum of its inputs (a stand-in for attention over a cache)."""
+    for _ in range(start, end):
+        x = x + x.cumsum(dim=1)
+    return x
+
+
+@attrs.define(eq=False)
+class SimulatedServer:
+    """A server's session: the protocol's state plus a cache of the span's inputs."""
+
+    span: RouteSpan
+    state: SessionState
+    cache: torch.Tensor = attrs.field(factory=lambda: torch.zeros(BATCH, 0, HIDDEN))
+    alive: bool = True
+
+    def take(self, step: Step, *, pushed: bool) -> tuple[StepPlan, torch.Tensor] | None:
+        """Run ``step`` as the server would: its plan and output (None: a stale push)."""
+        plan = self.state.plan(step, pushed=pushed)
+        if plan is None:
+            return None
+        cache = self.cache[:, : plan.position]
+        if plan.reorder is not None:
+            cache = cache[plan.reorder]
+        self.state.rolled_back(plan)
+        self.cache = torch.cat([cache, plan.hidden], dim=1)
+        return plan, run_blocks(self.cache, self.span.start, self.span.end)[:, plan.position :]
+
+
+class Swarm:
+    """Servers by session id, a random source for routes, and the client's side of the I/O."""
+
+    def __init__(self, seed: int) -> None:
+        self.rng = random.Random(seed)
+        self.servers: dict[str, SimulatedServer] = {}
+        self.peers = 0
+        #: Answers waiting for the client, by session id (pushed steps are answered there).
+        self.outbox: dict[str, list[StepResult]] = {}
+        self.push_losses = 0.0
+
+    def route(self, start: int, end: int) -> list[RouteSpan]:
+        """One or two spans covering ``[start, end)``, on new servers."""
+        cuts = [start, end]
+        if end - start > 1 and self.rng.random() < 0.5:
+            cuts.insert(1, self.rng.randrange(start + 1, end))
+        spans = []
+        for a, b in itertools.pairwise(cuts):
+            self.peers += 1
+            spans.append(RouteSpan(peer_id=f"peer-{self.peers}", start=a, end=b))
+        return spans
+
+    def open(self, core: SessionCore, state: SpanState) -> None:
+        opening = core.opening(state, alloc_timeout=0.0, active_adapter=None)
+        assert opening.blocks == (state.span.start, state.span.end)
+        server_state = SessionState(batch=opening.batch_size, max_length=opening.max_length)
+        self.servers[state.session_id] = SimulatedServer(state.span, server_state)
+        self.outbox[state.session_id] = []
+
+    def deliver(self, state: SpanState, step: Step) -> None:
+        """The client's step to ``state``'s server, and the pushes it causes down the chain."""
+        self._take(state.session_id, step, pushed=False)
+
+    def _take(self, session_id: str, step: Step, *, pushed: bool) -> None:
+        server = self.servers[session_id]
+        if not server.alive:
+            raise ServerError("the server is gone")
+        taken = server.take(step, pushed=pushed)
+        if taken is None:
+            return
+        plan, output = taken
+        onward = SessionState.push_step(plan, output)
+        pushed_on = None
+        if onward is not None:
+            receiver = self.servers.get(plan.push[0].session_id)
+            pushed_on = (
+                receiver is not None and receiver.alive and self.rng.random() >= self.push_losses
+            )
+            if pushed_on:
+                self._take(plan.push[0].session_id, onward, pushed=True)
+        self.outbox[session_id].append(server.state.completed(plan, output, pushed=pushed_on))
+
+    def answer(self, core: SessionCore, index: int) -> StepResult:
+        state = core.spans[index]
+        server = self.servers.get(state.session_id)
+        if server is None or not server.alive:
+            raise ServerError("the server is gone")
+        while self.outbox[state.session_id]:
+            result = self.outbox[state.session_id].pop(0)
+            if core.is_answer(index, result):
+                return result
+        raise ServerError("no answer came")
+
+
+class PairedSessions(RuleBasedStateMachine):
+    """One client session core against its servers' session states."""
+
+    @initialize(seed=st.integers(0, 2**32 - 1), push_losses=st.sampled_from([0.0, 0.5]))
+    def start(self, seed: int, push_losses: float) -> None:
+        self.swarm = Swarm(seed)
+        self.swarm.push_losses = push_losses
+        self.core = SessionCore(blocks=range(BLOCKS), max_length=MAX_LENGTH)
+        self.history = torch.zeros(BATCH, 0, HIDDEN)  # the session's inputs, as the model sees
+        self.generator = torch.Generator().manual_seed(seed)
+        self.replay_failures = 0
+
+    # -- the client's side of a step, as the driver runs it (I/O replaced by the swarm) --------
+
+    def _open(self, route: list[RouteSpan], at: int) -> list[SpanState]:
+        opened = self.core.route_opened(route, at)
+        for state in opened:
+            self.swarm.open(self.core, state)
+        return opened
+
+    def _replace(self, index: int) -> None:
+        core = self.core
+        failed, history = core.take_for_replacement(index)
+        opened: list[SpanState] = []
+        try:
+            opened = self._open(self.swarm.route(failed.span.start, failed.span.end), index)
+            x = history
+            for state in opened:
+                if x is None or x.shape[1] == 0:
+                    break
+                if self.replay_failures:
+                    self.replay_failures -= 1
+                    self.swarm.servers[state.session_id].alive = False
+                self.swarm.deliver(state, core.replay(state, x))
+                result = self.swarm.answer(core, core.spans.index(state))
+                x = core.replayed(state, x, result)
+        except ServerError:
+            core.replacement_failed(index, failed, history, opened)
+            raise
+
+    def _run(self, hidden: torch.Tensor, hypo_ids: torch.Tensor | None) -> torch.Tensor:
+        core = self.core
+        core.begin(hidden, prompts=None, hypo_ids=hypo_ids, padding=None)
+        if not core.spans:
+            self._open(self.swarm.route(0, BLOCKS), 0)
+        core.start_chain(server_to_server=True)
+        x, index = hidden, 0
+        while index < len(core.spans):
+            state = core.spans[index]
+            try:
+                request = core.request(index, x)
+                if request is not None:
+                    self.swarm.deliver(state, request)
+                output = core.answered(index, x, self.swarm.answer(core, index))
+            except ServerError:
+                core.failed()
+                while True:
+                    try:
+                        self._replace(index)
+                        break
+                    except ServerError:
+                        continue
+                continue
+            x, index = output, index + 1
+        core.finish()
+        return x
+
+    # -- rules ---------------------------------------------------------------------------------
+
+    @precondition(lambda self: self.core.position < MAX_LENGTH)
+    @rule(data=st.data())
+    def step(self, data: st.DataObject) -> None:
+        tokens = data.draw(st.integers(1, MAX_LENGTH - self.core.position), label="tokens")
+        hypo_ids = None
+        if self.core.position and data.draw(st.booleans(), label="reorder"):
+            hypo_ids = torch.tensor(
+                data.draw(st.lists(st.integers(0, BATCH - 1), min_size=BATCH, max_size=BATCH))
+            )
+        hidden = torch.randint(-1, 2, (BATCH, tokens, HIDDEN), generator=self.generator).float()
+        history = self.history if hypo_ids is None else self.history[hypo_ids]
+        self.history = torch.cat([history, hidden], dim=1)
+        expected = run_blocks(self.history, 0, BLOCKS)[:, -tokens:]
+        assert torch.equal(self._run(hidden, hypo_ids), expected)
+
+    @precondition(lambda self: self.core.position > 0)
+    @rule(data=st.data())
+    def rollback(self, data: st.DataObject) -> None:
+        position = data.draw(st.integers(0, self.core.position), label="position")
+        self.core.rollback(position)
+        self.history = self.history[:, :position]
+
+    @precondition(lambda self: bool(self.core.spans))
+    @rule(data=st.data(), during_replay=st.integers(0, 2))
+    def a_server_dies(self, data: st.DataObject, during_replay: int) -> None:
+        state = data.draw(st.sampled_from(self.core.spans), label="span")
+        server = self.swarm.servers.get(state.session_id)
+        if server is not None:
+            server.alive = False
+        self.replay_failures = during_replay
+
+    @invariant()
+    def servers_hold_what_the_client_remembers(self) -> None:
+        if not hasattr(self, "core"):
+            return
+        for state in self.core.spans:
+            server = self.swarm.servers.get(state.session_id)
+            if server is None or not server.alive or state.gone:
+                continue
+            history = self.core.history.get(state.span.start)
+            if history is None:
+                continue
+            position = min(self.core.position, history.shape[1], server.cache.shape[1])
+            assert torch.equal(server.cache[:, :position], history[:, :position])
+
+
+PairedSessions.TestCase.settings = settings(max_examples=60, stateful_step_count=20, deadline=None)
+test_paired_sessions = PairedSessions.TestCase
+
+
+# -- the core alone --------------------------------------------------------------------------
+
+
+def _core() -> SessionCore:
+    return SessionCore(blocks=range(BLOCKS), max_length=MAX_LENGTH)
+
+
+def test_the_callers_mistakes_are_refused_before_anything_changes() -> None:
+    core = _core()
+    hidden = torch.zeros(BATCH, 2, HIDDEN)
+    core.begin(hidden, prompts=None, hypo_ids=None, padding=None)
+    core.finish()
+    for kwargs, match in (
+        ({"hidden": torch.zeros(3, 1, HIDDEN)}, "this session has 2 rows of size 3"),
+        ({"hidden": torch.zeros(BATCH, 9, HIDDEN)}, "exceed the session's max_length 10"),
+        ({"prompts": torch.zeros(BLOCKS, 1, 1, HIDDEN)}, "deep prompts go with the first step"),
+        ({"hypo_ids": torch.tensor([0, 2])}, r"hypo_ids must be \(2,\) integers in \[0, 2\)"),
+        ({"hypo_ids": torch.tensor([0.0, 1.0])}, "hypo_ids must be"),
+        ({"padding": torch.tensor([0, 0])}, "left padding goes with the first step"),
+    ):
+        arguments: dict[str, Any] = {
+            "hidden": torch.zeros(BATCH, 1, HIDDEN),
+            "prompts": None,
+            "hypo_ids": None,
+            "padding": None,
+            **kwargs,
+        }
+        hidden = arguments.pop("hidden")
+        with pytest.raises(ValueError, match=match):
+            core.begin(hidden, **arguments)
+        assert core.position == 2
+
+
+def test_padding_at_position_zero_closes_the_open_spans() -> None:
+    core = _core()
+    hidden = torch.zeros(BATCH, 3, HIDDEN)
+    assert not core.begin(hidden, prompts=None, hypo_ids=None, padding=torch.tensor([1, 0]))
+    core.route_opened([RouteSpan(peer_id="a", start=0, end=BLOCKS)], 0)
+    assert core.opening(core.spans[0], alloc_timeout=1.0, active_adapter=None).left_padding == (
+        1,
+        0,
+    )
+    core.finish()
+    core.rollback(0)  # new rows may come: the servers hold the old padding
+    assert core.begin(hidden, prompts=None, hypo_ids=None, padding=None)
+    assert core.spans == []
+    with pytest.raises(ValueError, match=r"padding must lie in \[0, 3\]"):
+        core.begin(hidden, prompts=None, hypo_ids=None, padding=torch.tensor([4, 0]))
+
+
+def test_a_gone_span_fails_its_next_request() -> None:
+    core = _core()
+    hidden = torch.zeros(BATCH, 1, HIDDEN)
+    core.begin(hidden, prompts=None, hypo_ids=None, padding=None)
+    (state,) = core.route_opened([RouteSpan(peer_id="a", start=0, end=BLOCKS)], 0)
+    failed, history = core.take_for_replacement(0)
+    assert failed is state and history is None
+    core.replacement_failed(0, failed, history, [])
+    with pytest.raises(ServerError, match="no server holds blocks 0:4 yet"):
+        core.request(0, hidden)
+
+
+def test_an_answer_that_does_not_fit_the_step_is_the_servers_fault() -> None:
+    core = _core()
+    hidden = torch.zeros(BATCH, 2, HIDDEN)
+    core.begin(hidden, prompts=None, hypo_ids=None, padding=None)
+    core.route_opened([RouteSpan(peer_id="a", start=0, end=BLOCKS)], 0)
+    core.start_chain(server_to_server=True)
+    request = core.request(0, hidden)
+    assert request is not None and request.push == ()  # one span: nothing to push on to
+    wrong = StepResult(hidden_states=hidden, position=1, step_id=request.step_id)
+    with pytest.raises(ServerError, match="expected \\(2, 2, 3\\) at 2"):
+        core.answered(0, hidden, wrong)
+    stale = StepResult(hidden_states=hidden, position=2, step_id=request.step_id + 1)
+    assert not core.is_answer(0, stale)
