@@ -164,3 +164,62 @@ def test_the_library_reads_no_private_module_state() -> None:
         if private.search(line)
     ]
     assert found == []
+
+
+#: Modules that only keep state and decide: fed events, they answer with what to send.
+SANS_IO = (
+    "petals_core.protocol",
+    "petals_core.client._session_core",
+    "petals_core.server._session_state",
+    "petals_core.routing._planning",
+    "petals_core.routing._block_selection",
+    "petals_core.routing._spans",
+    "petals_core.dht._routing",
+    "petals_core.dht._lookup",
+    "petals_core.dht._gossip",
+    "petals_core.dht._record_store",
+    "petals_core.transport._codec",
+)
+#: What a sans-IO module must not import: an event loop, a clock, sockets or threads.
+IO = ("trio", "anyio", "asyncio", "time", "socket", "threading", "select", "selectors")
+
+
+def _module_files(module: str) -> list[Path]:
+    path = PACKAGE.joinpath(*module.split(".")[1:])
+    return sorted(path.rglob("*.py")) if path.is_dir() else [path.with_suffix(".py")]
+
+
+@pytest.mark.parametrize("module", SANS_IO)
+def test_sans_io_modules_import_no_event_loop_and_no_clock(module: str) -> None:
+    files = {path.relative_to(PACKAGE.parent).as_posix() for path in _module_files(module)}
+    assert files
+    package = ".".join(module.split(".")[:2])
+    offending = {
+        path: sorted(name for name in names if _within(name, IO))
+        for path, names in _imports_in(package).items()
+        if path in files
+    }
+    assert {path: names for path, names in offending.items() if names} == {}
+
+
+def test_no_package_imports_another_packages_private_module() -> None:
+    """``petals_core.a`` may use ``petals_core.b``'s public names, never a private module (or
+    name) of it: what one package offers another is in its ``__init__``.  The root's private
+    modules (``petals_core._groups`` and the like) are shared by every package below it."""
+    packages = sorted(
+        path.name for path in PACKAGE.iterdir() if path.joinpath("__init__.py").exists()
+    )
+    offending: dict[str, list[str]] = {}
+    for package in packages:
+        for path, names in _imports_in(f"petals_core.{package}").items():
+            bad = sorted(
+                name
+                for name in names
+                if (parts := name.split("."))[0] == "petals_core"
+                and len(parts) > 2
+                and parts[1] != package
+                and any(part.startswith("_") and not part.startswith("__") for part in parts[2:])
+            )
+            if bad:
+                offending[path] = bad
+    assert offending == {}

@@ -32,7 +32,11 @@ from ._lora import (
 )
 from ._lora_loading import load_lora_adapter as load_lora_adapter
 from ._quantize import QuantType as QuantType, quantize_block as quantize_block
-from ._smollm2 import prepare_smollm2 as prepare_smollm2, smollm2_gguf_path as smollm2_gguf_path
+from ._smollm2 import (
+    SMOLLM2_REPO_ID as SMOLLM2_REPO_ID,
+    prepare_smollm2 as prepare_smollm2,
+    smollm2_gguf_path as smollm2_gguf_path,
+)
 from ._span_steps import EagerSteps as EagerSteps, SpanSteps as SpanSteps
 from .bloom import BloomBlock as BloomBlock
 from .llama import LlamaBlock as LlamaBlock

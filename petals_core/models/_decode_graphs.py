@@ -47,7 +47,7 @@ from ._lora import active_adapter
 from .bloom import BloomBlock
 from .llama import LlamaBlock
 
-__all__ = ["DecodeGraphs", "DecodeGraphsConfig", "DecodeGraphsStatistics", "unsupported_reason"]
+__all__ = ["DecodeGraphs", "DecodeGraphsConfig", "DecodeGraphsStatistics"]
 
 log = logging.getLogger(__name__)
 
@@ -91,7 +91,7 @@ class DecodeGraphsStatistics:
     pool_bytes: int
 
 
-def unsupported_reason(blocks: Sequence[nn.Module]) -> str | None:
+def _unsupported_reason(blocks: Sequence[nn.Module]) -> str | None:
     """Why these blocks cannot take the row-table decode step (None if they can)."""
     if not blocks:
         return "no blocks"
@@ -161,6 +161,11 @@ class DecodeGraphs:
     Not thread-safe: one step at a time (a server runs its inference steps one batch at a time).
     """
 
+    @staticmethod
+    def unsupported_reason(blocks: Sequence[nn.Module]) -> str | None:
+        """Why these blocks cannot take the row-table decode step (None if they can)."""
+        return _unsupported_reason(blocks)
+
     def __init__(
         self,
         blocks: Sequence[Block],
@@ -168,7 +173,7 @@ class DecodeGraphs:
         config: DecodeGraphsConfig | None = None,
         capture: bool | None = None,
     ) -> None:
-        reason = unsupported_reason(blocks)
+        reason = _unsupported_reason(blocks)
         if reason is not None:
             raise ValueError(f"these blocks cannot run decode graphs: {reason}")
         self.blocks = list(blocks)

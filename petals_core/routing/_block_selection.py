@@ -30,7 +30,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Final
 
 from .._errors import ConfigError
-from ..dht._records import ServerState
+from ..dht import ServerState
 from ._spans import ServerSpan, block_throughputs, check_spans, live_spans
 
 __all__ = ["choose_best_blocks", "choose_best_start", "should_choose_other_blocks"]

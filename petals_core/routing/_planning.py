@@ -61,7 +61,7 @@ import attrs
 import numpy as np
 
 from .._errors import ConfigError, PetalsError
-from ..dht._records import ServerInfo, ServerState
+from ..dht import ServerInfo, ServerState
 
 __all__ = [
     "MissingBlocksError",

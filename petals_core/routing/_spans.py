@@ -18,8 +18,7 @@ from collections.abc import Iterable, Mapping
 import attrs
 
 from .._errors import ConfigError
-from ..dht._gossip import PeerTableSnapshot
-from ..dht._records import ServerInfo, ServerState
+from ..dht import PeerTableSnapshot, ServerInfo, ServerState
 
 __all__ = ["ServerSpan", "block_throughputs", "check_spans", "spans_from_snapshot"]
 

@@ -46,8 +46,13 @@ from huggingface_hub import constants, hf_hub_download, is_offline_mode, try_to_
 from huggingface_hub.errors import EntryNotFoundError, HfHubHTTPError, HFValidationError
 
 from .._errors import ConfigError, PetalsError
-from ..models import AutoDistributedConfig, CpuDecodeChoice, DistributedConfig, QuantType
-from ..models._smollm2 import SMOLLM2_REPO_ID
+from ..models import (
+    SMOLLM2_REPO_ID,
+    AutoDistributedConfig,
+    CpuDecodeChoice,
+    DistributedConfig,
+    QuantType,
+)
 from ._defaults import DEFAULT_ATTN_CACHE_TOKENS, choose_defaults
 from ._handler import ServingLimits
 from ._server import SMOLLM2, ServerConfig, open_server, resolve_model

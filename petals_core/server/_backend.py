@@ -39,7 +39,6 @@ from ..models import (
     SpanSteps,
     using_adapter,
 )
-from ..models._decode_graphs import unsupported_reason
 
 Block = LlamaBlock | BloomBlock
 
@@ -121,7 +120,7 @@ class BlockBackend:
         if self.device.type == "cuda" and decode_graphs is not None:
             reason = (
                 None if kernels.triton_usable(self.device) else "Triton cannot run on this GPU"
-            ) or unsupported_reason(self.blocks)
+            ) or DecodeGraphs.unsupported_reason(self.blocks)
             logger.info(
                 "decode steps: %s",
                 "CUDA graphs (captured per rows and length bucket on first use)"

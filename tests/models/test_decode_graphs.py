@@ -21,7 +21,6 @@ from petals_core.models._decode_graphs import (
     DecodeGraphs,
     DecodeGraphsConfig,
     bucket,
-    unsupported_reason,
 )
 
 from ._steps import eager_steps, perturbed, twin
@@ -208,10 +207,10 @@ def test_unsupported_blocks() -> None:
             max_position_embeddings=8, rope_scaling={"rope_type": "dynamic", "factor": 2.0}
         )
     )
-    assert "dynamic" in (unsupported_reason([dynamic]) or "")
+    assert "dynamic" in (DecodeGraphs.unsupported_reason([dynamic]) or "")
     mixed = [LlamaBlock(tiny_llama_config()), BloomBlock(tiny_bloom_config())]
-    assert "only spans" in (unsupported_reason(mixed) or "")
-    assert unsupported_reason([]) == "no blocks"
+    assert "only spans" in (DecodeGraphs.unsupported_reason(mixed) or "")
+    assert DecodeGraphs.unsupported_reason([]) == "no blocks"
     with pytest.raises(ValueError, match="cannot run decode graphs: dynamic"):
         DecodeGraphs([dynamic])
     with pytest.raises(ValueError, match="CUDA graphs need blocks on a CUDA device"):
