@@ -31,26 +31,39 @@ from ._errors import (
 
 __version__ = "0.1.0"
 
-# The distributed models import torch and the client: they load on first access only, so that
+# Petals' root names. They import torch or the network: each loads on first access, so that
 # ``import petals_core`` stays light (tests/test_layering.py).
-_DISTRIBUTED_MODELS = frozenset(
-    {
-        "AutoDistributedModel",
-        "AutoDistributedModelForCausalLM",
-        "AutoDistributedModelForSequenceClassification",
-        "DistributedBloomForCausalLM",
-        "DistributedBloomForSequenceClassification",
-        "DistributedBloomModel",
-        "DistributedLlamaForCausalLM",
-        "DistributedLlamaForSequenceClassification",
-        "DistributedLlamaModel",
-    }
-)
+_LAZY = {
+    **dict.fromkeys(
+        (
+            "AutoDistributedModel",
+            "AutoDistributedModelForCausalLM",
+            "AutoDistributedModelForSequenceClassification",
+            "DistributedBloomForCausalLM",
+            "DistributedBloomForSequenceClassification",
+            "DistributedBloomModel",
+            "DistributedLlamaForCausalLM",
+            "DistributedLlamaForSequenceClassification",
+            "DistributedLlamaModel",
+        ),
+        "distributed",
+    ),
+    **dict.fromkeys(
+        ("AutoDistributedConfig", "DistributedBloomConfig", "DistributedLlamaConfig"), "models"
+    ),
+    **dict.fromkeys(("ClientConfig", "RemoteSequenceManager", "SequenceManagerConfig"), "routing"),
+    **dict.fromkeys(("InferenceSession", "RemoteSequential"), "client"),
+}
 
 
 def __getattr__(name: str) -> object:
-    if name in _DISTRIBUTED_MODELS:
-        from . import distributed
+    package = _LAZY.get(name)
+    if package is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib
 
-        return getattr(distributed, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{package}"), name)
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_LAZY})

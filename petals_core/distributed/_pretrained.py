@@ -23,15 +23,15 @@ import copy
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any, ClassVar, Final, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 import attrs
 import torch
 from transformers.initialization import no_init_weights
 
 from .._errors import CheckpointError, ConfigError
-from ..models import AutoDistributedConfig, DistributedConfig, client_state_dict
-from ..routing import SequenceManagerConfig
+from ..models import AutoDistributedConfig, DistributedConfig, client_state_dict, original_repo
+from ..routing import PETALS_MANAGER_NAMES, SequenceManagerConfig, with_our_names
 
 __all__ = [
     "PETALS_MANAGER_NAMES",
@@ -50,17 +50,6 @@ _HUB_KEYS = ("cache_dir", "revision", "token", "local_files_only")
 _MANAGER_KEYS = frozenset(
     field.name for field in attrs.fields(SequenceManagerConfig) if field.name != "dht_prefix"
 )
-#: Petals' names of the :class:`SequenceManagerConfig` times, which ``from_pretrained`` takes
-#: as well as ours (seconds either way).
-PETALS_MANAGER_NAMES: Final = {
-    "connect_timeout": "connect_timeout_s",
-    "request_timeout": "request_timeout_s",
-    "update_period": "update_period_s",
-    "min_backoff": "min_backoff_s",
-    "max_backoff": "max_backoff_s",
-    "ban_timeout": "ban_timeout_s",
-    "ping_timeout": "ping_timeout_s",
-}
 # transformers' from_pretrained options that mean nothing here and are dropped, so that scripts
 # written for Petals or transformers keep working.
 _IGNORED_KEYS = ("low_cpu_mem_usage", "_from_auto", "trust_remote_code")
@@ -83,11 +72,7 @@ def split_options(kwargs: dict[str, Any]) -> LoadOptions:
     kwargs = dict(kwargs)
     for key in _IGNORED_KEYS:
         kwargs.pop(key, None)
-    for petals_name, name in PETALS_MANAGER_NAMES.items():
-        if petals_name in kwargs:
-            if name in kwargs:
-                raise ConfigError(f"give {name} or {petals_name} (Petals' name for it), not both")
-            kwargs[name] = kwargs.pop(petals_name)
+    kwargs = with_our_names(kwargs)
     dtype = kwargs.pop("torch_dtype", None)
     dtype = kwargs.pop("dtype", None) if dtype is None else dtype
     return LoadOptions(
@@ -158,6 +143,7 @@ def load_pretrained(
     options: LoadOptions,
 ) -> Any:
     """Build ``cls`` and load its client tensors (:meth:`FromPretrainedMixin.client_tensors`)."""
+    model_name_or_path = original_repo(model_name_or_path)
     if config is None:
         config = load_config(model_name_or_path, options)
     expected = getattr(cls, "config_class", None)

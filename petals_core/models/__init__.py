@@ -10,6 +10,7 @@ from ._config import (
     DistributedConfig as DistributedConfig,
     DistributedLlamaConfig as DistributedLlamaConfig,
     default_dht_prefix as default_dht_prefix,
+    original_repo as original_repo,
 )
 from ._cpu_decode import CpuDecode as CpuDecode, CpuDecodeChoice as CpuDecodeChoice
 from ._decode_graphs import (

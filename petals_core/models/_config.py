@@ -11,10 +11,11 @@ whose ``config.json`` says ``"llama"`` load as :class:`DistributedLlamaConfig`.
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 from pathlib import Path
-from typing import Any, Self, cast
+from typing import Any, Self, cast, overload
 
 from transformers import BloomConfig, LlamaConfig, PreTrainedConfig
 
@@ -26,11 +27,16 @@ __all__ = [
     "DistributedConfig",
     "DistributedLlamaConfig",
     "default_dht_prefix",
+    "original_repo",
 ]
+
+logger = logging.getLogger(__name__)
 
 # A Hub repo id: "name" or "owner/name". Anything else (absolute or dotted paths, several slashes)
 # can only be a local folder.
 _REPO_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*(/[A-Za-z0-9][A-Za-z0-9_.-]*)?")
+# Petals' converted BLOOM repos, named after their originals.
+_CONVERTED_REPO = re.compile(r"(bigscience/[A-Za-z0-9][A-Za-z0-9_.-]*)-petals")
 # Dots are left out as well: block keys are f"{dht_prefix}.{index}", split at the last dot.
 _NOT_IN_PREFIX = re.compile(r"[^A-Za-z0-9_-]")
 
@@ -38,17 +44,21 @@ _NOT_IN_PREFIX = re.compile(r"[^A-Za-z0-9_-]")
 def default_dht_prefix(model_name_or_path: str | os.PathLike[str], model_type: str) -> str:
     """The swarm name of a model, derived from its Hub repo id or local folder.
 
-    - BLOOM repos keep the swarm names of Petals: ``bigscience/bloom`` ->
-      ``bigscience/bloom-petals`` (likewise ``bigscience/bloom-560m``, ``bigscience/bloomz``).
-    - Other repos use the repo name without its owner, so that copies of one model uploaded by
-      different people form one swarm: ``someone/llama-65b-hf`` -> ``llama-65b-hf``.
-    - A local folder (an ``os.PathLike``, or a string that cannot be a repo id) uses its folder
-      name with every character outside ``[A-Za-z0-9_-]`` replaced by ``-``.
+    Hub repos follow Petals' rules, so that Petals' swarm names and petals_core's agree:
 
-    Dots become ``-`` in every derived prefix (``Llama-3.1-8B`` -> ``Llama-3-1-8B``), because block
-    keys are ``f"{dht_prefix}.{block_index}"``. This function is pure: it looks at no file, so a
-    relative folder spelled like a repo id (``models/llama``) counts as a repo here; pass a ``Path``
-    to mean a folder (as :meth:`DistributedConfig.from_pretrained` does for existing folders).
+    - BLOOM: the repo id with ``-petals`` appended: ``bigscience/bloom`` ->
+      ``bigscience/bloom-petals``, ``bigscience/bloom-560m`` -> ``bigscience/bloom-560m-petals``.
+    - LLaMA-family: the repo name without its owner (copies of one model uploaded by different
+      people form one swarm), ending in ``-hf``: ``meta-llama/Llama-2-70b-chat-hf`` ->
+      ``Llama-2-70b-chat-hf``, ``HuggingFaceTB/SmolLM2-135M-Instruct`` ->
+      ``SmolLM2-135M-Instruct-hf``.
+
+    Dots become ``-`` in every derived prefix (``Llama-3.1-8B`` -> ``Llama-3-1-8B-hf``), because
+    block keys are ``f"{dht_prefix}.{block_index}"``. A local folder (an ``os.PathLike``, or a
+    string that cannot be a repo id) uses its folder name with every character outside
+    ``[A-Za-z0-9_-]`` replaced by ``-``. This function is pure: it looks at no file, so a relative
+    folder spelled like a repo id (``models/llama``) counts as a repo here; pass a ``Path`` to mean
+    a folder (as :meth:`DistributedConfig.from_pretrained` does for existing folders).
     """
     if isinstance(model_name_or_path, os.PathLike) or not _REPO_ID.fullmatch(model_name_or_path):
         folder_name = Path(model_name_or_path).name
@@ -56,7 +66,28 @@ def default_dht_prefix(model_name_or_path: str | os.PathLike[str], model_type: s
     repo_id = model_name_or_path.replace(".", "-")
     if model_type == "bloom":
         return f"{repo_id}-petals"
-    return repo_id.rsplit("/", 1)[-1]
+    name = repo_id.rsplit("/", 1)[-1]
+    return name if name.endswith("-hf") else f"{name}-hf"
+
+
+@overload
+def original_repo(model_name_or_path: str) -> str: ...
+@overload
+def original_repo(model_name_or_path: os.PathLike[str]) -> os.PathLike[str]: ...
+def original_repo(model_name_or_path: str | os.PathLike[str]) -> str | os.PathLike[str]:
+    """The repo to load for ``model_name_or_path``: Petals' converted BLOOM repos
+    (``bigscience/NAME-petals``) name their original (``bigscience/NAME``), which holds the
+    weights; anything else is itself.  The swarm name stays ``bigscience/NAME-petals``."""
+    if isinstance(model_name_or_path, str) and not os.path.isdir(model_name_or_path):
+        match = _CONVERTED_REPO.fullmatch(model_name_or_path)
+        if match is not None:
+            logger.info(
+                "loading %s from %s, the original repo of Petals' converted one",
+                model_name_or_path,
+                match.group(1),
+            )
+            return match.group(1)
+    return model_name_or_path
 
 
 class DistributedConfig(PreTrainedConfig):
@@ -161,6 +192,7 @@ def _load_config(
     local_files_only: bool,
     kwargs: dict[str, Any],
 ) -> DistributedConfig:
+    model_name_or_path = original_repo(model_name_or_path)
     # One read of config.json (one revision lookup on the Hub), whichever class it turns out to be.
     try:
         config_dict, unused_kwargs = PreTrainedConfig.get_config_dict(

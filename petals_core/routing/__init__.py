@@ -11,6 +11,11 @@ from ._block_selection import (
     choose_best_start as choose_best_start,
     should_choose_other_blocks as should_choose_other_blocks,
 )
+from ._client_config import (
+    PETALS_MANAGER_NAMES as PETALS_MANAGER_NAMES,
+    ClientConfig as ClientConfig,
+    with_our_names as with_our_names,
+)
 from ._planning import (
     MissingBlocksError as MissingBlocksError,
     RouteSpan as RouteSpan,

@@ -50,6 +50,7 @@ from ..models import (
     add_adapter,
     load_blocks,
     load_lora_adapter,
+    original_repo,
     prepare_smollm2,
     quantize_block,
 )
@@ -468,7 +469,7 @@ def resolve_model(config: ServerConfig) -> tuple[str, ServerConfig]:
     if config.model.lower() == SMOLLM2:
         repo = prepare_smollm2(config.cache_dir)
         return repo, attrs.evolve(config, local_files_only=True)
-    return config.model, config
+    return original_repo(config.model), config
 
 
 @asynccontextmanager

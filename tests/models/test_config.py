@@ -17,6 +17,7 @@ from petals_core.models._config import (
     DistributedConfig,
     DistributedLlamaConfig,
     default_dht_prefix,
+    original_repo,
 )
 
 from .conftest import Hub, tiny_bloom_config, tiny_llama_config
@@ -31,12 +32,14 @@ from .conftest import Hub, tiny_bloom_config, tiny_llama_config
         ("bigscience/bloom-7b1", "bloom", "bigscience/bloom-7b1-petals"),
         ("bigscience/bloomz", "bloom", "bigscience/bloomz-petals"),
         ("bigscience/bloomz-560m", "bloom", "bigscience/bloomz-560m-petals"),
-        # Other repos: the repo name without its owner, dots replaced.
+        ("bigscience/bloom-7b1.x", "bloom", "bigscience/bloom-7b1-x-petals"),
+        # LLaMA repos, as in Petals: the repo name without its owner, dots replaced, "-hf" last.
         ("someone/llama-65b-hf", "llama", "llama-65b-hf"),
         ("meta-llama/Llama-2-70b-chat-hf", "llama", "Llama-2-70b-chat-hf"),
-        ("meta-llama/Llama-3.1-8B", "llama", "Llama-3-1-8B"),
-        ("HuggingFaceTB/SmolLM2-135M-Instruct", "llama", "SmolLM2-135M-Instruct"),
-        ("llama-7b", "llama", "llama-7b"),
+        ("meta-llama/Llama-3.1-8B", "llama", "Llama-3-1-8B-hf"),
+        ("meta-llama/Meta-Llama-3.1-405B-Instruct", "llama", "Meta-Llama-3-1-405B-Instruct-hf"),
+        ("HuggingFaceTB/SmolLM2-135M-Instruct", "llama", "SmolLM2-135M-Instruct-hf"),
+        ("llama-7b", "llama", "llama-7b-hf"),
         # Local folders: the folder name, sanitised.
         (Path("/data/models/My Model.v2"), "llama", "My-Model-v2"),
         (Path("/data/models/bloom-560m"), "bloom", "bloom-560m"),
@@ -58,6 +61,24 @@ def test_default_dht_prefix(
 def test_derived_prefixes_of_folders_have_no_dots(name: str, model_type: str) -> None:
     prefix = default_dht_prefix(Path("/models") / name.replace("/", "_"), model_type)
     assert re.fullmatch(r"[A-Za-z0-9_-]+", prefix)
+
+
+@pytest.mark.parametrize(
+    ("name", "expected"),
+    [
+        ("bigscience/bloom-petals", "bigscience/bloom"),
+        ("bigscience/bloom-7b1-petals", "bigscience/bloom-7b1"),
+        ("bigscience/bloomz-petals", "bigscience/bloomz"),
+        ("bigscience/bloom-7b1", "bigscience/bloom-7b1"),
+        ("someone/bloom-petals", "someone/bloom-petals"),
+        ("bigscience/-petals", "bigscience/-petals"),
+        (Path("bigscience/bloom-petals"), Path("bigscience/bloom-petals")),
+    ],
+)
+def test_petals_converted_repos_name_their_originals(
+    name: str | os.PathLike[str], expected: str | os.PathLike[str]
+) -> None:
+    assert original_repo(name) == expected
 
 
 def _save_config(folder: Path, config: object) -> Path:
@@ -160,3 +181,9 @@ def test_prefixes_of_hub_repos(hub: Hub, tmp_path: Path) -> None:
         "bigscience/bloom-560m-petals"
     )
     assert hub.server.requests == []
+
+    # Petals' converted repo names load the original, under the same swarm name.
+    config = AutoDistributedConfig.from_pretrained("bigscience/bloom-560m-petals")
+    assert type(config) is DistributedBloomConfig
+    assert config.dht_prefix == "bigscience/bloom-560m-petals"
+    assert config.name_or_path == "bigscience/bloom-560m"

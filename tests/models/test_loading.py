@@ -92,7 +92,7 @@ def test_blocks_download_only_their_shards_then_load_offline(
     offline = load_blocks(LLAMA_REPO, range(2, 4), config=config, cache_dir=hub.cache_dir)
     assert hub.server.requests == []
     _assert_llama_blocks(offline, tiny_llama, range(2, 4))
-    assert config.dht_prefix == "llama-tiny"
+    assert config.dht_prefix == "llama-tiny-hf"
 
     # A block whose shards were never downloaded cannot come from the cache.
     with pytest.raises(CheckpointError, match="not in the local cache"):
@@ -360,7 +360,7 @@ def test_prepare_smollm2_fills_the_cache_for_offline_use(
     assert isinstance(config, DistributedConfig)
     assert isinstance(config, DistributedLlamaConfig)
     assert (config.num_hidden_layers, config.hidden_size) == (30, 576)
-    assert config.dht_prefix == "SmolLM2-135M-Instruct"
+    assert config.dht_prefix == "SmolLM2-135M-Instruct-hf"
 
     block = block_state_dict(SMOLLM2_REPO_ID, 29, config=config, cache_dir=hub.cache_dir)
     shapes = {name: tuple(tensor.shape) for name, tensor in block.items()}

@@ -1,0 +1,63 @@
+"""Petals' names, spelled the same with the package changed: the root exports and ClientConfig."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+import petals_core
+from petals_core import ConfigError
+
+#: What ``from petals import *`` offers that petals_core has, name for name.
+PETALS_ROOT_NAMES = (
+    "AutoDistributedConfig",
+    "AutoDistributedModel",
+    "AutoDistributedModelForCausalLM",
+    "AutoDistributedModelForSequenceClassification",
+    "ClientConfig",
+    "DistributedBloomConfig",
+    "DistributedBloomForCausalLM",
+    "DistributedBloomForSequenceClassification",
+    "DistributedBloomModel",
+    "DistributedLlamaConfig",
+    "DistributedLlamaForCausalLM",
+    "DistributedLlamaForSequenceClassification",
+    "DistributedLlamaModel",
+    "InferenceSession",
+    "RemoteSequenceManager",
+    "RemoteSequential",
+)
+
+
+@pytest.mark.parametrize("name", PETALS_ROOT_NAMES)
+def test_petals_root_names_are_exported(name: str) -> None:
+    code = f"from petals_core import {name}; print({name}.__name__)"
+    result = subprocess.run(
+        [sys.executable, "-c", code], check=True, timeout=120, capture_output=True, text=True
+    )
+    assert result.stdout.strip() == name
+    assert name in dir(petals_core)
+
+
+def test_unknown_root_names_still_fail() -> None:
+    with pytest.raises(AttributeError, match="has no attribute 'DistributedGPT2Model'"):
+        petals_core.DistributedGPT2Model  # noqa: B018
+
+
+def test_client_config_takes_petals_field_names() -> None:
+    from petals_core import ClientConfig
+    from petals_core.routing import SequenceManagerConfig
+
+    config = ClientConfig(initial_peers=["/ip4/127.0.0.1/udp/1/quic-v1"], request_timeout=30)
+    assert isinstance(config, SequenceManagerConfig)
+    assert config.request_timeout_s == 30
+    assert config.initial_peers == ("/ip4/127.0.0.1/udp/1/quic-v1",)
+    assert ClientConfig(ban_timeout_s=2).ban_timeout_s == 2
+    with pytest.raises(ConfigError, match="give ban_timeout_s or ban_timeout"):
+        ClientConfig(ban_timeout=1, ban_timeout_s=2)
+    with pytest.raises(ConfigError):
+        ClientConfig(request_timeout=-1)
+    with pytest.raises(TypeError, match="no_such_field"):
+        ClientConfig(no_such_field=1)
