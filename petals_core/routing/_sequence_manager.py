@@ -33,7 +33,7 @@ import trio
 
 from .._errors import ConfigError, PeerUnreachable, TransportError
 from .._validators import positive
-from ..dht import DHTNode, PeerTableSnapshot, ServerInfo, Topic, open_dht_node
+from ..dht import DHTNode, PeerTableSnapshot, ServerInfo, ServerState, Topic, open_dht_node
 from ..transport import Connection, Multiaddr, call_unary
 from ._planning import (
     MissingBlocksError,
@@ -51,6 +51,14 @@ OVERCLAIM_FACTOR = 10.0
 
 logger = logging.getLogger(__name__)
 
+NO_INITIAL_PEERS = (
+    "no initial_peers: pass initial_peers=[ADDRESS, ...] (from_pretrained, ClientConfig or "
+    "SequenceManagerConfig), the multiaddr of any peer of the swarm, like "
+    "/ip4/203.0.113.7/udp/31337/quic-v1/p2p/12D3KooW...; every server prints its addresses at "
+    "start ('Server listening on ...'), and so does `python -m petals_core.dht` ('DHT node "
+    "listening on ...')"
+)
+
 
 def _peers(value: Any) -> frozenset[str] | None:
     return None if value is None else frozenset(str(v) for v in value)
@@ -65,6 +73,8 @@ class SequenceManagerConfig:
     inference routes only (``"inference"``), or none (False).  ``use_server_to_server``: an
     inference step goes from each server straight to the next (each still answers the client,
     which keeps every span's inputs to replay); False: every step returns through the client.
+    A route waits up to ``missing_blocks_timeout_s`` for servers of blocks nobody holds, then
+    raises :class:`MissingBlocksError`.
     """
 
     initial_peers: tuple[str, ...] = attrs.field(default=(), converter=tuple)
@@ -83,6 +93,7 @@ class SequenceManagerConfig:
     max_pinged: int = attrs.field(default=3, validator=positive)
     ping_timeout_s: float = attrs.field(default=2.0, validator=positive)
     use_server_to_server: bool = True
+    missing_blocks_timeout_s: float = attrs.field(default=10.0, validator=positive)
 
     def __attrs_post_init__(self) -> None:
         if self.max_retries is not None and self.max_retries < 0:
@@ -178,6 +189,8 @@ class RemoteSequenceManager:
         state.started, state.stop = trio.Event(), trio.Event()
         try:
             if state.dht is None:
+                if not self.config.initial_peers:
+                    raise ConfigError(NO_INITIAL_PEERS)
                 async with open_dht_node(
                     client_mode=True,
                     initial_peers=self.config.initial_peers,
@@ -234,25 +247,52 @@ class RemoteSequenceManager:
     def servers(self) -> dict[str, ServerInfo]:
         """Usable servers now (online, unbanned, allowed, with the active adapter), each with
         the announcement of its lowest block."""
-        topic = self._topic()
-        snapshot = topic.snapshot()
+        return usable_servers(
+            self._announced(),
+            banned=self._banned(),
+            allowed=self.config.allowed_servers,
+            blocked=self.config.blocked_servers,
+            adapter=self.config.active_adapter,
+        )
+
+    def _announced(self) -> dict[str, ServerInfo]:
+        """Every server of the model's peer table now, with the announcement of its lowest
+        block."""
+        snapshot = self._topic().snapshot()
         self.state.snapshot = snapshot
-        now = time.monotonic()
-        # An expired ban stops applying but is remembered (its count doubles the next one) until
-        # a request through that server succeeds.
-        banned = {peer for peer, ban in self.state.bans.items() if ban.until > now}
         everyone: dict[str, ServerInfo] = {}
         for block in sorted(snapshot.blocks):
             for peer, info in snapshot.servers_for(block).items():
                 if peer not in everyone:
                     everyone[peer] = self._as_measured(peer, info)
-        return usable_servers(
-            everyone,
-            banned=banned,
-            allowed=self.config.allowed_servers,
-            blocked=self.config.blocked_servers,
-            adapter=self.config.active_adapter,
-        )
+        return everyone
+
+    def _banned(self) -> set[str]:
+        # An expired ban stops applying but is remembered (its count doubles the next one) until
+        # a request through that server succeeds.
+        now = time.monotonic()
+        return {peer for peer, ban in self.state.bans.items() if ban.until > now}
+
+    def _servers_seen(self) -> tuple[str, ...]:
+        """Each server of the peer table: its span, and why it is not used if it is not."""
+        banned = self._banned()
+        config = self.config
+        seen = []
+        for peer, info in sorted(self._announced().items()):
+            if info.state is not ServerState.ONLINE:
+                status = info.state.name.lower()
+            elif peer in banned:
+                status = "banned after failing"
+            elif peer in config.blocked_servers:
+                status = "in blocked_servers"
+            elif config.allowed_servers is not None and peer not in config.allowed_servers:
+                status = "not in allowed_servers"
+            elif config.active_adapter is not None and config.active_adapter not in info.adapters:
+                status = f"without adapter {config.active_adapter!r}"
+            else:
+                status = "usable"
+            seen.append(f"{peer} [{info.start_block}:{info.end_block}) {status}")
+        return tuple(seen)
 
     async def make_sequence(
         self,
@@ -264,8 +304,9 @@ class RemoteSequenceManager:
     ) -> list[RouteSpan]:
         """A route over ``[start, end)`` (default: this manager's blocks).
 
-        Waits (up to ``request_timeout_s``) until the peer table holds servers for every block;
-        then raises :class:`MissingBlocksError` naming the blocks nobody serves.
+        Waits (up to ``missing_blocks_timeout_s``) until the peer table holds servers for every
+        block; then raises :class:`MissingBlocksError` naming the blocks nobody serves and the
+        servers seen.
         """
         start = self.block_indices.start if start is None else start
         end = self.block_indices.stop if end is None else end
@@ -284,14 +325,23 @@ class RemoteSequenceManager:
             return make_route_max_throughput(servers, start, end, rng=self._rng)
 
         route: list[RouteSpan] | None = None
-        with trio.move_on_after(self.config.request_timeout_s):
+        with trio.move_on_after(self.config.missing_blocks_timeout_s):
             while route is None:
                 try:
                     route = plan()
                 except MissingBlocksError:
                     await topic.wait_snapshot(_newer_than(topic.snapshot().version))
         if route is None:
-            route = plan()  # raises MissingBlocksError naming the blocks
+            try:
+                route = plan()
+            except MissingBlocksError as exc:
+                raise MissingBlocksError(
+                    exc.blocks,
+                    exc.start,
+                    exc.end,
+                    dht_prefix=self.config.dht_prefix,
+                    servers_seen=self._servers_seen(),
+                ) from None
         if mode == "min_latency":
             # Measure the servers of this route for next time (routes improve as pings arrive).
             await self._ping_unknown({span.peer_id for span in route})

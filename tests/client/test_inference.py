@@ -256,7 +256,7 @@ async def test_stall_and_kill_failover_in_a_process_swarm(model: Model) -> None:
                 # usable server left and names the blocks.
                 process_of(swarm, c).kill()
                 impatient = RemoteSequenceManager(
-                    attrs.evolve(manager.config, max_retries=1, request_timeout_s=2.0),
+                    attrs.evolve(manager.config, max_retries=1, missing_blocks_timeout_s=2.0),
                     N_BLOCKS,
                     state=manager.state,
                 )

@@ -173,11 +173,19 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Model:
     return make_model(tmp_path_factory.mktemp("client-manager-llama"), seed=22)
 
 
-async def test_missing_block_is_named_after_request_timeout(model: Model, tmp_path: Path) -> None:
-    """Nobody serves blocks 3:6: routes over them wait ``request_timeout_s``, then name them; a
-    forward raises that error itself (not an exception group)."""
+async def test_missing_block_is_named_after_missing_blocks_timeout(
+    model: Model, tmp_path: Path
+) -> None:
+    """Nobody serves blocks 3:6: routes over them wait ``missing_blocks_timeout_s`` (not
+    ``request_timeout_s``), then name them and the servers seen; a forward raises that error
+    itself (not an exception group)."""
     async with in_process_swarm(model, tmp_path, [(0, 3)]) as swarm:
-        manager = manager_for(list(swarm.servers.values()), request_timeout_s=1.0, max_retries=1)
+        manager = manager_for(
+            list(swarm.servers.values()),
+            missing_blocks_timeout_s=1.0,
+            request_timeout_s=10 * DEADLINE_S,
+            max_retries=1,
+        )
         settings = attrs.asdict(manager.config)
         with trio.fail_after(DEADLINE_S):
             async with RemoteSequential(manager):
@@ -186,7 +194,12 @@ async def test_missing_block_is_named_after_request_timeout(model: Model, tmp_pa
                 with pytest.raises(MissingBlocksError) as missing:
                     await manager.make_sequence(mode="max_throughput")
                 assert missing.value.blocks == (3, 4, 5)
-                assert "blocks 3, 4, 5" in str(missing.value)
+                (server,) = swarm.servers
+                assert missing.value.servers_seen == (f"{server} [0:3) usable",)
+                assert str(missing.value) == (
+                    f"no server holds blocks 3, 4, 5 (of [0, 6)) of the model "
+                    f"{manager.config.dht_prefix!r}; servers seen: {server} [0:3) usable"
+                )
                 with pytest.raises(MissingBlocksError) as missing:
                     await remote_forward(manager[2:5], torch.zeros(1, 2, HIDDEN))
                 assert missing.value.blocks == (3, 4)
