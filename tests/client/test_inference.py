@@ -27,18 +27,12 @@ from ._swarm_helpers import (
     Model,
     assert_close,
     in_process_swarm,
-    make_model,
     manager_for,
     peer_id_of,
     process_of,
     process_server_args,
     wait_for_servers,
 )
-
-
-@pytest.fixture(scope="module")
-def model(tmp_path_factory: pytest.TempPathFactory) -> Model:
-    return make_model(tmp_path_factory.mktemp("client-inference-llama"))
 
 
 class Reference:
