@@ -251,23 +251,25 @@ def move(spans: Mapping[str, ServerSpan], peer_id: str, total: int) -> dict[str,
     return {**spans, peer_id: spans[peer_id].moved_to(start)}
 
 
-def _choose_a_window(
-    swarm_: tuple[int, dict[str, ServerSpan]], data: st.DataObject
-) -> tuple[list[float], int, int]:
-    """The swarm's block throughputs, a window length drawn for it, and the start chosen."""
-    total, spans = swarm_
-    length = data.draw(st.integers(1, total))
+#: A swarm's spans, its block throughputs, a window length, the start chosen for it.
+Window = tuple[dict[str, ServerSpan], list[float], int, int]
+
+
+@st.composite
+def chosen_windows(draw: st.DrawFn) -> Window:
+    """A swarm's spans and block throughputs, a window length drawn for it, and the start
+    chosen for a new server of that length."""
+    total, spans = draw(swarms())
+    length = draw(st.integers(1, total))
     throughputs = block_throughputs(spans.values(), total)
-    return throughputs, length, choose_best_start(throughputs, length)
+    return spans, throughputs, length, choose_best_start(throughputs, length)
 
 
 @settings(max_examples=300, deadline=None, derandomize=True)
-@given(swarms(), st.data())
-def test_the_chosen_window_is_the_best_by_brute_force(
-    swarm_: tuple[int, dict[str, ServerSpan]], data: st.DataObject
-) -> None:
-    throughputs, length, start = _choose_a_window(swarm_, data)
-    total, spans = swarm_
+@given(chosen_windows())
+def test_the_chosen_window_is_the_best_by_brute_force(window: Window) -> None:
+    spans, throughputs, length, start = window
+    total = len(throughputs)
     assert choose_best_blocks(length, spans.values(), total) == range(start, start + length)
     chosen = sorted(throughputs[start : start + length])
     for key, other in windows(throughputs, length):
@@ -277,13 +279,11 @@ def test_the_chosen_window_is_the_best_by_brute_force(
 
 
 @settings(max_examples=300, deadline=None, derandomize=True)
-@given(swarms(), st.data())
-def test_a_new_server_fills_as_much_of_the_gaps_as_any_window(
-    swarm_: tuple[int, dict[str, ServerSpan]], data: st.DataObject
-) -> None:
+@given(chosen_windows())
+def test_a_new_server_fills_as_much_of_the_gaps_as_any_window(window: Window) -> None:
     # Every block lies in some window, so a gap anywhere means the chosen window holds one; and
     # more zeros sort first, so it holds as many as any window of its length does.
-    throughputs, length, start = _choose_a_window(swarm_, data)
+    _, throughputs, length, start = window
     total = len(throughputs)
     gaps_covered = throughputs[start : start + length].count(0.0)
     most = max(throughputs[s : s + length].count(0.0) for s in range(total - length + 1))
