@@ -10,6 +10,7 @@ import pytest
 
 if TYPE_CHECKING:
     from ._served_swarm import InProcessSwarm, ServedModel
+    from .client._swarm_helpers import Model
 
 # The Triton kernels are tested on CPU through Triton's interpreter, which must be selected before
 # anything imports triton (bitsandbytes and transformers may, in other test modules).  This
@@ -41,3 +42,12 @@ def served_bloom(client_swarm: InProcessSwarm) -> ServedModel:
 def served(request: pytest.FixtureRequest, client_swarm: InProcessSwarm) -> ServedModel:
     """Each family in turn."""
     return client_swarm.served[request.param]
+
+
+@pytest.fixture(scope="session")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Model:
+    """The tiny LLaMA of the client and chaos tests, saved once, with its blocks loaded here as the
+    reference each test starts its own servers of."""
+    from .client._swarm_helpers import make_model
+
+    return make_model(tmp_path_factory.mktemp("client-llama"))

@@ -25,7 +25,6 @@ from pathlib import Path
 from typing import Any
 
 import attrs
-import pytest
 import torch
 import trio
 
@@ -41,7 +40,6 @@ from ..client._swarm_helpers import (
     Model,
     assert_close,
     in_process_swarm,
-    make_model,
     manager_for,
     wait_for_servers,
 )
@@ -170,11 +168,6 @@ class RelayedManager(RemoteSequenceManager):
     async def connect(self, peer: str) -> Connection:
         with trio.fail_after(self.config.connect_timeout_s):
             return await self.node.connect(self.relays[peer])
-
-
-@pytest.fixture(scope="module")
-def model(tmp_path_factory: pytest.TempPathFactory) -> Model:
-    return make_model(tmp_path_factory.mktemp("chaos-lossy-llama"))
 
 
 @asynccontextmanager

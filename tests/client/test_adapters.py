@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
 import torch
 import trio
 
@@ -20,18 +19,12 @@ from ._swarm_helpers import (
     N_BLOCKS,
     Model,
     assert_close,
-    make_model,
     manager_for,
     server_config,
     wait_for_servers,
 )
 
 RANK, ALPHA = 4, 8.0
-
-
-@pytest.fixture(scope="module")
-def model(tmp_path_factory: pytest.TempPathFactory) -> Model:
-    return make_model(tmp_path_factory.mktemp("client-adapters-llama"), seed=24)
 
 
 async def test_active_adapter_routes_to_its_servers_and_changes_outputs_like_merged_weights(

@@ -23,7 +23,6 @@ from ._swarm_helpers import (
     Model,
     assert_close,
     in_process_swarm,
-    make_model,
     manager_for,
 )
 
@@ -118,11 +117,6 @@ def test_forked_child_starts_its_own_bridge() -> None:
     )
     assert result.returncode == 0, result.stderr
     assert "child exit 0" in result.stdout, result.stdout + result.stderr
-
-
-@pytest.fixture(scope="module")
-def model(tmp_path_factory: pytest.TempPathFactory) -> Model:
-    return make_model(tmp_path_factory.mktemp("client-bridge-llama"), seed=23)
 
 
 async def test_worker_threads_of_a_trio_program_use_its_loop(model: Model, tmp_path: Path) -> None:

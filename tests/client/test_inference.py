@@ -27,18 +27,12 @@ from ._swarm_helpers import (
     Model,
     assert_close,
     in_process_swarm,
-    make_model,
     manager_for,
     peer_id_of,
     process_of,
     process_server_args,
     wait_for_servers,
 )
-
-
-@pytest.fixture(scope="module")
-def model(tmp_path_factory: pytest.TempPathFactory) -> Model:
-    return make_model(tmp_path_factory.mktemp("client-inference-llama"))
 
 
 class Reference:
@@ -58,6 +52,21 @@ class Reference:
         with torch.no_grad():
             return self.model.forward(self.inputs, self.prompts)[:, position:]
 
+    async def check_step(
+        self,
+        session: InferenceSession,
+        batch: int,
+        tokens: int,
+        *,
+        prompts: torch.Tensor | None = None,
+        hypo_ids: torch.Tensor | None = None,
+    ) -> None:
+        """A random ``(batch, tokens)`` step through ``session`` gives what the local blocks give
+        (``prompts`` go to the session's first step; the reference holds its own)."""
+        x = torch.randn(batch, tokens, HIDDEN)
+        actual = await session.step(x, prompts=prompts, hypo_ids=hypo_ids)
+        assert_close(actual, self.step(x, hypo_ids))
+
     def rollback(self, position: int) -> None:
         assert self.inputs is not None
         self.inputs = self.inputs[:, :position]
@@ -72,24 +81,19 @@ async def test_rollback_and_reorder_through_two_servers_equal_local(
         reference = Reference(model)
         with trio.fail_after(DEADLINE_S):
             async with seq, seq.open_inference_session(max_length=16) as session:
-                x = torch.randn(3, 4, HIDDEN)
-                assert_close(await session.step(x), reference.step(x))
+                await reference.check_step(session, 3, 4)
                 assert [(s.start, s.end) for s in session.route] == [(0, 3), (3, 6)]
                 for _ in range(2):
-                    x = torch.randn(3, 1, HIDDEN)
-                    assert_close(await session.step(x), reference.step(x))
+                    await reference.check_step(session, 3, 1)
                 # Roll back to position 2 and write new tokens there.
                 session.position = 2
                 reference.rollback(2)
-                x = torch.randn(3, 2, HIDDEN)
-                assert_close(await session.step(x), reference.step(x))
+                await reference.check_step(session, 3, 2)
                 assert session.position == 4
                 # Beam search: row 0 continues row 2, rows 1 and 2 continue row 0.
                 hypo_ids = torch.tensor([2, 0, 0])
-                x = torch.randn(3, 1, HIDDEN)
-                assert_close(await session.step(x, hypo_ids=hypo_ids), reference.step(x, hypo_ids))
-                x = torch.randn(3, 1, HIDDEN)
-                assert_close(await session.step(x), reference.step(x))
+                await reference.check_step(session, 3, 1, hypo_ids=hypo_ids)
+                await reference.check_step(session, 3, 1)
                 assert session.retries == 0
 
 
@@ -108,20 +112,14 @@ async def test_failover_after_reorder_replays_reordered_history_and_prompts(
             async with seq:
                 await wait_for_servers(manager, 3)
                 async with seq.open_inference_session(max_length=16) as session:
-                    x = torch.randn(2, 4, HIDDEN)
-                    assert_close(await session.step(x, prompts=prompts), reference.step(x))
-                    x = torch.randn(2, 1, HIDDEN)
-                    assert_close(await session.step(x), reference.step(x))
+                    await reference.check_step(session, 2, 4, prompts=prompts)
+                    await reference.check_step(session, 2, 1)
                     hypo_ids = torch.tensor([1, 1])
-                    x = torch.randn(2, 1, HIDDEN)
-                    assert_close(
-                        await session.step(x, hypo_ids=hypo_ids), reference.step(x, hypo_ids)
-                    )
+                    await reference.check_step(session, 2, 1, hypo_ids=hypo_ids)
                     second = session.route[1].peer_id
                     await swarm.leave(second)
                     for _ in range(3):
-                        x = torch.randn(2, 1, HIDDEN)
-                        assert_close(await session.step(x), reference.step(x))
+                        await reference.check_step(session, 2, 1)
                     assert session.retries >= 1
                     assert manager.is_banned(second)
                     assert second not in {span.peer_id for span in session.route}
@@ -187,19 +185,16 @@ async def test_stall_and_kill_failover_in_a_process_swarm(model: Model) -> None:
                 async with seq.open_inference_session(max_length=16) as session:
                     stalling.on_request_failure(a)
                     stalling.on_request_failure(b)
-                    x = torch.randn(1, 4, HIDDEN)
-                    assert_close(await session.step(x), reference.step(x))
+                    await reference.check_step(session, 1, 4)
                     assert [(s.peer_id, s.start, s.end) for s in session.route] == [(c, 0, 6)]
                     stalling.on_request_success(a)
                     stalling.on_request_success(b)
-                    x = torch.randn(1, 1, HIDDEN)
-                    assert_close(await session.step(x), reference.step(x))
+                    await reference.check_step(session, 1, 1)
                     stopped = process_of(swarm, c).process
                     stopped.send_signal(signal.SIGSTOP)
                     try:
                         for _ in range(2):
-                            x = torch.randn(1, 1, HIDDEN)
-                            assert_close(await session.step(x), reference.step(x))
+                            await reference.check_step(session, 1, 1)
                     finally:
                         stopped.send_signal(signal.SIGCONT)
                     assert stalling.is_banned(c)
@@ -215,8 +210,7 @@ async def test_stall_and_kill_failover_in_a_process_swarm(model: Model) -> None:
                 reference = Reference(model)
                 async with seq.open_inference_session(max_length=16) as session:
                     manager.on_request_failure(c)
-                    x = torch.randn(2, 4, HIDDEN)
-                    assert_close(await session.step(x), reference.step(x))
+                    await reference.check_step(session, 2, 4)
                     manager.on_request_success(c)
                     assert [(s.peer_id, s.start, s.end) for s in session.route] == [
                         (a, 0, 3),
@@ -225,8 +219,7 @@ async def test_stall_and_kill_failover_in_a_process_swarm(model: Model) -> None:
                     for step in range(1, 11):
                         if step == 6:
                             process_of(swarm, a).kill()
-                        x = torch.randn(2, 1, HIDDEN)
-                        assert_close(await session.step(x), reference.step(x))
+                        await reference.check_step(session, 2, 1)
                     assert manager.is_banned(a)
                     assert [(s.peer_id, s.start, s.end) for s in session.route] == [
                         (c, 0, 3),

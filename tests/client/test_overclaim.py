@@ -21,15 +21,9 @@ from ._swarm_helpers import (
     HIDDEN,
     Model,
     in_process_swarm,
-    make_model,
     manager_for,
     wait_for_servers,
 )
-
-
-@pytest.fixture(scope="module")
-def model(tmp_path_factory: pytest.TempPathFactory) -> Model:
-    return make_model(tmp_path_factory.mktemp("client-overclaim-llama"), seed=23)
 
 
 async def test_an_overclaiming_server_is_routed_by_its_measured_speed(

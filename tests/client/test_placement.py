@@ -10,7 +10,6 @@ are skipped where there is none.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
 
 import pytest
 import torch
@@ -24,6 +23,7 @@ from petals_core.distributed import (
 )
 
 from .._served_swarm import ServedModel
+from ..distributed._causal_lm import load_prompt_tuned, no_eos, random_ids
 from ._swarm_helpers import HIDDEN, N_BLOCKS, manager_for
 
 #: Outputs in float32 on another device, or in float64 (sent as float32), equal the CPU's up to
@@ -31,7 +31,6 @@ from ._swarm_helpers import HIDDEN, N_BLOCKS, manager_for
 TOLERANCE = 1e-4
 #: bfloat16 keeps 8 bits of mantissa: outputs of order 1-10 differ from float32 by this much.
 BF16_TOLERANCE = 0.15
-PROMPT_LEN = 3
 
 CUDA = [
     pytest.mark.cuda,
@@ -49,16 +48,6 @@ BF16_DEVICES = [
     pytest.param("cpu", id="cpu"),
     pytest.param("cuda", id="cuda", marks=CUDA),
 ]
-
-
-def _ids(batch: int, length: int, seed: int) -> torch.Tensor:
-    generator = torch.Generator().manual_seed(seed)
-    return torch.randint(4, 256, (batch, length), generator=generator)
-
-
-def _no_eos(pad_token_id: int | None) -> dict[str, Any]:
-    """Generation settings that run to max_new_tokens whatever the random model says."""
-    return {"eos_token_id": None, "pad_token_id": pad_token_id or 0}
 
 
 def _assert_on(tensor: torch.Tensor, device: str, dtype: torch.dtype) -> None:
@@ -185,11 +174,11 @@ def test_causal_lm_forward_sessions_and_generate_follow_the_model(
     )
     try:
         pad = model.config.pad_token_id
-        ids = _ids(2, 6, seed=1)
+        ids = random_ids(2, 6, seed=1)
         mask = torch.ones_like(ids)
         mask[0, :2] = 0  # left padding, as tokenizers pad for generation
         padded = ids.masked_fill(mask == 0, pad or 0)
-        greedy = {"do_sample": False, "max_new_tokens": 5, **_no_eos(pad)}
+        greedy = {"do_sample": False, "max_new_tokens": 5, **no_eos(model)}
         beams = {"num_beams": 3, "num_return_sequences": 2, **greedy}
         with torch.no_grad():
             logits = model(ids).logits
@@ -226,7 +215,7 @@ def test_causal_lm_forward_sessions_and_generate_follow_the_model(
         # Sampling draws from the random stream of the device: the reference is transformers'
         # model on the same device.
         reference_lm = AutoModelForCausalLM.from_pretrained(served.folder).eval().to(device)
-        sampling = {"do_sample": True, "top_k": 20, "max_new_tokens": 6, **_no_eos(pad)}
+        sampling = {"do_sample": True, "top_k": 20, "max_new_tokens": 6, **no_eos(model)}
         torch.manual_seed(7)
         sampled = model.generate(on, **sampling)
         torch.manual_seed(7)
@@ -245,8 +234,8 @@ def test_a_session_goes_on_after_the_model_moves(
         served.folder, initial_peers=served.initial_peers
     )
     try:
-        ids = _ids(2, 4, seed=8)
-        greedy = {"do_sample": False, **_no_eos(model.config.pad_token_id)}
+        ids = random_ids(2, 4, seed=8)
+        greedy = {"do_sample": False, **no_eos(model)}
         whole = model.generate(ids, max_new_tokens=8, **greedy)
         with model.inference_session(max_length=16):
             first = model.generate(ids, max_new_tokens=4, **greedy)
@@ -266,15 +255,9 @@ def test_a_session_goes_on_after_the_model_moves(
 def test_prompt_tuning_gradients_follow_the_model(
     served: ServedModel, tuning_mode: str, device: str, dtype: torch.dtype
 ) -> None:
-    torch.manual_seed(0)
-    model = AutoDistributedModelForCausalLM.from_pretrained(
-        served.folder,
-        initial_peers=served.initial_peers,
-        tuning_mode=tuning_mode,
-        pre_seq_len=PROMPT_LEN,
-    )
+    model = load_prompt_tuned(served, tuning_mode)
     try:
-        ids = _ids(2, 5, seed=2)
+        ids = random_ids(2, 5, seed=2)
         trainable = [p for p in model.parameters() if p.requires_grad]
         assert len(trainable) == (1 if tuning_mode == "ptune" else 2)
 
@@ -310,7 +293,7 @@ def test_sequence_classification_follows_the_model(
         served.folder, initial_peers=served.initial_peers, num_labels=3, pad_token_id=1
     )
     try:
-        ids = _ids(3, 6, seed=4)
+        ids = random_ids(3, 6, seed=4)
         mask = torch.ones_like(ids)
         ids[1, 4:], mask[1, 4:] = 1, 0  # right padding
         labels = torch.tensor([0, 2, 1])
@@ -339,15 +322,9 @@ def test_sequence_classification_follows_the_model(
 def test_bfloat16_client_over_float32_servers(served: ServedModel, device: str) -> None:
     """bfloat16 travels as it is; logits and prompt gradients come back in bfloat16, close to
     float32's, and generate() picks the tokens the model's own forwards pick."""
-    torch.manual_seed(5)
-    model = AutoDistributedModelForCausalLM.from_pretrained(
-        served.folder,
-        initial_peers=served.initial_peers,
-        tuning_mode="deep_ptune",
-        pre_seq_len=PROMPT_LEN,
-    )
+    model = load_prompt_tuned(served, "deep_ptune", seed=5)
     try:
-        ids = _ids(1, 5, seed=5)
+        ids = random_ids(1, 5, seed=5)
         loss = model(ids, labels=ids).loss
         loss.backward()
         trainable = [p for p in model.parameters() if p.requires_grad]
@@ -374,7 +351,7 @@ def test_bfloat16_client_over_float32_servers(served: ServedModel, device: str) 
             )
 
         # Greedy decoding by hand, step by step in a session, as generate() steps.
-        greedy = {"do_sample": False, "max_new_tokens": 4, **_no_eos(model.config.pad_token_id)}
+        greedy = {"do_sample": False, "max_new_tokens": 4, **no_eos(model)}
         generated = model.generate(on, **greedy)
         tokens = on
         with torch.no_grad(), model.inference_session(max_length=9):
@@ -400,6 +377,6 @@ def test_inputs_on_another_device_than_the_model_are_refused(served_llama: Serve
         if torch.cuda.is_available():
             model.cuda()
             with pytest.raises(ValueError, match="input_ids are on cpu, but the model's local"):
-                model(_ids(1, 3, seed=6))
+                model(random_ids(1, 3, seed=6))
     finally:
         model.shutdown()

@@ -29,7 +29,6 @@ from ._swarm_helpers import (
     N_BLOCKS,
     Model,
     in_process_swarm,
-    make_model,
     manager_for,
 )
 
@@ -166,11 +165,6 @@ def test_max_retries() -> None:
     assert not RemoteSequenceManager(config(max_retries=0), N_BLOCKS).may_retry(1)
     forever = RemoteSequenceManager(config(max_retries=None), N_BLOCKS)
     assert forever.may_retry(10**6)
-
-
-@pytest.fixture(scope="module")
-def model(tmp_path_factory: pytest.TempPathFactory) -> Model:
-    return make_model(tmp_path_factory.mktemp("client-manager-llama"), seed=22)
 
 
 async def test_missing_block_is_named_after_missing_blocks_timeout(

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
 import torch
 import trio
 
@@ -21,15 +20,9 @@ from ._swarm_helpers import (
     Model,
     assert_close,
     in_process_swarm,
-    make_model,
     manager_for,
     wait_for_servers,
 )
-
-
-@pytest.fixture(scope="module")
-def model(tmp_path_factory: pytest.TempPathFactory) -> Model:
-    return make_model(tmp_path_factory.mktemp("client-sequential-llama"), seed=21)
 
 
 def local_grads(

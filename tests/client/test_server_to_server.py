@@ -30,14 +30,8 @@ from ._swarm_helpers import (
     _newer_than,
     assert_close,
     in_process_swarm,
-    make_model,
     manager_for,
 )
-
-
-@pytest.fixture(scope="module")
-def model(tmp_path_factory: pytest.TempPathFactory) -> Model:
-    return make_model(tmp_path_factory.mktemp("client-s2s-llama"), seed=31)
 
 
 async def servers_know_each_other(servers: list[Server]) -> None:

@@ -12,20 +12,14 @@ from torch import nn
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
 from petals_core.distributed import (
-    AutoDistributedModelForCausalLM,
     AutoDistributedModelForSequenceClassification,
 )
 from petals_core.models import BloomBlock, LlamaBlock
 
 from .._served_swarm import ServedModel
+from ._causal_lm import PROMPT_LEN, load_prompt_tuned, random_ids
 
 TOLERANCE = 1e-4
-PROMPT_LEN = 3
-
-
-def _ids(batch: int, length: int, seed: int) -> torch.Tensor:
-    generator = torch.Generator().manual_seed(seed)
-    return torch.randint(4, 256, (batch, length), generator=generator)
 
 
 def _parts(reference: Any) -> tuple[nn.Module, Callable[[torch.Tensor], torch.Tensor], Any, Any]:
@@ -76,13 +70,7 @@ def _reference_loss(
 
 
 def _load_causal(served: ServedModel, tuning_mode: str) -> tuple[Any, Any]:
-    torch.manual_seed(0)
-    model = AutoDistributedModelForCausalLM.from_pretrained(
-        served.folder,
-        initial_peers=served.initial_peers,
-        tuning_mode=tuning_mode,
-        pre_seq_len=PROMPT_LEN,
-    )
+    model = load_prompt_tuned(served, tuning_mode)
     reference = AutoModelForCausalLM.from_pretrained(served.folder).eval()
     reference.requires_grad_(False)
     return model, reference
@@ -96,7 +84,7 @@ def test_ptune_gradients_equal_a_local_reference_and_a_step_lowers_the_loss(
         base = model.distributed_base
         trainable = [name for name, p in model.named_parameters() if p.requires_grad]
         assert trainable == [f"{model.base_model_prefix}.prompt_embeddings.weight"]
-        ids = _ids(2, 6, seed=1)
+        ids = random_ids(2, 6, seed=1)
 
         outputs = model(ids, labels=ids)
         assert outputs.logits.shape == (2, 6, 256)  # the prompt positions are dropped
@@ -150,7 +138,7 @@ def test_deep_ptune_gradients_come_back_from_the_servers(served: ServedModel) ->
             f"{prefix}.prompt_embeddings.weight",
             f"{prefix}.intermediate_prompt_embeddings.weight",
         }
-        ids = _ids(2, 5, seed=2)
+        ids = random_ids(2, 5, seed=2)
         loss = model(ids, labels=ids).loss
         loss.backward()
 
@@ -185,7 +173,7 @@ def test_sequence_classification_equals_transformers_and_trains(served: ServedMo
         with torch.no_grad():
             reference.score.weight.copy_(model.score.weight)
         assert model.config.pad_token_id == pad
-        ids = _ids(3, 7, seed=4)
+        ids = random_ids(3, 7, seed=4)
         mask = torch.ones_like(ids)
         ids[1, 4:], mask[1, 4:] = pad, 0  # right padding: the score reads token 3 of row 1
         with torch.no_grad():

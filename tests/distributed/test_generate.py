@@ -2,47 +2,24 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
-from petals_core.distributed import AutoDistributedModelForCausalLM, RemoteInferenceSession
+from petals_core.distributed import RemoteInferenceSession
 
-from .._served_swarm import ServedModel
+from ._causal_lm import no_eos, random_ids
 
 TOLERANCE = 1e-4
-
-
-@pytest.fixture(scope="module")
-def models(served: ServedModel) -> Iterator[tuple[Any, Any]]:
-    """(distributed causal LM, transformers causal LM) for each family."""
-    model = AutoDistributedModelForCausalLM.from_pretrained(
-        served.folder, initial_peers=served.initial_peers
-    )
-    reference = AutoModelForCausalLM.from_pretrained(served.folder).eval()
-    yield model, reference
-    model.shutdown()
-
-
-def _ids(batch: int, length: int, seed: int) -> torch.Tensor:
-    generator = torch.Generator().manual_seed(seed)
-    return torch.randint(4, 256, (batch, length), generator=generator)
-
-
-def _no_eos(reference: Any) -> dict[str, Any]:
-    """Generation settings that run to max_new_tokens whatever the random model says."""
-    return {"eos_token_id": None, "pad_token_id": reference.config.pad_token_id or 0}
 
 
 @pytest.mark.parametrize("batch", [1, 3])
 def test_greedy_equals_transformers(models: tuple[Any, Any], batch: int) -> None:
     model, reference = models
-    ids = _ids(batch, 6, seed=batch)
-    ours = model.generate(ids, max_new_tokens=8, do_sample=False, **_no_eos(reference))
-    theirs = reference.generate(ids, max_new_tokens=8, do_sample=False, **_no_eos(reference))
+    ids = random_ids(batch, 6, seed=batch)
+    ours = model.generate(ids, max_new_tokens=8, do_sample=False, **no_eos(reference))
+    theirs = reference.generate(ids, max_new_tokens=8, do_sample=False, **no_eos(reference))
     assert ours.shape == (batch, 14)
     assert torch.equal(ours, theirs)
     assert model.active_session is None  # the session generate() opened is closed
@@ -51,8 +28,8 @@ def test_greedy_equals_transformers(models: tuple[Any, Any], batch: int) -> None
 @pytest.mark.parametrize("batch", [1, 2])
 def test_seeded_sampling_equals_transformers(models: tuple[Any, Any], batch: int) -> None:
     model, reference = models
-    ids = _ids(batch, 5, seed=10 + batch)
-    settings = {"do_sample": True, "top_k": 20, "temperature": 1.3, **_no_eos(reference)}
+    ids = random_ids(batch, 5, seed=10 + batch)
+    settings = {"do_sample": True, "top_k": 20, "temperature": 1.3, **no_eos(reference)}
     torch.manual_seed(7)
     ours = model.generate(ids, max_new_tokens=8, **settings)
     torch.manual_seed(7)
@@ -62,8 +39,8 @@ def test_seeded_sampling_equals_transformers(models: tuple[Any, Any], batch: int
 
 def test_beam_search_equals_transformers(models: tuple[Any, Any]) -> None:
     model, reference = models
-    ids = _ids(2, 5, seed=20)
-    settings = {"num_beams": 3, "do_sample": False, "max_new_tokens": 8, **_no_eos(reference)}
+    ids = random_ids(2, 5, seed=20)
+    settings = {"num_beams": 3, "do_sample": False, "max_new_tokens": 8, **no_eos(reference)}
     ours = model.generate(ids, num_return_sequences=3, **settings)
     theirs = reference.generate(ids, num_return_sequences=3, **settings)
     assert torch.equal(ours, theirs)
@@ -71,8 +48,8 @@ def test_beam_search_equals_transformers(models: tuple[Any, Any]) -> None:
 
 def test_generate_calls_in_one_session_continue(models: tuple[Any, Any]) -> None:
     model, reference = models
-    ids = _ids(2, 5, seed=30)
-    settings = {"do_sample": False, **_no_eos(reference)}
+    ids = random_ids(2, 5, seed=30)
+    settings = {"do_sample": False, **no_eos(reference)}
     whole = reference.generate(ids, max_new_tokens=12, **settings)
     with model.inference_session(max_length=40) as session:
         assert model.active_session is session
@@ -90,9 +67,9 @@ def test_generate_calls_in_one_session_continue(models: tuple[Any, Any]) -> None
 
 def test_new_tokens_petals_style_continue_the_session(models: tuple[Any, Any]) -> None:
     model, reference = models
-    ids = _ids(1, 4, seed=40)
-    extra = _ids(1, 3, seed=41)
-    settings = {"do_sample": False, **_no_eos(reference)}
+    ids = random_ids(1, 4, seed=40)
+    extra = random_ids(1, 3, seed=41)
+    settings = {"do_sample": False, **no_eos(reference)}
     with model.inference_session(max_length=32):
         first = model.generate(ids, max_new_tokens=3, **settings)
         more = model.generate(extra, max_new_tokens=3, **settings)
@@ -102,8 +79,8 @@ def test_new_tokens_petals_style_continue_the_session(models: tuple[Any, Any]) -
 
 def test_explicit_session_argument(models: tuple[Any, Any]) -> None:
     model, reference = models
-    ids = _ids(1, 4, seed=50)
-    settings = {"do_sample": False, **_no_eos(reference)}
+    ids = random_ids(1, 4, seed=50)
+    settings = {"do_sample": False, **no_eos(reference)}
     session = model.inference_session(max_length=16)
     assert isinstance(session, RemoteInferenceSession)
     try:
@@ -116,7 +93,7 @@ def test_explicit_session_argument(models: tuple[Any, Any]) -> None:
 
 def test_forwards_in_a_session_step_through_it(models: tuple[Any, Any]) -> None:
     model, reference = models
-    ids = _ids(2, 7, seed=60)
+    ids = random_ids(2, 7, seed=60)
     with torch.no_grad():
         expected = reference(ids).logits
         with model.inference_session(max_length=7) as session:
@@ -133,12 +110,12 @@ def test_forwards_in_a_session_step_through_it(models: tuple[Any, Any]) -> None:
 def test_left_padded_batches_equal_transformers(models: tuple[Any, Any], mode: str) -> None:
     """Prompts of different lengths in one batch, left-padded as tokenizers pad for generation."""
     model, reference = models
-    ids = _ids(3, 7, seed=70)
+    ids = random_ids(3, 7, seed=70)
     mask = torch.ones_like(ids)
     mask[0, :3] = 0
     mask[2, :1] = 0
     ids = ids.masked_fill(mask == 0, reference.config.pad_token_id or 0)
-    settings: dict[str, Any] = {"attention_mask": mask, "max_new_tokens": 6, **_no_eos(reference)}
+    settings: dict[str, Any] = {"attention_mask": mask, "max_new_tokens": 6, **no_eos(reference)}
     if mode == "sampling":
         settings.update(do_sample=True, top_k=20)
     elif mode == "beams":
@@ -157,7 +134,7 @@ def test_left_padding_with_trainable_prompts_or_outside_a_session_is_refused(
     models: tuple[Any, Any],
 ) -> None:
     model, _ = models
-    ids = _ids(2, 5, seed=71)
+    ids = random_ids(2, 5, seed=71)
     mask = torch.ones_like(ids)
     mask[0, :2] = 0
     with pytest.raises(ValueError, match="left padding"):
@@ -166,9 +143,9 @@ def test_left_padding_with_trainable_prompts_or_outside_a_session_is_refused(
 
 def test_a_full_session_says_so(models: tuple[Any, Any]) -> None:
     model, reference = models
-    ids = _ids(1, 4, seed=80)
+    ids = random_ids(1, 4, seed=80)
     with (
         model.inference_session(max_length=6),
         pytest.raises(ValueError, match="max_length"),
     ):
-        model.generate(ids, max_new_tokens=5, **_no_eos(reference))
+        model.generate(ids, max_new_tokens=5, **no_eos(reference))

@@ -3,13 +3,12 @@ checkpoint, and load nothing but the client's tensors."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import torch
 import torch.nn.functional as F
-from transformers import AutoModel, AutoModelForCausalLM
+from transformers import AutoModel
 
 import petals_core
 from petals_core import ConfigError
@@ -23,29 +22,14 @@ from petals_core.distributed import (
 )
 
 from .._served_swarm import ServedModel
+from ._causal_lm import random_ids
 
 TOLERANCE = 1e-4
 
 
-@pytest.fixture(scope="module")
-def models(served: ServedModel) -> Iterator[tuple[Any, Any]]:
-    """(distributed causal LM, transformers causal LM) for each family."""
-    model = AutoDistributedModelForCausalLM.from_pretrained(
-        served.folder, initial_peers=served.initial_peers
-    )
-    reference = AutoModelForCausalLM.from_pretrained(served.folder).eval()
-    yield model, reference
-    model.shutdown()
-
-
-def _ids(batch: int, length: int, seed: int = 0) -> torch.Tensor:
-    generator = torch.Generator().manual_seed(seed)
-    return torch.randint(4, 256, (batch, length), generator=generator)
-
-
 def test_logits_and_loss_equal_transformers(models: tuple[Any, Any]) -> None:
     model, reference = models
-    ids = _ids(3, 9)
+    ids = random_ids(3, 9)
     with torch.no_grad():
         ours = model(ids, labels=ids)
         theirs = reference(ids, labels=ids)
@@ -60,7 +44,7 @@ def test_logits_and_loss_equal_transformers(models: tuple[Any, Any]) -> None:
 
 def test_logits_to_keep_selects_positions_as_transformers(models: tuple[Any, Any]) -> None:
     model, reference = models
-    ids = _ids(2, 7)
+    ids = random_ids(2, 7)
     with torch.no_grad():
         theirs = reference(ids).logits
         every = model(ids, logits_to_keep=0).logits
@@ -85,7 +69,7 @@ def test_logits_to_keep_selects_positions_as_transformers(models: tuple[Any, Any
 
 def test_right_padding_equals_transformers_with_its_mask(models: tuple[Any, Any]) -> None:
     model, reference = models
-    ids = _ids(2, 8, seed=1)
+    ids = random_ids(2, 8, seed=1)
     mask = torch.ones_like(ids)
     mask[1, 5:] = 0
     with torch.no_grad():
@@ -100,7 +84,7 @@ def test_masks_and_positions_the_servers_cannot_honour_are_refused(
     models: tuple[Any, Any],
 ) -> None:
     model, _ = models
-    ids = _ids(2, 6, seed=2)
+    ids = random_ids(2, 6, seed=2)
     left_padded = torch.ones_like(ids)
     left_padded[1, :2] = 0
     with pytest.raises(ValueError, match="left padding"):
@@ -125,7 +109,7 @@ def test_only_client_tensors_are_local_and_none_train(
 def test_base_model_equals_transformers(served: ServedModel) -> None:
     model = AutoDistributedModel.from_pretrained(served.folder, initial_peers=served.initial_peers)
     reference = AutoModel.from_pretrained(served.folder).eval()
-    ids = _ids(2, 7, seed=3)
+    ids = random_ids(2, 7, seed=3)
     try:
         with torch.no_grad():
             ours = model(ids).last_hidden_state

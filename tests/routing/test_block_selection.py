@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from petals_core._errors import ConfigError
-from petals_core.dht import PeerTableSnapshot, ServerInfo, ServerState
+from petals_core.dht import PeerTableSnapshot, ServerState
 from petals_core.routing import (
     ServerSpan,
     block_throughputs,
@@ -23,7 +23,7 @@ from petals_core.routing import (
     spans_from_snapshot,
 )
 
-ONLINE, JOINING, OFFLINE = ServerState.ONLINE, ServerState.JOINING, ServerState.OFFLINE
+from ._servers import JOINING, OFFLINE, ONLINE, server
 
 
 def span(
@@ -83,22 +83,11 @@ def test_block_throughputs_do_not_depend_on_order() -> None:
         assert block_throughputs(spans, 3) == expected
 
 
-def _info(start: int, end: int, throughput: float, state: ServerState = ONLINE) -> ServerInfo:
-    return ServerInfo(
-        state=state,
-        throughput=throughput,
-        start_block=start,
-        end_block=end,
-        version="1",
-        torch_dtype="bfloat16",
-    )
-
-
 def test_spans_from_snapshot() -> None:
-    a, a_stale = _info(0, 3, 2.0), _info(0, 3, 9.0)
-    b = _info(2, 6, 1.0, JOINING)  # reaches past a 4-block model
-    gone = _info(0, 4, 5.0, OFFLINE)
-    outside = _info(4, 6, 1.0)  # only blocks the model lacks
+    a, a_stale = server(0, 3, throughput=2.0), server(0, 3, throughput=9.0)
+    b = server(2, 6, throughput=1.0, state=JOINING)  # reaches past a 4-block model
+    gone = server(0, 4, throughput=5.0, state=OFFLINE)
+    outside = server(4, 6, throughput=1.0)  # only blocks the model lacks
     blocks = {
         0: {"a": a, "gone": gone},
         1: {"a": a},
@@ -262,15 +251,25 @@ def move(spans: Mapping[str, ServerSpan], peer_id: str, total: int) -> dict[str,
     return {**spans, peer_id: spans[peer_id].moved_to(start)}
 
 
-@settings(max_examples=300, deadline=None, derandomize=True)
-@given(swarms(), st.data())
-def test_the_chosen_window_is_the_best_by_brute_force(
-    swarm_: tuple[int, dict[str, ServerSpan]], data: st.DataObject
-) -> None:
-    total, spans = swarm_
-    length = data.draw(st.integers(1, total))
+#: A swarm's spans, its block throughputs, a window length, the start chosen for it.
+Window = tuple[dict[str, ServerSpan], list[float], int, int]
+
+
+@st.composite
+def chosen_windows(draw: st.DrawFn) -> Window:
+    """A swarm's spans and block throughputs, a window length drawn for it, and the start
+    chosen for a new server of that length."""
+    total, spans = draw(swarms())
+    length = draw(st.integers(1, total))
     throughputs = block_throughputs(spans.values(), total)
-    start = choose_best_start(throughputs, length)
+    return spans, throughputs, length, choose_best_start(throughputs, length)
+
+
+@settings(max_examples=300, deadline=None, derandomize=True)
+@given(chosen_windows())
+def test_the_chosen_window_is_the_best_by_brute_force(window: Window) -> None:
+    spans, throughputs, length, start = window
+    total = len(throughputs)
     assert choose_best_blocks(length, spans.values(), total) == range(start, start + length)
     chosen = sorted(throughputs[start : start + length])
     for key, other in windows(throughputs, length):
@@ -280,16 +279,12 @@ def test_the_chosen_window_is_the_best_by_brute_force(
 
 
 @settings(max_examples=300, deadline=None, derandomize=True)
-@given(swarms(), st.data())
-def test_a_new_server_fills_as_much_of_the_gaps_as_any_window(
-    swarm_: tuple[int, dict[str, ServerSpan]], data: st.DataObject
-) -> None:
+@given(chosen_windows())
+def test_a_new_server_fills_as_much_of_the_gaps_as_any_window(window: Window) -> None:
     # Every block lies in some window, so a gap anywhere means the chosen window holds one; and
     # more zeros sort first, so it holds as many as any window of its length does.
-    total, spans = swarm_
-    length = data.draw(st.integers(1, total))
-    throughputs = block_throughputs(spans.values(), total)
-    start = choose_best_start(throughputs, length)
+    _, throughputs, length, start = window
+    total = len(throughputs)
     gaps_covered = throughputs[start : start + length].count(0.0)
     most = max(throughputs[s : s + length].count(0.0) for s in range(total - length + 1))
     assert gaps_covered == most

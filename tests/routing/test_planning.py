@@ -19,7 +19,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from petals_core._errors import ConfigError, PetalsError
-from petals_core.dht import ServerInfo, ServerState
+from petals_core.dht import ServerInfo
 from petals_core.routing import (
     MissingBlocksError,
     RouteSpan,
@@ -31,36 +31,12 @@ from petals_core.routing import (
 )
 from petals_core.transport import PeerID
 
-ONLINE, JOINING, OFFLINE = ServerState.ONLINE, ServerState.JOINING, ServerState.OFFLINE
+from ._servers import JOINING, OFFLINE, ONLINE, server
+
 # Valid PeerIDs (next_pings keys must be), in sorted order so that "p0" < "p1" < ... holds too.
 PEERS = sorted(str(PeerID.from_public_key(bytes([k + 1]) * 32)) for k in range(12))
 P = PEERS
 Swarm = dict[str, ServerInfo]
-
-
-def server(
-    start: int,
-    end: int,
-    *,
-    throughput: float = 100.0,
-    state: ServerState = ONLINE,
-    inference_rps: float | None = None,
-    cache_tokens_left: int | None = None,
-    adapters: tuple[str, ...] = (),
-    next_pings: Mapping[str, float] | None = None,
-) -> ServerInfo:
-    return ServerInfo(
-        state=state,
-        throughput=throughput,
-        start_block=start,
-        end_block=end,
-        version="test",
-        torch_dtype="float32",
-        inference_rps=inference_rps,
-        adapters=adapters,
-        cache_tokens_left=cache_tokens_left,
-        next_pings=dict(next_pings or {}),
-    )
 
 
 def spans(route: list[RouteSpan]) -> list[tuple[str, int, int]]:

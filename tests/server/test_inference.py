@@ -35,7 +35,7 @@ from ._client import (
     serve,
     session,
 )
-from .fuzz_rpc import _RawCall
+from .fuzz_rpc import RawCall
 
 # -- sessions --------------------------------------------------------------------------------------
 
@@ -185,7 +185,7 @@ async def test_a_malformed_frame_mid_session_is_reported_and_the_server_goes_on(
             serve(server_llama, cache_dir, blocks=(0, 6)) as server,
             connect(server) as connection,
         ):
-            call = await _RawCall.open(connection, INFERENCE)
+            call = await RawCall.open(connection, INFERENCE)
             await call.send({"session_id": "garbled", "blocks": [0, 2], "max_length": 8})
             assert (await call.receive() or {}).get("ready") is True
             await call.send({"hidden_states": hidden})

@@ -23,6 +23,7 @@ from petals_core.server._throughput import (
     CACHE_FILE_NAME,
     DEFAULT_NETWORK_BANDWIDTH_BITS_PER_S,
     LOCK_FILE_NAME,
+    ComputeMeasure,
     ThroughputInfo,
     get_server_throughput,
     measure_compute_rps,
@@ -83,7 +84,7 @@ def _is_locked(path: Path) -> bool:
 
 def _throughput(
     cache_dir: Path,
-    measure: CountingMeasure,
+    measure: ComputeMeasure,
     *,
     config: PretrainedConfig | None = None,
     dtype: torch.dtype = torch.float32,
@@ -225,15 +226,7 @@ def test_a_broken_measurement_is_refused_and_not_cached(tmp_path: Path) -> None:
         return math.nan, 1.0
 
     with pytest.raises(ValueError, match="positive finite"):
-        get_server_throughput(
-            tiny_llama_config(),
-            device=CPU,
-            dtype=torch.float32,
-            quant_type="none",
-            num_blocks=1,
-            cache_dir=tmp_path,
-            measure=broken,
-        )
+        _throughput(tmp_path, broken, num_blocks=1)
     assert not (tmp_path / CACHE_FILE_NAME).exists()
 
 
