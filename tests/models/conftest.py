@@ -17,7 +17,6 @@ import threading
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 from urllib.parse import unquote, urlsplit
 
 import attrs
@@ -25,17 +24,13 @@ import pytest
 import torch
 from huggingface_hub import constants, split_torch_state_dict_into_shards
 from safetensors.torch import save_file
-from transformers import (
-    BloomConfig,
-    BloomForCausalLM,
-    LlamaConfig,
-    LlamaForCausalLM,
-    PreTrainedModel,
-)
+from transformers import BloomForCausalLM, LlamaConfig, LlamaForCausalLM, PreTrainedModel
 
-LAYERS = 6
-HIDDEN = 64
-VOCAB = 256
+from petals_core.testing import tiny_bloom_config, tiny_llama_config
+
+# The tiny LLaMA's sizes, for tests that build inputs for it.
+LAYERS = tiny_llama_config().num_hidden_layers
+HIDDEN = tiny_llama_config().hidden_size
 # About one block per shard: every block, and the embeddings, can be told apart by shard.
 SHARD_SIZE = "100KB"
 
@@ -63,31 +58,6 @@ def _save(model: PreTrainedModel, folder: Path, *, max_shard_size: str) -> TinyC
     model.save_pretrained(folder, max_shard_size=max_shard_size)
     state_dict = {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
     return TinyCheckpoint(folder=folder, state_dict=state_dict)
-
-
-def tiny_llama_config(**overrides: Any) -> LlamaConfig:
-    settings: dict[str, Any] = {
-        "hidden_size": HIDDEN,
-        "intermediate_size": 2 * HIDDEN,
-        "num_hidden_layers": LAYERS,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "vocab_size": VOCAB,
-        "max_position_embeddings": 128,
-    }
-    settings.update(overrides)
-    return LlamaConfig(**settings)
-
-
-def tiny_bloom_config(**overrides: Any) -> BloomConfig:
-    settings: dict[str, Any] = {
-        "hidden_size": HIDDEN,
-        "n_layer": LAYERS,
-        "n_head": 4,
-        "vocab_size": VOCAB,
-    }
-    settings.update(overrides)
-    return BloomConfig(**settings)
 
 
 @pytest.fixture
