@@ -24,7 +24,13 @@ import pytest
 import torch
 from huggingface_hub import constants, split_torch_state_dict_into_shards
 from safetensors.torch import save_file
-from transformers import BloomForCausalLM, LlamaConfig, LlamaForCausalLM, PreTrainedModel
+from transformers import (
+    BloomForCausalLM,
+    LlamaConfig,
+    LlamaForCausalLM,
+    PretrainedConfig,
+    PreTrainedModel,
+)
 
 from petals_core.testing import tiny_bloom_config, tiny_llama_config
 
@@ -60,6 +66,16 @@ def _save(model: PreTrainedModel, folder: Path, *, max_shard_size: str) -> TinyC
     return TinyCheckpoint(folder=folder, state_dict=state_dict)
 
 
+def _sharded(
+    model_class: type[PreTrainedModel], config: PretrainedConfig, folder: Path, *, seed: int
+) -> TinyCheckpoint:
+    """A model of ``config`` with weights drawn after ``manual_seed(seed)``, in several shards."""
+    torch.manual_seed(seed)
+    checkpoint = _save(model_class(config), folder, max_shard_size=SHARD_SIZE)
+    assert len(set(checkpoint.weight_map().values())) >= 3
+    return checkpoint
+
+
 @pytest.fixture
 def llama_config() -> LlamaConfig:
     config = tiny_llama_config()
@@ -70,11 +86,8 @@ def llama_config() -> LlamaConfig:
 @pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> TinyCheckpoint:
     """A 6-block LLaMA with an untied LM head, in several shards."""
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(tiny_llama_config())
-    checkpoint = _save(model, tmp_path_factory.mktemp("llama-tiny"), max_shard_size=SHARD_SIZE)
-    assert len(set(checkpoint.weight_map().values())) >= 3
-    return checkpoint
+    folder = tmp_path_factory.mktemp("llama-tiny")
+    return _sharded(LlamaForCausalLM, tiny_llama_config(), folder, seed=0)
 
 
 @pytest.fixture(scope="session")
@@ -90,10 +103,8 @@ def tiny_llama_single_file(tmp_path_factory: pytest.TempPathFactory) -> TinyChec
 @pytest.fixture(scope="session")
 def tiny_bloom(tmp_path_factory: pytest.TempPathFactory) -> TinyCheckpoint:
     """A 6-block BLOOM as ``save_pretrained`` writes it (``transformer.h.N.*``), in shards."""
-    torch.manual_seed(2)
-    model = BloomForCausalLM(tiny_bloom_config())
-    checkpoint = _save(model, tmp_path_factory.mktemp("bloom-tiny"), max_shard_size=SHARD_SIZE)
-    assert len(set(checkpoint.weight_map().values())) >= 3
+    folder = tmp_path_factory.mktemp("bloom-tiny")
+    checkpoint = _sharded(BloomForCausalLM, tiny_bloom_config(), folder, seed=2)
     assert all(name.startswith("transformer.") for name in checkpoint.weight_map())
     return checkpoint
 
