@@ -30,12 +30,20 @@ from torch import nn
 from transformers import BloomConfig, BloomModel, DynamicCache, LlamaConfig, LlamaModel
 
 from petals_core.models import BloomBlock, LlamaBlock
+from petals_core.testing import (
+    bloom_560m_config,
+    smollm2_135m_config,
+    tiny_bloom_config,
+    tiny_llama_config,
+)
 
 from ._report import print_table, summarize, write_json
 from ._server_steps import server_steps
 
 PREFILL = 128
 DECODE_STEPS = 32
+#: A LLaMA config's settings for a one-layer model around one block (its embeddings are unused).
+ONE_BLOCK = {"num_hidden_layers": 1, "vocab_size": 16}
 
 
 def _time(step: Callable[[], object], repeats: int) -> float:
@@ -176,34 +184,11 @@ def _measure(hf: nn.Module, ours: Any, hidden: int, dtype: torch.dtype) -> dict[
         }
 
 
-def _smollm2_config() -> LlamaConfig:
-    """One SmolLM2-135M block's shape."""
-    return LlamaConfig(
-        hidden_size=576,
-        num_attention_heads=9,
-        num_key_value_heads=3,
-        head_dim=64,
-        intermediate_size=1536,
-        num_hidden_layers=1,
-        vocab_size=16,
-        rope_theta=100000.0,
-        rms_norm_eps=1e-5,
-        max_position_embeddings=8192,
-    )
-
-
 def _shapes() -> list[tuple[str, Callable[[torch.dtype], tuple[nn.Module, nn.Module]], int]]:
-    tiny_llama = LlamaConfig(
-        hidden_size=64,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=128,
-        num_hidden_layers=1,
-        vocab_size=16,
-    )
-    smollm2 = _smollm2_config()
-    tiny_bloom = BloomConfig(hidden_size=64, n_head=4, n_layer=1, vocab_size=16)
-    bloom_560m = BloomConfig(hidden_size=1024, n_head=16, n_layer=1, vocab_size=16)
+    tiny_llama = tiny_llama_config(**ONE_BLOCK)
+    smollm2 = smollm2_135m_config(**ONE_BLOCK)
+    tiny_bloom = tiny_bloom_config(n_layer=1, vocab_size=16)
+    bloom_560m = bloom_560m_config(n_layer=1, vocab_size=16)
     return [
         ("llama tiny (64)", lambda dtype: _llama_pair(tiny_llama, dtype), 64),
         ("llama SmolLM2-135M (576)", lambda dtype: _llama_pair(smollm2, dtype), 576),
@@ -230,7 +215,7 @@ def main() -> None:
                 rows.append(
                     (label, step, ours_ms, torch_only, hf_ms, f"{ours_ms / hf_ms:.2f}x", "<= 1.0")
                 )
-    span = _measure_span(_smollm2_config())
+    span = _measure_span(smollm2_135m_config(**ONE_BLOCK))
     results["llama SmolLM2-135M (576) float32, 10-block span"] = span
     rows.append(
         (

@@ -53,6 +53,13 @@ from typing import Any
 import torch
 import trio
 
+from petals_core.testing import (
+    bloom_560m_config,
+    tiny_bloom_config,
+    tiny_llama_config,
+    tinyllama_1b_config,
+)
+
 from ._report import print_table, summarize, write_json
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -201,35 +208,19 @@ def _tests() -> dict[str, Any]:
 
 def _family_model(family: str) -> tuple[Any, Any]:
     """The config and model class of a family's benchmark shape."""
-    from transformers import BloomConfig, BloomForCausalLM, LlamaConfig, LlamaForCausalLM
+    from transformers import BloomForCausalLM, LlamaForCausalLM
 
     if SETUP.smoke:
         if family == "llama":
-            return LlamaConfig(
-                hidden_size=64,
-                intermediate_size=128,
-                num_hidden_layers=4,
-                num_attention_heads=4,
-                num_key_value_heads=2,
-                vocab_size=512,
-                tie_word_embeddings=False,
-            ), LlamaForCausalLM
-        return BloomConfig(hidden_size=64, n_layer=4, n_head=4, vocab_size=512), BloomForCausalLM
-    if family == "llama":  # TinyLlama-1.1B
-        config = LlamaConfig(
-            hidden_size=2048,
-            intermediate_size=5632,
-            num_hidden_layers=22,
-            num_attention_heads=32,
-            num_key_value_heads=4,
-            vocab_size=32000,
-            max_position_embeddings=2048,
-            rms_norm_eps=1e-5,
-            tie_word_embeddings=False,
-        )
-        return config, LlamaForCausalLM
-    config = BloomConfig(hidden_size=1024, n_layer=24, n_head=16, vocab_size=250880)  # bloom-560m
-    return config, BloomForCausalLM
+            # Positions past the tiny config's 128: a PREFILL-token prompt and then decode steps.
+            smoke = tiny_llama_config(
+                num_hidden_layers=4, vocab_size=512, max_position_embeddings=2048
+            )
+            return smoke, LlamaForCausalLM
+        return tiny_bloom_config(n_layer=4, vocab_size=512), BloomForCausalLM
+    if family == "llama":
+        return tinyllama_1b_config(), LlamaForCausalLM
+    return bloom_560m_config(), BloomForCausalLM
 
 
 def _make_checkpoint(family: str, folder: Path) -> Any:

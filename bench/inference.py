@@ -47,15 +47,9 @@ import attrs
 import torch
 import trio
 from torch import nn
-from transformers import (
-    BloomConfig,
-    BloomForCausalLM,
-    LlamaConfig,
-    LlamaForCausalLM,
-    PreTrainedModel,
-)
+from transformers import BloomForCausalLM, LlamaForCausalLM, PreTrainedModel
 
-from petals_core.testing import LocalSwarm, open_local_swarm
+from petals_core.testing import LocalSwarm, open_local_swarm, tiny_bloom_config, tiny_llama_config
 
 from ._decode import (
     DecodeResults,
@@ -144,12 +138,10 @@ def _save(family: str, folder: Path) -> str:
     torch.manual_seed(0)
     model: PreTrainedModel
     if family == "llama":
-        config = LlamaConfig(
+        config = tiny_llama_config(
             hidden_size=HIDDEN,
             intermediate_size=4 * HIDDEN,
             num_hidden_layers=BLOCKS,
-            num_attention_heads=4,
-            num_key_value_heads=2,
             vocab_size=VOCAB,
             max_position_embeddings=1024,
             pad_token_id=0,
@@ -157,7 +149,7 @@ def _save(family: str, folder: Path) -> str:
         model = LlamaForCausalLM(config)
     else:
         model = BloomForCausalLM(
-            BloomConfig(hidden_size=HIDDEN, n_layer=BLOCKS, n_head=4, vocab_size=VOCAB)
+            tiny_bloom_config(hidden_size=HIDDEN, n_layer=BLOCKS, vocab_size=VOCAB)
         )
     path = folder / family
     model.save_pretrained(path)

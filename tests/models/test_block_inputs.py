@@ -5,22 +5,21 @@ from __future__ import annotations
 import pytest
 import torch
 from safetensors.torch import save_file
-from transformers import BloomConfig, LlamaConfig, LlamaModel
+from transformers import LlamaModel
 from transformers.models.bloom.modeling_bloom import build_alibi_tensor
 
 from petals_core.kernels import alibi_slopes
 from petals_core.models import BloomBlock, KVCache, LlamaBlock, block_state_dict
+from petals_core.testing import tiny_bloom_config, tiny_llama_config
 
-LLAMA = LlamaConfig(
+LLAMA = tiny_llama_config(
     hidden_size=32,
-    num_attention_heads=4,
-    num_key_value_heads=2,
     intermediate_size=64,
     num_hidden_layers=2,
     vocab_size=16,
     attn_implementation="eager",
 )
-BLOOM = BloomConfig(hidden_size=32, n_head=4, n_layer=1, vocab_size=16)
+BLOOM = tiny_bloom_config(hidden_size=32, n_layer=1, vocab_size=16)
 
 
 @pytest.mark.parametrize("make", [lambda: LlamaBlock(LLAMA), lambda: BloomBlock(BLOOM)])

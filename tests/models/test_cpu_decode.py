@@ -13,7 +13,6 @@ from typing import Any
 import pytest
 import torch
 from torch import nn
-from transformers import BloomConfig, LlamaConfig
 
 from petals_core.models import (
     BloomBlock,
@@ -28,37 +27,25 @@ from petals_core.models import (
     using_adapter,
 )
 from petals_core.models._cpu_decode import MAX_ROWS
+from petals_core.testing import tiny_bloom_config, tiny_llama_config
 
 from ._steps import twin
+from .conftest import HIDDEN
 
 Block = LlamaBlock | BloomBlock
-HIDDEN = 64
 
 CONFIGS: dict[str, Callable[[int], Block]] = {
     "llama-gqa": lambda index: LlamaBlock(
-        LlamaConfig(
-            hidden_size=HIDDEN,
-            intermediate_size=96,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            rms_norm_eps=1e-5,
-        ),
-        index,
+        tiny_llama_config(intermediate_size=96, rms_norm_eps=1e-5), index
     ),
     "llama-mha-biases": lambda index: LlamaBlock(
-        LlamaConfig(
-            hidden_size=HIDDEN,
-            intermediate_size=80,
-            num_attention_heads=4,
-            num_key_value_heads=4,
-            attention_bias=True,
-            mlp_bias=True,
+        tiny_llama_config(
+            intermediate_size=80, num_key_value_heads=4, attention_bias=True, mlp_bias=True
         ),
         index,
     ),
     "llama-dynamic-rope": lambda index: LlamaBlock(
-        LlamaConfig(
-            hidden_size=HIDDEN,
+        tiny_llama_config(
             intermediate_size=96,
             num_attention_heads=2,
             num_key_value_heads=1,
@@ -67,10 +54,9 @@ CONFIGS: dict[str, Callable[[int], Block]] = {
         ),
         index,
     ),
-    "bloom": lambda index: BloomBlock(BloomConfig(hidden_size=HIDDEN, n_head=4), index),
+    "bloom": lambda index: BloomBlock(tiny_bloom_config(), index),
     "bloom-residual-after-norm": lambda index: BloomBlock(
-        BloomConfig(hidden_size=HIDDEN, n_head=8, apply_residual_connection_post_layernorm=True),
-        index,
+        tiny_bloom_config(n_head=8, apply_residual_connection_post_layernorm=True), index
     ),
 }
 TOL: dict[str, Any] = {"rtol": 1e-5, "atol": 1e-5}
@@ -292,7 +278,7 @@ def test_blocks_it_cannot_take_at_all_are_refused() -> None:
         CpuDecode([doubles])
     assert CpuDecode.unsupported_reason([]) == "no blocks"
     assert CpuDecode.unsupported_reason([block, doubles]) is None  # one of them can
-    gelu = LlamaBlock(LlamaConfig(hidden_size=HIDDEN, num_attention_heads=4, hidden_act="gelu"))
+    gelu = LlamaBlock(tiny_llama_config(hidden_act="gelu"))
     assert CpuDecode.unsupported_reason([gelu]) == "block 0: its MLP's activation is not SiLU"
     assert "not a LlamaBlock or BloomBlock" in str(CpuDecode.unsupported_reason([nn.Linear(2, 2)]))
 

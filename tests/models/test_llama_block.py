@@ -20,27 +20,24 @@ from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 from petals_core._hf_compat import cache_kwargs
 from petals_core.models._cache import KVCache
 from petals_core.models.llama import LlamaBlock, LlamaRotary
+from petals_core.testing import smollm2_135m_config, tiny_llama_config
+
+from .conftest import HIDDEN
 
 torch.set_num_threads(1)
 
 ATOL = 1e-5
-HIDDEN = 64
 
 
 def _config(**overrides: Any) -> LlamaConfig:
     settings: dict[str, Any] = dict(
-        hidden_size=HIDDEN,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=128,
         num_hidden_layers=2,
         vocab_size=16,
         max_position_embeddings=64,
         rms_norm_eps=1e-5,
         attn_implementation="sdpa",
     )
-    settings.update(overrides)
-    return LlamaConfig(**settings)
+    return tiny_llama_config(**{**settings, **overrides})
 
 
 CONFIGS = {
@@ -277,17 +274,7 @@ def test_gradients_match_transformers(name: str) -> None:
 
 
 def test_smollm2_shaped_layer() -> None:
-    config = _config(
-        hidden_size=576,
-        num_attention_heads=9,
-        num_key_value_heads=3,
-        head_dim=64,
-        intermediate_size=1536,
-        num_hidden_layers=1,
-        rope_theta=100000.0,
-        max_position_embeddings=8192,
-        tie_word_embeddings=True,
-    )
+    config = smollm2_135m_config(num_hidden_layers=1, vocab_size=16, attn_implementation="sdpa")
     pair = Pair(config)
     x = pair.inputs(1, 20)
     hf_cache, caches = DynamicCache(config=config), pair.caches(1, 20)

@@ -26,10 +26,10 @@ import pytest
 import torch
 from bitsandbytes.nn import Linear4bit, Linear8bitLt
 from torch import nn
-from transformers import BloomConfig, LlamaConfig
 
 from petals_core.models._quantize import quantize_block
 from petals_core.models.bloom import BloomBlock
+from petals_core.testing import tiny_bloom_config, tiny_llama_config
 
 LINEAR_BOUND = {"int8": 0.01, "nf4": 0.13}
 BLOCK_BOUND = {"int8": 0.03, "nf4": 0.35}
@@ -51,21 +51,12 @@ def randomize_(module: nn.Module, seed: int) -> None:
 
 
 def bloom_block() -> nn.Module:
-    config = BloomConfig(hidden_size=64, n_head=4, n_layer=1)
-    return BloomBlock(config)
+    return BloomBlock(tiny_bloom_config(n_layer=1))
 
 
 def llama_block() -> nn.Module:
     llama = pytest.importorskip("petals_core.models.llama")
-    config = LlamaConfig(
-        hidden_size=64,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=128,
-        num_hidden_layers=1,
-        rms_norm_eps=1e-5,
-    )
-    block: nn.Module = llama.LlamaBlock(config)
+    block: nn.Module = llama.LlamaBlock(tiny_llama_config(num_hidden_layers=1, rms_norm_eps=1e-5))
     return block
 
 

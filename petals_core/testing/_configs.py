@@ -1,0 +1,98 @@
+"""Model configs for tests and benchmarks: tiny ones with random weights in mind, and the shapes
+of the real models the benchmarks stand in for.
+
+Each function takes ``overrides``, config keys that replace or add to its settings, so that a
+caller names only what it changes.  transformers is imported when a config is made, not with
+:mod:`petals_core.testing`.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from transformers import BloomConfig, LlamaConfig
+
+__all__ = [
+    "bloom_560m_config",
+    "smollm2_135m_config",
+    "tiny_bloom_config",
+    "tiny_llama_config",
+    "tinyllama_1b_config",
+]
+
+
+def _llama(settings: dict[str, Any], overrides: dict[str, Any]) -> LlamaConfig:
+    from transformers import LlamaConfig
+
+    return LlamaConfig(**{**settings, **overrides})
+
+
+def _bloom(settings: dict[str, Any], overrides: dict[str, Any]) -> BloomConfig:
+    from transformers import BloomConfig
+
+    return BloomConfig(**{**settings, **overrides})
+
+
+def tiny_llama_config(**overrides: Any) -> LlamaConfig:
+    """A tiny LLaMA: hidden size 64, 4 attention heads over 2 key/value heads (grouped-query),
+    MLP width 128, 6 blocks, a vocabulary of 256, 128 positions."""
+    settings = {
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 6,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "vocab_size": 256,
+        "max_position_embeddings": 128,
+    }
+    return _llama(settings, overrides)
+
+
+def tiny_bloom_config(**overrides: Any) -> BloomConfig:
+    """A tiny BLOOM: hidden size 64, 4 heads, 6 blocks, a vocabulary of 256."""
+    return _bloom({"hidden_size": 64, "n_head": 4, "n_layer": 6, "vocab_size": 256}, overrides)
+
+
+def smollm2_135m_config(**overrides: Any) -> LlamaConfig:
+    """SmolLM2-135M's shape: hidden size 576, 9 attention heads of 64 over 3 key/value heads,
+    MLP width 1536, 30 blocks, a vocabulary of 49152, RoPE base 100000, 8192 positions, tied
+    embeddings."""
+    settings = {
+        "hidden_size": 576,
+        "num_attention_heads": 9,
+        "num_key_value_heads": 3,
+        "head_dim": 64,
+        "intermediate_size": 1536,
+        "num_hidden_layers": 30,
+        "vocab_size": 49152,
+        "rope_theta": 100000.0,
+        "rms_norm_eps": 1e-5,
+        "max_position_embeddings": 8192,
+        "tie_word_embeddings": True,
+    }
+    return _llama(settings, overrides)
+
+
+def tinyllama_1b_config(**overrides: Any) -> LlamaConfig:
+    """TinyLlama-1.1B's shape: hidden size 2048, 32 attention heads over 4 key/value heads, MLP
+    width 5632, 22 blocks, a vocabulary of 32000, 2048 positions, an untied LM head."""
+    settings = {
+        "hidden_size": 2048,
+        "intermediate_size": 5632,
+        "num_hidden_layers": 22,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 4,
+        "vocab_size": 32000,
+        "max_position_embeddings": 2048,
+        "rms_norm_eps": 1e-5,
+        "tie_word_embeddings": False,
+    }
+    return _llama(settings, overrides)
+
+
+def bloom_560m_config(**overrides: Any) -> BloomConfig:
+    """bloom-560m's shape: hidden size 1024, 16 heads, 24 blocks, a vocabulary of 250880."""
+    return _bloom(
+        {"hidden_size": 1024, "n_head": 16, "n_layer": 24, "vocab_size": 250880}, overrides
+    )
