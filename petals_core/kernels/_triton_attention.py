@@ -20,6 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ._reference import check_attention_shapes
+
 __all__ = [
     "MAX_DECODE_ROWS",
     "MAX_DECODE_TOKENS",
@@ -508,12 +510,9 @@ def _check(
 ) -> torch.Tensor:
     """Validate the inputs (the reference's errors, then the kernels' limits); returns the slopes
     as float32 on q's device, or q itself as a never-read placeholder."""
-    batch, n_head, new_tokens, head_dim = q.shape
+    batch, n_head, _, head_dim = q.shape
     n_kv_head, length = k.shape[1], k.shape[2]
-    if n_head % n_kv_head:
-        raise ValueError(f"{n_head} query heads cannot share {n_kv_head} key/value heads")
-    if length < query_offset + new_tokens:
-        raise ValueError(f"{length} keys cannot cover queries up to {query_offset + new_tokens}")
+    check_attention_shapes(q, k, query_offset)
     assert k.shape == v.shape == (batch, n_kv_head, length, head_dim), "k, v: (B, n_kv, S, D)"
     assert q.dtype == k.dtype == v.dtype, "q, k and v must share a dtype"
     assert q.dtype in (torch.float16, torch.bfloat16, torch.float32), f"unsupported {q.dtype}"

@@ -12,6 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ._reference import check_cache_room
+
 __all__ = ["rotary", "rotary_append"]
 
 
@@ -168,10 +170,7 @@ def rotary_append(
     """
     cos, sin = _check(q, cos, sin)
     new_tokens, head_dim = k.shape[2:]
-    if start < 0 or start + new_tokens > keys.shape[2]:
-        raise ValueError(
-            f"positions {start} .. {start + new_tokens - 1} do not fit a cache of {keys.shape[2]}"
-        )
+    check_cache_room(start, new_tokens, keys.shape[2])
     assert v.shape == k.shape and k.shape[0] == q.shape[0] and k.shape[2:] == q.shape[2:]
     assert keys.shape == values.shape and keys.shape[:2] == k.shape[:2]
     assert keys.shape[3] == head_dim
