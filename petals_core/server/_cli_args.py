@@ -146,6 +146,17 @@ def _defaulted(kind: Callable[[str], object], default: float, text: str) -> dict
     return {"type": kind, "default": default, "help": f"{text} (default: {default:g})"}
 
 
+def _repeatable(metavar: str, text: str) -> dict[str, Any]:
+    """The options of a flag taking any number of values, given once or more."""
+    return {
+        "nargs": "*",
+        "action": "extend",
+        "default": [],
+        "metavar": metavar,
+        "help": f"{text} (repeatable)",
+    }
+
+
 def build_parser() -> argparse.ArgumentParser:
     limits = ServingLimits()
     config = ServerConfig(model="-", new_swarm=True)  # the defaults, for the help texts
@@ -201,11 +212,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     blocks.add_argument(
         "--adapters",
-        nargs="*",
-        action="extend",
-        default=[],
-        metavar="NAME",
-        help="LoRA adapters (Hub repo ids or folders) to serve beside the blocks (repeatable)",
+        **_repeatable("NAME", "LoRA adapters (Hub repo ids or folders) to serve beside the blocks"),
     )
     blocks.add_argument(
         "--num_threads",
@@ -234,12 +241,7 @@ def build_parser() -> argparse.ArgumentParser:
         "default: the addresses of this machine",
     )
     network.add_argument(
-        "--initial_peers",
-        nargs="*",
-        action="extend",
-        default=[],
-        metavar="MULTIADDR",
-        help="multiaddrs of peers of the swarm to join (repeatable)",
+        "--initial_peers", **_repeatable("MULTIADDR", "multiaddrs of peers of the swarm to join")
     )
     network.add_argument(
         "--new_swarm",
