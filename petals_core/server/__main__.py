@@ -44,6 +44,7 @@ import trio
 from huggingface_hub import constants, hf_hub_download, is_offline_mode, try_to_load_from_cache
 from huggingface_hub.errors import EntryNotFoundError, HfHubHTTPError, HFValidationError
 
+from .._cli import configure_logging
 from .._errors import ConfigError, PetalsError
 from ..models import (
     SMOLLM2_REPO_ID,
@@ -295,11 +296,7 @@ def _describe(error: BaseException) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(
-        level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
-    # aioquic logs every handshake at INFO.
-    logging.getLogger("quic").setLevel(max(logging.WARNING, logging.getLogger().level))
+    configure_logging(args.log_level)
     try:
         _start(args)
     except BaseException as exc:
