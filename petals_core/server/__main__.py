@@ -53,8 +53,8 @@ from ..models import (
 )
 from ._cli_args import build_parser, config_from_args, parse_nbytes
 from ._defaults import choose_defaults
-from ._server import SMOLLM2, ServerConfig, open_server, resolve_model
-from ._throughput import ThroughputInfo, get_server_throughput
+from ._server import SMOLLM2, ServerConfig, open_server, resolve_model, server_throughput
+from ._throughput import ThroughputInfo
 
 __all__ = ["build_parser", "config_from_args", "main", "parse_nbytes"]
 
@@ -216,15 +216,7 @@ def dry_run(config: ServerConfig) -> ThroughputInfo:
     nothing: the model's config only, no blocks loaded, no node started."""
     _, config, model_config = _model_config(config)
     defaults = choose_defaults(config, model_config)
-    return get_server_throughput(
-        model_config,
-        device=defaults.device,
-        dtype=defaults.dtype,
-        quant_type=defaults.quant_type,
-        num_blocks=defaults.num_blocks,
-        cache_dir=Path(config.cache_dir or Path.home() / ".cache" / "petals_core"),
-        network_bandwidth_bits_per_s=config.network_bandwidth_bits_per_s,
-    )
+    return server_throughput(config, model_config, defaults, num_blocks=defaults.num_blocks)
 
 
 # -- serving --------------------------------------------------------------------------------------
