@@ -46,14 +46,17 @@ from huggingface_hub.errors import EntryNotFoundError, HfHubHTTPError, HFValidat
 
 from .._cli import configure_logging
 from .._errors import ConfigError, PetalsError
-from ..models import (
-    SMOLLM2_REPO_ID,
-    AutoDistributedConfig,
-    DistributedConfig,
-)
+from ..models import SMOLLM2_REPO_ID
 from ._cli_args import build_parser, config_from_args, parse_nbytes
 from ._defaults import choose_defaults
-from ._server import SMOLLM2, ServerConfig, open_server, resolve_model, server_throughput
+from ._server import (
+    SMOLLM2,
+    ServerConfig,
+    load_model_config,
+    open_server,
+    resolve_model,
+    server_throughput,
+)
 from ._throughput import ThroughputInfo
 
 __all__ = ["build_parser", "config_from_args", "main", "parse_nbytes"]
@@ -69,19 +72,6 @@ _BLOCK_NAME = re.compile(r"(?:model\.|transformer\.)?(?:layers|h)\.([0-9]+)\.")
 
 
 # -- before starting: the model's config, the disk check, dry_run ----------------------------
-
-
-def _model_config(config: ServerConfig) -> tuple[str, ServerConfig, DistributedConfig]:
-    model, config = resolve_model(config)
-    model_config = AutoDistributedConfig.from_pretrained(
-        model,
-        revision=config.revision,
-        token=config.token,
-        dht_prefix=config.dht_prefix,
-        cache_dir=config.cache_dir,
-        local_files_only=config.local_files_only,
-    )
-    return model, config, model_config
 
 
 def _served_count(config: ServerConfig, total: int) -> int:
@@ -214,7 +204,8 @@ def check_disk_space(config: ServerConfig, max_nbytes: int) -> None:
 def dry_run(config: ServerConfig) -> ThroughputInfo:
     """Measure (or read from the cache) the throughput this server would announce, serving
     nothing: the model's config only, no blocks loaded, no node started."""
-    _, config, model_config = _model_config(config)
+    model, config = resolve_model(config)
+    model_config = load_model_config(model, config)
     defaults = choose_defaults(config, model_config)
     return server_throughput(config, model_config, defaults, num_blocks=defaults.num_blocks)
 

@@ -71,7 +71,14 @@ from ._memory_cache import MemoryCache
 from ._task_pool import open_task_pool
 from ._throughput import ThroughputInfo, get_server_throughput
 
-__all__ = ["Server", "ServerConfig", "open_server", "server_throughput", "SMOLLM2"]
+__all__ = [
+    "Server",
+    "ServerConfig",
+    "load_model_config",
+    "open_server",
+    "server_throughput",
+    "SMOLLM2",
+]
 
 logger = logging.getLogger("petals_core.server")
 
@@ -176,6 +183,19 @@ class ServerConfig:
             if self.expiration_s is not None
             else max(2 * self.update_period_s, 300.0)
         )
+
+
+def load_model_config(model: str, config: ServerConfig) -> DistributedConfig:
+    """The config of ``model`` (as :func:`resolve_model` names it), loaded with ``config``'s
+    revision, token, swarm prefix, cache folder and offline choice."""
+    return AutoDistributedConfig.from_pretrained(
+        model,
+        revision=config.revision,
+        token=config.token,
+        dht_prefix=config.dht_prefix,
+        cache_dir=config.cache_dir,
+        local_files_only=config.local_files_only,
+    )
 
 
 def server_throughput(
@@ -498,16 +518,7 @@ async def open_server(
             "server takes 'auto', 'eval' or a number"
         )
     model, config = resolve_model(config)
-    model_config = await trio.to_thread.run_sync(
-        lambda: AutoDistributedConfig.from_pretrained(
-            model,
-            revision=config.revision,
-            token=config.token,
-            dht_prefix=config.dht_prefix,
-            cache_dir=config.cache_dir,
-            local_files_only=config.local_files_only,
-        )
-    )
+    model_config = await trio.to_thread.run_sync(load_model_config, model, config)
     defaults = await trio.to_thread.run_sync(choose_defaults, config, model_config)
     if identity is None:
         identity = load_or_create_identity(config.identity_path) if config.identity_path else None
