@@ -49,6 +49,7 @@ def _imported_after(module: str, watched: tuple[str, ...]) -> list[str]:
     [
         "petals_core",
         "petals_core._groups",
+        "petals_core._cli",
         "petals_core.transport",
         "petals_core.testing",
         "petals_core.dht",

@@ -101,16 +101,28 @@ async def _with_retries(
         try:
             return await action()
         except RETRIABLE as exc:
-            attempt[0] += 1
             peer = getattr(exc, "_petals_peer", None)
-            manager.on_request_failure(peer)
-            if not manager.may_retry(attempt[0]):
-                raise PetalsError(
-                    f"{what} failed after {attempt[0]} attempt(s); last error: "
-                    f"{type(exc).__name__}: {exc}"
-                ) from exc
-            logger.warning("%s: %r; retrying", what, exc)
-            await trio.sleep(manager.retry_delay(attempt[0]))
+            await _failed_attempt(manager, attempt, peer, what, exc, "%s: %r; retrying", what, exc)
+
+
+async def _failed_attempt(
+    manager: RemoteSequenceManager,
+    attempt: list[int],
+    peer: str | None,
+    what: str,
+    exc: BaseException,
+    *warning: object,
+) -> None:
+    """Count a failed attempt at ``what`` (against ``peer``, if known): raise once the attempts
+    are spent, else log ``warning`` (a message and its arguments) and wait before the next."""
+    attempt[0] += 1
+    manager.on_request_failure(peer)
+    if not manager.may_retry(attempt[0]):
+        raise PetalsError(
+            f"{what} failed after {attempt[0]} attempt(s); last error: {type(exc).__name__}: {exc}"
+        ) from exc
+    logger.warning(*warning)
+    await trio.sleep(manager.retry_delay(attempt[0]))
 
 
 async def _forward_span(
@@ -290,15 +302,16 @@ async def _backward_chunk(
             if reply.grad_inputs.shape != inputs.shape:
                 raise PetalsError(f"server {span.peer_id} returned a backward of the wrong shape")
         except RETRIABLE as exc:
-            attempt[0] += 1
-            manager.on_request_failure(span.peer_id)
-            if not manager.may_retry(attempt[0]):
-                raise PetalsError(
-                    f"backward failed after {attempt[0]} attempt(s); last error: "
-                    f"{type(exc).__name__}: {exc}"
-                ) from exc
-            logger.warning("backward through %s failed: %r; rerouting", span, exc)
-            await trio.sleep(manager.retry_delay(attempt[0]))
+            await _failed_attempt(
+                manager,
+                attempt,
+                span.peer_id,
+                "backward",
+                exc,
+                "backward through %s failed: %r; rerouting",
+                span,
+                exc,
+            )
             # Recompute the forward of these blocks on a new route, then go on backwards there.
             _, resaved = await _forward_blocks(
                 manager, span.start, span.end, inputs, prompts, attempt, keep=True

@@ -20,6 +20,7 @@ from collections.abc import Sequence
 
 import trio
 
+from .._cli import configure_logging
 from .._errors import PetalsError
 from ..transport import dialable_multiaddrs, load_or_create_identity
 from ._node import open_dht_node
@@ -66,11 +67,7 @@ async def _run(args: argparse.Namespace) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parse_args(argv)
-    logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
-    # aioquic logs every handshake at INFO.
-    logging.getLogger("quic").setLevel(max(logging.WARNING, logging.getLogger().level))
+    configure_logging(args.log_level.upper())
     try:
         trio.run(_run, args)
     except PetalsError as exc:

@@ -135,7 +135,8 @@ def _attention_key(q: torch.Tensor, k: torch.Tensor, query_offset: int) -> tuple
 
 @contextlib.contextmanager
 def _on(device: torch.device) -> Iterator[None]:
-    """Make ``device`` current while launching (a no-op when it already is)."""
+    """Make ``device`` current while launching (a no-op when it already is, and for CPU devices,
+    which have no index)."""
     if device.index is None or device.index == torch.cuda.current_device():
         yield
         return

@@ -46,10 +46,7 @@ def attention_reference(
     """
     n_head, new, head_dim = q.shape[1:]
     n_kv_head, length = k.shape[1], k.shape[2]
-    if n_head % n_kv_head:
-        raise ValueError(f"{n_head} query heads cannot share {n_kv_head} key/value heads")
-    if length < query_offset + new:
-        raise ValueError(f"{length} keys cannot cover queries up to {query_offset + new}")
+    check_attention_shapes(q, k, query_offset)
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
     group = n_head // n_kv_head
     qf, kf, vf = q.float(), k.float(), v.float()
@@ -72,6 +69,25 @@ def attention_reference(
         scores.masked_fill_(hidden, float("-inf"))
     probs = torch.softmax(scores, dim=-1)
     return torch.matmul(probs, vf).to(q.dtype)
+
+
+def check_attention_shapes(q: torch.Tensor, k: torch.Tensor, query_offset: int) -> None:
+    """Raise ValueError unless the query heads share the key/value heads evenly and the keys
+    reach the last query's position (shapes as in :func:`attention_reference`)."""
+    n_head, new = q.shape[1], q.shape[2]
+    n_kv_head, length = k.shape[1], k.shape[2]
+    if n_head % n_kv_head:
+        raise ValueError(f"{n_head} query heads cannot share {n_kv_head} key/value heads")
+    if length < query_offset + new:
+        raise ValueError(f"{length} keys cannot cover queries up to {query_offset + new}")
+
+
+def check_cache_room(start: int, new_tokens: int, max_length: int) -> None:
+    """Raise ValueError unless positions ``start .. start+new_tokens-1`` fit a cache of
+    ``max_length`` positions."""
+    end = start + new_tokens
+    if start < 0 or end > max_length:
+        raise ValueError(f"positions {start} .. {end - 1} do not fit a cache of {max_length}")
 
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -109,8 +125,7 @@ def rotary_append_reference(
     Returns the rotated q.
     """
     end = start + k.shape[2]
-    if start < 0 or end > keys.shape[2]:
-        raise ValueError(f"positions {start} .. {end - 1} do not fit a cache of {keys.shape[2]}")
+    check_cache_room(start, k.shape[2], keys.shape[2])
     keys[:, :, start:end] = rotary_reference(k, cos, sin)
     values[:, :, start:end] = v
     return rotary_reference(q, cos, sin)

@@ -74,8 +74,6 @@ def rows_append(
     """See :func:`petals_core.kernels._triton_rows.rows_append`."""
     from . import _triton_rows
 
-    if not k.is_cuda:
-        return _triton_rows.rows_append(q, k, v, tables, cos=cos, sin=sin)
     with _on(k.device):
         return _triton_rows.rows_append(q, k, v, tables, cos=cos, sin=sin)
 
@@ -92,10 +90,6 @@ def rows_decode_attention(
     """See :func:`petals_core.kernels._triton_rows.rows_decode_attention`."""
     from . import _triton_rows
 
-    if not q.is_cuda:
-        return _triton_rows.rows_decode_attention(
-            q, n_kv_head, tables, max_length=max_length, scale=scale, alibi_slopes=alibi_slopes
-        )
     with _on(q.device):
         return _triton_rows.rows_decode_attention(
             q, n_kv_head, tables, max_length=max_length, scale=scale, alibi_slopes=alibi_slopes

@@ -20,6 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ._reference import check_attention_shapes
+
 __all__ = [
     "MAX_DECODE_ROWS",
     "MAX_DECODE_TOKENS",
@@ -96,6 +98,75 @@ def _attend(
     return acc, m_i, l_i
 
 
+@triton.jit
+def _decode_split(
+    q,
+    k_base,
+    v_base,
+    stride_ks,
+    stride_vs,
+    Slopes,
+    head,
+    row_mask,
+    query_pos,
+    lo,
+    hi,
+    head_dim,
+    qk_scale,
+    out_tile,
+    part,
+    PartialAcc,
+    PartialMax,
+    PartialSum,
+    HAS_ALIBI: tl.constexpr,
+    DIRECT: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    """A decode program's query rows (q: (BLOCK_R, BLOCK_D); head, row_mask, query_pos:
+    (BLOCK_R,)) over the keys lo .. hi-1 of one split.  DIRECT (a single split) writes the output
+    tile ``out_tile``; otherwise the softmax partials go to row ``part`` of the partial arrays,
+    (rows, head_dim) and (rows,), for :func:`_combine_kernel`."""
+    if HAS_ALIBI:
+        slope = tl.load(Slopes + head, mask=row_mask, other=0.0) * 1.4426950408889634
+    else:
+        slope = tl.zeros([BLOCK_R], dtype=tl.float32)
+    acc, m_i, l_i = _attend(
+        tl.zeros([BLOCK_R, BLOCK_D], dtype=tl.float32),
+        tl.full([BLOCK_R], float("-inf"), dtype=tl.float32),
+        tl.zeros([BLOCK_R], dtype=tl.float32),
+        q.to(DOT_DTYPE),
+        k_base,
+        v_base,
+        stride_ks,
+        stride_vs,
+        slope,
+        query_pos,
+        lo,
+        hi,
+        head_dim,
+        qk_scale,
+        HAS_ALIBI,
+        True,
+        BLOCK_N,
+        BLOCK_D,
+        DOT_DTYPE,
+        PRECISION,
+    )
+    dims = tl.arange(0, BLOCK_D)
+    tile_mask = row_mask[:, None] & (dims < head_dim)[None, :]
+    if DIRECT:
+        out = acc / l_i[:, None]
+        tl.store(out_tile, out.to(out_tile.dtype.element_ty), mask=tile_mask)
+    else:
+        tl.store(PartialAcc + part[:, None] * head_dim + dims[None, :], acc, mask=tile_mask)
+        tl.store(PartialMax + part, m_i, mask=row_mask)
+        tl.store(PartialSum + part, l_i, mask=row_mask)
+
+
 # Arguments that change every step are not specialized (on divisibility by 16), not to recompile.
 @triton.jit(do_not_specialize=["query_offset", "num_splits"])
 def _decode_kernel(
@@ -157,47 +228,37 @@ def _decode_kernel(
 
     q_rows = batch.to(tl.int64) * stride_qb + head * stride_qh + token * stride_qt
     q = tl.load(Q + q_rows[:, None] + dims[None, :], mask=tile_mask, other=0.0)
-    if HAS_ALIBI:
-        slope = tl.load(Slopes + head, mask=row_mask, other=0.0) * 1.4426950408889634
-    else:
-        slope = tl.zeros([BLOCK_R], dtype=tl.float32)
-
+    out_rows = batch.to(tl.int64) * stride_ob + head * stride_oh + token * stride_ot
+    # Partials are (B, n_head, T, num_splits[, head_dim]), contiguous.
+    part = ((batch.to(tl.int64) * n_head + head) * new_tokens + token) * num_splits + split
     lo = split * split_size
-    hi = tl.minimum(lo + split_size, query_offset + new_tokens)
-    acc, m_i, l_i = _attend(
-        tl.zeros([BLOCK_R, BLOCK_D], dtype=tl.float32),
-        tl.full([BLOCK_R], float("-inf"), dtype=tl.float32),
-        tl.zeros([BLOCK_R], dtype=tl.float32),
-        q.to(DOT_DTYPE),
+    _decode_split(
+        q,
         K + batch.to(tl.int64) * stride_kb + kv_head.to(tl.int64) * stride_kh,
         V + batch.to(tl.int64) * stride_vb + kv_head.to(tl.int64) * stride_vh,
         stride_ks,
         stride_vs,
-        slope,
+        Slopes,
+        head,
+        row_mask,
         query_offset + token,
         lo,
-        hi,
+        tl.minimum(lo + split_size, query_offset + new_tokens),
         head_dim,
         qk_scale,
+        Out + out_rows[:, None] + dims[None, :],
+        part,
+        PartialAcc,
+        PartialMax,
+        PartialSum,
         HAS_ALIBI,
-        True,
+        DIRECT,
+        BLOCK_R,
         BLOCK_N,
         BLOCK_D,
         DOT_DTYPE,
         PRECISION,
     )
-    if DIRECT:
-        out_rows = batch.to(tl.int64) * stride_ob + head * stride_oh + token * stride_ot
-        out = acc / l_i[:, None]
-        tl.store(
-            Out + out_rows[:, None] + dims[None, :], out.to(Out.dtype.element_ty), mask=tile_mask
-        )
-    else:
-        # Partials are (B, n_head, T, num_splits[, head_dim]), contiguous.
-        part = ((batch.to(tl.int64) * n_head + head) * new_tokens + token) * num_splits + split
-        tl.store(PartialAcc + part[:, None] * head_dim + dims[None, :], acc, mask=tile_mask)
-        tl.store(PartialMax + part, m_i, mask=row_mask)
-        tl.store(PartialSum + part, l_i, mask=row_mask)
 
 
 @triton.jit(do_not_specialize=["num_splits"])
@@ -380,23 +441,10 @@ def decode_attention(
     default_block_n, num_stages = _decode_tiles(q, head_dim)
     block_n = block_n or default_block_n
     length = query_offset + new_tokens  # keys past the last query are never seen
-    if num_splits is None:
-        num_splits = _default_splits(q.device, batch * n_kv_head, length, block_n)
-    assert 1 <= num_splits <= _MAX_SPLITS, f"num_splits must be in [1, {_MAX_SPLITS}]"
-    split_size = triton.cdiv(triton.cdiv(length, num_splits), block_n) * block_n
-    num_splits = triton.cdiv(length, split_size)  # none of them empty
-
+    split_size, num_splits = _splits(q.device, batch * n_kv_head, length, block_n, num_splits)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     direct = num_splits == 1
-    if direct:
-        partial_acc = partial_max = partial_sum = out  # not read: the kernel writes `out` itself
-    else:
-        # One allocation, cut into the three contiguous arrays the kernels index.
-        count = batch * n_head * new_tokens * num_splits
-        partials = torch.empty(count * (head_dim + 2), dtype=torch.float32, device=q.device)
-        partial_acc = partials[: count * head_dim]
-        partial_max = partials[count * head_dim : count * (head_dim + 1)]
-        partial_sum = partials[count * (head_dim + 1) :]
+    partial_acc, partial_max, partial_sum = _partials(out, num_splits)
     block_r = max(16, triton.next_power_of_2(rows))
     block_d = _block_d(head_dim)
     dot_dtype, precision = _dot_config(q)
@@ -411,13 +459,7 @@ def decode_attention(
         num_warps=4 if block_r <= 32 else 8, num_stages=num_stages,
     )  # fmt: skip
     if not direct:
-        _combine_kernel[(batch * n_head * new_tokens,)](
-            partial_acc, partial_max, partial_sum, out,
-            n_head, new_tokens, head_dim, num_splits,
-            *out.stride()[:3],
-            BLOCK_SPLITS=triton.next_power_of_2(num_splits), BLOCK_D=block_d,
-            num_warps=4,
-        )  # fmt: skip
+        _combine(partial_acc, partial_max, partial_sum, out, num_splits)
     return out
 
 
@@ -468,12 +510,9 @@ def _check(
 ) -> torch.Tensor:
     """Validate the inputs (the reference's errors, then the kernels' limits); returns the slopes
     as float32 on q's device, or q itself as a never-read placeholder."""
-    batch, n_head, new_tokens, head_dim = q.shape
+    batch, n_head, _, head_dim = q.shape
     n_kv_head, length = k.shape[1], k.shape[2]
-    if n_head % n_kv_head:
-        raise ValueError(f"{n_head} query heads cannot share {n_kv_head} key/value heads")
-    if length < query_offset + new_tokens:
-        raise ValueError(f"{length} keys cannot cover queries up to {query_offset + new_tokens}")
+    check_attention_shapes(q, k, query_offset)
     assert k.shape == v.shape == (batch, n_kv_head, length, head_dim), "k, v: (B, n_kv, S, D)"
     assert q.dtype == k.dtype == v.dtype, "q, k and v must share a dtype"
     assert q.dtype in (torch.float16, torch.bfloat16, torch.float32), f"unsupported {q.dtype}"
@@ -484,6 +523,53 @@ def _check(
         return q
     assert alibi_slopes.shape == (n_head,), "alibi_slopes: (n_head,)"
     return alibi_slopes.to(device=q.device, dtype=torch.float32).contiguous()
+
+
+def _splits(
+    device: torch.device, programs: int, length: int, block_n: int, num_splits: int | None
+) -> tuple[int, int]:
+    """(split_size, num_splits): ``length`` keys cut into at most ``num_splits`` (default: for
+    the device) ranges of whole BLOCK_N tiles, none of them empty."""
+    if num_splits is None:
+        num_splits = _default_splits(device, programs, length, block_n)
+    assert 1 <= num_splits <= _MAX_SPLITS, f"num_splits must be in [1, {_MAX_SPLITS}]"
+    split_size = triton.cdiv(triton.cdiv(length, num_splits), block_n) * block_n
+    return split_size, triton.cdiv(length, split_size)
+
+
+def _partials(out: torch.Tensor, num_splits: int) -> tuple[torch.Tensor, ...]:
+    """The softmax partials of each split of each query row of ``out`` (..., head_dim): the
+    accumulators, maxima and sums, contiguous; ``out`` thrice, never read, for a single split
+    (the decode kernel then writes ``out`` itself)."""
+    if num_splits == 1:
+        return out, out, out
+    head_dim = out.shape[-1]
+    count = math.prod(out.shape[:-1]) * num_splits
+    # One allocation, cut into the three contiguous arrays the kernels index.
+    partials = torch.empty(count * (head_dim + 2), dtype=torch.float32, device=out.device)
+    return (
+        partials[: count * head_dim],
+        partials[count * head_dim : count * (head_dim + 1)],
+        partials[count * (head_dim + 1) :],
+    )
+
+
+def _combine(
+    partial_acc: torch.Tensor,
+    partial_max: torch.Tensor,
+    partial_sum: torch.Tensor,
+    out: torch.Tensor,
+    num_splits: int,
+) -> None:
+    """Merge the splits' partials into ``out`` (B, n_head, T, head_dim)."""
+    batch, n_head, new_tokens, head_dim = out.shape
+    _combine_kernel[(batch * n_head * new_tokens,)](
+        partial_acc, partial_max, partial_sum, out,
+        n_head, new_tokens, head_dim, num_splits,
+        *out.stride()[:3],
+        BLOCK_SPLITS=triton.next_power_of_2(num_splits), BLOCK_D=_block_d(head_dim),
+        num_warps=4,
+    )  # fmt: skip
 
 
 def _qk_scale(scale: float | None, head_dim: int) -> float:

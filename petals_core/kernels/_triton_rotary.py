@@ -12,33 +12,33 @@ import torch
 import triton
 import triton.language as tl
 
+from ._reference import check_cache_room
+
 __all__ = ["rotary", "rotary_append"]
 
 
 @triton.jit
-def _rotate(
-    src,
-    dst,
-    stride_src_t,
-    stride_dst_t,
-    tokens,
-    cols,
-    half,
-    mask,
-    cos_lo,
-    cos_hi,
-    sin_lo,
-    sin_hi,
-):
-    """dst[t] = src[t] * cos + rotate_half(src[t]) * sin for one head's (BLOCK_T, head_dim) tile."""
-    lo_src = src + tokens[:, None] * stride_src_t + cols[None, :]
-    x_lo = tl.load(lo_src, mask=mask, other=0.0).to(tl.float32)
-    x_hi = tl.load(lo_src + half, mask=mask, other=0.0).to(tl.float32)
-    lo_dst = dst + tokens[:, None] * stride_dst_t + cols[None, :]
-    out_lo = x_lo * cos_lo - x_hi * sin_lo
-    out_hi = x_hi * cos_hi + x_lo * sin_hi
-    tl.store(lo_dst, out_lo.to(dst.dtype.element_ty), mask=mask)
-    tl.store(lo_dst + half, out_hi.to(dst.dtype.element_ty), mask=mask)
+def _load_halves(ptr, half, mask):
+    """The two halves (at ``ptr`` and ``ptr + half``) of a tile of rows, in fp32."""
+    lo = tl.load(ptr, mask=mask, other=0.0).to(tl.float32)
+    hi = tl.load(ptr + half, mask=mask, other=0.0).to(tl.float32)
+    return lo, hi
+
+
+@triton.jit
+def _rotated(x_lo, x_hi, cos_lo, cos_hi, sin_lo, sin_hi):
+    """x * cos + rotate_half(x) * sin, by halves."""
+    return x_lo * cos_lo - x_hi * sin_lo, x_hi * cos_hi + x_lo * sin_hi
+
+
+@triton.jit
+def _rotate(src, dst, half, mask, cos_lo, cos_hi, sin_lo, sin_hi):
+    """dst = src * cos + rotate_half(src) * sin for a tile of rows; ``src`` and ``dst`` point at
+    the first halves' elements."""
+    x_lo, x_hi = _load_halves(src, half, mask)
+    out_lo, out_hi = _rotated(x_lo, x_hi, cos_lo, cos_hi, sin_lo, sin_hi)
+    tl.store(dst, out_lo.to(dst.dtype.element_ty), mask=mask)
+    tl.store(dst + half, out_hi.to(dst.dtype.element_ty), mask=mask)
 
 
 @triton.jit(do_not_specialize=["start"])  # a new position every step: do not recompile
@@ -95,26 +95,31 @@ def _rotary_kernel(
     cols = tl.arange(0, BLOCK_HALF)
     mask = (tokens < new_tokens)[:, None] & (cols < half)[None, :]
 
-    cos = Cos + batch * stride_cos_b + tokens[:, None] * stride_cos_t + cols[None, :]
-    sin = Sin + batch * stride_sin_b + tokens[:, None] * stride_sin_t + cols[None, :]
-    cos_lo = tl.load(cos, mask=mask, other=0.0).to(tl.float32)
-    cos_hi = tl.load(cos + half, mask=mask, other=0.0).to(tl.float32)
-    sin_lo = tl.load(sin, mask=mask, other=0.0).to(tl.float32)
-    sin_hi = tl.load(sin + half, mask=mask, other=0.0).to(tl.float32)
+    cos_lo, cos_hi = _load_halves(
+        Cos + batch * stride_cos_b + tokens[:, None] * stride_cos_t + cols[None, :], half, mask
+    )
+    sin_lo, sin_hi = _load_halves(
+        Sin + batch * stride_sin_b + tokens[:, None] * stride_sin_t + cols[None, :], half, mask
+    )
 
+    tokens_2d = tokens[:, None]
+    cols_2d = cols[None, :]
     if head < n_head:
-        _rotate(
-            Q + batch * stride_qb + head * stride_qh,
-            QOut + batch * stride_qob + head * stride_qoh,
-            stride_qt, stride_qot, tokens, cols, half, mask, cos_lo, cos_hi, sin_lo, sin_hi,
-        )  # fmt: skip
+        q = Q + batch * stride_qb + head * stride_qh + tokens_2d * stride_qt + cols_2d
+        q_out = QOut + batch * stride_qob + head * stride_qoh + tokens_2d * stride_qot + cols_2d
+        _rotate(q, q_out, half, mask, cos_lo, cos_hi, sin_lo, sin_hi)
     elif HAS_KV:
         kv_head = head - n_head
-        _rotate(
-            K + batch * stride_kb + kv_head * stride_kh,
-            Keys + batch * stride_keys_b + kv_head * stride_keys_h + start * stride_keys_t,
-            stride_kt, stride_keys_t, tokens, cols, half, mask, cos_lo, cos_hi, sin_lo, sin_hi,
-        )  # fmt: skip
+        k = K + batch * stride_kb + kv_head * stride_kh + tokens_2d * stride_kt + cols_2d
+        keys = (
+            Keys
+            + batch * stride_keys_b
+            + kv_head * stride_keys_h
+            + start * stride_keys_t
+            + tokens_2d * stride_keys_t
+            + cols_2d
+        )
+        _rotate(k, keys, half, mask, cos_lo, cos_hi, sin_lo, sin_hi)
         v = (
             V
             + batch * stride_vb
@@ -165,10 +170,7 @@ def rotary_append(
     """
     cos, sin = _check(q, cos, sin)
     new_tokens, head_dim = k.shape[2:]
-    if start < 0 or start + new_tokens > keys.shape[2]:
-        raise ValueError(
-            f"positions {start} .. {start + new_tokens - 1} do not fit a cache of {keys.shape[2]}"
-        )
+    check_cache_room(start, new_tokens, keys.shape[2])
     assert v.shape == k.shape and k.shape[0] == q.shape[0] and k.shape[2:] == q.shape[2:]
     assert keys.shape == values.shape and keys.shape[:2] == k.shape[:2]
     assert keys.shape[3] == head_dim

@@ -12,16 +12,17 @@ import triton.language as tl
 
 from ._rows import RowTables
 from ._triton_attention import (
-    _MAX_SPLITS,
     MAX_DECODE_ROWS,
-    _attend,
     _block_d,
-    _combine_kernel,
+    _combine,
+    _decode_split,
     _decode_tiles,
-    _default_splits,
     _dot_config,
+    _partials,
     _qk_scale,
+    _splits,
 )
+from ._triton_rotary import _load_halves, _rotate, _rotated
 
 __all__ = ["rows_append", "rows_decode_attention"]
 
@@ -68,22 +69,13 @@ def _rows_append_kernel(
     position = tl.load(Positions + row)
 
     if ROTARY:
-        cos = Cos + position * stride_cos + cols
-        sin = Sin + position * stride_sin + cols
-        cos_lo = tl.load(cos, mask=mask, other=0.0).to(tl.float32)
-        cos_hi = tl.load(cos + half, mask=mask, other=0.0).to(tl.float32)
-        sin_lo = tl.load(sin, mask=mask, other=0.0).to(tl.float32)
-        sin_hi = tl.load(sin + half, mask=mask, other=0.0).to(tl.float32)
+        cos_lo, cos_hi = _load_halves(Cos + position * stride_cos + cols, half, mask)
+        sin_lo, sin_hi = _load_halves(Sin + position * stride_sin + cols, half, mask)
 
     if head < n_head:
-        src = Q + row * stride_qr + head * stride_qh + cols
-        dst = QOut + row * stride_qor + head * stride_qoh + cols
-        x_lo = tl.load(src, mask=mask, other=0.0).to(tl.float32)
-        x_hi = tl.load(src + half, mask=mask, other=0.0).to(tl.float32)
-        out_lo = x_lo * cos_lo - x_hi * sin_lo
-        out_hi = x_hi * cos_hi + x_lo * sin_hi
-        tl.store(dst, out_lo.to(QOut.dtype.element_ty), mask=mask)
-        tl.store(dst + half, out_hi.to(QOut.dtype.element_ty), mask=mask)
+        q = Q + row * stride_qr + head * stride_qh + cols
+        q_out = QOut + row * stride_qor + head * stride_qoh + cols
+        _rotate(q, q_out, half, mask, cos_lo, cos_hi, sin_lo, sin_hi)
     else:
         kv_head = (head - n_head).to(tl.int64)
         dtype = K.dtype.element_ty
@@ -98,10 +90,11 @@ def _rows_append_kernel(
         k_lo = tl.load(k, mask=mask, other=0.0)
         k_hi = tl.load(k + half, mask=mask, other=0.0)
         if ROTARY:
-            x_lo = k_lo.to(tl.float32)
-            x_hi = k_hi.to(tl.float32)
-            k_lo = (x_lo * cos_lo - x_hi * sin_lo).to(dtype)
-            k_hi = (x_hi * cos_hi + x_lo * sin_hi).to(dtype)
+            x_lo, x_hi = _rotated(
+                k_lo.to(tl.float32), k_hi.to(tl.float32), cos_lo, cos_hi, sin_lo, sin_hi
+            )
+            k_lo = x_lo.to(dtype)
+            k_hi = x_hi.to(dtype)
         tl.store(keys, k_lo, mask=mask)
         tl.store(keys + half, k_hi, mask=mask)
         v = V + row * stride_vr + kv_head * stride_vh + cols
@@ -161,57 +154,43 @@ def _rows_decode_kernel(
     q = tl.load(
         Q + row * stride_qr + head[:, None] * stride_qh + dims[None, :], mask=tile_mask, other=0.0
     )
-    if HAS_ALIBI:
-        slope = tl.load(Slopes + head, mask=head_mask, other=0.0) * 1.4426950408889634
-    else:
-        slope = tl.zeros([BLOCK_R], dtype=tl.float32)
-
     position = tl.load(Positions + row)
     length = position + 1
     dtype = Q.dtype.element_ty
     head_offset = kv_head * tl.load(HeadStrides + row)
-    # 16-byte aligned (the tables' contract): the key and value tiles load in vectors.
-    k_base = tl.multiple_of(tl.load(KeyPtrs + row).to(tl.pointer_type(dtype)) + head_offset, 16)
-    v_base = tl.multiple_of(tl.load(ValuePtrs + row).to(tl.pointer_type(dtype)) + head_offset, 16)
     lo = split * split_size
     hi = tl.minimum(lo + split_size, length)
     if split == num_splits - 1:
         hi = length
-    acc, m_i, l_i = _attend(
-        tl.zeros([BLOCK_R, BLOCK_D], dtype=tl.float32),
-        tl.full([BLOCK_R], float("-inf"), dtype=tl.float32),
-        tl.zeros([BLOCK_R], dtype=tl.float32),
-        q.to(DOT_DTYPE),
-        k_base,
-        v_base,
+    _decode_split(
+        q,
+        # 16-byte aligned (the tables' contract): the key and value tiles load in vectors.
+        tl.multiple_of(tl.load(KeyPtrs + row).to(tl.pointer_type(dtype)) + head_offset, 16),
+        tl.multiple_of(tl.load(ValuePtrs + row).to(tl.pointer_type(dtype)) + head_offset, 16),
         head_dim,
         head_dim,
-        slope,
+        Slopes,
+        head,
+        head_mask,
         tl.zeros([BLOCK_R], dtype=tl.int64) + position,
         lo,
         hi,
         head_dim,
         qk_scale,
+        Out + row * stride_or + head[:, None] * stride_oh + dims[None, :],
+        # Partials are (rows, n_head, num_splits[, head_dim]), contiguous.
+        (row * n_head + head) * num_splits + split,
+        PartialAcc,
+        PartialMax,
+        PartialSum,
         HAS_ALIBI,
-        True,
+        DIRECT,
+        BLOCK_R,
         BLOCK_N,
         BLOCK_D,
         DOT_DTYPE,
         PRECISION,
     )
-    if DIRECT:
-        out = acc / l_i[:, None]
-        tl.store(
-            Out + row * stride_or + head[:, None] * stride_oh + dims[None, :],
-            out.to(Out.dtype.element_ty),
-            mask=tile_mask,
-        )
-    else:
-        # Partials are (rows, n_head, num_splits[, head_dim]), contiguous.
-        part = (row * n_head + head) * num_splits + split
-        tl.store(PartialAcc + part[:, None] * head_dim + dims[None, :], acc, mask=tile_mask)
-        tl.store(PartialMax + part, m_i, mask=head_mask)
-        tl.store(PartialSum + part, l_i, mask=head_mask)
 
 
 def rows_append(
@@ -294,21 +273,9 @@ def rows_decode_attention(
         return out
     default_block_n, num_stages = _decode_tiles(q, head_dim)
     block_n = block_n or default_block_n
-    if num_splits is None:
-        num_splits = _default_splits(q.device, rows * n_kv_head, max_length, block_n)
-    assert 1 <= num_splits <= _MAX_SPLITS, f"num_splits must be in [1, {_MAX_SPLITS}]"
-    split_size = triton.cdiv(triton.cdiv(max_length, num_splits), block_n) * block_n
-    num_splits = triton.cdiv(max_length, split_size)
+    split_size, num_splits = _splits(q.device, rows * n_kv_head, max_length, block_n, num_splits)
     direct = num_splits == 1
-    if direct:
-        partial_acc = partial_max = partial_sum = out  # not read: the kernel writes `out` itself
-    else:
-        # One allocation, cut into the three contiguous arrays the kernels index.
-        count = rows * n_head * num_splits
-        partials = torch.empty(count * (head_dim + 2), dtype=torch.float32, device=q.device)
-        partial_acc = partials[: count * head_dim]
-        partial_max = partials[count * head_dim : count * (head_dim + 1)]
-        partial_sum = partials[count * (head_dim + 1) :]
+    partial_acc, partial_max, partial_sum = _partials(out, num_splits)
     block_r = max(16, triton.next_power_of_2(group))
     block_d = _block_d(head_dim)
     dot_dtype, precision = _dot_config(q)
@@ -324,11 +291,7 @@ def rows_decode_attention(
         num_warps=4 if block_r <= 32 else 8, num_stages=num_stages,
     )  # fmt: skip
     if not direct:
-        _combine_kernel[(rows * n_head,)](
-            partial_acc, partial_max, partial_sum, out,
-            n_head, 1, head_dim, num_splits,
-            out.stride(0), out.stride(1), 0,
-            BLOCK_SPLITS=triton.next_power_of_2(num_splits), BLOCK_D=block_d,
-            num_warps=4,
-        )  # fmt: skip
+        # Each row as a batch of one token.
+        row_out = out.view(rows, n_head, 1, head_dim)
+        _combine(partial_acc, partial_max, partial_sum, row_out, num_splits)
     return out

@@ -38,27 +38,28 @@ import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import get_args
 
 import torch
 import trio
 from huggingface_hub import constants, hf_hub_download, is_offline_mode, try_to_load_from_cache
 from huggingface_hub.errors import EntryNotFoundError, HfHubHTTPError, HFValidationError
 
+from .._cli import configure_logging
 from .._errors import ConfigError, PetalsError
-from ..models import (
-    SMOLLM2_REPO_ID,
-    AutoDistributedConfig,
-    CpuDecodeChoice,
-    DistributedConfig,
-    QuantType,
+from ..models import SMOLLM2_REPO_ID
+from ._cli_args import build_parser, config_from_args, parse_nbytes
+from ._defaults import choose_defaults
+from ._server import (
+    SMOLLM2,
+    ServerConfig,
+    load_model_config,
+    open_server,
+    resolve_model,
+    server_throughput,
 )
-from ._defaults import DEFAULT_ATTN_CACHE_TOKENS, choose_defaults
-from ._handler import ServingLimits
-from ._server import SMOLLM2, ServerConfig, open_server, resolve_model
-from ._throughput import ThroughputInfo, get_server_throughput
+from ._throughput import ThroughputInfo
 
-__all__ = ["config_from_args", "main", "parse_nbytes"]
+__all__ = ["build_parser", "config_from_args", "main", "parse_nbytes"]
 
 logger = logging.getLogger("petals_core.server")
 
@@ -66,417 +67,11 @@ LISTENING = "Server listening on "
 #: An estimate of what ``prepare_smollm2`` writes into the cache (its docstring: about 0.6 GB).
 _SMOLLM2_NBYTES = 600 * 10**6
 _INDEX_FILE = "model.safetensors.index.json"
-_UNITS = {
-    "": 1,
-    "B": 1,
-    "KB": 10**3,
-    "MB": 10**6,
-    "GB": 10**9,
-    "TB": 10**12,
-    "KIB": 2**10,
-    "MIB": 2**20,
-    "GIB": 2**30,
-    "TIB": 2**40,
-}
 #: Tensors of block N: ``[model.]layers.N.`` (LLaMA), ``[transformer.]h.N.`` (BLOOM).
 _BLOCK_NAME = re.compile(r"(?:model\.|transformer\.)?(?:layers|h)\.([0-9]+)\.")
-_SIZE = re.compile(r"\s*([0-9]+(?:\.[0-9]*)?)\s*([A-Za-z]*)\s*")
-
-
-# -- argument types (a bad value exits 2 with argparse's message) ----------------------------
-
-
-def parse_nbytes(text: str) -> int:
-    """A size such as ``10GB``, ``500MB``, ``1.5GiB`` or ``123`` (bytes), in bytes.
-
-    KB/MB/GB/TB are powers of 1000, KiB/MiB/GiB/TiB powers of 1024; case does not matter.
-    """
-    match = _SIZE.fullmatch(text)
-    unit = match.group(2).upper() if match else ""
-    if match is None or unit not in _UNITS:
-        raise argparse.ArgumentTypeError(
-            f"{text!r} is not a size: give a number with an optional unit "
-            "B, KB, MB, GB, TB (powers of 1000) or KiB, MiB, GiB, TiB (powers of 1024)"
-        )
-    return int(float(match.group(1)) * _UNITS[unit])
-
-
-def _block_indices(text: str) -> tuple[int, int]:
-    start, colon, end = text.partition(":")
-    try:
-        if not colon:
-            raise ValueError
-        indices = int(start), int(end)
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"{text!r} is not start:end (two integers, e.g. 0:8)"
-        ) from None
-    if not 0 <= indices[0] < indices[1]:
-        raise argparse.ArgumentTypeError(f"{text!r}: need 0 <= start < end")
-    return indices
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
-
-def _port(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a port number") from None
-    if not 0 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"a UDP port is 0..65535, got {value}")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not (math.isfinite(value) and value > 0):
-        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
-    return value
-
-
-def _non_negative_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not (math.isfinite(value) and value >= 0):
-        raise argparse.ArgumentTypeError(f"must be a number >= 0, got {text}")
-    return value
-
-
-def _fraction(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not 0.0 <= value <= 1.0:
-        raise argparse.ArgumentTypeError(f"must be in [0, 1], got {text}")
-    return value
-
-
-def _throughput(text: str) -> str | float:
-    if text in ("auto", "eval", "dry_run"):
-        return text
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"{text!r} is neither auto, eval, dry_run nor a number"
-        ) from None
-    if not (math.isfinite(value) and value >= 0):
-        raise argparse.ArgumentTypeError(f"must be a number >= 0, got {text}")
-    return value
-
-
-def _log_level(text: str) -> str:
-    level = text.upper()
-    if not isinstance(logging.getLevelName(level), int):
-        raise argparse.ArgumentTypeError(f"{text!r} is not a logging level (DEBUG, INFO, ...)")
-    return level
-
-
-def _parser() -> argparse.ArgumentParser:
-    limits = ServingLimits()
-    config = ServerConfig(model="-", new_swarm=True)  # the defaults, for the help texts
-    parser = argparse.ArgumentParser(
-        prog="python -m petals_core.server",
-        description="Serve a span of transformer blocks of a model in a swarm.",
-    )
-    add = parser.add_argument
-    add("model", metavar="MODEL", help=f"Hugging Face repo id, local folder, or {SMOLLM2!r}")
-
-    blocks = parser.add_argument_group("blocks and model")
-    blocks.add_argument(
-        "--num_blocks",
-        type=_positive_int,
-        help="how many consecutive blocks to serve, placed where the swarm needs them most "
-        "(default: on CUDA as many as fit in free GPU memory with their attention cache and a "
-        "reserve for autograd, elsewhere all blocks of the model)",
-    )
-    blocks.add_argument(
-        "--block_indices",
-        type=_block_indices,
-        metavar="START:END",
-        help="serve exactly blocks START..END-1 (e.g. 0:8); the server then never moves",
-    )
-    blocks.add_argument(
-        "--torch_dtype",
-        choices=["auto", "float32", "bfloat16", "float16"],
-        default=config.torch_dtype,
-        help="dtype of the blocks; auto (default): float32 on CPU, else the checkpoint's dtype "
-        "if float16 or bfloat16, otherwise bfloat16",
-    )
-    blocks.add_argument(
-        "--device", help="torch device, e.g. cuda:0 (default: cuda if available, else cpu)"
-    )
-    blocks.add_argument(
-        "--quant_type",
-        choices=["auto", *get_args(QuantType)],
-        default="auto",
-        help="quantise the blocks' linear layers; auto (default): nf4 on CUDA (none if "
-        "bitsandbytes cannot run there), none elsewhere",
-    )
-    blocks.add_argument(
-        "--no_cuda_graphs",
-        action="store_true",
-        help="on CUDA, run decode steps eagerly instead of replaying them from CUDA graphs",
-    )
-    blocks.add_argument(
-        "--cpu_decode",
-        choices=get_args(CpuDecodeChoice),
-        default=config.cpu_decode,
-        help="on the CPU, compute float32 decode steps with numpy (default) or with torch",
-    )
-    blocks.add_argument(
-        "--adapters",
-        nargs="*",
-        action="extend",
-        default=[],
-        metavar="NAME",
-        help="LoRA adapters (Hub repo ids or folders) to serve beside the blocks (repeatable)",
-    )
-    blocks.add_argument(
-        "--num_threads",
-        type=_positive_int,
-        help="torch threads for compute on CPU (default: torch's own default)",
-    )
-    blocks.add_argument("--seed", type=int, help="seed of the server's random choices")
-
-    network = parser.add_argument_group("network and swarm")
-    network.add_argument(
-        "--identity_path",
-        help="private key file, created (mode 0600) if missing; default: a new identity each run",
-    )
-    network.add_argument(
-        "--host", default=config.host, help=f"address to listen on (default: {config.host})"
-    )
-    network.add_argument(
-        "--port",
-        type=_port,
-        default=config.port,
-        help="UDP port to listen on; 0 (default) picks a free one",
-    )
-    network.add_argument(
-        "--announce_host",
-        help="the address others should dial (e.g. a public one behind port forwarding); "
-        "default: the addresses of this machine",
-    )
-    network.add_argument(
-        "--initial_peers",
-        nargs="*",
-        action="extend",
-        default=[],
-        metavar="MULTIADDR",
-        help="multiaddrs of peers of the swarm to join (repeatable)",
-    )
-    network.add_argument(
-        "--new_swarm",
-        action="store_true",
-        help="start a swarm of its own instead of joining one (no --initial_peers)",
-    )
-    network.add_argument(
-        "--dht_prefix",
-        help="the model's name in the swarm (default: from config.json, else from the model name)",
-    )
-    network.add_argument(
-        "--public_name", help="a name to show in swarm monitors (e.g. a URL or nickname)"
-    )
-    network.add_argument(
-        "--throughput",
-        type=_throughput,
-        default=config.throughput,
-        help="what to announce, in tokens/s: auto (default: measured once, cached on disk), "
-        "eval (measure again), dry_run (measure, print it and exit without serving), or a number",
-    )
-    network.add_argument(
-        "--network_bandwidth",
-        type=_positive_float,
-        help="this host's network bandwidth in bits/s for the throughput "
-        "(default: assume 100e6; it is never measured)",
-    )
-    network.add_argument(
-        "--update_period",
-        type=_positive_float,
-        default=config.update_period_s,
-        help=f"seconds between announcements (default: {config.update_period_s:g})",
-    )
-    network.add_argument(
-        "--expiration",
-        type=_positive_float,
-        help="seconds an announcement stays valid (default: max(2 * update_period, 300))",
-    )
-    network.add_argument(
-        "--balance_quality",
-        type=_fraction,
-        default=config.balance_quality,
-        help="move to other blocks only if that raises the swarm's throughput to more than "
-        f"1 / this of now; 0 never moves (default: {config.balance_quality:g})",
-    )
-    network.add_argument(
-        "--mean_balance_check_period",
-        type=_positive_float,
-        default=config.mean_balance_check_period_s,
-        help="mean seconds between checks of the swarm's balance "
-        f"(default: {config.mean_balance_check_period_s:g})",
-    )
-
-    serving = parser.add_argument_group("serving limits")
-    serving.add_argument(
-        "--attn_cache_tokens",
-        type=_positive_int,
-        help="attention cache, in tokens (positions of one row) per served block "
-        f"(default: {DEFAULT_ATTN_CACHE_TOKENS})",
-    )
-    serving.add_argument(
-        "--max_batch_size",
-        type=_positive_int,
-        default=limits.max_batch_tokens,
-        help="tokens (rows x positions) one inference job processes at most; longer steps go "
-        f"in chunks (default: {limits.max_batch_tokens})",
-    )
-    serving.add_argument(
-        "--inline_compute_ms",
-        type=_non_negative_float,
-        default=limits.inline_compute_s * 1e3,
-        help="inference steps expected to compute in less than this many milliseconds run on "
-        "the network thread, saving the hand-off to a worker thread; the network waits for them "
-        f"(default: {limits.inline_compute_s * 1e3:g}; 0: always a worker thread)",
-    )
-    serving.add_argument(
-        "--inference_max_length",
-        type=_positive_int,
-        default=limits.inference_max_length,
-        help=f"longest inference session, in tokens (default: {limits.inference_max_length})",
-    )
-    serving.add_argument(
-        "--max_alloc_timeout",
-        type=_positive_float,
-        default=limits.max_alloc_timeout_s,
-        help="longest wait of a session for attention cache, in seconds "
-        f"(default: {limits.max_alloc_timeout_s:g})",
-    )
-    serving.add_argument(
-        "--request_timeout",
-        type=_positive_float,
-        default=limits.request_timeout_s,
-        help=f"longest forward/backward call, in seconds (default: {limits.request_timeout_s:g})",
-    )
-    serving.add_argument(
-        "--session_timeout",
-        type=_positive_float,
-        default=limits.session_timeout_s,
-        help=f"longest inference session, in seconds (default: {limits.session_timeout_s:g})",
-    )
-    serving.add_argument(
-        "--step_timeout",
-        type=_positive_float,
-        default=limits.step_timeout_s,
-        help="longest wait for a session's next step, in seconds "
-        f"(default: {limits.step_timeout_s:g})",
-    )
-
-    files = parser.add_argument_group("checkpoint files")
-    files.add_argument(
-        "--cache_dir",
-        help="Hugging Face cache folder for downloads (default: huggingface_hub's, "
-        "~/.cache/huggingface/hub); the throughput cache goes there too "
-        "(default: ~/.cache/petals_core)",
-    )
-    files.add_argument(
-        "--max_disk_space",
-        type=parse_nbytes,
-        metavar="SIZE",
-        help="refuse to start if downloading this server's shards would make the cache folder "
-        "exceed SIZE (e.g. 10GB, 500MB); the download is estimated as the checkpoint's size "
-        "times the fraction of blocks served; when it cannot be told beforehand (a single-file "
-        "checkpoint, or offline without the index cached), only the folder's current size is "
-        "checked (default: no limit)",
-    )
-    files.add_argument("--token", help="Hugging Face token for private or gated repos")
-    files.add_argument("--revision", help="branch, tag or commit of the repo (default: main)")
-
-    add(
-        "--log_level",
-        type=_log_level,
-        default="INFO",
-        help="logging level, to stderr (default: INFO)",
-    )
-    return parser
-
-
-def config_from_args(args: argparse.Namespace) -> ServerConfig:
-    """The :class:`ServerConfig` the flags describe; raises :class:`ConfigError` if they clash.
-
-    ``--throughput dry_run`` joins no swarm, so it needs neither ``--new_swarm`` nor
-    ``--initial_peers``.
-    """
-    new_swarm = args.new_swarm or (args.throughput == "dry_run" and not args.initial_peers)
-    return ServerConfig(
-        model=args.model,
-        num_blocks=args.num_blocks,
-        block_indices=args.block_indices,
-        torch_dtype=args.torch_dtype,
-        device=args.device,
-        quant_type=None if args.quant_type == "auto" else args.quant_type,
-        cuda_graphs=not args.no_cuda_graphs,
-        cpu_decode=args.cpu_decode,
-        identity_path=args.identity_path,
-        host=args.host,
-        port=args.port,
-        announce_host=args.announce_host,
-        initial_peers=tuple(args.initial_peers),
-        new_swarm=new_swarm,
-        dht_prefix=args.dht_prefix,
-        throughput=args.throughput,
-        network_bandwidth_bits_per_s=args.network_bandwidth,
-        attn_cache_tokens=args.attn_cache_tokens,
-        limits=ServingLimits(
-            inference_max_length=args.inference_max_length,
-            max_batch_tokens=args.max_batch_size,
-            inline_compute_s=args.inline_compute_ms / 1e3,
-            max_alloc_timeout_s=args.max_alloc_timeout,
-            session_timeout_s=args.session_timeout,
-            step_timeout_s=args.step_timeout,
-            request_timeout_s=args.request_timeout,
-        ),
-        adapters=tuple(args.adapters),
-        public_name=args.public_name,
-        update_period_s=args.update_period,
-        expiration_s=args.expiration,
-        balance_quality=args.balance_quality,
-        mean_balance_check_period_s=args.mean_balance_check_period,
-        cache_dir=args.cache_dir,
-        token=args.token,
-        revision=args.revision,
-    )
 
 
 # -- before starting: the model's config, the disk check, dry_run ----------------------------
-
-
-def _model_config(config: ServerConfig) -> tuple[str, ServerConfig, DistributedConfig]:
-    model, config = resolve_model(config)
-    model_config = AutoDistributedConfig.from_pretrained(
-        model,
-        revision=config.revision,
-        token=config.token,
-        dht_prefix=config.dht_prefix,
-        cache_dir=config.cache_dir,
-        local_files_only=config.local_files_only,
-    )
-    return model, config, model_config
 
 
 def _served_count(config: ServerConfig, total: int) -> int:
@@ -609,17 +204,10 @@ def check_disk_space(config: ServerConfig, max_nbytes: int) -> None:
 def dry_run(config: ServerConfig) -> ThroughputInfo:
     """Measure (or read from the cache) the throughput this server would announce, serving
     nothing: the model's config only, no blocks loaded, no node started."""
-    _, config, model_config = _model_config(config)
+    model, config = resolve_model(config)
+    model_config = load_model_config(model, config)
     defaults = choose_defaults(config, model_config)
-    return get_server_throughput(
-        model_config,
-        device=defaults.device,
-        dtype=defaults.dtype,
-        quant_type=defaults.quant_type,
-        num_blocks=defaults.num_blocks,
-        cache_dir=Path(config.cache_dir or Path.home() / ".cache" / "petals_core"),
-        network_bandwidth_bits_per_s=config.network_bandwidth_bits_per_s,
-    )
+    return server_throughput(config, model_config, defaults, num_blocks=defaults.num_blocks)
 
 
 # -- serving --------------------------------------------------------------------------------------
@@ -690,12 +278,8 @@ def _describe(error: BaseException) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
-    logging.basicConfig(
-        level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
-    # aioquic logs every handshake at INFO.
-    logging.getLogger("quic").setLevel(max(logging.WARNING, logging.getLogger().level))
+    args = build_parser().parse_args(argv)
+    configure_logging(args.log_level)
     try:
         _start(args)
     except BaseException as exc:

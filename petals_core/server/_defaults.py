@@ -59,6 +59,7 @@ __all__ = [
     "block_nbytes",
     "cache_nbytes_per_token",
     "choose_defaults",
+    "new_block",
     "plan_defaults",
     "plan_num_blocks",
     "resolve_device",
@@ -162,17 +163,23 @@ def bitsandbytes_problem(device: torch.device) -> str | None:
 # -- memory ------------------------------------------------------------------------------------
 
 
+def new_block(model_config: PretrainedConfig, *, purpose: str) -> LlamaBlock | BloomBlock:
+    """One block of the model, on torch's default device; raises :class:`ConfigError` saying
+    that it cannot ``purpose`` for a family without blocks."""
+    if isinstance(model_config, LlamaConfig):
+        return LlamaBlock(model_config)
+    if isinstance(model_config, BloomConfig):
+        return BloomBlock(model_config)
+    raise ConfigError(
+        f"cannot {purpose} of model_type {model_config.model_type!r}; "
+        "supported model types: bloom, llama"
+    )
+
+
 def _meta_block(model_config: PretrainedConfig) -> nn.Module:
     """One block of the model with parameters on "meta": shapes without memory."""
     with torch.device("meta"):
-        if isinstance(model_config, LlamaConfig):
-            return LlamaBlock(model_config)
-        if isinstance(model_config, BloomConfig):
-            return BloomBlock(model_config)
-    raise ConfigError(
-        f"cannot size blocks of model_type {model_config.model_type!r}; "
-        "supported model types: bloom, llama"
-    )
+        return new_block(model_config, purpose="size blocks")
 
 
 def block_nbytes(

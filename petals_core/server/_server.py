@@ -72,7 +72,14 @@ from ._memory_cache import MemoryCache
 from ._task_pool import open_task_pool
 from ._throughput import ThroughputInfo, get_server_throughput
 
-__all__ = ["Server", "ServerConfig", "open_server", "SMOLLM2"]
+__all__ = [
+    "Server",
+    "ServerConfig",
+    "load_model_config",
+    "open_server",
+    "server_throughput",
+    "SMOLLM2",
+]
 
 logger = logging.getLogger("petals_core.server")
 
@@ -177,6 +184,41 @@ class ServerConfig:
             if self.expiration_s is not None
             else max(2 * self.update_period_s, 300.0)
         )
+
+
+def load_model_config(model: str, config: ServerConfig) -> DistributedConfig:
+    """The config of ``model`` (as :func:`resolve_model` names it), loaded with ``config``'s
+    revision, token, swarm prefix, cache folder and offline choice."""
+    return AutoDistributedConfig.from_pretrained(
+        model,
+        revision=config.revision,
+        token=config.token,
+        dht_prefix=config.dht_prefix,
+        cache_dir=config.cache_dir,
+        local_files_only=config.local_files_only,
+    )
+
+
+def server_throughput(
+    config: ServerConfig,
+    model_config: DistributedConfig,
+    defaults: ServingDefaults,
+    *,
+    num_blocks: int,
+) -> ThroughputInfo:
+    """What a server of ``num_blocks`` blocks on ``defaults``' device, dtype and quantisation
+    announces: see :func:`get_server_throughput`; the measures are cached in ``config.cache_dir``
+    (default ``~/.cache/petals_core``), and ``--throughput eval`` measures again."""
+    return get_server_throughput(
+        model_config,
+        device=defaults.device,
+        dtype=defaults.dtype,
+        quant_type=defaults.quant_type,
+        num_blocks=num_blocks,
+        cache_dir=Path(config.cache_dir or Path.home() / ".cache" / "petals_core"),
+        network_bandwidth_bits_per_s=config.network_bandwidth_bits_per_s,
+        force_eval=config.throughput == "eval",
+    )
 
 
 class Server:
@@ -399,17 +441,7 @@ class Server:
         if isinstance(cfg.throughput, float | int):
             return float(cfg.throughput)
         assert self.blocks is not None
-        cache_dir = Path(cfg.cache_dir or Path.home() / ".cache" / "petals_core")
-        return get_server_throughput(
-            self.model_config,
-            device=self.device,
-            dtype=self.dtype,
-            quant_type=self.quant_type,
-            num_blocks=len(self.blocks),
-            cache_dir=cache_dir,
-            network_bandwidth_bits_per_s=cfg.network_bandwidth_bits_per_s,
-            force_eval=cfg.throughput == "eval",
-        )
+        return server_throughput(cfg, self.model_config, self.defaults, num_blocks=len(self.blocks))
 
     async def _announce_forever(self) -> None:
         while True:
@@ -487,16 +519,7 @@ async def open_server(
             "server takes 'auto', 'eval' or a number"
         )
     model, config = resolve_model(config)
-    model_config = await trio.to_thread.run_sync(
-        lambda: AutoDistributedConfig.from_pretrained(
-            model,
-            revision=config.revision,
-            token=config.token,
-            dht_prefix=config.dht_prefix,
-            cache_dir=config.cache_dir,
-            local_files_only=config.local_files_only,
-        )
-    )
+    model_config = await trio.to_thread.run_sync(load_model_config, model, config)
     defaults = await trio.to_thread.run_sync(choose_defaults, config, model_config)
     if identity is None:
         identity = load_or_create_identity(config.identity_path) if config.identity_path else None

@@ -43,18 +43,17 @@ from typing import Any, Protocol
 
 import attrs
 import torch
-from transformers import BloomConfig, LlamaConfig, PretrainedConfig
+from transformers import PretrainedConfig
 
 from .._errors import ConfigError
 from ..models import (
-    BloomBlock,
     CpuDecode,
     EagerSteps,
-    LlamaBlock,
     QuantType,
     SpanSteps,
     quantize_block,
 )
+from ._defaults import new_block
 
 __all__ = [
     "CACHE_FILE_NAME",
@@ -107,17 +106,6 @@ class ComputeMeasure(Protocol):
         dtype: torch.dtype,
         quant_type: QuantType,
     ) -> tuple[float, float]: ...
-
-
-def _build_block(config: PretrainedConfig) -> LlamaBlock | BloomBlock:
-    if isinstance(config, LlamaConfig):
-        return LlamaBlock(config)
-    if isinstance(config, BloomConfig):
-        return BloomBlock(config)
-    raise ConfigError(
-        f"cannot measure the throughput of model_type {config.model_type!r}; "
-        "supported model types: bloom, llama"
-    )
 
 
 def _synchronize(device: torch.device) -> None:
@@ -179,7 +167,11 @@ def measure_compute_rps(
     rng_devices = [device.index or 0] if device.type == "cuda" else []
     with torch.random.fork_rng(devices=rng_devices), torch.inference_mode():
         torch.manual_seed(0)
-        block = _build_block(config).to(device=device, dtype=dtype).eval()
+        block = (
+            new_block(config, purpose="measure the throughput")
+            .to(device=device, dtype=dtype)
+            .eval()
+        )
         quantize_block(block, quant_type)  # in place
         hidden = config.hidden_size
         prompt = torch.randn(1, n_tokens, hidden, device=device, dtype=dtype)  # (1, T, hidden)

@@ -24,7 +24,7 @@ import trio
 from petals_core import ConfigError
 from petals_core.protocol import INFO
 from petals_core.server.__main__ import (
-    _parser,
+    build_parser,
     check_disk_space,
     config_from_args,
     main,
@@ -190,7 +190,7 @@ def test_bad_flags_exit_2_with_argparse_message(
 
 
 def test_inline_compute_flag_reaches_the_serving_limits() -> None:
-    parser = _parser()
+    parser = build_parser()
     default = config_from_args(parser.parse_args(["model", "--new_swarm"]))
     assert default.limits.inline_compute_s == pytest.approx(0.025)
     off = config_from_args(parser.parse_args(["model", "--new_swarm", "--inline_compute_ms", "0"]))
@@ -204,7 +204,7 @@ def test_inline_compute_flag_reaches_the_serving_limits() -> None:
 def test_dtype_quantisation_and_block_count_default_to_auto() -> None:
     """Unset, they are decided when the server starts (nf4 and as many blocks as fit on CUDA);
     ``--quant_type none`` forces unquantised blocks on CUDA too."""
-    parser = _parser()
+    parser = build_parser()
     default = config_from_args(parser.parse_args(["model", "--new_swarm"]))
     assert (default.torch_dtype, default.quant_type) == ("auto", None)
     assert (default.num_blocks, default.block_indices, default.attn_cache_tokens) == (None,) * 3
@@ -214,7 +214,7 @@ def test_dtype_quantisation_and_block_count_default_to_auto() -> None:
 
 
 def test_cpu_decode_flag_reaches_the_config() -> None:
-    parser = _parser()
+    parser = build_parser()
     assert config_from_args(parser.parse_args(["model", "--new_swarm"])).cpu_decode == "numpy"
     for choice in ("numpy", "torch"):
         args = parser.parse_args(["model", "--new_swarm", "--cpu_decode", choice])
