@@ -47,7 +47,7 @@ from huggingface_hub.errors import EntryNotFoundError, HfHubHTTPError, HFValidat
 from .._cli import configure_logging
 from .._errors import ConfigError, PetalsError
 from ..models import SMOLLM2_REPO_ID
-from ._cli_args import build_parser, config_from_args, parse_nbytes
+from ._cli_args import build_parser, config_from_args, parse_args, parse_nbytes
 from ._defaults import choose_defaults
 from ._server import (
     SMOLLM2,
@@ -278,7 +278,7 @@ def _describe(error: BaseException) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = parse_args(argv)
     configure_logging(args.log_level)
     try:
         _start(args)

@@ -7,15 +7,17 @@ import argparse
 import logging
 import math
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar, get_args
 
+from .._errors import InvalidMultiaddr
 from ..models import CpuDecodeChoice, QuantType
+from ..transport import Multiaddr
 from ._defaults import DEFAULT_ATTN_CACHE_TOKENS
 from ._handler import ServingLimits
 from ._server import SMOLLM2, ServerConfig
 
-__all__ = ["build_parser", "config_from_args", "parse_nbytes"]
+__all__ = ["PETALS_ONLY_FLAGS", "build_parser", "config_from_args", "parse_args", "parse_nbytes"]
 
 _UNITS = {
     "": 1,
@@ -140,6 +142,88 @@ def _log_level(text: str) -> str:
 
 # -- the parser ------------------------------------------------------------------------------
 
+#: Petals' flags that mean nothing here: the flag, how many values it takes, and why.
+PETALS_ONLY_FLAGS: dict[str, tuple[int | str, str]] = {
+    "--num_handlers": (1, "one trio loop serves every request; there are no handler processes"),
+    "--max_chunk_size_bytes": (
+        1,
+        "tensors always travel in parts of a fixed size; there is nothing to set",
+    ),
+    "--stats_report_interval": (1, "batch statistics are logged at DEBUG level instead"),
+    "--prefetch_batches": (1, "batches are formed when a worker is free; none are prefetched"),
+    "--sender_threads": (1, "results go back on the network loop; there are no sender threads"),
+    "--min_batch_size": (1, "a batch is whatever is waiting; there is no minimum"),
+    "--increase_file_limit": (1, "the server uses one UDP socket; no file limit is raised"),
+    "--daemon_startup_timeout": (1, "there is no libp2p daemon to wait for"),
+    "--no_auto_relay": (0, "there are no libp2p relays; see --announce_host for NAT"),
+    "--tensor_parallel_devices": ("+", "blocks are not split across GPUs"),
+    "--custom_module_path": (1, "custom modules are not loaded"),
+    "--config": (1, "flags are read from the command line only, not from a config file"),
+}
+
+
+class _Refused(argparse.Action):
+    """A Petals flag with no meaning here: exit 2 saying why."""
+
+    def __init__(self, *args: Any, reason: str, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.reason = reason
+
+    def __call__(self, parser: argparse.ArgumentParser, *args: Any, **kwargs: Any) -> None:
+        parser.error(
+            f"{self.option_strings[0]} is a Petals flag that means nothing here: {self.reason}"
+        )
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """The flags of ``argv``, Petals' forms brought to ours (MODEL or
+    ``--converted_model_name_or_path``; ``--host_maddrs``, ``--announce_maddrs`` and
+    ``--public_ip``); exits 2 with a message for flags that clash or cannot mean anything."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if (args.model is None) == (args.converted_model_name_or_path is None):
+        parser.error("give the model once: MODEL or --converted_model_name_or_path (Petals' name)")
+    if args.model is None:
+        args.model = args.converted_model_name_or_path
+    try:
+        if args.host_maddrs is not None:
+            host, port = _one_address("--host_maddrs", args.host_maddrs)
+            if args.host != parser.get_default("host") or args.port != parser.get_default("port"):
+                parser.error("give --host_maddrs or --host / --port, not both")
+            args.host, args.port = host, port
+        announced = [
+            flag
+            for flag in ("--announce_host", "--announce_maddrs", "--public_ip")
+            if getattr(args, flag[2:]) is not None
+        ]
+        if len(announced) > 1:
+            parser.error(f"give one of {', '.join(announced)}: they all set the announced address")
+        if args.public_ip is not None:
+            args.announce_host = args.public_ip
+        if args.announce_maddrs is not None:
+            host, port = _one_address("--announce_maddrs", args.announce_maddrs)
+            if port != args.port:
+                parser.error(
+                    f"--announce_maddrs names UDP port {port}, but the server listens on "
+                    f"{args.port or 'a random port'}: listen on that port (--port {port}) and "
+                    "forward it to this machine"
+                )
+            args.announce_host = host
+    except InvalidMultiaddr as exc:
+        parser.error(str(exc))
+    return args
+
+
+def _one_address(flag: str, texts: Sequence[str]) -> tuple[str, int]:
+    if len(texts) != 1:
+        raise InvalidMultiaddr(
+            f"{flag}: petals_core listens on and announces one address, not {len(texts)}"
+        )
+    address = Multiaddr.parse(texts[0])
+    if address.peer_id is not None:
+        raise InvalidMultiaddr(f"{flag}: {texts[0]} names a PeerID; give the address alone")
+    return address.host, address.port
+
 
 def _defaulted(kind: Callable[[str], object], default: float, text: str) -> dict[str, Any]:
     """The options of a flag of type ``kind`` whose help ends with its default."""
@@ -165,8 +249,14 @@ def build_parser() -> argparse.ArgumentParser:
         description="Serve a span of transformer blocks of a model in a swarm.",
     )
     add = parser.add_argument
+    add("--converted_model_name_or_path", help=argparse.SUPPRESS)
 
-    add("model", metavar="MODEL", help=f"Hugging Face repo id, local folder, or {SMOLLM2!r}")
+    add(
+        "model",
+        metavar="MODEL",
+        nargs="?",
+        help=f"Hugging Face repo id, local folder, or {SMOLLM2!r}",
+    )
 
     blocks = parser.add_argument_group("blocks and model")
     blocks.add_argument(
@@ -240,6 +330,21 @@ def build_parser() -> argparse.ArgumentParser:
         help="the address others should dial (e.g. a public one behind port forwarding); "
         "default: the addresses of this machine",
     )
+    network.add_argument(
+        "--host_maddrs",
+        nargs="+",
+        metavar="MULTIADDR",
+        help="Petals' form of --host / --port: the one address to listen on, as "
+        "/ip4/HOST/udp/PORT/quic-v1 (or /ip6/...)",
+    )
+    network.add_argument(
+        "--announce_maddrs",
+        nargs="+",
+        metavar="MULTIADDR",
+        help="Petals' form of --announce_host: the address others should dial, as "
+        "/ip4/HOST/udp/PORT/quic-v1 with the port the server listens on",
+    )
+    network.add_argument("--public_ip", help="Petals' name for --announce_host")
     network.add_argument(
         "--initial_peers", **_repeatable("MULTIADDR", "multiaddrs of peers of the swarm to join")
     )
@@ -371,9 +476,17 @@ def build_parser() -> argparse.ArgumentParser:
         "checkpoint, or offline without the index cached), only the folder's current size is "
         "checked (default: no limit)",
     )
-    files.add_argument("--token", help="Hugging Face token for private or gated repos")
+    token = files.add_mutually_exclusive_group()
+    token.add_argument("--token", help="Hugging Face token for private or gated repos")
+    token.add_argument(
+        "--use_auth_token",
+        action="store_true",
+        help="use the token saved by `huggingface-cli login` (what happens without --token anyway)",
+    )
     files.add_argument("--revision", help="branch, tag or commit of the repo (default: main)")
 
+    for flag, (nargs, reason) in PETALS_ONLY_FLAGS.items():
+        add(flag, nargs=nargs, help=argparse.SUPPRESS, action=_Refused, reason=reason)
     add(
         "--log_level",
         type=_log_level,

@@ -82,7 +82,7 @@ class Multiaddr:
 
         transport = _component(text, parts, 2, f"/{protocol}/{parts[1]}")
         if transport == "tcp":
-            raise _invalid(text, "/tcp is not supported, the transport is QUIC over /udp")
+            raise _invalid(text, "petals_core speaks QUIC over UDP; use /udp/PORT/quic-v1")
         if transport != "udp":
             raise _invalid(text, f"unknown protocol /{transport} where /udp belongs")
         port = _parse_port_untrusted(text, _component(text, parts, 3, "/udp"))

@@ -142,7 +142,7 @@ INVALID = [
     ("/ip4/01.2.3.4/udp/1/quic-v1", "IP address literal"),
     ("/ip6/[::1]/udp/1/quic-v1", "IP address literal"),
     ("/ip6/fe80::1%eth0/udp/1/quic-v1", "zone indices are not supported"),
-    ("/ip4/1.2.3.4/tcp/1/quic-v1", "/tcp is not supported"),
+    ("/ip4/1.2.3.4/tcp/31337", "petals_core speaks QUIC over UDP; use /udp/PORT/quic-v1"),
     ("/ip4/1.2.3.4/sctp/1/quic-v1", "unknown protocol /sctp where /udp belongs"),
     ("/ip4/1.2.3.4/udp/65536/quic-v1", "port '65536'"),
     ("/ip4/1.2.3.4/udp/99999999999999999999/quic-v1", "port"),

@@ -1,0 +1,90 @@
+"""Petals' server flags: accepted where they mean something here, refused with a reason where
+they cannot."""
+
+from __future__ import annotations
+
+import pytest
+
+from petals_core.server._cli_args import PETALS_ONLY_FLAGS, config_from_args, parse_args
+
+V4 = "/ip4/203.0.113.7/udp/31337/quic-v1"
+
+
+def _refused(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
+    with pytest.raises(SystemExit) as exited:
+        parse_args(argv)
+    assert exited.value.code == 2
+    return capsys.readouterr().err
+
+
+def test_converted_model_name_or_path_names_the_model() -> None:
+    args = parse_args(["--converted_model_name_or_path", "bigscience/bloom-petals", "--new_swarm"])
+    assert config_from_args(args).model == "bigscience/bloom-petals"
+
+
+@pytest.mark.parametrize(
+    "argv", [["--new_swarm"], ["m", "--converted_model_name_or_path", "m", "--new_swarm"]]
+)
+def test_the_model_is_given_once(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    assert "give the model once" in _refused(argv, capsys)
+
+
+def test_host_maddrs_set_where_to_listen() -> None:
+    config = config_from_args(parse_args(["m", "--new_swarm", "--host_maddrs", V4]))
+    assert (config.host, config.port) == ("203.0.113.7", 31337)
+    six = config_from_args(
+        parse_args(["m", "--new_swarm", "--host_maddrs", "/ip6/::/udp/7/quic-v1"])
+    )
+    assert (six.host, six.port) == ("::", 7)
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (
+            ["--host_maddrs", "/ip4/0.0.0.0/tcp/31337"],
+            "petals_core speaks QUIC over UDP; use /udp/PORT/quic-v1",
+        ),
+        (["--host_maddrs", V4, "/ip6/::/udp/31337/quic-v1"], "one address, not 2"),
+        (["--host_maddrs", V4, "--port", "5"], "give --host_maddrs or --host / --port"),
+        (["--announce_maddrs", "/ip4/1.2.3.4/tcp/31337"], "use /udp/PORT/quic-v1"),
+        (
+            ["--port", "1", "--announce_maddrs", V4],
+            "names UDP port 31337, but the server listens on 1",
+        ),
+        (
+            ["--public_ip", "1.2.3.4", "--announce_host", "1.2.3.4"],
+            "give one of --announce_host, --public_ip",
+        ),
+        (["--token", "t", "--use_auth_token"], "not allowed with argument --token"),
+    ],
+)
+def test_clashing_or_tcp_addresses_exit_2(
+    flags: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert message in _refused(["m", "--new_swarm", *flags], capsys)
+
+
+def test_announced_address_from_petals_flags() -> None:
+    public = config_from_args(parse_args(["m", "--new_swarm", "--public_ip", "198.51.100.4"]))
+    assert public.announce_host == "198.51.100.4"
+    maddrs = config_from_args(
+        parse_args(["m", "--new_swarm", "--port", "31337", "--announce_maddrs", V4])
+    )
+    assert (maddrs.announce_host, maddrs.port) == ("203.0.113.7", 31337)
+
+
+def test_use_auth_token_reads_the_saved_login() -> None:
+    # huggingface_hub reads the token saved by `huggingface-cli login` when none is given.
+    args = parse_args(["m", "--new_swarm", "--use_auth_token"])
+    assert config_from_args(args).token is None
+
+
+@pytest.mark.parametrize("flag", sorted(PETALS_ONLY_FLAGS))
+def test_petals_only_flags_say_why_they_mean_nothing(
+    flag: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    nargs, reason = PETALS_ONLY_FLAGS[flag]
+    values = [] if nargs == 0 else ["1"]
+    error = _refused(["m", "--new_swarm", flag, *values], capsys)
+    assert f"{flag} is a Petals flag that means nothing here: {reason}" in error
