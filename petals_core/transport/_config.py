@@ -34,6 +34,11 @@ class TransportConfig:
     keepalive_interval_s: float | None = attrs.field(
         default=_DEFAULT_KEEPALIVE_S, validator=positive_or_none
     )
+    #: While calls are open on a connection, a peer that sends nothing for this long is probed
+    #: with PINGs, and one that answers none of them within about as long again (at least four
+    #: of its probe timeouts) is given up on: a killed process or a vanished machine is noticed
+    #: in about twice this, not after the idle timeout.  None: wait for the idle timeout.
+    peer_silence_s: float | None = attrs.field(default=0.5, validator=positive_or_none)
     #: How long ``connect`` waits for the handshake.
     connect_timeout_s: float = attrs.field(default=10.0, validator=positive)
     #: How long a served call may take to send its header (and a unary call its request): a

@@ -135,6 +135,11 @@ class _Conn:
     lost: bool = False
     last_activity: float = 0.0
     keepalive_at: float | None = None
+    #: When the last datagram from the peer arrived.
+    last_received: float = 0.0
+    #: While calls are open and the peer is silent: when probing began, and the next probe.
+    probing_since: float | None = None
+    probe_at: float | None = None
     # The soonest of aioquic's timer, the keep-alive and the connect deadline, as of the last
     # time this connection's output was collected (aioquic's get_timer is not cheap).
     timer_at: float | None = None
@@ -200,6 +205,7 @@ class Endpoint:
             expected_peer_id=expected,
             connect_deadline=now + self.config.connect_timeout_s,
             last_activity=now,
+            last_received=now,
         )
         self._by_handle[handle] = conn
         self._by_cid[quic.host_cid] = conn
@@ -290,7 +296,8 @@ class Endpoint:
                 return
         else:
             conn.quic.receive_datagram(data, address, now=now)
-        conn.last_activity = now
+        conn.last_activity = conn.last_received = now
+        conn.probing_since = None
         self._after(conn, now)
 
     def _accept(self, data: bytes, header: object, address: Address, now: float) -> _Conn | None:
@@ -363,6 +370,9 @@ class Endpoint:
             if conn.keepalive_at is not None and conn.keepalive_at <= now and not conn.lost:
                 conn.quic.send_ping(0)
                 conn.last_activity = now
+                touched = True
+            if conn.probe_at is not None and conn.probe_at <= now and not conn.lost:
+                self._probe(conn, now)
                 touched = True
             if touched:
                 self._after(conn, now)
@@ -535,6 +545,39 @@ class Endpoint:
         interval = self.config.keepalive_interval_s
         if conn.ready and interval is not None and not conn.lost:
             conn.keepalive_at = conn.last_activity + interval
+        self._schedule_probe(conn)
+
+    # -- a silent peer --------------------------------------------------------------------------
+
+    def _schedule_probe(self, conn: _Conn) -> None:
+        silence = self.config.peer_silence_s
+        if silence is None or conn.lost or not conn.ready or not conn.open_streams:
+            conn.probe_at = conn.probing_since = None
+        elif conn.probing_since is None:
+            conn.probe_at = conn.last_received + silence
+
+    def _probe(self, conn: _Conn, now: float) -> None:
+        """The peer said nothing for ``peer_silence_s`` while calls are open: PING it a few
+        times; if none of that draws an answer within the grace period, it is gone."""
+        silence = self.config.peer_silence_s
+        if silence is None or not conn.open_streams:
+            conn.probe_at = conn.probing_since = None
+            return
+        grace = max(silence, 4 * conn.quic.probe_timeout())
+        if conn.probing_since is None:
+            conn.probing_since = now
+        elif now - conn.probing_since >= grace:
+            self._fail(
+                conn,
+                ConnectionClosed(
+                    f"{_format(conn.address)} stopped answering: nothing for "
+                    f"{now - conn.last_received:.1f} s while calls were open, PINGs unanswered"
+                ),
+                now,
+            )
+            return
+        conn.quic.send_ping(0)
+        conn.probe_at = min(now + grace / 3, conn.probing_since + grace)
 
     def _drain_quic_events(self, conn: _Conn, now: float) -> None:
         quic = conn.quic
@@ -595,7 +638,7 @@ class Endpoint:
             return
         conn.lost = True
         conn.connect_deadline = None
-        conn.keepalive_at = None
+        conn.keepalive_at = conn.probe_at = None
         code = APP_IDENTITY if isinstance(error, IdentityMismatch) else APP_CLOSED
         conn.quic.close(error_code=code, reason_phrase=str(error)[:200])
         self._dirty.add(conn)
@@ -620,7 +663,7 @@ def _no_data_pending(conn: _Conn) -> bool:
 
 def _refresh_timer(conn: _Conn) -> float | None:
     best = conn.quic.get_timer()
-    for at in (conn.keepalive_at, conn.connect_deadline):
+    for at in (conn.keepalive_at, conn.connect_deadline, conn.probe_at):
         if at is not None and (best is None or at < best):
             best = at
     conn.timer_at = best

@@ -238,6 +238,11 @@ class PeerQuicConnection(QuicConnection):
         if space is self._spaces.get(tls.Epoch.ONE_RTT):
             self._unacked_eliciting = 0
 
+    def probe_timeout(self) -> float:
+        """RFC 9002's probe timeout towards the peer: smoothed RTT, four RTT variances and the
+        peer's maximum ACK delay (twice the initial RTT before the first sample)."""
+        return float(self._loss.get_probe_timeout())
+
     @property
     def data_pending(self) -> bool:
         """Whether stream data was queued since the last :meth:`datagrams_to_send`."""

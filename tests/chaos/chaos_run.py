@@ -107,7 +107,8 @@ class ChaosConfig:
     """One chaos run: ``generations`` with a kill, ``stalls`` with a stall, ``finetune_steps``
     with a kill between forward and backward.
 
-    ``request_timeout_s`` is the client's: how soon a dead or stalled server is given up on.
+    ``request_timeout_s`` is the client's (None: the library's default); a dead or stopped
+    server is given up on sooner, when the transport finds it silent.
     ``deadline_s`` bounds the whole run (starting the swarm included).
     """
 
@@ -116,7 +117,9 @@ class ChaosConfig:
     finetune_steps: int = attrs.field(default=3, validator=_non_negative)
     max_new_tokens: int = attrs.field(default=16, validator=_positive)
     prompt_tokens: int = attrs.field(default=6, validator=_positive)
-    request_timeout_s: float = attrs.field(default=2.5, validator=_positive)
+    request_timeout_s: float | None = attrs.field(
+        default=None, validator=attrs.validators.optional(_positive)
+    )
     seed: int = 0
     deadline_s: float = attrs.field(default=3600.0, validator=_positive)
 
@@ -138,13 +141,17 @@ class Outcome:
     result: Result
     message: str
     seconds: float
+    #: For a generation: from the fault to the next token (the dead or stopped server noticed,
+    #: the span rerouted and its history replayed).
+    recovery_s: float | None = None
 
     def line(self) -> str:
         victim = self.victim[-6:] if self.victim else "-"
         where = "between fwd/bwd" if self.step < 0 else f"after token {self.step}"
+        recovery = "" if self.recovery_s is None else f", next token {self.recovery_s:.2f} s later"
         text = (
             f"{self.kind} {self.index:3d}: {self.fault} {victim} {where}: {self.result} "
-            f"({self.seconds:.1f} s)"
+            f"({self.seconds:.1f} s{recovery})"
         )
         return f"{text}: {self.message}" if self.message else text
 
@@ -181,7 +188,19 @@ class ChaosReport:
             f"kills {self.kills}, stalls {self.stalls}, restarts {self.restarts}; "
             f"references equal to local transformers: "
             f"{self.references_equal_local}/{self.references}"
+            + "".join(
+                f"; {fault}: next token after {min(times):.2f}-{max(times):.2f} s"
+                for fault, times in self.recovery_times().items()
+            )
         )
+
+    def recovery_times(self) -> dict[str, list[float]]:
+        """The generations' recovery times (fault to next token), by fault."""
+        times: dict[str, list[float]] = {}
+        for outcome in self.outcomes:
+            if outcome.recovery_s is not None:
+                times.setdefault(outcome.fault, []).append(outcome.recovery_s)
+        return times
 
 
 # --- the model and the swarm ------------------------------------------------------------------
@@ -219,16 +238,16 @@ def server_args(span: tuple[int, int], cache_dir: Path) -> list[str]:
     )
 
 
-def client_options(initial_peers: Sequence[str], request_timeout_s: float) -> dict[str, Any]:
-    """``from_pretrained`` keyword arguments of the chaos client: short timeouts and bans, quick
-    retries, a bounded number of them (so that a hopeless session ends with an error)."""
+def client_options(initial_peers: Sequence[str], request_timeout_s: float | None) -> dict[str, Any]:
+    """``from_pretrained`` keyword arguments of the chaos client: the default timeouts (unless
+    ``request_timeout_s`` is given), short bans, quick retries, a bounded number of them (so
+    that a hopeless session ends with an error)."""
+    timeouts = {} if request_timeout_s is None else {"request_timeout_s": request_timeout_s}
     return {
         "initial_peers": tuple(initial_peers),
         "dht_prefix": PREFIX,
         "torch_dtype": torch.float32,
-        "request_timeout_s": request_timeout_s,
-        "connect_timeout_s": 2.0,
-        "ping_timeout_s": 1.0,
+        **timeouts,
         "ban_timeout_s": 2.0,
         "min_backoff_s": 0.05,
         "max_backoff_s": 0.5,
@@ -250,10 +269,16 @@ class _AtStep(LogitsProcessor):
         self.step = step
         self.calls = 0
         self._action = action
+        self.struck_at: float | None = None
+        #: From the action to the next token scored.
+        self.recovery_s: float | None = None
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
         if self.calls == self.step:
             self._action()
+            self.struck_at = time.monotonic()
+        elif self.calls == self.step + 1 and self.struck_at is not None:
+            self.recovery_s = time.monotonic() - self.struck_at
         self.calls += 1
         return scores
 
@@ -391,7 +416,7 @@ async def open_harness(
             nursery.cancel_scope.cancel()
 
 
-def load_client(harness: ChaosHarness, request_timeout_s: float, **extra: Any) -> Any:
+def load_client(harness: ChaosHarness, request_timeout_s: float | None, **extra: Any) -> Any:
     """The distributed causal LM of the harness's swarm (its network part is not started)."""
     return AutoDistributedModelForCausalLM.from_pretrained(
         str(harness.folder),
@@ -429,9 +454,10 @@ async def generate_with_fault(
     max_new_tokens: int,
     fault: Fault | None,
     step: int,
-) -> tuple[torch.Tensor, str | None]:
+) -> tuple[torch.Tensor, str | None, float | None]:
     """Greedy ``generate()`` in a worker thread; after token ``step`` is scored, ``fault``
-    strikes a random server of the session's route.  Returns the tokens and the victim."""
+    strikes a random server of the session's route.  Returns the tokens, the victim, and the
+    seconds from the fault to the next token."""
     victims: list[str] = []
     stopped: list[SwarmProcess] = []
 
@@ -448,10 +474,13 @@ async def generate_with_fault(
         else:
             stopped.append(harness.stop(victim))
 
+    triggers: list[_AtStep] = []
+
     def run() -> torch.Tensor:
         max_length = ids.shape[1] + max_new_tokens
         with model.inference_session(max_length=max_length) as session:
             trigger = _AtStep(step, lambda: trio.from_thread.run_sync(strike, session))
+            triggers.append(trigger)
             return _greedy(
                 model, ids, max_new_tokens, logits_processor=LogitsProcessorList([trigger])
             )
@@ -461,7 +490,8 @@ async def generate_with_fault(
     finally:
         for process in stopped:
             harness.resume(process)
-    return output, victims[0] if victims else None
+    recovery = triggers[0].recovery_s if victims else None
+    return output, victims[0] if victims else None, recovery
 
 
 def classify_error(error: BaseException) -> tuple[Result, str]:
@@ -582,8 +612,9 @@ async def _run(config: ChaosConfig, work_dir: Path, log: Log, began: float) -> C
             step = rng.randrange(config.max_new_tokens - 1)
             started = time.monotonic()
             victim: str | None = None
+            recovery: float | None = None
             try:
-                output, victim = await generate_with_fault(
+                output, victim, recovery = await generate_with_fault(
                     harness,
                     model,
                     ids,
@@ -605,6 +636,7 @@ async def _run(config: ChaosConfig, work_dir: Path, log: Log, began: float) -> C
                 result=result,
                 message=message,
                 seconds=time.monotonic() - started,
+                recovery_s=recovery,
             )
             outcomes.append(outcome)
             log(outcome.line())
@@ -665,7 +697,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--finetune", type=int, default=3, help="fine-tuning steps with a kill")
     parser.add_argument("--max_new_tokens", type=int, default=16)
-    parser.add_argument("--request_timeout", type=float, default=2.5)
+    parser.add_argument(
+        "--request_timeout", type=float, default=None, help="the client's (default: the library's)"
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--deadline", type=float, default=3600.0, help="seconds for everything")
     parser.add_argument(

@@ -70,7 +70,7 @@ class SoakConfig:
     finetune_every: int = 5
     max_new_tokens: int = 16
     prompt_tokens: int = 6
-    request_timeout_s: float = 2.5
+    request_timeout_s: float | None = None
     seed: int = 0
 
     def __attrs_post_init__(self) -> None:
@@ -259,7 +259,7 @@ async def _soak(config: SoakConfig, work_dir: Path) -> SoakReport:
                         kind = "generation"
                         index = rng.randrange(N_PROMPTS)
                         step = rng.randrange(config.max_new_tokens - 1)
-                        output, victim = await generate_with_fault(
+                        output, victim, _ = await generate_with_fault(
                             harness,
                             model,
                             prompts[index],

@@ -33,3 +33,8 @@ async def test_sessions_survive_kills_and_stalls_with_identical_outputs(tmp_path
     assert [o.result for o in report.outcomes] == ["equal"] * 4, report.summary()
     assert (report.kills, report.stalls) == (3, 1)
     assert report.lost == 0
+    # With the default timeouts, a dead or stopped server is noticed by the transport, not by
+    # request_timeout_s (180 s) or the connection's idle timeout (60 s).
+    times = report.recovery_times()
+    assert sorted(times) == ["kill", "stall"] and len(times["kill"]) == 2
+    assert max(max(t) for t in times.values()) < 30, report.summary()

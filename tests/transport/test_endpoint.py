@@ -429,3 +429,54 @@ def test_junk_initials_hold_no_connection() -> None:
     assert server.endpoint.datagrams_to_send(0.0) == []
     # A real client still gets in.
     handshake(net, client, server)
+
+
+def _open_call(net: MemoryNetwork, client: Recorder, server: Recorder, handle: int) -> int:
+    stream_id = client.endpoint.open_stream(handle)
+    client.endpoint.send_stream_data(handle, stream_id, b"request", net.now)
+    assert net.run_until(lambda: any(key[1] == stream_id for key in server.received))
+    return stream_id
+
+
+def test_a_vanished_peer_is_given_up_on_within_about_a_second_while_a_call_is_open() -> None:
+    net, client, server = make_pair()
+    handle = handshake(net, client, server)
+    _open_call(net, client, server, handle)
+    gone_at = net.now
+    net.detach(SERVER)  # killed: no answer, not even an ICMP error
+    assert net.run_until(lambda: handle in client.lost, max_time_s=30)
+    error = client.lost[handle].error
+    assert type(error) is ConnectionClosed and "stopped answering" in str(error)
+    assert net.now - gone_at < 1.5
+
+
+def test_silence_without_open_calls_waits_for_the_idle_timeout() -> None:
+    net, client, server = make_pair(TransportConfig(keepalive_interval_s=None, idle_timeout_s=20))
+    handle = handshake(net, client, server)
+    net.detach(SERVER)
+    net.run_until(lambda: handle in client.lost, max_time_s=10)
+    assert handle not in client.lost
+    assert net.run_until(lambda: handle in client.lost, max_time_s=30)
+    assert "idle" in str(client.lost[handle].error)
+
+
+@pytest.mark.parametrize("silence", [0.5, None])
+def test_a_peer_that_is_alive_but_slow_to_answer_is_kept(silence: float | None) -> None:
+    """The peer's application says nothing for a minute, but its QUIC stack acknowledges the
+    PINGs: the call stays open (how long an answer may take is the caller's business)."""
+    config = TransportConfig(keepalive_interval_s=None, peer_silence_s=silence)
+    net, client, server = make_pair(config, pipe=Pipe(latency_s=0.05, loss=0.02))
+    handle = handshake(net, client, server)
+    _open_call(net, client, server, handle)
+    net.run_until(lambda: handle in client.lost or bool(server.lost), max_time_s=50)
+    assert handle not in client.lost and not server.lost
+
+
+def test_without_peer_silence_a_vanished_peer_waits_for_the_idle_timeout() -> None:
+    config = TransportConfig(keepalive_interval_s=None, peer_silence_s=None, idle_timeout_s=20)
+    net, client, server = make_pair(config)
+    handle = handshake(net, client, server)
+    _open_call(net, client, server, handle)
+    net.detach(SERVER)
+    net.run_until(lambda: handle in client.lost, max_time_s=10)
+    assert handle not in client.lost
