@@ -6,11 +6,12 @@ plans a min-latency route and opens one ``petals.inference`` stream per span of 
 output of one is the input of the next (activations return through the client).
 
 The client keeps, for every span, the inputs it sent (``history``: ``(B, position, hidden)``).
-When a server fails, stalls past ``request_timeout_s`` or refuses a step it should have taken, the
-session bans it, plans a new route for that span's blocks (it may take several servers), replays
-the history through the replacements so that they rebuild their caches, and carries on from the
-same step.  Rolling back (setting ``position`` lower) cuts every history; reordering rows for beam
-search (``hypo_ids``) reorders them.  Deep prompts given at position 0 are kept, and replayed.
+When a server fails, stalls past the step's timeout (:meth:`RemoteSequenceManager.step_timeout`)
+or refuses a step it should have taken, the session bans it, plans a new route for that span's
+blocks (it may take several servers), replays the history through the replacements so that they
+rebuild their caches, and carries on from the same step.  Rolling back (setting ``position``
+lower) cuts every history; reordering rows for beam search (``hypo_ids``) reorders them.  Deep
+prompts given at position 0 are kept, and replayed.
 
 What can fail is retried with exponential backoff up to ``max_retries``; after that the error
 names the last cause.  Steps are checked here before anything is sent, so that a server is never
@@ -177,7 +178,10 @@ class InferenceSession:
         while index < len(core.spans):
             state = core.spans[index]
             try:
-                with trio.fail_after(self.manager.config.request_timeout_s):
+                timeout = self.manager.step_timeout(
+                    state.span, tokens=x.shape[0] * x.shape[1], nbytes=x.nbytes
+                )
+                with trio.fail_after(timeout):
                     request = core.request(index, x)
                     span_call = self._calls[state]
                     if request is not None:

@@ -48,6 +48,8 @@ __all__ = ["RemoteSequenceManager", "SequenceManagerConfig", "SequenceManagerSta
 #: A server whose measured forward speed is below its claim by more than this factor is routed
 #: by what we measured instead.
 OVERCLAIM_FACTOR = 10.0
+#: The slowest link a step's timeout allows for, in bytes per second.
+_SLOW_LINK_BYTES_PER_S = 1e6
 
 logger = logging.getLogger(__name__)
 
@@ -74,7 +76,9 @@ class SequenceManagerConfig:
     inference step goes from each server straight to the next (each still answers the client,
     which keeps every span's inputs to replay); False: every step returns through the client.
     A route waits up to ``missing_blocks_timeout_s`` for servers of blocks nobody holds, then
-    raises :class:`MissingBlocksError`.
+    raises :class:`MissingBlocksError`.  An inference step's answer is awaited for
+    ``min_step_timeout_s`` plus ten times what the server's announced speed says the step takes
+    (at most ``request_timeout_s``): a server alive but stuck is given up on in seconds.
     """
 
     initial_peers: tuple[str, ...] = attrs.field(default=(), converter=tuple)
@@ -94,6 +98,7 @@ class SequenceManagerConfig:
     ping_timeout_s: float = attrs.field(default=2.0, validator=positive)
     use_server_to_server: bool = True
     missing_blocks_timeout_s: float = attrs.field(default=10.0, validator=positive)
+    min_step_timeout_s: float = attrs.field(default=5.0, validator=positive)
 
     def __attrs_post_init__(self) -> None:
         if self.max_retries is not None and self.max_retries < 0:
@@ -386,6 +391,23 @@ class RemoteSequenceManager:
         raise PeerUnreachable(
             f"server {peer} did not answer within {self.config.connect_timeout_s} s"
         )
+
+    def step_timeout(self, span: RouteSpan, *, tokens: int, nbytes: int) -> float:
+        """Seconds to wait for ``span``'s server to answer an inference step of ``tokens``
+        (rows x positions) carrying ``nbytes`` each way: ``min_step_timeout_s`` plus ten times
+        the compute its announced speed implies and the transfer at 1 MB/s, at most
+        ``request_timeout_s``."""
+        config = self.config
+        snapshot = self.state.snapshot
+        info = None if snapshot is None else snapshot.servers_for(span.start).get(span.peer_id)
+        compute_s = 0.0
+        if info is not None:
+            rate = info.inference_rps if tokens == 1 else info.forward_rps
+            rate = rate if rate else info.throughput
+            if rate > 0:
+                compute_s = tokens * span.length / rate
+        expected = compute_s + 2 * nbytes / _SLOW_LINK_BYTES_PER_S
+        return min(config.request_timeout_s, config.min_step_timeout_s + 10 * expected)
 
     # -- what servers deliver --------------------------------------------------------------------
 

@@ -97,9 +97,11 @@ def server_config(model: Model, cache_dir: Path, **fields: Any) -> ServerConfig:
 class InProcessSwarm:
     """In-process servers, each run by its own task so that any one can leave (``leave``)."""
 
-    def __init__(self, model: Model, cache_dir: Path, nursery: trio.Nursery) -> None:
+    def __init__(self, model: Model, cache_dir: Path, nursery: trio.Nursery, **fields: Any) -> None:
         self.model = model
         self.cache_dir = cache_dir
+        #: ServerConfig fields of every server, beside :func:`server_config`'s.
+        self.fields = fields
         self.servers: dict[str, Server] = {}
         self._nursery = nursery
         self._stops: dict[str, tuple[trio.Event, trio.Event]] = {}
@@ -112,9 +114,12 @@ class InProcessSwarm:
                 self.cache_dir,
                 block_indices=span,
                 initial_peers=(str(first.multiaddrs[0]),),
+                **self.fields,
             )
         else:
-            config = server_config(self.model, self.cache_dir, block_indices=span, new_swarm=True)
+            config = server_config(
+                self.model, self.cache_dir, block_indices=span, new_swarm=True, **self.fields
+            )
         stop, stopped = trio.Event(), trio.Event()
 
         async def run(task_status: trio.TaskStatus[Server]) -> None:
@@ -140,10 +145,10 @@ class InProcessSwarm:
 
 @asynccontextmanager
 async def in_process_swarm(
-    model: Model, cache_dir: Path, spans: list[tuple[int, int]]
+    model: Model, cache_dir: Path, spans: list[tuple[int, int]], **fields: Any
 ) -> AsyncIterator[InProcessSwarm]:
     async with trio.open_nursery() as nursery:
-        swarm = InProcessSwarm(model, cache_dir, nursery)
+        swarm = InProcessSwarm(model, cache_dir, nursery, **fields)
         for span in spans:
             await swarm.add(span)
         yield swarm

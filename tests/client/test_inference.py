@@ -6,6 +6,7 @@ process killed with SIGKILL or stalled with SIGSTOP) with the history replayed e
 from __future__ import annotations
 
 import signal
+import time
 from pathlib import Path
 from typing import Any
 
@@ -262,3 +263,36 @@ async def test_stall_and_kill_failover_in_a_process_swarm(model: Model) -> None:
                         await doomed.step(x)
     exit_codes = [process.process.returncode for process in swarm.servers]
     assert exit_codes == [-signal.SIGKILL] * 3
+
+
+async def test_a_stuck_server_is_replaced_after_the_step_timeout(
+    model: Model, tmp_path: Path
+) -> None:
+    """The server's network answers (so the transport keeps it), but its step never comes."""
+    torch.manual_seed(7)
+    # Servers that announce about the speed they have: a step's timeout is then about 1 s.
+    spans = [(0, 6), (0, 6)]
+    async with in_process_swarm(model, tmp_path, spans, throughput=1000.0) as swarm:
+        manager = manager_for(
+            list(swarm.servers.values()), min_step_timeout_s=1.0, request_timeout_s=600.0
+        )
+        reference = Reference(model)
+        with trio.fail_after(DEADLINE_S):
+            async with RemoteSequential(manager) as seq:
+                await wait_for_servers(manager, 2)
+                async with seq.open_inference_session(max_length=16) as session:
+                    await reference.check_step(session, 1, 4)
+                    (span,) = session.route
+                    handlers = swarm.servers[span.peer_id].block_server._inference
+
+                    async def never_answer(*args: Any, **kwargs: Any) -> Any:
+                        await trio.sleep_forever()
+
+                    handlers._step = never_answer  # type: ignore[method-assign]
+                    began = time.monotonic()
+                    await reference.check_step(session, 1, 1)
+                    waited = time.monotonic() - began
+                    assert manager.is_banned(span.peer_id)
+                    assert [s.peer_id for s in session.route] != [span.peer_id]
+                    assert waited < 30.0  # the step's timeout, not request_timeout_s
+                    await reference.check_step(session, 1, 1)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import attrs
 import pytest
@@ -17,9 +18,11 @@ from hypothesis import given, strategies as st
 
 from petals_core import ConfigError
 from petals_core.client import RemoteSequential, remote_forward
+from petals_core.dht import PeerTableSnapshot, ServerInfo, ServerState
 from petals_core.routing import (
     MissingBlocksError,
     RemoteSequenceManager,
+    RouteSpan,
     SequenceManagerConfig,
 )
 
@@ -199,3 +202,43 @@ async def test_missing_block_is_named_after_missing_blocks_timeout(
                 assert missing.value.blocks == (3, 4)
                 assert not manager.state.bans  # nobody failed: nobody is banned
         assert attrs.asdict(manager.config) == settings
+
+
+def _info(**rates: Any) -> ServerInfo:
+    return ServerInfo(
+        state=ServerState.ONLINE,
+        throughput=100.0,
+        start_block=0,
+        end_block=6,
+        version="test",
+        torch_dtype="float32",
+        **rates,
+    )
+
+
+@pytest.mark.parametrize(
+    ("rates", "tokens", "nbytes", "expected"),
+    [
+        # No announcement seen: the floor, plus the transfer at 1 MB/s (ten times).
+        (None, 1, 0, 5.0),
+        (None, 1, 50_000, 5.0 + 10 * 0.1),
+        # A decode step at the announced inference speed: 1 token x 4 blocks / 2 per second.
+        ({"inference_rps": 2.0, "forward_rps": 1000.0}, 1, 0, 5.0 + 10 * 2.0),
+        # A prefill at the forward speed, capped by request_timeout_s.
+        ({"inference_rps": 2.0, "forward_rps": 8.0}, 8, 0, 5.0 + 10 * 4.0),
+        ({"inference_rps": 2.0, "forward_rps": 1.0}, 64, 0, 120.0),
+        # Speeds not announced: the throughput.
+        ({}, 50, 0, 5.0 + 10 * 2.0),
+    ],
+)
+def test_the_step_timeout_scales_with_the_expected_compute(
+    rates: dict[str, float] | None, tokens: int, nbytes: int, expected: float
+) -> None:
+    manager = manager_for(dht_prefix="model", request_timeout_s=120.0)
+    span = RouteSpan(peer_id="peer", start=1, end=5)
+    if rates is not None:
+        blocks = {block: {"peer": _info(**rates)} for block in range(6)}
+        manager.state.snapshot = PeerTableSnapshot(
+            prefix="model", now=0.0, version=1, blocks=blocks
+        )
+    assert manager.step_timeout(span, tokens=tokens, nbytes=nbytes) == pytest.approx(expected)
