@@ -258,6 +258,7 @@ class _AtStep(LogitsProcessor):
         return scores
 
 
+@attrs.define(eq=False)
 class ChaosHarness:
     """The swarm of a run and what faults it: which process (by PeerID) holds which span, kills
     with restarts, stalls with resumption, and the wait until the client sees every live server.
@@ -265,30 +266,21 @@ class ChaosHarness:
     Create with :func:`open_harness`.  Methods run on the trio loop.
     """
 
-    def __init__(
-        self,
-        swarm: LocalSwarm,
-        folder: Path,
-        cache_dir: Path,
-        nursery: trio.Nursery,
-        rng: random.Random,
-        log: Log,
-    ) -> None:
-        self.swarm = swarm
-        self.folder = folder
-        self.cache_dir = cache_dir
-        self.rng = rng
-        self.log = log
-        #: Live servers: PeerID -> (process, span).
-        self.alive: dict[str, tuple[SwarmProcess, tuple[int, int]]] = {}
-        #: Servers never killed (the soak keeps some for the whole run, to watch their memory).
-        self.protected: set[str] = set()
-        self.kills = 0
-        self.stalls = 0
-        self.restarts = 0
-        self._nursery = nursery
-        self._restarting = 0
-        self._restarted = trio.Event()
+    swarm: LocalSwarm
+    folder: Path
+    cache_dir: Path
+    _nursery: trio.Nursery
+    rng: random.Random
+    log: Log
+    #: Live servers: PeerID -> (process, span).
+    alive: dict[str, tuple[SwarmProcess, tuple[int, int]]] = attrs.field(init=False, factory=dict)
+    #: Servers never killed (the soak keeps some for the whole run, to watch their memory).
+    protected: set[str] = attrs.field(init=False, factory=set)
+    kills: int = attrs.field(init=False, default=0)
+    stalls: int = attrs.field(init=False, default=0)
+    restarts: int = attrs.field(init=False, default=0)
+    _restarting: int = attrs.field(init=False, default=0)
+    _restarted: trio.Event = attrs.field(init=False, factory=trio.Event)
 
     async def add(self, span: tuple[int, int]) -> str:
         process = await self.swarm.add_server(str(self.folder), server_args(span, self.cache_dir))
