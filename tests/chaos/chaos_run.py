@@ -35,6 +35,7 @@ The CI-sized run is ``tests/chaos/test_chaos.py``.
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import random
 import signal
@@ -42,10 +43,10 @@ import sys
 import tempfile
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
 from pathlib import Path
-from typing import Any, Final, Literal
+from typing import Any, Final, Literal, TypeVar
 
 import attrs
 import torch
@@ -90,6 +91,8 @@ GRAD_ATOL: Final = 1e-5
 Fault = Literal["kill", "stall"]
 Result = Literal["equal", "petals_error", "mismatch", "unexpected_error"]
 Log = Callable[[str], None]
+#: What a faulted session returns beside its victim (tokens, or a fine-tuning step's result).
+_Got = TypeVar("_Got")
 
 
 def _positive(instance: object, attribute: attrs.Attribute[Any], value: float) -> None:
@@ -572,54 +575,29 @@ async def _run(config: ChaosConfig, work_dir: Path, log: Log, began: float) -> C
         for index, (fault, ids) in enumerate(zip(faults, prompts, strict=True)):
             await harness.settle(managers)
             step = rng.randrange(config.max_new_tokens - 1)
-            started = time.monotonic()
-            victim: str | None = None
-            try:
-                output, victim = await generate_with_fault(
-                    harness,
-                    model,
-                    ids,
-                    max_new_tokens=config.max_new_tokens,
-                    fault=fault,
-                    step=step,
-                )
-            except Exception as error:
-                result, message = classify_error(error)
-            else:
-                equal = torch.equal(output, references[index])
-                result, message = ("equal", "") if equal else ("mismatch", f"got {output.tolist()}")
-            outcome = Outcome(
-                kind="generation",
-                index=index,
+            generate = functools.partial(
+                generate_with_fault,
+                harness,
+                model,
+                ids,
+                max_new_tokens=config.max_new_tokens,
                 fault=fault,
                 step=step,
-                victim=victim,
-                result=result,
-                message=message,
-                seconds=time.monotonic() - started,
             )
+            judge = functools.partial(compare_tokens, expected=references[index])
+            outcome = await faulted_outcome("generation", index, fault, step, generate, judge)
             outcomes.append(outcome)
             log(outcome.line())
         if tuned is not None:
             for index, (ids, expected) in enumerate(zip(step_ids, step_references, strict=True)):
                 await harness.settle(managers)
-                started = time.monotonic()
-                victim = None
-                try:
-                    got, victim = await finetune_step(harness, tuned, ids, kill=True)
-                except Exception as error:
-                    result, message = classify_error(error)
-                else:
-                    result, message = compare_steps(got, expected)
-                outcome = Outcome(
-                    kind="finetune",
-                    index=index,
-                    fault="kill",
-                    step=-1,
-                    victim=victim,
-                    result=result,
-                    message=message,
-                    seconds=time.monotonic() - started,
+                outcome = await faulted_outcome(
+                    "finetune",
+                    index,
+                    "kill",
+                    -1,
+                    functools.partial(finetune_step, harness, tuned, ids, kill=True),
+                    functools.partial(compare_steps, expected=expected),
                 )
                 outcomes.append(outcome)
                 log(outcome.line())
@@ -633,6 +611,40 @@ async def _run(config: ChaosConfig, work_dir: Path, log: Log, began: float) -> C
             seconds=time.monotonic() - began,
         )
     return report
+
+
+async def faulted_outcome(
+    kind: Literal["generation", "finetune"],
+    index: int,
+    fault: Fault,
+    step: int,
+    run: Callable[[], Awaitable[tuple[_Got, str | None]]],
+    judge: Callable[[_Got], tuple[Result, str]],
+) -> Outcome:
+    """What became of ``run()``, a session that ``fault`` strikes: ``judge`` of what it returned
+    (beside the victim), or what it raised."""
+    started = time.monotonic()
+    victim = None
+    try:
+        got, victim = await run()
+    except Exception as error:
+        result, message = classify_error(error)
+    else:
+        result, message = judge(got)
+    return Outcome(
+        kind=kind,
+        index=index,
+        fault=fault,
+        step=step,
+        victim=victim,
+        result=result,
+        message=message,
+        seconds=time.monotonic() - started,
+    )
+
+
+def compare_tokens(got: torch.Tensor, expected: torch.Tensor) -> tuple[Result, str]:
+    return ("equal", "") if torch.equal(got, expected) else ("mismatch", f"got {got.tolist()}")
 
 
 def compare_steps(got: StepResult, expected: StepResult) -> tuple[Result, str]:
