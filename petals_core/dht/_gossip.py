@@ -36,7 +36,7 @@ from typing import Final, NamedTuple
 import attrs
 
 from .._errors import CodecError, ConfigError, LocalProtocolError
-from ._record_store import RecordStore
+from ._record_store import RecordStore, check_positive_number
 from ._records import Record, ServerInfo, ServerState, StoreRefusal, peer_id_or_none
 
 __all__ = [
@@ -115,11 +115,6 @@ def _positive_int(name: str, value: object) -> None:
         raise ConfigError(f"{name} must be a positive integer, got {value!r}")
 
 
-def _positive_number(name: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < math.inf:
-        raise ConfigError(f"{name} must be a positive number, got {value!r}")
-
-
 @attrs.define
 class _Bucket:
     tokens: float
@@ -174,7 +169,7 @@ class Gossip:
             ("max_messages_per_peer_per_s", max_messages_per_peer_per_s),
             ("max_unknown_messages_per_s", max_unknown_messages_per_s),
         ]:
-            _positive_number(name, number)
+            check_positive_number(name, number)
         self._own_peer = own_peer
         self._store = store
         self._topic = f"{prefix}."

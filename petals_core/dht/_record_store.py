@@ -90,7 +90,8 @@ def _footprint(record: Record) -> int:
     )
 
 
-def _positive(name: str, value: object) -> None:
+def check_positive_number(name: str, value: object) -> None:
+    """A finite number > 0 (not a bool), or ConfigError naming ``name``."""
     if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < math.inf:
         raise ConfigError(f"{name} must be a positive number, got {value!r}")
 
@@ -118,7 +119,7 @@ class RecordStore:
             ("max_bytes_per_peer", max_bytes_per_peer),
             ("max_subkeys_per_key", max_subkeys_per_key),
         ]:
-            _positive(name, value)
+            check_positive_number(name, value)
         self._max_value_bytes = max_value_bytes
         self._max_expiration_s = max_expiration_s
         self._max_records = max_records

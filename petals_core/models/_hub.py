@@ -36,7 +36,18 @@ from safetensors import SafetensorError
 
 from .._errors import CheckpointError
 
-__all__ = ["HubRepo", "hub_errors", "unreadable"]
+__all__ = ["HubAccess", "HubRepo", "hub_errors", "unreadable"]
+
+
+@attrs.frozen(kw_only=True)
+class HubAccess:
+    """How to get a repo's files, as ``hf_hub_download`` takes it: the revision (None: the main
+    branch), the token, the cache folder, and whether to use the local cache only."""
+
+    revision: str | None = None
+    token: str | bool | None = None
+    cache_dir: str | os.PathLike[str] | None = None
+    local_files_only: bool = False
 
 
 @attrs.frozen(kw_only=True)
@@ -52,18 +63,12 @@ class HubRepo:
     offline: bool
 
     @classmethod
-    def resolve(
-        cls,
-        repo_id: str,
-        *,
-        source: str,
-        revision: str | None,
-        token: str | bool | None,
-        cache_dir: str | os.PathLike[str] | None,
-        local_files_only: bool,
-    ) -> HubRepo:
+    def resolve(cls, repo_id: str, access: HubAccess, *, what: str) -> HubRepo:
+        """``what`` names the repo in messages (e.g. "adapter repo")."""
+        revision, token, cache_dir = access.revision, access.token, access.cache_dir
+        source = f"{what} {repo_id!r} at revision {revision or 'main'!r}"
         cache = None if cache_dir is None else Path(cache_dir)
-        offline = local_files_only or is_offline_mode()
+        offline = access.local_files_only or is_offline_mode()
         with hub_errors(source):
             # Pins every file of this repo to one commit, and lets cached files skip the Hub.
             resolved = HfApi().resolve_revision(

@@ -38,7 +38,7 @@ from safetensors import safe_open
 from transformers import PreTrainedConfig
 
 from .._errors import CheckpointError
-from ._hub import HubRepo, unreadable
+from ._hub import HubAccess, HubRepo, unreadable
 
 __all__ = ["CheckpointError", "block_state_dict", "client_state_dict", "load_blocks"]
 
@@ -144,9 +144,10 @@ def load_blocks(
                 f"block index {index} is out of range: the model has {num_blocks} blocks "
                 f"(0..{num_blocks - 1})"
             )
-    checkpoint, base = _open(
-        model_name_or_path, layout, revision, token, cache_dir, local_files_only
+    access = HubAccess(
+        revision=revision, token=token, cache_dir=cache_dir, local_files_only=local_files_only
     )
+    checkpoint, base = _open(model_name_or_path, layout, access)
     names_of = {
         index: [
             name
@@ -174,21 +175,10 @@ def load_blocks(
 
 
 def _open(
-    model_name_or_path: str | os.PathLike[str],
-    layout: _Layout,
-    revision: str | None,
-    token: str | bool | None,
-    cache_dir: str | os.PathLike[str] | None,
-    local_files_only: bool,
+    model_name_or_path: str | os.PathLike[str], layout: _Layout, access: HubAccess
 ) -> tuple[_Checkpoint, str]:
     """The checkpoint and the prefix its tensor names carry (e.g. ``transformer.`` or none)."""
-    checkpoint = _Checkpoint.open(
-        model_name_or_path,
-        revision=revision,
-        token=token,
-        cache_dir=cache_dir,
-        local_files_only=local_files_only,
-    )
+    checkpoint = _Checkpoint.open(model_name_or_path, access)
     return checkpoint, layout.base_of(checkpoint.weight_map, checkpoint.source)
 
 
@@ -212,9 +202,10 @@ def client_state_dict(
     :func:`load_blocks`; only the shards holding these tensors are downloaded.
     """
     layout = _layout_of(config)
-    checkpoint, base = _open(
-        model_name_or_path, layout, revision, token, cache_dir, local_files_only
+    access = HubAccess(
+        revision=revision, token=token, cache_dir=cache_dir, local_files_only=local_files_only
     )
+    checkpoint, base = _open(model_name_or_path, layout, access)
     wanted = [base + module for module in layout.client_modules]
     if not config.tie_word_embeddings:
         wanted.append(_LM_HEAD)
@@ -250,24 +241,10 @@ class _Checkpoint:
     fetch: Callable[[str], Path]  # file name -> local path (downloading it if needed)
 
     @classmethod
-    def open(
-        cls,
-        model_name_or_path: str | os.PathLike[str],
-        *,
-        revision: str | None,
-        token: str | bool | None,
-        cache_dir: str | os.PathLike[str] | None,
-        local_files_only: bool,
-    ) -> _Checkpoint:
+    def open(cls, model_name_or_path: str | os.PathLike[str], access: HubAccess) -> _Checkpoint:
         if os.path.isdir(model_name_or_path):
             return cls._open_folder(Path(model_name_or_path))
-        return cls._open_repo(
-            os.fspath(model_name_or_path),
-            revision=revision,
-            token=token,
-            cache_dir=cache_dir,
-            local_files_only=local_files_only,
-        )
+        return cls._open_repo(os.fspath(model_name_or_path), access)
 
     @classmethod
     def _open_folder(cls, folder: Path) -> _Checkpoint:
@@ -288,23 +265,8 @@ class _Checkpoint:
         return cls(source=source, weight_map=weight_map, fetch=fetch)
 
     @classmethod
-    def _open_repo(
-        cls,
-        repo_id: str,
-        *,
-        revision: str | None,
-        token: str | bool | None,
-        cache_dir: str | os.PathLike[str] | None,
-        local_files_only: bool,
-    ) -> _Checkpoint:
-        repo = HubRepo.resolve(
-            repo_id,
-            source=f"repo {repo_id!r} at revision {revision or 'main'!r}",
-            revision=revision,
-            token=token,
-            cache_dir=cache_dir,
-            local_files_only=local_files_only,
-        )
+    def _open_repo(cls, repo_id: str, access: HubAccess) -> _Checkpoint:
+        repo = HubRepo.resolve(repo_id, access, what="repo")
         source, fetch = repo.source, repo.fetch
         # A sharded checkpoint has an index; a small one may be a single file. The cache remembers
         # that a file does not exist at a commit, which spares asking again.

@@ -25,7 +25,7 @@ from safetensors import safe_open
 from transformers import PreTrainedConfig
 
 from .._errors import AdapterError, CheckpointError
-from ._hub import HubRepo, unreadable
+from ._hub import HubAccess, HubRepo, unreadable
 from ._lora import LoraAdapter, check_lora_pair
 
 __all__ = ["load_lora_adapter"]
@@ -128,9 +128,10 @@ def load_lora_adapter(
                 f"(0..{num_blocks - 1})"
             )
     with _as_adapter_error():
-        source, config_path, weights_path = _fetch(
-            name_or_path, revision, token, cache_dir, local_files_only
+        access = HubAccess(
+            revision=revision, token=token, cache_dir=cache_dir, local_files_only=local_files_only
         )
+        source, config_path, weights_path = _fetch(name_or_path, access)
         lora = _parse_config_untrusted(config_path.read_bytes(), source)
         expected = _targets(lora, family, num_blocks, source)
         weights = _read_weights(weights_path, family, lora, expected, indices, source, dtype)
@@ -153,13 +154,7 @@ def _as_adapter_error() -> Iterator[None]:
         raise AdapterError(f"cannot read the adapter: {error}") from error
 
 
-def _fetch(
-    name_or_path: str | os.PathLike[str],
-    revision: str | None,
-    token: str | bool | None,
-    cache_dir: str | os.PathLike[str] | None,
-    local_files_only: bool,
-) -> tuple[str, Path, Path]:
+def _fetch(name_or_path: str | os.PathLike[str], access: HubAccess) -> tuple[str, Path, Path]:
     """Where to read from (for messages), and the local paths of the config and the weights."""
     if os.path.isdir(name_or_path):
         folder = Path(name_or_path)
@@ -172,14 +167,7 @@ def _fetch(
         return source, folder / CONFIG_FILE, folder / WEIGHTS_FILE
 
     repo_id = os.fspath(name_or_path)
-    repo = HubRepo.resolve(
-        repo_id,
-        source=f"adapter repo {repo_id!r} at revision {revision or 'main'!r}",
-        revision=revision,
-        token=token,
-        cache_dir=cache_dir,
-        local_files_only=local_files_only,
-    )
+    repo = HubRepo.resolve(repo_id, access, what="adapter repo")
     source, fetch = repo.source, repo.fetch
     config_path = _fetch_or(
         fetch, CONFIG_FILE, f"{source} has no {CONFIG_FILE}: not a PEFT adapter"

@@ -206,58 +206,46 @@ def _check_seconds(name: str, value: float) -> None:
         raise ConfigError(f"{name} is a finite number of seconds >= 0, not {value!r}")
 
 
-def _check_latency_model(
-    client_pings: Mapping[str, float],
-    cache_tokens_needed: int,
-    default_ping_s: float,
-    default_inference_rps: float,
-    cache_penalty_s: float,
-) -> None:
-    if (
-        not isinstance(cache_tokens_needed, int)
-        or isinstance(cache_tokens_needed, bool)
-        or cache_tokens_needed < 0
-    ):
-        raise ConfigError(f"cache_tokens_needed is an integer >= 0, not {cache_tokens_needed!r}")
-    _check_seconds("default_ping_s", default_ping_s)
-    _check_seconds("cache_penalty_s", cache_penalty_s)
-    if (
-        not isinstance(default_inference_rps, int | float)
-        or isinstance(default_inference_rps, bool)
-        or not 0 < default_inference_rps < _INF
-    ):
-        raise ConfigError(
-            f"default_inference_rps is a finite number > 0, not {default_inference_rps!r}"
-        )
-    for peer_id, rtt in client_pings.items():
-        _check_seconds(f"the client's ping to {peer_id}", rtt)
+@attrs.frozen
+class _LatencyModel:
+    """The parameters of the latency model in the module docstring, checked."""
 
+    client_pings: Mapping[str, float]
+    cache_tokens_needed: int
+    default_ping_s: float
+    default_inference_rps: float
+    cache_penalty_s: float
 
-def _block_cost(info: ServerInfo, default_inference_rps: float) -> float:
-    rps = default_inference_rps if info.inference_rps is None else info.inference_rps
-    return 1.0 / rps if rps > 0 else _INF
+    def __attrs_post_init__(self) -> None:
+        tokens = self.cache_tokens_needed
+        if not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 0:
+            raise ConfigError(f"cache_tokens_needed is an integer >= 0, not {tokens!r}")
+        _check_seconds("default_ping_s", self.default_ping_s)
+        _check_seconds("cache_penalty_s", self.cache_penalty_s)
+        rps = self.default_inference_rps
+        if not isinstance(rps, int | float) or isinstance(rps, bool) or not 0 < rps < _INF:
+            raise ConfigError(f"default_inference_rps is a finite number > 0, not {rps!r}")
+        for peer_id, rtt in self.client_pings.items():
+            _check_seconds(f"the client's ping to {peer_id}", rtt)
 
+    def block_cost(self, info: ServerInfo) -> float:
+        rps = self.default_inference_rps if info.inference_rps is None else info.inference_rps
+        return 1.0 / rps if rps > 0 else _INF
 
-def _free_blocks(info: ServerInfo, cache_tokens_needed: int) -> float:
-    """The longest span ``info``'s server runs without a cache penalty (inf: any)."""
-    if cache_tokens_needed == 0 or info.cache_tokens_left is None:
-        return _INF
-    return info.cache_tokens_left // cache_tokens_needed
+    def free_blocks(self, info: ServerInfo) -> float:
+        """The longest span ``info``'s server runs without a cache penalty (inf: any)."""
+        if self.cache_tokens_needed == 0 or info.cache_tokens_left is None:
+            return _INF
+        return info.cache_tokens_left // self.cache_tokens_needed
 
-
-def _hop_s(
-    source: str,
-    target: str,
-    servers: Mapping[str, ServerInfo],
-    client_pings: Mapping[str, float],
-    default_ping_s: float,
-) -> float:
-    measured = servers[source].next_pings.get(target)
-    if measured is not None:
-        return measured
-    if source in client_pings and target in client_pings:
-        return client_pings[source] / 2 + client_pings[target] / 2
-    return default_ping_s
+    def hop_s(self, source: str, target: str, servers: Mapping[str, ServerInfo]) -> float:
+        measured = servers[source].next_pings.get(target)
+        if measured is not None:
+            return measured
+        pings = self.client_pings
+        if source in pings and target in pings:
+            return pings[source] / 2 + pings[target] / 2
+        return self.default_ping_s
 
 
 def route_cost(
@@ -273,7 +261,7 @@ def route_cost(
     """Seconds one inference step takes along ``route``, by the latency model in the module
     docstring (what :func:`make_route_min_latency` minimises).  Every span's server must be in
     ``servers``; the route's shape is not checked."""
-    _check_latency_model(
+    model = _LatencyModel(
         client_pings, cache_tokens_needed, default_ping_s, default_inference_rps, cache_penalty_s
     )
     if not route:
@@ -284,12 +272,11 @@ def route_cost(
     costs = [client_pings.get(route[0].peer_id, default_ping_s)]
     for index, span in enumerate(route):
         info = servers[span.peer_id]
-        costs.append(span.length * _block_cost(info, default_inference_rps))
-        if span.length > _free_blocks(info, cache_tokens_needed):
+        costs.append(span.length * model.block_cost(info))
+        if span.length > model.free_blocks(info):
             costs.append(cache_penalty_s)
         if index > 0:
-            previous = route[index - 1].peer_id
-            costs.append(_hop_s(previous, span.peer_id, servers, client_pings, default_ping_s))
+            costs.append(model.hop_s(route[index - 1].peer_id, span.peer_id, servers))
     costs.append(client_pings.get(route[-1].peer_id, default_ping_s))
     return math.fsum(costs)
 
@@ -313,7 +300,7 @@ def make_route_min_latency(
     which one comes back depends only on the arguments.
     """
     _check_range(start, end)
-    _check_latency_model(
+    model = _LatencyModel(
         client_pings, cache_tokens_needed, default_ping_s, default_inference_rps, cache_penalty_s
     )
     candidates = _candidates(servers, start, end)
@@ -325,17 +312,7 @@ def make_route_min_latency(
             usable = _candidates(dict(usable), start, end)
         except MissingBlocksError:
             return make_route_greedy(servers, start, end)
-    planner = _LatencyPlanner(
-        usable,
-        start,
-        end,
-        client_pings=client_pings,
-        cache_tokens_needed=cache_tokens_needed,
-        default_ping_s=default_ping_s,
-        default_inference_rps=default_inference_rps,
-        cache_penalty_s=cache_penalty_s,
-    )
-    return planner.plan()
+    return _LatencyPlanner(usable, start, end, model).plan()
 
 
 class _LatencyPlanner:
@@ -355,28 +332,20 @@ class _LatencyPlanner:
     """
 
     def __init__(
-        self,
-        candidates: list[tuple[str, ServerInfo]],
-        start: int,
-        end: int,
-        *,
-        client_pings: Mapping[str, float],
-        cache_tokens_needed: int,
-        default_ping_s: float,
-        default_inference_rps: float,
-        cache_penalty_s: float,
+        self, candidates: list[tuple[str, ServerInfo]], start: int, end: int, model: _LatencyModel
     ) -> None:
+        client_pings, default_ping_s = model.client_pings, model.default_ping_s
         self.start = start
         self.blocks = blocks = end - start
         self.default_ping_s = default_ping_s
-        self.penalty_s = cache_penalty_s
+        self.penalty_s = model.cache_penalty_s
         self.peers = peers = [peer_id for peer_id, _ in candidates]
         n = len(peers)
         number = {peer_id: i for i, peer_id in enumerate(peers)}
         infos = [info for _, info in candidates]
         self.lo = np.array([max(info.start_block, start) - start for info in infos], np.int64)
         self.hi = np.array([min(info.end_block, end) - start for info in infos], np.int64)
-        self.cost = np.array([_block_cost(info, default_inference_rps) for info in infos])
+        self.cost = np.array([model.block_cost(info) for info in infos])
         self.known = np.array([p in client_pings for p in peers], bool)
         self.half = np.array([client_pings.get(p, 0.0) / 2 for p in peers])
         self.edge = np.array([client_pings.get(p, default_ping_s) for p in peers])
@@ -436,8 +405,8 @@ class _LatencyPlanner:
         self.in_bounds = np.searchsorted(target[order], servers)
         # Cache penalties: ``limit`` blocks run free.  0: every span pays on entry; at least the
         # server's whole range: none ever does; in between: a window.
-        limits = np.array([_free_blocks(info, cache_tokens_needed) for info in infos])
-        self.entry_penalty = np.where(limits == 0, cache_penalty_s, 0.0)
+        limits = np.array([model.free_blocks(info) for info in infos])
+        self.entry_penalty = np.where(limits == 0, self.penalty_s, 0.0)
         windowed = (limits > 0) & (limits < self.hi - self.lo)
         self.window = np.flatnonzero(windowed)
         self.window_limit = limits[windowed].astype(np.int64)

@@ -177,7 +177,11 @@ class InferenceHandlers:
                 with session.scope:
                     session.scope.deadline = trio.current_time() + self.limits.session_timeout_s
                     await call.send(SessionReady(position=0).to_wire())
-                    await self._run_session(call, session, steps, backend, pool)
+                    await self._run_session(
+                        call,
+                        session,
+                        functools.partial(self._steps, call, session, steps, backend, pool),
+                    )
                     return
                 if session.closed_because is not None:
                     raise ServerError(session.closed_because)
@@ -213,13 +217,9 @@ class InferenceHandlers:
         backend.check_adapter(opening.active_adapter)
         return opening
 
+    @staticmethod
     async def _run_session(
-        self,
-        call: ServerCall,
-        session: _Session,
-        steps: trio.MemoryReceiveChannel[_InboxItem],
-        backend: BlockBackend,
-        pool: TaskPool,
+        call: ServerCall, session: _Session, run_steps: Callable[[], Awaitable[None]]
     ) -> None:
         """The session's steps, with a task reading the client's into the inbox beside pushes.
 
@@ -231,7 +231,7 @@ class InferenceHandlers:
             session.nursery = nursery
             nursery.start_soon(_read_client, call, session.inbox)
             try:
-                await self._steps(call, session, steps, backend, pool)
+                await run_steps()
             except BaseException as exc:
                 failure = exc
             finally:

@@ -102,47 +102,22 @@ class _State(enum.Enum):
     CANCELLED = enum.auto()
 
 
+@attrs.define(kw_only=True, eq=False)
 class _Job(Generic[T]):
     """One caller's work: either ``fn()`` or one item of ``batch_fn(items)``."""
 
-    __slots__ = (
-        "batch_fn",
-        "cost_key",
-        "done",
-        "fn",
-        "item",
-        "key",
-        "order",
-        "priority",
-        "result",
-        "size",
-        "state",
-    )
-
-    def __init__(
-        self,
-        *,
-        order: tuple[int, float, int],
-        priority: int,
-        key: Hashable,
-        fn: Callable[[], T] | None = None,
-        batch_fn: Callable[[list[Any]], Sequence[T]] | None = None,
-        item: object = None,
-        size: float = 1.0,
-        cost_key: Hashable | None = None,
-    ) -> None:
-        self.order = order
-        self.size = size
-        #: Under which key the job's speed is learnt (None: not learnt, never inline).
-        self.cost_key = cost_key
-        self.priority = priority
-        self.key = key
-        self.fn = fn
-        self.batch_fn = batch_fn
-        self.item = item
-        self.state = _State.QUEUED
-        self.result: outcome.Outcome[T] | None = None
-        self.done = trio.Event()
+    order: tuple[int, float, int]
+    priority: int
+    key: Hashable
+    fn: Callable[[], T] | None = None
+    batch_fn: Callable[[list[Any]], Sequence[T]] | None = None
+    item: object = None
+    size: float = 1.0
+    #: Under which key the job's speed is learnt (None: not learnt, never inline).
+    cost_key: Hashable | None = None
+    state: _State = attrs.field(default=_State.QUEUED, init=False)
+    result: outcome.Outcome[T] | None = attrs.field(default=None, init=False)
+    done: trio.Event = attrs.field(factory=trio.Event, init=False)
 
     def __lt__(self, other: _Job[Any]) -> bool:
         return self.order < other.order

@@ -35,6 +35,7 @@ The CI-sized run is ``tests/chaos/test_chaos.py``.
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import random
 import signal
@@ -42,10 +43,10 @@ import sys
 import tempfile
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
 from pathlib import Path
-from typing import Any, Final, Literal
+from typing import Any, Final, Literal, TypeVar
 
 import attrs
 import torch
@@ -90,6 +91,8 @@ GRAD_ATOL: Final = 1e-5
 Fault = Literal["kill", "stall"]
 Result = Literal["equal", "petals_error", "mismatch", "unexpected_error"]
 Log = Callable[[str], None]
+#: What a faulted session returns beside its victim (tokens, or a fine-tuning step's result).
+_Got = TypeVar("_Got")
 
 
 def _positive(instance: object, attribute: attrs.Attribute[Any], value: float) -> None:
@@ -283,6 +286,7 @@ class _AtStep(LogitsProcessor):
         return scores
 
 
+@attrs.define(eq=False)
 class ChaosHarness:
     """The swarm of a run and what faults it: which process (by PeerID) holds which span, kills
     with restarts, stalls with resumption, and the wait until the client sees every live server.
@@ -290,30 +294,21 @@ class ChaosHarness:
     Create with :func:`open_harness`.  Methods run on the trio loop.
     """
 
-    def __init__(
-        self,
-        swarm: LocalSwarm,
-        folder: Path,
-        cache_dir: Path,
-        nursery: trio.Nursery,
-        rng: random.Random,
-        log: Log,
-    ) -> None:
-        self.swarm = swarm
-        self.folder = folder
-        self.cache_dir = cache_dir
-        self.rng = rng
-        self.log = log
-        #: Live servers: PeerID -> (process, span).
-        self.alive: dict[str, tuple[SwarmProcess, tuple[int, int]]] = {}
-        #: Servers never killed (the soak keeps some for the whole run, to watch their memory).
-        self.protected: set[str] = set()
-        self.kills = 0
-        self.stalls = 0
-        self.restarts = 0
-        self._nursery = nursery
-        self._restarting = 0
-        self._restarted = trio.Event()
+    swarm: LocalSwarm
+    folder: Path
+    cache_dir: Path
+    _nursery: trio.Nursery
+    rng: random.Random
+    log: Log
+    #: Live servers: PeerID -> (process, span).
+    alive: dict[str, tuple[SwarmProcess, tuple[int, int]]] = attrs.field(init=False, factory=dict)
+    #: Servers never killed (the soak keeps some for the whole run, to watch their memory).
+    protected: set[str] = attrs.field(init=False, factory=set)
+    kills: int = attrs.field(init=False, default=0)
+    stalls: int = attrs.field(init=False, default=0)
+    restarts: int = attrs.field(init=False, default=0)
+    _restarting: int = attrs.field(init=False, default=0)
+    _restarted: trio.Event = attrs.field(init=False, factory=trio.Event)
 
     async def add(self, span: tuple[int, int]) -> str:
         process = await self.swarm.add_server(str(self.folder), server_args(span, self.cache_dir))
@@ -610,56 +605,29 @@ async def _run(config: ChaosConfig, work_dir: Path, log: Log, began: float) -> C
         for index, (fault, ids) in enumerate(zip(faults, prompts, strict=True)):
             await harness.settle(managers)
             step = rng.randrange(config.max_new_tokens - 1)
-            started = time.monotonic()
-            victim: str | None = None
-            recovery: float | None = None
-            try:
-                output, victim, recovery = await generate_with_fault(
-                    harness,
-                    model,
-                    ids,
-                    max_new_tokens=config.max_new_tokens,
-                    fault=fault,
-                    step=step,
-                )
-            except Exception as error:
-                result, message = classify_error(error)
-            else:
-                equal = torch.equal(output, references[index])
-                result, message = ("equal", "") if equal else ("mismatch", f"got {output.tolist()}")
-            outcome = Outcome(
-                kind="generation",
-                index=index,
+            generate = functools.partial(
+                generate_with_fault,
+                harness,
+                model,
+                ids,
+                max_new_tokens=config.max_new_tokens,
                 fault=fault,
                 step=step,
-                victim=victim,
-                result=result,
-                message=message,
-                seconds=time.monotonic() - started,
-                recovery_s=recovery,
             )
+            judge = functools.partial(compare_tokens, expected=references[index])
+            outcome = await faulted_outcome("generation", index, fault, step, generate, judge)
             outcomes.append(outcome)
             log(outcome.line())
         if tuned is not None:
             for index, (ids, expected) in enumerate(zip(step_ids, step_references, strict=True)):
                 await harness.settle(managers)
-                started = time.monotonic()
-                victim = None
-                try:
-                    got, victim = await finetune_step(harness, tuned, ids, kill=True)
-                except Exception as error:
-                    result, message = classify_error(error)
-                else:
-                    result, message = compare_steps(got, expected)
-                outcome = Outcome(
-                    kind="finetune",
-                    index=index,
-                    fault="kill",
-                    step=-1,
-                    victim=victim,
-                    result=result,
-                    message=message,
-                    seconds=time.monotonic() - started,
+                outcome = await faulted_outcome(
+                    "finetune",
+                    index,
+                    "kill",
+                    -1,
+                    functools.partial(finetune_step, harness, tuned, ids, kill=True),
+                    functools.partial(compare_steps, expected=expected),
                 )
                 outcomes.append(outcome)
                 log(outcome.line())
@@ -673,6 +641,44 @@ async def _run(config: ChaosConfig, work_dir: Path, log: Log, began: float) -> C
             seconds=time.monotonic() - began,
         )
     return report
+
+
+async def faulted_outcome(
+    kind: Literal["generation", "finetune"],
+    index: int,
+    fault: Fault,
+    step: int,
+    run: Callable[[], Awaitable[tuple[_Got, str | None] | tuple[_Got, str | None, float | None]]],
+    judge: Callable[[_Got], tuple[Result, str]],
+) -> Outcome:
+    """What became of ``run()``, a session that ``fault`` strikes: ``judge`` of what it returned
+    (beside the victim and, for a generation, the seconds from the fault to the next token), or
+    what it raised."""
+    started = time.monotonic()
+    victim = None
+    recovery: float | None = None
+    try:
+        got, victim, *rest = await run()
+        recovery = rest[0] if rest else None
+    except Exception as error:
+        result, message = classify_error(error)
+    else:
+        result, message = judge(got)
+    return Outcome(
+        kind=kind,
+        index=index,
+        fault=fault,
+        step=step,
+        victim=victim,
+        result=result,
+        message=message,
+        seconds=time.monotonic() - started,
+        recovery_s=recovery,
+    )
+
+
+def compare_tokens(got: torch.Tensor, expected: torch.Tensor) -> tuple[Result, str]:
+    return ("equal", "") if torch.equal(got, expected) else ("mismatch", f"got {got.tolist()}")
 
 
 def compare_steps(got: StepResult, expected: StepResult) -> tuple[Result, str]:

@@ -9,7 +9,8 @@ import torch
 
 from petals_core.distributed import RemoteInferenceSession
 
-from ._causal_lm import no_eos, random_ids
+from .._served_swarm import ServedModel
+from ._causal_lm import PROMPT_LEN, load_prompt_tuned, no_eos, random_ids
 
 TOLERANCE = 1e-4
 
@@ -130,15 +131,26 @@ def test_left_padded_batches_equal_transformers(models: tuple[Any, Any], mode: s
     assert model.active_session is None
 
 
-def test_left_padding_with_trainable_prompts_or_outside_a_session_is_refused(
-    models: tuple[Any, Any],
+def test_left_padding_in_a_session_is_refused_with_trainable_prompts_only(
+    models: tuple[Any, Any], served: ServedModel
 ) -> None:
+    """A session's first step may carry left padding, unless the model has trainable prompts
+    (outside a session it never may: ``test_models.py``)."""
     model, _ = models
     ids = random_ids(2, 5, seed=71)
     mask = torch.ones_like(ids)
     mask[0, :2] = 0
-    with pytest.raises(ValueError, match="left padding"):
-        model(ids, attention_mask=mask)  # a plain forward: no session to hold the padding
+    with model.inference_session(max_length=5):
+        assert model(ids, attention_mask=mask).logits.shape[:2] == (2, 5)
+    tuned = load_prompt_tuned(served, "ptune")
+    try:
+        with (
+            tuned.inference_session(max_length=5 + PROMPT_LEN),
+            pytest.raises(ValueError, match="left padding"),
+        ):
+            tuned(ids, attention_mask=mask)
+    finally:
+        tuned.shutdown()
 
 
 def test_a_full_session_says_so(models: tuple[Any, Any]) -> None:
