@@ -35,6 +35,15 @@ from .._errors import (
     TransportError,
 )
 from ._config import ALPN, TransportConfig
+from ._endpoint_events import (
+    Address,
+    ConnectionLost,
+    ConnectionReady,
+    EndpointEvent,
+    StopSending,
+    StreamData,
+    StreamReset,
+)
 from ._identity import Identity, PeerID, check_certificate_identity
 from ._quic import PeerQuicConnection
 
@@ -47,8 +56,6 @@ __all__ = [
     "StreamData",
     "StreamReset",
 ]
-
-Address = tuple[str, int]
 
 # Application error codes on the wire (QUIC leaves their meaning to us), kept clear of the
 # transport's own codes (0x0-0x10, 0x100-0x1ff) so that a misfiled close cannot be misread.
@@ -63,53 +70,6 @@ _CID_BYTES = 8
 _STREAM_SEND_SLACK = 32 << 10
 # TLS alert "no_application_protocol" arrives as a CRYPTO_ERROR of 0x100 + 120.
 _NO_ALPN = 0x100 + 120
-
-
-@attrs.frozen
-class ConnectionReady:
-    """The handshake finished and the peer proved the key behind ``peer_id``."""
-
-    handle: int
-    peer_id: PeerID
-    address: Address
-    is_client: bool
-
-
-@attrs.frozen
-class ConnectionLost:
-    """The connection is gone; ``error`` says why (a :class:`TransportError` subclass)."""
-
-    handle: int
-    error: TransportError
-
-
-@attrs.frozen
-class StreamData:
-    handle: int
-    stream_id: int
-    data: bytes
-    end_stream: bool
-
-
-@attrs.frozen
-class StreamReset:
-    """The peer abandoned its sending side of the stream."""
-
-    handle: int
-    stream_id: int
-    error_code: int
-
-
-@attrs.frozen
-class StopSending:
-    """The peer will read no more from this stream."""
-
-    handle: int
-    stream_id: int
-    error_code: int
-
-
-EndpointEvent = ConnectionReady | ConnectionLost | StreamData | StreamReset | StopSending
 
 
 def is_loopback(host: str) -> bool:
