@@ -8,7 +8,6 @@ from __future__ import annotations
 import threading
 import time
 from pathlib import Path
-from typing import Any
 
 import attrs
 import pytest
@@ -18,7 +17,7 @@ from hypothesis import given, strategies as st
 
 from petals_core import ConfigError
 from petals_core.client import RemoteSequential, remote_forward
-from petals_core.dht import PeerTableSnapshot, ServerInfo, ServerState
+from petals_core.dht import PeerTableSnapshot
 from petals_core.routing import (
     MissingBlocksError,
     RemoteSequenceManager,
@@ -26,6 +25,7 @@ from petals_core.routing import (
     SequenceManagerConfig,
 )
 
+from ..routing._servers import server
 from ._swarm_helpers import (
     DEADLINE_S,
     HIDDEN,
@@ -204,18 +204,6 @@ async def test_missing_block_is_named_after_missing_blocks_timeout(
         assert attrs.asdict(manager.config) == settings
 
 
-def _info(**rates: Any) -> ServerInfo:
-    return ServerInfo(
-        state=ServerState.ONLINE,
-        throughput=100.0,
-        start_block=0,
-        end_block=6,
-        version="test",
-        torch_dtype="float32",
-        **rates,
-    )
-
-
 @pytest.mark.parametrize(
     ("rates", "tokens", "nbytes", "expected"),
     [
@@ -237,7 +225,7 @@ def test_the_step_timeout_scales_with_the_expected_compute(
     manager = manager_for(dht_prefix="model", request_timeout_s=120.0)
     span = RouteSpan(peer_id="peer", start=1, end=5)
     if rates is not None:
-        blocks = {block: {"peer": _info(**rates)} for block in range(6)}
+        blocks = {block: {"peer": server(0, 6, **rates)} for block in range(6)}
         manager.state.snapshot = PeerTableSnapshot(
             prefix="model", now=0.0, version=1, blocks=blocks
         )
