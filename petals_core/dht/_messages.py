@@ -83,7 +83,7 @@ def caller_contact_untrusted(
         raise CodecError(f"invalid 'address': {exc}") from None
     if maddr.peer_id not in (None, peer_id):
         raise CodecError("'address' names a PeerID other than the caller's")
-    if ipaddress.ip_address(maddr.host).is_unspecified:
+    if maddr.dns is None and ipaddress.ip_address(maddr.host).is_unspecified:
         # A node listening on every interface (0.0.0.0 / ::) cannot know which of its
         # addresses we reach it by: the one its request came from, with its port.
         maddr = Multiaddr.from_socket_address(remote_host, maddr.port)

@@ -220,6 +220,8 @@ def _one_address(flag: str, texts: Sequence[str]) -> tuple[str, int]:
             f"{flag}: petals_core listens on and announces one address, not {len(texts)}"
         )
     address = Multiaddr.parse(texts[0])
+    if flag == "--host_maddrs" and address.dns is not None:
+        raise InvalidMultiaddr(f"{flag}: {texts[0]}: listen on an IP address, not a DNS name")
     if address.peer_id is not None:
         raise InvalidMultiaddr(f"{flag}: {texts[0]} names a PeerID; give the address alone")
     return address.host, address.port

@@ -1,8 +1,9 @@
-"""Peer addresses as multiaddrs: ``/ip4|ip6/<address>/udp/<port>/quic-v1[/p2p/<PeerID>]``.
+"""Peer addresses as multiaddrs: ``/ip4|ip6|dns4|dns6|dns/<host>/udp/<port>/quic-v1[/p2p/<ID>]``.
 
-Only this one shape is accepted, strictly: the transport speaks QUIC v1 over UDP to literal IP
-addresses, so TCP, DNS names, other QUIC versions and anything after the PeerID are refused with an
-error that quotes the input and names the expected form, rather than half-understood.
+Only this one shape is accepted, strictly: the transport speaks QUIC v1 over UDP, so TCP, other
+QUIC versions and anything after the PeerID are refused with an error that quotes the input and
+names the expected form, rather than half-understood.  A DNS name (``/dns4`` for IPv4, ``/dns6``
+for IPv6, ``/dns`` for either) stays a name here; the node resolves it when it dials.
 """
 
 from __future__ import annotations
@@ -21,28 +22,41 @@ __all__ = ["Multiaddr", "as_multiaddr", "dialable_multiaddrs"]
 
 _EXPECTED_FORM: Final = (
     "/ip4/<IPv4 address>/udp/<port>/quic-v1[/p2p/<PeerID>] "
-    "or /ip6/<IPv6 address>/udp/<port>/quic-v1[/p2p/<PeerID>]"
+    "(or /ip6/<IPv6 address>, /dns4|dns6|dns/<DNS name> in place of /ip4/...)"
 )
-_DNS_PROTOCOLS: Final = frozenset({"dns", "dns4", "dns6", "dnsaddr"})
+#: The DNS protocols and the address family each resolves to (None: either).
+DNS_PROTOCOLS: Final[dict[str, int | None]] = {"dns": None, "dns4": 4, "dns6": 6}
+# A DNS name: dot-separated labels of letters, digits and inner hyphens, 253 characters at most.
+_DNS_LABEL: Final = re.compile(r"(?!-)[A-Za-z0-9-]{1,63}(?<!-)", re.ASCII)
 # Decimal without sign or leading zeros, so that every port has exactly one spelling.
 _PORT_PATTERN: Final = re.compile(r"0|[1-9][0-9]{0,4}", re.ASCII)
 _MAX_PORT: Final = 65535
 
 
 def _normalise_host(host: str) -> str:
-    """The canonical text of an IP address literal (e.g. ``::0001`` becomes ``::1``)."""
+    """The canonical text of an IP address literal (e.g. ``::0001`` becomes ``::1``); anything
+    else is left as it is (a DNS name, checked with the multiaddr's ``dns`` field)."""
     if not isinstance(host, str):
         raise TypeError(f"host must be a str, got {type(host).__name__}")
     try:
         address = ipaddress.ip_address(host)
     except ValueError:
-        raise InvalidMultiaddr(
-            f"invalid host {host!r}: expected an IPv4 or IPv6 address literal "
-            f"(DNS names are not supported)"
-        ) from None
+        return host
     if isinstance(address, ipaddress.IPv6Address) and address.scope_id is not None:
         raise InvalidMultiaddr(f"invalid host {host!r}: IPv6 zone indices are not supported")
     return str(address)
+
+
+def is_dns_name(name: str) -> bool:
+    """Whether ``name`` is a syntactically valid DNS name (not an IP address literal)."""
+    labels = name.removesuffix(".").split(".")
+    if not name or len(name) > 253 or not all(_DNS_LABEL.fullmatch(label) for label in labels):
+        return False
+    try:
+        ipaddress.ip_address(name)
+    except ValueError:
+        return not labels[-1].isdigit()
+    return False
 
 
 def _check_port(instance: Multiaddr, attribute: attrs.Attribute[int], port: int) -> None:
@@ -54,13 +68,30 @@ def _check_port(instance: Multiaddr, attribute: attrs.Attribute[int], port: int)
 
 @attrs.frozen
 class Multiaddr:
-    """Where to reach a peer over QUIC: an IP address, a UDP port and optionally its PeerID."""
+    """Where to reach a peer over QUIC: an IP address (or, with ``dns``, a DNS name resolved
+    when dialled), a UDP port and optionally its PeerID."""
 
     host: str = attrs.field(converter=_normalise_host)
     port: int = attrs.field(validator=_check_port)
     peer_id: PeerID | None = attrs.field(
         default=None, validator=attrs.validators.optional(attrs.validators.instance_of(PeerID))
     )
+    #: ``"dns"``, ``"dns4"`` or ``"dns6"`` when ``host`` is a DNS name; None for an IP address.
+    dns: str | None = attrs.field(default=None, kw_only=True)
+
+    def __attrs_post_init__(self) -> None:
+        if self.dns is None:
+            try:
+                ipaddress.ip_address(self.host)
+            except ValueError:
+                raise InvalidMultiaddr(
+                    f"invalid host {self.host!r}: an IP address literal, or a DNS name with "
+                    "dns='dns4' (or 'dns6', 'dns')"
+                ) from None
+        elif self.dns not in DNS_PROTOCOLS:
+            raise InvalidMultiaddr(f"dns is one of {', '.join(DNS_PROTOCOLS)}, not {self.dns!r}")
+        elif not is_dns_name(self.host):
+            raise InvalidMultiaddr(f"invalid DNS name {self.host!r}")
 
     @classmethod
     def parse(cls, text: str) -> Multiaddr:
@@ -74,11 +105,18 @@ class Multiaddr:
             raise _invalid(text, "empty component (doubled or trailing '/')")
 
         protocol = parts[0]
-        if protocol in _DNS_PROTOCOLS:
-            raise _invalid(text, f"/{protocol}: DNS names are not supported, give an IP address")
-        if protocol not in ("ip4", "ip6"):
+        dns = None
+        if protocol == "dnsaddr":
+            raise _invalid(text, "/dnsaddr (names found in DNS TXT records) is not supported")
+        if protocol in DNS_PROTOCOLS:
+            dns = protocol
+            host = _component(text, parts, 1, f"/{protocol}")
+            if not is_dns_name(host):
+                raise _invalid(text, f"/{protocol} needs a DNS name, got {host!r}")
+        elif protocol in ("ip4", "ip6"):
+            host = _parse_host_untrusted(text, protocol, _component(text, parts, 1, f"/{protocol}"))
+        else:
             raise _invalid(text, f"unknown protocol /{protocol} where /ip4 or /ip6 belongs")
-        host = _parse_host_untrusted(text, protocol, _component(text, parts, 1, f"/{protocol}"))
 
         transport = _component(text, parts, 2, f"/{protocol}/{parts[1]}")
         if transport == "tcp":
@@ -94,7 +132,7 @@ class Multiaddr:
             raise _invalid(text, f"unknown protocol /{quic} where /quic-v1 belongs")
 
         if len(parts) == 5:
-            return cls(host, port)
+            return cls(host, port, dns=dns)
         if parts[5] != "p2p":
             raise _invalid(
                 text, f"unexpected /{parts[5]} after /quic-v1, only /p2p/<PeerID> may follow"
@@ -106,31 +144,39 @@ class Multiaddr:
             raise _invalid(text, f"bad PeerID after /p2p ({exc})") from exc
         if len(parts) > 7:
             raise _invalid(text, f"unexpected trailing /{'/'.join(parts[7:])} after the PeerID")
-        return cls(host, port, peer_id)
+        return cls(host, port, peer_id, dns=dns)
 
     @classmethod
     def from_socket_address(cls, host: str, port: int, peer_id: PeerID | None = None) -> Multiaddr:
         return cls(host, port, peer_id)
 
     @property
-    def family(self) -> int:
-        """4 or 6."""
+    def family(self) -> int | None:
+        """4 or 6 (None for ``/dns``, which resolves to either)."""
+        if self.dns is not None:
+            return DNS_PROTOCOLS[self.dns]
         # The host is normalised, and only IPv6 text contains ':'.
         return 6 if ":" in self.host else 4
 
     @property
     def is_loopback(self) -> bool:
+        if self.dns is not None:
+            return self.host.lower().removesuffix(".") == "localhost"
         return ipaddress.ip_address(self.host).is_loopback
 
     @property
     def socket_address(self) -> tuple[str, int]:
+        """The IP address and port to send to; a DNS name must be resolved first."""
+        if self.dns is not None:
+            raise InvalidMultiaddr(f"{self} names a DNS name: resolve it before dialling")
         return (self.host, self.port)
 
     def with_peer_id(self, peer_id: PeerID | None) -> Multiaddr:
         return attrs.evolve(self, peer_id=peer_id)
 
     def __str__(self) -> str:
-        text = f"/ip{self.family}/{self.host}/udp/{self.port}/quic-v1"
+        protocol = self.dns if self.dns is not None else f"ip{self.family}"
+        text = f"/{protocol}/{self.host}/udp/{self.port}/quic-v1"
         if self.peer_id is not None:
             text += f"/p2p/{self.peer_id}"
         return text
@@ -188,7 +234,10 @@ def dialable_multiaddrs(listen: Multiaddr, *, announce_host: str | None = None) 
     address first, then the addresses this machine's name resolves to.  Otherwise ``listen``.
     """
     if announce_host is not None:
-        return [attrs.evolve(listen, host=announce_host)]
+        if is_dns_name(announce_host):
+            dns = {4: "dns4", 6: "dns6"}.get(listen.family or 0, "dns")
+            return [attrs.evolve(listen, host=announce_host, dns=dns)]
+        return [attrs.evolve(listen, host=announce_host, dns=None)]
     if not ipaddress.ip_address(listen.host).is_unspecified:
         return [listen]
     family = socket.AF_INET if listen.family == 4 else socket.AF_INET6

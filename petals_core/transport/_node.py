@@ -142,7 +142,7 @@ class Node:
                     existing._waiters -= 1
                 if existing._error is None:
                     return existing
-        sockaddr = maddr.socket_address
+        sockaddr = await _resolve(maddr, prefer=self.listen_multiaddr.family)
         handle = self._endpoint.connect(sockaddr, maddr.peer_id, trio.current_time())
         connection = Connection(self, handle, sockaddr, we_dialed=True)
         self._connections[handle] = connection
@@ -369,3 +369,24 @@ async def open_node(
                     await node.aclose()
     finally:
         udp.close()
+
+
+async def _resolve(maddr: Multiaddr, *, prefer: int | None) -> tuple[str, int]:
+    """The IP address and port to dial for ``maddr``, its DNS name (if any) resolved now (an
+    address of family ``prefer``, 4 or 6, first); :class:`PeerUnreachable` if the name does not
+    resolve (to the family it asks for)."""
+    if maddr.dns is None:
+        return maddr.socket_address
+    family = {4: socket.AF_INET, 6: socket.AF_INET6}.get(maddr.family or 0, socket.AF_UNSPEC)
+    try:
+        infos = await trio.socket.getaddrinfo(maddr.host, maddr.port, family, socket.SOCK_DGRAM)
+    except OSError as exc:
+        raise PeerUnreachable(f"cannot resolve {maddr.host!r} of {maddr}: {exc}") from None
+    preferred = {4: socket.AF_INET, 6: socket.AF_INET6}.get(prefer or 0)
+    addresses = sorted(
+        (info for info in infos if info[0] in (socket.AF_INET, socket.AF_INET6)),
+        key=lambda info: info[0] != preferred,
+    )
+    if addresses:
+        return (str(addresses[0][4][0]).split("%", 1)[0], maddr.port)
+    raise PeerUnreachable(f"{maddr.host!r} of {maddr} resolves to no IP address")

@@ -121,7 +121,8 @@ async def test_malformed_requests_are_refused_and_the_node_keeps_serving() -> No
                 ("dht.find_value", {"client": True, "key": 7}),
                 ("dht.store", {"client": True, "records": [{"key": "k"}]}),
                 ("dht.store", {"client": True, "records": "nope"}),
-                ("dht.ping", {"address": "/dns/example.com/udp/1/quic-v1"}),
+                ("dht.ping", {"address": "/dns/not_a_name/udp/1/quic-v1"}),
+                ("dht.ping", {"address": "/ip4/1.2.3.4/tcp/1"}),
                 ("dht.ping", {}),
             ]:
                 with pytest.raises(RemoteError):

@@ -57,6 +57,7 @@ def test_host_maddrs_set_where_to_listen() -> None:
             "give one of --announce_host, --public_ip",
         ),
         (["--token", "t", "--use_auth_token"], "not allowed with argument --token"),
+        (["--host_maddrs", "/dns4/a.example/udp/1/quic-v1"], "listen on an IP address"),
     ],
 )
 def test_clashing_or_tcp_addresses_exit_2(
@@ -72,6 +73,19 @@ def test_announced_address_from_petals_flags() -> None:
         parse_args(["m", "--new_swarm", "--port", "31337", "--announce_maddrs", V4])
     )
     assert (maddrs.announce_host, maddrs.port) == ("203.0.113.7", 31337)
+    named = config_from_args(
+        parse_args(
+            [
+                "m",
+                "--new_swarm",
+                "--port",
+                "31337",
+                "--announce_maddrs",
+                "/dns4/a.example/udp/31337/quic-v1",
+            ]
+        )
+    )
+    assert named.announce_host == "a.example"
 
 
 def test_use_auth_token_reads_the_saved_login() -> None:

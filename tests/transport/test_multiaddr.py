@@ -8,7 +8,7 @@ from hypothesis import given, strategies as st
 
 from petals_core._errors import ConfigError, InvalidMultiaddr
 from petals_core.transport._identity import Identity, PeerID
-from petals_core.transport._multiaddr import Multiaddr, as_multiaddr
+from petals_core.transport._multiaddr import Multiaddr, as_multiaddr, dialable_multiaddrs
 
 PEER_ID = Identity.from_private_bytes(bytes(32)).peer_id
 OTHER_PEER_ID = Identity.from_private_bytes(bytes(31) + b"\x01").peer_id
@@ -90,6 +90,23 @@ def test_is_frozen() -> None:
         addr.port = 2  # type: ignore[misc]
 
 
+def test_dns_names() -> None:
+    for protocol, family in [("dns4", 4), ("dns6", 6), ("dns", None)]:
+        text = f"/{protocol}/boot.Example.org/udp/31337/quic-v1/p2p/{PEER_ID}"
+        parsed = Multiaddr.parse(text)
+        assert (parsed.host, parsed.dns, parsed.family) == ("boot.Example.org", protocol, family)
+        assert str(parsed) == text and Multiaddr.parse(str(parsed)) == parsed
+        assert not parsed.is_loopback
+        with pytest.raises(InvalidMultiaddr, match="resolve it before dialling"):
+            _ = parsed.socket_address
+    assert Multiaddr.parse("/dns/localhost/udp/1/quic-v1").is_loopback
+    assert Multiaddr("example.com", 1, dns="dns4") == Multiaddr.parse(
+        "/dns4/example.com/udp/1/quic-v1"
+    )
+    with pytest.raises(InvalidMultiaddr, match="dns is one of"):
+        Multiaddr("example.com", 1, dns="dnsaddr")
+
+
 @pytest.mark.parametrize(
     ("host", "port", "error"),
     [
@@ -131,9 +148,11 @@ INVALID = [
     (V4 + "/p2p", "ends after /p2p"),
     ("/ip5/1.2.3.4/udp/1/quic-v1", "unknown protocol /ip5"),
     ("/IP4/1.2.3.4/udp/1/quic-v1", "unknown protocol /IP4"),
-    ("/dns4/example.com/udp/1/quic-v1", "DNS names are not supported"),
-    ("/dns/example.com/udp/1/quic-v1", "DNS names are not supported"),
-    ("/dnsaddr/bootstrap.example.com", "DNS names are not supported"),
+    ("/dns4/exa_mple.com/udp/1/quic-v1", "/dns4 needs a DNS name, got 'exa_mple.com'"),
+    ("/dns/-bad.example/udp/1/quic-v1", "/dns needs a DNS name"),
+    ("/dns6/1.2.3.4/udp/1/quic-v1", "/dns6 needs a DNS name, got '1.2.3.4'"),
+    ("/dns4/example.com/tcp/31337", "petals_core speaks QUIC over UDP"),
+    ("/dnsaddr/bootstrap.example.com", "/dnsaddr (names found in DNS TXT records)"),
     ("/ip4/example.com/udp/1/quic-v1", "DNS names are not supported"),
     ("/ip4/::1/udp/1/quic-v1", "/ip4 given the IPv6 address"),
     ("/ip6/127.0.0.1/udp/1/quic-v1", "/ip6 given the IPv4 address"),
@@ -219,3 +238,17 @@ def test_parse_of_shuffled_components_is_strict(parts: list[str]) -> None:
     except InvalidMultiaddr:
         return
     assert str(addr) == text
+
+
+def test_announced_addresses_keep_ip_literals_and_dns_names() -> None:
+    listen = Multiaddr.parse("/ip4/0.0.0.0/udp/31337/quic-v1")
+    assert [str(m) for m in dialable_multiaddrs(listen, announce_host="203.0.113.7")] == [
+        "/ip4/203.0.113.7/udp/31337/quic-v1"
+    ]
+    assert [str(m) for m in dialable_multiaddrs(listen, announce_host="boot.example.org")] == [
+        "/dns4/boot.example.org/udp/31337/quic-v1"
+    ]
+    six = Multiaddr.parse("/ip6/::/udp/7/quic-v1")
+    assert [str(m) for m in dialable_multiaddrs(six, announce_host="boot.example.org")] == [
+        "/dns6/boot.example.org/udp/7/quic-v1"
+    ]

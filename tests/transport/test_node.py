@@ -17,8 +17,10 @@ import attrs
 import pytest
 import trio
 
+from petals_core import PeerUnreachable
 from petals_core.transport import (
     Handlers,
+    Multiaddr,
     NodeStatistics,
     ServerCall,
     Stream,
@@ -194,3 +196,16 @@ def _check_consistent(statistics: NodeStatistics, *, offload: bool) -> None:
         assert not statistics.receive_offload
         assert statistics.send_calls == statistics.datagrams_sent
         assert statistics.receive_calls == statistics.datagrams_received
+
+
+async def test_dns_multiaddrs_are_resolved_when_dialled() -> None:
+    async with open_node() as server, open_node() as client:
+        listen = server.listen_multiaddr
+        by_name = Multiaddr("localhost", listen.port, listen.peer_id, dns="dns4")
+        with trio.fail_after(30):
+            connection = await client.connect(str(by_name))
+        assert connection.peer_id == server.peer_id
+        unknown = Multiaddr("no-such-host.invalid", listen.port, dns="dns4")
+        with pytest.raises(PeerUnreachable, match=r"cannot resolve 'no-such-host\.invalid'"):
+            with trio.fail_after(30):
+                await client.connect(unknown)
