@@ -15,7 +15,16 @@ import attrs
 
 from ._errors import ConfigError
 
-__all__ = ["at_least", "in_range", "non_negative", "one_of", "positive", "positive_or_none"]
+__all__ = [
+    "COMPRESSION_SCHEMES",
+    "at_least",
+    "compression_scheme",
+    "in_range",
+    "non_negative",
+    "one_of",
+    "positive",
+    "positive_or_none",
+]
 
 Validator = Callable[[Any, "attrs.Attribute[Any]", Any], None]
 
@@ -77,3 +86,19 @@ def one_of(choices: Collection[object]) -> Validator:
             )
 
     return check
+
+
+#: How tensors may travel compressed (``petals_core.transport.SCHEMES``), and None: as they are.
+COMPRESSION_SCHEMES = ("float16", "blockwise8")
+
+
+def compression_scheme(value: object) -> str | None:
+    """A config's ``compression`` (attrs converter): None or ``"none"`` (as they are),
+    ``"float16"`` or ``"blockwise8"``; :class:`ConfigError` for anything else."""
+    if value is None or value == "none":
+        return None
+    if value not in COMPRESSION_SCHEMES:
+        raise ConfigError(
+            f"compression is one of none, {', '.join(COMPRESSION_SCHEMES)}, not {value!r}"
+        )
+    return str(value)

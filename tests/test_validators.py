@@ -85,3 +85,13 @@ def test_bad_values_raise_config_error_naming_the_field(field: str, bad: object)
 def test_every_config_raises_config_error(make: Any, field: str) -> None:
     with pytest.raises(ConfigError, match=f"^{field} must be"):
         make()
+
+
+def test_compression_schemes_are_the_codecs() -> None:
+    from petals_core._validators import COMPRESSION_SCHEMES, compression_scheme
+    from petals_core.transport import SCHEMES
+
+    assert COMPRESSION_SCHEMES == SCHEMES
+    assert [compression_scheme(v) for v in (None, "none", *SCHEMES)] == [None, None, *SCHEMES]
+    with pytest.raises(ConfigError, match="compression is one of none, float16, blockwise8"):
+        compression_scheme("FLOAT16")

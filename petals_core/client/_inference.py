@@ -30,7 +30,7 @@ import trio
 from .._errors import CodecError, PetalsError, RemoteError, ServerError, TransportError
 from ..protocol import INFERENCE, OpenSession, SessionReady, Step, StepResult
 from ..routing import RemoteSequenceManager, RouteSpan
-from ..transport import Call, open_call
+from ..transport import Call, compress_floats, open_call
 from ._placement import like, to_wire
 from ._session_core import SessionCore, SpanState
 
@@ -62,9 +62,9 @@ class _SpanCall:
                 f"server {self.state.peer} did not open the session: {reply!r}"
             ) from None
 
-    async def send(self, step: Step) -> None:
+    async def send(self, step: Step, compression: str | None) -> None:
         assert self.call is not None
-        await self.call.send(step.to_wire())
+        await self.call.send(compress_floats(step.to_wire(), compression))
 
     async def answer(self, core: SessionCore, index: int) -> StepResult:
         """The answer the core awaits from span ``index``; answers to other steps are stale
@@ -185,7 +185,7 @@ class InferenceSession:
                     request = core.request(index, x)
                     span_call = self._calls[state]
                     if request is not None:
-                        await span_call.send(request)
+                        await span_call.send(request, self.manager.config.compression)
                     result = await span_call.answer(core, index)
                     output = core.answered(index, x, result)
             except RETRIABLE as exc:
@@ -288,7 +288,7 @@ class InferenceSession:
                 try:
                     with trio.fail_after(self.manager.config.request_timeout_s):
                         span_call = self._calls[state]
-                        await span_call.send(core.replay(state, x))
+                        await span_call.send(core.replay(state, x), self.manager.config.compression)
                         result = await span_call.answer(core, core.spans.index(state))
                         output = core.replayed(state, x, result)
                 except RETRIABLE:

@@ -37,7 +37,7 @@ from ..protocol import (
     send_tensors,
 )
 from ..routing import RemoteSequenceManager, RouteSpan
-from ..transport import open_call
+from ..transport import compress_floats, open_call
 from ._inference import RETRIABLE
 from ._placement import like, to_wire
 
@@ -66,7 +66,10 @@ async def _call(
             # The end of our side goes with the last part: the server answers (and stops
             # reading) once it has that part, and an end sent later would meet a closed stream.
             await send_tensors(
-                call.send, *request.to_wire(), last=functools.partial(call.send, eof=True)
+                call.send,
+                *request.to_wire(),
+                last=functools.partial(call.send, eof=True),
+                encode_part=functools.partial(compress_floats, scheme=manager.config.compression),
             )
             return await receive_tensors(call.receive, max_elements=_MAX_ELEMENTS)
 

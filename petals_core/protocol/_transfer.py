@@ -37,10 +37,12 @@ async def send_tensors(
     *,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     last: Send | None = None,
+    encode_part: Callable[[torch.Tensor], Any] | None = None,
 ) -> None:
     """Send ``meta`` and ``tensors`` (None values are left out) in parts; the closing
     ``{"done": True}`` goes through ``last`` when given (a caller's send that also ends its
-    side: the callee may answer and stop reading as soon as it has it).
+    side: the callee may answer and stop reading as soon as it has it).  ``encode_part``
+    turns each part into what the message carries (e.g. marks it to travel compressed).
 
     A tensor on another device is copied to the CPU once, whole, before its parts are encoded
     (the codec would otherwise copy each part on its own)."""
@@ -55,7 +57,9 @@ async def send_tensors(
             await send({"name": name, "shape": shape, "part": flat})
             continue
         for offset in range(0, flat.numel(), per_part):
-            await send({"name": name, "shape": shape, "part": flat[offset : offset + per_part]})
+            part = flat[offset : offset + per_part]
+            encoded = part if encode_part is None else encode_part(part)
+            await send({"name": name, "shape": shape, "part": encoded})
     await (last or send)({"done": True})
 
 

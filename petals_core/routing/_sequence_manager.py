@@ -32,7 +32,7 @@ import attrs
 import trio
 
 from .._errors import ConfigError, PeerUnreachable, TransportError
-from .._validators import positive
+from .._validators import compression_scheme, positive
 from ..dht import DHTNode, PeerTableSnapshot, ServerInfo, ServerState, Topic, open_dht_node
 from ..transport import Connection, Multiaddr, call_unary
 from ._planning import (
@@ -79,6 +79,8 @@ class SequenceManagerConfig:
     raises :class:`MissingBlocksError`.  An inference step's answer is awaited for
     ``min_step_timeout_s`` plus ten times what the server's announced speed says the step takes
     (at most ``request_timeout_s``): a server alive but stuck is given up on in seconds.
+    ``compression`` (None, ``"float16"``, ``"blockwise8"``): how the activations and
+    gradients this client sends travel (servers choose for their answers).
     """
 
     initial_peers: tuple[str, ...] = attrs.field(default=(), converter=tuple)
@@ -99,6 +101,7 @@ class SequenceManagerConfig:
     use_server_to_server: bool = True
     missing_blocks_timeout_s: float = attrs.field(default=10.0, validator=positive)
     min_step_timeout_s: float = attrs.field(default=5.0, validator=positive)
+    compression: str | None = attrs.field(default=None, converter=compression_scheme)
 
     def __attrs_post_init__(self) -> None:
         if self.max_retries is not None and self.max_retries < 0:

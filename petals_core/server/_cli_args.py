@@ -127,6 +127,24 @@ def _fraction(text: str) -> float:
     )
 
 
+#: ``--compression`` values (Petals' names, any case) and the scheme each means here.
+_COMPRESSIONS = {
+    "none": "none",
+    "float16": "float16",
+    "blockwise_8bit": "blockwise8",
+    "blockwise8": "blockwise8",
+}
+
+
+def _compression(text: str) -> str:
+    scheme = _COMPRESSIONS.get(text.lower())
+    if scheme is None:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: petals_core compresses with NONE, FLOAT16 or BLOCKWISE_8BIT"
+        )
+    return scheme
+
+
 def _throughput(text: str) -> str | float:
     if text in ("auto", "eval", "dry_run"):
         return text
@@ -427,6 +445,13 @@ def build_parser() -> argparse.ArgumentParser:
         f"(default: {limits.inline_compute_s * 1e3:g}; 0: always a worker thread)",
     )
     serving.add_argument(
+        "--compression",
+        type=_compression,
+        default="none",
+        help="how this server's outputs travel: NONE (default), FLOAT16 (half the bytes of "
+        "float32) or BLOCKWISE_8BIT (8 bits per value and a scale per 256)",
+    )
+    serving.add_argument(
         "--inference_max_length",
         **_defaulted(
             _positive_int, limits.inference_max_length, "longest inference session, in tokens"
@@ -532,6 +557,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
             session_timeout_s=args.session_timeout,
             step_timeout_s=args.step_timeout,
             request_timeout_s=args.request_timeout,
+            compression=args.compression,
         ),
         adapters=tuple(args.adapters),
         public_name=args.public_name,

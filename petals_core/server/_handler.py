@@ -18,7 +18,11 @@ from typing import Any
 
 import attrs
 
-from .._validators import non_negative as _non_negative, positive as _positive
+from .._validators import (
+    compression_scheme,
+    non_negative as _non_negative,
+    positive as _positive,
+)
 from ..protocol import (
     BACKWARD,
     FORWARD,
@@ -74,6 +78,9 @@ class ServingLimits:
     #: Inference jobs expected to compute in less than this many seconds run on the event loop's
     #: thread, without the hand-off to a worker thread (``--inline_compute_ms``; 0: never).
     inline_compute_s: float = attrs.field(default=0.025, validator=_non_negative)
+    #: How the server's outputs travel (``--compression``): None (as they are), ``"float16"``
+    #: or ``"blockwise8"``.
+    compression: str | None = attrs.field(default=None, converter=compression_scheme)
 
 
 @attrs.frozen(kw_only=True)

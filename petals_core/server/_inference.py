@@ -48,7 +48,7 @@ from ..protocol import (
     SessionReady,
     Step,
 )
-from ..transport import Call, Connection, ServerCall, open_call
+from ..transport import Call, Connection, ServerCall, compress_floats, open_call
 from ._backend import BlockBackend
 from ._serving import Serving, check_blocks_held
 from ._session_state import SessionState, StepPlan
@@ -276,7 +276,7 @@ class InferenceHandlers:
             if pushed:
                 self._serving.count("pushed_steps")
             result = session.state.completed(plan, output, pushed=pushed_on)
-            await call.send(result.to_wire())
+            await call.send(compress_floats(result.to_wire(), self.limits.compression))
 
     async def _step(
         self, plan: StepPlan, session: _Session, backend: BlockBackend, pool: TaskPool
@@ -362,7 +362,7 @@ class InferenceHandlers:
             return False  # being dialled, or it failed
         with trio.move_on_after(_PUSH_TIMEOUT_S):
             try:
-                await push_call.send(step.to_wire())
+                await push_call.send(compress_floats(step.to_wire(), self.limits.compression))
                 return True
             except TransportError as exc:
                 logger.info("cannot push to %s: %r", target.peer, exc)

@@ -36,7 +36,7 @@ from ..protocol import (
     receive_tensors,
     send_tensors,
 )
-from ..transport import ServerCall
+from ..transport import ServerCall, compress_floats
 from ._backend import BlockBackend, Graph
 from ._serving import Serving, check_blocks_held
 from ._task_pool import Priority, TaskPool
@@ -87,6 +87,7 @@ class TrainingHandlers:
     def __init__(self, serving: Serving) -> None:
         self._serving = serving
         self.limits = serving.limits
+        self._encode_part = functools.partial(compress_floats, scheme=self.limits.compression)
         #: Token -> kept forward graph, oldest first.
         self._kept: dict[str, _Kept] = {}
         self._kept_bytes = 0
@@ -147,7 +148,7 @@ class TrainingHandlers:
                 )[-1]
             self._serving.count("forwards")
             reply = ForwardReply(hidden_states=output.to(hidden.dtype), kept=token)
-            await send_tensors(call.send, *reply.to_wire())
+            await send_tensors(call.send, *reply.to_wire(), encode_part=self._encode_part)
 
     def _keep(self, kept: _Kept) -> str:
         """Store ``kept`` (dropping expired graphs, then the oldest, to make room); its token."""
@@ -201,7 +202,7 @@ class TrainingHandlers:
                 if grad_prompts is None or prompts is None
                 else grad_prompts.to(prompts.dtype),
             )
-            await send_tensors(call.send, *reply.to_wire())
+            await send_tensors(call.send, *reply.to_wire(), encode_part=self._encode_part)
 
     def _take_kept(self, token: str | None, peer: str) -> _Kept | None:
         """The graph ``token`` names, if ``peer`` kept it; it serves one backward (or none)."""

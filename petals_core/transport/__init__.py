@@ -44,11 +44,12 @@ from ._codec import (
     encode_frame as encode_frame,
     encode_message as encode_message,
 )
-from ._codec_format import CodecLimits as CodecLimits
+from ._codec_format import SCHEMES as SCHEMES, CodecLimits as CodecLimits, Scheme as Scheme
 from ._codec_tensors import (
     Compressed as Compressed,
     RawTensor as RawTensor,
     compress as compress,
+    compress_floats as compress_floats,
 )
 from ._config import ALPN as ALPN, TransportConfig as TransportConfig
 from ._connection import Connection as Connection, Stream as Stream

@@ -11,8 +11,8 @@ import functools
 import math
 import sys
 import warnings
-from collections.abc import Iterable
-from typing import TYPE_CHECKING, Final, TypeGuard
+from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING, Any, Final, TypeGuard, cast
 
 import attrs
 
@@ -115,6 +115,19 @@ class Compressed:
 def compress(tensor: torch.Tensor, scheme: Scheme) -> Compressed:
     """Mark ``tensor`` to be sent compressed; see :class:`Compressed`."""
     return Compressed(tensor, scheme)
+
+
+def compress_floats(value: Any, scheme: str | None) -> Any:
+    """``value`` with ``scheme`` applied to it if it is a floating-point torch tensor, or to
+    each value of it if it is a map: what a message's sender marks to travel compressed (None:
+    everything as it is).  Integer tensors, and everything else, travel as they are."""
+    if scheme is None:
+        return value
+    if isinstance(value, Mapping):
+        return {key: compress_floats(item, scheme) for key, item in value.items()}
+    if _torch_dtype_name(value) in FLOAT_DTYPES:
+        return Compressed(value, cast(Scheme, scheme))
+    return value
 
 
 def decode_plain_tensor(

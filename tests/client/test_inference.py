@@ -18,6 +18,7 @@ import trio
 from petals_core import PetalsError
 from petals_core.client import InferenceSession, RemoteSequential, remote_backward, remote_forward
 from petals_core.routing import MissingBlocksError, RemoteSequenceManager
+from petals_core.server import ServingLimits
 from petals_core.testing import open_local_swarm
 
 from ._swarm_helpers import (
@@ -296,3 +297,34 @@ async def test_a_stuck_server_is_replaced_after_the_step_timeout(
                     assert [s.peer_id for s in session.route] != [span.peer_id]
                     assert waited < 30.0  # the step's timeout, not request_timeout_s
                     await reference.check_step(session, 1, 1)
+
+
+async def test_compressed_steps_travel_in_fewer_bytes_and_stay_close(
+    model: Model, tmp_path: Path
+) -> None:
+    """The client sends blockwise8, the servers answer in float16: outputs stay within the
+    schemes' rounding of the local blocks', and the client's steps take far fewer bytes."""
+    torch.manual_seed(11)
+    spans = [(0, 3), (3, 6)]
+    limits = ServingLimits(request_timeout_s=2.0, compression="float16")
+    async with in_process_swarm(model, tmp_path, spans, limits=limits) as swarm:
+        servers = list(swarm.servers.values())
+        x = torch.randn(4, 32, HIDDEN)
+        with torch.no_grad():
+            expected = model.forward(x)
+        sent: dict[str | None, int] = {}
+        for compression in (None, "blockwise8"):
+            manager = manager_for(servers, compression=compression)
+            with trio.fail_after(DEADLINE_S):
+                async with RemoteSequential(manager) as seq:
+                    await wait_for_servers(manager, 2)
+                    async with seq.open_inference_session(max_length=40) as session:
+                        assert manager.state.dht is not None
+                        node = manager.state.dht.node
+                        before = node.statistics().bytes_sent
+                        output = await session.step(x)
+                        sent[compression] = node.statistics().bytes_sent - before
+                        assert session.retries == 0
+            scale = float(expected.abs().max())
+            assert float((output - expected).abs().max()) < 0.05 * scale
+        assert sent["blockwise8"] < 0.4 * sent[None]

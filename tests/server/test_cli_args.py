@@ -102,3 +102,22 @@ def test_petals_only_flags_say_why_they_mean_nothing(
     values = [] if nargs == 0 else ["1"]
     error = _refused(["m", "--new_swarm", flag, *values], capsys)
     assert f"{flag} is a Petals flag that means nothing here: {reason}" in error
+
+
+@pytest.mark.parametrize(
+    ("flag", "scheme"),
+    [
+        ("NONE", None),
+        ("FLOAT16", "float16"),
+        ("BLOCKWISE_8BIT", "blockwise8"),
+        ("float16", "float16"),
+    ],
+)
+def test_compression_takes_petals_names(flag: str, scheme: str | None) -> None:
+    config = config_from_args(parse_args(["m", "--new_swarm", "--compression", flag]))
+    assert config.limits.compression == scheme
+
+
+def test_compressions_petals_core_lacks_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
+    error = _refused(["m", "--new_swarm", "--compression", "MEANSTD_16BIT"], capsys)
+    assert "petals_core compresses with NONE, FLOAT16 or BLOCKWISE_8BIT" in error

@@ -631,3 +631,17 @@ def test_bulk_frame_feeding_is_linear() -> None:
     # Re-joining the buffer on every chunk would copy about 128 GiB: minutes, not this.
     assert elapsed < 10
     assert torch.equal(decode_message_untrusted(received)["x"], payload)
+
+
+def test_compress_floats_marks_floating_point_tensors_only() -> None:
+    import torch
+
+    from petals_core.transport import Compressed, compress_floats
+
+    message = {"hidden": torch.ones(2, 3), "ids": torch.tensor([1, 2]), "n": 3}
+    assert compress_floats(message, None) is message
+    marked = compress_floats(message, "float16")
+    assert isinstance(marked["hidden"], Compressed) and marked["hidden"].scheme == "float16"
+    assert marked["ids"] is message["ids"] and marked["n"] == 3
+    decoded = decode_message_untrusted(encode_message(marked))
+    assert torch.equal(decoded["hidden"], message["hidden"])
