@@ -42,6 +42,10 @@ from ._node import (
     DHTStatistics as DHTStatistics,
     open_dht_node as open_dht_node,
 )
+from ._reachability import (
+    Reachability as Reachability,
+    check_reachability as check_reachability,
+)
 from ._record_store import (
     RecordStore as RecordStore,
     RecordStoreStatistics as RecordStoreStatistics,

@@ -54,6 +54,7 @@ from ..transport import (
 from ._gossip import Gossip, PeerTableSnapshot, build_snapshot
 from ._lookup import Lookup, LookupResult
 from ._messages import MAX_RECORDS_PER_REQUEST, decode_contacts_untrusted, decode_records_untrusted
+from ._reachability import DIAL_BACK, DialBack
 from ._record_store import RecordStore, RecordStoreStatistics
 from ._records import Record, ServerInfo, StoredValue, encode_record, merge
 from ._routing import Contact, NodeID, PingOldest, RoutingTable, RoutingTableStatistics
@@ -659,6 +660,7 @@ async def open_dht_node(
                     republish_interval_s=republish_interval_s,
                 )
                 served = dht._service.handlers()
+                served.add_unary(DIAL_BACK, DialBack(node, request_timeout_s))
                 if handlers is not None:
                     served.include(handlers)
                 if not client_mode or handlers is not None:

@@ -366,6 +366,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     network.add_argument("--public_ip", help="Petals' name for --announce_host")
     network.add_argument(
+        "--skip_reachability_check",
+        action="store_true",
+        help="do not ask an initial peer to dial this server's announced addresses back at start",
+    )
+    network.add_argument(
         "--initial_peers", **_repeatable("MULTIADDR", "multiaddrs of peers of the swarm to join")
     )
     network.add_argument(
@@ -561,6 +566,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         ),
         adapters=tuple(args.adapters),
         public_name=args.public_name,
+        check_reachability=not args.skip_reachability_check,
         update_period_s=args.update_period,
         expiration_s=args.expiration,
         balance_quality=args.balance_quality,

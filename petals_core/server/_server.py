@@ -38,7 +38,7 @@ import trio
 
 from .. import __version__
 from .._errors import ConfigError, PeerUnreachable, TransportError
-from ..dht import DHTNode, ServerInfo, ServerState, Topic, open_dht_node
+from ..dht import DHTNode, ServerInfo, ServerState, Topic, check_reachability, open_dht_node
 from ..models import (
     AutoDistributedConfig,
     BloomBlock,
@@ -59,6 +59,7 @@ from ..transport import (
     Connection,
     Identity,
     Multiaddr,
+    Node,
     TransportConfig,
     call_unary,
     dialable_multiaddrs,
@@ -87,6 +88,8 @@ logger = logging.getLogger("petals_core.server")
 SMOLLM2 = "smollm2"
 #: A peer the peer table lacks makes us read the DHT, but not more often than this.
 _PEER_LOOKUP_MIN_INTERVAL_S: Final = 5.0
+#: How long the peer checking our reachability may take to dial back.
+_REACHABILITY_TIMEOUT_S: Final = 10.0
 
 Throughput = Literal["auto", "eval", "dry_run"] | float
 
@@ -151,6 +154,9 @@ class ServerConfig:
     revision: str | None = None
     local_files_only: bool = False
     transport: TransportConfig | None = None
+    #: Ask an initial peer to dial the announced addresses back at start, and warn if it
+    #: cannot (``--skip_reachability_check`` turns it off).
+    check_reachability: bool = True
 
     def __attrs_post_init__(self) -> None:
         if self.block_indices is not None:
@@ -556,6 +562,8 @@ async def open_server(
         server = Server(config, model_config, model, dht, topic, block_server, defaults, rng)
         async with trio.open_nursery() as nursery:
             await nursery.start(server._run)
+            if config.check_reachability and config.initial_peers:
+                nursery.start_soon(_report_reachability, node, server.multiaddrs, config)
             try:
                 yield server
             finally:
@@ -567,3 +575,30 @@ async def open_server(
                         # leaving at the same time would make it wait for each of them).
                         server.state = ServerState.OFFLINE
                         await server.announce(timeout_s=2.0)
+
+
+async def _report_reachability(
+    node: Node, addresses: list[Multiaddr], config: ServerConfig
+) -> None:
+    """Log whether an initial peer reaches this server at the addresses it announces; warn,
+    saying how to fix it, when it cannot."""
+    results = await check_reachability(
+        node, addresses, list(config.initial_peers), timeout_s=_REACHABILITY_TIMEOUT_S
+    )
+    if not results:
+        logger.info("reachability not checked: no initial peer answered")
+        return
+    for result in results:
+        if result.error is None:
+            logger.info("reachable at %s (dialled back by %s)", result.address, result.via)
+        else:
+            logger.warning(
+                "%s cannot reach this server at %s (%s): clients and other servers will not "
+                "reach it either. Forward UDP port %d to this machine, or give the address "
+                "others can dial with --announce_host (or --public_ip); "
+                "--skip_reachability_check skips this check",
+                result.via,
+                result.address,
+                result.error,
+                result.address.port,
+            )
