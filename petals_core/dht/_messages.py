@@ -66,6 +66,23 @@ def target_untrusted(request: dict[str, Any]) -> NodeID:
     return NodeID.from_bytes(target)
 
 
+def caller_address_untrusted(
+    request: dict[str, Any], peer_id: PeerID, alternative: str
+) -> Multiaddr:
+    """The ``address`` a request from ``peer_id`` gives for its caller; :class:`CodecError` if
+    it is missing (the message names ``alternative``), malformed, or names another PeerID."""
+    address = request.get("address")
+    if not isinstance(address, str):
+        raise CodecError(f"a request carries 'address' (a multiaddr str) {alternative}".strip())
+    try:
+        maddr = Multiaddr.parse(address)
+    except ConfigError as exc:
+        raise CodecError(f"invalid 'address': {exc}") from None
+    if maddr.peer_id not in (None, peer_id):
+        raise CodecError("'address' names a PeerID other than the caller's")
+    return maddr
+
+
 def caller_contact_untrusted(
     request: dict[str, Any], peer_id: PeerID, remote_host: str, now: float
 ) -> Contact | None:
@@ -74,15 +91,7 @@ def caller_contact_untrusted(
     serves nothing."""
     if request.get("client") is True:
         return None
-    address = request.get("address")
-    if not isinstance(address, str):
-        raise CodecError("a request carries 'address' (a multiaddr str) or 'client': true")
-    try:
-        maddr = Multiaddr.parse(address)
-    except ConfigError as exc:
-        raise CodecError(f"invalid 'address': {exc}") from None
-    if maddr.peer_id not in (None, peer_id):
-        raise CodecError("'address' names a PeerID other than the caller's")
+    maddr = caller_address_untrusted(request, peer_id, "or 'client': true")
     if maddr.dns is None and ipaddress.ip_address(maddr.host).is_unspecified:
         # A node listening on every interface (0.0.0.0 / ::) cannot know which of its
         # addresses we reach it by: the one its request came from, with its port.

@@ -14,8 +14,9 @@ from typing import Any
 import attrs
 import trio
 
-from .._errors import CodecError, ConfigError, TransportError
+from .._errors import ConfigError, TransportError
 from ..transport import Multiaddr, Node, ServerCall, call_unary
+from ._messages import caller_address_untrusted
 
 __all__ = ["DIAL_BACK", "DialBack", "Reachability", "check_reachability"]
 
@@ -33,15 +34,7 @@ class DialBack:
     timeout_s: float
 
     async def __call__(self, request: dict[str, Any], call: ServerCall) -> dict[str, Any]:
-        text = request.get("address")
-        if not isinstance(text, str):
-            raise CodecError("a dial-back request carries 'address' (a multiaddr str)")
-        try:
-            address = Multiaddr.parse(text)
-        except ConfigError as exc:
-            raise CodecError(f"invalid 'address': {exc}") from None
-        if address.peer_id not in (None, call.peer_id):
-            raise CodecError("'address' names a PeerID other than the caller's")
+        address = caller_address_untrusted(request, call.peer_id, "")
         with trio.move_on_after(self.timeout_s):
             try:
                 # Without a PeerID the node dials anew instead of reusing the caller's connection.
