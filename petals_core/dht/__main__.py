@@ -20,12 +20,26 @@ from collections.abc import Sequence
 
 import trio
 
-from .._cli import configure_logging
-from .._errors import PetalsError
+from .._cli import Refused, configure_logging, one_address
+from .._errors import InvalidMultiaddr, PetalsError
 from ..transport import dialable_multiaddrs, load_or_create_identity
 from ._node import open_dht_node
 
 logger = logging.getLogger("petals_core.dht")
+
+#: The routing table's refresh interval by default (``open_dht_node``'s).
+_REFRESH_S = 60.0
+#: Petals' ``run_dht`` flags that mean nothing here: how many values each takes, and why.
+_PETALS_ONLY_FLAGS: dict[str, tuple[int | str, str]] = {
+    "--announce_maddrs": (
+        "+",
+        "peers record the address a node's requests come from; behind port forwarding, listen "
+        "on the forwarded port (--port)",
+    ),
+    "--use_ipfs": (0, "there is no IPFS bootstrap; give --initial_peers"),
+    "--no_relay": (0, "there are no libp2p relays"),
+    "--use_auto_relay": (0, "there are no libp2p relays"),
+}
 
 
 def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -48,15 +62,47 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         metavar="MULTIADDR",
         help="multiaddrs of nodes to join through (repeatable); none starts a new network",
     )
+    parser.add_argument(
+        "--host_maddrs",
+        nargs="+",
+        metavar="MULTIADDR",
+        help="Petals' form of --host / --port: the one address to listen on, as "
+        "/ip4/HOST/udp/PORT/quic-v1 (or /ip6/...)",
+    )
+    parser.add_argument(
+        "--refresh_period",
+        type=float,
+        default=_REFRESH_S,
+        help="seconds between refreshes of the routing table's quiet buckets "
+        f"(default: {_REFRESH_S:g})",
+    )
+    for flag, (nargs, reason) in _PETALS_ONLY_FLAGS.items():
+        parser.add_argument(
+            flag, nargs=nargs, help=argparse.SUPPRESS, action=Refused, reason=reason
+        )
     parser.add_argument("--log_level", default="INFO", help="logging level (default: INFO)")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if not args.refresh_period > 0:
+        parser.error(f"--refresh_period must be positive, not {args.refresh_period:g}")
+    if args.host_maddrs is not None:
+        if args.host != parser.get_default("host") or args.port != parser.get_default("port"):
+            parser.error("give --host_maddrs or --host / --port, not both")
+        try:
+            args.host, args.port = one_address("--host_maddrs", args.host_maddrs)
+        except InvalidMultiaddr as exc:
+            parser.error(str(exc))
+    return args
 
 
 async def _run(args: argparse.Namespace) -> None:
     identity = load_or_create_identity(args.identity_path) if args.identity_path else None
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async with open_dht_node(
-            identity=identity, host=args.host, port=args.port, initial_peers=args.initial_peers
+            identity=identity,
+            host=args.host,
+            port=args.port,
+            initial_peers=args.initial_peers,
+            refresh_interval_s=args.refresh_period,
         ) as dht:
             for address in dialable_multiaddrs(dht.listen_multiaddr):
                 print(f"DHT node listening on {address}", flush=True)

@@ -10,9 +10,9 @@ import re
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar, get_args
 
+from .._cli import Refused, one_address
 from .._errors import InvalidMultiaddr
 from ..models import CpuDecodeChoice, QuantType
-from ..transport import Multiaddr
 from ._defaults import DEFAULT_ATTN_CACHE_TOKENS
 from ._handler import ServingLimits
 from ._server import SMOLLM2, ServerConfig
@@ -180,19 +180,6 @@ PETALS_ONLY_FLAGS: dict[str, tuple[int | str, str]] = {
 }
 
 
-class _Refused(argparse.Action):
-    """A Petals flag with no meaning here: exit 2 saying why."""
-
-    def __init__(self, *args: Any, reason: str, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.reason = reason
-
-    def __call__(self, parser: argparse.ArgumentParser, *args: Any, **kwargs: Any) -> None:
-        parser.error(
-            f"{self.option_strings[0]} is a Petals flag that means nothing here: {self.reason}"
-        )
-
-
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     """The flags of ``argv``, Petals' forms brought to ours (MODEL or
     ``--converted_model_name_or_path``; ``--host_maddrs``, ``--announce_maddrs`` and
@@ -205,7 +192,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         args.model = args.converted_model_name_or_path
     try:
         if args.host_maddrs is not None:
-            host, port = _one_address("--host_maddrs", args.host_maddrs)
+            host, port = one_address("--host_maddrs", args.host_maddrs)
             if args.host != parser.get_default("host") or args.port != parser.get_default("port"):
                 parser.error("give --host_maddrs or --host / --port, not both")
             args.host, args.port = host, port
@@ -219,7 +206,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         if args.public_ip is not None:
             args.announce_host = args.public_ip
         if args.announce_maddrs is not None:
-            host, port = _one_address("--announce_maddrs", args.announce_maddrs)
+            host, port = one_address("--announce_maddrs", args.announce_maddrs)
             if port != args.port:
                 parser.error(
                     f"--announce_maddrs names UDP port {port}, but the server listens on "
@@ -230,19 +217,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     except InvalidMultiaddr as exc:
         parser.error(str(exc))
     return args
-
-
-def _one_address(flag: str, texts: Sequence[str]) -> tuple[str, int]:
-    if len(texts) != 1:
-        raise InvalidMultiaddr(
-            f"{flag}: petals_core listens on and announces one address, not {len(texts)}"
-        )
-    address = Multiaddr.parse(texts[0])
-    if flag == "--host_maddrs" and address.dns is not None:
-        raise InvalidMultiaddr(f"{flag}: {texts[0]}: listen on an IP address, not a DNS name")
-    if address.peer_id is not None:
-        raise InvalidMultiaddr(f"{flag}: {texts[0]} names a PeerID; give the address alone")
-    return address.host, address.port
 
 
 def _defaulted(kind: Callable[[str], object], default: float, text: str) -> dict[str, Any]:
@@ -518,7 +492,7 @@ def build_parser() -> argparse.ArgumentParser:
     files.add_argument("--revision", help="branch, tag or commit of the repo (default: main)")
 
     for flag, (nargs, reason) in PETALS_ONLY_FLAGS.items():
-        add(flag, nargs=nargs, help=argparse.SUPPRESS, action=_Refused, reason=reason)
+        add(flag, nargs=nargs, help=argparse.SUPPRESS, action=Refused, reason=reason)
     add(
         "--log_level",
         type=_log_level,

@@ -73,3 +73,21 @@ async def test_run_dht_serves_and_stops_on_sigterm() -> None:
             process.kill()
             with trio.move_on_after(TIMEOUT_S):
                 await process.wait()
+
+
+def test_run_dht_takes_petals_flags_where_they_mean_something() -> None:
+    from petals_core.dht.__main__ import _parse_args
+
+    args = _parse_args(
+        ["--host_maddrs", "/ip4/127.0.0.1/udp/31337/quic-v1", "--refresh_period", "5"]
+    )
+    assert (args.host, args.port, args.refresh_period) == ("127.0.0.1", 31337, 5.0)
+    for flags, message in [
+        (["--use_ipfs"], "--use_ipfs is a Petals flag that means nothing here"),
+        (["--announce_maddrs", "/ip4/1.2.3.4/udp/1/quic-v1"], "listen on the forwarded port"),
+        (["--host_maddrs", "/ip4/0.0.0.0/tcp/31337"], "use /udp/PORT/quic-v1"),
+        (["--refresh_period", "0"], "--refresh_period must be positive"),
+    ]:
+        refused = _run("petals_core.cli.run_dht", *flags)
+        assert refused.returncode == 2
+        assert message in refused.stderr
