@@ -19,6 +19,7 @@ BENCHMARKS = {
     "routing": "bench.routing",
     "inference": "bench.inference",
     "swarm": "bench.swarm",
+    "compression": "bench.compression",
 }
 # Run only when named: needs a CUDA GPU.
 ON_DEMAND = {"kernels_cuda": "bench.kernels_cuda", "gpu": "bench.gpu"}
