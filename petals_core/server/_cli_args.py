@@ -207,12 +207,16 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
             args.announce_host = args.public_ip
         if args.announce_maddrs is not None:
             host, port = one_address("--announce_maddrs", args.announce_maddrs)
+            if args.announce_port is not None:
+                parser.error("give --announce_maddrs or --announce_port, not both")
             if port != args.port:
-                parser.error(
-                    f"--announce_maddrs names UDP port {port}, but the server listens on "
-                    f"{args.port or 'a random port'}: listen on that port (--port {port}) and "
-                    "forward it to this machine"
-                )
+                if args.port == 0:
+                    parser.error(
+                        f"--announce_maddrs names UDP port {port}, but the server listens on a "
+                        "random port: give the port it listens on (--port), which the router "
+                        f"forwards {port} to"
+                    )
+                args.announce_port = port
             args.announce_host = host
     except InvalidMultiaddr as exc:
         parser.error(str(exc))
@@ -335,8 +339,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--announce_maddrs",
         nargs="+",
         metavar="MULTIADDR",
-        help="Petals' form of --announce_host: the address others should dial, as "
-        "/ip4/HOST/udp/PORT/quic-v1 with the port the server listens on",
+        help="Petals' form of --announce_host (and --announce_port): the address others "
+        "should dial, as /ip4/HOST/udp/PORT/quic-v1",
+    )
+    network.add_argument(
+        "--announce_port",
+        type=_port,
+        help="the UDP port others should dial, when a router forwards another port than "
+        "--port to this machine (default: --port)",
     )
     network.add_argument("--public_ip", help="Petals' name for --announce_host")
     network.add_argument(
@@ -522,6 +532,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         host=args.host,
         port=args.port,
         announce_host=args.announce_host,
+        announce_port=args.announce_port,
         initial_peers=tuple(args.initial_peers),
         new_swarm=new_swarm,
         dht_prefix=args.dht_prefix,

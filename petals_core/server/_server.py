@@ -136,6 +136,9 @@ class ServerConfig:
     host: str = "0.0.0.0"
     port: int = 0
     announce_host: str | None = None
+    #: The port others dial, when it is not the one the server listens on (a router forwards
+    #: it); None: the listening port.
+    announce_port: int | None = None
     initial_peers: tuple[str, ...] = ()
     new_swarm: bool = False
     dht_prefix: str | None = None
@@ -159,6 +162,8 @@ class ServerConfig:
     check_reachability: bool = True
 
     def __attrs_post_init__(self) -> None:
+        if self.announce_port is not None and not 0 < self.announce_port <= 65535:
+            raise ConfigError(f"announce_port must be 1..65535, not {self.announce_port}")
         if self.block_indices is not None:
             start, end = self.block_indices
             if not 0 <= start < end:
@@ -275,7 +280,9 @@ class Server:
     def multiaddrs(self) -> list[Multiaddr]:
         """Where clients reach this server: what they pass in ``initial_peers``."""
         return dialable_multiaddrs(
-            self.dht.listen_multiaddr, announce_host=self.config.announce_host
+            self.dht.listen_multiaddr,
+            announce_host=self.config.announce_host,
+            announce_port=self.config.announce_port,
         )
 
     async def wait_serving(self) -> None:

@@ -226,13 +226,18 @@ def _parse_port_untrusted(text: str, value: str) -> int:
     return int(value)
 
 
-def dialable_multiaddrs(listen: Multiaddr, *, announce_host: str | None = None) -> list[Multiaddr]:
+def dialable_multiaddrs(
+    listen: Multiaddr, *, announce_host: str | None = None, announce_port: int | None = None
+) -> list[Multiaddr]:
     """Addresses others can dial to reach a node listening on ``listen``.
 
-    ``announce_host`` (a public address, e.g. behind port forwarding) wins.  A node on a
+    ``announce_host`` (a public address, e.g. behind port forwarding) wins; ``announce_port``
+    replaces the port (a router forwarding another port to this one).  A node on a
     wildcard host (``0.0.0.0`` / ``::``) listens on every interface of its family: its loopback
     address first, then the addresses this machine's name resolves to.  Otherwise ``listen``.
     """
+    if announce_port is not None:
+        listen = attrs.evolve(listen, port=announce_port)
     if announce_host is not None:
         if is_dns_name(announce_host):
             dns = {4: "dns4", 6: "dns6"}.get(listen.family or 0, "dns")

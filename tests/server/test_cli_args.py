@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import pytest
 
+from petals_core import ConfigError
+from petals_core.server import ServerConfig
 from petals_core.server._cli_args import PETALS_ONLY_FLAGS, config_from_args, parse_args
+from petals_core.transport import Multiaddr, dialable_multiaddrs
 
 V4 = "/ip4/203.0.113.7/udp/31337/quic-v1"
 
@@ -48,9 +51,10 @@ def test_host_maddrs_set_where_to_listen() -> None:
         (["--host_maddrs", V4, "/ip6/::/udp/31337/quic-v1"], "one address, not 2"),
         (["--host_maddrs", V4, "--port", "5"], "give --host_maddrs or --host / --port"),
         (["--announce_maddrs", "/ip4/1.2.3.4/tcp/31337"], "use /udp/PORT/quic-v1"),
+        (["--announce_maddrs", V4], "names UDP port 31337, but the server listens on a random"),
         (
-            ["--port", "1", "--announce_maddrs", V4],
-            "names UDP port 31337, but the server listens on 1",
+            ["--port", "1", "--announce_maddrs", V4, "--announce_port", "5"],
+            "give --announce_maddrs or --announce_port",
         ),
         (
             ["--public_ip", "1.2.3.4", "--announce_host", "1.2.3.4"],
@@ -121,3 +125,19 @@ def test_compression_takes_petals_names(flag: str, scheme: str | None) -> None:
 def test_compressions_petals_core_lacks_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
     error = _refused(["m", "--new_swarm", "--compression", "MEANSTD_16BIT"], capsys)
     assert "petals_core compresses with NONE, FLOAT16 or BLOCKWISE_8BIT" in error
+
+
+def test_a_forwarded_port_is_announced() -> None:
+    """A router forwards 31337 to the server's 7000: it listens on 7000, announces 31337."""
+    config = config_from_args(
+        parse_args(["m", "--new_swarm", "--port", "7000", "--announce_maddrs", V4])
+    )
+    assert (config.port, config.announce_host, config.announce_port) == (7000, "203.0.113.7", 31337)
+    listen = Multiaddr("0.0.0.0", 7000)
+    assert dialable_multiaddrs(listen, announce_host="203.0.113.7", announce_port=31337) == [
+        Multiaddr("203.0.113.7", 31337)
+    ]
+    flags = ["m", "--new_swarm", "--port", "7000", "--announce_port", "31337"]
+    assert config_from_args(parse_args(flags)).announce_port == 31337
+    with pytest.raises(ConfigError, match=r"announce_port must be 1\.\.65535"):
+        ServerConfig(model="m", new_swarm=True, announce_port=0)
