@@ -118,8 +118,10 @@ class DHTNode:
         refresh_interval_s: float | None,
         expire_interval_s: float | None,
         republish_interval_s: float | None,
+        announce: Multiaddr | None = None,
     ) -> None:
         self._node = node
+        self._announce = announce
         self._nursery = nursery
         self._client_mode = client_mode
         self._k = k
@@ -160,6 +162,12 @@ class DHTNode:
     @property
     def listen_multiaddr(self) -> Multiaddr:
         return self._node.listen_multiaddr
+
+    @property
+    def announce_multiaddr(self) -> Multiaddr:
+        """The address other nodes are told to dial: ``announce`` if given, else where this
+        node listens."""
+        return self._announce if self._announce is not None else self._node.listen_multiaddr
 
     @property
     def node(self) -> Node:
@@ -455,7 +463,7 @@ class DHTNode:
         if self._client_mode:
             request["client"] = True
         else:
-            request["address"] = str(self._node.listen_multiaddr)
+            request["address"] = str(self.announce_multiaddr)
         return request
 
     async def _request(
@@ -610,6 +618,7 @@ async def open_dht_node(
     republish_interval_s: float | None = 3600.0,
     node: Node | None = None,
     handlers: Handlers | None = None,
+    announce: Multiaddr | None = None,
 ) -> AsyncIterator[DHTNode]:
     """A DHT node listening on ``host:port``, joined through ``initial_peers`` (multiaddrs).
 
@@ -624,6 +633,10 @@ async def open_dht_node(
     and pass it as ``node`` (it is then left open), with their ``handlers``: the DHT node serves
     its own methods and theirs.  ``host``, ``port``, ``identity`` and ``transport_config`` are
     then unused.
+
+    ``announce`` is the address other nodes are told to dial instead of the listen address: a
+    node behind port forwarding (or any relay) gives the outside address, so that its contacts
+    in others' routing tables are ones they can reach.
     """
     if replicas < 1:
         raise ConfigError(f"replicas must be at least 1, got {replicas}")
@@ -658,6 +671,7 @@ async def open_dht_node(
                     refresh_interval_s=refresh_interval_s,
                     expire_interval_s=expire_interval_s,
                     republish_interval_s=republish_interval_s,
+                    announce=announce,
                 )
                 served = dht._service.handlers()
                 served.add_unary(DIAL_BACK, DialBack(node, request_timeout_s))

@@ -546,6 +546,7 @@ async def open_server(
             initial_peers=config.initial_peers,
             request_timeout_s=min(config.limits.request_timeout_s, 10.0),
             rng=rng,
+            announce=_dht_announce(node.listen_multiaddr, config),
         ) as dht,
     ):
         topic = dht.follow(
@@ -582,6 +583,18 @@ async def open_server(
                         # leaving at the same time would make it wait for each of them).
                         server.state = ServerState.OFFLINE
                         await server.announce(timeout_s=2.0)
+
+
+def _dht_announce(listen: Multiaddr, config: ServerConfig) -> Multiaddr | None:
+    """The address the DHT tells other nodes to dial, when it is not where we listen."""
+    if config.announce_host is not None:
+        return dialable_multiaddrs(
+            listen, announce_host=config.announce_host, announce_port=config.announce_port
+        )[0]
+    if config.announce_port is not None:
+        # A wildcard host stays one: the other side puts in the host our request came from.
+        return attrs.evolve(listen, port=config.announce_port)
+    return None
 
 
 async def _report_reachability(

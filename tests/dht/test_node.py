@@ -177,3 +177,22 @@ async def test_maintenance_intervals_must_be_positive() -> None:
     with pytest.raises(ConfigError, match="refresh_interval_s"):
         async with open_dht_node(refresh_interval_s=0):
             pytest.fail("should not start")
+
+
+async def test_a_node_behind_port_forwarding_is_known_by_the_address_it_announces() -> None:
+    """Others put the ``announce`` address in their tables, not where the node listens."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as forwarded:
+        forwarded.bind(("127.0.0.1", 0))  # a port only the router would own
+        outside = Multiaddr("127.0.0.1", forwarded.getsockname()[1])
+        with trio.fail_after(DEADLINE_S):
+            async with (
+                open_dht_node() as first,
+                open_dht_node(
+                    initial_peers=[str(first.listen_multiaddr)], announce=outside
+                ) as behind,
+            ):
+                assert behind.announce_multiaddr == outside
+                assert first.announce_multiaddr == first.listen_multiaddr
+                contact = first.routing_table.get(NodeID.from_peer_id(behind.peer_id))
+                assert contact is not None
+                assert Multiaddr.parse(contact.address).port == outside.port
