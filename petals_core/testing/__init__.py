@@ -1,6 +1,7 @@
 """Public test kit: an in-memory datagram network for sans-IO endpoints (links with latency,
 loss and reordering; virtual time), a swarm of real processes on loopback
-(:func:`open_local_swarm`), and model configs for tests and benchmarks (tiny ones, and real
+(:func:`open_local_swarm`), a UDP relay that makes loopback as slow as a WAN
+(:class:`DelayRelay`), and model configs for tests and benchmarks (tiny ones, and real
 models' shapes).
 """
 
@@ -12,6 +13,7 @@ from ._configs import (
     tinyllama_1b_config as tinyllama_1b_config,
 )
 from ._network import MemoryNetwork as MemoryNetwork, Pipe as Pipe
+from ._relay import DelayRelay as DelayRelay, RelayStats as RelayStats
 from ._swarm import (
     LocalSwarm as LocalSwarm,
     SwarmProcess as SwarmProcess,

@@ -106,7 +106,9 @@ class InProcessSwarm:
         self._nursery = nursery
         self._stops: dict[str, tuple[trio.Event, trio.Event]] = {}
 
-    async def add(self, span: tuple[int, int]) -> Server:
+    async def add(self, span: tuple[int, int], **fields: Any) -> Server:
+        """Start a server of ``span`` (``fields``: ServerConfig fields of this one only)."""
+        fields = {**self.fields, **fields}
         if self.servers:
             first = next(iter(self.servers.values()))
             config = server_config(
@@ -114,11 +116,11 @@ class InProcessSwarm:
                 self.cache_dir,
                 block_indices=span,
                 initial_peers=(str(first.multiaddrs[0]),),
-                **self.fields,
+                **fields,
             )
         else:
             config = server_config(
-                self.model, self.cache_dir, block_indices=span, new_swarm=True, **self.fields
+                self.model, self.cache_dir, block_indices=span, new_swarm=True, **fields
             )
         stop, stopped = trio.Event(), trio.Event()
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import os
+import socket
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -19,9 +20,11 @@ import trio
 from petals_core import RemoteError
 from petals_core._errors import PeerUnreachable
 from petals_core.client import InferenceSession, RemoteSequential
+from petals_core.dht import NodeID
 from petals_core.protocol import INFERENCE, PUSH
 from petals_core.server import Server
-from petals_core.transport import Call, Connection, open_call, open_node
+from petals_core.testing import DelayRelay, Pipe
+from petals_core.transport import Call, Connection, Multiaddr, open_call, open_node
 
 from ._swarm_helpers import (
     DEADLINE_S,
@@ -102,6 +105,48 @@ async def test_steps_go_server_to_server_and_equal_local(model: Model, tmp_path:
                 statistics = [server.block_server.statistics() for server in servers]
                 assert [s.push_streams for s in statistics] == [1, 1, 0]
                 assert [s.push_dial_failures for s in statistics] == [0, 0, 0]
+
+
+def _free_udp_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+async def test_servers_behind_port_forwarding_are_reached_only_where_they_announce(
+    model: Model, tmp_path: Path
+) -> None:
+    """Each server listens on one port and announces the relay's (``announce_port``), as behind
+    a router: the client's steps, the servers' pushes and the DHT all go through the relay."""
+    torch.manual_seed(4)
+    steps = [torch.randn(1, 3, HIDDEN)] + [torch.randn(1, 1, HIDDEN) for _ in range(4)]
+    ports = [_free_udp_port(), _free_udp_port()]
+    with DelayRelay(ports) as relay:
+        relay.set_link(Pipe(latency_s=0.005))
+        async with in_process_swarm(model, tmp_path, []) as swarm:
+            with trio.fail_after(DEADLINE_S):
+                for span, port, outside in zip([(0, 3), (3, 6)], ports, relay.ports, strict=True):
+                    await swarm.add(span, port=port, announce_port=outside)
+                servers = list(swarm.servers.values())
+                await servers_know_each_other(servers)
+                manager = manager_for(servers)
+                async with (
+                    RemoteSequential(manager) as seq,
+                    seq.open_inference_session(max_length=16) as session,
+                ):
+                    await run_session(session, model, steps[:1])
+                    await push_streams_reach(servers, [1, 0])
+                    await run_session(session, model, steps[1:], done=steps[:1])
+                    for server in servers:
+                        connection = await manager.connect(str(server.dht.peer_id))
+                        assert connection.address[1] in relay.ports
+                assert session.retries == 0
+                assert pushed_steps(servers[1]) == len(steps) - 1
+                first, second = servers
+                contact = first.dht.routing_table.get(NodeID.from_peer_id(second.dht.peer_id))
+                assert contact is not None
+                assert Multiaddr.parse(contact.address).port == relay.ports[1]
+        assert relay.stats().forwarded > 0
 
 
 async def test_a_server_missing_from_the_peer_table_is_looked_up_in_the_dht(

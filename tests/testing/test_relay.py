@@ -1,0 +1,92 @@
+"""The delay relay: datagrams held for the link's delay both ways, in order, some dropped."""
+
+from __future__ import annotations
+
+import socket
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from petals_core.testing import DelayRelay, Pipe
+
+DEADLINE_S = 30.0
+
+
+@pytest.fixture
+def target() -> Iterator[socket.socket]:
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.settimeout(DEADLINE_S)
+        yield sock
+
+
+def _peer() -> socket.socket:
+    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    sock.bind(("127.0.0.1", 0))
+    sock.settimeout(DEADLINE_S)
+    return sock
+
+
+def test_each_way_is_held_for_the_delay_and_answers_find_their_way_back(
+    target: socket.socket,
+) -> None:
+    with DelayRelay([target.getsockname()[1]]) as relay, _peer() as a, _peer() as b:
+        relay.set_link(Pipe(latency_s=0.03))
+        address = (relay.host, relay.ports[0])
+        for peer, payload in [(a, b"from a"), (b, b"from b")]:
+            sent = time.monotonic()
+            peer.sendto(payload, address)
+            data, seen_as = target.recvfrom(100)
+            arrived = time.monotonic()
+            assert data == payload
+            assert seen_as[1] not in (a.getsockname()[1], b.getsockname()[1])  # as a NAT does
+            target.sendto(data.upper(), seen_as)
+            assert peer.recvfrom(100) == (payload.upper(), address)
+            # A lower bound only: the relay never hands a datagram on early.
+            assert arrived - sent >= 0.03
+            assert time.monotonic() - arrived >= 0.03
+        stats = relay.stats()
+        assert (stats.forwarded, stats.dropped) == (4, 0)
+        assert 0.03 <= stats.mean_delay_s <= stats.max_delay_s
+
+
+def test_jitter_delays_without_reordering_a_flow(target: socket.socket) -> None:
+    with DelayRelay([target.getsockname()[1]]) as relay, _peer() as peer:
+        relay.set_link(Pipe(latency_s=0.001, jitter_s=0.01))
+        for index in range(100):
+            peer.sendto(index.to_bytes(2, "big"), (relay.host, relay.ports[0]))
+        received = [int.from_bytes(target.recvfrom(10)[0], "big") for _ in range(100)]
+        assert received == list(range(100))
+        assert relay.stats().max_delay_s >= 0.001
+
+
+def test_loss_drops_about_that_share_and_forwards_the_rest(target: socket.socket) -> None:
+    sent, batch = 400, 20  # in batches: a socket's buffer holds only so many datagrams
+    received: list[bytes] = []
+    with DelayRelay([target.getsockname()[1]], seed=7) as relay, _peer() as peer:
+        relay.set_link(Pipe(latency_s=0.0, loss=0.25))
+        for start in range(0, sent, batch):
+            for index in range(start, start + batch):
+                peer.sendto(index.to_bytes(2, "big"), (relay.host, relay.ports[0]))
+            # Wait for the relay to have seen the batch (it counts the ones it drops).
+            deadline = time.monotonic() + DEADLINE_S
+            while (stats := relay.stats()).forwarded + stats.dropped < start + batch:
+                assert time.monotonic() < deadline, stats
+            while len(received) < stats.forwarded:
+                received.append(target.recvfrom(10)[0])
+        assert len(set(received)) == len(received) == stats.forwarded
+        assert 0.15 * sent < stats.dropped < 0.35 * sent
+
+
+def test_a_link_it_cannot_make_is_refused_and_the_relay_keeps_working(
+    target: socket.socket,
+) -> None:
+    with DelayRelay([target.getsockname()[1]]) as relay, _peer() as peer:
+        for bad in [Pipe(latency_s=-1.0), Pipe(loss=1.0), Pipe(drop=lambda index, data: True)]:
+            with pytest.raises(ValueError, match=r"relay|link"):
+                relay.set_link(bad)
+        peer.sendto(b"still", (relay.host, relay.ports[0]))
+        assert target.recvfrom(10)[0] == b"still"
+    with pytest.raises(RuntimeError, match="closed"):
+        relay.stats()
