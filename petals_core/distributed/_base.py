@@ -11,7 +11,9 @@ of the base model; a family module (``_llama``, ``_bloom``) pairs it with transf
 Sessions. ``with model.inference_session(max_length=...) as session:`` makes ``session`` the
 model's *active* session: every forward of the model then runs as a step of that session (the
 servers keep the keys and values, so only new tokens are sent). Outside one, a forward is a full
-remote forward with autograd (training).
+remote forward with autograd (training). The active session belongs to the thread (or trio task)
+that entered it, held in a context variable: threads sharing one model each generate in sessions
+of their own (a worker started by ``trio.to_thread.run_sync`` starts from its caller's).
 
 Masks and positions. Remote blocks attend causally to every position they hold. In an inference
 session (generate()), a left-padded mask (zeros then ones in each row, as tokenizers pad for
@@ -30,7 +32,10 @@ comes back on that device and in that dtype (see ``petals_core.client._placement
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import itertools
+import types
+from collections.abc import Iterator, Mapping
+from contextvars import ContextVar
 from typing import Any
 
 import attrs
@@ -47,6 +52,12 @@ from ._pretrained import FromPretrainedMixin, TuningMode, tuning_settings
 from ._session import RemoteInferenceSession
 
 __all__ = ["DistributedModelMixin", "make_remote_blocks"]
+
+#: Each model's active session (by the model's serial number) in this thread or task.
+_ACTIVE_SESSIONS: ContextVar[Mapping[int, RemoteInferenceSession]] = ContextVar(
+    "petals_core_active_sessions", default=types.MappingProxyType({})
+)
+_serial_numbers = itertools.count()
 
 
 def make_remote_blocks(
@@ -127,14 +138,14 @@ class DistributedModelMixin(FromPretrainedMixin, nn.Module):
     config: Any
     prompt_embeddings: nn.Embedding
     intermediate_prompt_embeddings: nn.Embedding
-    _active_session: RemoteInferenceSession | None
+    _serial: int
     _is_base_model = True
 
     def __init__(
         self, config: Any, *, sequence_manager_config: SequenceManagerConfig | None = None
     ) -> None:
         super().__init__(config)  # the family's *PreTrainedModel
-        self._active_session = None
+        self._serial = next(_serial_numbers)
         self.init_layers(config, make_remote_blocks(config, sequence_manager_config))
         self._init_prompts(config)
         self.post_init()
@@ -197,8 +208,8 @@ class DistributedModelMixin(FromPretrainedMixin, nn.Module):
 
     @property
     def active_session(self) -> RemoteInferenceSession | None:
-        """The session every forward currently steps through, if any."""
-        return self._active_session
+        """The session every forward in this thread (or trio task) steps through, if any."""
+        return _ACTIVE_SESSIONS.get().get(self._serial)
 
     @property
     def local_device(self) -> torch.device:
@@ -226,7 +237,11 @@ class DistributedModelMixin(FromPretrainedMixin, nn.Module):
     def _swap_active_session(
         self, session: RemoteInferenceSession | None
     ) -> RemoteInferenceSession | None:
-        previous, self._active_session = self._active_session, session
+        sessions = dict(_ACTIVE_SESSIONS.get())
+        previous = sessions.pop(self._serial, None)
+        if session is not None:
+            sessions[self._serial] = session
+        _ACTIVE_SESSIONS.set(types.MappingProxyType(sessions))
         return previous
 
     def shutdown(self) -> None:
@@ -313,7 +328,7 @@ class DistributedModelMixin(FromPretrainedMixin, nn.Module):
             inputs_embeds = self.get_input_embeddings()(input_ids)
         embeddings = inputs_embeds  # (B, T, hidden)
         batch, tokens = embeddings.shape[:2]
-        session = self._active_session
+        session = self.active_session
         past = self._synchronize(session, cache)
         padding = _check_attention_mask(
             attention_mask,

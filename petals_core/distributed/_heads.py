@@ -10,6 +10,7 @@ the ``score`` head over the last non-pad token.
 from __future__ import annotations
 
 import contextlib
+from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import attrs
@@ -38,6 +39,11 @@ __all__ = [
     "DistributedSequenceClassificationMixin",
     "HeadInputs",
 ]
+
+#: Where ``generate()`` (in this thread or task) keeps the session it opened for the call.
+_GENERATION_STACK: ContextVar[contextlib.ExitStack | None] = ContextVar(
+    "petals_core_generation_stack", default=None
+)
 
 #: Vocabulary rows per matmul of the LM head.
 DEFAULT_LM_HEAD_CHUNK_ROWS = 8192
@@ -210,7 +216,6 @@ class DistributedCausalLMMixin(DistributedHeadMixin):
 
     lm_head: ChunkedLMHead
     _local_heads = ("lm_head.",)
-    _generation_stack: contextlib.ExitStack | None = None
 
     def __init__(
         self, config: Any, *, sequence_manager_config: SequenceManagerConfig | None = None
@@ -284,11 +289,11 @@ class DistributedCausalLMMixin(DistributedHeadMixin):
                 # On the device of the new inputs, or the model's (it may have moved since).
                 device = base.local_device if inputs is None else inputs.device
                 inputs, skipped = _continue_from(active.output_ids.to(device), inputs)
-            self._generation_stack = stack
+            reset = _GENERATION_STACK.set(stack)
             try:
                 result = super().generate(inputs, *args, **kwargs)  # type: ignore[misc]
             finally:
-                self._generation_stack = None
+                _GENERATION_STACK.reset(reset)
             sequences = result["sequences"] if isinstance(result, ModelOutput) else result
             active = base.active_session
             if active is not None:
@@ -320,12 +325,11 @@ class DistributedCausalLMMixin(DistributedHeadMixin):
         base = self.distributed_base
         session = base.active_session
         if session is None:
-            if self._generation_stack is None:
+            stack = _GENERATION_STACK.get()
+            if stack is None:
                 raise RuntimeError("generation outside DistributedCausalLMMixin.generate")
             max_length = max(generation_config.max_length or 0, max_cache_length + 1)
-            session = self._generation_stack.enter_context(
-                base.inference_session(max_length=max_length)
-            )
+            session = stack.enter_context(base.inference_session(max_length=max_length))
         model_kwargs[CACHE_ARG] = RemoteCache(session.token_position)
         return True
 

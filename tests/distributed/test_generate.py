@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import pytest
@@ -161,3 +162,36 @@ def test_a_full_session_says_so(models: tuple[Any, Any]) -> None:
         pytest.raises(ValueError, match="max_length"),
     ):
         model.generate(ids, max_new_tokens=5, **no_eos(reference))
+
+
+def test_threads_sharing_a_model_generate_in_sessions_of_their_own(
+    models: tuple[Any, Any],
+) -> None:
+    model, reference = models
+    prompts = [random_ids(1, 4 + i, seed=40 + i) for i in range(3)]
+    settings = {"do_sample": False, "max_new_tokens": 6, **no_eos(reference)}
+    expected = [reference.generate(ids, **settings) for ids in prompts]
+    barrier = threading.Barrier(len(prompts))
+    results: list[torch.Tensor | BaseException | None] = [None] * len(prompts)
+
+    def generate(i: int) -> None:
+        try:
+            with model.inference_session(max_length=20) as session:
+                barrier.wait(timeout=60)  # every thread's session is open at once
+                assert model.active_session is session
+                results[i] = model.generate(prompts[i], **settings)
+                barrier.wait(timeout=60)
+        except BaseException as exc:
+            results[i] = exc
+
+    threads = [threading.Thread(target=generate, args=(i,)) for i in range(len(prompts))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    for result, want in zip(results, expected, strict=True):
+        if isinstance(result, BaseException):
+            raise result
+        assert result is not None
+        assert torch.equal(result, want)
+    assert model.active_session is None  # none of the threads' sessions is active here
