@@ -1,0 +1,50 @@
+"""An OpenAI-compatible HTTP endpoint in front of a swarm: ``python -m petals_core.api``.
+
+``GET /v1/models``, ``POST /v1/completions`` and ``POST /v1/chat/completions`` (the tokenizer's
+chat template), plain JSON or streamed as server-sent events, for curl, the ``openai`` package
+and anything that speaks OpenAI's API. Each request is one ``generate()`` of the distributed
+model in one inference session; concurrent requests are concurrent sessions, which the servers
+batch. A client that disconnects stops its generation, which frees the servers' caches.
+
+In a trio program, :func:`serve_api` runs the whole endpoint; :class:`Engine` and
+:func:`create_app` put it together around a model you already hold.
+"""
+
+from ._app import MAX_BODY_BYTES as MAX_BODY_BYTES, create_app as create_app
+from ._engine import (
+    Chunk as Chunk,
+    Engine as Engine,
+    Limits as Limits,
+    TokenLogprob as TokenLogprob,
+    Usage as Usage,
+)
+from ._errors import ApiError as ApiError
+from ._requests import (
+    ChatRequest as ChatRequest,
+    CompletionRequest as CompletionRequest,
+    Message as Message,
+    Sampling as Sampling,
+    parse_chat_untrusted as parse_chat_untrusted,
+    parse_completion_untrusted as parse_completion_untrusted,
+)
+from ._serve import ApiConfig as ApiConfig, RunningApi as RunningApi, serve_api as serve_api
+
+__all__ = [
+    "MAX_BODY_BYTES",
+    "ApiConfig",
+    "ApiError",
+    "ChatRequest",
+    "Chunk",
+    "CompletionRequest",
+    "Engine",
+    "Limits",
+    "Message",
+    "RunningApi",
+    "Sampling",
+    "TokenLogprob",
+    "Usage",
+    "create_app",
+    "parse_chat_untrusted",
+    "parse_completion_untrusted",
+    "serve_api",
+]

@@ -1,0 +1,396 @@
+"""The endpoint's HTTP face: a Starlette app answering OpenAI's routes from an :class:`Engine`.
+
+``GET /v1/models`` (and ``/v1/models/{id}``), ``POST /v1/completions`` and
+``POST /v1/chat/completions``, as plain JSON or, with ``"stream": true``, as server-sent events
+of OpenAI's chunks ending with ``data: [DONE]``. Every answer counts its tokens (``usage``; in a
+stream, on the last chunk, and in a chunk of its own when ``stream_options.include_usage`` asks).
+Errors are OpenAI's JSON (``{"error": {...}}``) with its status codes; a failure after a stream
+began is sent as an event of that shape, then the stream ends.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from typing import Any, Final
+
+import trio
+from sse_starlette import EventSourceResponse
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from ._engine import Chunk, Engine, TokenLogprob, Usage
+from ._errors import ApiError
+from ._requests import (
+    ChatRequest,
+    CompletionRequest,
+    parse_chat_untrusted,
+    parse_completion_untrusted,
+)
+
+__all__ = ["MAX_BODY_BYTES", "create_app"]
+
+#: Request bodies above this size are refused (413) before they are parsed.
+MAX_BODY_BYTES: Final = 4 * 1024 * 1024
+CREATED: Final = int(time.time())
+
+
+def create_app(engine: Engine, *, api_key: str | None = None) -> Starlette:
+    """The app serving ``engine``'s model under ``engine.name``; with ``api_key``, requests must
+    carry ``Authorization: Bearer <api_key>``."""
+    api = _Api(engine, api_key)
+    return Starlette(
+        routes=[
+            Route("/v1/models", api.models, methods=["GET"]),
+            Route("/v1/models/{model:path}", api.model, methods=["GET"]),
+            Route("/v1/completions", api.completions, methods=["POST"]),
+            Route("/v1/chat/completions", api.chat_completions, methods=["POST"]),
+        ],
+        exception_handlers={
+            ApiError: _api_error_response,
+            HTTPException: _http_error_response,
+            Exception: _internal_error_response,
+        },
+    )
+
+
+async def _api_error_response(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, ApiError)
+    return JSONResponse(exc.body(), status_code=exc.status)
+
+
+async def _http_error_response(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+    message = f"{request.method} {request.url.path}: {exc.detail}"
+    return JSONResponse(
+        ApiError(exc.status_code, message, code=code).body(), status_code=exc.status_code
+    )
+
+
+async def _internal_error_response(request: Request, exc: Exception) -> Response:
+    error = ApiError(500, f"The endpoint failed: {type(exc).__name__}: {exc}")
+    return JSONResponse(error.body(), status_code=500)
+
+
+class _Api:
+    def __init__(self, engine: Engine, api_key: str | None) -> None:
+        self.engine = engine
+        self.api_key = api_key
+
+    # -- plumbing --------------------------------------------------------------------------------
+
+    def _check_key(self, request: Request) -> None:
+        if self.api_key is None:
+            return
+        given = request.headers.get("authorization", "")
+        scheme, _, key = given.partition(" ")
+        if scheme.lower() != "bearer" or not secrets.compare_digest(key.strip(), self.api_key):
+            raise ApiError(
+                401,
+                "Incorrect API key provided: pass it as 'Authorization: Bearer <key>'.",
+                code="invalid_api_key",
+            )
+
+    async def _body(self, request: Request) -> Any:
+        self._check_key(request)
+        size = 0
+        parts = []
+        async for part in request.stream():
+            size += len(part)
+            if size > MAX_BODY_BYTES:
+                raise ApiError(413, f"The request body is larger than {MAX_BODY_BYTES} bytes.")
+            parts.append(part)
+        try:
+            return json.loads(b"".join(parts))
+        except (ValueError, RecursionError):
+            raise ApiError(
+                400,
+                "We could not parse the JSON body of your request. The body must be a JSON "
+                "object encoded in UTF-8.",
+            ) from None
+
+    def _check_model(self, model: str) -> None:
+        if model != self.engine.name:
+            raise ApiError(
+                404,
+                f"The model `{model}` does not exist: this endpoint serves `{self.engine.name}`.",
+                param="model",
+                code="model_not_found",
+            )
+
+    def _model_card(self) -> dict[str, Any]:
+        return {"id": self.engine.name, "object": "model", "created": CREATED, "owned_by": "swarm"}
+
+    # -- routes ----------------------------------------------------------------------------------
+
+    async def models(self, request: Request) -> Response:
+        self._check_key(request)
+        return JSONResponse({"object": "list", "data": [self._model_card()]})
+
+    async def model(self, request: Request) -> Response:
+        self._check_key(request)
+        self._check_model(request.path_params["model"])
+        return JSONResponse(self._model_card())
+
+    async def completions(self, request: Request) -> Response:
+        parsed = parse_completion_untrusted(await self._body(request))
+        self._check_model(parsed.model)
+        prompts = [self.engine.encode_prompt(prompt) for prompt in parsed.prompts]
+        return await self._answer(request, _CompletionShape(parsed, prompts, self.engine), prompts)
+
+    async def chat_completions(self, request: Request) -> Response:
+        parsed = parse_chat_untrusted(await self._body(request))
+        self._check_model(parsed.model)
+        prompt = self.engine.encode_chat(parsed.messages)
+        return await self._answer(request, _ChatShape(parsed, self.engine), [prompt])
+
+    async def _answer(
+        self, request: Request, shape: _Shape, prompts: Sequence[Sequence[int]]
+    ) -> Response:
+        generation = self.engine.generate(prompts, shape.sampling)
+        if not shape.stream:
+            chunks: list[Chunk] = []
+            last: Usage | ApiError | None = None
+            async with generation as events, trio.open_nursery() as nursery:
+                nursery.start_soon(_cancel_when_disconnected, request, nursery.cancel_scope)
+                async for event in events:
+                    if isinstance(event, Chunk):
+                        chunks.append(event)
+                    else:
+                        last = event
+                nursery.cancel_scope.cancel()
+            if isinstance(last, ApiError):
+                raise last
+            if last is None:  # the client left: nobody reads this answer
+                return Response(status_code=499)
+            return JSONResponse(shape.whole(chunks, last))
+        events = await generation.__aenter__()
+        try:
+            first = await events.__anext__()
+            if isinstance(first, ApiError):
+                raise first
+        except BaseException:
+            await generation.__aexit__(None, None, None)
+            raise
+        return EventSourceResponse(_stream(shape, first, events, generation.__aexit__), ping=15)
+
+
+async def _cancel_when_disconnected(request: Request, scope: trio.CancelScope) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            scope.cancel()
+            return
+
+
+async def _stream(
+    shape: _Shape,
+    first: Chunk | Usage | ApiError,
+    events: AsyncIterator[Chunk | Usage | ApiError],
+    close: Callable[[Any, Any, Any], Awaitable[None]],
+) -> AsyncIterator[dict[str, str]]:
+    try:
+        held: dict[str, Any] | None = None
+        for chunk in shape.stream_start():
+            yield {"data": json.dumps(chunk)}
+        event: Chunk | Usage | ApiError | None = first
+        while event is not None:
+            if isinstance(event, ApiError):
+                if held is not None:
+                    yield {"data": json.dumps(held)}
+                yield {"data": json.dumps(event.body())}
+                return
+            if isinstance(event, Usage):
+                if held is not None:
+                    held["usage"] = event.to_json()
+                    yield {"data": json.dumps(held)}
+                if shape.include_usage:
+                    yield {"data": json.dumps(shape.usage_chunk(event))}
+                yield {"data": "[DONE]"}
+                return
+            if held is not None:
+                yield {"data": json.dumps(held)}
+            held = shape.chunk(event)
+            event = await anext(events, None)
+    finally:
+        await close(None, None, None)
+
+
+# -- answer shapes --------------------------------------------------------------------------------
+
+
+class _Shape:
+    """How one kind of request's answer looks, whole and streamed."""
+
+    object_name: str
+    chunk_object_name: str
+    id_prefix: str
+
+    def __init__(self, parsed: CompletionRequest | ChatRequest, engine: Engine) -> None:
+        self.sampling = parsed.sampling
+        self.stream = parsed.stream
+        self.include_usage = parsed.include_usage
+        self.model = engine.name
+        self.id = f"{self.id_prefix}-{secrets.token_hex(12)}"
+        self.created = int(time.time())
+        self.rows = 0  # set by the subclass
+
+    def _head(self, object_name: str) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "object": object_name,
+            "created": self.created,
+            "model": self.model,
+            "system_fingerprint": None,
+        }
+
+    def whole(self, chunks: Sequence[Chunk], usage: Usage) -> dict[str, Any]:
+        by_row: list[list[Chunk]] = [[] for _ in range(self.rows)]
+        for chunk in chunks:
+            by_row[chunk.row].append(chunk)
+        return {
+            **self._head(self.object_name),
+            "choices": [self.whole_choice(row, parts) for row, parts in enumerate(by_row)],
+            "usage": usage.to_json(),
+        }
+
+    def usage_chunk(self, usage: Usage) -> dict[str, Any]:
+        return {**self._head(self.chunk_object_name), "choices": [], "usage": usage.to_json()}
+
+    def stream_start(self) -> list[dict[str, Any]]:
+        return []
+
+    def _opening_chunk(self, content: Callable[[int], dict[str, Any]]) -> dict[str, Any]:
+        """A chunk starting every choice with ``content(row)``."""
+        choices = [
+            {"index": row, **content(row), "logprobs": None, "finish_reason": None}
+            for row in range(self.rows)
+        ]
+        return {**self._head(self.chunk_object_name), "choices": choices, "usage": None}
+
+    def chunk(self, chunk: Chunk) -> dict[str, Any]:
+        return {
+            **self._head(self.chunk_object_name),
+            "choices": [self.chunk_choice(chunk)],
+            "usage": None,
+        }
+
+    def whole_choice(self, row: int, parts: Sequence[Chunk]) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def chunk_choice(self, chunk: Chunk) -> dict[str, Any]:
+        raise NotImplementedError
+
+
+def _finish_reason(parts: Sequence[Chunk]) -> str | None:
+    reasons = [part.finish_reason for part in parts if part.finish_reason is not None]
+    return reasons[-1] if reasons else None
+
+
+class _CompletionShape(_Shape):
+    object_name = chunk_object_name = "text_completion"
+    id_prefix = "cmpl"
+
+    def __init__(
+        self, parsed: CompletionRequest, prompts: Sequence[Sequence[int]], engine: Engine
+    ) -> None:
+        super().__init__(parsed, engine)
+        self.rows = len(prompts) * parsed.sampling.n
+        self.echo = [engine.decode(prompt) for prompt in prompts] if parsed.echo else None
+        self.with_logprobs = parsed.sampling.logprobs is not None
+        self._offsets = [0] * self.rows
+
+    def _prefix(self, row: int) -> str:
+        return self.echo[row // self.sampling.n] if self.echo is not None else ""
+
+    def _logprobs(self, row: int, tokens: Sequence[TokenLogprob]) -> dict[str, Any] | None:
+        if not self.with_logprobs:
+            return None
+        offsets = []
+        for token in tokens:
+            offsets.append(self._offsets[row])
+            self._offsets[row] += len(token.token)
+        return {
+            "tokens": [token.token for token in tokens],
+            "token_logprobs": [token.logprob for token in tokens],
+            "top_logprobs": [dict(token.top) for token in tokens],
+            "text_offset": offsets,
+        }
+
+    def whole_choice(self, row: int, parts: Sequence[Chunk]) -> dict[str, Any]:
+        return {
+            "index": row,
+            "text": self._prefix(row) + "".join(part.text for part in parts),
+            "logprobs": self._logprobs(row, [t for part in parts for t in part.logprobs]),
+            "finish_reason": _finish_reason(parts),
+        }
+
+    def stream_start(self) -> list[dict[str, Any]]:
+        if self.echo is None:
+            return []
+        return [self._opening_chunk(lambda row: {"text": self._prefix(row)})]
+
+    def chunk_choice(self, chunk: Chunk) -> dict[str, Any]:
+        return {
+            "index": chunk.row,
+            "text": chunk.text,
+            "logprobs": self._logprobs(chunk.row, chunk.logprobs),
+            "finish_reason": chunk.finish_reason,
+        }
+
+
+def _chat_logprob(token: TokenLogprob) -> dict[str, Any]:
+    return {
+        "token": token.token,
+        "logprob": token.logprob,
+        "bytes": list(token.token.encode()),
+        "top_logprobs": [
+            {"token": text, "logprob": value, "bytes": list(text.encode())}
+            for text, value in token.top
+        ],
+    }
+
+
+class _ChatShape(_Shape):
+    object_name = "chat.completion"
+    chunk_object_name = "chat.completion.chunk"
+    id_prefix = "chatcmpl"
+
+    def __init__(self, parsed: ChatRequest, engine: Engine) -> None:
+        super().__init__(parsed, engine)
+        self.rows = parsed.sampling.n
+        self.with_logprobs = parsed.sampling.logprobs is not None
+
+    def _logprobs(self, tokens: Sequence[TokenLogprob]) -> dict[str, Any] | None:
+        if not self.with_logprobs:
+            return None
+        return {"content": [_chat_logprob(token) for token in tokens], "refusal": None}
+
+    def whole_choice(self, row: int, parts: Sequence[Chunk]) -> dict[str, Any]:
+        return {
+            "index": row,
+            "message": {
+                "role": "assistant",
+                "content": "".join(part.text for part in parts),
+                "refusal": None,
+            },
+            "logprobs": self._logprobs([t for part in parts for t in part.logprobs]),
+            "finish_reason": _finish_reason(parts),
+        }
+
+    def stream_start(self) -> list[dict[str, Any]]:
+        return [self._opening_chunk(lambda row: {"delta": {"role": "assistant", "content": ""}})]
+
+    def chunk_choice(self, chunk: Chunk) -> dict[str, Any]:
+        return {
+            "index": chunk.row,
+            "delta": {"content": chunk.text} if chunk.text else {},
+            "logprobs": self._logprobs(chunk.logprobs) if chunk.logprobs else None,
+            "finish_reason": chunk.finish_reason,
+        }

@@ -1,0 +1,239 @@
+"""The endpoint with the official ``openai`` client, in front of a real 2-server SmolLM2 swarm."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import threading
+import time
+import urllib.parse
+from typing import Any
+
+import openai
+import pytest
+import torch
+
+from petals_core.api import Message
+
+from ._endpoint import LIMITS
+
+CHAT = [{"role": "user", "content": "What is the capital of France?"}]
+DEADLINE_S = 60.0
+
+
+def _greedy_reference(endpoint: Any, messages: list[dict[str, str]], max_new: int) -> list[int]:
+    """``model.generate``'s greedy tokens for the chat (the endpoint's own model, from this
+    thread), up to and without the end-of-sequence token."""
+    engine = endpoint.api.engine
+    prompt = engine.encode_chat([Message(**m) for m in messages])
+    output = engine.model.generate(torch.tensor([prompt]), max_new_tokens=max_new, do_sample=False)
+    tokens = []
+    for token in output[0, len(prompt) :].tolist():
+        if token in engine.eos_token_ids:
+            break
+        tokens.append(token)
+    return tokens
+
+
+def _wait_for(condition: Any, what: str) -> None:
+    deadline = time.monotonic() + DEADLINE_S
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {DEADLINE_S} s: {what}")
+        time.sleep(0.05)
+
+
+def test_models_lists_the_served_model(endpoint: Any, client: Any) -> None:
+    assert [model.id for model in client.models.list().data] == [endpoint.repo]
+    assert client.models.retrieve(endpoint.repo).id == endpoint.repo
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        client.models.retrieve("no/such-model")
+
+
+def test_greedy_chat_answer_equals_generate(endpoint: Any, client: Any) -> None:
+    expected = _greedy_reference(endpoint, CHAT, 24)
+    answer = client.chat.completions.create(
+        model=endpoint.repo, messages=CHAT, max_tokens=24, temperature=0
+    )
+    engine = endpoint.api.engine
+    choice = answer.choices[0]
+    assert choice.message.role == "assistant"
+    assert choice.message.content == engine.decode(expected)
+    assert choice.finish_reason == ("length" if len(expected) == 24 else "stop")
+    assert answer.usage.completion_tokens == len(expected)
+    assert answer.usage.prompt_tokens == len(engine.encode_chat([Message(**CHAT[0])]))
+    assert answer.usage.total_tokens == answer.usage.prompt_tokens + len(expected)
+    assert answer.object == "chat.completion"
+    assert answer.model == endpoint.repo
+
+
+def test_streamed_chat_equals_the_plain_answer_with_usage_and_logprobs(
+    endpoint: Any, client: Any
+) -> None:
+    settings: dict[str, Any] = {
+        "model": endpoint.repo,
+        "messages": CHAT,
+        "max_tokens": 16,
+        "temperature": 0,
+        "logprobs": True,
+        "top_logprobs": 3,
+    }
+    plain = client.chat.completions.create(**settings)
+    chunks = list(
+        client.chat.completions.create(
+            **settings, stream=True, stream_options={"include_usage": True}
+        )
+    )
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == plain.choices[0].message.content
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
+    assert finishes[-1] == plain.choices[0].finish_reason
+    assert all(reason is None for reason in finishes[:-1])
+    # The usage comes on the last chunk with a choice, and in a chunk of its own at the end.
+    assert chunks[-1].choices == []
+    assert chunks[-1].usage == plain.usage == chunks[-2].usage
+    streamed = [
+        t
+        for c in chunks
+        if c.choices and c.choices[0].logprobs
+        for t in c.choices[0].logprobs.content
+    ]
+    whole = plain.choices[0].logprobs.content
+    assert len(whole) == len(streamed) == plain.usage.completion_tokens
+    for token, other in zip(whole, streamed, strict=True):
+        assert token.token == other.token
+        assert token.logprob == pytest.approx(other.logprob, abs=1e-4)
+        assert len(token.top_logprobs) == 3
+        # Greedy: the token taken is the likeliest one.
+        assert token.logprob == pytest.approx(token.top_logprobs[0].logprob, abs=1e-6)
+        assert token.logprob <= 0.0
+        assert token.bytes == list(token.token.encode())
+
+
+def test_seeded_completions_repeat_and_stop_at_stop_sequences(endpoint: Any, client: Any) -> None:
+    settings: dict[str, Any] = {
+        "model": endpoint.repo,
+        "prompt": ["Once upon a time", "The sky is"],
+        "max_tokens": 12,
+        "n": 2,
+        "seed": 1234,
+        "temperature": 0.9,
+        "top_p": 0.95,
+        "stop": ["."],
+        "logprobs": 2,
+    }
+    first = client.completions.create(**settings)
+    again = client.completions.create(**settings)
+    assert [c.text for c in first.choices] == [c.text for c in again.choices]
+    assert sorted(c.index for c in first.choices) == [0, 1, 2, 3]
+    for choice in first.choices:
+        assert "." not in choice.text
+        assert choice.finish_reason in ("stop", "length")
+        assert len(choice.logprobs.tokens) == len(choice.logprobs.token_logprobs)
+        assert all(len(top) <= 2 for top in choice.logprobs.top_logprobs)
+    assert first.usage.completion_tokens == sum(len(c.logprobs.tokens) for c in first.choices)
+    streamed: dict[int, str] = {}
+    for chunk in client.completions.create(**settings, stream=True):
+        for choice in chunk.choices:
+            streamed[choice.index] = streamed.get(choice.index, "") + choice.text
+    assert [streamed[c.index] for c in first.choices] == [c.text for c in first.choices]
+
+
+def test_completions_take_token_ids_and_echo(endpoint: Any, client: Any) -> None:
+    engine = endpoint.api.engine
+    ids = engine.encode_prompt("The capital of Italy is")
+    by_ids = client.completions.create(model=endpoint.repo, prompt=ids, max_tokens=6, temperature=0)
+    by_text = client.completions.create(
+        model=endpoint.repo,
+        prompt="The capital of Italy is",
+        max_tokens=6,
+        temperature=0,
+        echo=True,
+    )
+    assert by_text.choices[0].text == "The capital of Italy is" + by_ids.choices[0].text
+    assert by_ids.usage.prompt_tokens == len(ids)
+
+
+def test_concurrent_requests_each_get_their_own_answer(endpoint: Any, client: Any) -> None:
+    engine = endpoint.api.engine
+    questions = ["France", "Italy", "Japan", "Spain"]
+    answers: dict[str, Any] = {}
+    errors: list[BaseException] = []
+    barrier = threading.Barrier(len(questions))
+
+    def ask(country: str) -> None:
+        try:
+            barrier.wait(timeout=DEADLINE_S)
+            answers[country] = client.chat.completions.create(
+                model=endpoint.repo,
+                messages=[{"role": "user", "content": f"What is the capital of {country}?"}],
+                max_tokens=12,
+                temperature=0,
+                logprobs=True,
+            )
+        except BaseException as exc:
+            errors.append(exc)
+
+    engine.peak_running = 0
+    threads = [threading.Thread(target=ask, args=(q,)) for q in questions]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(DEADLINE_S * 2)
+    assert not errors, errors
+    assert engine.peak_running > 1  # they did run at the same time
+    # Each answer is the greedy continuation of its own question: teacher-forced through the
+    # model, every token it chose is the likeliest there (up to batching's rounding).
+    for country, answer in answers.items():
+        message = Message(role="user", content=f"What is the capital of {country}?")
+        prompt = engine.encode_chat([message])
+        chosen = [engine.encode_prompt(t.token) for t in answer.choices[0].logprobs.content]
+        tokens = [ids[0] for ids in chosen]
+        assert len(tokens) == answer.usage.completion_tokens
+        with torch.no_grad():
+            logits = engine.model(torch.tensor([prompt + tokens])).logits[0]
+        logprobs = torch.log_softmax(logits.float(), dim=-1)
+        for step, token in enumerate(tokens):
+            row = logprobs[len(prompt) - 1 + step]
+            assert row[token] >= row.max() - 1e-3, (country, step)
+
+
+def _stream_request(endpoint: Any, body: dict[str, Any]) -> tuple[Any, Any]:
+    url = urllib.parse.urlsplit(endpoint.url)
+    connection = http.client.HTTPConnection(url.hostname, url.port, timeout=DEADLINE_S)
+    connection.request(
+        "POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"}
+    )
+    reply = connection.getresponse()
+    assert reply.status == 200
+    return connection, reply
+
+
+def test_a_disconnect_mid_stream_frees_the_servers_caches(endpoint: Any) -> None:
+    engine = endpoint.api.engine
+    before = endpoint.server_infos()
+    assert all(info.open_sessions == 0 for info in before)
+    body = {
+        "model": endpoint.repo,
+        "messages": [{"role": "user", "content": "Write a long story about a dragon."}],
+        "max_tokens": LIMITS.max_request_tokens - 64,
+        "stream": True,
+    }
+    connection, reply = _stream_request(endpoint, body)
+    events = 0
+    while events < 4:
+        line = reply.readline()
+        assert line, "the stream ended early"
+        events += line.startswith(b"data: ")
+    assert all(info.open_sessions == 1 for info in endpoint.server_infos())
+    assert engine.running == 1
+    connection.sock.close()  # the client goes away mid-stream
+    connection.close()
+    _wait_for(lambda: engine.running == 0, "the generation stops")
+    _wait_for(
+        lambda: all(info.open_sessions == 0 for info in endpoint.server_infos()),
+        "the servers close the session",
+    )
+    after = endpoint.server_infos()
+    assert [i.cache_tokens_left for i in after] == [i.cache_tokens_left for i in before]

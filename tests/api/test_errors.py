@@ -1,0 +1,183 @@
+"""Bad, hostile and unanswerable requests get OpenAI-shaped errors, and the endpoint serves on."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import urllib.parse
+from typing import Any
+
+import openai
+import pytest
+import trio
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from petals_core.api import MAX_BODY_BYTES, ApiConfig, serve_api
+from petals_core.api._requests import _CHAT, _COMPLETION
+
+from ._endpoint import LIMITS
+
+CHAT = [{"role": "user", "content": "Hi"}]
+
+
+def _post(url: str, path: str, body: bytes, method: str = "POST") -> tuple[int, Any]:
+    parts = urllib.parse.urlsplit(url)
+    connection = http.client.HTTPConnection(parts.hostname, parts.port, timeout=60)
+    try:
+        connection.request(method, path, body, {"Content-Type": "application/json"})
+        reply = connection.getresponse()
+        data = reply.read()
+        if reply.getheader("content-type", "").startswith("text/event-stream"):
+            events = [line[6:] for line in data.decode().splitlines() if line.startswith("data: ")]
+            assert events[-1] == "[DONE]" or "error" in json.loads(events[-1]), events[-1]
+            return reply.status, None
+        return reply.status, json.loads(data) if data else None
+    finally:
+        connection.close()
+
+
+def _error(status: int, body: Any, expected_status: int) -> dict[str, Any]:
+    assert status == expected_status, body
+    assert set(body) == {"error"}
+    error = body["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert isinstance(error["message"], str) and error["message"]
+    return dict(error)
+
+
+def _still_serving(endpoint: Any) -> None:
+    status, body = _post(endpoint.url, "/v1/models", b"", method="GET")
+    assert status == 200 and body["data"][0]["id"] == endpoint.repo
+
+
+def test_openai_client_errors(endpoint: Any, client: Any) -> None:
+    with pytest.raises(openai.NotFoundError) as unknown:
+        client.chat.completions.create(model="gpt-4o", messages=CHAT)
+    assert unknown.value.code == "model_not_found"
+    with pytest.raises(openai.BadRequestError) as too_long:
+        client.chat.completions.create(model=endpoint.repo, messages=CHAT, max_tokens=10**6)
+    assert too_long.value.code == "context_length_exceeded"
+    assert f"maximum context length is {LIMITS.max_request_tokens}" in str(too_long.value)
+    with pytest.raises(openai.BadRequestError, match="at most 4 choices"):
+        client.chat.completions.create(model=endpoint.repo, messages=CHAT, n=5)
+    with pytest.raises(openai.BadRequestError, match="temperature"):
+        client.chat.completions.create(model=endpoint.repo, messages=CHAT, temperature=3)
+    with pytest.raises(openai.BadRequestError, match="frequency_penalty is not supported"):
+        client.chat.completions.create(model=endpoint.repo, messages=CHAT, frequency_penalty=0.5)
+    _still_serving(endpoint)
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "param"),
+    [
+        (b"not json", 400, None),
+        (b"\xff\xfe", 400, None),
+        (b"[1, 2]", 400, None),
+        (b"[" * 100_000 + b"]" * 100_000, 400, None),
+        (b'{"messages": [{"role": "user", "content": "Hi"}]}', 400, "model"),
+        (b'{"model": "M"}', 400, "messages"),
+        (b'{"model": "M", "messages": []}', 400, "messages"),
+        (b'{"model": "M", "messages": [{"role": "wizard", "content": "x"}]}', 400, "messages"),
+        (b'{"model": "M", "messages": [{"role": "user", "content": "x"}], "nope": 1}', 400, "nope"),
+        (b'{"model": "M", "messages": [{"role": "user", "content": "x"}], "n": true}', 400, "n"),
+        (
+            b'{"model": "M", "messages": [{"role": "user", "content": "x"}], "top_p": NaN}',
+            400,
+            "top_p",
+        ),
+    ],
+)
+def test_malformed_bodies(endpoint: Any, body: bytes, status: int, param: str | None) -> None:
+    body = body.replace(b'"M"', json.dumps(endpoint.repo).encode())
+    got, answer = _post(endpoint.url, "/v1/chat/completions", body)
+    assert _error(got, answer, status)["param"] == param
+
+
+def test_routes_methods_and_sizes(endpoint: Any) -> None:
+    assert _error(*_post(endpoint.url, "/v1/nothing", b"{}"), 404)["code"] == "not_found"
+    status, body = _post(endpoint.url, "/v1/chat/completions", b"", method="GET")
+    assert _error(status, body, 405)["code"] == "method_not_allowed"
+    huge = json.dumps({"model": endpoint.repo, "prompt": "x" * MAX_BODY_BYTES}).encode()
+    _error(*_post(endpoint.url, "/v1/completions", huge), 413)
+    bad_ids = json.dumps({"model": endpoint.repo, "prompt": [10**9]}).encode()
+    assert _error(*_post(endpoint.url, "/v1/completions", bad_ids), 400)["param"] == "prompt"
+    _still_serving(endpoint)
+
+
+def test_no_server_for_the_blocks_is_a_503(endpoint: Any) -> None:
+    """An endpoint whose swarm name nobody serves answers 503 after the client's bounded wait."""
+
+    async def ask() -> tuple[int, Any]:
+        config = ApiConfig(
+            model=endpoint.repo,
+            initial_peers=tuple(endpoint.swarm.initial_peers),
+            port=0,
+            client_options={
+                "local_files_only": True,
+                "dht_prefix": "nobody-serves-this",
+                "missing_blocks_timeout_s": 1.0,
+            },
+        )
+        async with trio.open_nursery() as nursery:
+            api = await nursery.start(serve_api, config)
+            body = json.dumps({"model": endpoint.repo, "messages": CHAT}).encode()
+            with trio.fail_after(60):
+                answer = await trio.to_thread.run_sync(
+                    _post, api.urls[0], "/v1/chat/completions", body
+                )
+            nursery.cancel_scope.cancel()
+        return answer
+
+    error = _error(*endpoint.run(ask), 503)
+    assert error["code"] == "missing_blocks"
+    assert "nobody-serves-this" in error["message"]
+    _still_serving(endpoint)
+
+
+_JSON = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=20),
+    lambda inner: (
+        st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4)
+    ),
+    max_leaves=12,
+)
+_FIELDS = sorted(_CHAT | _COMPLETION)
+
+
+@st.composite
+def _hostile(draw: st.DrawFn, repo: str) -> tuple[str, bytes]:
+    path = draw(st.sampled_from(["/v1/chat/completions", "/v1/completions"]))
+    if draw(st.integers(0, 9)) == 0:
+        return path, draw(st.binary(max_size=64))
+    body: dict[str, Any] = {"model": repo, "max_tokens": 2}
+    if path == "/v1/completions":
+        body["prompt"] = "Hello"
+    else:
+        body["messages"] = [{"role": "user", "content": "Hello"}]
+    for field in draw(st.lists(st.sampled_from(_FIELDS), min_size=1, max_size=3, unique=True)):
+        body[field] = draw(_JSON)
+    return path, json.dumps(body).encode()
+
+
+def test_hostile_requests_get_errors_and_the_endpoint_keeps_serving(endpoint: Any) -> None:
+    @settings(
+        max_examples=60, deadline=None, suppress_health_check=list(HealthCheck), database=None
+    )
+    @given(request=_hostile(endpoint.repo))
+    def check(request: tuple[str, bytes]) -> None:
+        path, body = request
+        status, answer = _post(endpoint.url, path, body)
+        statuses.append(status)
+        if status == 200:
+            if answer is None:  # a stream: its events came and went
+                return
+            assert answer["usage"]["completion_tokens"] <= 2 * len(answer["choices"])
+        else:
+            assert 400 <= status < 500, answer
+            _error(status, answer, status)
+
+    statuses: list[int] = []
+    check()
+    assert 400 in statuses
+    _still_serving(endpoint)
+    assert endpoint.api.engine.running == 0

@@ -1,0 +1,129 @@
+"""Reading OpenAI request bodies: defaults, accepted forms, and what is refused."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from petals_core.api import ApiError, Message, parse_chat_untrusted, parse_completion_untrusted
+from petals_core.api._engine import Limits, _stop_prefix_start
+
+CHAT: dict[str, Any] = {"model": "m", "messages": [{"role": "user", "content": "Hi"}]}
+
+
+def _refused(parse: Any, body: Any, param: str | None, match: str) -> None:
+    with pytest.raises(ApiError, match=match) as caught:
+        parse(body)
+    assert caught.value.status == 400
+    assert caught.value.param == param
+
+
+def test_chat_defaults_and_forms() -> None:
+    request = parse_chat_untrusted(
+        {
+            "model": "m",
+            "messages": [
+                {"role": "developer", "content": "Be brief."},
+                {
+                    "role": "user",
+                    "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}],
+                },
+            ],
+            "stop": "END",
+            "logprobs": True,
+            "presence_penalty": 0,
+            "tools": [],
+            "response_format": {"type": "text"},
+        }
+    )
+    assert request.messages == (
+        Message(role="system", content="Be brief."),
+        Message(role="user", content="ab"),
+    )
+    sampling = request.sampling
+    assert sampling.max_tokens is None  # as much as the endpoint allows
+    assert (sampling.temperature, sampling.top_p, sampling.n) == (1.0, 1.0, 1)
+    assert sampling.stop == ("END",)
+    assert sampling.logprobs == 0
+    assert not request.stream
+    assert parse_chat_untrusted({**CHAT, "max_completion_tokens": 7}).sampling.max_tokens == 7
+
+
+def test_completion_defaults_and_prompt_forms() -> None:
+    request = parse_completion_untrusted({"model": "m", "prompt": "Hi"})
+    assert request.prompts == ("Hi",)
+    assert request.sampling.max_tokens == 16  # OpenAI's default for completions
+    assert parse_completion_untrusted({"model": "m", "prompt": ["a", "b"]}).prompts == ("a", "b")
+    assert parse_completion_untrusted({"model": "m", "prompt": [1, 2]}).prompts == ((1, 2),)
+    assert parse_completion_untrusted({"model": "m", "prompt": [[1], [2, 3]]}).prompts == (
+        (1,),
+        (2, 3),
+    )
+    streamed = parse_completion_untrusted(
+        {"model": "m", "prompt": "x", "stream": True, "stream_options": {"include_usage": True}}
+    )
+    assert streamed.stream and streamed.include_usage
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "match"),
+    [
+        ({**CHAT, "top_logprobs": 2}, "top_logprobs", "needs logprobs"),
+        ({**CHAT, "stream_options": {"include_usage": True}}, "stream_options", "only allowed"),
+        ({**CHAT, "stop": ["a", "b", "c", "d", "e"]}, "stop", "up to 4"),
+        ({**CHAT, "stop": [""]}, "stop", "non-empty"),
+        ({**CHAT, "seed": 2**70}, "seed", "64-bit"),
+        ({**CHAT, "top_p": 0}, "top_p", "above 0"),
+        ({**CHAT, "max_tokens": -1}, "max_tokens", "from 0"),
+        ({**CHAT, "logit_bias": {"1": 5}}, "logit_bias", "not supported"),
+        ({**CHAT, "tools": [{"type": "function"}]}, "tools", "not supported"),
+        ({**CHAT, "response_format": {"type": "json_object"}}, "response_format", "not supported"),
+        (
+            {**CHAT, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+            "messages",
+            "only text parts",
+        ),
+        ({**CHAT, "messages": [{"role": "tool", "content": "x"}]}, "messages", "role must be"),
+        ({**CHAT, "model": 3}, "model", "model must be given"),
+    ],
+)
+def test_chat_refusals(body: dict[str, Any], param: str, match: str) -> None:
+    _refused(parse_chat_untrusted, body, param, match)
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "match"),
+    [
+        ({"model": "m"}, "prompt", "prompt must be given"),
+        ({"model": "m", "prompt": []}, "prompt", "prompt must be"),
+        ({"model": "m", "prompt": [1, "a"]}, "prompt", "prompt must be"),
+        ({"model": "m", "prompt": [[]]}, "prompt", "prompt must be"),
+        ({"model": "m", "prompt": [-1]}, "prompt", "prompt must be"),
+        ({"model": "m", "prompt": "x", "echo": True, "logprobs": 1}, "echo", "echo with logprobs"),
+        ({"model": "m", "prompt": "x", "logprobs": 6}, "logprobs", "from 0 to 5"),
+        ({"model": "m", "prompt": "x", "best_of": 3}, "best_of", "not supported"),
+        ({"model": "m", "prompt": "x", "suffix": "y"}, "suffix", "not supported"),
+        ({"model": "m", "prompt": "x", "messages": []}, "messages", "Unrecognized"),
+    ],
+)
+def test_completion_refusals(body: dict[str, Any], param: str, match: str) -> None:
+    _refused(parse_completion_untrusted, body, param, match)
+
+
+def test_non_objects_are_refused() -> None:
+    for body in (None, [], "x", 3):
+        _refused(parse_chat_untrusted, body, None, "JSON object")
+
+
+def test_what_may_start_a_stop_sequence_is_held_back() -> None:
+    assert _stop_prefix_start("Hello wor", ["world"]) == 6
+    assert _stop_prefix_start("Hello", ["world"]) == 5
+    assert _stop_prefix_start("abc", []) == 3
+    assert _stop_prefix_start("x<|e", ["<|end|>", "e"]) == 1
+
+
+def test_limits_are_checked() -> None:
+    with pytest.raises(ValueError, match="max_rows must be an integer >= 1"):
+        Limits(max_rows=0)
+    assert Limits(max_queued_requests=0).max_queued_requests == 0
