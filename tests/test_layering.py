@@ -132,6 +132,25 @@ def test_importing_a_lower_layer_loads_no_distributed_model(module: str) -> None
     assert _imported_after(module, ("petals_core.distributed",)) == []
 
 
+#: The HTTP faces, the top layer, and what only they use.
+HTTP_FACES = ("petals_core.api", "petals_core._http")
+
+
+@pytest.mark.parametrize(
+    "package", [*[p for p in BELOW_DISTRIBUTED if p != "petals_core"], "petals_core.distributed"]
+)
+def test_nothing_below_the_http_faces_imports_them(package: str) -> None:
+    offending = {
+        path: sorted(name for name in names if _within(name, HTTP_FACES))
+        for path, names in _imports_in(package).items()
+    }
+    assert {path: names for path, names in offending.items() if names} == {}
+
+
+def test_the_endpoint_runs_without_the_server() -> None:
+    assert _imported_after("petals_core.api", ("petals_core.server",)) == []
+
+
 def test_the_client_loads_neither_the_server_nor_the_models() -> None:
     # The messages it shares with servers come from petals_core.protocol.
     watched = ("petals_core.server", "petals_core.models", "transformers", "triton")
