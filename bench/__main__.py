@@ -21,6 +21,7 @@ BENCHMARKS = {
     "swarm": "bench.swarm",
     "compression": "bench.compression",
     "wan": "bench.wan",
+    "api": "bench.api",
 }
 # Run only when named: needs a CUDA GPU.
 ON_DEMAND = {"kernels_cuda": "bench.kernels_cuda", "gpu": "bench.gpu"}

@@ -291,6 +291,10 @@ class Engine:
         if pad is None:
             pad = min(self.eos_token_ids) if self.eos_token_ids else 0
         self.pad_token_id = int(pad)
+        head = model.get_output_embeddings()
+        if hasattr(head, "share_across_threads"):
+            # Concurrent requests' decode steps read the LM head's weight once between them.
+            head.share_across_threads()
         self.context_length = int(
             getattr(model.config, "max_position_embeddings", None) or limits.max_request_tokens
         )

@@ -27,6 +27,7 @@ from ._base import DistributedModelMixin
 from ._cache import RemoteCache
 from ._pretrained import FromPretrainedMixin
 from ._session import RemoteInferenceSession
+from ._shared_matmul import SharedMatmul
 
 if TYPE_CHECKING:
     from transformers import GenerationConfig
@@ -67,11 +68,23 @@ class ChunkedLMHead(nn.Module):
             raise ConfigError(f"chunk_rows must be >= 1, got {chunk_rows}")
         self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size))
         self.chunk_rows = chunk_rows
+        #: Set (``share_across_threads()``): decode steps of threads that arrive together share
+        #: one matmul. Their logits may then differ from separate ones in the last bits.
+        self.shared: SharedMatmul | None = None
+
+    def share_across_threads(self, enabled: bool = True) -> None:
+        """Let concurrent decode steps of several threads (without autograd) share one matmul
+        (see ``_shared_matmul``); a thread alone computes at once, as before."""
+        self.shared = SharedMatmul() if enabled else None
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         weight = self.weight  # (vocab, hidden)
         hidden_states = hidden_states.to(weight.dtype)
         rows = hidden_states.numel() // max(1, hidden_states.shape[-1])
+        if self.shared is not None and rows <= _UNCHUNKED_ROWS and not torch.is_grad_enabled():
+            flat = hidden_states.reshape(rows, hidden_states.shape[-1])
+            logits = self.shared(flat, lambda x: kernels.linear(x, weight))
+            return logits.reshape(*hidden_states.shape[:-1], weight.shape[0])
         if weight.shape[0] <= self.chunk_rows or rows <= _UNCHUNKED_ROWS:
             # A few rows (decoding) need no bound: one matmul is the fastest.
             return kernels.linear(hidden_states, weight)
