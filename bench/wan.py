@@ -45,7 +45,7 @@ import trio
 
 from petals_core.testing import DelayRelay, Pipe, RelayStats
 
-from ._decode import load_note, quiet_transformers, server_args, token_ids
+from ._decode import run_on_smollm2, server_args, token_ids
 from ._report import print_table, summarize, summarize_ratio, write_json
 from ._timing import Timing, interleaved
 
@@ -199,20 +199,11 @@ def _legs_seen(measured_ms: float, compute_ms: float, link: Link) -> str | None:
 
 
 def main() -> None:
-    from petals_core.models import prepare_smollm2, smollm2_gguf_path
-
-    try:
-        smollm2_gguf_path()
-    except (ModuleNotFoundError, FileNotFoundError) as exc:
-        print(f"wan: skipped, SmolLM2 is not available ({exc})")
+    run_ = run_on_smollm2("wan", run)
+    if run_ is None:
         return
-    torch.set_num_threads(1)
-    started = time.perf_counter()
-    load_before = load_note()
-    with quiet_transformers():
-        repo = prepare_smollm2()
-        results = trio.run(run, repo)
-    load_after = load_note()
+    repo, results = run_.repo, run_.results
+    load_before, load_after, started = run_.load_before, run_.load_after, run_.started
     compute = {mode: results[0].decode[mode].median_ms for mode in LEGS}
     finetune_compute = {scheme: t.median_ms for scheme, t in results[0].finetune.items()}
     rows = []
