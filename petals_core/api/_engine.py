@@ -179,6 +179,11 @@ class _Job:
             )
         )
 
+    @property
+    def interrupted(self) -> bool:
+        """Whether some row was stopped by a cancellation rather than finishing."""
+        return any(row.finish_reason == "cancelled" for row in self.rows)
+
     def record_logprobs(self, scores: torch.Tensor) -> None:
         if self.sampling.logprobs is not None:
             self._logprobs = torch.log_softmax(scores.float(), dim=-1)
@@ -280,6 +285,10 @@ class Engine:
         #: Requests generating now, and the most that ever did at once.
         self.running = 0
         self.peak_running = 0
+        #: Requests that generated to the end, stopped early (the client left), or failed.
+        self.completed = 0
+        self.interrupted = 0
+        self.failed = 0
         eos = model.generation_config.eos_token_id
         ids = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
         if tokenizer.eos_token_id is not None:
@@ -391,6 +400,7 @@ class Engine:
             try:
                 async with self._slots:
                     if job.cancelled.is_set():
+                        self.interrupted += 1
                         return
                     self.running += 1
                     self.peak_running = max(self.peak_running, self.running)
@@ -404,6 +414,12 @@ class Engine:
                             nursery.cancel_scope.cancel()
                     finally:
                         self.running -= 1
+                        if error is not None:
+                            self.failed += 1
+                        elif job.interrupted:
+                            self.interrupted += 1
+                        else:
+                            self.completed += 1
                 if error is not None:
                     with contextlib.suppress(trio.BrokenResourceError):
                         send.send_nowait(_api_error(error))

@@ -12,6 +12,7 @@ from typing import Any
 import openai
 import pytest
 import torch
+import trio
 
 from petals_core.api import Message
 
@@ -237,3 +238,59 @@ def test_a_disconnect_mid_stream_frees_the_servers_caches(endpoint: Any) -> None
     )
     after = endpoint.server_infos()
     assert [i.cache_tokens_left for i in after] == [i.cache_tokens_left for i in before]
+
+
+def test_a_disconnect_before_a_plain_answer_stops_its_generation(endpoint: Any) -> None:
+    engine = endpoint.api.engine
+    interrupted = engine.interrupted
+    body = json.dumps(
+        {
+            "model": endpoint.repo,
+            "messages": [{"role": "user", "content": "Write a long story about a cat."}],
+            "max_tokens": LIMITS.max_request_tokens - 64,
+        }
+    ).encode()
+    url = urllib.parse.urlsplit(endpoint.url)
+    connection = http.client.HTTPConnection(url.hostname, url.port, timeout=DEADLINE_S)
+    connection.request("POST", "/v1/chat/completions", body, {"Content-Type": "application/json"})
+    _wait_for(lambda: engine.running == 1, "the generation starts")
+    _wait_for(
+        lambda: all(info.open_sessions == 1 for info in endpoint.server_infos()),
+        "the servers open the session",
+    )
+    connection.sock.close()  # gone before the answer
+    connection.close()
+    _wait_for(lambda: engine.interrupted == interrupted + 1, "the generation is interrupted")
+    assert engine.running == 0
+    _wait_for(
+        lambda: all(info.open_sessions == 0 for info in endpoint.server_infos()),
+        "the servers close the session",
+    )
+
+
+def test_requests_beyond_the_queue_are_refused_with_429(endpoint: Any) -> None:
+    """An engine that runs one request and queues none: a second one at the same time gets 429,
+    and the first is unaffected."""
+    from petals_core.api import ApiError, Chunk, Engine, Limits, Sampling, Usage
+
+    async def two_at_once() -> tuple[list[Any], ApiError]:
+        prompt = endpoint.api.engine.encode_prompt("Once upon a time")
+        sampling = Sampling(max_tokens=4, temperature=0.0)
+        async with trio.open_nursery() as nursery:
+            engine = Engine(
+                endpoint.api.engine.model,
+                endpoint.api.engine.tokenizer,
+                name="one-at-a-time",
+                limits=Limits(max_concurrent_requests=1, max_queued_requests=0),
+                nursery=nursery,
+            )
+            async with engine.generate([prompt], sampling) as events:
+                with pytest.raises(ApiError) as refused:
+                    engine.generate([prompt], sampling)
+                received = [event async for event in events]
+        return received, refused.value
+
+    received, refused = endpoint.run(two_at_once)
+    assert refused.status == 429 and refused.code == "too_many_requests"
+    assert isinstance(received[-1], Usage) and received[-1].completion_tokens >= 1
+    assert all(isinstance(event, Chunk) for event in received[:-1])
