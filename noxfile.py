@@ -106,7 +106,8 @@ def soak(session: nox.Session) -> None:
 
 
 # What exercises torch, triton and transformers: the import-layering checks, the blocks and their
-# kernels, and the distributed models (forward, generate, fine-tuning) over an in-process swarm.
+# kernels, and the distributed models (forward, generate, fine-tuning) over an in-process swarm;
+# and the HTTP stack with the openai client (the endpoint's tests).
 LOWEST_TESTS = (
     "tests/test_layering.py",
     "tests/test_hf_compat.py",
@@ -114,6 +115,8 @@ LOWEST_TESTS = (
     "tests/kernels",
     "tests/distributed",
     "tests/client/test_readme.py",
+    "tests/test_http.py",
+    "tests/api",
 )
 
 
