@@ -224,6 +224,7 @@ def main() -> None:
         ],
     )
     throughput = {}
+    busy: dict[int, float] = {}  # CPUs kept busy (CPU seconds per wall second)
     rows = []
     names = list(results["processes"])
     for count, samples in results["load"].items():
@@ -233,6 +234,9 @@ def main() -> None:
         cpu_per_token = [
             sum(cpu[name] for _, _, cpu in samples) * 1e3 / tokens_all for name in names
         ]
+        busy[count] = sum(sum(cpu.values()) for _, _, cpu in samples) / sum(
+            seconds for seconds, _, _ in samples
+        )
         rows.append(
             (
                 count,
@@ -240,6 +244,7 @@ def main() -> None:
                 statistics.median(total for _, total, _ in samples),
                 throughput[count],
                 f"{throughput[count] / throughput[1]:.2f}x" if 1 in throughput else None,
+                busy[count],
                 *cpu_per_token,
             )
         )
@@ -248,7 +253,15 @@ def main() -> None:
         f"{ROUNDS} rounds; CPU ms per token of each process over all rounds); peak running "
         f"at once: {results['peak']}; LM head rows per matmul over the run: "
         f"{results['lm_head_rows_per_matmul']:.2f}",
-        ["requests", "wall ms", "tokens", "tokens/s", "vs 1", *(f"{n} CPU" for n in names)],
+        [
+            "requests",
+            "wall ms",
+            "tokens",
+            "tokens/s",
+            "vs 1",
+            "CPUs busy",
+            *(f"{n} CPU" for n in names),
+        ],
         rows,
     )
     summarize_ratio(
@@ -268,6 +281,14 @@ def main() -> None:
         target=f">= {SPEEDUP_TARGET}x",
         met=throughput[most] >= SPEEDUP_TARGET * throughput[1],
     )
+    cpus = os.cpu_count() or 1
+    # With the CPU time per token of one request, this machine's cores allow at most this much.
+    ceiling = cpus / busy[1]
+    print(
+        f"api: one request keeps {busy[1]:.2f} of {cpus} CPUs busy: at its CPU cost per token, "
+        f"concurrency can give at most {ceiling:.2f}x here; more only where batching lowers the "
+        "CPU per token"
+    )
     print(f"machine: before {load_before}; after {load_after}")
     print(f"total {time.perf_counter() - started:.0f} s")
     write_json(
@@ -285,6 +306,8 @@ def main() -> None:
                 for count, samples in results["load"].items()
             },
             "peak_running": results["peak"],
+            "cpus_busy": busy,
+            "ceiling_at_one_request_cpu_cost": ceiling,
             "lm_head_rows_per_matmul": results["lm_head_rows_per_matmul"],
         },
     )
