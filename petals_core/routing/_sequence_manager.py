@@ -34,7 +34,7 @@ import trio
 from .._errors import ConfigError, PeerUnreachable, TransportError
 from .._validators import compression_scheme, positive
 from ..dht import DHTNode, PeerTableSnapshot, ServerInfo, ServerState, Topic, open_dht_node
-from ..transport import Connection, Multiaddr, call_unary
+from ..transport import Connection, Multiaddr, call_unary, client_listen_host
 from ._planning import (
     MissingBlocksError,
     RouteSpan,
@@ -80,7 +80,9 @@ class SequenceManagerConfig:
     ``min_step_timeout_s`` plus ten times what the server's announced speed says the step takes
     (at most ``request_timeout_s``): a server alive but stuck is given up on in seconds.
     ``compression`` (None, ``"float16"``, ``"blockwise8"``): how the activations and
-    gradients this client sends travel (servers choose for their answers).
+    gradients this client sends travel (servers choose for their answers).  ``host``: where the
+    client's node listens; None picks loopback when every initial peer is on loopback, else every
+    interface (a socket on loopback cannot reach other machines).
     """
 
     initial_peers: tuple[str, ...] = attrs.field(default=(), converter=tuple)
@@ -102,6 +104,7 @@ class SequenceManagerConfig:
     missing_blocks_timeout_s: float = attrs.field(default=10.0, validator=positive)
     min_step_timeout_s: float = attrs.field(default=5.0, validator=positive)
     compression: str | None = attrs.field(default=None, converter=compression_scheme)
+    host: str | None = None
 
     def __attrs_post_init__(self) -> None:
         if self.max_retries is not None and self.max_retries < 0:
@@ -200,6 +203,7 @@ class RemoteSequenceManager:
                 if not self.config.initial_peers:
                     raise ConfigError(NO_INITIAL_PEERS)
                 async with open_dht_node(
+                    host=self.config.host or client_listen_host(self.config.initial_peers),
                     client_mode=True,
                     initial_peers=self.config.initial_peers,
                     request_timeout_s=self.config.connect_timeout_s,

@@ -59,7 +59,11 @@ from ._identity import (
     load_or_create_identity as load_or_create_identity,
     verify_signature as verify_signature,
 )
-from ._multiaddr import Multiaddr as Multiaddr, dialable_multiaddrs as dialable_multiaddrs
+from ._multiaddr import (
+    Multiaddr as Multiaddr,
+    client_listen_host as client_listen_host,
+    dialable_multiaddrs as dialable_multiaddrs,
+)
 from ._node import Node as Node, NodeStatistics as NodeStatistics, open_node as open_node
 from ._rpc import (
     Call as Call,

@@ -11,6 +11,7 @@ from __future__ import annotations
 import ipaddress
 import re
 import socket
+from collections.abc import Iterable
 from typing import Final
 
 import attrs
@@ -18,7 +19,7 @@ import attrs
 from .._errors import ConfigError, InvalidMultiaddr
 from ._identity import PeerID
 
-__all__ = ["Multiaddr", "as_multiaddr", "dialable_multiaddrs"]
+__all__ = ["Multiaddr", "as_multiaddr", "client_listen_host", "dialable_multiaddrs"]
 
 _EXPECTED_FORM: Final = (
     "/ip4/<IPv4 address>/udp/<port>/quic-v1[/p2p/<PeerID>] "
@@ -224,6 +225,16 @@ def _parse_port_untrusted(text: str, value: str) -> int:
             f"port {value!r} is not a decimal number 0..{_MAX_PORT} (no sign, no leading zeros)",
         )
     return int(value)
+
+
+def client_listen_host(peers: Iterable[Multiaddr | str]) -> str:
+    """Where a node that dials ``peers`` (a client) listens: on loopback when every peer is there,
+    else on every interface (``0.0.0.0``, or ``::`` when a peer is IPv6), since a socket bound to
+    loopback cannot send anywhere else.  Raises :class:`InvalidMultiaddr` for a malformed peer."""
+    addresses = [as_multiaddr(peer) for peer in peers]
+    if addresses and all(address.is_loopback for address in addresses):
+        return "::1" if all(address.family == 6 for address in addresses) else "127.0.0.1"
+    return "::" if any(address.family == 6 for address in addresses) else "0.0.0.0"
 
 
 def dialable_multiaddrs(

@@ -154,6 +154,24 @@ def test_config_overrides_dtype_and_manager_options(served_llama: ServedModel) -
     assert manager.config.initial_peers == served_llama.initial_peers
 
 
+def test_the_client_node_listens_where_it_reaches_its_peers(served_llama: ServedModel) -> None:
+    """On loopback peers it stays on loopback; on every interface (as for peers on other
+    machines, which a loopback socket cannot reach) it reaches loopback peers as well."""
+    ids = random_ids(1, 5, seed=3)
+    outputs = {}
+    for host, listens_on in ((None, "127.0.0.1"), ("0.0.0.0", "0.0.0.0")):
+        model = AutoDistributedModelForCausalLM.from_pretrained(
+            served_llama.folder, initial_peers=served_llama.initial_peers, host=host
+        )
+        try:
+            outputs[host] = model.generate(ids, max_new_tokens=3, do_sample=False)
+            dht = model.model.layers.sequence_manager.state.dht
+            assert dht is not None and dht.listen_multiaddr.host == listens_on
+        finally:
+            model.shutdown()
+    assert torch.equal(outputs[None], outputs["0.0.0.0"])
+
+
 def test_chunked_lm_head_is_the_same_matmul() -> None:
     torch.manual_seed(0)
     head = ChunkedLMHead(16, 1000, chunk_rows=96)

@@ -252,3 +252,20 @@ def test_announced_addresses_keep_ip_literals_and_dns_names() -> None:
     assert [str(m) for m in dialable_multiaddrs(six, announce_host="boot.example.org")] == [
         "/dns6/boot.example.org/udp/7/quic-v1"
     ]
+
+
+def test_a_client_listens_where_it_can_reach_its_peers() -> None:
+    from petals_core.transport import client_listen_host
+
+    peer = "/udp/31337/quic-v1"
+    assert client_listen_host([f"/ip4/127.0.0.1{peer}"]) == "127.0.0.1"
+    assert client_listen_host([f"/ip6/::1{peer}"]) == "::1"
+    assert client_listen_host([f"/dns4/localhost{peer}"]) == "127.0.0.1"
+    # A socket bound to loopback cannot send to another machine: every interface then.
+    assert client_listen_host([f"/ip4/10.0.0.1{peer}"]) == "0.0.0.0"
+    assert client_listen_host([f"/ip4/127.0.0.1{peer}", f"/ip4/10.0.0.1{peer}"]) == "0.0.0.0"
+    assert client_listen_host([f"/dns4/boot.example.org{peer}"]) == "0.0.0.0"
+    assert client_listen_host([f"/ip4/10.0.0.1{peer}", f"/ip6/2001:db8::1{peer}"]) == "::"
+    assert client_listen_host([]) == "0.0.0.0"
+    with pytest.raises(InvalidMultiaddr):
+        client_listen_host(["/ip4/10.0.0.1/tcp/31337"])
