@@ -32,7 +32,10 @@ BELOW_DISTRIBUTED = (
     "petals_core.server",
     "petals_core.client",
     "petals_core.testing",
+    "petals_core.monitor",
 )
+#: The top layer, which nothing else in the package imports: the swarm monitor.
+TOP = ("petals_core.monitor",)
 PACKAGE = Path(__file__).resolve().parents[1] / "petals_core"
 
 
@@ -54,6 +57,7 @@ def _imported_after(module: str, watched: tuple[str, ...]) -> list[str]:
         "petals_core.testing",
         "petals_core.dht",
         "petals_core.routing",
+        "petals_core.monitor",
     ],
 )
 def test_transport_imports_no_torch(module: str) -> None:
@@ -126,10 +130,27 @@ def test_nothing_below_the_distributed_models_imports_them(package: str) -> None
 
 # The server, the client and the testing swarm import every other lower layer.
 @pytest.mark.parametrize(
-    "module", ["petals_core", "petals_core.server", "petals_core.client", "petals_core.testing"]
+    "module",
+    [
+        "petals_core",
+        "petals_core.server",
+        "petals_core.client",
+        "petals_core.testing",
+        "petals_core.monitor",
+    ],
 )
 def test_importing_a_lower_layer_loads_no_distributed_model(module: str) -> None:
     assert _imported_after(module, ("petals_core.distributed",)) == []
+
+
+def test_nothing_imports_the_top_layer() -> None:
+    """The monitor uses the layers below it; none of them (nor anything else) uses it."""
+    offending = {
+        path: sorted(name for name in names if _within(name, TOP))
+        for path, names in _imports_in("petals_core").items()
+        if not any(path.startswith(package.replace(".", "/") + "/") for package in TOP)
+    }
+    assert {path: names for path, names in offending.items() if names} == {}
 
 
 def test_the_client_loads_neither_the_server_nor_the_models() -> None:
