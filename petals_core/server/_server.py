@@ -10,7 +10,8 @@
    throughput per block (after one read of the peer table).  How many: ``num_blocks``, else on
    CUDA as many as fit in free memory, else all (:mod:`._defaults`, with the dtype and the
    quantisation).  It announces JOINING for them
-   before loading (so others see what is coming) and ONLINE once it serves.
+   before loading (so others see what is coming) and ONLINE once it serves; each announcement
+   files the model in the swarm's registry too (``MODELS_KEY``: prefix, repo, block count).
 3. Loading reads only the shards holding those blocks, casts, quantises and adds the LoRA
    adapters, in a worker thread.
 4. While serving it re-announces every ``update_period_s`` (cache tokens left, pings to the
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import random
 import time
 from collections.abc import AsyncIterator
@@ -38,7 +40,17 @@ import trio
 
 from .. import __version__
 from .._errors import ConfigError, PeerUnreachable, TransportError
-from ..dht import DHTNode, ServerInfo, ServerState, Topic, check_reachability, open_dht_node
+from .._groups import raising_single_error
+from ..dht import (
+    DHTNode,
+    ModelInfo,
+    ServerInfo,
+    ServerState,
+    Topic,
+    check_reachability,
+    open_dht_node,
+    register_model,
+)
 from ..models import (
     AutoDistributedConfig,
     BloomBlock,
@@ -320,19 +332,42 @@ class Server:
             **rps,
         )
 
+    def model_info(self) -> ModelInfo:
+        """What we file in the swarm's registry of models: the repo we load (None for a local
+        folder, whose path means nothing to others), the number of blocks and the family."""
+        repository = None if os.path.isdir(self.model) else self.model
+        return ModelInfo(
+            num_blocks=self.num_blocks_total,
+            repository=repository,
+            model_type=str(self.model_config.model_type),
+        )
+
     async def announce(self, *, timeout_s: float = 5.0) -> None:
         """Announce our info now: pushed by gossip at once, stored in the DHT within
         ``timeout_s`` if it can be (a store slowed by departed peers is cut short, and the next
-        period stores it again)."""
+        period stores it again).  While not leaving, the model's entry in the registry is stored
+        along with it, with the same expiration."""
         expiration = time.time() + self.config.effective_expiration_s
         with trio.move_on_after(timeout_s):
             try:
-                await self.dht.announce(self.dht_prefix, self.info(), expiration=expiration)
+                with raising_single_error():
+                    async with trio.open_nursery() as nursery:
+                        if self.state is not ServerState.OFFLINE:
+                            nursery.start_soon(self._register_model, expiration)
+                        await self.dht.announce(self.dht_prefix, self.info(), expiration=expiration)
             except TransportError as exc:
                 logger.warning("announcing failed: %s", exc)
         self._announcements += 1
         self._announced.set()
         self._announced = trio.Event()
+
+    async def _register_model(self, expiration: float) -> None:
+        try:
+            await register_model(
+                self.dht, self.dht_prefix, self.model_info(), expiration=expiration
+            )
+        except TransportError as exc:
+            logger.warning("filing the model in the registry failed: %s", exc)
 
     # -- the life --------------------------------------------------------------------------------
 

@@ -1,5 +1,6 @@
 """DHT records: expiration, newest-wins, ownership and signatures, limits and quotas, eviction,
-merging answers from several nodes, and the wire forms (fuzzed: only CodecError escapes)."""
+merging answers from several nodes, and the wire forms (fuzzed: only CodecError escapes), the
+values peers publish included (server announcements, registry entries)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from hypothesis import given, settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from petals_core._errors import CodecError, ConfigError, LocalProtocolError
-from petals_core.dht import RecordStore
+from petals_core.dht import ModelInfo, RecordStore
 from petals_core.dht._records import (
     Entry,
     Record,
@@ -605,33 +606,49 @@ def test_server_info_that_is_not_a_map_of_fields_is_refused(data: bytes) -> None
         ServerInfo.from_bytes_untrusted(data)
 
 
-info_fields = st.fixed_dictionaries(
-    {},
-    optional={
-        name: json_like | st.sampled_from([value])
-        for name, value in cbor2.loads(INFO.to_bytes()).items()
-    },
-)
+#: What peers publish as DHT values, with a valid example of each: their decoders are fuzzed alike.
+PEER_VALUES: dict[str, ServerInfo | ModelInfo] = {
+    "server_info": INFO,
+    "model_info": ModelInfo(num_blocks=32, repository="org/model", model_type="llama"),
+}
 
 
+def fields_like(valid: ServerInfo | ModelInfo) -> st.SearchStrategy[dict[str, Any]]:
+    """Maps with some of ``valid``'s fields, each either its value or anything at all."""
+    return st.fixed_dictionaries(
+        {},
+        optional={
+            name: json_like | st.sampled_from([value])
+            for name, value in cbor2.loads(valid.to_bytes()).items()
+        },
+    )
+
+
+@pytest.mark.parametrize("valid", PEER_VALUES.values(), ids=PEER_VALUES)
 @settings(max_examples=400, deadline=None)
-@given(info_fields)
-def test_server_info_from_peer_maps_raises_only_codec_error(message: dict[str, Any]) -> None:
+@given(st.data())
+def test_values_from_peer_maps_raise_only_codec_error(
+    valid: ServerInfo | ModelInfo, draw: Any
+) -> None:
+    decode = type(valid).from_bytes_untrusted
     try:
-        info = ServerInfo.from_bytes_untrusted(cbor2.dumps(message))
+        value = decode(cbor2.dumps(draw.draw(fields_like(valid))))
     except CodecError:
         return
-    assert ServerInfo.from_bytes_untrusted(info.to_bytes()) == info
+    assert decode(value.to_bytes()) == value
 
 
+@pytest.mark.parametrize("valid", PEER_VALUES.values(), ids=PEER_VALUES)
 @settings(max_examples=300, deadline=None)
 @given(st.binary(max_size=300), st.data())
-def test_server_info_from_peer_bytes_raises_only_codec_error(data: bytes, draw: Any) -> None:
-    valid = INFO.to_bytes()
-    cut = draw.draw(st.integers(0, len(valid)))
-    for candidate in [data, valid[:cut], valid[:cut] + data + valid[cut:]]:
+def test_values_from_peer_bytes_raise_only_codec_error(
+    valid: ServerInfo | ModelInfo, data: bytes, draw: Any
+) -> None:
+    encoded = valid.to_bytes()
+    cut = draw.draw(st.integers(0, len(encoded)))
+    for candidate in [data, encoded[:cut], encoded[:cut] + data + encoded[cut:]]:
         try:
-            ServerInfo.from_bytes_untrusted(candidate)
+            type(valid).from_bytes_untrusted(candidate)
         except CodecError:
             pass
 

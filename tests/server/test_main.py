@@ -1,8 +1,8 @@
 """``python -m petals_core.server`` as real processes: it serves the blocks it is told, a second
-server fills the gap the first leaves, both stop cleanly on SIGTERM; a config that cannot start
-exits 1; ``--throughput dry_run`` prints a throughput without serving.  In process: bad flags
-exit 2, and the ``--max_disk_space`` check over a Hugging Face cache laid out as
-huggingface_hub does."""
+server fills the gap the first leaves, both stop cleanly on SIGTERM (announcing OFFLINE, so
+that nobody lists them after); a config that cannot start exits 1; ``--throughput dry_run``
+prints a throughput without serving.  In process: bad flags exit 2, and the
+``--max_disk_space`` check over a Hugging Face cache laid out as huggingface_hub does."""
 
 from __future__ import annotations
 
@@ -22,6 +22,8 @@ import pytest
 import trio
 
 from petals_core import ConfigError
+from petals_core.dht import open_dht_node
+from petals_core.models import default_dht_prefix
 from petals_core.protocol import INFO
 from petals_core.server.__main__ import (
     build_parser,
@@ -126,6 +128,14 @@ async def test_servers_serve_their_blocks_fill_the_gap_and_stop_on_sigterm(
                 info = await _info(more[0])
             assert (info["start_block"], info["end_block"]) == (3, 6)
             assert await _stop(second) == 0
+        # It left as it should, announcing itself OFFLINE: nobody lists it any more.
+        with trio.fail_after(START_TIMEOUT_S):
+            async with open_dht_node(
+                initial_peers=[str(addresses[0])], client_mode=True, request_timeout_s=2.0
+            ) as reader:
+                prefix = default_dht_prefix(server_llama.folder, "llama")
+                snapshot = await reader.get_servers(prefix, range(6))
+        assert snapshot.peer_ids == {str(addresses[0].peer_id)}
         assert await _stop(first) == 0
     assert "leaving the swarm" in (tmp_path / "first.err").read_text()
 

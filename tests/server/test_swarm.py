@@ -11,6 +11,7 @@ under a generous ``trio.fail_after``.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import AsyncExitStack, asynccontextmanager, contextmanager
 from pathlib import Path
@@ -21,7 +22,16 @@ import torch
 import trio
 
 from petals_core import RemoteError, __version__
-from petals_core.dht import PeerTableSnapshot, ServerInfo, ServerState, Topic, open_dht_node
+from petals_core.dht import (
+    MODELS_KEY,
+    ModelInfo,
+    PeerTableSnapshot,
+    ServerInfo,
+    ServerState,
+    Topic,
+    get_models,
+    open_dht_node,
+)
 from petals_core.protocol import FORWARD, INFERENCE, receive_tensors, send_tensors
 from petals_core.server import (
     Server,
@@ -209,6 +219,30 @@ async def test_announces_joining_then_online_then_offline(
             assert listed_as(str(first.dht.peer_id), ServerState.ONLINE, range(0, 3))(
                 topic.snapshot()
             )
+
+
+async def test_a_server_files_its_model_in_the_registry(
+    server_llama: TinyCheckpoint, cache_dir: Path
+) -> None:
+    """Its announcements file the model under MODELS_KEY as well, for as long: a reader finds
+    the model without knowing its prefix (a local folder: no repository to name)."""
+    config = server_config(server_llama, cache_dir, new_swarm=True, block_indices=(0, 3))
+    with trio.fail_after(DEADLINE_S):
+        async with (
+            open_server(config, seed=0) as server,
+            open_dht_node(
+                initial_peers=[str(server.multiaddrs[0])], client_mode=True, request_timeout_s=2.0
+            ) as reader,
+        ):
+            assert await get_models(reader) == {
+                server.dht_prefix: ModelInfo(num_blocks=6, repository=None, model_type="llama")
+            }
+            registry = await reader.get(MODELS_KEY, latest=True)
+            block = await reader.get(f"{server.dht_prefix}.0", latest=True)
+            assert registry is not None and block is not None
+            expiration = registry.entries[server.dht_prefix].expiration
+            assert expiration > time.time() + config.effective_expiration_s - 60
+            assert expiration == pytest.approx(block.expiration, abs=30)
 
 
 # -- block choice ------------------------------------------------------------------------------

@@ -1,0 +1,253 @@
+"""The monitor's trio part: a client-mode DHT node that keeps a :class:`SwarmState` current.
+
+Every ``refresh_period_s`` a round:
+
+1. reads the registry of models (:func:`get_models`) and follows each new model
+   (:meth:`DHTNode.follow`: DHT reads plus gossip keep its peer table, so servers that come and
+   go show within seconds), waiting for the first read of the models it just began to follow;
+2. meanwhile times a ``dht.ping`` call to every server listed, all at once, each bounded by
+   ``ping_timeout_s``; a server that does not answer is unreachable, and its model's blocks are
+   read from the DHT again (in the background) to learn whether it left;
+3. builds the state (:func:`build_state`) and, when the models in it changed, gives it the next
+   version and wakes whoever waits in :meth:`SwarmMonitor.wait_state` (the event streams).
+
+A model stays on the page while the registry lists it or servers still announce it.  A model's
+block count is the one the registry gave when it was first followed.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from functools import partial
+from typing import Final
+
+import attrs
+import trio
+
+from .._errors import ConfigError, TransportError
+from .._groups import open_block_nursery
+from .._validators import positive
+from ..dht import DHTNode, ModelInfo, PeerTableSnapshot, Topic, get_models, open_dht_node
+from ..transport import Multiaddr, call_unary
+from ._state import SwarmState, build_state
+
+__all__ = ["MonitorConfig", "SwarmMonitor", "open_monitor"]
+
+logger = logging.getLogger(__name__)
+
+#: A followed model's blocks are read from the DHT at most this often: gossip brings what
+#: changes within seconds, the reads catch what it missed.
+_MIN_TOPIC_READ_PERIOD_S: Final = 30.0
+#: Servers pinged at the same time.
+_MAX_CONCURRENT_PINGS: Final = 32
+
+
+def _multiaddrs(
+    instance: object, attribute: attrs.Attribute[tuple[str, ...]], value: tuple[str, ...]
+) -> None:
+    if not value:
+        raise ConfigError(f"{attribute.name}: give the multiaddr of at least one peer of the swarm")
+    for text in value:
+        Multiaddr.parse(text)  # InvalidMultiaddr (a ConfigError) saying what is wrong
+
+
+@attrs.frozen(kw_only=True)
+class MonitorConfig:
+    """What the monitor is told: the swarm to join (``initial_peers``: multiaddrs), how often it
+    looks (``refresh_period_s``), how long a server may take to answer a ping, the DHT's request
+    timeout, how many models it follows at most (each one's blocks are read from the DHT), and
+    the address its DHT node binds (a client: it only dials out)."""
+
+    initial_peers: tuple[str, ...] = attrs.field(converter=tuple, validator=_multiaddrs)
+    refresh_period_s: float = attrs.field(default=5.0, validator=positive)
+    ping_timeout_s: float = attrs.field(default=3.0, validator=positive)
+    request_timeout_s: float = attrs.field(default=5.0, validator=positive)
+    max_models: int = attrs.field(default=64, validator=positive)
+    dht_host: str = "0.0.0.0"
+
+
+class SwarmMonitor:
+    """The swarm as last seen (:attr:`state`); build it with :func:`open_monitor`."""
+
+    def __init__(
+        self,
+        dht: DHTNode,
+        config: MonitorConfig,
+        nursery: trio.Nursery,
+        *,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self._dht = dht
+        self._nursery = nursery
+        self._config = config
+        self._clock = clock
+        self._topics: dict[str, Topic] = {}
+        self._models: dict[str, ModelInfo] = {}
+        self._listed: set[str] = set()
+        self._rtts: dict[str, float | None] = {}
+        self._limiter = trio.CapacityLimiter(_MAX_CONCURRENT_PINGS)
+        self._state = SwarmState(version=0, updated_at=clock(), models=())
+        self._changed = trio.Event()
+        self._closed = False
+        self._over_limit_logged = False
+
+    @property
+    def state(self) -> SwarmState:
+        return self._state
+
+    @property
+    def config(self) -> MonitorConfig:
+        return self._config
+
+    async def wait_state(self, after_version: int) -> SwarmState | None:
+        """The state once its version is above ``after_version``; None once :meth:`close` was
+        called."""
+        while not self._closed:
+            if self._state.version > after_version:
+                return self._state
+            await self._changed.wait()
+        return None
+
+    def close(self) -> None:
+        """End every :meth:`wait_state` (the page's event streams end with them)."""
+        self._closed = True
+        self._changed.set()
+
+    async def refresh(self) -> None:
+        """One round: the registry and the pings at the same time, then the state."""
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._read_registry)
+            nursery.start_soon(self._ping_servers)
+        self._publish()
+
+    async def run(self) -> None:
+        """Refresh every ``refresh_period_s`` until cancelled."""
+        while True:
+            await trio.sleep(self._config.refresh_period_s)
+            await self.refresh()
+
+    # -- a round -----------------------------------------------------------------------------------
+
+    async def _read_registry(self) -> None:
+        try:
+            registry = await get_models(self._dht)
+        except TransportError as exc:
+            logger.warning("reading the registry of models failed: %s", exc)
+            registry = {}
+        new: list[Topic] = []
+        for prefix, info in sorted(registry.items()):
+            topic = self._topics.get(prefix)
+            if topic is None:
+                topic = self._follow(prefix, info)
+                if topic is None:
+                    continue
+                new.append(topic)
+            if info.num_blocks == topic.num_blocks:
+                self._models[prefix] = info
+        async with trio.open_nursery() as nursery:
+            for topic in new:
+                nursery.start_soon(topic.refresh)
+        self._listed = set(registry)
+
+    def _follow(self, prefix: str, info: ModelInfo) -> Topic | None:
+        if len(self._topics) >= self._config.max_models:
+            if not self._over_limit_logged:
+                logger.warning(
+                    "the registry lists more than %d models: following the first only",
+                    self._config.max_models,
+                )
+                self._over_limit_logged = True
+            return None
+        period = max(self._config.refresh_period_s, _MIN_TOPIC_READ_PERIOD_S)
+        topic = self._dht.follow(prefix, info.num_blocks, update_period_s=period)
+        self._topics[prefix] = topic
+        logger.info("following %s (%d blocks)", prefix, info.num_blocks)
+        return topic
+
+    def _snapshots(self) -> dict[str, PeerTableSnapshot]:
+        return {prefix: topic.snapshot() for prefix, topic in self._topics.items()}
+
+    async def _ping_servers(self) -> None:
+        rtts: dict[str, float | None] = {}
+
+        async def ping(peer_id: str, topic: Topic) -> None:
+            address = topic.address_of(peer_id)
+            rtts[peer_id] = None if address is None else await self._ping(address)
+
+        listed = self._snapshots()
+        async with trio.open_nursery() as nursery:
+            seen: set[str] = set()
+            for prefix, snapshot in listed.items():
+                for peer_id in sorted(snapshot.peer_ids - seen):
+                    seen.add(peer_id)
+                    nursery.start_soon(ping, peer_id, self._topics[prefix])
+        self._rtts = rtts
+        for prefix, snapshot in listed.items():
+            if any(rtts.get(peer_id) is None for peer_id in snapshot.peer_ids):
+                # A server that stopped answering may have left: its OFFLINE announcement is in
+                # the DHT even when gossip missed it.  Read it without holding up the rounds.
+                topic = self._topics[prefix]
+                period = self._config.refresh_period_s
+                self._nursery.start_soon(partial(topic.refresh, min_interval_s=period))
+
+    async def _ping(self, address: Multiaddr) -> float | None:
+        """Seconds a ``dht.ping`` call takes on a connection to ``address`` (dialled first, not
+        timed); None if it does not answer within ``ping_timeout_s``."""
+        async with self._limiter:
+            with trio.move_on_after(self._config.ping_timeout_s):
+                try:
+                    connection = await self._dht.node.connect(address)
+                    began = trio.current_time()
+                    await call_unary(connection, "dht.ping", {"client": True})
+                    return trio.current_time() - began
+                except TransportError as exc:
+                    logger.debug("pinging %s failed: %s", address, exc)
+            return None
+
+    def _publish(self) -> None:
+        snapshots = self._snapshots()
+        shown = {
+            prefix: info
+            for prefix, info in self._models.items()
+            if prefix in self._listed or snapshots[prefix].peer_ids
+        }
+        previous = self._state
+        state = build_state(
+            shown, snapshots, self._rtts, version=previous.version, updated_at=self._clock()
+        )
+        if state.models != previous.models:
+            state = attrs.evolve(state, version=previous.version + 1)
+            self._state = state
+            self._changed.set()
+            self._changed = trio.Event()
+        else:
+            self._state = state
+
+
+@asynccontextmanager
+async def open_monitor(config: MonitorConfig) -> AsyncIterator[SwarmMonitor]:
+    """Join the swarm as a client-mode DHT node, take a first look (the block starts with the
+    swarm's state in :attr:`SwarmMonitor.state`), and keep looking until the block ends.
+
+    Raises :class:`PeerUnreachable` if none of the initial peers answers.
+    """
+    async with (
+        open_dht_node(
+            host=config.dht_host,
+            client_mode=True,
+            initial_peers=config.initial_peers,
+            request_timeout_s=config.request_timeout_s,
+        ) as dht,
+        open_block_nursery() as nursery,
+    ):
+        monitor = SwarmMonitor(dht, config, nursery)
+        await monitor.refresh()
+        nursery.start_soon(monitor.run)
+        try:
+            yield monitor
+        finally:
+            monitor.close()
+            nursery.cancel_scope.cancel()

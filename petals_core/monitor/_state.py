@@ -1,0 +1,184 @@
+"""What the monitor shows, built from what it read: no I/O here.
+
+:func:`build_state` turns the registry's models, each model's peer table
+(:class:`PeerTableSnapshot`) and the round-trip times measured to servers into a
+:class:`SwarmState`: per model, how many servers hold each block (holes are blocks none holds)
+and one row per server.  ``SwarmState.to_json()`` is what ``GET /api/v1/state`` returns and
+what each server-sent event carries.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Final
+
+import attrs
+
+from ..dht import ModelInfo, PeerTableSnapshot, ServerInfo, ServerState
+
+__all__ = ["BlockCoverage", "ModelState", "ServerRow", "SwarmState", "build_state", "short_id"]
+
+#: The characters of a PeerID a short one keeps: its end (PeerIDs share their first characters).
+_SHORT_ID_CHARS: Final = 8
+
+
+def short_id(peer_id: str) -> str:
+    """A PeerID as the page shows it: an ellipsis and its last characters."""
+    if len(peer_id) <= _SHORT_ID_CHARS:
+        return peer_id
+    return "…" + peer_id[-_SHORT_ID_CHARS:]
+
+
+@attrs.frozen(kw_only=True)
+class BlockCoverage:
+    """How many servers hold one block: ``online`` serve it, ``joining`` are loading it."""
+
+    online: int = 0
+    joining: int = 0
+
+
+@attrs.frozen(kw_only=True)
+class ServerRow:
+    """One server of a model, as announced, with the round-trip time the monitor measured.
+
+    ``rtt_ms`` is None and ``reachable`` False when the server did not answer in time (or
+    announced no address); both are None before the first measurement.
+    """
+
+    peer_id: str
+    short_id: str
+    public_name: str | None
+    state: str
+    start_block: int
+    end_block: int
+    throughput: float
+    cache_tokens_left: int | None
+    torch_dtype: str
+    quant_type: str
+    version: str
+    adapters: tuple[str, ...]
+    rtt_ms: float | None
+    reachable: bool | None
+
+
+@attrs.frozen(kw_only=True)
+class ModelState:
+    """One model of the registry: its coverage block by block and its servers (by span)."""
+
+    dht_prefix: str
+    repository: str | None
+    model_type: str | None
+    num_blocks: int
+    blocks: tuple[BlockCoverage, ...]
+    servers: tuple[ServerRow, ...]
+
+    @property
+    def served_blocks(self) -> int:
+        """How many blocks at least one online server holds."""
+        return sum(1 for block in self.blocks if block.online)
+
+
+@attrs.frozen(kw_only=True)
+class SwarmState:
+    """Everything the page shows.  ``version`` grows each time ``models`` changes;
+    ``updated_at`` is the wall time (seconds since the epoch) of the reading it comes from."""
+
+    version: int
+    updated_at: float
+    models: tuple[ModelState, ...]
+
+    def to_json(self) -> dict[str, Any]:
+        """The state as JSON-ready data (what the HTTP API sends)."""
+        return {
+            "version": self.version,
+            "updated_at": self.updated_at,
+            "models": [
+                {
+                    **attrs.asdict(model, recurse=False),
+                    "blocks": [attrs.asdict(block) for block in model.blocks],
+                    "servers": [
+                        {**attrs.asdict(row), "adapters": list(row.adapters)}
+                        for row in model.servers
+                    ],
+                    "served_blocks": model.served_blocks,
+                }
+                for model in self.models
+            ],
+        }
+
+
+def build_state(
+    models: Mapping[str, ModelInfo],
+    snapshots: Mapping[str, PeerTableSnapshot],
+    rtts: Mapping[str, float | None],
+    *,
+    version: int,
+    updated_at: float,
+) -> SwarmState:
+    """The state of ``models`` (by ``dht_prefix``), sorted by prefix.
+
+    ``snapshots`` holds each model's peer table (none yet: no servers); ``rtts`` maps PeerIDs
+    onto round-trip times in seconds, None for a server that did not answer (absent: not
+    measured yet).  A block's coverage counts the servers listed under it; a server is listed
+    once, with the span it announced; blocks past the model's ``num_blocks`` are not shown.
+    """
+    return SwarmState(
+        version=version,
+        updated_at=updated_at,
+        models=tuple(
+            _model_state(prefix, models[prefix], snapshots.get(prefix), rtts)
+            for prefix in sorted(models)
+        ),
+    )
+
+
+def _model_state(
+    prefix: str,
+    info: ModelInfo,
+    snapshot: PeerTableSnapshot | None,
+    rtts: Mapping[str, float | None],
+) -> ModelState:
+    blocks = {} if snapshot is None else snapshot.blocks
+    coverage: list[BlockCoverage] = []
+    for index in range(info.num_blocks):
+        servers = blocks.get(index, {}).values()
+        online = sum(1 for server in servers if server.state is ServerState.ONLINE)
+        coverage.append(BlockCoverage(online=online, joining=len(servers) - online))
+    # A server files one announcement under each block of its span: its first one stands for it.
+    announced: dict[str, ServerInfo] = {}
+    for index in sorted(blocks):
+        for peer_id, server in blocks[index].items():
+            announced.setdefault(peer_id, server)
+    rows = sorted(
+        (_server_row(peer_id, server, rtts) for peer_id, server in announced.items()),
+        key=lambda row: (row.start_block, row.end_block, row.peer_id),
+    )
+    return ModelState(
+        dht_prefix=prefix,
+        repository=info.repository,
+        model_type=info.model_type,
+        num_blocks=info.num_blocks,
+        blocks=tuple(coverage),
+        servers=tuple(rows),
+    )
+
+
+def _server_row(peer_id: str, info: ServerInfo, rtts: Mapping[str, float | None]) -> ServerRow:
+    measured = peer_id in rtts
+    rtt = rtts.get(peer_id)
+    return ServerRow(
+        peer_id=peer_id,
+        short_id=short_id(peer_id),
+        public_name=info.public_name,
+        state=info.state.value,
+        start_block=info.start_block,
+        end_block=info.end_block,
+        throughput=info.throughput,
+        cache_tokens_left=info.cache_tokens_left,
+        torch_dtype=info.torch_dtype,
+        quant_type=info.quant_type,
+        version=info.version,
+        adapters=info.adapters,
+        rtt_ms=None if rtt is None else round(rtt * 1000.0, 2),
+        reachable=(rtt is not None) if measured else None,
+    )
