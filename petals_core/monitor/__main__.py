@@ -66,9 +66,8 @@ def _parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, Monitor
     )
     parser.add_argument(
         "--dht_host",
-        default=defaults.dht_host.default,
-        help="address the monitor's DHT node binds (it only dials out; '::' for IPv6 peers) "
-        f"(default: {defaults.dht_host.default})",
+        help="address the monitor's DHT node binds (it only dials out; default: loopback when "
+        "every initial peer is there, else every interface)",
     )
     parser.add_argument("--log_level", default="INFO", help="logging level (default: INFO)")
     args = parser.parse_args(argv)

@@ -31,7 +31,7 @@ from .._errors import ConfigError, TransportError
 from .._groups import open_block_nursery
 from .._validators import positive
 from ..dht import DHTNode, ModelInfo, PeerTableSnapshot, Topic, get_models, open_dht_node
-from ..transport import Multiaddr, call_unary
+from ..transport import Multiaddr, call_unary, client_listen_host
 from ._state import SwarmState, build_state
 
 __all__ = ["MonitorConfig", "SwarmMonitor", "open_monitor"]
@@ -59,14 +59,15 @@ class MonitorConfig:
     """What the monitor is told: the swarm to join (``initial_peers``: multiaddrs), how often it
     looks (``refresh_period_s``), how long a server may take to answer a ping, the DHT's request
     timeout, how many models it follows at most (each one's blocks are read from the DHT), and
-    the address its DHT node binds (a client: it only dials out)."""
+    the address its DHT node binds (a client: it only dials out; None picks loopback when every
+    initial peer is there, else every interface)."""
 
     initial_peers: tuple[str, ...] = attrs.field(converter=tuple, validator=_multiaddrs)
     refresh_period_s: float = attrs.field(default=5.0, validator=positive)
     ping_timeout_s: float = attrs.field(default=3.0, validator=positive)
     request_timeout_s: float = attrs.field(default=5.0, validator=positive)
     max_models: int = attrs.field(default=64, validator=positive)
-    dht_host: str = "0.0.0.0"
+    dht_host: str | None = None
 
 
 class SwarmMonitor:
@@ -236,7 +237,7 @@ async def open_monitor(config: MonitorConfig) -> AsyncIterator[SwarmMonitor]:
     """
     async with (
         open_dht_node(
-            host=config.dht_host,
+            host=config.dht_host or client_listen_host(config.initial_peers),
             client_mode=True,
             initial_peers=config.initial_peers,
             request_timeout_s=config.request_timeout_s,
