@@ -216,8 +216,16 @@ async def _stream(
                 return
             if held is not None:
                 yield {"data": json.dumps(held)}
-            held = shape.chunk(event)
+                held = None
+            if event.finish_reason is None:
+                yield {"data": json.dumps(shape.chunk(event))}
+            else:
+                # A choice's last chunk waits for the next event: if that is the usage, it goes
+                # on this chunk (every answer counts its tokens, and no chunk is left choiceless).
+                held = shape.chunk(event)
             event = await anext(events, None)
+        if held is not None:
+            yield {"data": json.dumps(held)}
     finally:
         await close(None, None, None)
 

@@ -154,9 +154,24 @@ class _Job:
     # -- thread side -----------------------------------------------------------------------------
 
     def emit(self, event: Event) -> None:
+        """Hand ``event`` to the HTTP side without waiting for it (the next step goes on)."""
         try:
-            trio.from_thread.run_sync(self._send.send_nowait, event, trio_token=self._token)
-        except (trio.BrokenResourceError, trio.ClosedResourceError, trio.RunFinishedError):
+            self._token.run_sync_soon(self._deliver, event)
+        except trio.RunFinishedError:
+            self.cancelled.set()
+
+    def emit_last(self, event: Event) -> None:
+        """Hand over the last event and wait until it (and so every one before it: the loop
+        runs them in order) is in the channel, before the job ends and closes it."""
+        try:
+            trio.from_thread.run_sync(self._deliver, event, trio_token=self._token)
+        except trio.RunFinishedError:
+            self.cancelled.set()
+
+    def _deliver(self, event: Event) -> None:
+        try:
+            self._send.send_nowait(event)
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
             self.cancelled.set()  # nobody listens any more
 
     def run(self) -> None:
@@ -172,7 +187,7 @@ class _Job:
             input_ids = torch.tensor([[pad] * (width - len(ids)) + ids for ids in rows])
             mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in rows])
             engine.run_generate(self, input_ids, mask)
-        self.emit(
+        self.emit_last(
             Usage(
                 prompt_tokens=sum(len(prompt) for prompt in self.prompts),
                 completion_tokens=sum(len(row.tokens) for row in self.rows),
