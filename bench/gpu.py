@@ -20,6 +20,10 @@ phase (so a run cut short keeps what it measured).  The phases, in order:
 3. **kernels**: parity and speed of the Triton kernels (:mod:`bench.kernels_cuda`).
 4. **transport**: QUIC against trio TCP on this host, and where the time goes
    (:mod:`bench.transport`, its quick sizes), then again without UDP offload.
+5. **api**: the OpenAI endpoint in front of 2 servers of a random TinyLlama-shaped model (bf16,
+   the endpoint's own layers on the GPU too): ms per token streamed through HTTP against
+   ``generate()``, and 1, 4 and 8 concurrent requests (:mod:`bench.api`; targets: at most 1.05x,
+   and at least 4x the tokens per second of one at 8).
 
 Targets (the issue's): decode attention at least SDPA's speed at every shape and at least 85% of
 peak bandwidth at B=8, S=16k; TinyLlama shape, 2 servers, bf16, client on the GPU: at most 6 ms
@@ -63,7 +67,7 @@ from petals_core.testing import (
 from ._report import print_table, summarize, write_json
 
 ROOT = Path(__file__).resolve().parents[1]
-PHASES = ("tests", "swarm", "kernels", "transport")
+PHASES = ("tests", "swarm", "kernels", "transport", "api")
 FAMILIES = ("llama", "bloom")
 #: variant -> (--torch_dtype, --quant_type) of its servers.
 VARIANTS = {
@@ -124,6 +128,7 @@ def main(argv: list[str] | None = None) -> None:
         "swarm": lambda: trio.run(_swarm, families),
         "kernels": _kernels,
         "transport": _transport,
+        "api": _api,
     }
     for phase in phases:
         started = time.monotonic()
@@ -548,6 +553,15 @@ def _kernels() -> dict[str, Any]:
     from . import kernels_cuda
 
     return kernels_cuda.measure(torch.device("cuda"))
+
+
+def _api() -> dict[str, Any] | None:
+    """The OpenAI endpoint (:mod:`bench.api`) in front of 2 servers of a random TinyLlama-shaped
+    model on this GPU, the endpoint's layers on it too: HTTP against ``generate()`` per token,
+    and 1, 4 and 8 concurrent requests."""
+    from . import api
+
+    return api.main(["--device", "cuda", "--random"])
 
 
 def _transport() -> dict[str, Any]:

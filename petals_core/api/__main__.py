@@ -25,6 +25,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+import torch
 import trio
 
 from .._cli import configure_logging
@@ -109,6 +110,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--request_timeout", type=_seconds, help="seconds to wait for a server's answer"
     )
+    parser.add_argument(
+        "--device", help="where the client's layers (embeddings, LM head) run, e.g. cuda"
+    )
+    parser.add_argument(
+        "--torch_dtype",
+        choices=["float32", "bfloat16", "float16"],
+        help="dtype of the client's layers (default: float32)",
+    )
     parser.add_argument("--log_level", default="INFO")
     return parser
 
@@ -124,6 +133,8 @@ def config_from_args(args: argparse.Namespace) -> ApiConfig:
         options["dht_prefix"] = args.dht_prefix
     if args.request_timeout is not None:
         options["request_timeout"] = args.request_timeout
+    if args.torch_dtype is not None:
+        options["torch_dtype"] = getattr(torch, args.torch_dtype)
     return ApiConfig(
         model=model,
         initial_peers=tuple(args.initial_peers),
@@ -137,6 +148,7 @@ def config_from_args(args: argparse.Namespace) -> ApiConfig:
             max_rows=args.max_choices,
         ),
         api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
+        device=args.device,
         client_options=options,
     )
 

@@ -184,8 +184,13 @@ class _Job:
         else:
             width = max(len(ids) for ids in rows)
             pad = engine.pad_token_id
-            input_ids = torch.tensor([[pad] * (width - len(ids)) + ids for ids in rows])
-            mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in rows])
+            device = engine.model.device  # where its embeddings and LM head are
+            input_ids = torch.tensor(
+                [[pad] * (width - len(ids)) + ids for ids in rows], device=device
+            )
+            mask = torch.tensor(
+                [[0] * (width - len(ids)) + [1] * len(ids) for ids in rows], device=device
+            )
             engine.run_generate(self, input_ids, mask)
         self.emit_last(
             Usage(
@@ -534,14 +539,17 @@ class _Sampler(LogitsProcessor):
     leaves only that token possible, so greedy decoding takes it."""
 
     def __init__(self, seed: int | None) -> None:
-        self._generator = torch.Generator()
-        if seed is None:
-            self._generator.seed()
-        else:
-            self._generator.manual_seed(seed % 2**63)
+        self._seed = seed
+        self._generator: torch.Generator | None = None
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         probs = torch.softmax(scores.float(), dim=-1)
+        if self._generator is None:  # on the device of the logits
+            self._generator = torch.Generator(device=scores.device)
+            if self._seed is None:
+                self._generator.seed()
+            else:
+                self._generator.manual_seed(self._seed % 2**63)
         drawn = torch.multinomial(probs, 1, generator=self._generator)
         only = torch.full_like(scores, -math.inf)
         return only.scatter_(1, drawn, 0.0)

@@ -25,7 +25,8 @@ class ApiConfig:
     at ``initial_peers``, named ``served_name`` (default: ``model``) in requests and answers.
 
     ``client_options`` go to ``AutoDistributedModelForCausalLM.from_pretrained`` (``dht_prefix``,
-    ``request_timeout``, ``torch_dtype``, ``local_files_only``, ...); ``api_key`` makes requests
+    ``request_timeout``, ``torch_dtype``, ``local_files_only``, ...); ``device`` is where the
+    client's own layers (embeddings, LM head) run, e.g. ``"cuda"``; ``api_key`` makes requests
     carry ``Authorization: Bearer <api_key>``."""
 
     model: str
@@ -35,6 +36,7 @@ class ApiConfig:
     port: int = 8000
     limits: Limits = attrs.field(factory=Limits)
     api_key: str | None = None
+    device: str | None = None
     client_options: Mapping[str, Any] = attrs.field(factory=dict)
 
     @property
@@ -60,6 +62,8 @@ def load_model(config: ApiConfig) -> tuple[Any, Any]:
     model = AutoDistributedModelForCausalLM.from_pretrained(
         config.model, initial_peers=list(config.initial_peers), **options
     ).eval()
+    if config.device is not None:
+        model = model.to(config.device)
     tokenizer_options = {
         key: options[key] for key in ("local_files_only", "revision", "token") if key in options
     }
