@@ -12,6 +12,7 @@ import urllib.request
 from typing import Any
 
 import pytest
+import torch
 import trio
 
 from petals_core.api.__main__ import API_KEY_ENV, LISTENING, build_parser, config_from_args
@@ -49,6 +50,10 @@ def test_flags_map_onto_the_config(monkeypatch: pytest.MonkeyPatch) -> None:
     assert config.limits.max_rows == 2
     assert config.api_key is None
     assert dict(config.client_options) == {"dht_prefix": "swarm-name", "request_timeout": 30.0}
+    assert config.device is None
+    on_gpu = _config("m", "--initial_peers", "x", "--device", "cuda", "--torch_dtype", "bfloat16")
+    assert on_gpu.device == "cuda"
+    assert dict(on_gpu.client_options) == {"torch_dtype": torch.bfloat16}
     monkeypatch.setenv(API_KEY_ENV, "secret")
     assert _config("m", "--initial_peers", "x").api_key == "secret"
 
