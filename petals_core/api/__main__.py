@@ -82,6 +82,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--dht_prefix", help="the swarm's name for the model, if not the default")
     parser.add_argument("--api_key", help=f"require this bearer key (or set {API_KEY_ENV})")
+    parser.add_argument(
+        "--allow_origins",
+        nargs="+",
+        default=[],
+        metavar="ORIGIN",
+        help="web origins (e.g. http://localhost:3000, or '*') whose pages may call the API",
+    )
     defaults = Limits()
     parser.add_argument(
         "--max_concurrent_requests",
@@ -149,6 +156,7 @@ def config_from_args(args: argparse.Namespace) -> ApiConfig:
         ),
         api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
         device=args.device,
+        allow_origins=tuple(args.allow_origins),
         client_options=options,
     )
 

@@ -20,6 +20,8 @@ import trio
 from sse_starlette import EventSourceResponse
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -40,11 +42,25 @@ MAX_BODY_BYTES: Final = 4 * 1024 * 1024
 CREATED: Final = int(time.time())
 
 
-def create_app(engine: Engine, *, api_key: str | None = None) -> Starlette:
+def create_app(
+    engine: Engine, *, api_key: str | None = None, allow_origins: Sequence[str] = ()
+) -> Starlette:
     """The app serving ``engine``'s model under ``engine.name``; with ``api_key``, requests must
-    carry ``Authorization: Bearer <api_key>``."""
+    carry ``Authorization: Bearer <api_key>``; ``allow_origins`` are web origins (or ``"*"``)
+    whose pages may call it from a browser (CORS), as chat front-ends do."""
     api = _Api(engine, api_key)
+    middleware = []
+    if allow_origins:
+        middleware.append(
+            Middleware(
+                CORSMiddleware,
+                allow_origins=list(allow_origins),
+                allow_methods=["GET", "POST"],
+                allow_headers=["Authorization", "Content-Type"],
+            )
+        )
     return Starlette(
+        middleware=middleware,
         routes=[
             Route("/v1/models", api.models, methods=["GET"]),
             Route("/v1/models/{model:path}", api.model, methods=["GET"]),

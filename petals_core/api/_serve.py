@@ -27,7 +27,8 @@ class ApiConfig:
     ``client_options`` go to ``AutoDistributedModelForCausalLM.from_pretrained`` (``dht_prefix``,
     ``request_timeout``, ``torch_dtype``, ``local_files_only``, ...); ``device`` is where the
     client's own layers (embeddings, LM head) run, e.g. ``"cuda"``; ``api_key`` makes requests
-    carry ``Authorization: Bearer <api_key>``."""
+    carry ``Authorization: Bearer <api_key>``; ``allow_origins`` lets pages of those web origins
+    (or ``"*"``) call it from a browser."""
 
     model: str
     initial_peers: tuple[str, ...] = attrs.field(converter=tuple)
@@ -37,6 +38,7 @@ class ApiConfig:
     limits: Limits = attrs.field(factory=Limits)
     api_key: str | None = None
     device: str | None = None
+    allow_origins: tuple[str, ...] = attrs.field(default=(), converter=tuple)
     client_options: Mapping[str, Any] = attrs.field(factory=dict)
 
     @property
@@ -84,7 +86,7 @@ async def serve_api(
     model, tokenizer = await trio.to_thread.run_sync(load_model, config)
     async with model.distributed_base.remote_blocks, trio.open_nursery() as nursery:
         engine = Engine(model, tokenizer, name=config.name, limits=config.limits, nursery=nursery)
-        app = create_app(engine, api_key=config.api_key)
+        app = create_app(engine, api_key=config.api_key, allow_origins=config.allow_origins)
         urls = await nursery.start(
             functools.partial(
                 serve_http,

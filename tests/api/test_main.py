@@ -53,6 +53,9 @@ def test_flags_map_onto_the_config(monkeypatch: pytest.MonkeyPatch) -> None:
     assert config.device is None
     on_gpu = _config("m", "--initial_peers", "x", "--device", "cuda", "--torch_dtype", "bfloat16")
     assert on_gpu.device == "cuda"
+    assert on_gpu.allow_origins == ()
+    web = _config("m", "--initial_peers", "x", "--allow_origins", "http://a:1", "http://b:2")
+    assert web.allow_origins == ("http://a:1", "http://b:2")
     assert dict(on_gpu.client_options) == {"torch_dtype": torch.bfloat16}
     monkeypatch.setenv(API_KEY_ENV, "secret")
     assert _config("m", "--initial_peers", "x").api_key == "secret"
