@@ -11,6 +11,7 @@ began is sent as an event of that shape, then the stream ends.
 from __future__ import annotations
 
 import json
+import math
 import secrets
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
@@ -56,7 +57,8 @@ def create_app(
                 CORSMiddleware,
                 allow_origins=list(allow_origins),
                 allow_methods=["GET", "POST"],
-                allow_headers=["Authorization", "Content-Type"],
+                # Clients' SDKs add headers of their own (x-stainless-*, ...): echo what is asked.
+                allow_headers=["*"],
             )
         )
     return Starlette(
@@ -157,19 +159,34 @@ class _Api:
     async def completions(self, request: Request) -> Response:
         parsed = parse_completion_untrusted(await self._body(request))
         self._check_model(parsed.model)
-        prompts = [self.engine.encode_prompt(prompt) for prompt in parsed.prompts]
-        return await self._answer(request, _CompletionShape(parsed, prompts, self.engine), prompts)
+        engine = self.engine
+        engine.check_rows(len(parsed.prompts), parsed.sampling)  # before any tokenizing
+
+        def encode() -> tuple[list[list[int]], list[str] | None]:
+            prompts = [engine.encode_prompt(prompt) for prompt in parsed.prompts]
+            echo = [engine.decode(prompt) for prompt in prompts] if parsed.echo else None
+            return prompts, echo
+
+        # A long prompt takes a while to tokenize: not on the event loop, which serves all.
+        prompts, echo = await trio.to_thread.run_sync(encode)
+        shape = _CompletionShape(parsed, len(prompts), echo, engine)
+        return await self._answer(request, shape, prompts, "prompt")
 
     async def chat_completions(self, request: Request) -> Response:
         parsed = parse_chat_untrusted(await self._body(request))
         self._check_model(parsed.model)
-        prompt = self.engine.encode_chat(parsed.messages)
-        return await self._answer(request, _ChatShape(parsed, self.engine), [prompt])
+        self.engine.check_rows(1, parsed.sampling)
+        prompt = await trio.to_thread.run_sync(self.engine.encode_chat, parsed.messages)
+        return await self._answer(request, _ChatShape(parsed, self.engine), [prompt], "messages")
 
     async def _answer(
-        self, request: Request, shape: _Shape, prompts: Sequence[Sequence[int]]
+        self,
+        request: Request,
+        shape: _Shape,
+        prompts: Sequence[Sequence[int]],
+        prompt_param: str,
     ) -> Response:
-        generation = self.engine.generate(prompts, shape.sampling)
+        generation = self.engine.generate(prompts, shape.sampling, prompt_param=prompt_param)
         if not shape.stream:
             chunks: list[Chunk] = []
             last: Usage | ApiError | None = None
@@ -187,13 +204,22 @@ class _Api:
                 return Response(status_code=499)
             return JSONResponse(shape.whole(chunks, last))
         events = await generation.__aenter__()
+        first: Chunk | Usage | ApiError | None = None
         try:
-            first = await events.__anext__()
-            if isinstance(first, ApiError):
-                raise first
+            # Until the first event (the request may wait for its turn), nothing else notices
+            # a client that leaves.
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(_cancel_when_disconnected, request, nursery.cancel_scope)
+                first = await anext(events, None)
+                nursery.cancel_scope.cancel()
         except BaseException:
             await generation.__aexit__(None, None, None)
             raise
+        if first is None or isinstance(first, ApiError):
+            await generation.__aexit__(None, None, None)
+            if first is None:  # the client left
+                return Response(status_code=499)
+            raise first
         return EventSourceResponse(_stream(shape, first, events, generation.__aexit__), ping=15)
 
 
@@ -224,7 +250,8 @@ async def _stream(
                 return
             if isinstance(event, Usage):
                 if held is not None:
-                    held["usage"] = event.to_json()
+                    if not shape.include_usage:  # else only the usage chunk carries it
+                        held["usage"] = event.to_json()
                     yield {"data": json.dumps(held)}
                 if shape.include_usage:
                     yield {"data": json.dumps(shape.usage_chunk(event))}
@@ -322,11 +349,11 @@ class _CompletionShape(_Shape):
     id_prefix = "cmpl"
 
     def __init__(
-        self, parsed: CompletionRequest, prompts: Sequence[Sequence[int]], engine: Engine
+        self, parsed: CompletionRequest, prompts: int, echo: list[str] | None, engine: Engine
     ) -> None:
         super().__init__(parsed, engine)
-        self.rows = len(prompts) * parsed.sampling.n
-        self.echo = [engine.decode(prompt) for prompt in prompts] if parsed.echo else None
+        self.rows = prompts * parsed.sampling.n
+        self.echo = echo
         self.with_logprobs = parsed.sampling.logprobs is not None
         self._offsets = [0] * self.rows
 
@@ -343,7 +370,7 @@ class _CompletionShape(_Shape):
         return {
             "tokens": [token.token for token in tokens],
             "token_logprobs": [token.logprob for token in tokens],
-            "top_logprobs": [dict(token.top) for token in tokens],
+            "top_logprobs": [_top_by_text(token.top) for token in tokens],
             "text_offset": offsets,
         }
 
@@ -367,6 +394,14 @@ class _CompletionShape(_Shape):
             "logprobs": self._logprobs(chunk.row, chunk.logprobs),
             "finish_reason": chunk.finish_reason,
         }
+
+
+def _top_by_text(top: Sequence[tuple[str, float]]) -> dict[str, float]:
+    """The alternatives by text; tokens that decode alike keep the likeliest's log-probability."""
+    merged: dict[str, float] = {}
+    for text, logprob in top:
+        merged[text] = max(logprob, merged.get(text, -math.inf))
+    return merged
 
 
 def _chat_logprob(token: TokenLogprob) -> dict[str, Any]:

@@ -48,7 +48,11 @@ from ..routing import MissingBlocksError
 from ._errors import ApiError
 from ._requests import Message, Sampling
 
-__all__ = ["Chunk", "Engine", "Limits", "TokenLogprob", "Usage"]
+__all__ = ["GREEDY_BELOW", "Chunk", "Engine", "Limits", "TokenLogprob", "Usage"]
+
+#: Temperatures below this decode greedily: dividing logits by less overflows float32, and the
+#: distribution is its argmax to within float precision long before.
+GREEDY_BELOW: Final = 1e-6
 
 logger = logging.getLogger(__name__)
 
@@ -144,6 +148,11 @@ class _Job:
         self.sampling = sampling
         self.max_new_tokens = max_new_tokens
         self.cancelled = threading.Event()
+        #: Where the job waits for its turn (see :meth:`Engine._run`), whether it got one, and
+        #: whether it stopped counting towards the queue's limit.
+        self.waiting = trio.CancelScope()
+        self.started = False
+        self.left = False
         self._send = send
         self._token = trio.lowlevel.current_trio_token()
         self._logprobs: torch.Tensor | None = None
@@ -245,8 +254,8 @@ class _Job:
                 row.finish_reason = "stop"
         if row.finish_reason is None:
             # Hold back an unfinished character and what may become a stop sequence.
-            end = len(text.rstrip(_END)) if text.endswith(_END) else end
-            end = min(end, _stop_prefix_start(text, stops))
+            whole = text.rstrip(_END)
+            end = min(len(whole), _stop_prefix_start(whole, stops))
         new_text = text[row.sent : max(end, row.sent)]
         if not new_text and not row.pending and row.finish_reason is None:
             return None
@@ -375,15 +384,21 @@ class Engine:
             encoded = encoded["input_ids"]
         return [int(i) for i in encoded]
 
-    def plan(self, prompts: Sequence[Sequence[int]], sampling: Sampling) -> int:
-        """Check a request against the limits; returns how many tokens each row may generate."""
-        rows = len(prompts) * sampling.n
+    def check_rows(self, prompts: int, sampling: Sampling) -> None:
+        """Refuse a request for more choices (prompts times ``n``) than the limit."""
+        rows = prompts * sampling.n
         if rows > self.limits.max_rows:
             raise ApiError.bad_request(
                 f"this endpoint generates at most {self.limits.max_rows} choices per request "
                 f"(prompts x n); this request asks for {rows}",
                 param="n",
             )
+
+    def plan(
+        self, prompts: Sequence[Sequence[int]], sampling: Sampling, *, prompt_param: str = "prompt"
+    ) -> int:
+        """Check a request against the limits; returns how many tokens each row may generate."""
+        self.check_rows(len(prompts), sampling)
         longest = max(len(prompt) for prompt in prompts)
         limit = self.max_request_tokens
         wanted = sampling.max_tokens if sampling.max_tokens is not None else 0
@@ -394,18 +409,20 @@ class Engine:
                 400,
                 f"This endpoint's maximum context length is {limit} tokens. However, you "
                 f"requested {asked}. Please reduce the prompt or the completion length.",
-                param="max_tokens" if wanted else "messages",
+                param="max_tokens" if wanted else prompt_param,
                 code="context_length_exceeded",
             )
         return sampling.max_tokens if sampling.max_tokens is not None else limit - longest
 
-    def generate(self, prompts: Sequence[Sequence[int]], sampling: Sampling) -> _Generation:
+    def generate(
+        self, prompts: Sequence[Sequence[int]], sampling: Sampling, *, prompt_param: str = "prompt"
+    ) -> _Generation:
         """``async with engine.generate(prompts, sampling) as events: async for event in
         events`` (:class:`Chunk` ..., then :class:`Usage`, or an :class:`ApiError`).
 
         Raises :class:`ApiError` at once for a request over the limits, or 429 when too many
         wait. Leaving the block early cancels the generation."""
-        max_new_tokens = self.plan(prompts, sampling)
+        max_new_tokens = self.plan(prompts, sampling, prompt_param=prompt_param)
         if self._waiting >= self.limits.max_queued_requests + self.limits.max_concurrent_requests:
             raise ApiError(
                 429,
@@ -418,10 +435,15 @@ class Engine:
         error: Exception | None = None
         async with send:
             try:
-                async with self._slots:
-                    if job.cancelled.is_set():
-                        self.interrupted += 1
-                        return
+                with job.waiting:  # cancelled when the HTTP side leaves before the job's turn
+                    await self._slots.acquire()
+                    job.started = True
+                if job.waiting.cancelled_caught or job.cancelled.is_set():
+                    if not job.waiting.cancelled_caught:
+                        self._slots.release()
+                    self.interrupted += 1
+                    return
+                try:
                     self.running += 1
                     self.peak_running = max(self.peak_running, self.running)
                     try:
@@ -440,17 +462,25 @@ class Engine:
                             self.interrupted += 1
                         else:
                             self.completed += 1
+                finally:
+                    self._slots.release()
                 if error is not None:
                     with contextlib.suppress(trio.BrokenResourceError):
                         send.send_nowait(_api_error(error))
             finally:
-                self._waiting -= 1
+                self._leave(job)
+
+    def _leave(self, job: _Job) -> None:
+        """``job`` no longer counts towards the queue's limit (once, whoever says so first)."""
+        if not job.left:
+            job.left = True
+            self._waiting -= 1
 
     def run_generate(self, job: _Job, input_ids: torch.Tensor, mask: torch.Tensor) -> None:
         """``generate()`` for ``job`` (in its worker thread)."""
         sampling = job.sampling
         processors: list[Any] = [_Recorder(job)]
-        if sampling.temperature > 0:
+        if sampling.temperature >= GREEDY_BELOW:
             if sampling.temperature != 1.0:
                 processors.append(TemperatureLogitsWarper(sampling.temperature))
             if sampling.top_p < 1.0:
@@ -492,7 +522,11 @@ class _Generation:
 
     async def __aexit__(self, *exc_info: Any) -> None:
         assert self._job is not None and self._receive is not None
-        self._job.cancelled.set()
+        job = self._job
+        job.cancelled.set()
+        job.waiting.cancel()  # a job still waiting for its turn leaves the queue now
+        if not job.started:
+            self._engine._leave(job)
         await self._receive.aclose()
 
 

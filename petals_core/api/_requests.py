@@ -89,7 +89,8 @@ def _is_int(value: Any) -> bool:
 
 
 def _is_number(value: Any) -> bool:
-    return (_is_int(value) or isinstance(value, float)) and math.isfinite(value)
+    # Integers are finite however large (isfinite would overflow converting them to float).
+    return _is_int(value) or (isinstance(value, float) and math.isfinite(value))
 
 
 def _integer(body: Mapping[str, Any], name: str, *, low: int, high: int) -> int | None:
@@ -322,6 +323,10 @@ _CHAT: Final = _COMMON | {
     "store",
     "metadata",
 }
+#: Fields of an assistant message as OpenAI answers it: clients send them back with the history,
+#: accepted when empty.
+_ANSWER_FIELDS: Final = ("refusal", "tool_calls", "function_call", "audio", "annotations")
+_MESSAGE_FIELDS: Final = frozenset({"role", "content", "name", *_ANSWER_FIELDS})
 _ROLES: Final = {
     "system": "system",
     "developer": "system",
@@ -361,7 +366,14 @@ def _messages(value: Any) -> tuple[Message, ...]:
     for index, message in enumerate(value):
         if not isinstance(message, Mapping):
             raise ApiError.bad_request(f"messages[{index}] must be an object", param="messages")
-        _check_known(message, frozenset({"role", "content", "name"}))
+        _check_known(message, _MESSAGE_FIELDS)
+        for field in _ANSWER_FIELDS:
+            if message.get(field) not in (None, [], {}):
+                raise ApiError.bad_request(
+                    f"messages[{index}].{field} is not supported here (no tools, audio or "
+                    "annotations); leave it out or null",
+                    param="messages",
+                )
         role = message.get("role")
         if role not in _ROLES:
             raise ApiError.bad_request(

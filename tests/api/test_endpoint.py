@@ -91,9 +91,13 @@ def test_streamed_chat_equals_the_plain_answer_with_usage_and_logprobs(
     finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
     assert finishes[-1] == plain.choices[0].finish_reason
     assert all(reason is None for reason in finishes[:-1])
-    # The usage comes on the last chunk with a choice, and in a chunk of its own at the end.
+    # Asked for, the usage comes in a chunk of its own at the end, and on no other.
     assert chunks[-1].choices == []
-    assert chunks[-1].usage == plain.usage == chunks[-2].usage
+    assert chunks[-1].usage == plain.usage
+    assert all(chunk.usage is None for chunk in chunks[:-1])
+    # Otherwise on the last chunk (every answer counts its tokens).
+    unasked = list(client.chat.completions.create(**settings, stream=True))
+    assert unasked[-1].choices and unasked[-1].usage == plain.usage
     streamed = [
         t
         for c in chunks
@@ -292,5 +296,77 @@ def test_requests_beyond_the_queue_are_refused_with_429(endpoint: Any) -> None:
 
     received, refused = endpoint.run(two_at_once)
     assert refused.status == 429 and refused.code == "too_many_requests"
+
+    async def one_left_the_queue() -> list[Any]:
+        prompt = endpoint.api.engine.encode_prompt("Once upon a time")
+        sampling = Sampling(max_tokens=4, temperature=0.0)
+        async with trio.open_nursery() as nursery:
+            engine = Engine(
+                endpoint.api.engine.model,
+                endpoint.api.engine.tokenizer,
+                name="one-and-one",
+                limits=Limits(max_concurrent_requests=1, max_queued_requests=1),
+                nursery=nursery,
+            )
+            async with engine.generate([prompt], sampling) as events:
+                async with engine.generate([prompt], sampling):
+                    pass  # queued behind the first, then gone
+                # Its place in the queue is free again at once.
+                async with engine.generate([prompt], sampling) as third:
+                    received = [event async for event in events]
+                    received += [event async for event in third]
+            assert engine.interrupted == 1
+        return received
+
+    events = endpoint.run(one_left_the_queue)
+    assert sum(isinstance(event, Usage) for event in events) == 2
     assert isinstance(received[-1], Usage) and received[-1].completion_tokens >= 1
     assert all(isinstance(event, Chunk) for event in received[:-1])
+
+
+def test_a_conversation_sends_the_answer_back_as_the_client_returns_it(
+    endpoint: Any, client: Any
+) -> None:
+    """The openai package sends an answer's message back as it got it (with ``refusal``)."""
+    messages: list[Any] = [{"role": "user", "content": "Hi!"}]
+    first = client.chat.completions.create(
+        model=endpoint.repo, messages=messages, max_tokens=8, temperature=0
+    )
+    messages += [first.choices[0].message, {"role": "user", "content": "And then?"}]
+    second = client.chat.completions.create(
+        model=endpoint.repo, messages=messages, max_tokens=4, temperature=1e-40
+    )
+    assert second.choices[0].finish_reason in ("stop", "length")
+    assert second.usage.prompt_tokens > first.usage.prompt_tokens
+
+
+def test_a_stop_sequence_is_never_sent_in_part(endpoint: Any) -> None:
+    """Text that may begin a stop sequence is held back, also while its last character is
+    still incomplete (a character spread over several tokens)."""
+    from petals_core.api import Sampling
+    from petals_core.api._engine import _Job
+
+    engine = endpoint.api.engine
+    stop = "x\U0001f600"  # x, then an emoji that takes several tokens
+    tokens = engine.encode_prompt("ab" + stop + "cd")
+
+    async def feed() -> list[Any]:
+        send, receive = trio.open_memory_channel[Any](100)
+        sampling = Sampling(max_tokens=64, stop=(stop,))
+        job = _Job(engine, [[1]], sampling, 64, send)
+
+        def run() -> None:
+            for token in tokens:
+                if bool(job.on_tokens(torch.tensor([token]))[0]):
+                    break
+            job.emit_last(None)  # every chunk is in the channel after this
+
+        await trio.to_thread.run_sync(run)
+        events = []
+        while (event := receive.receive_nowait()) is not None:
+            events.append(event)
+        return events
+
+    chunks = endpoint.run(feed)
+    assert "".join(chunk.text for chunk in chunks) == "ab"
+    assert chunks[-1].finish_reason == "stop"

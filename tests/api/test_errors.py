@@ -62,6 +62,8 @@ def test_openai_client_errors(endpoint: Any, client: Any) -> None:
         client.chat.completions.create(model=endpoint.repo, messages=CHAT, n=5)
     with pytest.raises(openai.BadRequestError, match="temperature"):
         client.chat.completions.create(model=endpoint.repo, messages=CHAT, temperature=3)
+    with pytest.raises(openai.BadRequestError, match="temperature"):
+        client.chat.completions.create(model=endpoint.repo, messages=CHAT, temperature=10**400)
     with pytest.raises(openai.BadRequestError, match="frequency_penalty is not supported"):
         client.chat.completions.create(model=endpoint.repo, messages=CHAT, frequency_penalty=0.5)
     _still_serving(endpoint)
@@ -156,6 +158,13 @@ def _hostile(draw: st.DrawFn, repo: str) -> tuple[str, bytes]:
         body["messages"] = [{"role": "user", "content": "Hello"}]
     for field in draw(st.lists(st.sampled_from(_FIELDS), min_size=1, max_size=3, unique=True)):
         body[field] = draw(_JSON)
+    # A length limit is always given, hostile or not, so that an answer stays short (without one
+    # a chat answer may run to the endpoint's limit).
+    limits = st.integers(-3, 2) | st.integers() | st.floats() | st.text(max_size=3) | st.booleans()
+    chat = path == "/v1/chat/completions"
+    for field in ("max_tokens", "max_completion_tokens") if chat else ("max_tokens",):
+        if body.get(field) is None:
+            body[field] = draw(limits)
     return path, json.dumps(body).encode()
 
 
@@ -171,7 +180,10 @@ def test_hostile_requests_get_errors_and_the_endpoint_keeps_serving(endpoint: An
         if status == 200:
             if answer is None:  # a stream: its events came and went
                 return
-            assert answer["usage"]["completion_tokens"] <= 2 * len(answer["choices"])
+            usage = answer["usage"]
+            assert usage["completion_tokens"] <= 2 * len(answer["choices"])
+            assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+            assert all(c["finish_reason"] in ("stop", "length") for c in answer["choices"])
         else:
             assert 400 <= status < 500, answer
             _error(status, answer, status)
