@@ -274,20 +274,25 @@ def test_a_disconnect_before_a_plain_answer_stops_its_generation(endpoint: Any) 
 
 def test_requests_beyond_the_queue_are_refused_with_429(endpoint: Any) -> None:
     """An engine that runs one request and queues none: a second one at the same time gets 429,
-    and the first is unaffected."""
+    and the first is unaffected. With a queue of one, a request that leaves the queue frees its
+    place at once."""
     from petals_core.api import ApiError, Chunk, Engine, Limits, Sampling, Usage
 
+    prompt = endpoint.api.engine.encode_prompt("Once upon a time")
+    sampling = Sampling(max_tokens=4, temperature=0.0)
+
+    def small_engine(nursery: trio.Nursery, queued: int) -> Engine:
+        return Engine(
+            endpoint.api.engine.model,
+            endpoint.api.engine.tokenizer,
+            name="small",
+            limits=Limits(max_concurrent_requests=1, max_queued_requests=queued),
+            nursery=nursery,
+        )
+
     async def two_at_once() -> tuple[list[Any], ApiError]:
-        prompt = endpoint.api.engine.encode_prompt("Once upon a time")
-        sampling = Sampling(max_tokens=4, temperature=0.0)
         async with trio.open_nursery() as nursery:
-            engine = Engine(
-                endpoint.api.engine.model,
-                endpoint.api.engine.tokenizer,
-                name="one-at-a-time",
-                limits=Limits(max_concurrent_requests=1, max_queued_requests=0),
-                nursery=nursery,
-            )
+            engine = small_engine(nursery, 0)
             async with engine.generate([prompt], sampling) as events:
                 with pytest.raises(ApiError) as refused:
                     engine.generate([prompt], sampling)
@@ -298,20 +303,11 @@ def test_requests_beyond_the_queue_are_refused_with_429(endpoint: Any) -> None:
     assert refused.status == 429 and refused.code == "too_many_requests"
 
     async def one_left_the_queue() -> list[Any]:
-        prompt = endpoint.api.engine.encode_prompt("Once upon a time")
-        sampling = Sampling(max_tokens=4, temperature=0.0)
         async with trio.open_nursery() as nursery:
-            engine = Engine(
-                endpoint.api.engine.model,
-                endpoint.api.engine.tokenizer,
-                name="one-and-one",
-                limits=Limits(max_concurrent_requests=1, max_queued_requests=1),
-                nursery=nursery,
-            )
+            engine = small_engine(nursery, 1)
             async with engine.generate([prompt], sampling) as events:
                 async with engine.generate([prompt], sampling):
                     pass  # queued behind the first, then gone
-                # Its place in the queue is free again at once.
                 async with engine.generate([prompt], sampling) as third:
                     received = [event async for event in events]
                     received += [event async for event in third]
