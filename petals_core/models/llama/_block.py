@@ -24,7 +24,7 @@ from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from ... import kernels
 from .._batched import check_many_inputs, join_rows, join_tokens, split_tokens
-from .._cache import KVCache, check_block_input
+from .._cache import KVCache, check_block_input, step_position
 
 __all__ = ["LlamaAttention", "LlamaBlock", "LlamaMLP", "LlamaRMSNorm", "LlamaRotary"]
 
@@ -297,17 +297,7 @@ class LlamaBlock(nn.Module):
             weight=self.input_layernorm.weight,
             cache=cache,
         )
-        if cache is None:
-            position = 0 if position is None else position
-        elif position is None:
-            position = cache.length
-        elif position != cache.length:
-            raise ValueError(
-                f"the cache holds {cache.length} positions, so the next one is {cache.length}, "
-                f"not {position}; roll the cache back to resend from an earlier position"
-            )
-        if position < 0:
-            raise ValueError(f"position must be >= 0, got {position}")
+        position = step_position(cache, position)
         # Without a cache: autograd, for training.  With one: none (a graph kept through the
         # cache would grow for the whole session).
         with contextlib.nullcontext() if cache is None else torch.no_grad():
