@@ -70,6 +70,7 @@ def test_transport_imports_no_torch(module: str) -> None:
         "petals_core.models",
         "petals_core.models.llama",
         "petals_core.models.bloom",
+        "petals_core.models.falcon",
         "petals_core.models._loading",
         "petals_core.models._lora_loading",
         "petals_core.models._config",

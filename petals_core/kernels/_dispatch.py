@@ -153,6 +153,7 @@ def attention(
     scale: float | None = None,
     alibi_slopes: torch.Tensor | None = None,
     key_padding: torch.Tensor | None = None,
+    key_bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """See :func:`attention_reference` for shapes and semantics.
 
@@ -162,9 +163,10 @@ def attention(
     (called as transformers' SDPA attention calls it, so LLaMA blocks match transformers' default
     attention); with ALiBi, the reference (as transformers' BLOOM), except
     for an fp32 decode step (one query at the end of the cache), which gives the ALiBi term to
-    SDPA as an additive mask: half the ops of the reference, the same scores.
+    SDPA as an additive mask: half the ops of the reference, the same scores.  With a
+    ``key_bias`` (Falcon's ALiBi), the reference everywhere: no kernel takes a bias tensor.
     """
-    if key_padding is not None:
+    if key_padding is not None or key_bias is not None:
         # Left-padded sessions (batched generation) take the reference path everywhere.
         return attention_reference(
             q,
@@ -174,6 +176,7 @@ def attention(
             scale=scale,
             alibi_slopes=alibi_slopes,
             key_padding=key_padding,
+            key_bias=key_bias,
         )
     if q.is_cuda and _use_triton(q, k, v):
         from . import _triton_attention

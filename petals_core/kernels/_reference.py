@@ -32,12 +32,15 @@ def attention_reference(
     scale: float | None = None,
     alibi_slopes: torch.Tensor | None = None,
     key_padding: torch.Tensor | None = None,
+    key_bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of new queries over a cache prefix.
 
     q: (B, n_head, T, head_dim), the queries of absolute positions query_offset .. query_offset+T-1
     k, v: (B, n_kv_head, S, head_dim), keys/values of positions 0 .. S-1 (S >= query_offset + T)
     alibi_slopes: (n_head,) float32, adds slope * key_position to the scores (BLOOM)
+    key_bias: (B or 1, n_head, S), added to every query's scaled scores of key j: a position term
+    computed by the caller (Falcon's ALiBi, which rounds slope * position to bfloat16)
     Query t sees keys 0 .. query_offset + t.  n_head must be a multiple of n_kv_head (GQA).
     key_padding: (B,) integers: row b's first key_padding[b] positions are left padding, hidden
     from the row's real queries (a padding query still sees the keys before it, so that no row
@@ -57,6 +60,8 @@ def attention_reference(
     key_pos = torch.arange(length, device=q.device)
     if alibi_slopes is not None:
         scores += alibi_slopes.float().view(1, n_head, 1, 1) * key_pos.view(1, 1, 1, -1)
+    if key_bias is not None:
+        scores += key_bias.float().unsqueeze(2)  # (B or 1, n_head, 1, S)
     if query_offset + new < length or new > 1:
         # Keys after a query's own position are hidden (nothing to hide for a single query at
         # the end of the cache).

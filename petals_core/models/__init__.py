@@ -1,4 +1,5 @@
-"""Model families (BLOOM, LLaMA): blocks with our KV cache, configs, shard-selective loading.
+"""Model families (BLOOM, Falcon, LLaMA): blocks with our KV cache, configs, shard-selective
+loading.
 
 This package knows nothing of the network; the server and client build on it.
 """
@@ -40,4 +41,5 @@ from ._smollm2 import (
 )
 from ._span_steps import EagerSteps as EagerSteps, SpanSteps as SpanSteps
 from .bloom import BloomBlock as BloomBlock
+from .falcon import FalconBlock as FalconBlock
 from .llama import LlamaBlock as LlamaBlock

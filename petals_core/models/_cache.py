@@ -15,7 +15,7 @@ import torch
 
 from .. import kernels
 
-__all__ = ["KVCache", "check_block_input"]
+__all__ = ["KVCache", "check_block_input", "step_position"]
 
 
 def check_block_input(
@@ -54,6 +54,26 @@ def check_block_input(
                 f"the cache holds {cache.keys.dtype} on {cache.keys.device}, but this block "
                 f"computes in {weight.dtype} on {weight.device}: allocate it with allocate_cache()"
             )
+
+
+def step_position(cache: KVCache | None, position: int | None) -> int:
+    """The absolute position of a step's first new token, checked.
+
+    With a cache, ``position`` defaults to ``cache.length`` and must equal it (a client resending
+    from earlier rolls the cache back first); without one it defaults to 0.  Never negative.
+    """
+    if cache is None:
+        position = 0 if position is None else position
+    elif position is None:
+        position = cache.length
+    elif position != cache.length:
+        raise ValueError(
+            f"the cache holds {cache.length} positions, so the next one is {cache.length}, "
+            f"not {position}; roll the cache back to resend from an earlier position"
+        )
+    if position < 0:
+        raise ValueError(f"position must be >= 0, got {position}")
+    return position
 
 
 class KVCache:

@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from petals_core.kernels import attention
 from petals_core.kernels._reference import (
     alibi_slopes,
     attention_reference,
@@ -35,6 +36,23 @@ def test_attention_matches_sdpa_with_an_explicit_mask(
     expected = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=0.2, enable_gqa=True)
     actual = attention_reference(q, k, v, query_offset=query_offset, scale=0.2, alibi_slopes=slopes)
     torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("rows", [1, 2])
+def test_a_key_bias_is_added_to_the_scaled_scores(rows: int) -> None:
+    """A bias per (row, head, key) is ALiBi with any positions: here each row's own."""
+    q, k, v = torch.randn(2, 4, 3, 16), torch.randn(2, 2, 9, 16), torch.randn(2, 2, 9, 16)
+    key_bias = torch.randn(rows, 4, 9)
+    visible = torch.ones(3, 9, dtype=torch.bool).tril(diagonal=6)
+    mask = torch.zeros(3, 9).masked_fill(~visible, float("-inf")) + key_bias.unsqueeze(2)
+    expected = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.2, enable_gqa=True)
+    actual = attention_reference(q, k, v, query_offset=6, scale=0.2, key_bias=key_bias)
+    torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)
+    slopes = alibi_slopes(4)
+    torch.testing.assert_close(
+        attention(q, k, v, query_offset=6, key_bias=slopes.view(1, 4, 1) * torch.arange(9.0)),
+        attention_reference(q, k, v, query_offset=6, alibi_slopes=slopes),
+    )
 
 
 def test_attention_of_a_whole_prompt_is_causal_sdpa() -> None:

@@ -13,7 +13,6 @@ from typing import Any
 
 import pytest
 import torch
-from torch import nn
 from transformers import DynamicCache, LlamaConfig, LlamaModel
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
@@ -22,6 +21,12 @@ from petals_core.models._cache import KVCache
 from petals_core.models.llama import LlamaBlock, LlamaRotary
 from petals_core.testing import smollm2_135m_config, tiny_llama_config
 
+from ._pairs import (
+    BlockPair,
+    reorder_and_decode,
+    roll_back_and_resume,
+    soft_prompt_gradients,
+)
 from .conftest import HIDDEN
 
 torch.set_num_threads(1)
@@ -65,40 +70,19 @@ CONFIGS = {
 }
 
 
-class Pair:
+class Pair(BlockPair):
     """transformers' LlamaModel and a chain of our blocks holding the same random weights."""
 
     def __init__(self, config: LlamaConfig, seed: int = 0) -> None:
         torch.manual_seed(seed)
         self.config = config
         self.hf = LlamaModel(config).eval()
-        # Weights far from the near-identity init, so that every part of the block shows in outputs.
-        with torch.no_grad():
-            for name, param in self.hf.named_parameters():
-                if name.endswith("norm.weight"):
-                    param.copy_(1 + 0.2 * torch.randn_like(param))
-                else:
-                    param.normal_(0, 0.15)
-        self.hf.norm = nn.Identity()  # compare the last layer's output, before the final norm
-        self.blocks = [LlamaBlock(config, i).eval() for i in range(config.num_hidden_layers)]
-        for block, layer in zip(self.blocks, self.hf.layers, strict=True):
-            block.load_state_dict(layer.state_dict())
-
-    def inputs(self, batch: int, length: int, seed: int = 1) -> torch.Tensor:
-        generator = torch.Generator().manual_seed(seed)
-        return torch.randn(batch, length, self.config.hidden_size, generator=generator)
-
-    def hf_run(self, x: torch.Tensor, cache: DynamicCache | None = None) -> torch.Tensor:
-        out = self.hf(inputs_embeds=x, use_cache=cache is not None, **cache_kwargs(cache))
-        return out.last_hidden_state
-
-    def caches(self, batch: int, max_length: int) -> list[KVCache]:
-        return [block.allocate_cache(batch, max_length) for block in self.blocks]
-
-    def run(self, x: torch.Tensor, caches: list[KVCache] | None = None) -> torch.Tensor:
-        for i, block in enumerate(self.blocks):
-            x = block(x, cache=None if caches is None else caches[i])
-        return x
+        self.mirror(
+            final_norm="norm",
+            layers=self.hf.layers,
+            make_block=lambda i: LlamaBlock(config, i),
+            is_norm=lambda name: name.endswith("norm.weight"),
+        )
 
 
 def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -205,68 +189,26 @@ def test_dynamic_rope_prefill_longer_than_original_length() -> None:
 
 def test_batch_of_three_reordered_by_hypo_ids() -> None:
     pair = Pair(CONFIGS["gqa"])
-    x = pair.inputs(3, 16)
-    hypo_ids = torch.tensor([2, 0, 0])
-    hf_cache, caches = DynamicCache(config=pair.config), pair.caches(3, 16)
-    with torch.no_grad():
-        pair.run(x[:, :10], caches)
-        pair.hf_run(x[:, :10], hf_cache)
-        for cache in caches:
-            cache.reorder(hypo_ids)
-        hf_cache.reorder_cache(hypo_ids)
-        ours = torch.cat([pair.run(x[:, t : t + 1], caches) for t in range(10, 16)], dim=1)
-        theirs = torch.cat([pair.hf_run(x[:, t : t + 1], hf_cache) for t in range(10, 16)], dim=1)
-        assert _max_diff(ours, theirs) <= ATOL
-        # The same as recomputing from scratch with the surviving rows' prefixes.
-        fresh = torch.cat([x[hypo_ids, :10], x[:, 10:]], dim=1)
-        assert _max_diff(ours, pair.run(fresh)[:, 10:]) <= ATOL
+    got = reorder_and_decode(pair, pair.inputs(3, 16), torch.tensor([2, 0, 0]), prefill=10)
+    assert _max_diff(got.ours, got.hf) <= ATOL
+    assert _max_diff(got.ours, got.fresh) <= ATOL
 
 
 def test_rollback_then_continue_equals_a_fresh_run() -> None:
     pair = Pair(CONFIGS["gqa"])
-    x = pair.inputs(2, 14)
-    continuation = pair.inputs(2, 7, seed=2)
-    caches = pair.caches(2, 24)
-    with torch.no_grad():
-        pair.run(x[:, :10], caches)
-        for t in range(10, 14):
-            pair.run(x[:, t : t + 1], caches)
-        for cache in caches:
-            cache.rollback(7)
-        # A chunk then single tokens from position 7, over the cache's first 7 positions.
-        resumed = torch.cat(
-            [pair.run(continuation[:, :5], caches)]
-            + [pair.run(continuation[:, t : t + 1], caches) for t in range(5, 7)],
-            dim=1,
-        )
-        sequence = torch.cat([x[:, :7], continuation], dim=1)
-        assert _max_diff(resumed, pair.run(sequence)[:, 7:]) <= ATOL
-        assert _max_diff(resumed, pair.hf_run(sequence)[:, 7:]) <= ATOL
-        hf_cache = DynamicCache(config=pair.config)
-        pair.hf_run(x, hf_cache)
-        hf_cache.crop(-(14 - 7))
-        assert _max_diff(resumed[:, :5], pair.hf_run(continuation[:, :5], hf_cache)) <= ATOL
+    x, continuation = pair.inputs(2, 14), pair.inputs(2, 7, seed=2)
+    got = roll_back_and_resume(pair, x, continuation, prefill=10, keep=7)
+    assert _max_diff(got.resumed, got.fresh) <= ATOL
+    assert _max_diff(got.resumed, got.hf_fresh) <= ATOL
+    assert _max_diff(got.resumed[:, : got.chunk], got.hf_cropped) <= ATOL
 
 
 @pytest.mark.parametrize("name", ["gqa", "mha", "dynamic"])
 def test_gradients_match_transformers(name: str) -> None:
     """Gradients w.r.t. the input, a soft prompt on the first positions and every weight."""
     pair = Pair(CONFIGS[name])
-    length, prompt_length = 20, 4  # 20 > 16: past the dynamic config's original length
-    x = pair.inputs(2, length)
-    weights = pair.inputs(2, length, seed=3)  # the loss is a random projection of the output
-
-    def grads(run: Any, params: list[nn.Parameter]) -> list[torch.Tensor]:
-        inputs = x.clone().requires_grad_()
-        prompt = torch.zeros(1, prompt_length, HIDDEN, requires_grad=True)
-        with torch.no_grad():
-            prompt.normal_(generator=torch.Generator().manual_seed(4))
-        padded = nn.functional.pad(prompt, (0, 0, 0, length - prompt_length))
-        loss = (run(inputs + padded) * weights).sum()
-        return list(torch.autograd.grad(loss, [inputs, prompt, *params]))
-
-    ours = grads(pair.run, [p for block in pair.blocks for p in block.parameters()])
-    theirs = grads(pair.hf_run, [p for layer in pair.hf.layers for p in layer.parameters()])
+    # 20 > 16: past the dynamic config's original length
+    ours, theirs = soft_prompt_gradients(pair, length=20, prompt_length=4)
     assert len(ours) == len(theirs)
     for g_ours, g_theirs in zip(ours, theirs, strict=True):
         scale = max(1.0, g_theirs.abs().max().item())  # weight gradients sum over many positions

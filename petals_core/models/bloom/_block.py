@@ -23,7 +23,7 @@ from torch import nn
 
 from ...kernels import alibi_slopes, attention
 from .._batched import check_many_inputs, join_rows, join_tokens, split_tokens
-from .._cache import KVCache, check_block_input
+from .._cache import KVCache, check_block_input, step_position
 
 if TYPE_CHECKING:
     from transformers import BloomConfig
@@ -158,13 +158,7 @@ class BloomBlock(nn.Module):
             weight=self.input_layernorm.weight,
             cache=cache,
         )
-        if position is not None and position < 0:
-            raise ValueError(f"position must be >= 0, got {position}")
-        if cache is not None and position is not None and position != cache.length:
-            raise ValueError(
-                f"the cache holds {cache.length} positions, so the next one is {cache.length}, "
-                f"not {position}; roll the cache back to resend from an earlier position"
-            )
+        step_position(cache, position)  # checked; ALiBi needs only the cache's length
         offset = 0 if cache is None else cache.length
         # Without a cache: autograd, for training.  With one: none (the cache checks that the new
         # entries fit before writing them).

@@ -17,14 +17,14 @@ from typing import Any
 
 import torch
 from torch import nn
-from transformers import LlamaConfig
+from transformers import LlamaConfig, PretrainedConfig
 from transformers.activations import ACT2FN
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from ... import kernels
 from .._batched import check_many_inputs, join_rows, join_tokens, split_tokens
-from .._cache import KVCache, check_block_input
+from .._cache import KVCache, check_block_input, step_position
 
 __all__ = ["LlamaAttention", "LlamaBlock", "LlamaMLP", "LlamaRMSNorm", "LlamaRotary"]
 
@@ -41,9 +41,12 @@ class LlamaRotary:
     ``max_position_embeddings``. transformers keeps a high-water mark in the module instead, which
     gives the same result as long as positions only grow; a block shared by many sessions, any of
     which may roll back, cannot keep that state, so here the result depends on the inputs alone.
+
+    Falcon's rotary embedding is the same (transformers copies it from LLaMA's): Falcon blocks use
+    this class too.
     """
 
-    def __init__(self, config: LlamaConfig) -> None:
+    def __init__(self, config: PretrainedConfig) -> None:
         if not config.rope_parameters:
             raise ValueError("the config has no rope_parameters")
         self.config = config
@@ -53,11 +56,10 @@ class LlamaRotary:
                 f"rope_type {self.rope_type!r} is not supported for LLaMA blocks; "
                 f"supported: {', '.join((*_STATIC_ROPE_TYPES, 'dynamic'))}"
             )
-        self._init: Callable[..., tuple[torch.Tensor, float]] = (
-            LlamaRotaryEmbedding.compute_default_rope_parameters
-            if self.rope_type == "default"
-            else ROPE_INIT_FUNCTIONS[self.rope_type]
+        init: Callable[..., tuple[torch.Tensor, float]] = ROPE_INIT_FUNCTIONS.get(
+            self.rope_type, LlamaRotaryEmbedding.compute_default_rope_parameters
         )
+        self._init = init
         # On the CPU whatever the default device: a block built on "meta" (to count its
         # parameters) still gets real frequencies.
         with torch.device("cpu"):
@@ -297,17 +299,7 @@ class LlamaBlock(nn.Module):
             weight=self.input_layernorm.weight,
             cache=cache,
         )
-        if cache is None:
-            position = 0 if position is None else position
-        elif position is None:
-            position = cache.length
-        elif position != cache.length:
-            raise ValueError(
-                f"the cache holds {cache.length} positions, so the next one is {cache.length}, "
-                f"not {position}; roll the cache back to resend from an earlier position"
-            )
-        if position < 0:
-            raise ValueError(f"position must be >= 0, got {position}")
+        position = step_position(cache, position)
         # Without a cache: autograd, for training.  With one: none (a graph kept through the
         # cache would grow for the whole session).
         with contextlib.nullcontext() if cache is None else torch.no_grad():

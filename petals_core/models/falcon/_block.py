@@ -1,0 +1,376 @@
+"""One Falcon decoder layer, numerically equal to transformers' ``FalconDecoderLayer`` in eval mode.
+
+Parameter names are transformers' per-layer names, so
+``block.load_state_dict(hf_model.transformer.h[i].state_dict())`` loads a layer of a checkpoint.
+Every layout the config admits is supported:
+
+- ``new_decoder_architecture`` (Falcon-40B/180B): grouped-query attention whose fused projection
+  holds, per key/value head, its group of queries then one key and one value; attention and MLP in
+  parallel, from two LayerNorms (``ln_attn``, ``ln_mlp``) or one (``input_layernorm``);
+- ``multi_query`` (Falcon-7B): every query head shares one key/value head; parallel attention and
+  MLP from ``input_layernorm``;
+- neither: one key/value head per query head, interleaved per head as in BLOOM; with
+  ``parallel_attn=False`` the MLP reads ``post_attention_layernorm`` of the attention's residual
+  (Falcon-RW).
+
+Positions are rotary (:class:`~petals_core.models.llama.LlamaRotary`, the same as transformers'
+``FalconRotaryEmbedding``) or, with ``config.alibi``, ALiBi as transformers' Falcon computes it:
+``slope * position`` rounded to bfloat16 (not BLOOM's float32 product), divided by
+``sqrt(head_dim)`` and added to the scaled scores.  Differences from transformers, on purpose:
+
+- attention runs through :func:`petals_core.kernels.attention`, in float32 whatever the block's
+  dtype (transformers rounds the ALiBi term, scores and probabilities of a bf16 model to bf16);
+  with ALiBi that is the reference attention on every device (no kernel takes a bias tensor);
+- linears are ``nn.Linear``, adding the bias inside the matmul, where transformers' ``FalconLinear``
+  rounds the product to the activations' dtype before adding it: the same in float32 up to one
+  rounding, half a bf16 step apart at most in bf16;
+- the key/value heads of the new architecture are cached once per group (transformers broadcasts
+  them to every query head), and attention shares them across the group;
+- the cache is our :class:`KVCache`, preallocated per session; dropout is not applied.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+from transformers.activations import ACT2FN
+
+from ... import kernels
+from .._batched import check_many_inputs, join_rows, join_tokens, split_tokens
+from .._cache import KVCache, check_block_input, step_position
+from ..llama._block import LlamaRotary
+
+if TYPE_CHECKING:
+    from transformers import FalconConfig
+
+__all__ = ["FalconAttention", "FalconBlock", "FalconMLP"]
+
+#: Where a step's positions enter attention: rotary ``(cos, sin)`` angles of the new tokens, or
+#: the ALiBi term of every key attended to, ``(B or 1, n_head, S)``; the other is None.
+Positions = tuple[tuple[torch.Tensor, torch.Tensor] | None, torch.Tensor | None]
+
+
+class FalconAttention(nn.Module):
+    def __init__(self, config: FalconConfig) -> None:
+        super().__init__()
+        self.n_head: int = config.num_attention_heads
+        self.head_dim: int = config.hidden_size // self.n_head
+        self.new_decoder_architecture = bool(config.new_decoder_architecture)
+        self.multi_query = bool(config.multi_query)
+        hidden, bias = config.hidden_size, bool(config.bias)
+        if self.new_decoder_architecture:
+            self.n_kv_head: int = config.num_kv_heads or self.n_head
+            if self.n_head % self.n_kv_head:
+                raise ValueError(
+                    f"{self.n_head} heads cannot share {self.n_kv_head} key/value heads"
+                )
+        elif self.multi_query:
+            self.n_kv_head = 1
+        else:
+            # One key/value per head in the fused projection, whatever num_kv_heads says.
+            self.n_kv_head = self.n_head
+        fused = (self.n_head + 2 * self.n_kv_head) * self.head_dim
+        self.query_key_value = nn.Linear(hidden, fused, bias=bias)
+        self.dense = nn.Linear(hidden, hidden, bias=bias)
+
+    def split_heads(
+        self, fused: torch.Tensor, batch: int, new: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The fused projection of ``batch * new`` tokens, ``(..., (n_head + 2 * n_kv_head) *
+        head_dim)``, as q ``(B, n_head, T, head_dim)`` and k, v ``(B, n_kv_head, T, head_dim)``."""
+        heads, kv_heads, head_dim = self.n_head, self.n_kv_head, self.head_dim
+        if self.new_decoder_architecture:
+            # Per key/value head g: its group's queries, then its key, then its value.  Query head
+            # h belongs to group h // group, the order grouped-query attention assumes.
+            qkv = fused.view(batch, new, kv_heads, heads // kv_heads + 2, head_dim)
+            q = qkv[..., :-2, :].reshape(batch, new, heads, head_dim)
+            k, v = qkv[..., -2, :], qkv[..., -1, :]  # (B, T, n_kv_head, head_dim)
+        elif self.multi_query:
+            qkv = fused.view(batch, new, heads + 2, head_dim)
+            q, k, v = qkv[:, :, :-2], qkv[:, :, -2:-1], qkv[:, :, -1:]
+        else:
+            # Megatron's layout, as BLOOM's: [q_h, k_h, v_h] for each head h.
+            qkv = fused.view(batch, new, heads, 3, head_dim)
+            q, k, v = qkv[..., 0, :], qkv[..., 1, :], qkv[..., 2, :]
+        return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        positions: Positions,
+        *,
+        cache: KVCache | None,
+        position: int,
+    ) -> torch.Tensor:
+        batch, new, hidden = x.shape  # (B, T, hidden)
+        q, k, v = self.split_heads(self.query_key_value(x), batch, new)
+        if cache is not None:
+            y = self._attend_cached(q, k, v, positions, cache)
+        else:
+            angles, bias = positions
+            if angles is not None:
+                q = kernels.rotary(q, *angles)  # (B, n_head, T, head_dim)
+                k = kernels.rotary(k, *angles)  # (B, n_kv_head, T, head_dim)
+            # The T tokens attend among themselves; position only sets the angles or ALiBi term.
+            y = kernels.attention(q, k, v, query_offset=0, key_bias=bias)
+        return self.dense(y.transpose(1, 2).reshape(batch, new, hidden))
+
+    def forward_many(
+        self,
+        x: torch.Tensor,
+        shapes: Sequence[tuple[int, int]],
+        positions: Sequence[Positions],
+        caches: Sequence[KVCache],
+    ) -> torch.Tensor:
+        """Several sessions' tokens, joined: ``(1, N, hidden)`` in and out, N = sum B_i * T_i.
+
+        The projections run once over all N tokens; rotary, the cache append and attention run per
+        item, item ``i`` being ``shapes[i] = (B_i, T_i)`` tokens at its cache's length, placed by
+        ``positions[i]``.  The caller has validated every item (nothing here may fail half-way).
+        """
+        hidden = x.shape[-1]
+        fused = self.query_key_value(x)  # (1, N, (n_head + 2 * n_kv_head) * head_dim)
+        outputs = []
+        start = 0
+        for (batch, new), item_positions, cache in zip(shapes, positions, caches, strict=True):
+            end = start + batch * new
+            q, k, v = self.split_heads(fused[0, start:end], batch, new)
+            y = self._attend_cached(q, k, v, item_positions, cache)  # (B, n_head, T, head_dim)
+            outputs.append(y.transpose(1, 2).reshape(batch * new, hidden))
+            start = end
+        return self.dense(join_rows(outputs).unsqueeze(0))  # (1, N, hidden)
+
+    @staticmethod
+    def _attend_cached(
+        q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: Positions, cache: KVCache
+    ) -> torch.Tensor:
+        """Append the new keys and values (rotated, for rotary positions) to ``cache`` and attend
+        over everything it holds: ``(B, n_head, T, head_dim)``."""
+        angles, bias = positions
+        position = cache.length
+        if angles is not None:
+            q, k, v = cache.append_rotated(q, k, v, *angles)  # k, v: (B, n_kv_head, S, head_dim)
+        else:
+            k, v = cache.append(k, v)
+        return kernels.attention(
+            q, k, v, query_offset=position, key_padding=cache.padding, key_bias=bias
+        )
+
+
+class FalconMLP(nn.Module):
+    def __init__(self, config: FalconConfig) -> None:
+        super().__init__()
+        hidden, bias = config.hidden_size, bool(config.bias)
+        inner = config.ffn_hidden_size or 4 * hidden  # the config's own default
+        self.dense_h_to_4h = nn.Linear(hidden, inner, bias=bias)
+        self.act = ACT2FN[config.activation]
+        self.dense_4h_to_h = nn.Linear(inner, hidden, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dense_4h_to_h(self.act(self.dense_h_to_4h(x)))
+
+
+class FalconBlock(nn.Module):
+    """A Falcon decoder layer; ``state_dict()`` keys are transformers' ``FalconDecoderLayer`` keys.
+
+    Parallel layouts compute ``x + (mlp(norm(x)) + attn(norm(x)))``, the sequential one
+    ``x' = x + attn(norm(x))`` then ``x' + mlp(norm(x'))``, in transformers' order of additions.
+    """
+
+    def __init__(self, config: FalconConfig, layer_idx: int = 0) -> None:
+        super().__init__()
+        if config.hidden_size % config.num_attention_heads:
+            raise ValueError(
+                f"hidden_size {config.hidden_size} is not a multiple of num_attention_heads "
+                f"{config.num_attention_heads}"
+            )
+        new_architecture = bool(config.new_decoder_architecture)
+        # transformers takes two LayerNorms when the new architecture leaves the number unset.
+        norms = config.num_ln_in_parallel_attn or (2 if new_architecture else 1)
+        if new_architecture and not config.parallel_attn:
+            raise ValueError("new_decoder_architecture needs parallel_attn=True")
+        if norms == 2 and not new_architecture and config.parallel_attn:
+            raise ValueError("num_ln_in_parallel_attn=2 needs new_decoder_architecture=True")
+        self.layer_idx = layer_idx
+        self.hidden_size: int = config.hidden_size
+        self.parallel = new_architecture or bool(config.parallel_attn)
+        self.two_norms = new_architecture and norms == 2
+        eps = 1e-5 if config.layer_norm_epsilon is None else config.layer_norm_epsilon
+        # Registered in transformers' order, so that state_dict() lists its keys in its order.
+        self.self_attention = FalconAttention(config)
+        self.mlp = FalconMLP(config)
+        if not self.parallel:
+            self.post_attention_layernorm = nn.LayerNorm(config.hidden_size, eps=eps)
+            self.input_layernorm = nn.LayerNorm(config.hidden_size, eps=eps)
+        elif self.two_norms:
+            self.ln_attn = nn.LayerNorm(config.hidden_size, eps=eps)
+            self.ln_mlp = nn.LayerNorm(config.hidden_size, eps=eps)
+        else:
+            self.input_layernorm = nn.LayerNorm(config.hidden_size, eps=eps)
+        self.rotary = None if config.alibi else LlamaRotary(config)
+        # Plain attributes, not buffers: ``block.to(torch.bfloat16)`` must not round them.  On the
+        # CPU whatever the default device: a block built on "meta" still gets real slopes.
+        with torch.device("cpu"):
+            self._slopes = kernels.alibi_slopes(config.num_attention_heads)  # (n_head,) float32
+            self._alibi = torch.empty(config.num_attention_heads, 0)  # see _alibi_terms
+
+    @property
+    def first_norm(self) -> nn.LayerNorm:
+        """The LayerNorm before attention (never quantised: its weight gives the block's dtype
+        and device)."""
+        return self.ln_attn if self.two_norms else self.input_layernorm
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        *,
+        cache: KVCache | None = None,
+        position: int | None = None,
+    ) -> torch.Tensor:
+        """Run ``T`` new positions: ``(B, T, hidden)`` in, ``(B, T, hidden)`` out.
+
+        With a cache, the new keys/values are appended to it and the queries attend over everything
+        it holds; ``position`` (the absolute position of the first new token) defaults to
+        ``cache.length`` and must equal it (roll the cache back to resend from earlier).  Without a
+        cache, the ``T`` tokens attend causally among themselves from ``position`` (default 0):
+        rotary angles and ALiBi terms are those of positions ``position .. position + T - 1``
+        (Falcon's rounded ALiBi is not quite shift-invariant).  That path is for training and
+        supports autograd; the cache path runs without (a graph kept through the cache would grow
+        for a whole session).
+        """
+        check_block_input(
+            hidden_states, hidden_size=self.hidden_size, weight=self.first_norm.weight, cache=cache
+        )
+        position = step_position(cache, position)
+        new = hidden_states.shape[1]
+        with contextlib.nullcontext() if cache is None else torch.no_grad():
+            positions = self._positions(
+                position,
+                new,
+                keys_from=position if cache is None else 0,
+                like=hidden_states,
+                padding=None if cache is None else cache.padding,
+            )
+            return self._layer(
+                hidden_states,
+                lambda normed: self.self_attention(
+                    normed, positions, cache=cache, position=position
+                ),
+            )
+
+    def forward_many(
+        self, hidden_states: Sequence[torch.Tensor], caches: Sequence[KVCache]
+    ) -> list[torch.Tensor]:
+        """``[self(h, cache=c) for h, c in zip(hidden_states, caches)]``, in fewer, larger matmuls.
+
+        Item ``i``, ``(B_i, T_i, hidden)``, is one session's step at its cache's length.  The
+        LayerNorms, projections and MLP see every item's tokens at once; positions, the cache
+        append and attention go item by item.  All items are checked before any cache is written
+        (a refused batch changes no cache), and nothing records autograd.
+        """
+        attn = self.self_attention
+        check_many_inputs(
+            hidden_states,
+            caches,
+            hidden_size=self.hidden_size,
+            weight=self.first_norm.weight,
+            kv_heads=attn.n_kv_head,
+            head_dim=attn.head_dim,
+        )
+        if not hidden_states:
+            return []
+        with torch.no_grad():
+            x = join_tokens(hidden_states)  # (1, N, hidden)
+            shapes = [(states.shape[0], states.shape[1]) for states in hidden_states]
+            positions = [
+                self._positions(cache.length, new, keys_from=0, like=x, padding=cache.padding)
+                for (_, new), cache in zip(shapes, caches, strict=True)
+            ]
+            out = self._layer(
+                x, lambda normed: attn.forward_many(normed, shapes, positions, caches)
+            )
+            return split_tokens(out, hidden_states)
+
+    def allocate_cache(
+        self,
+        batch: int,
+        max_length: int,
+        *,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+    ) -> KVCache:
+        """A cache for ``batch`` rows of up to ``max_length`` positions, by default in the
+        dtype and on the device of the block's (never quantised) first LayerNorm."""
+        reference = self.first_norm.weight
+        return KVCache.allocate(
+            batch=batch,
+            kv_heads=self.self_attention.n_kv_head,
+            max_length=max_length,
+            head_dim=self.self_attention.head_dim,
+            dtype=reference.dtype if dtype is None else dtype,
+            device=reference.device if device is None else device,
+        )
+
+    def _layer(
+        self, x: torch.Tensor, attend: Callable[[torch.Tensor], torch.Tensor]
+    ) -> torch.Tensor:
+        """The layer around its attention, ``attend`` (normalised states in, attention's
+        projected output out), with transformers' LayerNorms and order of additions."""
+        if self.two_norms:
+            attention_out = attend(self.ln_attn(x))
+            mlp_in = self.ln_mlp(x)
+        else:
+            mlp_in = self.input_layernorm(x)
+            attention_out = attend(mlp_in)
+        if not self.parallel:
+            x = x + attention_out
+            return x + self.mlp(self.post_attention_layernorm(x))
+        return x + (self.mlp(mlp_in) + attention_out)
+
+    def _positions(
+        self,
+        start: int,
+        new: int,
+        *,
+        keys_from: int,
+        like: torch.Tensor,
+        padding: torch.Tensor | None,
+    ) -> Positions:
+        """Rotary angles of positions ``start .. start + new - 1``, or the ALiBi terms of the keys
+        they attend to, at positions ``keys_from .. start + new - 1``.
+
+        With ``padding`` ((B,) left-padding lengths), row b counts positions from its first real
+        token, as transformers does given an attention mask (padding positions count as 0).
+        """
+        if self.rotary is not None:
+            angles = self.rotary(start, new, device=like.device, dtype=like.dtype, padding=padding)
+            return angles, None  # (1 or B, T, head_dim) each
+        end = start + new
+        table = self._alibi_terms(end, like.device)  # (n_head, >= end)
+        if padding is None:
+            return None, table[None, :, keys_from:end]  # (1, n_head, S)
+        key_positions = torch.arange(keys_from, end, device=like.device)
+        rows = (key_positions[None, :] - padding.to(like.device).view(-1, 1)).clamp(min=0)
+        return None, table[:, rows].transpose(0, 1)  # (B, n_head, S)
+
+    def _alibi_terms(self, length: int, device: torch.device) -> torch.Tensor:
+        """ALiBi terms of positions ``0 .. length - 1`` at least, ``(n_head, >= length)`` float32.
+
+        transformers' ``build_alibi_tensor`` for Falcon multiplies bf16 slopes by the positions in
+        bf16 (rounding each product to 8 significant bits), and its model divides the result by
+        ``sqrt(head_dim)`` before adding it to the scaled scores: the same expressions here.  The
+        table grows to the next power of two when a longer one is needed.
+        """
+        table = self._alibi
+        if table.shape[1] < length or table.device != device:
+            size = max(table.shape[1], 1 << (max(length, 1) - 1).bit_length())
+            positions = torch.arange(size, device=device)  # int64, as transformers' cumsum
+            rounded = self._slopes.to(device)[:, None].bfloat16() * positions  # (n_head, size)
+            table = rounded.float() / math.sqrt(self.self_attention.head_dim)
+            self._alibi = table  # one store: safe for readers in other threads
+        return table

@@ -1,0 +1,162 @@
+"""A transformers model and a chain of our blocks holding the same weights, and the scenarios the
+block tests run on such a pair: beams reordered, rollback and resend, gradients through a soft
+prompt."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import torch
+from torch import nn
+from transformers import DynamicCache, PretrainedConfig
+
+from petals_core._hf_compat import cache_kwargs
+from petals_core.models import KVCache
+
+
+class BlockPair:
+    """transformers' base model ``hf`` (without its final norm), its decoder layers ``layers``
+    and our ``blocks``, one per layer, loaded from them (see :meth:`mirror`)."""
+
+    config: PretrainedConfig
+    hf: nn.Module
+    layers: nn.ModuleList
+    blocks: list[Any]
+
+    def mirror(
+        self,
+        *,
+        final_norm: str,
+        layers: nn.ModuleList,
+        make_block: Callable[[int], nn.Module],
+        is_norm: Callable[[str], bool],
+    ) -> None:
+        """Push ``hf``'s weights far from their near-identity init (so that every part of a block
+        shows in outputs), drop its final norm (attribute ``final_norm``: compare the last layer's
+        output) and build a block per layer with the layer's weights.  ``is_norm(name)`` tells a
+        norm's parameters: weights around 1, biases around 0; the rest N(0, 0.15)."""
+        with torch.no_grad():
+            for name, param in self.hf.named_parameters():
+                if is_norm(name):
+                    param.copy_(
+                        (1 if name.endswith("weight") else 0) + 0.2 * torch.randn_like(param)
+                    )
+                else:
+                    param.normal_(0, 0.15)
+        setattr(self.hf, final_norm, nn.Identity())
+        self.layers = layers
+        self.blocks = [make_block(i).eval() for i in range(len(layers))]
+        for block, layer in zip(self.blocks, layers, strict=True):
+            block.load_state_dict(layer.state_dict())
+
+    def inputs(self, batch: int, length: int, seed: int = 1) -> torch.Tensor:
+        generator = torch.Generator().manual_seed(seed)
+        return torch.randn(batch, length, self.config.hidden_size, generator=generator)
+
+    def hf_run(self, x: torch.Tensor, cache: DynamicCache | None = None, **kwargs: Any) -> Any:
+        out = self.hf(inputs_embeds=x, use_cache=cache is not None, **cache_kwargs(cache), **kwargs)
+        return out.last_hidden_state
+
+    def caches(self, batch: int, max_length: int) -> list[KVCache]:
+        return [block.allocate_cache(batch, max_length) for block in self.blocks]
+
+    def run(self, x: torch.Tensor, caches: list[KVCache] | None = None) -> torch.Tensor:
+        for i, block in enumerate(self.blocks):
+            x = block(x, cache=None if caches is None else caches[i])
+        return x
+
+
+class Reordered(NamedTuple):
+    """What :func:`reorder_and_decode` computed, to compare."""
+
+    ours: torch.Tensor  # our blocks' decode steps after the reorder
+    hf: torch.Tensor  # transformers' decode steps after reordering its cache
+    fresh: torch.Tensor  # our blocks on the surviving rows' sequences from scratch, decoded part
+
+
+def reorder_and_decode(
+    pair: BlockPair, x: torch.Tensor, hypo_ids: torch.Tensor, *, prefill: int
+) -> Reordered:
+    """Prefill ``x[:, :prefill]``, reorder the rows by ``hypo_ids`` (beam search) in our caches and
+    transformers', then decode the rest of ``x`` token by token."""
+    length = x.shape[1]
+    hf_cache, caches = DynamicCache(config=pair.config), pair.caches(x.shape[0], length)
+    with torch.no_grad():
+        pair.run(x[:, :prefill], caches)
+        pair.hf_run(x[:, :prefill], hf_cache)
+        for cache in caches:
+            cache.reorder(hypo_ids)
+        hf_cache.reorder_cache(hypo_ids)
+        steps = range(prefill, length)
+        ours = torch.cat([pair.run(x[:, t : t + 1], caches) for t in steps], dim=1)
+        theirs = torch.cat([pair.hf_run(x[:, t : t + 1], hf_cache) for t in steps], dim=1)
+        # The surviving rows' prefixes, then the decoded tokens.
+        fresh = torch.cat([x[hypo_ids, :prefill], x[:, prefill:]], dim=1)
+        return Reordered(ours=ours, hf=theirs, fresh=pair.run(fresh)[:, prefill:])
+
+
+class Resumed(NamedTuple):
+    """What :func:`roll_back_and_resume` computed, to compare."""
+
+    resumed: torch.Tensor  # our blocks' outputs of the resent tokens, after the rollback
+    fresh: torch.Tensor  # our blocks on the whole new sequence from scratch, its resent part
+    hf_fresh: torch.Tensor  # the same through transformers
+    hf_cropped: torch.Tensor  # transformers' cache cropped to ``keep``, then the resent chunk
+    chunk: int
+
+
+def roll_back_and_resume(
+    pair: BlockPair, x: torch.Tensor, continuation: torch.Tensor, *, prefill: int, keep: int
+) -> Resumed:
+    """Run ``x`` (a prefill of ``prefill`` positions, then single tokens), roll every cache back
+    to ``keep`` positions and resend ``continuation``: a chunk, then its last two tokens singly."""
+    length, new = x.shape[1], continuation.shape[1]
+    chunk = new - 2
+    caches = pair.caches(x.shape[0], max(length, keep + new))
+    with torch.no_grad():
+        pair.run(x[:, :prefill], caches)
+        for t in range(prefill, length):
+            pair.run(x[:, t : t + 1], caches)
+        for cache in caches:
+            cache.rollback(keep)
+        # A chunk then single tokens from position ``keep``, over the cache's first positions.
+        resumed = torch.cat(
+            [pair.run(continuation[:, :chunk], caches)]
+            + [pair.run(continuation[:, t : t + 1], caches) for t in range(chunk, new)],
+            dim=1,
+        )
+        sequence = torch.cat([x[:, :keep], continuation], dim=1)
+        hf_cache = DynamicCache(config=pair.config)
+        pair.hf_run(x, hf_cache)
+        hf_cache.crop(keep - length)  # a negative count: the positions to drop
+        return Resumed(
+            resumed=resumed,
+            fresh=pair.run(sequence)[:, keep:],
+            hf_fresh=pair.hf_run(sequence)[:, keep:],
+            hf_cropped=pair.hf_run(continuation[:, :chunk], hf_cache),
+            chunk=chunk,
+        )
+
+
+def soft_prompt_gradients(
+    pair: BlockPair, *, length: int, prompt_length: int
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Gradients w.r.t. the input, a soft prompt on the first positions and every weight, of a
+    random projection of the output: (ours, transformers'), in the same order."""
+    x = pair.inputs(2, length)
+    weights = pair.inputs(2, length, seed=3)  # the loss is a random projection of the output
+    hidden = pair.config.hidden_size
+
+    def grads(run: Any, params: list[nn.Parameter]) -> list[torch.Tensor]:
+        inputs = x.clone().requires_grad_()
+        prompt = torch.zeros(1, prompt_length, hidden, requires_grad=True)
+        with torch.no_grad():
+            prompt.normal_(generator=torch.Generator().manual_seed(4))
+        padded = nn.functional.pad(prompt, (0, 0, 0, length - prompt_length))
+        loss = (run(inputs + padded) * weights).sum()
+        return list(torch.autograd.grad(loss, [inputs, prompt, *params]))
+
+    ours = grads(pair.run, [p for block in pair.blocks for p in block.parameters()])
+    theirs = grads(pair.hf_run, [p for layer in pair.layers for p in layer.parameters()])
+    return ours, theirs
