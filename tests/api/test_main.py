@@ -15,7 +15,13 @@ import pytest
 import torch
 import trio
 
-from petals_core.api.__main__ import API_KEY_ENV, LISTENING, build_parser, config_from_args
+from petals_core.api.__main__ import (
+    API_KEY_ENV,
+    LISTENING,
+    build_parser,
+    config_from_args,
+    main,
+)
 
 TIMEOUT_S = 120.0
 
@@ -70,15 +76,11 @@ def test_flags_map_onto_the_config(monkeypatch: pytest.MonkeyPatch) -> None:
         ["m", "--initial_peers", "x", "--request_timeout", "-1"],
     ],
 )
-def test_bad_flags_exit_2(argv: list[str]) -> None:
-    result = subprocess.run(
-        [sys.executable, "-m", "petals_core.api", *argv],
-        capture_output=True,
-        text=True,
-        timeout=TIMEOUT_S,
-    )
-    assert result.returncode == 2
-    assert "error:" in result.stderr
+def test_bad_flags_exit_2(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main(argv)
+    assert exited.value.code == 2
+    assert "error:" in capsys.readouterr().err
 
 
 def _get(url: str, key: str | None = None) -> tuple[int, Any]:
