@@ -42,6 +42,9 @@ _LAZY = {
             "DistributedBloomForCausalLM",
             "DistributedBloomForSequenceClassification",
             "DistributedBloomModel",
+            "DistributedFalconForCausalLM",
+            "DistributedFalconForSequenceClassification",
+            "DistributedFalconModel",
             "DistributedLlamaForCausalLM",
             "DistributedLlamaForSequenceClassification",
             "DistributedLlamaModel",
@@ -49,7 +52,13 @@ _LAZY = {
         "distributed",
     ),
     **dict.fromkeys(
-        ("AutoDistributedConfig", "DistributedBloomConfig", "DistributedLlamaConfig"), "models"
+        (
+            "AutoDistributedConfig",
+            "DistributedBloomConfig",
+            "DistributedFalconConfig",
+            "DistributedLlamaConfig",
+        ),
+        "models",
     ),
     **dict.fromkeys(("ClientConfig", "RemoteSequenceManager", "SequenceManagerConfig"), "routing"),
     **dict.fromkeys(("InferenceSession", "RemoteSequential"), "client"),

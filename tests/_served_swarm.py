@@ -1,11 +1,11 @@
 """Swarms for the tests of the distributed models and the client: tiny LLaMA (grouped-query
-attention) and BLOOM checkpoints, each served by two in-process servers holding blocks 0:3 and
-3:6, in fp32.
+attention), BLOOM and Falcon (new decoder architecture) checkpoints, each served by two in-process
+servers holding blocks 0:3 and 3:6, in fp32.
 
 The servers run in one trio program on a daemon thread (``trio.run``), for the whole test
 session; the models under test are sync and reach them through the client bridge's own thread.
-``tests/conftest.py`` makes them the session fixtures ``served``, ``served_llama`` and
-``served_bloom``, importing this module only when a test asks for one.
+``tests/conftest.py`` makes them the session fixtures ``served``, ``served_llama``,
+``served_bloom`` and ``served_falcon``, importing this module only when a test asks for one.
 """
 
 from __future__ import annotations
@@ -20,9 +20,10 @@ import attrs
 import pytest
 import torch
 import trio
-from transformers import BloomForCausalLM, LlamaForCausalLM
+from transformers import BloomForCausalLM, FalconForCausalLM, LlamaForCausalLM
 
 from petals_core.server import ServerConfig, open_server
+from petals_core.testing import tiny_falcon_config
 
 from .models.conftest import (
     SHARD_SIZE,
@@ -122,14 +123,20 @@ class InProcessSwarm:
 
 @contextmanager
 def open_client_swarm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[InProcessSwarm]:
-    """A swarm of each family (``served["llama"]``, ``served["bloom"]``) until the block ends."""
+    """A swarm of each family (``served["llama"]``, ``served["bloom"]``, ``served["falcon"]``)
+    until the block ends."""
     torch.manual_seed(20)
     llama = LlamaForCausalLM(tiny_llama_config(pad_token_id=0))
     torch.manual_seed(21)
     bloom = BloomForCausalLM(tiny_bloom_config())
+    torch.manual_seed(22)
+    falcon = FalconForCausalLM(tiny_falcon_config(pad_token_id=0))
     checkpoints = {
         "llama": _save(llama, tmp_path_factory.mktemp("client-llama"), max_shard_size=SHARD_SIZE),
         "bloom": _save(bloom, tmp_path_factory.mktemp("client-bloom"), max_shard_size=SHARD_SIZE),
+        "falcon": _save(
+            falcon, tmp_path_factory.mktemp("client-falcon"), max_shard_size=SHARD_SIZE
+        ),
     }
     with InProcessSwarm(checkpoints, tmp_path_factory.mktemp("client-cache")) as swarm:
         yield swarm

@@ -42,7 +42,12 @@ def served_bloom(client_swarm: InProcessSwarm) -> ServedModel:
     return client_swarm.served["bloom"]
 
 
-@pytest.fixture(scope="session", params=["llama", "bloom"])
+@pytest.fixture(scope="session")
+def served_falcon(client_swarm: InProcessSwarm) -> ServedModel:
+    return client_swarm.served["falcon"]
+
+
+@pytest.fixture(scope="session", params=["llama", "bloom", "falcon"])
 def served(request: pytest.FixtureRequest, client_swarm: InProcessSwarm) -> ServedModel:
     """Each family in turn."""
     return client_swarm.served[request.param]

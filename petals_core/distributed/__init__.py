@@ -14,6 +14,7 @@ from ..models import (
     AutoDistributedConfig as AutoDistributedConfig,
     DistributedBloomConfig as DistributedBloomConfig,
     DistributedConfig as DistributedConfig,
+    DistributedFalconConfig as DistributedFalconConfig,
     DistributedLlamaConfig as DistributedLlamaConfig,
 )
 from ._auto import (
@@ -28,6 +29,11 @@ from ._bloom import (
     DistributedBloomModel as DistributedBloomModel,
 )
 from ._cache import RemoteCache as RemoteCache
+from ._falcon import (
+    DistributedFalconForCausalLM as DistributedFalconForCausalLM,
+    DistributedFalconForSequenceClassification as DistributedFalconForSequenceClassification,
+    DistributedFalconModel as DistributedFalconModel,
+)
 from ._heads import (
     DEFAULT_LM_HEAD_CHUNK_ROWS as DEFAULT_LM_HEAD_CHUNK_ROWS,
     ChunkedLMHead as ChunkedLMHead,

@@ -11,6 +11,11 @@ from ._bloom import (
     DistributedBloomForSequenceClassification,
     DistributedBloomModel,
 )
+from ._falcon import (
+    DistributedFalconForCausalLM,
+    DistributedFalconForSequenceClassification,
+    DistributedFalconModel,
+)
 from ._llama import (
     DistributedLlamaForCausalLM,
     DistributedLlamaForSequenceClassification,
@@ -52,6 +57,7 @@ class AutoDistributedModel(_AutoDistributed):
     _classes: ClassVar[dict[str, type[Any]]] = {
         "llama": DistributedLlamaModel,
         "bloom": DistributedBloomModel,
+        "falcon": DistributedFalconModel,
     }
 
 
@@ -61,6 +67,7 @@ class AutoDistributedModelForCausalLM(_AutoDistributed):
     _classes: ClassVar[dict[str, type[Any]]] = {
         "llama": DistributedLlamaForCausalLM,
         "bloom": DistributedBloomForCausalLM,
+        "falcon": DistributedFalconForCausalLM,
     }
 
 
@@ -70,4 +77,5 @@ class AutoDistributedModelForSequenceClassification(_AutoDistributed):
     _classes: ClassVar[dict[str, type[Any]]] = {
         "llama": DistributedLlamaForSequenceClassification,
         "bloom": DistributedBloomForSequenceClassification,
+        "falcon": DistributedFalconForSequenceClassification,
     }

@@ -9,6 +9,7 @@ from ._config import (
     AutoDistributedConfig as AutoDistributedConfig,
     DistributedBloomConfig as DistributedBloomConfig,
     DistributedConfig as DistributedConfig,
+    DistributedFalconConfig as DistributedFalconConfig,
     DistributedLlamaConfig as DistributedLlamaConfig,
     default_dht_prefix as default_dht_prefix,
     original_repo as original_repo,
@@ -19,6 +20,7 @@ from ._decode_graphs import (
     DecodeGraphsConfig as DecodeGraphsConfig,
     DecodeGraphsStatistics as DecodeGraphsStatistics,
 )
+from ._families import BLOCK_CLASSES as BLOCK_CLASSES, Block as Block, new_block as new_block
 from ._loading import (
     block_state_dict as block_state_dict,
     client_state_dict as client_state_dict,

@@ -17,7 +17,7 @@ import re
 from pathlib import Path
 from typing import Any, Self, cast, overload
 
-from transformers import BloomConfig, LlamaConfig, PreTrainedConfig
+from transformers import BloomConfig, FalconConfig, LlamaConfig, PreTrainedConfig
 
 from .._errors import CheckpointError, ConfigError
 
@@ -25,6 +25,7 @@ __all__ = [
     "AutoDistributedConfig",
     "DistributedBloomConfig",
     "DistributedConfig",
+    "DistributedFalconConfig",
     "DistributedLlamaConfig",
     "default_dht_prefix",
     "original_repo",
@@ -52,6 +53,7 @@ def default_dht_prefix(model_name_or_path: str | os.PathLike[str], model_type: s
       people form one swarm), ending in ``-hf``: ``meta-llama/Llama-2-70b-chat-hf`` ->
       ``Llama-2-70b-chat-hf``, ``HuggingFaceTB/SmolLM2-135M-Instruct`` ->
       ``SmolLM2-135M-Instruct-hf``.
+    - Falcon: the repo name without its owner, as it is: ``tiiuae/falcon-40b`` -> ``falcon-40b``.
 
     Dots become ``-`` in every derived prefix (``Llama-3.1-8B`` -> ``Llama-3-1-8B-hf``), because
     block keys are ``f"{dht_prefix}.{block_index}"``. A local folder (an ``os.PathLike``, or a
@@ -67,7 +69,9 @@ def default_dht_prefix(model_name_or_path: str | os.PathLike[str], model_type: s
     if model_type == "bloom":
         return f"{repo_id}-petals"
     name = repo_id.rsplit("/", 1)[-1]
-    return name if name.endswith("-hf") else f"{name}-hf"
+    if model_type == "falcon" or name.endswith("-hf"):
+        return name
+    return f"{name}-hf"
 
 
 @overload
@@ -140,8 +144,13 @@ class DistributedBloomConfig(DistributedConfig, BloomConfig):
     """A BLOOM config (``model_type == "bloom"``) with ``dht_prefix``."""
 
 
+class DistributedFalconConfig(DistributedConfig, FalconConfig):
+    """A Falcon config (``model_type == "falcon"``) with ``dht_prefix``."""
+
+
 _CONFIG_CLASSES: dict[str, type[DistributedConfig]] = {
     "bloom": DistributedBloomConfig,
+    "falcon": DistributedFalconConfig,
     "llama": DistributedLlamaConfig,
 }
 
@@ -167,7 +176,7 @@ class AutoDistributedConfig:
         """Like :meth:`DistributedConfig.from_pretrained`, for any supported family.
 
         Raises :class:`~petals_core.ConfigError` (a ``ValueError``) naming the model type when it is
-        not one of ``"bloom"``, ``"llama"``.
+        not one of ``"bloom"``, ``"falcon"``, ``"llama"``.
         """
         return _load_config(
             None,

@@ -36,6 +36,7 @@ from ..kernels import alibi_slopes, sync_openblas_threads
 from . import _numpy_ops as ops
 from ._batched import check_many_inputs
 from ._cache import KVCache
+from ._families import Block
 from ._lora import adapter_names
 from ._span_steps import Sessions, States
 from .bloom import BloomAttention, BloomBlock, BloomMLP
@@ -52,7 +53,8 @@ MAX_ROWS = 2
 #: Positions in the smallest rotary table; tables grow by doubling.
 _MIN_ROTARY_POSITIONS = 256
 
-Block = LlamaBlock | BloomBlock
+#: The blocks whose steps numpy computes.
+NumpyBlock = LlamaBlock | BloomBlock
 #: A linear layer's weight and bias (or None), as numpy views.
 Weights = tuple[np.ndarray, np.ndarray | None]
 _PLAIN_TENSORS = (torch.Tensor, nn.Parameter)
@@ -124,7 +126,7 @@ class CpuDecode:
                 self._steps.append(None)
             elif isinstance(block, LlamaBlock):
                 self._steps.append(_LlamaStep(block, _rotary_table(rotaries, block.rotary)))
-            else:
+            elif isinstance(block, BloomBlock):
                 if block.n_head not in alibis:
                     alibis[block.n_head] = ops.AlibiTable(alibi_slopes(block.n_head).numpy())
                 self._steps.append(_BloomStep(block, alibis[block.n_head]))
@@ -252,7 +254,7 @@ def _rotary_table(tables: list[_RotaryTable], rotary: LlamaRotary) -> _RotaryTab
 
 
 def _checker(
-    block: Block, kv_heads: int, head_dim: int
+    block: NumpyBlock, kv_heads: int, head_dim: int
 ) -> Callable[[States, Sequence[KVCache]], None]:
     """What checks a step's items for ``block`` as its ``forward_many`` does, before anything
     is written."""

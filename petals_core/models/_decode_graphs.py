@@ -43,6 +43,7 @@ from torch import nn
 from .. import kernels
 from .._errors import ConfigError
 from ._cache import KVCache
+from ._families import Block
 from ._lora import active_adapter
 from .bloom import BloomBlock
 from .llama import LlamaBlock
@@ -51,7 +52,8 @@ __all__ = ["DecodeGraphs", "DecodeGraphsConfig", "DecodeGraphsStatistics"]
 
 log = logging.getLogger(__name__)
 
-Block = LlamaBlock | BloomBlock
+#: The blocks whose decode steps are captured.
+GraphBlock = LlamaBlock | BloomBlock
 
 #: Rows of the tables before the per-block pointers: positions, then head strides.
 _POSITIONS, _HEAD_STRIDES, _FIRST_POINTER = 0, 1, 2
@@ -176,7 +178,9 @@ class DecodeGraphs:
         reason = _unsupported_reason(blocks)
         if reason is not None:
             raise ValueError(f"these blocks cannot run decode graphs: {reason}")
-        self.blocks = list(blocks)
+        self.blocks: list[GraphBlock] = [
+            block for block in blocks if isinstance(block, LlamaBlock | BloomBlock)
+        ]
         self.config = config or DecodeGraphsConfig()
         first = self.blocks[0]
         weight = first.input_layernorm.weight

@@ -13,10 +13,10 @@ A local folder is read in place.
 Only safetensors checkpoints load: pickled ``.bin`` checkpoints run code when unpickled, so they are
 refused with an error saying so.
 
-Tensor names follow transformers: LLaMA keeps layer ``N`` under ``model.layers.N.``, BLOOM under
-``transformer.h.N.``. Checkpoints of the ``bigscience`` BLOOM repos were saved from ``BloomModel``
-and lack the ``transformer.`` part (``h.N.``, ``word_embeddings.``, ``ln_f.``); the layout is
-detected from the names in the index, and both load.
+Tensor names follow transformers: LLaMA keeps layer ``N`` under ``model.layers.N.``, BLOOM and
+Falcon under ``transformer.h.N.``. Checkpoints of the ``bigscience`` BLOOM repos were saved from
+``BloomModel`` and lack the ``transformer.`` part (``h.N.``, ``word_embeddings.``, ``ln_f.``); the
+layout is detected from the names in the index, and both load (Falcon's too).
 """
 
 from __future__ import annotations
@@ -76,6 +76,12 @@ _LAYOUTS: dict[str, _Layout] = {
         base_prefixes=("transformer.", ""),
         blocks="h.",
         client_modules=("word_embeddings.", "word_embeddings_layernorm.", "ln_f."),
+        canonical_base="transformer.",
+    ),
+    "falcon": _Layout(
+        base_prefixes=("transformer.", ""),
+        blocks="h.",
+        client_modules=("word_embeddings.", "ln_f."),
         canonical_base="transformer.",
     ),
 }
@@ -197,7 +203,8 @@ def client_state_dict(
     Names are those of transformers' ``*ForCausalLM``: ``model.embed_tokens.weight``,
     ``model.norm.weight``, ``lm_head.weight`` for LLaMA; ``transformer.word_embeddings.weight``,
     ``transformer.word_embeddings_layernorm.*``, ``transformer.ln_f.*`` for BLOOM (also when the
-    checkpoint stores them without ``transformer.``). With ``config.tie_word_embeddings`` there is
+    checkpoint stores them without ``transformer.``); ``transformer.word_embeddings.weight``,
+    ``transformer.ln_f.*`` for Falcon. With ``config.tie_word_embeddings`` there is
     no ``lm_head.weight``: the head is the embedding matrix. Arguments and errors as in
     :func:`load_blocks`; only the shards holding these tensors are downloaded.
     """

@@ -46,6 +46,14 @@ class _Family:
     linears: tuple[str, ...]  # module paths within a block
 
 
+#: BLOOM's and Falcon's block linears: one fused query/key/value projection, its output, the MLP.
+_FUSED_QKV_LINEARS = (
+    "self_attention.query_key_value",
+    "self_attention.dense",
+    "mlp.dense_h_to_4h",
+    "mlp.dense_4h_to_h",
+)
+
 _FAMILIES: dict[str, _Family] = {
     "llama": _Family(
         label="LLaMA",
@@ -66,12 +74,13 @@ _FAMILIES: dict[str, _Family] = {
         module_prefix="transformer.h.",
         # bigscience checkpoints name blocks h.N without "transformer.": accept adapters of both.
         stored_prefix=r"(?:transformer\.)?h\.",
-        linears=(
-            "self_attention.query_key_value",
-            "self_attention.dense",
-            "mlp.dense_h_to_4h",
-            "mlp.dense_4h_to_h",
-        ),
+        linears=_FUSED_QKV_LINEARS,
+    ),
+    "falcon": _Family(
+        label="Falcon",
+        module_prefix="transformer.h.",
+        stored_prefix=r"(?:transformer\.)?h\.",
+        linears=_FUSED_QKV_LINEARS,
     ),
 }
 
@@ -231,7 +240,7 @@ def _parse_config_untrusted(data: bytes, source: str) -> _LoraConfig:
             "the base model's, which other requests share)"
         )
     refused = {
-        "fan_in_fan_out": "LLaMA and BLOOM layers are nn.Linear, so PEFT never sets it for them",
+        "fan_in_fan_out": "every family's layers are nn.Linear, so PEFT never sets it for them",
         "use_dora": "DoRA adapters are not supported",
         "lora_bias": "LoRA biases are not supported",
     }

@@ -20,8 +20,7 @@ from typing import Protocol
 import torch
 
 from ._cache import KVCache
-from .bloom import BloomBlock
-from .llama import LlamaBlock
+from ._families import Block
 
 __all__ = ["EagerSteps", "Sessions", "SpanSteps", "States"]
 
@@ -46,7 +45,7 @@ class SpanSteps(Protocol):
 class EagerSteps:
     """The blocks' ``forward_many``, block after block: every step, with every check."""
 
-    def __init__(self, blocks: Sequence[LlamaBlock | BloomBlock]) -> None:
+    def __init__(self, blocks: Sequence[Block]) -> None:
         self.blocks = list(blocks)
 
     def step(

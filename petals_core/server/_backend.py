@@ -27,7 +27,7 @@ from torch import nn
 from .. import kernels
 from .._errors import AdapterError
 from ..models import (
-    BloomBlock,
+    Block,
     CpuDecode,
     CpuDecodeChoice,
     DecodeGraphs,
@@ -35,12 +35,9 @@ from ..models import (
     DecodeGraphsStatistics,
     EagerSteps,
     KVCache,
-    LlamaBlock,
     SpanSteps,
     using_adapter,
 )
-
-Block = LlamaBlock | BloomBlock
 
 __all__ = ["BlockBackend", "Graph"]
 

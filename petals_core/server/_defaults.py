@@ -42,10 +42,10 @@ from typing import TYPE_CHECKING, Final
 import attrs
 import torch
 from torch import nn
-from transformers import BloomConfig, LlamaConfig, PretrainedConfig
+from transformers import PretrainedConfig
 
 from .._errors import ConfigError
-from ..models import BloomBlock, LlamaBlock, QuantType
+from ..models import Block, QuantType, new_block
 
 if TYPE_CHECKING:
     from ._server import ServerConfig
@@ -59,7 +59,6 @@ __all__ = [
     "block_nbytes",
     "cache_nbytes_per_token",
     "choose_defaults",
-    "new_block",
     "plan_defaults",
     "plan_num_blocks",
     "resolve_device",
@@ -163,20 +162,7 @@ def bitsandbytes_problem(device: torch.device) -> str | None:
 # -- memory ------------------------------------------------------------------------------------
 
 
-def new_block(model_config: PretrainedConfig, *, purpose: str) -> LlamaBlock | BloomBlock:
-    """One block of the model, on torch's default device; raises :class:`ConfigError` saying
-    that it cannot ``purpose`` for a family without blocks."""
-    if isinstance(model_config, LlamaConfig):
-        return LlamaBlock(model_config)
-    if isinstance(model_config, BloomConfig):
-        return BloomBlock(model_config)
-    raise ConfigError(
-        f"cannot {purpose} of model_type {model_config.model_type!r}; "
-        "supported model types: bloom, llama"
-    )
-
-
-def _meta_block(model_config: PretrainedConfig) -> nn.Module:
+def _meta_block(model_config: PretrainedConfig) -> Block:
     """One block of the model with parameters on "meta": shapes without memory."""
     with torch.device("meta"):
         return new_block(model_config, purpose="size blocks")
@@ -198,7 +184,6 @@ def block_nbytes(
 def cache_nbytes_per_token(model_config: PretrainedConfig, *, dtype: torch.dtype) -> int:
     """Attention cache of one block for one position of one row: its keys and values."""
     block = _meta_block(model_config)
-    assert isinstance(block, LlamaBlock | BloomBlock)
     return block.allocate_cache(1, 1, dtype=dtype, device="meta").nbytes
 
 

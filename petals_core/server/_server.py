@@ -53,15 +53,14 @@ from ..dht import (
 )
 from ..models import (
     AutoDistributedConfig,
-    BloomBlock,
     CpuDecodeChoice,
     DecodeGraphsConfig,
     DistributedConfig,
-    LlamaBlock,
     QuantType,
     add_adapter,
     load_blocks,
     load_lora_adapter,
+    new_block,
     original_repo,
     prepare_smollm2,
     quantize_block,
@@ -451,11 +450,7 @@ class Server:
         )
         built: list[Block] = []
         for index in blocks:
-            block: Block = (
-                LlamaBlock(config, layer_idx=index)  # type: ignore[arg-type]
-                if config.model_type == "llama"
-                else BloomBlock(config, layer_idx=index)  # type: ignore[arg-type]
-            )
+            block = new_block(config, index)
             block.load_state_dict(states.pop(index))
             block = block.to(self.device, self.dtype)
             quantize_block(block, self.quant_type)

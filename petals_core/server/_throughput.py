@@ -51,9 +51,9 @@ from ..models import (
     EagerSteps,
     QuantType,
     SpanSteps,
+    new_block,
     quantize_block,
 )
-from ._defaults import new_block
 
 __all__ = [
     "CACHE_FILE_NAME",

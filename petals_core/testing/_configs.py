@@ -11,12 +11,14 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from transformers import BloomConfig, LlamaConfig
+    from transformers import BloomConfig, FalconConfig, LlamaConfig
 
 __all__ = [
     "bloom_560m_config",
+    "falcon_7b_config",
     "smollm2_135m_config",
     "tiny_bloom_config",
+    "tiny_falcon_config",
     "tiny_llama_config",
     "tinyllama_1b_config",
 ]
@@ -32,6 +34,12 @@ def _bloom(settings: dict[str, Any], overrides: dict[str, Any]) -> BloomConfig:
     from transformers import BloomConfig
 
     return BloomConfig(**{**settings, **overrides})
+
+
+def _falcon(settings: dict[str, Any], overrides: dict[str, Any]) -> FalconConfig:
+    from transformers import FalconConfig
+
+    return FalconConfig(**{**settings, **overrides})
 
 
 def tiny_llama_config(**overrides: Any) -> LlamaConfig:
@@ -52,6 +60,24 @@ def tiny_llama_config(**overrides: Any) -> LlamaConfig:
 def tiny_bloom_config(**overrides: Any) -> BloomConfig:
     """A tiny BLOOM: hidden size 64, 4 heads, 6 blocks, a vocabulary of 256."""
     return _bloom({"hidden_size": 64, "n_head": 4, "n_layer": 6, "vocab_size": 256}, overrides)
+
+
+def tiny_falcon_config(**overrides: Any) -> FalconConfig:
+    """A tiny Falcon of the new decoder architecture (Falcon-40B's layout): hidden size 64, 8
+    attention heads in 2 groups sharing a key/value head each, two LayerNorms per block (one for
+    attention, one for the MLP, run in parallel), rotary positions, 6 blocks, a vocabulary of 256,
+    128 positions.  ``multi_query=True, new_decoder_architecture=False`` gives Falcon-7B's
+    layout, ``alibi=True`` Falcon-RW's positions."""
+    settings = {
+        "hidden_size": 64,
+        "num_attention_heads": 8,
+        "num_kv_heads": 2,
+        "new_decoder_architecture": True,
+        "num_hidden_layers": 6,
+        "vocab_size": 256,
+        "max_position_embeddings": 128,
+    }
+    return _falcon(settings, overrides)
 
 
 def smollm2_135m_config(**overrides: Any) -> LlamaConfig:
@@ -96,3 +122,20 @@ def bloom_560m_config(**overrides: Any) -> BloomConfig:
     return _bloom(
         {"hidden_size": 1024, "n_head": 16, "n_layer": 24, "vocab_size": 250880}, overrides
     )
+
+
+def falcon_7b_config(**overrides: Any) -> FalconConfig:
+    """Falcon-7B's shape: hidden size 4544, 71 attention heads of 64 sharing one key/value head
+    (multi-query), attention and MLP in parallel from one LayerNorm, MLP width 18176, 32 blocks,
+    a vocabulary of 65024, tied embeddings."""
+    settings = {
+        "hidden_size": 4544,
+        "num_attention_heads": 71,
+        "num_hidden_layers": 32,
+        "multi_query": True,
+        "parallel_attn": True,
+        "new_decoder_architecture": False,
+        "vocab_size": 65024,
+        "tie_word_embeddings": True,
+    }
+    return _falcon(settings, overrides)

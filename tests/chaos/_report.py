@@ -30,7 +30,9 @@ class ChaosConfig:
 
     ``request_timeout_s`` is the client's (None: the library's default); a dead or stopped
     server is given up on sooner, when the transport finds it silent.
-    ``deadline_s`` bounds the whole run (starting the swarm included).
+    ``deadline_s`` bounds the whole run (starting the swarm included).  ``family`` is the tiny
+    model's: ``"llama"`` (grouped-query attention) or ``"falcon"`` (Falcon-7B's layout:
+    multi-query attention, attention and MLP in parallel).
     """
 
     generations: int = attrs.field(default=20, validator=_non_negative)
@@ -42,6 +44,9 @@ class ChaosConfig:
         default=None, validator=attrs.validators.optional(_positive)
     )
     seed: int = 0
+    family: Literal["llama", "falcon"] = attrs.field(
+        default="llama", validator=attrs.validators.in_(("llama", "falcon"))
+    )
     deadline_s: float = attrs.field(default=3600.0, validator=_positive)
 
     def __attrs_post_init__(self) -> None:

@@ -1,7 +1,8 @@
 """Failover at scale: greedy generations and fine-tuning steps while servers die or stall.
 
 A loopback swarm of real processes (a bootstrap DHT node and four servers of a tiny 8-block
-LLaMA, spans 0:4, 4:8, 0:6 and 2:8: every block is held at least twice) serves a client that
+LLaMA, or Falcon with ``--family falcon``, spans 0:4, 4:8, 0:6 and 2:8: every block is held at
+least twice) serves a client that
 uses the model classes (``AutoDistributedModelForCausalLM``), as a user would.
 
 - First, every prompt is generated without faults (``generate(max_new_tokens=16)``, greedy): the
@@ -50,7 +51,15 @@ from typing import Any, Final, Literal, TypeVar
 import attrs
 import torch
 import trio
-from transformers import LlamaConfig, LlamaForCausalLM, LogitsProcessor, LogitsProcessorList
+from transformers import (
+    AutoModelForCausalLM,
+    FalconConfig,
+    FalconForCausalLM,
+    LlamaConfig,
+    LlamaForCausalLM,
+    LogitsProcessor,
+    LogitsProcessorList,
+)
 
 from petals_core import PetalsError
 from petals_core.dht import PeerTableSnapshot
@@ -99,9 +108,24 @@ _Got = TypeVar("_Got")
 # --- the model and the swarm ------------------------------------------------------------------
 
 
-def make_checkpoint(folder: Path, *, seed: int = 0) -> Path:
-    """A tiny LLaMA (8 blocks, hidden 64, grouped-query attention) with seeded random weights,
-    saved in about one shard per block."""
+def make_checkpoint(folder: Path, *, seed: int = 0, family: str = "llama") -> Path:
+    """A tiny LLaMA (8 blocks, hidden 64, grouped-query attention) or Falcon (8 blocks, hidden 64,
+    Falcon-7B's layout) with seeded random weights, saved in about one shard per block."""
+    torch.manual_seed(seed)
+    if family == "falcon":
+        falcon = FalconConfig(
+            hidden_size=HIDDEN,
+            num_hidden_layers=N_BLOCKS,
+            num_attention_heads=4,
+            multi_query=True,
+            parallel_attn=True,
+            new_decoder_architecture=False,
+            vocab_size=VOCAB,
+            max_position_embeddings=128,
+            pad_token_id=0,
+        )
+        FalconForCausalLM(falcon).save_pretrained(folder, max_shard_size="100KB")
+        return folder
     config = LlamaConfig(
         hidden_size=HIDDEN,
         intermediate_size=2 * HIDDEN,
@@ -112,7 +136,6 @@ def make_checkpoint(folder: Path, *, seed: int = 0) -> Path:
         max_position_embeddings=128,
         pad_token_id=0,
     )
-    torch.manual_seed(seed)
     LlamaForCausalLM(config).save_pretrained(folder, max_shard_size="100KB")
     return folder
 
@@ -282,11 +305,16 @@ def _newer_than(version: int) -> Callable[[PeerTableSnapshot], bool]:
 
 @asynccontextmanager
 async def open_harness(
-    work_dir: Path, *, seed: int, log: Log, spans: Sequence[tuple[int, int]] = SPANS
+    work_dir: Path,
+    *,
+    seed: int,
+    log: Log,
+    spans: Sequence[tuple[int, int]] = SPANS,
+    family: str = "llama",
 ) -> AsyncIterator[ChaosHarness]:
-    """A checkpoint in ``work_dir`` and its swarm (servers started one after the other: on a
-    small machine, starting them at once is slower)."""
-    folder = make_checkpoint(work_dir / "checkpoint", seed=seed)
+    """A checkpoint of ``family`` in ``work_dir`` and its swarm (servers started one after the
+    other: on a small machine, starting them at once is slower)."""
+    folder = make_checkpoint(work_dir / "checkpoint", seed=seed, family=family)
     cache_dir = work_dir / "cache"
     async with trio.open_nursery() as nursery, open_local_swarm(str(folder), []) as swarm:
         harness = ChaosHarness(swarm, folder, cache_dir, nursery, random.Random(seed), log)
@@ -450,7 +478,7 @@ async def _run(config: ChaosConfig, work_dir: Path, log: Log, began: float) -> C
     rng.shuffle(faults)
     outcomes: list[Outcome] = []
     async with (
-        open_harness(work_dir, seed=config.seed, log=log) as harness,
+        open_harness(work_dir, seed=config.seed, log=log, family=config.family) as harness,
         AsyncExitStack() as stack,
     ):
         model = load_client(harness, config.request_timeout_s)
@@ -476,7 +504,7 @@ async def _run(config: ChaosConfig, work_dir: Path, log: Log, began: float) -> C
             )[0]
             for ids in prompts
         ]
-        local = LlamaForCausalLM.from_pretrained(str(harness.folder)).eval()
+        local = AutoModelForCausalLM.from_pretrained(str(harness.folder)).eval()
         equal_local = sum(
             torch.equal(_greedy(local, ids, config.max_new_tokens), reference)
             for ids, reference in zip(prompts, references, strict=True)
@@ -597,6 +625,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--request_timeout", type=float, default=None, help="the client's (default: the library's)"
     )
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--family", choices=("llama", "falcon"), default="llama")
     parser.add_argument("--deadline", type=float, default=3600.0, help="seconds for everything")
     parser.add_argument(
         "--allow-errors",
@@ -611,6 +640,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         max_new_tokens=args.max_new_tokens,
         request_timeout_s=args.request_timeout,
         seed=args.seed,
+        family=args.family,
         deadline_s=args.deadline,
     )
     report = trio.run(run_chaos, config)

@@ -38,3 +38,23 @@ async def test_sessions_survive_kills_and_stalls_with_identical_outputs(tmp_path
     times = report.recovery_times()
     assert sorted(times) == ["kill", "stall"] and len(times["kill"]) == 2
     assert max(max(t) for t in times.values()) < 30, report.summary()
+
+
+async def test_falcon_sessions_survive_a_kill_with_identical_outputs(tmp_path: Path) -> None:
+    """The same on a tiny Falcon of Falcon-7B's layout: a generation whose server is killed,
+    and a fine-tuning step whose server dies between forward and backward."""
+    lines: list[str] = []
+    config = ChaosConfig(
+        generations=1, stalls=0, finetune_steps=1, seed=2, family="falcon", deadline_s=280.0
+    )
+    report = await run_chaos(config, work_dir=tmp_path, log=lines.append)
+    print("\n".join([*lines, report.summary()]))
+
+    assert report.references == report.references_equal_local == 1
+    assert [(o.kind, o.fault) for o in report.outcomes] == [
+        ("generation", "kill"),
+        ("finetune", "kill"),
+    ]
+    assert all(o.victim is not None for o in report.outcomes)
+    assert [o.result for o in report.outcomes] == ["equal"] * 2, report.summary()
+    assert report.lost == 0

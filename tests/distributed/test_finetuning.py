@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM, AutoModelForSequenceClassificatio
 from petals_core.distributed import (
     AutoDistributedModelForSequenceClassification,
 )
-from petals_core.models import BloomBlock, LlamaBlock
+from petals_core.models import new_block
 
 from .._served_swarm import ServedModel
 from ._causal_lm import PROMPT_LEN, load_prompt_tuned, random_ids
@@ -28,15 +28,16 @@ def _parts(reference: Any) -> tuple[nn.Module, Callable[[torch.Tensor], torch.Te
         base = reference.model
         return base.embed_tokens, lambda x: x, base.layers, base.norm
     base = reference.transformer
+    if reference.config.model_type == "falcon":
+        return base.word_embeddings, lambda x: x, base.h, base.ln_f
     return base.word_embeddings, base.word_embeddings_layernorm, base.h, base.ln_f
 
 
 def _local_blocks(reference: Any) -> list[nn.Module]:
     """The blocks the servers run, with the reference's weights."""
-    block_class = LlamaBlock if reference.config.model_type == "llama" else BloomBlock
     blocks: list[nn.Module] = []
     for index, layer in enumerate(_parts(reference)[2]):
-        block = block_class(reference.config, index)
+        block = new_block(reference.config, index)
         block.load_state_dict(layer.state_dict())
         blocks.append(block.eval())
     return blocks

@@ -26,13 +26,14 @@ from huggingface_hub import constants, split_torch_state_dict_into_shards
 from safetensors.torch import save_file
 from transformers import (
     BloomForCausalLM,
+    FalconForCausalLM,
     LlamaConfig,
     LlamaForCausalLM,
     PretrainedConfig,
     PreTrainedModel,
 )
 
-from petals_core.testing import tiny_bloom_config, tiny_llama_config
+from petals_core.testing import tiny_bloom_config, tiny_falcon_config, tiny_llama_config
 
 # The tiny LLaMA's sizes, for tests that build inputs for it.
 LAYERS = tiny_llama_config().num_hidden_layers
@@ -107,6 +108,14 @@ def tiny_bloom(tmp_path_factory: pytest.TempPathFactory) -> TinyCheckpoint:
     checkpoint = _sharded(BloomForCausalLM, tiny_bloom_config(), folder, seed=2)
     assert all(name.startswith("transformer.") for name in checkpoint.weight_map())
     return checkpoint
+
+
+@pytest.fixture(scope="session")
+def tiny_falcon(tmp_path_factory: pytest.TempPathFactory) -> TinyCheckpoint:
+    """A 6-block Falcon (new decoder architecture) with an untied LM head, in shards."""
+    folder = tmp_path_factory.mktemp("falcon-tiny")
+    config = tiny_falcon_config(tie_word_embeddings=False)
+    return _sharded(FalconForCausalLM, config, folder, seed=3)
 
 
 @pytest.fixture(scope="session")

@@ -8,17 +8,19 @@ from pathlib import Path
 
 import pytest
 from hypothesis import given, strategies as st
-from transformers import BloomConfig, GPT2Config, LlamaConfig, MistralConfig
+from transformers import BloomConfig, FalconConfig, GPT2Config, LlamaConfig, MistralConfig
 
 from petals_core import ConfigError
 from petals_core.models._config import (
     AutoDistributedConfig,
     DistributedBloomConfig,
     DistributedConfig,
+    DistributedFalconConfig,
     DistributedLlamaConfig,
     default_dht_prefix,
     original_repo,
 )
+from petals_core.testing import tiny_falcon_config
 
 from .conftest import Hub, tiny_bloom_config, tiny_llama_config
 
@@ -40,6 +42,12 @@ from .conftest import Hub, tiny_bloom_config, tiny_llama_config
         ("meta-llama/Meta-Llama-3.1-405B-Instruct", "llama", "Meta-Llama-3-1-405B-Instruct-hf"),
         ("HuggingFaceTB/SmolLM2-135M-Instruct", "llama", "SmolLM2-135M-Instruct-hf"),
         ("llama-7b", "llama", "llama-7b-hf"),
+        # Falcon: the repo name as it is, without its owner and without "-hf".
+        ("tiiuae/falcon-40b", "falcon", "falcon-40b"),
+        ("tiiuae/falcon-180B-chat", "falcon", "falcon-180B-chat"),
+        ("tiiuae/falcon-7b-instruct", "falcon", "falcon-7b-instruct"),
+        ("someone/Falcon3-7B.v1-hf", "falcon", "Falcon3-7B-v1-hf"),
+        (Path("/data/models/falcon-40b"), "falcon", "falcon-40b"),
         # Local folders: the folder name, sanitised.
         (Path("/data/models/My Model.v2"), "llama", "My-Model-v2"),
         (Path("/data/models/bloom-560m"), "bloom", "bloom-560m"),
@@ -57,7 +65,7 @@ def test_default_dht_prefix(
     assert default_dht_prefix(model_name_or_path, model_type) == expected
 
 
-@given(st.text(min_size=1), st.sampled_from(["llama", "bloom"]))
+@given(st.text(min_size=1), st.sampled_from(["llama", "bloom", "falcon"]))
 def test_derived_prefixes_of_folders_have_no_dots(name: str, model_type: str) -> None:
     prefix = default_dht_prefix(Path("/models") / name.replace("/", "_"), model_type)
     assert re.fullmatch(r"[A-Za-z0-9_-]+", prefix)
@@ -98,6 +106,7 @@ def _save_config(folder: Path, config: object) -> Path:
             LlamaConfig,
         ),
         (tiny_bloom_config(), DistributedBloomConfig, BloomConfig),
+        (tiny_falcon_config(), DistributedFalconConfig, FalconConfig),
     ],
 )
 def test_auto_config_chooses_by_model_type(
@@ -118,7 +127,8 @@ def test_auto_config_chooses_by_model_type(
 def test_unsupported_model_type_is_named(tmp_path: Path, config: object) -> None:
     folder = _save_config(tmp_path / "model", config)
     model_type = config.model_type  # type: ignore[attr-defined]
-    with pytest.raises(ConfigError, match=f"model_type '{model_type}'.*supported.*bloom, llama"):
+    supported = "bloom, falcon, llama"
+    with pytest.raises(ConfigError, match=f"model_type '{model_type}'.*supported.*{supported}"):
         AutoDistributedConfig.from_pretrained(folder)
     with pytest.raises(ValueError, match=model_type):
         DistributedLlamaConfig.from_pretrained(folder)

@@ -35,6 +35,8 @@ from .conftest import LAYERS, Hub, HubRequest, TinyCheckpoint
 LLAMA_REPO = "petals-test/llama-tiny"
 BIGSCIENCE_REPO = "bigscience/bloom-tiny"
 LLAMA_CLIENT = ("model.embed_tokens.", "model.norm.", "lm_head.")
+FALCON_REPO = "tiiuae/falcon-tiny"
+FALCON_CLIENT = ("transformer.word_embeddings.", "transformer.ln_f.", "lm_head.")
 BLOOM_CLIENT = (
     "transformer.word_embeddings.",
     "transformer.word_embeddings_layernorm.",
@@ -127,6 +129,36 @@ def test_client_downloads_only_embeddings_norm_and_head(
     assert hub.server.requests == []
 
 
+def test_falcon_peers_download_only_their_shards(hub: Hub, tiny_falcon: TinyCheckpoint) -> None:
+    hub.server.serve(FALCON_REPO, tiny_falcon.folder)
+    config = AutoDistributedConfig.from_pretrained(FALCON_REPO, cache_dir=hub.cache_dir)
+    assert config.model_type == "falcon"
+    assert config.dht_prefix == "falcon-tiny"  # Petals' rule: the repo name, no "-hf"
+    hub.server.clear_log()
+
+    blocks = load_blocks(FALCON_REPO, range(4, 6), config=config, cache_dir=hub.cache_dir)
+    tensors = client_state_dict(FALCON_REPO, config=config, cache_dir=hub.cache_dir)
+
+    # Each file once, and only the shards holding blocks 4 and 5 or the client's tensors.
+    wanted = tiny_falcon.shards_holding(("transformer.h.4.", "transformer.h.5.", *FALCON_CLIENT))
+    assert wanted < set(tiny_falcon.weight_map().values())
+    assert hub.server.count("GET", FALCON_REPO) == Counter(dict.fromkeys([INDEX_FILE, *wanted], 1))
+    for index in (4, 5):
+        _assert_same(blocks[index], _expected_block(tiny_falcon, f"transformer.h.{index}."))
+    expected = {
+        name: tensor
+        for name, tensor in tiny_falcon.state_dict.items()
+        if name.startswith(FALCON_CLIENT)
+    }
+    assert sorted(expected) == [
+        "lm_head.weight",
+        "transformer.ln_f.bias",
+        "transformer.ln_f.weight",
+        "transformer.word_embeddings.weight",
+    ]
+    _assert_same(tensors, expected)
+
+
 def test_single_file_checkpoint_with_tied_embeddings(
     hub: Hub, tiny_llama_single_file: TinyCheckpoint
 ) -> None:
@@ -189,6 +221,7 @@ def test_bigscience_bloom_names_load_from_the_hub(
         ("tiny_llama_single_file", "model.layers.", LLAMA_CLIENT),
         ("tiny_bloom", "transformer.h.", BLOOM_CLIENT),
         ("tiny_bloom_bigscience", "transformer.h.", BLOOM_CLIENT),
+        ("tiny_falcon", "transformer.h.", FALCON_CLIENT),
     ],
 )
 def test_local_folders_load_without_the_hub(

@@ -19,9 +19,10 @@ import torch
 import trio
 from safetensors.torch import save_file
 from torch import nn
-from transformers import BloomConfig, LlamaConfig, PreTrainedConfig
+from transformers import PreTrainedConfig
 
 from petals_core._errors import AdapterError
+from petals_core.models import new_block
 from petals_core.models._lora import (
     LoraAdapter,
     LoraLinear,
@@ -31,8 +32,7 @@ from petals_core.models._lora import (
     using_adapter,
 )
 from petals_core.models._lora_loading import load_lora_adapter
-from petals_core.models.bloom import BloomBlock
-from petals_core.models.llama import LlamaBlock
+from petals_core.testing import tiny_falcon_config
 
 from .conftest import HIDDEN, tiny_bloom_config, tiny_llama_config
 
@@ -51,18 +51,14 @@ BLOOM_LINEARS = (
     "mlp.dense_h_to_4h",
     "mlp.dense_4h_to_h",
 )
-MODULE_PREFIX = {"llama": "model.layers.", "bloom": "transformer.h."}
+FALCON_LINEARS = BLOOM_LINEARS  # the same names, in the same places
+MODULE_PREFIX = {"llama": "model.layers.", "bloom": "transformer.h.", "falcon": "transformer.h."}
 Weights = dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
 
 
 def make_block(config: PreTrainedConfig, seed: int) -> nn.Module:
     torch.manual_seed(seed)
-    block: nn.Module
-    if isinstance(config, LlamaConfig):
-        block = LlamaBlock(config)
-    else:
-        assert isinstance(config, BloomConfig)
-        block = BloomBlock(config)
+    block: nn.Module = new_block(config)
     with torch.no_grad():  # norms away from 1 and biases away from 0, so that both matter
         for parameter in block.parameters():
             if parameter.dim() == 1:
@@ -138,6 +134,23 @@ def merged(
     return reference
 
 
+def adapted_blocks(
+    config: PreTrainedConfig,
+    seed: int,
+    adapter: LoraAdapter,
+    weights: Weights,
+    index: int,
+    modules: Iterable[str],
+) -> tuple[nn.Module, nn.Module, nn.Module]:
+    """A random block as block ``index`` with ``adapter`` added, the same block with the adapter
+    merged into its weights, and the block without it."""
+    block = make_block(config, seed)
+    reference = merged(block, weights, index, adapter.scaling, modules)
+    base = copy.deepcopy(block)
+    add_adapter(block, adapter, index)
+    return block, reference, base
+
+
 def hidden(seed: int = 1, batch: int = 2, length: int = 5) -> torch.Tensor:
     return torch.randn(batch, length, HIDDEN, generator=torch.Generator().manual_seed(seed))
 
@@ -198,15 +211,36 @@ def test_bloom_adapter_with_regex_targets_and_default_names(
     adapter = load_lora_adapter(tmp_path / "lora", config=config, block_indices=range(4, 6))
     assert adapter.target_modules == frozenset(modules)
     assert adapter.scaling == 2.5
-    block = make_block(config, 6)
-    reference = merged(block, weights, 5, 2.5, modules)
-    base = copy.deepcopy(block)
-    add_adapter(block, adapter, 5)
+    block, reference, base = adapted_blocks(config, 6, adapter, weights, 5, modules)
     x = hidden()
     with torch.no_grad():
         with using_adapter(adapter.name):
             assert_close(block(x), reference(x))
         assert_close(block(x), base(x))
+
+
+@pytest.mark.parametrize(
+    "config",
+    [tiny_falcon_config(), tiny_falcon_config(multi_query=True, new_decoder_architecture=False)],
+    ids=["falcon-40b-layout", "falcon-7b-layout"],
+)
+def test_falcon_adapter_equals_merged_weights_with_and_without_a_cache(
+    tmp_path: Path, config: PreTrainedConfig
+) -> None:
+    weights = write_adapter(tmp_path / "lora", config, FALCON_LINEARS, rank=4, alpha=4.0)
+    adapter = load_lora_adapter(tmp_path / "lora", config=config, block_indices=[1])
+    assert adapter.target_modules == frozenset(FALCON_LINEARS)
+    block, reference, base = adapted_blocks(config, 7, adapter, weights, 1, FALCON_LINEARS)
+    x = hidden()
+    with torch.no_grad():
+        with using_adapter(adapter.name):
+            assert_close(block(x), reference(x))
+            cache = block.allocate_cache(2, 16)  # type: ignore[operator]
+            expected_cache = reference.allocate_cache(2, 16)  # type: ignore[operator]
+            assert_close(block(x, cache=cache), reference(x, cache=expected_cache))
+            assert_close(block(x[:, :1], cache=cache), reference(x[:, :1], cache=expected_cache))
+        assert_close(block(x), base(x))
+        assert not torch.allclose(base(x), reference(x), atol=1e-3)
 
 
 def test_two_adapters_on_one_block_switch(tmp_path: Path, llama_config: Any) -> None:

@@ -2,12 +2,12 @@
 
 The error bounds come from measurements on these shapes (bitsandbytes 0.50 on CPU, 5-8 seeds):
 
-======================  =============  ============  =========
-relative error          one Linear     BloomBlock    LlamaBlock
-======================  =============  ============  =========
-int8                    0.004          0.011-0.015   0.014-0.016
-nf4                     0.085-0.09     0.16-0.18     0.22-0.25
-======================  =============  ============  =========
+======================  =============  ============  ==========  ===========
+relative error          one Linear     BloomBlock    LlamaBlock  FalconBlock
+======================  =============  ============  ==========  ===========
+int8                    0.004          0.011-0.015   0.014-0.016 0.009-0.010
+nf4                     0.085-0.09     0.16-0.18     0.22-0.25   0.14-0.17
+======================  =============  ============  ==========  ===========
 
 and agree with what the formats promise.  int8 rounds each weight row and each input row to 255
 levels of its absmax: for Gaussian rows of 64 values (absmax ~2.5 sigma) that is ~0.3% of sigma per
@@ -29,7 +29,8 @@ from torch import nn
 
 from petals_core.models._quantize import quantize_block
 from petals_core.models.bloom import BloomBlock
-from petals_core.testing import tiny_bloom_config, tiny_llama_config
+from petals_core.models.falcon import FalconBlock
+from petals_core.testing import tiny_bloom_config, tiny_falcon_config, tiny_llama_config
 
 LINEAR_BOUND = {"int8": 0.01, "nf4": 0.13}
 BLOCK_BOUND = {"int8": 0.03, "nf4": 0.35}
@@ -44,10 +45,14 @@ def randomize_(module: nn.Module, seed: int) -> None:
             noise = torch.randn(p.shape, generator=generator)
             if p.dim() == 1:
                 p.copy_(
-                    1 + 0.1 * noise if "norm" in name and name.endswith("weight") else 0.1 * noise
+                    1 + 0.1 * noise if _is_norm(name) and name.endswith("weight") else 0.1 * noise
                 )
             else:
                 p.copy_(1.5 * noise / math.sqrt(p.shape[-1]))
+
+
+def _is_norm(name: str) -> bool:
+    return "norm" in name or name.startswith("ln_")
 
 
 def bloom_block() -> nn.Module:
@@ -60,7 +65,11 @@ def llama_block() -> nn.Module:
     return block
 
 
-FAMILIES = {"bloom": bloom_block, "llama": llama_block}
+def falcon_block() -> nn.Module:
+    return FalconBlock(tiny_falcon_config(num_hidden_layers=1))
+
+
+FAMILIES = {"bloom": bloom_block, "llama": llama_block, "falcon": falcon_block}
 
 
 def pair(family: str, seed: int) -> tuple[nn.Module, nn.Module]:
@@ -114,7 +123,7 @@ def test_a_quantized_linear_is_close(quant_type: str) -> None:
 
 
 @pytest.mark.parametrize("quant_type", ["int8", "nf4"])
-@pytest.mark.parametrize("family", ["bloom", "llama"])
+@pytest.mark.parametrize("family", ["bloom", "llama", "falcon"])
 def test_block_output_error_is_bounded(family: str, quant_type: str) -> None:
     errors = []
     for seed in range(3):
@@ -132,8 +141,9 @@ def test_block_output_error_is_bounded(family: str, quant_type: str) -> None:
 
 
 @pytest.mark.parametrize("quant_type", ["int8", "nf4"])
-def test_quantized_bloom_decodes_with_a_cache(quant_type: str) -> None:
-    reference, block = pair("bloom", seed=0)
+@pytest.mark.parametrize("family", ["bloom", "falcon"])
+def test_quantized_blocks_decode_with_a_cache(family: str, quant_type: str) -> None:
+    reference, block = pair(family, seed=0)
     quantize_block(block, quant_type)  # type: ignore[arg-type]
     x = inputs(2, 8, seed=1)
     cache = block.allocate_cache(2, 8)  # type: ignore[operator]

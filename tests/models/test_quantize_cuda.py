@@ -44,7 +44,7 @@ def test_a_quantised_linear_on_the_gpu_is_close(quant_type: str) -> None:
 
 
 @pytest.mark.parametrize("quant_type", QUANT_TYPES)
-@pytest.mark.parametrize("family", ["bloom", "llama"])
+@pytest.mark.parametrize("family", ["bloom", "llama", "falcon"])
 def test_quantised_blocks_on_the_gpu_are_close_to_bf16(family: str, quant_type: str) -> None:
     errors = []
     for seed in range(3):
@@ -59,7 +59,7 @@ def test_quantised_blocks_on_the_gpu_are_close_to_bf16(family: str, quant_type: 
 
 
 @pytest.mark.parametrize("quant_type", QUANT_TYPES)
-@pytest.mark.parametrize("family", ["bloom", "llama"])
+@pytest.mark.parametrize("family", ["bloom", "llama", "falcon"])
 def test_quantised_blocks_decode_on_the_gpu(family: str, quant_type: str) -> None:
     """Prefill then one token at a time through the cache, as a server runs them."""
     reference, block = pair(family, seed=0)

@@ -13,10 +13,11 @@ from typing import Any
 
 import pytest
 import torch
-from transformers import BloomConfig, GPT2Config, LlamaConfig, PretrainedConfig
+from transformers import BloomConfig, FalconConfig, GPT2Config, LlamaConfig, PretrainedConfig
+from transformers.models.falcon.modeling_falcon import FalconDecoderLayer
 
 from petals_core import ConfigError
-from petals_core.models import BloomBlock, LlamaBlock, QuantType, quantize_block
+from petals_core.models import QuantType, new_block, quantize_block
 from petals_core.server._defaults import (
     DEFAULT_ATTN_CACHE_TOKENS,
     autograd_reserve_nbytes,
@@ -31,6 +32,7 @@ from petals_core.server._defaults import (
     resolve_quant_type,
 )
 from petals_core.server._server import ServerConfig
+from petals_core.testing import falcon_7b_config, tiny_falcon_config
 
 from ..models.conftest import tiny_bloom_config, tiny_llama_config
 
@@ -74,6 +76,18 @@ def bloom_176b() -> BloomConfig:
     return BloomConfig(hidden_size=14336, n_head=112, n_layer=70, vocab_size=250880)
 
 
+def falcon_40b() -> FalconConfig:
+    """Falcon-40B: 60 blocks of the new decoder architecture, 128 heads over 8 key/value heads."""
+    return FalconConfig(
+        hidden_size=8192,
+        num_attention_heads=128,
+        num_kv_heads=8,
+        new_decoder_architecture=True,
+        num_hidden_layers=60,
+        vocab_size=65024,
+    )
+
+
 def _per_block(total: int, outside_blocks: int, blocks: int) -> int:
     assert (total - outside_blocks) % blocks == 0
     return (total - outside_blocks) // blocks
@@ -110,6 +124,17 @@ def test_unquantised_block_bytes_follow_published_parameter_counts(name: str) ->
         assert block_nbytes(config, dtype=dtype, quant_type="none") == expected
 
 
+@pytest.mark.parametrize("config", [falcon_7b_config(), falcon_40b()], ids=["7b", "40b"])
+def test_falcon_block_bytes_are_those_of_transformers_layers(config: FalconConfig) -> None:
+    config._attn_implementation = "eager"
+    with torch.device("meta"):
+        layer = FalconDecoderLayer(config)
+    parameters = sum(p.numel() for p in layer.parameters())
+    assert block_nbytes(config, dtype=torch.bfloat16, quant_type="none") == math.ceil(
+        parameters * 2 * 1.01
+    )
+
+
 def test_quantised_linear_weights_count_at_their_quantised_size() -> None:
     """Llama-2-70B's linear weights are all its parameters but two RMSNorms of 8192."""
     config = llama2_70b()
@@ -141,31 +166,41 @@ def _stored_nbytes(block: torch.nn.Module) -> int:
 
 
 @pytest.mark.parametrize(
-    ("family", "quant_type"), [("llama", "nf4"), ("bloom", "int8"), ("llama", "none")]
+    ("family", "quant_type"),
+    [("llama", "nf4"), ("bloom", "int8"), ("llama", "none"), ("falcon", "nf4"), ("falcon", "int8")],
 )
 def test_estimate_covers_what_a_built_block_holds_within_five_percent(
     family: str, quant_type: QuantType
 ) -> None:
-    config = (
-        LlamaConfig(
+    config = {
+        "llama": lambda: LlamaConfig(
             hidden_size=1024, intermediate_size=2816, num_attention_heads=16, num_key_value_heads=4
-        )
-        if family == "llama"
-        else BloomConfig(hidden_size=1024, n_head=16)
-    )
-    block = LlamaBlock(config) if isinstance(config, LlamaConfig) else BloomBlock(config)
+        ),
+        "bloom": lambda: BloomConfig(hidden_size=1024, n_head=16),
+        "falcon": lambda: tiny_falcon_config(hidden_size=1024, num_attention_heads=16),
+    }[family]()
+    block = new_block(config)
     quantize_block(block.to(torch.bfloat16), quant_type)
     held = _stored_nbytes(block)
     estimate = block_nbytes(config, dtype=torch.bfloat16, quant_type=quant_type)
     assert held <= estimate <= 1.05 * held
 
 
-@pytest.mark.parametrize("config", [tiny_llama_config(), tiny_bloom_config()], ids=type)
+@pytest.mark.parametrize(
+    "config",
+    [
+        tiny_llama_config(),
+        tiny_bloom_config(),
+        tiny_falcon_config(),
+        tiny_falcon_config(alibi=True),
+    ],
+    ids=["llama", "bloom", "falcon", "falcon-alibi"],
+)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cache_bytes_per_token_are_what_a_block_allocates(
     config: PretrainedConfig, dtype: torch.dtype
 ) -> None:
-    block = LlamaBlock(config) if isinstance(config, LlamaConfig) else BloomBlock(config)
+    block = new_block(config)
     assert (
         cache_nbytes_per_token(config, dtype=dtype)
         == block.allocate_cache(1, 1, dtype=dtype).nbytes
@@ -177,6 +212,9 @@ def test_cache_bytes_per_token_of_real_shapes() -> None:
     assert cache_nbytes_per_token(llama2_70b(), dtype=torch.bfloat16) == 2 * 8 * 128 * 2
     assert cache_nbytes_per_token(tinyllama_1b(), dtype=torch.float32) == 2 * 4 * 64 * 4
     assert cache_nbytes_per_token(bloom_176b(), dtype=torch.bfloat16) == 2 * 14336 * 2
+    # Falcon caches each key/value head once: 1 for 7B (multi-query), 8 for 40B.
+    assert cache_nbytes_per_token(falcon_7b_config(), dtype=torch.bfloat16) == 2 * 1 * 64 * 2
+    assert cache_nbytes_per_token(falcon_40b(), dtype=torch.bfloat16) == 2 * 8 * 64 * 2
 
 
 def test_autograd_reserve_is_two_gib_at_bloom_176b_and_proportional() -> None:
