@@ -6,7 +6,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from petals_core.models import BloomBlock, CpuDecode, EagerSteps, KVCache, LlamaBlock
+from petals_core.models import Block, CpuDecode, EagerSteps, KVCache
 
 __all__ = ["ServerSteps", "server_steps"]
 
@@ -14,7 +14,7 @@ __all__ = ["ServerSteps", "server_steps"]
 ServerSteps = Callable[[int, int, Sequence[torch.Tensor], Sequence[Sequence[KVCache]]], list]
 
 
-def server_steps(blocks: Sequence[LlamaBlock | BloomBlock]) -> ServerSteps:
+def server_steps(blocks: Sequence[Block]) -> ServerSteps:
     """The CPU decode backend's step where it takes the step, the eager one elsewhere."""
     eager = EagerSteps(blocks)
     fast = CpuDecode(blocks) if CpuDecode.unsupported_reason(blocks) is None else None

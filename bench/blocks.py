@@ -1,7 +1,9 @@
 """Block benchmark: our blocks against transformers' layers, same process, CPU.
 
-For each family (LLaMA, BLOOM), shape (a tiny config and SmolLM2-135M's block for LLaMA; a tiny
-config and BLOOM-560m's block for BLOOM) and dtype (fp32, bf16) it times one decode step after a
+For each family (LLaMA, BLOOM, Falcon, Mixtral), shape (a tiny config and SmolLM2-135M's block for
+LLaMA; a tiny config and BLOOM-560m's block for BLOOM; for Falcon a tiny config of the new decoder
+architecture and a hidden-size-1024 block of Falcon-7B's layout; for Mixtral a tiny config and a
+hidden-size-512 block with 8 experts, top 2) and dtype (fp32, bf16) it times one decode step after a
 128-token prefill, and a 128-token prefill, through one block.  transformers runs a one-layer model
 (its layer plus the rotary / ALiBi and mask set-up that a layer needs) with its default attention
 and a ``DynamicCache`` (created per prefill: it grows as it goes); ours runs the block with its
@@ -27,14 +29,27 @@ from typing import Any
 
 import torch
 from torch import nn
-from transformers import BloomConfig, BloomModel, DynamicCache, LlamaConfig, LlamaModel
+from transformers import (
+    BloomConfig,
+    BloomModel,
+    DynamicCache,
+    FalconConfig,
+    FalconModel,
+    LlamaConfig,
+    LlamaModel,
+    MixtralConfig,
+    MixtralModel,
+)
 
-from petals_core.models import BloomBlock, LlamaBlock
+from petals_core.models import BloomBlock, FalconBlock, LlamaBlock, MixtralBlock
+from petals_core.models.mixtral import state_from_transformers
 from petals_core.testing import (
     bloom_560m_config,
     smollm2_135m_config,
     tiny_bloom_config,
+    tiny_falcon_config,
     tiny_llama_config,
+    tiny_mixtral_config,
 )
 
 from ._report import print_table, summarize, write_json
@@ -131,6 +146,22 @@ def _bloom_pair(config: BloomConfig, dtype: torch.dtype) -> tuple[nn.Module, nn.
     return hf, ours
 
 
+def _falcon_pair(config: FalconConfig, dtype: torch.dtype) -> tuple[nn.Module, nn.Module]:
+    hf = FalconModel(config).eval().to(dtype)
+    hf.ln_f = nn.Identity()
+    ours = FalconBlock(config).eval().to(dtype)
+    ours.load_state_dict(hf.h[0].state_dict())
+    return hf, ours
+
+
+def _mixtral_pair(config: MixtralConfig, dtype: torch.dtype) -> tuple[nn.Module, nn.Module]:
+    hf = MixtralModel(config).eval().to(dtype)
+    hf.norm = nn.Identity()
+    ours = MixtralBlock(config).eval().to(dtype)
+    ours.load_state_dict(state_from_transformers(hf.layers[0].state_dict()))
+    return hf, ours
+
+
 def _measure(hf: nn.Module, ours: Any, hidden: int, dtype: torch.dtype) -> dict[str, float]:
     generator = torch.Generator().manual_seed(0)
     prompt = torch.randn(1, PREFILL, hidden, generator=generator).to(dtype)
@@ -189,11 +220,31 @@ def _shapes() -> list[tuple[str, Callable[[torch.dtype], tuple[nn.Module, nn.Mod
     smollm2 = smollm2_135m_config(**ONE_BLOCK)
     tiny_bloom = tiny_bloom_config(n_layer=1, vocab_size=16)
     bloom_560m = bloom_560m_config(n_layer=1, vocab_size=16)
+    tiny_falcon = tiny_falcon_config(**ONE_BLOCK)
+    falcon_7b_layout = tiny_falcon_config(
+        **ONE_BLOCK,
+        hidden_size=1024,
+        num_attention_heads=16,
+        new_decoder_architecture=False,
+        multi_query=True,
+    )
+    tiny_mixtral = tiny_mixtral_config(**ONE_BLOCK)
+    mixtral_512 = tiny_mixtral_config(
+        **ONE_BLOCK,
+        hidden_size=512,
+        intermediate_size=1792,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+    )
     return [
         ("llama tiny (64)", lambda dtype: _llama_pair(tiny_llama, dtype), 64),
         ("llama SmolLM2-135M (576)", lambda dtype: _llama_pair(smollm2, dtype), 576),
         ("bloom tiny (64)", lambda dtype: _bloom_pair(tiny_bloom, dtype), 64),
         ("bloom-560m (1024)", lambda dtype: _bloom_pair(bloom_560m, dtype), 1024),
+        ("falcon tiny (64)", lambda dtype: _falcon_pair(tiny_falcon, dtype), 64),
+        ("falcon 7B layout (1024)", lambda dtype: _falcon_pair(falcon_7b_layout, dtype), 1024),
+        ("mixtral tiny (64)", lambda dtype: _mixtral_pair(tiny_mixtral, dtype), 64),
+        ("mixtral 8 experts (512)", lambda dtype: _mixtral_pair(mixtral_512, dtype), 512),
     ]
 
 
@@ -245,6 +296,10 @@ def main() -> None:
         ("llama SmolLM2-135M (576) float32", "decode"),
         ("llama SmolLM2-135M (576) float32", "prefill"),
         ("bloom-560m (1024) float32", "decode"),
+        ("falcon 7B layout (1024) float32", "decode"),
+        ("falcon 7B layout (1024) float32", "prefill"),
+        ("mixtral 8 experts (512) float32", "decode"),
+        ("mixtral 8 experts (512) float32", "prefill"),
     ):
         headline = results.get(label)
         if headline is None:

@@ -1,11 +1,12 @@
 """Swarms for the tests of the distributed models and the client: tiny LLaMA (grouped-query
-attention), BLOOM and Falcon (new decoder architecture) checkpoints, each served by two in-process
-servers holding blocks 0:3 and 3:6, in fp32.
+attention), BLOOM, Falcon (new decoder architecture) and Mixtral (8 experts, top 2) checkpoints,
+each served by two in-process servers holding blocks 0:3 and 3:6, in fp32.
 
 The servers run in one trio program on a daemon thread (``trio.run``), for the whole test
 session; the models under test are sync and reach them through the client bridge's own thread.
 ``tests/conftest.py`` makes them the session fixtures ``served``, ``served_llama``,
-``served_bloom`` and ``served_falcon``, importing this module only when a test asks for one.
+``served_bloom``, ``served_falcon`` and ``served_mixtral``, importing this module only when a
+test asks for one.
 """
 
 from __future__ import annotations
@@ -20,10 +21,10 @@ import attrs
 import pytest
 import torch
 import trio
-from transformers import BloomForCausalLM, FalconForCausalLM, LlamaForCausalLM
+from transformers import BloomForCausalLM, FalconForCausalLM, LlamaForCausalLM, MixtralForCausalLM
 
 from petals_core.server import ServerConfig, open_server
-from petals_core.testing import tiny_falcon_config
+from petals_core.testing import tiny_falcon_config, tiny_mixtral_config
 
 from .models.conftest import (
     SHARD_SIZE,
@@ -123,19 +124,24 @@ class InProcessSwarm:
 
 @contextmanager
 def open_client_swarm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[InProcessSwarm]:
-    """A swarm of each family (``served["llama"]``, ``served["bloom"]``, ``served["falcon"]``)
-    until the block ends."""
+    """A swarm of each family (``served["llama"]``, ``served["bloom"]``, ``served["falcon"]``,
+    ``served["mixtral"]``) until the block ends."""
     torch.manual_seed(20)
     llama = LlamaForCausalLM(tiny_llama_config(pad_token_id=0))
     torch.manual_seed(21)
     bloom = BloomForCausalLM(tiny_bloom_config())
     torch.manual_seed(22)
     falcon = FalconForCausalLM(tiny_falcon_config(pad_token_id=0))
+    torch.manual_seed(23)
+    mixtral = MixtralForCausalLM(tiny_mixtral_config())
     checkpoints = {
         "llama": _save(llama, tmp_path_factory.mktemp("client-llama"), max_shard_size=SHARD_SIZE),
         "bloom": _save(bloom, tmp_path_factory.mktemp("client-bloom"), max_shard_size=SHARD_SIZE),
         "falcon": _save(
             falcon, tmp_path_factory.mktemp("client-falcon"), max_shard_size=SHARD_SIZE
+        ),
+        "mixtral": _save(
+            mixtral, tmp_path_factory.mktemp("client-mixtral"), max_shard_size=SHARD_SIZE
         ),
     }
     with InProcessSwarm(checkpoints, tmp_path_factory.mktemp("client-cache")) as swarm:

@@ -47,7 +47,12 @@ def served_falcon(client_swarm: InProcessSwarm) -> ServedModel:
     return client_swarm.served["falcon"]
 
 
-@pytest.fixture(scope="session", params=["llama", "bloom", "falcon"])
+@pytest.fixture(scope="session")
+def served_mixtral(client_swarm: InProcessSwarm) -> ServedModel:
+    return client_swarm.served["mixtral"]
+
+
+@pytest.fixture(scope="session", params=["llama", "bloom", "falcon", "mixtral"])
 def served(request: pytest.FixtureRequest, client_swarm: InProcessSwarm) -> ServedModel:
     """Each family in turn."""
     return client_swarm.served[request.param]

@@ -12,8 +12,9 @@ token for token.
 
 Every process it started is stopped when it ends, also on Ctrl-C, SIGTERM or an error.  Each
 process (this one included) uses one torch thread.  ``--prompt``, ``--servers``, ``--model`` (a
-Hub repo id or a local checkpoint folder of a LLaMA or BLOOM model with a tokenizer; its blocks are
-split evenly over the servers) and ``--max_new_tokens`` change what it runs.
+Hub repo id or a local checkpoint folder of a LLaMA, BLOOM, Falcon or Mixtral model with a
+tokenizer; its blocks are split evenly over the servers) and ``--max_new_tokens`` change what it
+runs.
 """
 
 from .._groups import single_error as single_error

@@ -177,7 +177,7 @@ def _parser() -> argparse.ArgumentParser:
         "--model",
         default=defaults.model,
         help="'smollm2' (default), a Hugging Face repo id or a local checkpoint folder "
-        "with a tokenizer (LLaMA or BLOOM)",
+        "with a tokenizer (LLaMA, BLOOM, Falcon or Mixtral)",
     )
     parser.add_argument(
         "--max_new_tokens",

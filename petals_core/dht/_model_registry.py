@@ -56,7 +56,8 @@ def _check_model_info(info: ModelInfo) -> None:
 class ModelInfo:
     """What the registry says of one model: it has ``num_blocks`` blocks; ``repository`` is the
     Hub repo its servers load (None for a local checkpoint, whose path means nothing to others);
-    ``model_type`` its family as transformers names it (``"llama"``, ``"bloom"``).
+    ``model_type`` its family as transformers names it (``"llama"``, ``"bloom"``, ``"falcon"``,
+    ``"mixtral"``).
 
     Readers ignore fields they do not know, so newer servers may add some.  Invalid fields raise
     :class:`LocalProtocolError`.

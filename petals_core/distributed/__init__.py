@@ -16,6 +16,7 @@ from ..models import (
     DistributedConfig as DistributedConfig,
     DistributedFalconConfig as DistributedFalconConfig,
     DistributedLlamaConfig as DistributedLlamaConfig,
+    DistributedMixtralConfig as DistributedMixtralConfig,
 )
 from ._auto import (
     AutoDistributedModel as AutoDistributedModel,
@@ -45,6 +46,11 @@ from ._llama import (
     DistributedLlamaForCausalLM as DistributedLlamaForCausalLM,
     DistributedLlamaForSequenceClassification as DistributedLlamaForSequenceClassification,
     DistributedLlamaModel as DistributedLlamaModel,
+)
+from ._mixtral import (
+    DistributedMixtralForCausalLM as DistributedMixtralForCausalLM,
+    DistributedMixtralForSequenceClassification as DistributedMixtralForSequenceClassification,
+    DistributedMixtralModel as DistributedMixtralModel,
 )
 from ._pretrained import TuningMode as TuningMode
 from ._session import RemoteInferenceSession as RemoteInferenceSession

@@ -21,6 +21,11 @@ from ._llama import (
     DistributedLlamaForSequenceClassification,
     DistributedLlamaModel,
 )
+from ._mixtral import (
+    DistributedMixtralForCausalLM,
+    DistributedMixtralForSequenceClassification,
+    DistributedMixtralModel,
+)
 from ._pretrained import load_config, load_pretrained, split_options
 
 __all__ = [
@@ -57,6 +62,7 @@ class AutoDistributedModel(_AutoDistributed):
     _classes: ClassVar[dict[str, type[Any]]] = {
         "llama": DistributedLlamaModel,
         "bloom": DistributedBloomModel,
+        "mixtral": DistributedMixtralModel,
         "falcon": DistributedFalconModel,
     }
 
@@ -67,6 +73,7 @@ class AutoDistributedModelForCausalLM(_AutoDistributed):
     _classes: ClassVar[dict[str, type[Any]]] = {
         "llama": DistributedLlamaForCausalLM,
         "bloom": DistributedBloomForCausalLM,
+        "mixtral": DistributedMixtralForCausalLM,
         "falcon": DistributedFalconForCausalLM,
     }
 
@@ -77,5 +84,6 @@ class AutoDistributedModelForSequenceClassification(_AutoDistributed):
     _classes: ClassVar[dict[str, type[Any]]] = {
         "llama": DistributedLlamaForSequenceClassification,
         "bloom": DistributedBloomForSequenceClassification,
+        "mixtral": DistributedMixtralForSequenceClassification,
         "falcon": DistributedFalconForSequenceClassification,
     }

@@ -5,8 +5,9 @@ A distributed model is a transformers model whose transformer blocks are a
 :class:`~petals_core.client.RemoteSequential` over the servers of a swarm. The client holds only
 the embeddings, the final norm, the LM head (or a classification ``score`` head, see ``_heads``)
 and, for p-tuning, the trainable prompts. :class:`DistributedModelMixin` is the one implementation
-of the base model; a family module (``_llama``, ``_bloom``) pairs it with transformers' own
-``*PreTrainedModel`` and says only what differs: its local layers and their names.
+of the base model; a family module (``_llama``, ``_bloom``, ``_falcon``, ``_mixtral``) pairs it
+with transformers' own ``*PreTrainedModel`` and says only what differs: its local layers and their
+names.
 
 Sessions. ``with model.inference_session(max_length=...) as session:`` makes ``session`` the
 model's *active* session: every forward of the model then runs as a step of that session (the

@@ -18,18 +18,15 @@ from ._base import DistributedModelMixin
 from ._heads import DistributedCausalLMMixin, DistributedSequenceClassificationMixin
 
 __all__ = [
+    "LlamaLayers",
     "DistributedLlamaForCausalLM",
     "DistributedLlamaForSequenceClassification",
     "DistributedLlamaModel",
 ]
 
 
-class DistributedLlamaModel(  # type: ignore[misc]  # from_pretrained takes keywords
-    DistributedModelMixin, LlamaPreTrainedModel
-):
-    """``LlamaModel`` with its decoder layers on servers: ``(B, T)`` ids -> ``(B, T, hidden)``."""
-
-    config_class = DistributedLlamaConfig
+class LlamaLayers:
+    """The local layers of LLaMA's architecture (Mixtral's too), for a distributed base model."""
 
     def init_layers(self, config: DistributedLlamaConfig, blocks: RemoteSequential) -> None:
         self.padding_idx = config.pad_token_id
@@ -47,6 +44,14 @@ class DistributedLlamaModel(  # type: ignore[misc]  # from_pretrained takes keyw
 
     def final_norm(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return self.norm(hidden_states)
+
+
+class DistributedLlamaModel(  # type: ignore[misc]  # from_pretrained takes keywords
+    LlamaLayers, DistributedModelMixin, LlamaPreTrainedModel
+):
+    """``LlamaModel`` with its decoder layers on servers: ``(B, T)`` ids -> ``(B, T, hidden)``."""
+
+    config_class = DistributedLlamaConfig
 
 
 class DistributedLlamaForCausalLM(  # type: ignore[misc]  # from_pretrained takes keywords

@@ -1,5 +1,5 @@
-"""Model families (BLOOM, Falcon, LLaMA): blocks with our KV cache, configs, shard-selective
-loading.
+"""Model families (BLOOM, Falcon, LLaMA, Mixtral): blocks with our KV cache, configs,
+shard-selective loading.
 
 This package knows nothing of the network; the server and client build on it.
 """
@@ -11,6 +11,7 @@ from ._config import (
     DistributedConfig as DistributedConfig,
     DistributedFalconConfig as DistributedFalconConfig,
     DistributedLlamaConfig as DistributedLlamaConfig,
+    DistributedMixtralConfig as DistributedMixtralConfig,
     default_dht_prefix as default_dht_prefix,
     original_repo as original_repo,
 )
@@ -35,7 +36,11 @@ from ._lora import (
     using_adapter as using_adapter,
 )
 from ._lora_loading import load_lora_adapter as load_lora_adapter
-from ._quantize import QuantType as QuantType, quantize_block as quantize_block
+from ._quantize import (
+    QuantType as QuantType,
+    quantize_block as quantize_block,
+    quantized_linears as quantized_linears,
+)
 from ._smollm2 import (
     SMOLLM2_REPO_ID as SMOLLM2_REPO_ID,
     prepare_smollm2 as prepare_smollm2,
@@ -45,3 +50,4 @@ from ._span_steps import EagerSteps as EagerSteps, SpanSteps as SpanSteps
 from .bloom import BloomBlock as BloomBlock
 from .falcon import FalconBlock as FalconBlock
 from .llama import LlamaBlock as LlamaBlock
+from .mixtral import MixtralBlock as MixtralBlock

@@ -17,7 +17,7 @@ import re
 from pathlib import Path
 from typing import Any, Self, cast, overload
 
-from transformers import BloomConfig, FalconConfig, LlamaConfig, PreTrainedConfig
+from transformers import BloomConfig, FalconConfig, LlamaConfig, MixtralConfig, PreTrainedConfig
 
 from .._errors import CheckpointError, ConfigError
 
@@ -27,6 +27,7 @@ __all__ = [
     "DistributedConfig",
     "DistributedFalconConfig",
     "DistributedLlamaConfig",
+    "DistributedMixtralConfig",
     "default_dht_prefix",
     "original_repo",
 ]
@@ -54,6 +55,8 @@ def default_dht_prefix(model_name_or_path: str | os.PathLike[str], model_type: s
       ``Llama-2-70b-chat-hf``, ``HuggingFaceTB/SmolLM2-135M-Instruct`` ->
       ``SmolLM2-135M-Instruct-hf``.
     - Falcon: the repo name without its owner, as it is: ``tiiuae/falcon-40b`` -> ``falcon-40b``.
+    - Mixtral: the repo id, owner included: ``mistralai/Mixtral-8x7B-Instruct-v0.1`` ->
+      ``mistralai/Mixtral-8x7B-Instruct-v0-1``.
 
     Dots become ``-`` in every derived prefix (``Llama-3.1-8B`` -> ``Llama-3-1-8B-hf``), because
     block keys are ``f"{dht_prefix}.{block_index}"``. A local folder (an ``os.PathLike``, or a
@@ -68,6 +71,8 @@ def default_dht_prefix(model_name_or_path: str | os.PathLike[str], model_type: s
     repo_id = model_name_or_path.replace(".", "-")
     if model_type == "bloom":
         return f"{repo_id}-petals"
+    if model_type == "mixtral":
+        return repo_id
     name = repo_id.rsplit("/", 1)[-1]
     if model_type == "falcon" or name.endswith("-hf"):
         return name
@@ -148,10 +153,17 @@ class DistributedFalconConfig(DistributedConfig, FalconConfig):
     """A Falcon config (``model_type == "falcon"``) with ``dht_prefix``."""
 
 
+class DistributedMixtralConfig(DistributedConfig, MixtralConfig):
+    """A Mixtral config (``model_type == "mixtral"``) with ``dht_prefix``.  Without a
+    ``pad_token_id`` (Mixtral's checkpoints have none) it is 0, as in Petals, so that batches can
+    be padded."""
+
+
 _CONFIG_CLASSES: dict[str, type[DistributedConfig]] = {
     "bloom": DistributedBloomConfig,
     "falcon": DistributedFalconConfig,
     "llama": DistributedLlamaConfig,
+    "mixtral": DistributedMixtralConfig,
 }
 
 
@@ -176,7 +188,7 @@ class AutoDistributedConfig:
         """Like :meth:`DistributedConfig.from_pretrained`, for any supported family.
 
         Raises :class:`~petals_core.ConfigError` (a ``ValueError``) naming the model type when it is
-        not one of ``"bloom"``, ``"falcon"``, ``"llama"``.
+        not one of ``"bloom"``, ``"falcon"``, ``"llama"``, ``"mixtral"``.
         """
         return _load_config(
             None,
@@ -232,6 +244,8 @@ def _load_config(
     config = config_class.from_dict(
         config_dict, name_or_path=os.fspath(model_name_or_path), **unused_kwargs
     )
+    if isinstance(config, DistributedMixtralConfig) and config.pad_token_id is None:
+        config.pad_token_id = 0
     if dht_prefix is not None:
         config.dht_prefix = dht_prefix
     elif config.dht_prefix is None:

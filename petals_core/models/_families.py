@@ -8,16 +8,18 @@ from .._errors import ConfigError
 from .bloom import BloomBlock
 from .falcon import FalconBlock
 from .llama import LlamaBlock
+from .mixtral import MixtralBlock
 
 __all__ = ["BLOCK_CLASSES", "Block", "new_block"]
 
 #: A transformer block of any served family.
-Block = LlamaBlock | BloomBlock | FalconBlock
+Block = LlamaBlock | BloomBlock | FalconBlock | MixtralBlock
 
 BLOCK_CLASSES: dict[str, type[Block]] = {
     "bloom": BloomBlock,
     "falcon": FalconBlock,
     "llama": LlamaBlock,
+    "mixtral": MixtralBlock,
 }
 
 

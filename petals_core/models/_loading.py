@@ -13,10 +13,10 @@ A local folder is read in place.
 Only safetensors checkpoints load: pickled ``.bin`` checkpoints run code when unpickled, so they are
 refused with an error saying so.
 
-Tensor names follow transformers: LLaMA keeps layer ``N`` under ``model.layers.N.``, BLOOM and
-Falcon under ``transformer.h.N.``. Checkpoints of the ``bigscience`` BLOOM repos were saved from
-``BloomModel`` and lack the ``transformer.`` part (``h.N.``, ``word_embeddings.``, ``ln_f.``); the
-layout is detected from the names in the index, and both load (Falcon's too).
+Tensor names follow transformers: LLaMA and Mixtral keep layer ``N`` under ``model.layers.N.``,
+BLOOM and Falcon under ``transformer.h.N.``. Checkpoints of the ``bigscience`` BLOOM repos were
+saved from ``BloomModel`` and lack the ``transformer.`` part (``h.N.``, ``word_embeddings.``,
+``ln_f.``); the layout is detected from the names in the index, and both load (Falcon's too).
 """
 
 from __future__ import annotations
@@ -65,13 +65,17 @@ class _Layout:
         raise CheckpointError(f"{source} holds no transformer blocks (no tensor named {expected})")
 
 
+#: LLaMA's and Mixtral's: ``model.layers.N.``, ``model.embed_tokens.``, ``model.norm.``.
+_LLAMA_LAYOUT = _Layout(
+    base_prefixes=("model.", ""),
+    blocks="layers.",
+    client_modules=("embed_tokens.", "norm."),
+    canonical_base="model.",
+)
+
 _LAYOUTS: dict[str, _Layout] = {
-    "llama": _Layout(
-        base_prefixes=("model.", ""),
-        blocks="layers.",
-        client_modules=("embed_tokens.", "norm."),
-        canonical_base="model.",
-    ),
+    "llama": _LLAMA_LAYOUT,
+    "mixtral": _LLAMA_LAYOUT,
     "bloom": _Layout(
         base_prefixes=("transformer.", ""),
         blocks="h.",

@@ -44,6 +44,20 @@ class _Family:
     module_prefix: str  # PEFT's module name of block N is f"{module_prefix}{N}.{path}"
     stored_prefix: str  # regex of the block part of stored tensor names (before the index)
     linears: tuple[str, ...]  # module paths within a block
+    #: Module paths within each expert, under f"{experts}{E}." for each of the config's experts.
+    expert_linears: tuple[str, ...] = ()
+    experts: str = ""
+
+    def for_config(self, config: PreTrainedConfig) -> _Family:
+        """This family with its experts' linears spelled out for ``config``'s expert count."""
+        if not self.expert_linears:
+            return self
+        expanded = tuple(
+            f"{self.experts}{index}.{path}"
+            for index in range(int(config.num_local_experts))
+            for path in self.expert_linears
+        )
+        return attrs.evolve(self, linears=self.linears + expanded, expert_linears=())
 
 
 #: BLOOM's and Falcon's block linears: one fused query/key/value projection, its output, the MLP.
@@ -54,20 +68,27 @@ _FUSED_QKV_LINEARS = (
     "mlp.dense_4h_to_h",
 )
 
+_ATTENTION_LINEARS = (
+    "self_attn.q_proj",
+    "self_attn.k_proj",
+    "self_attn.v_proj",
+    "self_attn.o_proj",
+)
+
 _FAMILIES: dict[str, _Family] = {
     "llama": _Family(
         label="LLaMA",
         module_prefix="model.layers.",
         stored_prefix=r"(?:model\.)?layers\.",
-        linears=(
-            "self_attn.q_proj",
-            "self_attn.k_proj",
-            "self_attn.v_proj",
-            "self_attn.o_proj",
-            "mlp.gate_proj",
-            "mlp.up_proj",
-            "mlp.down_proj",
-        ),
+        linears=(*_ATTENTION_LINEARS, "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"),
+    ),
+    "mixtral": _Family(
+        label="Mixtral",
+        module_prefix="model.layers.",
+        stored_prefix=r"(?:model\.)?layers\.",
+        linears=(*_ATTENTION_LINEARS, "block_sparse_moe.gate"),
+        experts="block_sparse_moe.experts.",
+        expert_linears=("w1", "w2", "w3"),
     ),
     "bloom": _Family(
         label="BLOOM",
@@ -128,6 +149,7 @@ def load_lora_adapter(
             f"cannot load adapters for model_type {config.model_type!r}; "
             f"supported model types: {', '.join(sorted(_FAMILIES))}"
         )
+    family = family.for_config(config)
     num_blocks: int = config.num_hidden_layers
     indices = sorted(set(block_indices))
     for index in indices:

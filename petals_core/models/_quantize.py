@@ -3,7 +3,8 @@
 int8 is LLM.int8(): per-output-row absmax scales, with input columns holding an outlier above 6.0
 computed in 16 bits.  nf4 is QLoRA's 4-bit NormalFloat, per-64-weight absmax scales, themselves
 quantised ("double quantisation").  Everything else in the block (LayerNorms, embeddings, ALiBi
-slopes) keeps its dtype.
+slopes) keeps its dtype, and so do the linears a block class names in ``keep_unquantized``
+(Mixtral's router: a few weights whose rounding would move tokens to other experts).
 
 bitsandbytes is imported only when a block is quantised, so clients and CPU-only tools never pay
 for it.
@@ -16,15 +17,28 @@ from typing import Literal, get_args
 import torch
 from torch import nn
 
-__all__ = ["QuantType", "quantize_block"]
+__all__ = ["QuantType", "quantize_block", "quantized_linears"]
 
 QuantType = Literal["none", "int8", "nf4"]
 
 INT8_OUTLIER_THRESHOLD = 6.0  # LLM.int8()'s default, the one the paper's accuracy results use
 
 
+def quantized_linears(block: nn.Module) -> list[tuple[nn.Module, str, nn.Linear]]:
+    """(parent, attribute name, layer) of each linear :func:`quantize_block` replaces: every
+    ``nn.Linear`` but those whose path is in the block's ``keep_unquantized``."""
+    keep = frozenset(getattr(block, "keep_unquantized", ()))
+    return [
+        (parent, name, child)
+        for path, parent in block.named_modules()
+        for name, child in parent.named_children()
+        if isinstance(child, nn.Linear) and (f"{path}.{name}" if path else name) not in keep
+    ]
+
+
 def quantize_block(block: nn.Module, quant_type: QuantType) -> nn.Module:
-    """Replace every ``nn.Linear`` in ``block`` by a bitsandbytes layer with the same weights.
+    """Replace the ``nn.Linear`` layers of ``block`` (see :func:`quantized_linears`) by
+    bitsandbytes layers with the same weights.
 
     Weights are quantised on the device they are on; biases are kept, unquantised.  nf4 layers
     compute in the dtype of the weights they replace.  Returns ``block``, modified in place.
@@ -38,12 +52,7 @@ def quantize_block(block: nn.Module, quant_type: QuantType) -> nn.Module:
 
     from bitsandbytes.nn import Linear4bit, Linear8bitLt
 
-    targets = [
-        (parent, name, child)
-        for parent in block.modules()
-        for name, child in parent.named_children()
-        if isinstance(child, nn.Linear)
-    ]
+    targets = quantized_linears(block)
     if any(isinstance(child, (Linear8bitLt, Linear4bit)) for _, _, child in targets):
         raise ValueError("the block is already quantised")
     convert = _to_int8 if quant_type == "int8" else _to_nf4

@@ -67,7 +67,8 @@ LISTENING = "Server listening on "
 #: An estimate of what ``prepare_smollm2`` writes into the cache (its docstring: about 0.6 GB).
 _SMOLLM2_NBYTES = 600 * 10**6
 _INDEX_FILE = "model.safetensors.index.json"
-#: Tensors of block N: ``[model.]layers.N.`` (LLaMA), ``[transformer.]h.N.`` (BLOOM).
+#: Tensors of block N: ``[model.]layers.N.`` (LLaMA, Mixtral), ``[transformer.]h.N.`` (BLOOM,
+#: Falcon).
 _BLOCK_NAME = re.compile(r"(?:model\.|transformer\.)?(?:layers|h)\.([0-9]+)\.")
 
 

@@ -41,11 +41,10 @@ from typing import TYPE_CHECKING, Final
 
 import attrs
 import torch
-from torch import nn
 from transformers import PretrainedConfig
 
 from .._errors import ConfigError
-from ..models import Block, QuantType, new_block
+from ..models import Block, QuantType, new_block, quantized_linears
 
 if TYPE_CHECKING:
     from ._server import ServerConfig
@@ -173,9 +172,7 @@ def block_nbytes(
 ) -> int:
     """Device memory the weights of one block take, in ``dtype`` and quantised by ``quant_type``."""
     block = _meta_block(model_config)
-    linear = sum(
-        module.weight.numel() for module in block.modules() if isinstance(module, nn.Linear)
-    )
+    linear = sum(module.weight.numel() for _, _, module in quantized_linears(block))
     other = sum(parameter.numel() for parameter in block.parameters()) - linear
     per_weight = _QUANTISED_NBYTES_PER_WEIGHT.get(quant_type, dtype.itemsize)
     return math.ceil((linear * per_weight + other * dtype.itemsize) * (1 + _METADATA_FRACTION))

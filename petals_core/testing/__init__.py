@@ -8,10 +8,12 @@ models' shapes).
 from ._configs import (
     bloom_560m_config as bloom_560m_config,
     falcon_7b_config as falcon_7b_config,
+    mixtral_8x7b_config as mixtral_8x7b_config,
     smollm2_135m_config as smollm2_135m_config,
     tiny_bloom_config as tiny_bloom_config,
     tiny_falcon_config as tiny_falcon_config,
     tiny_llama_config as tiny_llama_config,
+    tiny_mixtral_config as tiny_mixtral_config,
     tinyllama_1b_config as tinyllama_1b_config,
 )
 from ._network import MemoryNetwork as MemoryNetwork, Pipe as Pipe

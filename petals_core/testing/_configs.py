@@ -11,15 +11,17 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from transformers import BloomConfig, FalconConfig, LlamaConfig
+    from transformers import BloomConfig, FalconConfig, LlamaConfig, MixtralConfig
 
 __all__ = [
     "bloom_560m_config",
     "falcon_7b_config",
+    "mixtral_8x7b_config",
     "smollm2_135m_config",
     "tiny_bloom_config",
     "tiny_falcon_config",
     "tiny_llama_config",
+    "tiny_mixtral_config",
     "tinyllama_1b_config",
 ]
 
@@ -40,6 +42,12 @@ def _falcon(settings: dict[str, Any], overrides: dict[str, Any]) -> FalconConfig
     from transformers import FalconConfig
 
     return FalconConfig(**{**settings, **overrides})
+
+
+def _mixtral(settings: dict[str, Any], overrides: dict[str, Any]) -> MixtralConfig:
+    from transformers import MixtralConfig
+
+    return MixtralConfig(**{**settings, **overrides})
 
 
 def tiny_llama_config(**overrides: Any) -> LlamaConfig:
@@ -78,6 +86,25 @@ def tiny_falcon_config(**overrides: Any) -> FalconConfig:
         "max_position_embeddings": 128,
     }
     return _falcon(settings, overrides)
+
+
+def tiny_mixtral_config(**overrides: Any) -> MixtralConfig:
+    """A tiny Mixtral: hidden size 64, 4 attention heads over 2 key/value heads, 8 experts of
+    width 96 of which each token uses 2, 6 blocks, a vocabulary of 256, 128 positions, pad token
+    0."""
+    settings = {
+        "hidden_size": 64,
+        "intermediate_size": 96,
+        "num_hidden_layers": 6,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "num_local_experts": 8,
+        "num_experts_per_tok": 2,
+        "vocab_size": 256,
+        "max_position_embeddings": 128,
+        "pad_token_id": 0,
+    }
+    return _mixtral(settings, overrides)
 
 
 def smollm2_135m_config(**overrides: Any) -> LlamaConfig:
@@ -139,3 +166,22 @@ def falcon_7b_config(**overrides: Any) -> FalconConfig:
         "tie_word_embeddings": True,
     }
     return _falcon(settings, overrides)
+
+
+def mixtral_8x7b_config(**overrides: Any) -> MixtralConfig:
+    """Mixtral-8x7B's shape: hidden size 4096, 32 attention heads over 8 key/value heads, 8
+    experts of width 14336 of which each token uses 2, 32 blocks, a vocabulary of 32000, RoPE base
+    1e6, 32768 positions."""
+    settings = {
+        "hidden_size": 4096,
+        "intermediate_size": 14336,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "num_local_experts": 8,
+        "num_experts_per_tok": 2,
+        "vocab_size": 32000,
+        "max_position_embeddings": 32768,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 1e6},
+    }
+    return _mixtral(settings, overrides)

@@ -31,8 +31,8 @@ class ChaosConfig:
     ``request_timeout_s`` is the client's (None: the library's default); a dead or stopped
     server is given up on sooner, when the transport finds it silent.
     ``deadline_s`` bounds the whole run (starting the swarm included).  ``family`` is the tiny
-    model's: ``"llama"`` (grouped-query attention) or ``"falcon"`` (Falcon-7B's layout:
-    multi-query attention, attention and MLP in parallel).
+    model's: ``"llama"`` (grouped-query attention), ``"falcon"`` (Falcon-7B's layout:
+    multi-query attention, attention and MLP in parallel) or ``"mixtral"`` (8 experts, top 2).
     """
 
     generations: int = attrs.field(default=20, validator=_non_negative)
@@ -44,8 +44,8 @@ class ChaosConfig:
         default=None, validator=attrs.validators.optional(_positive)
     )
     seed: int = 0
-    family: Literal["llama", "falcon"] = attrs.field(
-        default="llama", validator=attrs.validators.in_(("llama", "falcon"))
+    family: Literal["llama", "falcon", "mixtral"] = attrs.field(
+        default="llama", validator=attrs.validators.in_(("llama", "falcon", "mixtral"))
     )
     deadline_s: float = attrs.field(default=3600.0, validator=_positive)
 

@@ -1,7 +1,7 @@
 """Failover at scale: greedy generations and fine-tuning steps while servers die or stall.
 
 A loopback swarm of real processes (a bootstrap DHT node and four servers of a tiny 8-block
-LLaMA, or Falcon with ``--family falcon``, spans 0:4, 4:8, 0:6 and 2:8: every block is held at
+LLaMA, or Falcon or Mixtral with ``--family``, spans 0:4, 4:8, 0:6 and 2:8: every block is held at
 least twice) serves a client that
 uses the model classes (``AutoDistributedModelForCausalLM``), as a user would.
 
@@ -59,6 +59,8 @@ from transformers import (
     LlamaForCausalLM,
     LogitsProcessor,
     LogitsProcessorList,
+    MixtralConfig,
+    MixtralForCausalLM,
 )
 
 from petals_core import PetalsError
@@ -109,9 +111,25 @@ _Got = TypeVar("_Got")
 
 
 def make_checkpoint(folder: Path, *, seed: int = 0, family: str = "llama") -> Path:
-    """A tiny LLaMA (8 blocks, hidden 64, grouped-query attention) or Falcon (8 blocks, hidden 64,
-    Falcon-7B's layout) with seeded random weights, saved in about one shard per block."""
+    """A tiny LLaMA (8 blocks, hidden 64, grouped-query attention), Falcon (Falcon-7B's layout) or
+    Mixtral (8 experts, top 2) of the same size, with seeded random weights, saved in about one
+    shard per block."""
     torch.manual_seed(seed)
+    if family == "mixtral":
+        mixtral = MixtralConfig(
+            hidden_size=HIDDEN,
+            intermediate_size=HIDDEN,
+            num_hidden_layers=N_BLOCKS,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            num_local_experts=8,
+            num_experts_per_tok=2,
+            vocab_size=VOCAB,
+            max_position_embeddings=128,
+            pad_token_id=0,
+        )
+        MixtralForCausalLM(mixtral).save_pretrained(folder, max_shard_size="100KB")
+        return folder
     if family == "falcon":
         falcon = FalconConfig(
             hidden_size=HIDDEN,
@@ -625,7 +643,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--request_timeout", type=float, default=None, help="the client's (default: the library's)"
     )
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--family", choices=("llama", "falcon"), default="llama")
+    parser.add_argument("--family", choices=("llama", "falcon", "mixtral"), default="llama")
     parser.add_argument("--deadline", type=float, default=3600.0, help="seconds for everything")
     parser.add_argument(
         "--allow-errors",

@@ -8,6 +8,9 @@ without faults.  The full run is ``python -m tests.chaos.chaos_run --generations
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Literal
+
+import pytest
 
 from .chaos_run import ChaosConfig, run_chaos
 
@@ -40,12 +43,15 @@ async def test_sessions_survive_kills_and_stalls_with_identical_outputs(tmp_path
     assert max(max(t) for t in times.values()) < 30, report.summary()
 
 
-async def test_falcon_sessions_survive_a_kill_with_identical_outputs(tmp_path: Path) -> None:
-    """The same on a tiny Falcon of Falcon-7B's layout: a generation whose server is killed,
-    and a fine-tuning step whose server dies between forward and backward."""
+@pytest.mark.parametrize("family", ["falcon", "mixtral"])
+async def test_other_families_survive_a_kill_with_identical_outputs(
+    tmp_path: Path, family: Literal["falcon", "mixtral"]
+) -> None:
+    """The same on a tiny Falcon of Falcon-7B's layout and a tiny Mixtral: a generation whose
+    server is killed, and a fine-tuning step whose server dies between forward and backward."""
     lines: list[str] = []
     config = ChaosConfig(
-        generations=1, stalls=0, finetune_steps=1, seed=2, family="falcon", deadline_s=280.0
+        generations=1, stalls=0, finetune_steps=1, seed=2, family=family, deadline_s=280.0
     )
     report = await run_chaos(config, work_dir=tmp_path, log=lines.append)
     print("\n".join([*lines, report.summary()]))

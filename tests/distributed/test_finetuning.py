@@ -15,6 +15,7 @@ from petals_core.distributed import (
     AutoDistributedModelForSequenceClassification,
 )
 from petals_core.models import new_block
+from petals_core.models.mixtral import state_from_transformers
 
 from .._served_swarm import ServedModel
 from ._causal_lm import PROMPT_LEN, load_prompt_tuned, random_ids
@@ -24,7 +25,7 @@ TOLERANCE = 1e-4
 
 def _parts(reference: Any) -> tuple[nn.Module, Callable[[torch.Tensor], torch.Tensor], Any, Any]:
     """(embeddings, what runs before the first block, layers, final norm) of a transformers LM."""
-    if reference.config.model_type == "llama":
+    if reference.config.model_type in ("llama", "mixtral"):
         base = reference.model
         return base.embed_tokens, lambda x: x, base.layers, base.norm
     base = reference.transformer
@@ -38,7 +39,10 @@ def _local_blocks(reference: Any) -> list[nn.Module]:
     blocks: list[nn.Module] = []
     for index, layer in enumerate(_parts(reference)[2]):
         block = new_block(reference.config, index)
-        block.load_state_dict(layer.state_dict())
+        state = layer.state_dict()
+        if reference.config.model_type == "mixtral":
+            state = state_from_transformers(state)
+        block.load_state_dict(state)
         blocks.append(block.eval())
     return blocks
 

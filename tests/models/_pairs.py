@@ -7,12 +7,15 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
+import pytest
 import torch
 from torch import nn
 from transformers import DynamicCache, PretrainedConfig
 
 from petals_core._hf_compat import cache_kwargs
 from petals_core.models import KVCache
+
+from ._steps import twin_cache
 
 
 class BlockPair:
@@ -31,11 +34,13 @@ class BlockPair:
         layers: nn.ModuleList,
         make_block: Callable[[int], nn.Module],
         is_norm: Callable[[str], bool],
+        convert: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] = dict,
     ) -> None:
         """Push ``hf``'s weights far from their near-identity init (so that every part of a block
         shows in outputs), drop its final norm (attribute ``final_norm``: compare the last layer's
         output) and build a block per layer with the layer's weights.  ``is_norm(name)`` tells a
-        norm's parameters: weights around 1, biases around 0; the rest N(0, 0.15)."""
+        norm's parameters: weights around 1, biases around 0; the rest N(0, 0.15).  ``convert``
+        maps a layer's state dict to a block's, where their names or layouts differ."""
         with torch.no_grad():
             for name, param in self.hf.named_parameters():
                 if is_norm(name):
@@ -48,7 +53,7 @@ class BlockPair:
         self.layers = layers
         self.blocks = [make_block(i).eval() for i in range(len(layers))]
         for block, layer in zip(self.blocks, layers, strict=True):
-            block.load_state_dict(layer.state_dict())
+            block.load_state_dict(convert(layer.state_dict()))
 
     def inputs(self, batch: int, length: int, seed: int = 1) -> torch.Tensor:
         generator = torch.Generator().manual_seed(seed)
@@ -160,3 +165,79 @@ def soft_prompt_gradients(
     ours = grads(pair.run, [p for block in pair.blocks for p in block.parameters()])
     theirs = grads(pair.hf_run, [p for layer in pair.layers for p in layer.parameters()])
     return ours, theirs
+
+
+def assert_close_to_scale(
+    ours: torch.Tensor, theirs: torch.Tensor, what: object = "", *, atol: float = 1e-5
+) -> None:
+    """Within ``atol`` of the outputs' scale (float32 rounding is relative)."""
+    scale = max(1.0, theirs.abs().max().item())
+    diff = (ours.float() - theirs.float()).abs().max().item()
+    assert diff <= atol * scale, f"{what}: max abs diff {diff:.3g} at scale {scale:.3g}"
+
+
+def check_prefill_chunk_and_decode(pair: BlockPair) -> None:
+    """The whole sequence without a cache, then a prefill, a chunk and single tokens through
+    caches: each equal to transformers' (the same steps through a ``DynamicCache``)."""
+    batch, prefill, chunk, steps = 2, 10, 7, 5
+    x = pair.inputs(batch, prefill + chunk + steps)
+    hf_cache, caches = DynamicCache(config=pair.config), pair.caches(batch, 32)
+    with torch.no_grad():
+        assert_close_to_scale(pair.run(x), pair.hf_run(x), "no cache")
+        pieces = [(0, prefill), (prefill, prefill + chunk)]
+        pieces += [(t, t + 1) for t in range(prefill + chunk, x.shape[1])]
+        for start, end in pieces:
+            ours = pair.run(x[:, start:end], caches)
+            assert_close_to_scale(ours, pair.hf_run(x[:, start:end], hf_cache), (start, end))
+    assert all(cache.length == x.shape[1] for cache in caches)
+
+
+def check_left_padded_batch(pair: BlockPair) -> None:
+    """Batched generation: padding hidden from real tokens, positions counted from each row's
+    first real token, as transformers given the mask and position ids; only the real tokens'
+    outputs are compared."""
+    padding = torch.tensor([0, 3])
+    x = pair.inputs(2, 10)
+    mask = (torch.arange(10)[None] >= padding[:, None]).long()  # (2, 10)
+    position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
+    caches = pair.caches(2, 10)
+    for cache in caches:
+        cache.set_padding(padding)
+    with torch.no_grad():
+        expected = pair.hf_run(x, attention_mask=mask, position_ids=position_ids)
+        ours = torch.cat(
+            [pair.run(x[:, :7], caches)] + [pair.run(x[:, t : t + 1], caches) for t in (7, 8, 9)],
+            dim=1,
+        )
+    real = mask.bool()
+    assert_close_to_scale(ours[real], expected[real])
+
+
+def check_forward_many(block: Any, hidden: int, *, atol: float = 1e-5) -> None:
+    """``forward_many`` over four sessions of different lengths, rows and new tokens equals each
+    session's own step; a refused item leaves every cache as it was."""
+    # (cache length before the step, rows, new tokens) for each session.
+    specs = [(5, 1, 1), (0, 2, 4), (9, 2, 1), (3, 1, 3)]
+    generator = torch.Generator().manual_seed(3)
+    caches = []
+    with torch.no_grad():
+        for length, rows, _ in specs:
+            cache = block.allocate_cache(rows, 16)
+            if length:
+                block(torch.randn(rows, length, hidden, generator=generator), cache=cache)
+            caches.append(cache)
+    twins = [twin_cache(cache) for cache in caches]
+    steps = [torch.randn(rows, new, hidden, generator=generator) for _, rows, new in specs]
+    with torch.no_grad():
+        expected = [block(h, cache=c) for h, c in zip(steps, twins, strict=True)]
+    got = block.forward_many(steps, caches)
+    for ours, theirs in zip(got, expected, strict=True):
+        torch.testing.assert_close(ours, theirs, atol=atol, rtol=atol)
+    for cache, twin in zip(caches, twins, strict=True):
+        assert cache.length == twin.length
+        torch.testing.assert_close(cache.keys, twin.keys, atol=atol, rtol=atol)
+    assert block.forward_many([], []) == []
+    lengths = [cache.length for cache in caches]
+    with pytest.raises(ValueError, match=r"item 3: .*\(batch"):
+        block.forward_many([*steps[:3], torch.randn(1, 1, hidden + 1)], caches)
+    assert [cache.length for cache in caches] == lengths

@@ -23,17 +23,23 @@ import attrs
 import pytest
 import torch
 from huggingface_hub import constants, split_torch_state_dict_into_shards
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 from transformers import (
     BloomForCausalLM,
     FalconForCausalLM,
     LlamaConfig,
     LlamaForCausalLM,
+    MixtralForCausalLM,
     PretrainedConfig,
     PreTrainedModel,
 )
 
-from petals_core.testing import tiny_bloom_config, tiny_falcon_config, tiny_llama_config
+from petals_core.testing import (
+    tiny_bloom_config,
+    tiny_falcon_config,
+    tiny_llama_config,
+    tiny_mixtral_config,
+)
 
 # The tiny LLaMA's sizes, for tests that build inputs for it.
 LAYERS = tiny_llama_config().num_hidden_layers
@@ -116,6 +122,19 @@ def tiny_falcon(tmp_path_factory: pytest.TempPathFactory) -> TinyCheckpoint:
     folder = tmp_path_factory.mktemp("falcon-tiny")
     config = tiny_falcon_config(tie_word_embeddings=False)
     return _sharded(FalconForCausalLM, config, folder, seed=3)
+
+
+@pytest.fixture(scope="session")
+def tiny_mixtral(tmp_path_factory: pytest.TempPathFactory) -> TinyCheckpoint:
+    """A 6-block Mixtral (8 experts) as transformers saves it (the original checkpoints' names:
+    ``block_sparse_moe.experts.E.w1``), in shards."""
+    folder = tmp_path_factory.mktemp("mixtral-tiny")
+    checkpoint = _sharded(MixtralForCausalLM, tiny_mixtral_config(), folder, seed=4)
+    # transformers holds the experts fused in memory: the stored tensors are the reference.
+    stored: dict[str, torch.Tensor] = {}
+    for shard in sorted(set(checkpoint.weight_map().values())):
+        stored.update(load_file(folder / shard))
+    return TinyCheckpoint(folder=folder, state_dict=stored)
 
 
 @pytest.fixture(scope="session")

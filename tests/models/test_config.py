@@ -8,7 +8,14 @@ from pathlib import Path
 
 import pytest
 from hypothesis import given, strategies as st
-from transformers import BloomConfig, FalconConfig, GPT2Config, LlamaConfig, MistralConfig
+from transformers import (
+    BloomConfig,
+    FalconConfig,
+    GPT2Config,
+    LlamaConfig,
+    MistralConfig,
+    MixtralConfig,
+)
 
 from petals_core import ConfigError
 from petals_core.models._config import (
@@ -17,10 +24,11 @@ from petals_core.models._config import (
     DistributedConfig,
     DistributedFalconConfig,
     DistributedLlamaConfig,
+    DistributedMixtralConfig,
     default_dht_prefix,
     original_repo,
 )
-from petals_core.testing import tiny_falcon_config
+from petals_core.testing import tiny_falcon_config, tiny_mixtral_config
 
 from .conftest import Hub, tiny_bloom_config, tiny_llama_config
 
@@ -48,6 +56,10 @@ from .conftest import Hub, tiny_bloom_config, tiny_llama_config
         ("tiiuae/falcon-7b-instruct", "falcon", "falcon-7b-instruct"),
         ("someone/Falcon3-7B.v1-hf", "falcon", "Falcon3-7B-v1-hf"),
         (Path("/data/models/falcon-40b"), "falcon", "falcon-40b"),
+        # Mixtral: the repo id, owner included.
+        ("mistralai/Mixtral-8x7B-Instruct-v0.1", "mixtral", "mistralai/Mixtral-8x7B-Instruct-v0-1"),
+        ("mistralai/Mixtral-8x22B-v0.1", "mixtral", "mistralai/Mixtral-8x22B-v0-1"),
+        (Path("/data/Mixtral-8x7B"), "mixtral", "Mixtral-8x7B"),
         # Local folders: the folder name, sanitised.
         (Path("/data/models/My Model.v2"), "llama", "My-Model-v2"),
         (Path("/data/models/bloom-560m"), "bloom", "bloom-560m"),
@@ -65,7 +77,7 @@ def test_default_dht_prefix(
     assert default_dht_prefix(model_name_or_path, model_type) == expected
 
 
-@given(st.text(min_size=1), st.sampled_from(["llama", "bloom", "falcon"]))
+@given(st.text(min_size=1), st.sampled_from(["llama", "bloom", "falcon", "mixtral"]))
 def test_derived_prefixes_of_folders_have_no_dots(name: str, model_type: str) -> None:
     prefix = default_dht_prefix(Path("/models") / name.replace("/", "_"), model_type)
     assert re.fullmatch(r"[A-Za-z0-9_-]+", prefix)
@@ -107,6 +119,7 @@ def _save_config(folder: Path, config: object) -> Path:
         ),
         (tiny_bloom_config(), DistributedBloomConfig, BloomConfig),
         (tiny_falcon_config(), DistributedFalconConfig, FalconConfig),
+        (tiny_mixtral_config(), DistributedMixtralConfig, MixtralConfig),
     ],
 )
 def test_auto_config_chooses_by_model_type(
@@ -127,11 +140,18 @@ def test_auto_config_chooses_by_model_type(
 def test_unsupported_model_type_is_named(tmp_path: Path, config: object) -> None:
     folder = _save_config(tmp_path / "model", config)
     model_type = config.model_type  # type: ignore[attr-defined]
-    supported = "bloom, falcon, llama"
+    supported = "bloom, falcon, llama, mixtral"
     with pytest.raises(ConfigError, match=f"model_type '{model_type}'.*supported.*{supported}"):
         AutoDistributedConfig.from_pretrained(folder)
     with pytest.raises(ValueError, match=model_type):
         DistributedLlamaConfig.from_pretrained(folder)
+
+
+def test_mixtral_without_a_pad_token_pads_with_0(tmp_path: Path) -> None:
+    folder = _save_config(tmp_path / "mixtral", tiny_mixtral_config(pad_token_id=None))
+    assert AutoDistributedConfig.from_pretrained(folder).pad_token_id == 0
+    folder = _save_config(tmp_path / "mixtral-7", tiny_mixtral_config(pad_token_id=7))
+    assert AutoDistributedConfig.from_pretrained(folder).pad_token_id == 7
 
 
 def test_family_mismatch(tmp_path: Path) -> None:

@@ -23,11 +23,14 @@ from petals_core.models import FalconBlock
 
 from ._pairs import (
     BlockPair,
+    assert_close_to_scale,
+    check_forward_many,
+    check_left_padded_batch,
+    check_prefill_chunk_and_decode,
     reorder_and_decode,
     roll_back_and_resume,
     soft_prompt_gradients,
 )
-from ._steps import twin_cache
 
 torch.set_num_threads(1)
 
@@ -79,13 +82,6 @@ class Pair(BlockPair):
             make_block=lambda i: FalconBlock(config, i),
             is_norm=lambda name: ".ln_" in name or "layernorm" in name,
         )
-
-
-def _assert_close(ours: torch.Tensor, theirs: torch.Tensor, what: object = "") -> None:
-    """Within 1e-5 of the outputs' scale (float32 rounding is relative)."""
-    scale = max(1.0, theirs.abs().max().item())
-    diff = (ours.float() - theirs.float()).abs().max().item()
-    assert diff <= ATOL * scale, f"{what}: max abs diff {diff:.3g} at scale {scale:.3g}"
 
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))
@@ -143,19 +139,7 @@ def test_alibi_terms_equal_transformers_bit_for_bit() -> None:
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 def test_prefill_chunk_and_decode_match_transformers(name: str) -> None:
-    pair = Pair(CONFIGS[name])
-    batch, prefill, chunk, steps = 2, 10, 7, 5
-    x = pair.inputs(batch, prefill + chunk + steps)
-    hf_cache, caches = DynamicCache(config=pair.config), pair.caches(batch, 32)
-    with torch.no_grad():
-        # Without a cache, the whole sequence at once (the training path).
-        _assert_close(pair.run(x), pair.hf_run(x), "no cache")
-        pieces = [(0, prefill), (prefill, prefill + chunk)]
-        pieces += [(t, t + 1) for t in range(prefill + chunk, x.shape[1])]
-        for start, end in pieces:
-            ours = pair.run(x[:, start:end], caches)
-            _assert_close(ours, pair.hf_run(x[:, start:end], hf_cache), (start, end))
-    assert all(cache.length == x.shape[1] for cache in caches)
+    check_prefill_chunk_and_decode(Pair(CONFIGS[name]))
 
 
 def test_alibi_past_256_positions_where_bf16_rounds_positions() -> None:
@@ -163,10 +147,11 @@ def test_alibi_past_256_positions_where_bf16_rounds_positions() -> None:
     x = pair.inputs(1, 300)
     hf_cache, caches = DynamicCache(config=pair.config), pair.caches(1, 300)
     with torch.no_grad():
-        _assert_close(pair.run(x[:, :296], caches), pair.hf_run(x[:, :296], hf_cache), "prefill")
+        prefill = x[:, :296]
+        assert_close_to_scale(pair.run(prefill, caches), pair.hf_run(prefill, hf_cache), "prefill")
         for t in range(296, 300):
             step = x[:, t : t + 1]
-            _assert_close(pair.run(step, caches), pair.hf_run(step, hf_cache), t)
+            assert_close_to_scale(pair.run(step, caches), pair.hf_run(step, hf_cache), t)
 
 
 @pytest.mark.parametrize("name", ["alibi", "7b"])
@@ -189,15 +174,15 @@ def test_one_layer_equals_transformers_layer_with_eager_attention(name: str) -> 
         expected = layer(
             x, alibi=alibi, attention_mask=causal, position_ids=ids, position_embeddings=angles
         )[0]
-        _assert_close(block(x), expected)
+        assert_close_to_scale(block(x), expected)
 
 
 @pytest.mark.parametrize("name", ["new-2ln", "alibi"])
 def test_batch_of_three_reordered_by_hypo_ids(name: str) -> None:
     pair = Pair(CONFIGS[name])
     got = reorder_and_decode(pair, pair.inputs(3, 14), torch.tensor([2, 0, 0]), prefill=9)
-    _assert_close(got.ours, got.hf)
-    _assert_close(got.ours, got.fresh)
+    assert_close_to_scale(got.ours, got.hf)
+    assert_close_to_scale(got.ours, got.fresh)
 
 
 @pytest.mark.parametrize("name", ["new-1ln", "alibi"])
@@ -205,63 +190,20 @@ def test_rollback_then_continue_equals_a_fresh_run(name: str) -> None:
     pair = Pair(CONFIGS[name])
     x, continuation = pair.inputs(2, 12), pair.inputs(2, 6, seed=2)
     got = roll_back_and_resume(pair, x, continuation, prefill=9, keep=6)
-    _assert_close(got.resumed, got.hf_fresh)
-    _assert_close(got.resumed, got.fresh)
-    _assert_close(got.resumed[:, : got.chunk], got.hf_cropped)
+    assert_close_to_scale(got.resumed, got.hf_fresh)
+    assert_close_to_scale(got.resumed, got.fresh)
+    assert_close_to_scale(got.resumed[:, : got.chunk], got.hf_cropped)
 
 
 @pytest.mark.parametrize("name", ["7b", "alibi"])
 def test_left_padded_batch_matches_transformers_with_a_mask(name: str) -> None:
-    """Batched generation: padding hidden from real tokens, positions (rotary or ALiBi) counted
-    from each row's first real token; only the real tokens' outputs are compared."""
-    pair = Pair(CONFIGS[name])
-    padding = torch.tensor([0, 3])
-    x = pair.inputs(2, 10)
-    mask = (torch.arange(10)[None] >= padding[:, None]).long()  # (2, 10)
-    position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
-    caches = pair.caches(2, 10)
-    for cache in caches:
-        cache.set_padding(padding)
-    with torch.no_grad():
-        expected = pair.hf_run(x, attention_mask=mask, position_ids=position_ids)
-        ours = torch.cat(
-            [pair.run(x[:, :7], caches)] + [pair.run(x[:, t : t + 1], caches) for t in (7, 8, 9)],
-            dim=1,
-        )
-    real = mask.bool()
-    _assert_close(ours[real], expected[real])
+    """Positions rotary or ALiBi, counted from each row's first real token."""
+    check_left_padded_batch(Pair(CONFIGS[name]))
 
 
 @pytest.mark.parametrize("name", ["new-2ln", "7b", "alibi"])
 def test_forward_many_equals_one_by_one(name: str) -> None:
-    block = Pair(CONFIGS[name]).blocks[1]
-    # (cache length before the step, rows, new tokens) for each session.
-    specs = [(5, 1, 1), (0, 2, 4), (9, 2, 1), (3, 1, 3)]
-    generator = torch.Generator().manual_seed(3)
-    caches = []
-    with torch.no_grad():
-        for length, rows, _ in specs:
-            cache = block.allocate_cache(rows, 16)
-            if length:
-                block(torch.randn(rows, length, HIDDEN, generator=generator), cache=cache)
-            caches.append(cache)
-    twins = [twin_cache(cache) for cache in caches]
-    steps = [torch.randn(rows, new, HIDDEN, generator=generator) for _, rows, new in specs]
-    with torch.no_grad():
-        expected = [block(h, cache=c) for h, c in zip(steps, twins, strict=True)]
-    got = block.forward_many(steps, caches)
-    for ours, theirs in zip(got, expected, strict=True):
-        torch.testing.assert_close(ours, theirs, atol=ATOL, rtol=ATOL)
-    for cache, twin in zip(caches, twins, strict=True):
-        assert cache.length == twin.length
-        torch.testing.assert_close(cache.keys, twin.keys, atol=ATOL, rtol=ATOL)
-    assert block.forward_many([], []) == []
-    # A refused item (the wrong hidden size) leaves every cache as it was.
-    lengths = [cache.length for cache in caches]
-    bad = [*steps[:3], torch.randn(1, 1, HIDDEN + 1)]
-    with pytest.raises(ValueError, match=r"item 3: .*\(batch"):
-        block.forward_many(bad, caches)
-    assert [cache.length for cache in caches] == lengths
+    check_forward_many(Pair(CONFIGS[name]).blocks[1], HIDDEN, atol=ATOL)
 
 
 @pytest.mark.parametrize("name", ["new-2ln", "7b", "sequential", "alibi"])
@@ -269,8 +211,9 @@ def test_gradients_match_transformers(name: str) -> None:
     """Gradients w.r.t. the input, a soft prompt on the first positions and every weight."""
     ours, theirs = soft_prompt_gradients(Pair(CONFIGS[name]), length=12, prompt_length=3)
     assert len(ours) == len(theirs)
+    # Weight gradients sum over many positions: compared relative to their scale.
     for i, (g_ours, g_theirs) in enumerate(zip(ours, theirs, strict=True)):
-        _assert_close(g_ours, g_theirs, i)  # weight gradients sum over many positions: relative
+        assert_close_to_scale(g_ours, g_theirs, i)
 
 
 @pytest.mark.parametrize(("name", "kv_heads"), [("new-2ln", 2), ("7b", 1), ("alibi", 16)])

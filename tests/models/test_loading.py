@@ -222,6 +222,7 @@ def test_bigscience_bloom_names_load_from_the_hub(
         ("tiny_bloom", "transformer.h.", BLOOM_CLIENT),
         ("tiny_bloom_bigscience", "transformer.h.", BLOOM_CLIENT),
         ("tiny_falcon", "transformer.h.", FALCON_CLIENT),
+        ("tiny_mixtral", "model.layers.", LLAMA_CLIENT),
     ],
 )
 def test_local_folders_load_without_the_hub(

@@ -32,7 +32,7 @@ from petals_core.models._lora import (
     using_adapter,
 )
 from petals_core.models._lora_loading import load_lora_adapter
-from petals_core.testing import tiny_falcon_config
+from petals_core.testing import tiny_falcon_config, tiny_mixtral_config
 
 from .conftest import HIDDEN, tiny_bloom_config, tiny_llama_config
 
@@ -52,7 +52,12 @@ BLOOM_LINEARS = (
     "mlp.dense_4h_to_h",
 )
 FALCON_LINEARS = BLOOM_LINEARS  # the same names, in the same places
-MODULE_PREFIX = {"llama": "model.layers.", "bloom": "transformer.h.", "falcon": "transformer.h."}
+MODULE_PREFIX = {
+    "llama": "model.layers.",
+    "bloom": "transformer.h.",
+    "falcon": "transformer.h.",
+    "mixtral": "model.layers.",
+}
 Weights = dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
 
 
@@ -151,6 +156,23 @@ def adapted_blocks(
     return block, reference, base
 
 
+def check_merged(
+    adapter: LoraAdapter, block: nn.Module, reference: nn.Module, base: nn.Module
+) -> None:
+    """With the adapter active, ``block`` equals ``reference`` (the merged weights) without a
+    cache, on a prefill and on a decode step; without it, ``base``."""
+    x = hidden()
+    with torch.no_grad():
+        with using_adapter(adapter.name):
+            assert_close(block(x), reference(x))
+            cache = block.allocate_cache(2, 16)  # type: ignore[operator]
+            expected_cache = reference.allocate_cache(2, 16)  # type: ignore[operator]
+            assert_close(block(x, cache=cache), reference(x, cache=expected_cache))
+            assert_close(block(x[:, :1], cache=cache), reference(x[:, :1], cache=expected_cache))
+        assert_close(block(x), base(x))
+        assert not torch.allclose(base(x), reference(x), atol=1e-3)  # the adapter does matter
+
+
 def hidden(seed: int = 1, batch: int = 2, length: int = 5) -> torch.Tensor:
     return torch.randn(batch, length, HIDDEN, generator=torch.Generator().manual_seed(seed))
 
@@ -230,17 +252,33 @@ def test_falcon_adapter_equals_merged_weights_with_and_without_a_cache(
     weights = write_adapter(tmp_path / "lora", config, FALCON_LINEARS, rank=4, alpha=4.0)
     adapter = load_lora_adapter(tmp_path / "lora", config=config, block_indices=[1])
     assert adapter.target_modules == frozenset(FALCON_LINEARS)
-    block, reference, base = adapted_blocks(config, 7, adapter, weights, 1, FALCON_LINEARS)
-    x = hidden()
-    with torch.no_grad():
-        with using_adapter(adapter.name):
-            assert_close(block(x), reference(x))
-            cache = block.allocate_cache(2, 16)  # type: ignore[operator]
-            expected_cache = reference.allocate_cache(2, 16)  # type: ignore[operator]
-            assert_close(block(x, cache=cache), reference(x, cache=expected_cache))
-            assert_close(block(x[:, :1], cache=cache), reference(x[:, :1], cache=expected_cache))
-        assert_close(block(x), base(x))
-        assert not torch.allclose(base(x), reference(x), atol=1e-3)
+    check_merged(adapter, *adapted_blocks(config, 7, adapter, weights, 1, FALCON_LINEARS))
+
+
+def test_mixtral_adapter_on_attention_router_and_experts(tmp_path: Path) -> None:
+    """PEFT's names for Mixtral: the attention's projections, the router (``gate``) and each
+    expert's ``w1``/``w2``/``w3``; a list of short names selects them in every expert."""
+    config = tiny_mixtral_config(num_local_experts=4)
+    modules = (
+        "self_attn.q_proj",
+        "self_attn.v_proj",
+        "block_sparse_moe.gate",
+        *(f"block_sparse_moe.experts.{e}.{w}" for e in range(4) for w in ("w1", "w2", "w3")),
+    )
+    weights = write_adapter(
+        tmp_path / "lora",
+        config,
+        modules,
+        rank=2,
+        alpha=4.0,
+        target_modules=["q_proj", "v_proj", "gate", "w1", "w2", "w3"],
+    )
+    adapter = load_lora_adapter(tmp_path / "lora", config=config, block_indices=[2])
+    assert adapter.target_modules == frozenset(modules)
+    check_merged(adapter, *adapted_blocks(config, 8, adapter, weights, 2, modules))
+    write_adapter(tmp_path / "bad", config, (), target_modules=["w4"])
+    with pytest.raises(AdapterError, match=r"unknown target modules \['w4'\] for Mixtral"):
+        load_lora_adapter(tmp_path / "bad", config=config, block_indices=[0])
 
 
 def test_two_adapters_on_one_block_switch(tmp_path: Path, llama_config: Any) -> None:

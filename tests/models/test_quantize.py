@@ -15,6 +15,10 @@ rounding, two roundings per product.  nf4 has 16 levels placed at normal quantil
 ~9% RMS error on Gaussian weights (QLoRA's figure).  A block chains four (BLOOM) or seven (LLaMA,
 whose gate multiplies two noisy projections) such products through softmax and GELU/SiLU, which
 about doubles the error.  The bounds below leave another factor of ~1.5-2 for other seeds.
+
+MixtralBlock (its router kept unquantised): int8 0.013-0.016, nf4 0.31-0.37, with an outlier
+per eight seeds (0.08, 0.43) where the attention's rounding moves a token to another expert: a
+discrete change that no rounding bound covers.  Its bounds are wider.
 """
 
 from __future__ import annotations
@@ -30,10 +34,17 @@ from torch import nn
 from petals_core.models._quantize import quantize_block
 from petals_core.models.bloom import BloomBlock
 from petals_core.models.falcon import FalconBlock
-from petals_core.testing import tiny_bloom_config, tiny_falcon_config, tiny_llama_config
+from petals_core.models.mixtral import MixtralBlock
+from petals_core.testing import (
+    tiny_bloom_config,
+    tiny_falcon_config,
+    tiny_llama_config,
+    tiny_mixtral_config,
+)
 
 LINEAR_BOUND = {"int8": 0.01, "nf4": 0.13}
 BLOCK_BOUND = {"int8": 0.03, "nf4": 0.35}
+MIXTRAL_BLOCK_BOUND = {"int8": 0.1, "nf4": 0.5}
 QUANTIZED_CLASS = {"int8": Linear8bitLt, "nf4": Linear4bit}
 
 
@@ -69,7 +80,16 @@ def falcon_block() -> nn.Module:
     return FalconBlock(tiny_falcon_config(num_hidden_layers=1))
 
 
-FAMILIES = {"bloom": bloom_block, "llama": llama_block, "falcon": falcon_block}
+def mixtral_block() -> nn.Module:
+    return MixtralBlock(tiny_mixtral_config(num_hidden_layers=1, rms_norm_eps=1e-5))
+
+
+FAMILIES = {
+    "bloom": bloom_block,
+    "llama": llama_block,
+    "falcon": falcon_block,
+    "mixtral": mixtral_block,
+}
 
 
 def pair(family: str, seed: int) -> tuple[nn.Module, nn.Module]:
@@ -123,13 +143,18 @@ def test_a_quantized_linear_is_close(quant_type: str) -> None:
 
 
 @pytest.mark.parametrize("quant_type", ["int8", "nf4"])
-@pytest.mark.parametrize("family", ["bloom", "llama", "falcon"])
+@pytest.mark.parametrize("family", ["bloom", "llama", "falcon", "mixtral"])
 def test_block_output_error_is_bounded(family: str, quant_type: str) -> None:
     errors = []
     for seed in range(3):
         reference, block = pair(family, seed)
-        linears = {name for name, m in block.named_modules() if isinstance(m, nn.Linear)}
-        biases = {name: m.bias for name, m in block.named_modules() if isinstance(m, nn.Linear)}
+        keep = set(getattr(block, "keep_unquantized", ()))
+        linears = {
+            name
+            for name, m in block.named_modules()
+            if isinstance(m, nn.Linear) and name not in keep
+        }
+        biases = {name: m.bias for name, m in block.named_modules() if name in linears}
         assert quantize_block(block, quant_type) is block  # type: ignore[arg-type]
         replaced = {name: m for name, m in block.named_modules() if name in linears}
         assert all(type(m) is QUANTIZED_CLASS[quant_type] for m in replaced.values())
@@ -137,7 +162,10 @@ def test_block_output_error_is_bounded(family: str, quant_type: str) -> None:
         x = inputs(2, 8, seed=seed + 100)
         with torch.no_grad():
             errors.append(relative_error(block(x), reference(x)))
-    assert max(errors) < BLOCK_BOUND[quant_type], errors
+    bound = (MIXTRAL_BLOCK_BOUND if family == "mixtral" else BLOCK_BOUND)[quant_type]
+    assert max(errors) < bound, errors
+    if family == "mixtral":
+        assert type(block.block_sparse_moe.gate) is nn.Linear  # the router, kept
 
 
 @pytest.mark.parametrize("quant_type", ["int8", "nf4"])

@@ -32,7 +32,12 @@ from petals_core.server._defaults import (
     resolve_quant_type,
 )
 from petals_core.server._server import ServerConfig
-from petals_core.testing import falcon_7b_config, tiny_falcon_config
+from petals_core.testing import (
+    falcon_7b_config,
+    mixtral_8x7b_config,
+    tiny_falcon_config,
+    tiny_mixtral_config,
+)
 
 from ..models.conftest import tiny_bloom_config, tiny_llama_config
 
@@ -99,12 +104,15 @@ PARAMETERS_PER_BLOCK = {
     "llama2_70b": _per_block(68_976_648_192, 2 * 32000 * 8192 + 8192, 80),
     "bloom_560m": _per_block(559_214_592, 250880 * 1024 + 2 * 2 * 1024, 24),
     "bloom_176b": _per_block(176_247_271_424, 250880 * 14336 + 2 * 2 * 14336, 70),
+    # Mixtral-8x7B: 46,702,792,704 parameters, most of them its 8 experts per block.
+    "mixtral_8x7b": _per_block(46_702_792_704, 2 * 32000 * 4096 + 4096, 32),
 }
 MODELS = {
     "tinyllama_1b": tinyllama_1b,
     "llama2_70b": llama2_70b,
     "bloom_560m": bloom_560m,
     "bloom_176b": bloom_176b,
+    "mixtral_8x7b": mixtral_8x7b_config,
 }
 
 
@@ -132,6 +140,16 @@ def test_falcon_block_bytes_are_those_of_transformers_layers(config: FalconConfi
     parameters = sum(p.numel() for p in layer.parameters())
     assert block_nbytes(config, dtype=torch.bfloat16, quant_type="none") == math.ceil(
         parameters * 2 * 1.01
+    )
+
+
+def test_a_quantised_mixtral_block_keeps_its_router_and_counts_every_expert() -> None:
+    config = mixtral_8x7b_config()
+    router = 8 * 4096
+    norms = 2 * 4096
+    linear = PARAMETERS_PER_BLOCK["mixtral_8x7b"] - router - norms
+    assert block_nbytes(config, dtype=torch.bfloat16, quant_type="nf4") == math.ceil(
+        (linear * 4.25 / 8 + (router + norms) * 2) * 1.01
     )
 
 
@@ -167,7 +185,14 @@ def _stored_nbytes(block: torch.nn.Module) -> int:
 
 @pytest.mark.parametrize(
     ("family", "quant_type"),
-    [("llama", "nf4"), ("bloom", "int8"), ("llama", "none"), ("falcon", "nf4"), ("falcon", "int8")],
+    [
+        ("llama", "nf4"),
+        ("bloom", "int8"),
+        ("llama", "none"),
+        ("falcon", "nf4"),
+        ("falcon", "int8"),
+        ("mixtral", "nf4"),
+    ],
 )
 def test_estimate_covers_what_a_built_block_holds_within_five_percent(
     family: str, quant_type: QuantType
@@ -178,6 +203,7 @@ def test_estimate_covers_what_a_built_block_holds_within_five_percent(
         ),
         "bloom": lambda: BloomConfig(hidden_size=1024, n_head=16),
         "falcon": lambda: tiny_falcon_config(hidden_size=1024, num_attention_heads=16),
+        "mixtral": lambda: tiny_mixtral_config(hidden_size=1024, intermediate_size=1024),
     }[family]()
     block = new_block(config)
     quantize_block(block.to(torch.bfloat16), quant_type)
@@ -193,8 +219,9 @@ def test_estimate_covers_what_a_built_block_holds_within_five_percent(
         tiny_bloom_config(),
         tiny_falcon_config(),
         tiny_falcon_config(alibi=True),
+        tiny_mixtral_config(),
     ],
-    ids=["llama", "bloom", "falcon", "falcon-alibi"],
+    ids=["llama", "bloom", "falcon", "falcon-alibi", "mixtral"],
 )
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cache_bytes_per_token_are_what_a_block_allocates(
@@ -215,6 +242,7 @@ def test_cache_bytes_per_token_of_real_shapes() -> None:
     # Falcon caches each key/value head once: 1 for 7B (multi-query), 8 for 40B.
     assert cache_nbytes_per_token(falcon_7b_config(), dtype=torch.bfloat16) == 2 * 1 * 64 * 2
     assert cache_nbytes_per_token(falcon_40b(), dtype=torch.bfloat16) == 2 * 8 * 64 * 2
+    assert cache_nbytes_per_token(mixtral_8x7b_config(), dtype=torch.bfloat16) == 2 * 8 * 128 * 2
 
 
 def test_autograd_reserve_is_two_gib_at_bloom_176b_and_proportional() -> None:

@@ -29,6 +29,7 @@ from petals_core.server._throughput import (
     measure_compute_rps,
     throughput_cache_key,
 )
+from petals_core.testing import tiny_falcon_config, tiny_mixtral_config
 from tests.models.conftest import HIDDEN, tiny_bloom_config, tiny_llama_config
 
 CPU = torch.device("cpu")
@@ -119,7 +120,9 @@ def measure(tmp_path: Path) -> CountingMeasure:
 # --- measuring ---------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("make_config", [tiny_llama_config, tiny_bloom_config])
+@pytest.mark.parametrize(
+    "make_config", [tiny_llama_config, tiny_bloom_config, tiny_falcon_config, tiny_mixtral_config]
+)
 def test_tiny_blocks_measure_positive_finite_rates(
     make_config: Callable[[], PretrainedConfig],
 ) -> None:

@@ -156,7 +156,8 @@ class LlamaAttention(nn.Module):
         self.head_dim: int = config.head_dim or config.hidden_size // config.num_attention_heads
         if self.n_head % self.n_kv_head:
             raise ValueError(f"{self.n_head} heads cannot share {self.n_kv_head} key/value heads")
-        hidden, bias = config.hidden_size, config.attention_bias
+        # Mixtral's config has no attention_bias: its projections have none.
+        hidden, bias = config.hidden_size, bool(getattr(config, "attention_bias", False))
         self.q_proj = nn.Linear(hidden, self.n_head * self.head_dim, bias=bias)
         self.k_proj = nn.Linear(hidden, self.n_kv_head * self.head_dim, bias=bias)
         self.v_proj = nn.Linear(hidden, self.n_kv_head * self.head_dim, bias=bias)
@@ -249,13 +250,22 @@ class LlamaBlock(nn.Module):
         self.config = config
         self.layer_idx = layer_idx
         self.self_attn = LlamaAttention(config)
-        self.mlp = LlamaMLP(config)
+        self.init_feed_forward(config)
         self.input_layernorm = LlamaRMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = LlamaRMSNorm(config.hidden_size, config.rms_norm_eps)
         # A plain int: reading the config (transformers overrides its attribute access) costs a
         # Python call on every step.
         self.hidden_size: int = config.hidden_size
         self.rotary = LlamaRotary(config)
+
+    def init_feed_forward(self, config: PretrainedConfig) -> None:
+        """Build the part after attention (a family with another one overrides this and
+        :meth:`feed_forward`)."""
+        self.mlp = LlamaMLP(config)  # type: ignore[arg-type]
+
+    def feed_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The part after attention, on the normed residual: ``(..., hidden)`` in and out."""
+        return self.mlp(x)
 
     def allocate_cache(
         self,
@@ -314,7 +324,7 @@ class LlamaBlock(nn.Module):
             x = x + self.self_attn(
                 self.input_layernorm(x), cos, sin, cache=cache, position=position
             )
-            return x + self.mlp(self.post_attention_layernorm(x))
+            return x + self.feed_forward(self.post_attention_layernorm(x))
 
     def forward_many(
         self, hidden_states: Sequence[torch.Tensor], caches: Sequence[KVCache]
@@ -351,5 +361,5 @@ class LlamaBlock(nn.Module):
                 for (_, new), cache in zip(shapes, caches, strict=True)
             ]
             x = x + attn.forward_many(self.input_layernorm(x), shapes, angles, caches)
-            x = x + self.mlp(self.post_attention_layernorm(x))
+            x = x + self.feed_forward(self.post_attention_layernorm(x))
             return split_tokens(x, hidden_states)
