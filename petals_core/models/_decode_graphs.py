@@ -20,9 +20,9 @@ and replays it with one launch:
   output out before the next.
 
 What does not fit (several new tokens, left padding, deep prompts, rows beyond ``max_rows`` in
-one session, LLaMA's length-dependent "dynamic" rotary scaling, int8 layers whose outlier
-handling synchronises with the host) is left to the caller's eager path: :meth:`step` returns
-None for it before touching anything.
+one session, length-dependent "dynamic" rotary scaling, Falcon's ALiBi, Mixtral's experts
+chosen per token, int8 layers whose outlier handling synchronises with the host) is left to the
+caller's eager path: :meth:`step` returns None for it before touching anything.
 
 Without ``capture`` (how the CPU tests run it, through Triton's interpreter) the same step runs
 eagerly on the same static buffers, so everything but the capture itself is exercised anywhere.
@@ -46,6 +46,7 @@ from ._cache import KVCache
 from ._families import Block
 from ._lora import active_adapter
 from .bloom import BloomBlock
+from .falcon import FalconBlock
 from .llama import LlamaBlock
 
 __all__ = ["DecodeGraphs", "DecodeGraphsConfig", "DecodeGraphsStatistics"]
@@ -53,7 +54,7 @@ __all__ = ["DecodeGraphs", "DecodeGraphsConfig", "DecodeGraphsStatistics"]
 log = logging.getLogger(__name__)
 
 #: The blocks whose decode steps are captured.
-GraphBlock = LlamaBlock | BloomBlock
+GraphBlock = LlamaBlock | BloomBlock | FalconBlock
 
 #: Rows of the tables before the per-block pointers: positions, then head strides.
 _POSITIONS, _HEAD_STRIDES, _FIRST_POINTER = 0, 1, 2
@@ -98,26 +99,40 @@ def _unsupported_reason(blocks: Sequence[nn.Module]) -> str | None:
     if not blocks:
         return "no blocks"
     kinds = {type(block) for block in blocks}
-    if kinds not in ({LlamaBlock}, {BloomBlock}):
-        return f"only spans of LlamaBlock or of BloomBlock, not {sorted(k.__name__ for k in kinds)}"
+    if kinds not in ({LlamaBlock}, {BloomBlock}, {FalconBlock}):
+        return (
+            "only spans of LlamaBlock, of BloomBlock or of FalconBlock, not "
+            f"{sorted(k.__name__ for k in kinds)}"
+        )
     first = blocks[0]
-    if isinstance(first, LlamaBlock):
-        if first.rotary.rope_type == "dynamic":
-            return "dynamic NTK rotary scaling depends on the length"
-        if not all(
-            isinstance(block, LlamaBlock) and block.rotary.same_angles(first.rotary)
-            for block in blocks
-        ):
-            return "the blocks' rotary frequencies differ"
-        attn = first.self_attn
-        if attn.head_dim % 2:
-            return "rotary needs an even head_dim"
-        if attn.n_head // attn.n_kv_head > 128:
-            return "more than 128 query heads per key/value head"
+    if isinstance(first, FalconBlock | LlamaBlock):
+        reason = _rotary_reason(blocks)
+        if reason is not None:
+            return reason
     for block in blocks:
         for module in block.modules():
             if type(module).__name__ == "Linear8bitLt":
                 return "int8 layers synchronise with the host (outlier detection)"
+    return None
+
+
+def _rotary_reason(blocks: Sequence[nn.Module]) -> str | None:
+    """Why a span of LLaMA or Falcon blocks (one kind) cannot take the rotary row step."""
+    rotaries = [getattr(block, "rotary", None) for block in blocks]
+    first = rotaries[0]
+    if first is None:
+        return "Falcon's ALiBi (rounded in bfloat16) has no row-table kernel"
+    if first.rope_type == "dynamic":
+        return "dynamic NTK rotary scaling depends on the length"
+    if not all(rotary is not None and rotary.same_angles(first) for rotary in rotaries):
+        return "the blocks' rotary frequencies differ"
+    block = blocks[0]
+    assert isinstance(block, FalconBlock | LlamaBlock)
+    attn = block.self_attention if isinstance(block, FalconBlock) else block.self_attn
+    if attn.head_dim % 2:
+        return "rotary needs an even head_dim"
+    if attn.n_head // attn.n_kv_head > 128:
+        return "more than 128 query heads per key/value head"
     return None
 
 
@@ -179,11 +194,15 @@ class DecodeGraphs:
         if reason is not None:
             raise ValueError(f"these blocks cannot run decode graphs: {reason}")
         self.blocks: list[GraphBlock] = [
-            block for block in blocks if isinstance(block, LlamaBlock | BloomBlock)
+            block for block in blocks if isinstance(block, LlamaBlock | BloomBlock | FalconBlock)
         ]
         self.config = config or DecodeGraphsConfig()
         first = self.blocks[0]
-        weight = first.input_layernorm.weight
+        weight = (
+            first.first_norm.weight
+            if isinstance(first, FalconBlock)
+            else first.input_layernorm.weight
+        )
         self.device = weight.device
         self.dtype = weight.dtype
         self.capture = self.device.type == "cuda" if capture is None else capture
@@ -198,7 +217,7 @@ class DecodeGraphs:
             self._x = torch.zeros((rows, 1, self.hidden_size), dtype=self.dtype, device=self.device)
         # Padding rows append at position 0 of this one-position cache and attend to it alone.
         self._scratch = first.allocate_cache(1, 1)
-        self._cos: torch.Tensor | None = None  # (positions, head_dim), LLaMA only
+        self._cos: torch.Tensor | None = None  # (positions, head_dim), rotary blocks only
         self._sin: torch.Tensor | None = None
         self._slopes: torch.Tensor | None = None  # (n_head,) float32 on the device, BLOOM only
         if isinstance(first, BloomBlock):
@@ -437,16 +456,17 @@ class DecodeGraphs:
         self._x[first_column:last_column].zero_()
 
     def _ensure_rotary(self, positions: int) -> None:
-        """Grow the rotary tables (LLaMA) to cover ``positions``; graphs captured on the old
-        tables are dropped."""
+        """Grow the rotary tables (LLaMA, Falcon) to cover ``positions``; graphs captured on the
+        old tables are dropped."""
         first = self.blocks[0]
-        if not isinstance(first, LlamaBlock):
+        rotary = None if isinstance(first, BloomBlock) else first.rotary
+        if rotary is None:
             return
         if self._cos is not None and self._cos.shape[0] >= positions:
             return
         size = max(_MIN_ROTARY_POSITIONS, 1 << (positions - 1).bit_length())
         with torch.inference_mode():
-            cos, sin = first.rotary(0, size, device=self.device, dtype=self.dtype)
+            cos, sin = rotary(0, size, device=self.device, dtype=self.dtype)
         self._cos, self._sin = cos[0].contiguous(), sin[0].contiguous()  # (size, head_dim)
         self._counts["evicted"] += len(self._graphs)
         self._graphs.clear()
@@ -520,6 +540,11 @@ class DecodeGraphs:
                     if isinstance(block, LlamaBlock):
                         assert self._cos is not None and self._sin is not None
                         y = _llama_step(block, y, block_tables, self._cos, self._sin, bucket_length)
+                    elif isinstance(block, FalconBlock):
+                        assert self._cos is not None and self._sin is not None
+                        y = _falcon_step(
+                            block, y, block_tables, self._cos, self._sin, bucket_length
+                        )
                     else:
                         assert self._slopes is not None
                         y = _bloom_step(block, y, block_tables, self._slopes, bucket_length)
@@ -588,3 +613,26 @@ def _bloom_step(
 def bucket(value: int, minimum: int = 1) -> int:
     """The power of two at or above ``value`` (and ``minimum``)."""
     return max(minimum, 1 << (max(value, 1) - 1).bit_length())
+
+
+def _falcon_step(
+    block: FalconBlock,
+    x: torch.Tensor,
+    tables: kernels.RowTables,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    bucket_length: int,
+) -> torch.Tensor:
+    """:meth:`FalconBlock.forward_many` for one token per row (rotary positions), the attention
+    through row tables."""
+    attn = block.self_attention
+    rows = x.shape[0]  # x: (rows, 1, hidden)
+
+    def attend(normed: torch.Tensor) -> torch.Tensor:
+        q, k, v = attn.split_heads(attn.query_key_value(normed), rows, 1)  # (rows, heads, 1, d)
+        rotated = kernels.rows_append(q[:, :, 0], k[:, :, 0], v[:, :, 0], tables, cos=cos, sin=sin)
+        assert rotated is not None
+        y = kernels.rows_decode_attention(rotated, attn.n_kv_head, tables, max_length=bucket_length)
+        return attn.dense(y.view(rows, 1, attn.n_head * attn.head_dim))
+
+    return block.around_attention(x, attend)

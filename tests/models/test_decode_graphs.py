@@ -16,19 +16,20 @@ import pytest
 import torch
 
 from petals_core import ConfigError
-from petals_core.models import BloomBlock, KVCache, LlamaBlock
+from petals_core.models import BloomBlock, FalconBlock, KVCache, LlamaBlock, MixtralBlock
 from petals_core.models._decode_graphs import (
     DecodeGraphs,
     DecodeGraphsConfig,
     bucket,
 )
+from petals_core.testing import tiny_falcon_config, tiny_mixtral_config
 
 from ._steps import eager_steps, perturbed, twin
 from .conftest import HIDDEN, tiny_bloom_config, tiny_llama_config
 
 torch.set_num_threads(1)
 
-Block = LlamaBlock | BloomBlock
+Block = LlamaBlock | BloomBlock | FalconBlock
 TOL: dict[str, Any] = {"atol": 1e-5, "rtol": 1e-5}
 SPAN = 3
 
@@ -50,6 +51,16 @@ FAMILIES: dict[str, Callable[[int], Block]] = {
     "bloom": lambda i: BloomBlock(tiny_bloom_config(), i),
     "bloom-residual-post-ln": lambda i: BloomBlock(
         tiny_bloom_config(apply_residual_connection_post_layernorm=True), i
+    ),
+    "falcon-40b-layout": lambda i: FalconBlock(tiny_falcon_config(), i),
+    "falcon-7b-layout": lambda i: FalconBlock(
+        tiny_falcon_config(new_decoder_architecture=False, multi_query=True), i
+    ),
+    "falcon-sequential": lambda i: FalconBlock(
+        tiny_falcon_config(
+            new_decoder_architecture=False, multi_query=False, parallel_attn=False, bias=True
+        ),
+        i,
     ),
 }
 
@@ -211,6 +222,11 @@ def test_unsupported_blocks() -> None:
     mixed = [LlamaBlock(tiny_llama_config()), BloomBlock(tiny_bloom_config())]
     assert "only spans" in (DecodeGraphs.unsupported_reason(mixed) or "")
     assert DecodeGraphs.unsupported_reason([]) == "no blocks"
+    alibi = FalconBlock(tiny_falcon_config(alibi=True))
+    assert "ALiBi" in (DecodeGraphs.unsupported_reason([alibi]) or "")
+    # Mixtral's experts are picked per token on the host: its steps stay eager.
+    mixtral = MixtralBlock(tiny_mixtral_config())
+    assert "only spans" in (DecodeGraphs.unsupported_reason([mixtral]) or "")
     with pytest.raises(ValueError, match="cannot run decode graphs: dynamic"):
         DecodeGraphs([dynamic])
     with pytest.raises(ValueError, match="CUDA graphs need blocks on a CUDA device"):

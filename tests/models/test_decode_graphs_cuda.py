@@ -11,8 +11,17 @@ import os
 import pytest
 import torch
 
-from petals_core.models import BloomBlock, DecodeGraphs, DecodeGraphsConfig, KVCache, LlamaBlock
+from petals_core.models import (
+    Block,
+    BloomBlock,
+    DecodeGraphs,
+    DecodeGraphsConfig,
+    FalconBlock,
+    KVCache,
+    LlamaBlock,
+)
 from petals_core.models._quantize import quantize_block
+from petals_core.testing import tiny_falcon_config
 
 from ._steps import eager_steps, twin
 from .conftest import tiny_bloom_config, tiny_llama_config
@@ -29,9 +38,9 @@ HIDDEN, HEADS, KV_HEADS = 512, 8, 2  # head_dim 64
 SPAN = 4
 
 
-def _blocks(family: str, dtype: torch.dtype) -> list[LlamaBlock | BloomBlock]:
+def _blocks(family: str, dtype: torch.dtype) -> list[Block]:
     torch.manual_seed(0)
-    blocks: list[LlamaBlock | BloomBlock] = []
+    blocks: list[Block] = []
     for index in range(SPAN):
         if family == "llama":
             config = tiny_llama_config(
@@ -41,26 +50,29 @@ def _blocks(family: str, dtype: torch.dtype) -> list[LlamaBlock | BloomBlock]:
                 num_key_value_heads=KV_HEADS,
                 max_position_embeddings=4096,
             )
-            block: LlamaBlock | BloomBlock = LlamaBlock(config, index)
+            block: Block = LlamaBlock(config, index)
+        elif family == "falcon":  # Falcon-40B's layout: 8 heads in 2 groups, two LayerNorms
+            falcon = tiny_falcon_config(
+                hidden_size=HIDDEN, num_attention_heads=HEADS, num_kv_heads=KV_HEADS
+            )
+            block = FalconBlock(falcon, index)
         else:
             block = BloomBlock(tiny_bloom_config(hidden_size=HIDDEN, n_head=HEADS), index)
         with torch.no_grad():
             for name, param in block.named_parameters():
                 noise = torch.randn(param.shape)
-                param.copy_(1 + 0.2 * noise if "layernorm.weight" in name else 0.05 * noise)
+                norm = name.endswith("weight") and ("layernorm" in name or name.startswith("ln_"))
+                param.copy_(1 + 0.2 * noise if norm else 0.05 * noise)
         blocks.append(block.to("cuda", dtype).eval().requires_grad_(False))
     return blocks
 
 
-def _sessions(
-    blocks: list[LlamaBlock | BloomBlock], specs: list[tuple[int, int, int]]
-) -> list[list[KVCache]]:
+def _sessions(blocks: list[Block], specs: list[tuple[int, int, int]]) -> list[list[KVCache]]:
     sessions = []
     for batch, max_length, filled in specs:
         caches = [block.allocate_cache(batch, max_length) for block in blocks]
-        x = torch.randn(
-            batch, filled, HIDDEN, device="cuda", dtype=blocks[0].input_layernorm.weight.dtype
-        )
+        dtype = next(blocks[0].parameters()).dtype
+        x = torch.randn(batch, filled, HIDDEN, device="cuda", dtype=dtype)
         with torch.inference_mode():
             for block, cache in zip(blocks, caches, strict=True):
                 x = block(x, cache=cache)
@@ -76,7 +88,7 @@ def _close(actual: torch.Tensor, expected: torch.Tensor) -> None:
         assert (actual.float() - expected.float()).abs().max().item() <= 0.02 * scale
 
 
-@pytest.mark.parametrize("family", ["llama", "bloom"])
+@pytest.mark.parametrize("family", ["llama", "bloom", "falcon"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_replays_equal_the_eager_path(family: str, dtype: torch.dtype) -> None:
     blocks = _blocks(family, dtype)

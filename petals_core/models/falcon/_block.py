@@ -256,7 +256,7 @@ class FalconBlock(nn.Module):
                 like=hidden_states,
                 padding=None if cache is None else cache.padding,
             )
-            return self._layer(
+            return self.around_attention(
                 hidden_states,
                 lambda normed: self.self_attention(
                     normed, positions, cache=cache, position=position
@@ -291,7 +291,7 @@ class FalconBlock(nn.Module):
                 self._positions(cache.length, new, keys_from=0, like=x, padding=cache.padding)
                 for (_, new), cache in zip(shapes, caches, strict=True)
             ]
-            out = self._layer(
+            out = self.around_attention(
                 x, lambda normed: attn.forward_many(normed, shapes, positions, caches)
             )
             return split_tokens(out, hidden_states)
@@ -316,7 +316,7 @@ class FalconBlock(nn.Module):
             device=reference.device if device is None else device,
         )
 
-    def _layer(
+    def around_attention(
         self, x: torch.Tensor, attend: Callable[[torch.Tensor], torch.Tensor]
     ) -> torch.Tensor:
         """The layer around its attention, ``attend`` (normalised states in, attention's
