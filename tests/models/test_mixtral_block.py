@@ -215,3 +215,13 @@ def test_cache_path_records_no_graph() -> None:
     y = block(torch.randn(1, 2, HIDDEN, requires_grad=True), cache=cache)
     assert not y.requires_grad
     assert not cache.keys.requires_grad
+
+
+def test_bad_inputs_get_the_blocks_errors() -> None:
+    block = MixtralBlock(_config(sliding_window=8))
+    cache = block.allocate_cache(1, 4)
+    with pytest.raises(ValueError, match=r"\(batch, T >= 1, 64\)"):
+        block(torch.randn(1, 65), cache=cache)
+    with pytest.raises(ValueError, match=r"item 0: .*\(batch"):
+        block.forward_many([torch.randn(1, 1, 65)], [cache])
+    assert cache.length == 0

@@ -146,14 +146,23 @@ class MixtralBlock(LlamaBlock):
         position: int | None = None,
     ) -> torch.Tensor:
         """As :meth:`LlamaBlock.forward`."""
-        start = position if position is not None else 0 if cache is None else cache.length
-        self._check_window(start + hidden_states.shape[1])
+        if self.sliding_window is not None and _is_step(hidden_states):
+            start = position if position is not None else 0 if cache is None else cache.length
+            self._check_window(start + hidden_states.shape[1])
         return super().forward(hidden_states, cache=cache, position=position)
 
     def forward_many(
         self, hidden_states: Sequence[torch.Tensor], caches: Sequence[KVCache]
     ) -> list[torch.Tensor]:
         """As :meth:`LlamaBlock.forward_many`; the experts run once over every session's tokens."""
-        for states, cache in zip(hidden_states, caches, strict=False):
-            self._check_window(cache.length + states.shape[1])
+        if self.sliding_window is not None:
+            for states, cache in zip(hidden_states, caches, strict=False):
+                if _is_step(states) and isinstance(cache, KVCache):
+                    self._check_window(cache.length + states.shape[1])
         return super().forward_many(hidden_states, caches)
+
+
+def _is_step(hidden_states: object) -> bool:
+    """Whether ``hidden_states`` is shaped like a step, ``(B, T, hidden)`` (anything else is
+    refused by LlamaBlock's own checks, with their messages)."""
+    return isinstance(hidden_states, torch.Tensor) and hidden_states.dim() == 3
