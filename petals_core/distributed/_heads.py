@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 from contextvars import ContextVar
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, cast
 
 import attrs
 import torch
@@ -302,6 +302,10 @@ class DistributedCausalLMMixin(DistributedHeadMixin):
                 # On the device of the new inputs, or the model's (it may have moved since).
                 device = base.local_device if inputs is None else inputs.device
                 inputs, skipped = _continue_from(active.output_ids.to(device), inputs)
+                if kwargs.get("attention_mask") is None:
+                    mask = _continuation_mask(inputs, self._generation_ids(kwargs))
+                    if mask is not None:
+                        kwargs["attention_mask"] = mask
             reset = _GENERATION_STACK.set(stack)
             try:
                 result = super().generate(inputs, *args, **kwargs)  # type: ignore[misc]
@@ -318,6 +322,18 @@ class DistributedCausalLMMixin(DistributedHeadMixin):
                 else:
                     result = sequences
         return result
+
+    def _generation_ids(self, kwargs: dict[str, Any]) -> tuple[int | None, list[int]]:
+        """The pad token id and end-of-sequence ids a generate() call with ``kwargs`` uses."""
+        config = cast("GenerationConfig", kwargs.get("generation_config") or self.generation_config)
+        pad = kwargs.get("pad_token_id", config.pad_token_id)
+        if pad is None:
+            pad = self.config.pad_token_id
+        eos = kwargs.get("eos_token_id", config.eos_token_id)
+        if isinstance(eos, torch.Tensor):
+            eos = eos.tolist()
+        eos_ids = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+        return (None if pad is None else int(pad)), [int(token) for token in eos_ids]
 
     def _prepare_cache_for_generation(
         self,
@@ -345,6 +361,20 @@ class DistributedCausalLMMixin(DistributedHeadMixin):
             session = stack.enter_context(base.inference_session(max_length=max_length))
         model_kwargs[CACHE_ARG] = RemoteCache(session.token_position)
         return True
+
+
+def _continuation_mask(
+    ids: torch.Tensor, special: tuple[int | None, list[int]]
+) -> torch.Tensor | None:
+    """The attention mask of a generate() that continues a session, when transformers would
+    infer one from the pad token (``ids`` hold it, and it is not an end-of-sequence token): only
+    each row's leading pad tokens (the first call's left padding) are masked.  A generated token
+    that happens to be the pad id is a token the servers hold like any other, not padding."""
+    pad, eos = special
+    if pad is None or pad in eos or not bool((ids == pad).any()):
+        return None
+    leading = torch.cumprod((ids == pad).to(torch.int64), dim=1).bool()  # (B, T)
+    return (~leading).to(torch.int64)
 
 
 def _continue_from(previous: torch.Tensor, inputs: torch.Tensor | None) -> tuple[torch.Tensor, int]:

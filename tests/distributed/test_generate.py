@@ -67,6 +67,30 @@ def test_generate_calls_in_one_session_continue(models: tuple[Any, Any]) -> None
     assert torch.equal(torch.cat([second, third], dim=1), whole)
 
 
+def test_a_session_continues_past_tokens_equal_to_the_pad_id(models: tuple[Any, Any]) -> None:
+    """A token of the history that happens to be the pad id is a token, not padding: only each
+    row's leading pad tokens (the first call's left padding) stay masked when a session goes on
+    without an attention mask (transformers would infer one masking every pad id)."""
+    model, reference = models
+    settings = {"do_sample": False, **no_eos(reference)}
+    pad = settings["pad_token_id"]
+    ids = random_ids(2, 5, seed=50)
+    ids[1, :2] = pad  # row 1 is left-padded
+    mask = (ids != pad).long()
+    with model.inference_session(max_length=32):
+        first = model.generate(ids, attention_mask=mask, max_new_tokens=2, **settings)
+        # transformers' way, adding a pad-id token to every row, then Petals' way.
+        extended = torch.cat([first, torch.full((2, 1), pad)], dim=1)
+        second = model.generate(extended, max_new_tokens=2, **settings)
+        third = model.generate(None, max_new_tokens=2, **settings)
+    full_mask = torch.ones_like(second)
+    full_mask[1, :2] = 0
+    expected = reference.generate(
+        second[:, :-2], attention_mask=full_mask[:, :-2], **settings, max_new_tokens=4
+    )
+    assert torch.equal(torch.cat([second, third], dim=1), expected)
+
+
 def test_new_tokens_petals_style_continue_the_session(models: tuple[Any, Any]) -> None:
     model, reference = models
     ids = random_ids(1, 4, seed=40)
