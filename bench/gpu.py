@@ -31,7 +31,10 @@ per token and at most a quarter of transformers' eager decode; 32 sessions at le
 tokens per second of one; fp32 logits within 1e-4 of transformers', greedy tokens equal;
 transport RTT at most 3x trio TCP's, bulk at least 60 MB/s at 1452 B and 400 MB/s at 16 KiB.
 
-``python -m bench.gpu --phases swarm,kernels --families llama`` runs a part.  ``--smoke`` runs
+``python -m bench.gpu --phases swarm,kernels --families llama`` runs a part.  ``--families``
+also takes ``falcon`` (a 1B-parameter Falcon of the new decoder architecture: 32 heads over 4
+key/value heads, 22 blocks) and ``mixtral`` (8 experts of width 3584, top 2, hidden size 1024,
+16 blocks), which the default run leaves out for time.  ``--smoke`` runs
 the swarm phase on the CPU with tiny shapes, the fp32 and bf16 variants and few tokens: a check
 of the benchmark itself on a machine without a GPU (its numbers mean nothing).  bench/README.md
 lists the packages a bare CUDA machine lacks and how to bring them.
@@ -60,7 +63,9 @@ import trio
 from petals_core.testing import (
     bloom_560m_config,
     tiny_bloom_config,
+    tiny_falcon_config,
     tiny_llama_config,
+    tiny_mixtral_config,
     tinyllama_1b_config,
 )
 
@@ -68,7 +73,9 @@ from ._report import print_table, summarize, write_json
 
 ROOT = Path(__file__).resolve().parents[1]
 PHASES = ("tests", "swarm", "kernels", "transport", "api")
-FAMILIES = ("llama", "bloom")
+FAMILIES = ("llama", "bloom", "falcon", "mixtral")
+#: What runs unless ``--families`` says otherwise.
+DEFAULT_FAMILIES = ("llama", "bloom")
 #: variant -> (--torch_dtype, --quant_type) of its servers.
 VARIANTS = {
     "fp32": ("float32", "none"),
@@ -106,7 +113,11 @@ SETUP = _Setup()
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.gpu", description=__doc__)
     parser.add_argument("--phases", default=",".join(PHASES), help="comma-separated phases")
-    parser.add_argument("--families", default=",".join(FAMILIES), help="llama, bloom or both")
+    parser.add_argument(
+        "--families",
+        default=",".join(DEFAULT_FAMILIES),
+        help=f"comma-separated, of {', '.join(FAMILIES)}",
+    )
     parser.add_argument("--smoke", action="store_true", help="the swarm phase, tiny, on CPU")
     args = parser.parse_args([] if argv is None else argv)
     if args.smoke:
@@ -213,8 +224,42 @@ def _tests() -> dict[str, Any]:
 
 def _family_model(family: str) -> tuple[Any, Any]:
     """The config and model class of a family's benchmark shape."""
-    from transformers import BloomForCausalLM, LlamaForCausalLM
+    from transformers import (
+        BloomForCausalLM,
+        FalconForCausalLM,
+        LlamaForCausalLM,
+        MixtralForCausalLM,
+    )
 
+    if family == "falcon":
+        if SETUP.smoke:
+            return tiny_falcon_config(
+                num_hidden_layers=4, max_position_embeddings=2048, vocab_size=512
+            ), FalconForCausalLM
+        falcon = tiny_falcon_config(
+            hidden_size=2048,
+            num_attention_heads=32,
+            num_kv_heads=4,
+            num_hidden_layers=22,
+            vocab_size=65024,
+            max_position_embeddings=2048,
+        )
+        return falcon, FalconForCausalLM
+    if family == "mixtral":
+        if SETUP.smoke:
+            return tiny_mixtral_config(
+                num_hidden_layers=4, max_position_embeddings=2048, vocab_size=512
+            ), MixtralForCausalLM
+        mixtral = tiny_mixtral_config(
+            hidden_size=1024,
+            intermediate_size=3584,
+            num_attention_heads=16,
+            num_key_value_heads=4,
+            num_hidden_layers=16,
+            vocab_size=32000,
+            max_position_embeddings=2048,
+        )
+        return mixtral, MixtralForCausalLM
     if SETUP.smoke:
         if family == "llama":
             # Positions past the tiny config's 128: a PREFILL-token prompt and then decode steps.
