@@ -224,61 +224,50 @@ def _tests() -> dict[str, Any]:
 
 def _family_model(family: str) -> tuple[Any, Any]:
     """The config and model class of a family's benchmark shape."""
-    from transformers import (
-        BloomForCausalLM,
-        FalconForCausalLM,
-        LlamaForCausalLM,
-        MixtralForCausalLM,
-    )
+    from transformers import AutoModelForCausalLM
 
-    if family == "falcon":
-        if SETUP.smoke:
-            return tiny_falcon_config(
-                num_hidden_layers=4, max_position_embeddings=2048, vocab_size=512
-            ), FalconForCausalLM
-        falcon = tiny_falcon_config(
-            hidden_size=2048,
-            num_attention_heads=32,
-            num_kv_heads=4,
-            num_hidden_layers=22,
-            vocab_size=65024,
-            max_position_embeddings=2048,
-        )
-        return falcon, FalconForCausalLM
-    if family == "mixtral":
-        if SETUP.smoke:
-            return tiny_mixtral_config(
-                num_hidden_layers=4, max_position_embeddings=2048, vocab_size=512
-            ), MixtralForCausalLM
-        mixtral = tiny_mixtral_config(
-            hidden_size=1024,
-            intermediate_size=3584,
-            num_attention_heads=16,
-            num_key_value_heads=4,
-            num_hidden_layers=16,
-            vocab_size=32000,
-            max_position_embeddings=2048,
-        )
-        return mixtral, MixtralForCausalLM
     if SETUP.smoke:
-        if family == "llama":
-            # Positions past the tiny config's 128: a PREFILL-token prompt and then decode steps.
-            smoke = tiny_llama_config(
-                num_hidden_layers=4, vocab_size=512, max_position_embeddings=2048
-            )
-            return smoke, LlamaForCausalLM
-        return tiny_bloom_config(n_layer=4, vocab_size=512), BloomForCausalLM
-    if family == "llama":
-        return tinyllama_1b_config(), LlamaForCausalLM
-    return bloom_560m_config(), BloomForCausalLM
+        # Positions past the tiny configs' 128: a PREFILL-token prompt and then decode steps.
+        long = {"num_hidden_layers": 4, "vocab_size": 512, "max_position_embeddings": 2048}
+        smoke = {
+            "llama": lambda: tiny_llama_config(**long),
+            "bloom": lambda: tiny_bloom_config(n_layer=4, vocab_size=512),
+            "falcon": lambda: tiny_falcon_config(**long),
+            "mixtral": lambda: tiny_mixtral_config(**long),
+        }
+        config = smoke[family]()
+    else:
+        full = {
+            "llama": tinyllama_1b_config,
+            "bloom": bloom_560m_config,
+            "falcon": lambda: tiny_falcon_config(
+                hidden_size=2048,
+                num_attention_heads=32,
+                num_kv_heads=4,
+                num_hidden_layers=22,
+                vocab_size=65024,
+                max_position_embeddings=2048,
+            ),
+            "mixtral": lambda: tiny_mixtral_config(
+                hidden_size=1024,
+                intermediate_size=3584,
+                num_attention_heads=16,
+                num_key_value_heads=4,
+                num_hidden_layers=16,
+                vocab_size=32000,
+                max_position_embeddings=2048,
+            ),
+        }
+        config = full[family]()
+    return config, AutoModelForCausalLM.from_config
 
 
 def _make_checkpoint(family: str, folder: Path) -> Any:
     """Random fp32 weights made on the GPU, saved in shards; returns the model (fp32, GPU)."""
-    config, model_class = _family_model(family)
+    config, make_model = _family_model(family)
     torch.manual_seed(0)
     with torch.device(SETUP.device):
-        model = model_class(config)
+        model = make_model(config)
     model.eval().requires_grad_(False)
     model.save_pretrained(folder, max_shard_size="1GB")
     return model
