@@ -50,4 +50,4 @@ from ._span_steps import EagerSteps as EagerSteps, SpanSteps as SpanSteps
 from .bloom import BloomBlock as BloomBlock
 from .falcon import FalconBlock as FalconBlock
 from .llama import LlamaBlock as LlamaBlock
-from .mixtral import MixtralBlock as MixtralBlock
+from .mixtral import MixtralBlock as MixtralBlock, MixtralSparseMoE as MixtralSparseMoE

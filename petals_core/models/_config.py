@@ -150,7 +150,8 @@ class DistributedBloomConfig(DistributedConfig, BloomConfig):
 
 
 class DistributedFalconConfig(DistributedConfig, FalconConfig):
-    """A Falcon config (``model_type == "falcon"``) with ``dht_prefix``."""
+    """A Falcon config (``model_type == "falcon"``) with ``dht_prefix``.  Without a
+    ``pad_token_id`` (Falcon's checkpoints have none) it is 0, as in Petals."""
 
 
 class DistributedMixtralConfig(DistributedConfig, MixtralConfig):
@@ -244,7 +245,10 @@ def _load_config(
     config = config_class.from_dict(
         config_dict, name_or_path=os.fspath(model_name_or_path), **unused_kwargs
     )
-    if isinstance(config, DistributedMixtralConfig) and config.pad_token_id is None:
+    if (
+        isinstance(config, DistributedFalconConfig | DistributedMixtralConfig)
+        and config.pad_token_id is None
+    ):
         config.pad_token_id = 0
     if dht_prefix is not None:
         config.dht_prefix = dht_prefix

@@ -17,6 +17,7 @@ Conventions of every call:
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Sequence
 from typing import get_args
 
@@ -35,6 +36,7 @@ from ..models import (
     DecodeGraphsStatistics,
     EagerSteps,
     KVCache,
+    MixtralSparseMoE,
     SpanSteps,
     using_adapter,
 )
@@ -98,10 +100,7 @@ class BlockBackend:
         # What a backward keeps per token and block (an estimate): each projection's output, a
         # few hidden-sized intermediates (norms, residuals), and attention scores per key.
         first = self.blocks[0]
-        self._activation_elements_per_token = (
-            sum(m.out_features for m in first.modules() if isinstance(m, nn.Linear))
-            + 6 * hidden_size
-        )
+        self._activation_elements_per_token = _linear_outputs_per_token(first) + 6 * hidden_size
         self._attention_heads = max(
             (h for m in first.modules() if isinstance(h := getattr(m, "n_head", None), int)),
             default=1,
@@ -385,3 +384,22 @@ def _restore(caches: Sequence[KVCache], lengths: Sequence[int]) -> None:
     for cache, length in zip(caches, lengths, strict=True):
         if cache.length > length:
             cache.rollback(length)
+
+
+def _linear_outputs_per_token(block: nn.Module) -> int:
+    """The outputs of the block's linear layers that one token goes through: all of them, but
+    of a mixture of experts only the share of experts a token is routed to."""
+    total = 0.0
+    experts: set[nn.Module] = set()
+    for module in block.modules():
+        if isinstance(module, MixtralSparseMoE):
+            share = module.top_k / module.num_experts
+            for expert in module.experts:
+                experts.update(expert.modules())
+                total += share * sum(
+                    m.out_features for m in expert.modules() if isinstance(m, nn.Linear)
+                )
+    total += sum(
+        m.out_features for m in block.modules() if isinstance(m, nn.Linear) and m not in experts
+    )
+    return math.ceil(total)

@@ -450,8 +450,11 @@ class Server:
         )
         built: list[Block] = []
         for index in blocks:
-            block = new_block(config, index)
-            block.load_state_dict(states.pop(index))
+            # Built without memory, then given the checkpoint's tensors: no random weights are
+            # drawn for a block (seconds and gigabytes for a Mixtral or Falcon-180B block).
+            with torch.device("meta"):
+                block = new_block(config, index)
+            block.load_state_dict(states.pop(index), assign=True)
             block = block.to(self.device, self.dtype)
             quantize_block(block, self.quant_type)
             built.append(block)

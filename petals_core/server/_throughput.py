@@ -49,6 +49,7 @@ from .._errors import ConfigError
 from ..models import (
     CpuDecode,
     EagerSteps,
+    FalconBlock,
     QuantType,
     SpanSteps,
     new_block,
@@ -167,11 +168,8 @@ def measure_compute_rps(
     rng_devices = [device.index or 0] if device.type == "cuda" else []
     with torch.random.fork_rng(devices=rng_devices), torch.inference_mode():
         torch.manual_seed(0)
-        block = (
-            new_block(config, purpose="measure the throughput")
-            .to(device=device, dtype=dtype)
-            .eval()
-        )
+        with torch.device(device):  # random weights drawn where they are measured
+            block = new_block(config, purpose="measure the throughput").to(dtype=dtype).eval()
         quantize_block(block, quant_type)  # in place
         hidden = config.hidden_size
         prompt = torch.randn(1, n_tokens, hidden, device=device, dtype=dtype)  # (1, T, hidden)
@@ -301,6 +299,21 @@ def throughput_cache_key(
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     intermediate = getattr(config, "intermediate_size", None) or 4 * config.hidden_size
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    layout: list[str] = []
+    if config.model_type == "falcon":  # its own names for the MLP width and key/value heads
+        with torch.device("meta"):
+            falcon = new_block(config, purpose="measure the throughput")
+        assert isinstance(falcon, FalconBlock)
+        kv_heads = falcon.self_attention.n_kv_head
+        intermediate = falcon.mlp.dense_h_to_4h.out_features
+        arrangement = (
+            "two-norms" if falcon.two_norms else "parallel" if falcon.parallel else "sequential"
+        )
+        positions = "rotary" if falcon.rotary is not None else "alibi"
+        layout = [f"layout={arrangement}", f"positions={positions}"]
+    experts = getattr(config, "num_local_experts", None)
+    if experts is not None:
+        layout.append(f"experts={experts}/{config.num_experts_per_tok}")
     device = torch.device(device)
     device_part = _device_name(device)
     if device.type == "cpu":
@@ -313,6 +326,7 @@ def throughput_cache_key(
             f"heads={heads}",
             f"kv_heads={kv_heads}",
             f"head_dim={head_dim}",
+            *layout,
             f"device={device_part}",
             f"dtype={_dtype_name(dtype, quant_type)}",
             f"torch={torch.__version__}",

@@ -300,3 +300,18 @@ def test_cache_path_records_no_graph() -> None:
     y = ours(inputs(1, 2).requires_grad_(True), cache=cache)
     assert not y.requires_grad
     assert not cache.keys.requires_grad
+
+
+def test_a_block_built_on_meta_and_given_weights_equals_one_built_with_them() -> None:
+    """How a server builds its blocks: on "meta" (no memory, no random weights), then assigned
+    the checkpoint's tensors; the ALiBi slopes are computed for real either way."""
+    config = BloomConfig(hidden_size=64, n_head=4)
+    torch.manual_seed(0)
+    built = BloomBlock(config).eval()
+    with torch.device("meta"):
+        block = BloomBlock(config)
+    block.load_state_dict({k: v.clone() for k, v in built.state_dict().items()}, assign=True)
+    assert block._slopes.device.type == "cpu"
+    x = torch.randn(2, 5, 64)
+    with torch.no_grad():
+        torch.testing.assert_close(block.eval()(x), built(x), rtol=0, atol=0)

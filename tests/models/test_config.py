@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import re
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hypothesis import given, strategies as st
@@ -147,11 +148,17 @@ def test_unsupported_model_type_is_named(tmp_path: Path, config: object) -> None
         DistributedLlamaConfig.from_pretrained(folder)
 
 
-def test_mixtral_without_a_pad_token_pads_with_0(tmp_path: Path) -> None:
-    folder = _save_config(tmp_path / "mixtral", tiny_mixtral_config(pad_token_id=None))
+@pytest.mark.parametrize(
+    "make", [tiny_falcon_config, tiny_mixtral_config], ids=["falcon", "mixtral"]
+)
+def test_falcon_and_mixtral_without_a_pad_token_pad_with_0(tmp_path: Path, make: Any) -> None:
+    """As in Petals: their checkpoints have no pad token, and batches need one."""
+    folder = _save_config(tmp_path / "none", make(pad_token_id=None))
     assert AutoDistributedConfig.from_pretrained(folder).pad_token_id == 0
-    folder = _save_config(tmp_path / "mixtral-7", tiny_mixtral_config(pad_token_id=7))
+    folder = _save_config(tmp_path / "seven", make(pad_token_id=7))
     assert AutoDistributedConfig.from_pretrained(folder).pad_token_id == 7
+    llama = _save_config(tmp_path / "llama", tiny_llama_config(pad_token_id=None))
+    assert AutoDistributedConfig.from_pretrained(llama).pad_token_id is None
 
 
 def test_family_mismatch(tmp_path: Path) -> None:

@@ -8,8 +8,9 @@ import pytest
 import torch
 from transformers import LlamaConfig
 
-from petals_core.models import CpuDecode, LlamaBlock, LoraAdapter, add_adapter
+from petals_core.models import CpuDecode, LlamaBlock, LoraAdapter, MixtralBlock, add_adapter
 from petals_core.server._backend import BlockBackend
+from petals_core.testing import tiny_mixtral_config
 
 HIDDEN = 64
 CPU = torch.device("cpu")
@@ -147,3 +148,20 @@ def test_a_failed_step_rolls_every_cache_back() -> None:
     with pytest.raises(ValueError, match="do not fit"):
         backend.inference_steps(10, 13, [(torch.randn(1, 1, HIDDEN), caches)])
     assert [cache.length for cache in caches] == [4, 4, 4]
+
+
+def test_the_backward_estimate_counts_the_experts_a_token_goes_through() -> None:
+    """A Mixtral block's tokens each pass through 2 of its 8 experts: its activations per token
+    are the attention's projections, the router and a quarter of the experts' outputs."""
+    config = tiny_mixtral_config(num_hidden_layers=1)
+    mixtral = _backend([MixtralBlock(config)])  # type: ignore[list-item]
+    llama = _backend(_blocks(1))
+    inner, kv = config.intermediate_size, config.num_key_value_heads * (HIDDEN // 4)
+    attention = HIDDEN + 2 * kv + HIDDEN  # q, k, v, o
+    experts = 8 * (2 * inner + HIDDEN) * 2 // 8  # w1, w3, w2 of 2 experts in 8
+    per_token = attention + 8 + experts + 6 * HIDDEN  # router: one score per expert
+    attention_scores = 2 * 4 * 5  # 2 x heads x keys
+    assert mixtral.activation_bytes(1, 5) == 5 * (per_token + attention_scores) * 4
+    # The same width and heads, one MLP of the same width: the same attention, fewer outputs.
+    assert llama.activation_bytes(1, 5) < mixtral.activation_bytes(1, 5)
+    assert mixtral.activation_bytes(1, 5) < 2 * llama.activation_bytes(1, 5)

@@ -292,6 +292,30 @@ def test_cache_key_names_what_the_speed_depends_on() -> None:
     assert torch.__version__ in base
 
 
+def test_cache_keys_tell_falcon_layouts_and_mixtral_routings_apart() -> None:
+    def key(config: PretrainedConfig) -> str:
+        return throughput_cache_key(config, device=CPU, dtype=torch.float32, quant_type="none")
+
+    falcons = [
+        tiny_falcon_config(),  # new decoder architecture, 2 key/value heads
+        tiny_falcon_config(num_kv_heads=4),
+        tiny_falcon_config(new_decoder_architecture=False, multi_query=True),
+        tiny_falcon_config(new_decoder_architecture=False, multi_query=False),
+        tiny_falcon_config(new_decoder_architecture=False, parallel_attn=False),
+        tiny_falcon_config(new_decoder_architecture=False, parallel_attn=False, alibi=True),
+        tiny_falcon_config(ffn_hidden_size=96),
+    ]
+    mixtrals = [
+        tiny_mixtral_config(),
+        tiny_mixtral_config(num_local_experts=4),
+        tiny_mixtral_config(num_experts_per_tok=1),
+    ]
+    keys = [key(config) for config in [*falcons, *mixtrals]]
+    assert len(set(keys)) == len(keys)
+    assert "kv_heads=1" in key(falcons[2])  # multi-query: one key/value head
+    assert key(tiny_mixtral_config(num_hidden_layers=2)) == keys[len(falcons)]
+
+
 @pytest.mark.parametrize(
     "content",
     [

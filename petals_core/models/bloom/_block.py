@@ -134,7 +134,9 @@ class BloomBlock(nn.Module):
         self.post_attention_layernorm = nn.LayerNorm(config.hidden_size, eps=eps)
         self.mlp = BloomMLP(config)
         # A plain attribute, not a buffer: ``block.to(torch.bfloat16)`` must not round the slopes.
-        self._slopes = alibi_slopes(config.n_head)  # (n_head,) float32
+        # On the CPU whatever the default device: a block built on "meta" gets real slopes.
+        with torch.device("cpu"):
+            self._slopes = alibi_slopes(config.n_head)  # (n_head,) float32
 
     def forward(
         self,
