@@ -34,7 +34,7 @@ import logging
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import attrs
 import torch
@@ -193,9 +193,8 @@ class DecodeGraphs:
         reason = _unsupported_reason(blocks)
         if reason is not None:
             raise ValueError(f"these blocks cannot run decode graphs: {reason}")
-        self.blocks: list[GraphBlock] = [
-            block for block in blocks if isinstance(block, LlamaBlock | BloomBlock | FalconBlock)
-        ]
+        # _unsupported_reason admitted only spans of one of these kinds.
+        self.blocks = cast(list[GraphBlock], list(blocks))
         self.config = config or DecodeGraphsConfig()
         first = self.blocks[0]
         weight = (

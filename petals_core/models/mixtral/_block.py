@@ -30,7 +30,7 @@ import torch
 from torch import nn
 from transformers.activations import ACT2FN
 
-from .._cache import KVCache
+from .._cache import KVCache, step_position
 from ..llama._block import LlamaBlock
 
 if TYPE_CHECKING:
@@ -147,8 +147,7 @@ class MixtralBlock(LlamaBlock):
     ) -> torch.Tensor:
         """As :meth:`LlamaBlock.forward`."""
         if self.sliding_window is not None and _is_step(hidden_states):
-            start = position if position is not None else 0 if cache is None else cache.length
-            self._check_window(start + hidden_states.shape[1])
+            self._check_window(step_position(cache, position) + hidden_states.shape[1])
         return super().forward(hidden_states, cache=cache, position=position)
 
     def forward_many(
