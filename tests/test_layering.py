@@ -4,12 +4,13 @@ reading the import statements of each package."""
 from __future__ import annotations
 
 import ast
+import functools
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from ._fresh import MODEL_STACK, run_fresh
 
 HEAVY = ("torch", "transformers", "triton")
 #: What model code must not import: our network layers, routing, and the layer above the client
@@ -37,50 +38,98 @@ BELOW_DISTRIBUTED = (
 #: The top layer: the HTTP faces and the stack only they use.
 TOP = ("petals_core.api", "petals_core.monitor", "petals_core._http")
 PACKAGE = Path(__file__).resolve().parents[1] / "petals_core"
+#: Third-party modules that torch and transformers do not import.
+NOT_IN_MODEL_STACK = ("aioquic",)
 
 
 def _imported_after(module: str, watched: tuple[str, ...]) -> list[str]:
-    code = f"import sys, {module}\nprint(','.join(m for m in {watched!r} if m in sys.modules))\n"
-    result = subprocess.run(
-        [sys.executable, "-c", code], check=True, timeout=120, capture_output=True, text=True
-    )
-    return [name for name in result.stdout.strip().split(",") if name]
+    """Which of ``watched`` are loaded once ``module`` is imported into an interpreter that has
+    loaded nothing of petals_core (the checks of this file are run together, see
+    :func:`_fresh_imports`)."""
+    found = _fresh_imports().get((module, watched))
+    if found is None:
+        found = _run_checks(watched, [module])[module]
+    return found
 
 
-@pytest.mark.parametrize(
-    "module",
-    [
-        "petals_core",
-        "petals_core._groups",
-        "petals_core._cli",
-        "petals_core.transport",
-        "petals_core.testing",
-        "petals_core.dht",
-        "petals_core.routing",
-        "petals_core.monitor",
-    ],
+def _run_checks(watched: tuple[str, ...], modules: list[str]) -> dict[str, list[str]]:
+    # The third-party model stack is preloaded where no module it may load is watched (the
+    # driver fails if it loaded one anyway).
+    ours = all(_within(name, ("petals_core", *NOT_IN_MODEL_STACK)) for name in watched)
+    preload = MODEL_STACK if ours else ()
+    snippets = {
+        module: f"import sys, {module}\n"
+        f"print(','.join(m for m in {watched!r} if m in sys.modules))\n"
+        for module in modules
+    }
+    results = run_fresh(snippets, preload=preload, absent=watched)
+    return {
+        module: [name for name in fresh.check().strip().split(",") if name]
+        for module, fresh in results.items()
+    }
+
+
+@functools.cache
+def _fresh_imports() -> dict[tuple[str, tuple[str, ...]], list[str]]:
+    """Every check of :data:`_CHECKS`, a driver process per watched set."""
+    groups: dict[tuple[str, ...], list[str]] = {}
+    for module, watched in _CHECKS:
+        groups.setdefault(watched, []).append(module)
+    return {
+        (module, watched): found
+        for watched, modules in groups.items()
+        for module, found in _run_checks(watched, modules).items()
+    }
+
+
+TORCHLESS = (
+    "petals_core",
+    "petals_core._groups",
+    "petals_core._cli",
+    "petals_core.transport",
+    "petals_core.testing",
+    "petals_core.dht",
+    "petals_core.routing",
+    "petals_core.monitor",
 )
+MODEL_CODE = (
+    "petals_core.models",
+    "petals_core.models.llama",
+    "petals_core.models.bloom",
+    "petals_core.models.falcon",
+    "petals_core.models.mixtral",
+    "petals_core.models._loading",
+    "petals_core.models._lora_loading",
+    "petals_core.models._config",
+    "petals_core.models._cpu_decode",
+    "petals_core.models._span_steps",
+    "petals_core.kernels",
+)
+NETWORK = ("aioquic", *ABOVE_MODELS)
+# The server, the client and the testing swarm import every other lower layer.
+LOWER_LAYERS = (
+    "petals_core",
+    "petals_core.server",
+    "petals_core.client",
+    "petals_core.testing",
+    "petals_core.monitor",
+)
+DISTRIBUTED = ("petals_core.distributed",)
+_CHECKS = (
+    *((module, HEAVY) for module in TORCHLESS),
+    *((module, NETWORK) for module in MODEL_CODE),
+    *((module, DISTRIBUTED) for module in LOWER_LAYERS),
+)
+
+
+@pytest.mark.parametrize("module", TORCHLESS)
 def test_transport_imports_no_torch(module: str) -> None:
     assert _imported_after(module, HEAVY) == []
 
 
-@pytest.mark.parametrize(
-    "module",
-    [
-        "petals_core.models",
-        "petals_core.models.llama",
-        "petals_core.models.bloom",
-        "petals_core.models.falcon",
-        "petals_core.models._loading",
-        "petals_core.models._lora_loading",
-        "petals_core.models._config",
-        "petals_core.models._cpu_decode",
-        "petals_core.models._span_steps",
-        "petals_core.kernels",
-    ],
-)
+@pytest.mark.parametrize("module", MODEL_CODE)
 def test_model_code_knows_nothing_of_the_network(module: str) -> None:
-    assert _imported_after(module, ("aioquic", *ABOVE_MODELS)) == []
+    assert _imported_after(module, NETWORK) == []
 
 
 def test_kernels_import_no_triton_on_cpu() -> None:
@@ -129,19 +178,9 @@ def test_nothing_below_the_distributed_models_imports_them(package: str) -> None
     assert {path: names for path, names in offending.items() if names} == {}
 
 
-# The server, the client and the testing swarm import every other lower layer.
-@pytest.mark.parametrize(
-    "module",
-    [
-        "petals_core",
-        "petals_core.server",
-        "petals_core.client",
-        "petals_core.testing",
-        "petals_core.monitor",
-    ],
-)
+@pytest.mark.parametrize("module", LOWER_LAYERS)
 def test_importing_a_lower_layer_loads_no_distributed_model(module: str) -> None:
-    assert _imported_after(module, ("petals_core.distributed",)) == []
+    assert _imported_after(module, DISTRIBUTED) == []
 
 
 def test_nothing_imports_the_top_layer() -> None:
