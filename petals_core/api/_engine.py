@@ -28,7 +28,7 @@ import contextlib
 import logging
 import math
 import threading
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from typing import Any, Final
 
 import attrs
@@ -45,6 +45,7 @@ from transformers import (
 
 from .. import PetalsError
 from ..routing import MissingBlocksError
+from ._detokenize import UNFINISHED, IncrementalText
 from ._errors import ApiError
 from ._requests import Message, Sampling
 
@@ -117,16 +118,17 @@ class Usage:
 
 Event = Chunk | Usage | ApiError
 
-_END: Final = "\ufffd"  # what decoding shows for a character whose bytes are not all there yet
-
 
 class _Row:
     """One choice being generated: its tokens, its text, and what was sent of it."""
 
-    def __init__(self, prompt_length: int, limit: int) -> None:
+    def __init__(
+        self, prompt_length: int, limit: int, decode: Callable[[Sequence[int]], str]
+    ) -> None:
         self.prompt_length = prompt_length
         self.limit = limit
-        self.tokens: list[int] = []
+        self.text = IncrementalText(decode)
+        self.tokens = self.text.tokens
         self.sent = 0  # characters of the text sent so far
         self.pending: list[TokenLogprob] = []
         self.finish_reason: str | None = None
@@ -157,7 +159,9 @@ class _Job:
         self._token = trio.lowlevel.current_trio_token()
         self._logprobs: torch.Tensor | None = None
         self.rows = [
-            _Row(len(prompt), max_new_tokens) for prompt in prompts for _ in range(sampling.n)
+            _Row(len(prompt), max_new_tokens, engine.decode)
+            for prompt in prompts
+            for _ in range(sampling.n)
         ]
 
     # -- thread side -----------------------------------------------------------------------------
@@ -237,13 +241,13 @@ class _Job:
         engine = self.engine
         if token in engine.eos_token_ids:
             row.finish_reason = "stop"
+            text = row.text.text
         else:
-            row.tokens.append(token)
+            text = row.text.add(token)
             if self._logprobs is not None:
                 row.pending.append(self._token_logprob(index, token))
             if len(row.tokens) >= row.limit:
                 row.finish_reason = "length"
-        text = engine.decode(row.tokens)
         end = len(text)
         stops = self.sampling.stop
         if stops:
@@ -254,7 +258,7 @@ class _Job:
                 row.finish_reason = "stop"
         if row.finish_reason is None:
             # Hold back an unfinished character and what may become a stop sequence.
-            whole = text.rstrip(_END)
+            whole = text.rstrip(UNFINISHED)
             end = min(len(whole), _stop_prefix_start(whole, stops))
         new_text = text[row.sent : max(end, row.sent)]
         if not new_text and not row.pending and row.finish_reason is None:
