@@ -20,7 +20,7 @@ import time
 import urllib.parse
 from typing import Any, TextIO
 
-__all__ = ["LoadProcess", "stream"]
+__all__ = ["NEW_TOKENS", "LoadProcess", "messages", "stream"]
 
 #: Answer length of every request.
 NEW_TOKENS = 48

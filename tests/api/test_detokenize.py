@@ -4,7 +4,7 @@ for the kinds of tokenizer models use, while decoding only a few tokens per step
 from __future__ import annotations
 
 import importlib.util
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import pytest
 from hypothesis import given, settings, strategies as st
@@ -55,7 +55,9 @@ def _byte_level() -> PreTrainedTokenizerFast:
 TOKENIZERS = {"sentencepiece": _sentencepiece_like(), "byte-level": _byte_level()}
 
 
-def _decoder(tokenizer: PreTrainedTokenizerFast) -> tuple[list[int], object]:
+def _decoder(
+    tokenizer: PreTrainedTokenizerFast,
+) -> tuple[list[int], Callable[[Sequence[int]], str]]:
     """A decode that records the length of every slice it is given."""
     lengths: list[int] = []
 
@@ -68,7 +70,7 @@ def _decoder(tokenizer: PreTrainedTokenizerFast) -> tuple[list[int], object]:
 
 def _check_token_by_token(tokenizer: PreTrainedTokenizerFast, ids: list[int]) -> list[int]:
     lengths, decode = _decoder(tokenizer)
-    text = IncrementalText(decode)  # type: ignore[arg-type]
+    text = IncrementalText(decode)
     for count, token in enumerate(ids, 1):
         whole = tokenizer.decode(ids[:count], skip_special_tokens=True)
         assert text.add(token) == whole
@@ -104,7 +106,7 @@ def test_text_with_characters_of_several_bytes(name: str) -> None:
     _check_token_by_token(tokenizer, ids)
     # Every byte of the emoji is a token: part of the way through, the text ends unfinished.
     fire = tokenizer.encode(" 🔥", add_special_tokens=False)
-    text = IncrementalText(lambda t: tokenizer.decode(list(t)))
+    text = IncrementalText(_decoder(tokenizer)[1])
     assert [text.add(token).endswith(UNFINISHED) for token in fire[:-1]][-1]
     assert text.add(fire[-1]).endswith("🔥")
 

@@ -53,21 +53,24 @@ import torch
 import trio
 from transformers import (
     AutoModelForCausalLM,
-    FalconConfig,
-    FalconForCausalLM,
-    LlamaConfig,
-    LlamaForCausalLM,
     LogitsProcessor,
     LogitsProcessorList,
-    MixtralConfig,
-    MixtralForCausalLM,
+    PretrainedConfig,
 )
 
 from petals_core import PetalsError
 from petals_core.dht import PeerTableSnapshot
 from petals_core.distributed import AutoDistributedModelForCausalLM
 from petals_core.routing import RemoteSequenceManager
-from petals_core.testing import LocalSwarm, SwarmProcess, fixed_server_args, open_local_swarm
+from petals_core.testing import (
+    LocalSwarm,
+    SwarmProcess,
+    fixed_server_args,
+    open_local_swarm,
+    tiny_falcon_config,
+    tiny_llama_config,
+    tiny_mixtral_config,
+)
 
 from ._report import ChaosConfig, ChaosReport, Fault, Outcome, Result
 
@@ -115,46 +118,23 @@ def make_checkpoint(folder: Path, *, seed: int = 0, family: str = "llama") -> Pa
     Mixtral (8 experts, top 2) of the same size, with seeded random weights, saved in about one
     shard per block."""
     torch.manual_seed(seed)
+    size = {"num_hidden_layers": N_BLOCKS, "vocab_size": VOCAB, "pad_token_id": 0}
+    config: PretrainedConfig
     if family == "mixtral":
-        mixtral = MixtralConfig(
-            hidden_size=HIDDEN,
-            intermediate_size=HIDDEN,
-            num_hidden_layers=N_BLOCKS,
+        config = tiny_mixtral_config(intermediate_size=HIDDEN, **size)
+    elif family == "falcon":
+        config = tiny_falcon_config(
             num_attention_heads=4,
-            num_key_value_heads=2,
-            num_local_experts=8,
-            num_experts_per_tok=2,
-            vocab_size=VOCAB,
-            max_position_embeddings=128,
-            pad_token_id=0,
-        )
-        MixtralForCausalLM(mixtral).save_pretrained(folder, max_shard_size="100KB")
-        return folder
-    if family == "falcon":
-        falcon = FalconConfig(
-            hidden_size=HIDDEN,
-            num_hidden_layers=N_BLOCKS,
-            num_attention_heads=4,
+            num_kv_heads=None,
             multi_query=True,
             parallel_attn=True,
             new_decoder_architecture=False,
-            vocab_size=VOCAB,
-            max_position_embeddings=128,
-            pad_token_id=0,
+            **size,
         )
-        FalconForCausalLM(falcon).save_pretrained(folder, max_shard_size="100KB")
-        return folder
-    config = LlamaConfig(
-        hidden_size=HIDDEN,
-        intermediate_size=2 * HIDDEN,
-        num_hidden_layers=N_BLOCKS,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=VOCAB,
-        max_position_embeddings=128,
-        pad_token_id=0,
-    )
-    LlamaForCausalLM(config).save_pretrained(folder, max_shard_size="100KB")
+    else:
+        config = tiny_llama_config(**size)
+    assert config.hidden_size == HIDDEN
+    AutoModelForCausalLM.from_config(config).save_pretrained(folder, max_shard_size="100KB")
     return folder
 
 
