@@ -325,7 +325,7 @@ class Connection:
         self._node._endpoint.send_stream_data(
             self._handle, stream_id, data, trio.current_time(), end_stream=end_stream
         )
-        self._node._flush()
+        self._node._flush_soon()
 
     def _consumed(self, stream_id: int, nbytes: int) -> None:
         if self._node._endpoint.consume(self._handle, stream_id, nbytes, trio.current_time()):

@@ -87,6 +87,8 @@ class Node:
         self._send_waiters: set[Connection] = set()
         self._outbox: deque[tuple[bytes, Address]] = deque()
         self._outbox_ready = trio.Event()
+        self._flush_due = False
+        self._flush_wanted = trio.Event()
         self._pump_scope: trio.CancelScope | None = None
         self._dispatching = False
         self._stream_handler: Callable[[Stream], None] | None = None
@@ -214,8 +216,23 @@ class Node:
                 await trio.lowlevel.wait_writable(self._udp.sock)
                 self._send_outbox()
 
+    def _flush_soon(self) -> None:
+        """Flush once the tasks running now have had their turn: the data several of them
+        queue (steps of several sessions released together) leave in the same packets."""
+        if not self._flush_due:
+            self._flush_due = True
+            self._flush_wanted.set()
+
+    async def _flusher(self) -> None:
+        while True:
+            await self._flush_wanted.wait()
+            self._flush_wanted = trio.Event()
+            if self._flush_due:
+                self._flush()
+
     def _flush(self) -> None:
         """Send what the endpoint produced and hand its events to connections and streams."""
+        self._flush_due = False
         endpoint = self._endpoint
         now = trio.current_time()
         self._outbox.extend(endpoint.datagrams_to_send(now))
@@ -361,6 +378,7 @@ async def open_node(
         async with open_block_nursery() as nursery:
             nursery.start_soon(node._pump)
             nursery.start_soon(node._sender)
+            nursery.start_soon(node._flusher)
             try:
                 yield node
             finally:
