@@ -115,6 +115,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="choices of one request (prompts x n)",
     )
     parser.add_argument(
+        "--decode_groups",
+        type=_positive,
+        default=1,
+        help="groups of requests whose decode steps go together (1: one batch of all; 2 or "
+        "more: the groups' steps overlap along the chain, for compute-bound servers)",
+    )
+    parser.add_argument(
         "--request_timeout", type=_seconds, help="seconds to wait for a server's answer"
     )
     parser.add_argument(
@@ -157,6 +164,7 @@ def config_from_args(args: argparse.Namespace) -> ApiConfig:
         api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
         device=args.device,
         allow_origins=tuple(args.allow_origins),
+        decode_groups=args.decode_groups,
         client_options=options,
     )
 

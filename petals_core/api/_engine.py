@@ -1,47 +1,52 @@
-"""Generation behind the endpoint: each request is one ``generate()`` call of the distributed
-model, in one inference session of its own, run in a worker thread of the endpoint's trio program.
+"""Generation behind the endpoint: each request runs in one inference session of its own, as a
+task of the endpoint's trio program, and the decode steps of the running requests go together.
 
-The model's network part runs on that program's loop, so the sync ``generate()`` steps through
-it from the worker (``petals_core.client``'s bridge); concurrent requests are concurrent
-sessions, which the servers batch. What ``generate()`` produces reaches the HTTP side as
-:class:`Chunk` events through a trio channel, one per new token and row, as it is generated:
+A request's task embeds its prompt, sends it through the servers in its session, and then
+repeats the decode step: the last position's hidden states go through the final norm and the LM
+head, a token is chosen for each row, and its embedding is the next step. The requests do their
+steps in the same program, and :class:`_Lineup` lines them up: a request whose step came back
+waits for the other running requests' steps, then the LM head runs once for all of them (a CPU
+reads the whole ``(vocab, hidden)`` weight once instead of once per request), each request picks
+its tokens, and all of them send their next step at the same moment. The servers see those steps
+arrive together and run them as one batch. A request alone never waits; one whose step is late
+(a server being replaced) holds the others up for at most about one step's time, then goes on in
+a later batch.
 
-- a :class:`transformers.StoppingCriteria` sees every new token of every row. It decodes the
-  row's text, holds back what could be the start of a stop sequence, cuts the text at one, and
-  stops the row there, at an end-of-sequence token, or at ``max_tokens``;
-- sampling draws from the request's own ``torch.Generator`` (seeded by ``seed``), so that
-  concurrent requests do not share the global generator and a seed gives the same text again.
-  It runs as the last logits processor, after temperature and top-p, and leaves only the drawn
-  token possible, so ``generate()`` runs its greedy loop. ``temperature`` 0 is plain greedy
-  decoding, as ``model.generate(do_sample=False)``;
-- log-probabilities are the model's own (before temperature and top-p), taken by the first
-  logits processor.
+What a request produces reaches the HTTP side as :class:`Chunk` events through a trio channel,
+one per new token and row, as it is generated:
+
+- each row's new token goes to :meth:`_Job.on_tokens`, which decodes the row's text, holds back
+  what could be the start of a stop sequence, cuts the text at one, and stops the row there, at
+  an end-of-sequence token, or at ``max_tokens``;
+- sampling draws from the request's own ``torch.Generator`` (seeded by ``seed``), after
+  temperature and top-p (transformers' warpers), so that concurrent requests do not share the
+  global generator and a seed gives the same text again. ``temperature`` 0 is plain greedy
+  decoding, the tokens of ``model.generate(do_sample=False)``;
+- log-probabilities are the model's own (before temperature and top-p).
+
+Rows of one request (several prompts, ``n``) are one batch of its session, left-padded as
+``generate()`` pads them; a row that finished is fed the pad token until the others finish.
 
 When the HTTP side goes away (the client disconnected) or the endpoint shuts down, the request
-is cancelled: the stopping criterion stops every row at the next token, ``generate()`` returns
-and its session closes, which frees the servers' caches.
+stops at its next token and its session closes, which frees the servers' caches.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import logging
 import math
+import statistics
 import threading
+import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from typing import Any, Final
 
 import attrs
 import torch
 import trio
-from transformers import (
-    LogitsProcessor,
-    LogitsProcessorList,
-    StoppingCriteria,
-    StoppingCriteriaList,
-    TemperatureLogitsWarper,
-    TopPLogitsWarper,
-)
+from transformers import TemperatureLogitsWarper, TopPLogitsWarper
 
 from .. import PetalsError
 from ..routing import MissingBlocksError
@@ -54,6 +59,14 @@ __all__ = ["GREEDY_BELOW", "Chunk", "Engine", "Limits", "TokenLogprob", "Usage"]
 #: Temperatures below this decode greedily: dividing logits by less overflows float32, and the
 #: distribution is its argmax to within float precision long before.
 GREEDY_BELOW: Final = 1e-6
+
+#: How long the requests that are ready wait for a late one, at most, in steps of the usual
+#: length (and within these bounds, in seconds).
+_HOLD_STEPS: Final = 1.0
+_HOLD_MIN_S: Final = 0.002
+_HOLD_MAX_S: Final = 1.0
+#: Steps the hold's "usual length" is the median of.
+_STEP_SAMPLES: Final = 32
 
 logger = logging.getLogger(__name__)
 
@@ -135,7 +148,7 @@ class _Row:
 
 
 class _Job:
-    """One request: what to generate, and the thread-side hooks into ``generate()``."""
+    """One request: what to generate, and what of it was generated and sent."""
 
     def __init__(
         self,
@@ -149,14 +162,14 @@ class _Job:
         self.prompts = prompts
         self.sampling = sampling
         self.max_new_tokens = max_new_tokens
-        self.cancelled = threading.Event()
+        #: Set when nobody waits for the rest (the HTTP side left, the endpoint shuts down).
+        self.cancelled = False
         #: Where the job waits for its turn (see :meth:`Engine._run`), whether it got one, and
         #: whether it stopped counting towards the queue's limit.
         self.waiting = trio.CancelScope()
         self.started = False
         self.left = False
         self._send = send
-        self._token = trio.lowlevel.current_trio_token()
         self._logprobs: torch.Tensor | None = None
         self.rows = [
             _Row(len(prompt), max_new_tokens, engine.decode)
@@ -164,48 +177,21 @@ class _Job:
             for _ in range(sampling.n)
         ]
 
-    # -- thread side -----------------------------------------------------------------------------
-
     def emit(self, event: Event) -> None:
-        """Hand ``event`` to the HTTP side without waiting for it (the next step goes on)."""
-        try:
-            self._token.run_sync_soon(self._deliver, event)
-        except trio.RunFinishedError:
-            self.cancelled.set()
-
-    def emit_last(self, event: Event) -> None:
-        """Hand over the last event and wait until it (and so every one before it: the loop
-        runs them in order) is in the channel, before the job ends and closes it."""
-        try:
-            trio.from_thread.run_sync(self._deliver, event, trio_token=self._token)
-        except trio.RunFinishedError:
-            self.cancelled.set()
-
-    def _deliver(self, event: Event) -> None:
+        """Hand ``event`` to the HTTP side (the channel is unbounded: no waiting)."""
         try:
             self._send.send_nowait(event)
         except (trio.BrokenResourceError, trio.ClosedResourceError):
-            self.cancelled.set()  # nobody listens any more
+            self.cancelled = True  # nobody listens any more
 
-    def run(self) -> None:
-        engine = self.engine
-        rows = [list(prompt) for prompt in self.prompts for _ in range(self.sampling.n)]
+    async def run(self) -> None:
         if self.max_new_tokens == 0:
             for index, row in enumerate(self.rows):
                 row.finish_reason = "length"
                 self.emit(Chunk(row=index, text="", finish_reason="length"))
         else:
-            width = max(len(ids) for ids in rows)
-            pad = engine.pad_token_id
-            device = engine.model.device  # where its embeddings and LM head are
-            input_ids = torch.tensor(
-                [[pad] * (width - len(ids)) + ids for ids in rows], device=device
-            )
-            mask = torch.tensor(
-                [[0] * (width - len(ids)) + [1] * len(ids) for ids in rows], device=device
-            )
-            engine.run_generate(self, input_ids, mask)
-        self.emit_last(
+            await self.engine.decode_job(self)
+        self.emit(
             Usage(
                 prompt_tokens=sum(len(prompt) for prompt in self.prompts),
                 completion_tokens=sum(len(row.tokens) for row in self.rows),
@@ -217,24 +203,21 @@ class _Job:
         """Whether some row was stopped by a cancellation rather than finishing."""
         return any(row.finish_reason == "cancelled" for row in self.rows)
 
-    def record_logprobs(self, scores: torch.Tensor) -> None:
-        if self.sampling.logprobs is not None:
-            self._logprobs = torch.log_softmax(scores.float(), dim=-1)
-
-    def on_tokens(self, new_tokens: torch.Tensor) -> torch.Tensor:
-        """Take the newest token of each row; returns which rows are done."""
-        done = torch.ones(len(self.rows), dtype=torch.bool)
-        cancelled = self.cancelled.is_set()
+    def on_tokens(self, new_tokens: torch.Tensor, logprobs: torch.Tensor | None = None) -> bool:
+        """Take the newest token of each row (``logprobs``: the model's, ``(rows, vocab)``,
+        when the request asked for them); returns whether every row is done."""
+        self._logprobs = logprobs
+        cancelled = self.cancelled
+        done = True
         for index, row in enumerate(self.rows):
             if row.finish_reason is not None:
                 continue
-            token = int(new_tokens[index])
-            chunk = self._advance(index, row, token)
+            chunk = self._advance(index, row, int(new_tokens[index]))
             if cancelled and row.finish_reason is None:
                 row.finish_reason = "cancelled"
             if chunk is not None:
                 self.emit(chunk)
-            done[index] = row.finish_reason is not None
+            done = done and row.finish_reason is not None
         return done
 
     def _advance(self, index: int, row: _Row, token: int) -> Chunk | None:
@@ -279,6 +262,152 @@ class _Job:
         return TokenLogprob(token=decode([token]), logprob=float(logprobs[token]), top=top)
 
 
+class _Chooser:
+    """A request's choice of tokens from the model's logits: greedy, or drawn from its own
+    generator after temperature and top-p; with the log-probabilities when it asked for them."""
+
+    def __init__(self, sampling: Sampling) -> None:
+        self.logprobs = sampling.logprobs is not None
+        self.greedy = sampling.temperature < GREEDY_BELOW
+        self._warpers: list[Any] = []
+        if not self.greedy:
+            if sampling.temperature != 1.0:
+                self._warpers.append(TemperatureLogitsWarper(sampling.temperature))
+            if sampling.top_p < 1.0:
+                self._warpers.append(TopPLogitsWarper(sampling.top_p))
+        self._seed = sampling.seed
+        self._generator: torch.Generator | None = None
+
+    def __call__(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Tokens ``(rows,)`` and log-probabilities ``(rows, vocab)`` or None, on the CPU, for
+        float32 ``logits`` ``(rows, vocab)``."""
+        logprobs = torch.log_softmax(logits, dim=-1).cpu() if self.logprobs else None
+        if self.greedy:
+            return torch.argmax(logits, dim=-1).cpu(), logprobs
+        scores = logits
+        no_ids = torch.empty(logits.shape[0], 0, dtype=torch.long, device=logits.device)
+        for warper in self._warpers:
+            scores = warper(no_ids, scores)
+        probs = torch.softmax(scores, dim=-1)
+        if self._generator is None:  # on the device of the logits
+            self._generator = torch.Generator(device=logits.device)
+            if self._seed is None:
+                self._generator.seed()
+            else:
+                self._generator.manual_seed(self._seed % 2**63)
+        drawn = torch.multinomial(probs, 1, generator=self._generator)
+        return drawn.squeeze(1).cpu(), logprobs
+
+
+@attrs.define(eq=False)
+class _Entry:
+    """A request's rows waiting in the lineup, and what comes back for them."""
+
+    hidden: torch.Tensor  # (rows, hidden): the last position's output of the blocks
+    chooser: _Chooser
+    done: trio.Event = attrs.Factory(trio.Event)
+    tokens: torch.Tensor | None = None
+    logprobs: torch.Tensor | None = None
+    error: BaseException | None = None
+
+
+class _Lineup:
+    """Lines up the decode steps of the running requests (see the module's docstring).
+
+    A request's task calls :meth:`choose` with its step's output once the step is back, and
+    decodes from then until it calls :meth:`leave`. A task of the lineup's own (running while
+    some request decodes) takes the first arrival's batch, waits until every decoding request
+    has arrived (or left) or until about one step's time has passed, runs ``compute`` (the
+    final norm, the LM head and each request's choice) for the batch in a worker thread, and
+    releases its requests together."""
+
+    def __init__(self, compute: Callable[[list[_Entry]], None], nursery: trio.Nursery) -> None:
+        self._compute = compute
+        self._nursery = nursery
+        self._running = False
+        self._members: set[object] = set()
+        self._batch: dict[object, _Entry] = {}
+        self._arrived = trio.Event()  # the batch has its first request
+        self._complete = trio.Event()  # every decoding request is in the batch
+        #: When each request was last released, and how long its steps took since (recent).
+        self._released: dict[object, float] = {}
+        self._steps_s: collections.deque[float] = collections.deque(maxlen=_STEP_SAMPLES)
+        #: Requests that decode in this group, or will once their prompt is through.
+        self.assigned = 0
+        #: Batches computed, and requests in them (a ratio above 1: requests went together).
+        self.batches = 0
+        self.requests = 0
+
+    async def choose(
+        self, member: object, hidden: torch.Tensor, chooser: _Chooser
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The tokens (and log-probabilities) that ``chooser`` picks from ``hidden``'s logits,
+        computed with those of the requests that arrive meanwhile."""
+        released = self._released.pop(member, None)
+        if released is not None:
+            self._steps_s.append(time.monotonic() - released)
+        self._members.add(member)
+        entry = _Entry(hidden, chooser)
+        self._batch[member] = entry
+        self._arrived.set()
+        if len(self._batch) >= len(self._members):
+            self._complete.set()
+        if not self._running:
+            self._running = True
+            self._nursery.start_soon(self._run)
+        await entry.done.wait()
+        if entry.error is not None:
+            raise entry.error
+        assert entry.tokens is not None
+        return entry.tokens, entry.logprobs
+
+    def leave(self, member: object) -> None:
+        """``member`` decodes no more (it finished, failed, or was cancelled)."""
+        self._members.discard(member)
+        self._released.pop(member, None)
+        self._batch.pop(member, None)
+        if len(self._batch) >= len(self._members):
+            self._complete.set()
+            self._arrived.set()  # wakes the lineup's task to leave, when nobody decodes
+
+    def _hold_s(self) -> float:
+        """How long a batch waits for late requests: about one step (the recent median)."""
+        if not self._steps_s:
+            return _HOLD_MIN_S
+        median = statistics.median(self._steps_s)
+        return min(_HOLD_MAX_S, max(_HOLD_MIN_S, _HOLD_STEPS * median))
+
+    async def _run(self) -> None:
+        try:
+            while self._members:
+                await self._arrived.wait()
+                if len(self._batch) < len(self._members):
+                    with trio.move_on_after(self._hold_s()):
+                        await self._complete.wait()
+                batch, self._batch = self._batch, {}
+                self._arrived, self._complete = trio.Event(), trio.Event()
+                if batch:
+                    await self._release(batch)
+        finally:
+            self._running = False
+
+    async def _release(self, batch: dict[object, _Entry]) -> None:
+        entries = list(batch.values())
+        try:
+            await trio.to_thread.run_sync(self._compute, entries)
+        except Exception as exc:  # compute failed as a whole: every request in it fails
+            for entry in entries:
+                entry.error = exc
+        finally:
+            self.batches += 1
+            self.requests += len(entries)
+            released = time.monotonic()
+            for member, entry in batch.items():
+                if member in self._members:
+                    self._released[member] = released
+                entry.done.set()
+
+
 def _stop_prefix_start(text: str, stops: Sequence[str]) -> int:
     """Where the longest end of ``text`` that begins some stop sequence starts (or its end)."""
     start = len(text)
@@ -294,6 +423,13 @@ class Engine:
     """Runs generation requests against ``model`` (a distributed causal LM whose network part
     runs in this trio program) with ``tokenizer``, within ``limits``; jobs run in ``nursery``.
 
+    The decoding requests are split into ``decode_groups`` groups, each lined up on its own
+    (see the module's docstring; a new request joins the smallest). One group batches the most:
+    every decode step of the servers carries every request. Two or more let the groups' steps
+    overlap along the chain, one group at a server while another is at the next, which pays
+    where the servers' compute is the bound and their hosts have cores to spare.
+    ``decode_groups`` may be changed at any time; it applies to requests that start after.
+
     Use :meth:`generate`, an async context manager yielding the request's events."""
 
     def __init__(
@@ -304,16 +440,20 @@ class Engine:
         name: str,
         limits: Limits,
         nursery: trio.Nursery,
+        decode_groups: int = 1,
     ) -> None:
+        if isinstance(decode_groups, bool) or not isinstance(decode_groups, int):
+            raise TypeError(f"decode_groups must be an integer, got {decode_groups!r}")
+        if decode_groups < 1:
+            raise ValueError(f"decode_groups must be >= 1, got {decode_groups}")
         self.model = model
         self.tokenizer = tokenizer
         self.name = name
         self.limits = limits
         self._nursery = nursery
         self._slots = trio.Semaphore(limits.max_concurrent_requests)
-        self._threads = trio.CapacityLimiter(limits.max_concurrent_requests)
         self._waiting = 0
-        # Requests are tokenized on the event loop and decoded in workers, one at a time.
+        # Chats are tokenized in worker threads, the rest on the event loop; one at a time.
         self._tokenizer_lock = threading.Lock()
         #: Requests generating now, and the most that ever did at once.
         self.running = 0
@@ -333,13 +473,29 @@ class Engine:
         if pad is None:
             pad = min(self.eos_token_ids) if self.eos_token_ids else 0
         self.pad_token_id = int(pad)
-        head = model.get_output_embeddings()
-        if hasattr(head, "share_across_threads"):
-            # Concurrent requests' decode steps read the LM head's weight once between them.
-            head.share_across_threads()
+        self._base = model.distributed_base
+        self._head = model.get_output_embeddings()
+        self._device = self._base.local_device  # where the embeddings and the LM head are
+        self.decode_groups = decode_groups
+        self._lineups: list[_Lineup] = []
         self.context_length = int(
             getattr(model.config, "max_position_embeddings", None) or limits.max_request_tokens
         )
+
+    @property
+    def decode_batches(self) -> tuple[int, int]:
+        """Decode batches computed so far, and requests in them (over every group)."""
+        return (
+            sum(lineup.batches for lineup in self._lineups),
+            sum(lineup.requests for lineup in self._lineups),
+        )
+
+    def _lineup(self) -> _Lineup:
+        """The group a new request decodes in: of the first ``decode_groups``, the one with the
+        fewest requests (groups are made as they are first needed)."""
+        while len(self._lineups) < self.decode_groups:
+            self._lineups.append(_Lineup(self._choose, self._nursery))
+        return min(self._lineups[: self.decode_groups], key=lambda lineup: lineup.assigned)
 
     @property
     def max_request_tokens(self) -> int:
@@ -442,7 +598,7 @@ class Engine:
                 with job.waiting:  # cancelled when the HTTP side leaves before the job's turn
                     await self._slots.acquire()
                     job.started = True
-                if job.waiting.cancelled_caught or job.cancelled.is_set():
+                if job.waiting.cancelled_caught or job.cancelled:
                     if not job.waiting.cancelled_caught:
                         self._slots.release()
                     self.interrupted += 1
@@ -451,13 +607,10 @@ class Engine:
                     self.running += 1
                     self.peak_running = max(self.peak_running, self.running)
                     try:
-                        async with trio.open_nursery() as nursery:
-                            nursery.start_soon(_cancel_on_cancel, job)
-                            try:
-                                await trio.to_thread.run_sync(job.run, limiter=self._threads)
-                            except Exception as exc:
-                                error = exc
-                            nursery.cancel_scope.cancel()
+                        try:
+                            await job.run()
+                        except Exception as exc:
+                            error = exc
                     finally:
                         self.running -= 1
                         if error is not None:
@@ -480,27 +633,74 @@ class Engine:
             job.left = True
             self._waiting -= 1
 
-    def run_generate(self, job: _Job, input_ids: torch.Tensor, mask: torch.Tensor) -> None:
-        """``generate()`` for ``job`` (in its worker thread)."""
-        sampling = job.sampling
-        processors: list[Any] = [_Recorder(job)]
-        if sampling.temperature >= GREEDY_BELOW:
-            if sampling.temperature != 1.0:
-                processors.append(TemperatureLogitsWarper(sampling.temperature))
-            if sampling.top_p < 1.0:
-                processors.append(TopPLogitsWarper(sampling.top_p))
-            processors.append(_Sampler(sampling.seed))
-        with torch.no_grad():
-            self.model.generate(
-                input_ids,
-                attention_mask=mask,
-                max_new_tokens=job.max_new_tokens,
-                do_sample=False,
-                eos_token_id=sorted(self.eos_token_ids) or None,
-                pad_token_id=self.pad_token_id,
-                logits_processor=LogitsProcessorList(processors),
-                stopping_criteria=StoppingCriteriaList([_Criterion(job)]),
+    async def decode_job(self, job: _Job) -> None:
+        """Generate ``job``'s rows in a session of its own, its decode steps lined up with
+        those of the other running requests."""
+        base = self._base
+        rows = [list(prompt) for prompt in job.prompts for _ in range(job.sampling.n)]
+        width = max(len(ids) for ids in rows)
+        pads = [width - len(ids) for ids in rows]
+        padding = torch.tensor(pads) if any(pads) else None
+        if padding is not None and base.tuning_mode is not None:
+            raise ApiError.bad_request(
+                f"{self.name} has trainable prompts, so the prompts of one request must have "
+                "the same number of tokens",
+                param="prompt",
             )
+        pad = self.pad_token_id
+        ids = torch.tensor([[pad] * count + ids for count, ids in zip(pads, rows, strict=True)])
+        chooser = _Chooser(job.sampling)
+        length = width + job.max_new_tokens + base.pre_seq_len
+        lineup = self._lineup()
+        lineup.assigned += 1
+        async with base.remote_blocks.open_inference_session(length) as session:
+            with torch.no_grad():
+                hidden, deep = self._embed(ids, first=True)
+            try:
+                while True:
+                    output = await session.step(hidden, prompts=deep, padding=padding)
+                    deep = padding = None
+                    tokens, logprobs = await lineup.choose(job, output[:, -1], chooser)
+                    if job.on_tokens(tokens, logprobs):
+                        break
+                    # A row that finished goes on with the pad token, as in generate().
+                    following = [
+                        pad if row.finish_reason is not None else int(token)
+                        for row, token in zip(job.rows, tokens.tolist(), strict=True)
+                    ]
+                    with torch.no_grad():
+                        hidden, _ = self._embed(torch.tensor(following).unsqueeze(1))
+            finally:
+                lineup.leave(job)
+                lineup.assigned -= 1
+
+    def _embed(
+        self, ids: torch.Tensor, *, first: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The first block's input for token ``ids`` ``(rows, tokens)``, and the deep prompts
+        to send with it: trainable prompts go before the first step's tokens."""
+        base = self._base
+        embeddings = base.get_input_embeddings()(ids.to(self._device))
+        deep = None
+        if first and base.tuning_mode is not None:
+            shallow, deep = base.prompts(ids.shape[0], embeddings.dtype)
+            embeddings = torch.cat([shallow, embeddings], dim=1)
+        return base.prepare_hidden(embeddings), deep
+
+    def _choose(self, entries: list[_Entry]) -> None:
+        """The final norm and the LM head over every entry's rows at once, then each request's
+        choice of tokens (in a worker thread)."""
+        with torch.no_grad():
+            hidden = torch.cat([entry.hidden for entry in entries])
+            logits = self._head(self._base.final_norm(hidden)).float()
+            start = 0
+            for entry in entries:
+                rows = entry.hidden.shape[0]
+                try:
+                    entry.tokens, entry.logprobs = entry.chooser(logits[start : start + rows])
+                except Exception as exc:  # this request's own failure (say, NaN logits)
+                    entry.error = exc
+                start += rows
 
 
 class _Generation:
@@ -527,7 +727,7 @@ class _Generation:
     async def __aexit__(self, *exc_info: Any) -> None:
         assert self._job is not None and self._receive is not None
         job = self._job
-        job.cancelled.set()
+        job.cancelled = True
         job.waiting.cancel()  # a job still waiting for its turn leaves the queue now
         if not job.started:
             self._engine._leave(job)
@@ -541,13 +741,6 @@ async def _events(receive: trio.MemoryReceiveChannel[Event]) -> AsyncIterator[Ev
             return
 
 
-async def _cancel_on_cancel(job: _Job) -> None:
-    try:
-        await trio.sleep_forever()
-    finally:
-        job.cancelled.set()
-
-
 def _api_error(exc: Exception) -> ApiError:
     if isinstance(exc, ApiError):
         return exc
@@ -559,47 +752,3 @@ def _api_error(exc: Exception) -> ApiError:
         return ApiError(503, f"The swarm failed this request: {exc}", code="swarm_error")
     logger.exception("generation failed", exc_info=exc)
     return ApiError(500, f"Generation failed: {type(exc).__name__}: {exc}")
-
-
-class _Recorder(LogitsProcessor):
-    """First logits processor: the model's log-probabilities, before anything changes them."""
-
-    def __init__(self, job: _Job) -> None:
-        self._job = job
-
-    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        self._job.record_logprobs(scores)
-        return scores
-
-
-class _Sampler(LogitsProcessor):
-    """Last logits processor: draws each row's token from the request's own generator and
-    leaves only that token possible, so greedy decoding takes it."""
-
-    def __init__(self, seed: int | None) -> None:
-        self._seed = seed
-        self._generator: torch.Generator | None = None
-
-    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        probs = torch.softmax(scores.float(), dim=-1)
-        if self._generator is None:  # on the device of the logits
-            self._generator = torch.Generator(device=scores.device)
-            if self._seed is None:
-                self._generator.seed()
-            else:
-                self._generator.manual_seed(self._seed % 2**63)
-        drawn = torch.multinomial(probs, 1, generator=self._generator)
-        only = torch.full_like(scores, -math.inf)
-        return only.scatter_(1, drawn, 0.0)
-
-
-class _Criterion(StoppingCriteria):
-    """The stopping criterion: each row's new token goes to the job, which says what is done."""
-
-    def __init__(self, job: _Job) -> None:
-        self._job = job
-
-    def __call__(
-        self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs: Any
-    ) -> torch.Tensor:
-        return self._job.on_tokens(input_ids[:, -1]).to(input_ids.device)

@@ -28,7 +28,7 @@ class ApiConfig:
     ``request_timeout``, ``torch_dtype``, ``local_files_only``, ...); ``device`` is where the
     client's own layers (embeddings, LM head) run, e.g. ``"cuda"``; ``api_key`` makes requests
     carry ``Authorization: Bearer <api_key>``; ``allow_origins`` lets pages of those web origins
-    (or ``"*"``) call it from a browser."""
+    (or ``"*"``) call it from a browser; ``decode_groups``: see :class:`Engine`."""
 
     model: str
     initial_peers: tuple[str, ...] = attrs.field(converter=tuple)
@@ -39,6 +39,7 @@ class ApiConfig:
     api_key: str | None = None
     device: str | None = None
     allow_origins: tuple[str, ...] = attrs.field(default=(), converter=tuple)
+    decode_groups: int = 1
     client_options: Mapping[str, Any] = attrs.field(factory=dict)
 
     @property
@@ -85,7 +86,14 @@ async def serve_api(
     ``task_status.started`` gets a :class:`RunningApi` once requests are answered."""
     model, tokenizer = await trio.to_thread.run_sync(load_model, config)
     async with model.distributed_base.remote_blocks, trio.open_nursery() as nursery:
-        engine = Engine(model, tokenizer, name=config.name, limits=config.limits, nursery=nursery)
+        engine = Engine(
+            model,
+            tokenizer,
+            name=config.name,
+            limits=config.limits,
+            nursery=nursery,
+            decode_groups=config.decode_groups,
+        )
         app = create_app(engine, api_key=config.api_key, allow_origins=config.allow_origins)
         urls = await nursery.start(
             functools.partial(

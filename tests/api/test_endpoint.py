@@ -181,6 +181,7 @@ def test_concurrent_requests_each_get_their_own_answer(endpoint: Any, client: An
             errors.append(exc)
 
     engine.peak_running = 0
+    engine._lineups.clear()  # fresh counts
     threads = [threading.Thread(target=ask, args=(q,)) for q in questions]
     for thread in threads:
         thread.start()
@@ -188,6 +189,9 @@ def test_concurrent_requests_each_get_their_own_answer(endpoint: Any, client: An
         thread.join(DEADLINE_S * 2)
     assert not errors, errors
     assert engine.peak_running > 1  # they did run at the same time
+    # Their decode steps went together: some batch of the LM head held several requests.
+    batches, batched = engine.decode_batches
+    assert batched > batches
     # Each answer is the greedy continuation of its own question: teacher-forced through the
     # model, every token it chose is the likeliest there (up to batching's rounding).
     for country, answer in answers.items():
@@ -350,14 +354,10 @@ def test_a_stop_sequence_is_never_sent_in_part(endpoint: Any) -> None:
         send, receive = trio.open_memory_channel[Any](100)
         sampling = Sampling(max_tokens=64, stop=(stop,))
         job = _Job(engine, [[1]], sampling, 64, send)
-
-        def run() -> None:
-            for token in tokens:
-                if bool(job.on_tokens(torch.tensor([token]))[0]):
-                    break
-            job.emit_last(None)  # every chunk is in the channel after this
-
-        await trio.to_thread.run_sync(run)
+        for token in tokens:
+            if job.on_tokens(torch.tensor([token])):
+                break
+        job.emit(None)  # the end of the chunks
         events = []
         while (event := receive.receive_nowait()) is not None:
             events.append(event)
@@ -366,3 +366,56 @@ def test_a_stop_sequence_is_never_sent_in_part(endpoint: Any) -> None:
     chunks = endpoint.run(feed)
     assert "".join(chunk.text for chunk in chunks) == "ab"
     assert chunks[-1].finish_reason == "stop"
+
+
+def test_decode_groups_give_the_same_answers(endpoint: Any) -> None:
+    """Requests spread over two decode groups get the greedy answers of one group; a group
+    count that is not a positive integer is refused."""
+    from petals_core.api import Chunk, Engine, Limits, Sampling
+
+    base = endpoint.api.engine
+    prompts = [base.encode_prompt(text) for text in ("Once upon a time", "The sky is", "Hi")]
+    sampling = Sampling(max_tokens=6, temperature=0.0)
+
+    async def answers(groups: int) -> tuple[list[str], int]:
+        async with trio.open_nursery() as nursery:
+            engine = Engine(
+                base.model,
+                base.tokenizer,
+                name="grouped",
+                limits=Limits(),
+                nursery=nursery,
+                decode_groups=groups,
+            )
+            texts = [""] * len(prompts)
+
+            async def ask(index: int) -> None:
+                async with engine.generate([prompts[index]], sampling) as events:
+                    async for event in events:
+                        if isinstance(event, Chunk):
+                            texts[index] += event.text
+
+            async with trio.open_nursery() as asking:
+                for index in range(len(prompts)):
+                    asking.start_soon(ask, index)
+        return texts, len(engine._lineups)
+
+    one, made_one = endpoint.run(lambda: answers(1))
+    two, made_two = endpoint.run(lambda: answers(2))
+    assert (made_one, made_two) == (1, 2)
+    assert one == two and all(one)
+
+    async def refused() -> None:
+        async with trio.open_nursery() as nursery:
+            for bad, error in ((0, ValueError), (-1, ValueError), (1.5, TypeError)):
+                with pytest.raises(error, match="decode_groups"):
+                    Engine(
+                        base.model,
+                        base.tokenizer,
+                        name="x",
+                        limits=Limits(),
+                        nursery=nursery,
+                        decode_groups=bad,  # type: ignore[arg-type]
+                    )
+
+    endpoint.run(refused)

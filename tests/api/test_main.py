@@ -60,6 +60,8 @@ def test_flags_map_onto_the_config(monkeypatch: pytest.MonkeyPatch) -> None:
     on_gpu = _config("m", "--initial_peers", "x", "--device", "cuda", "--torch_dtype", "bfloat16")
     assert on_gpu.device == "cuda"
     assert on_gpu.allow_origins == ()
+    assert on_gpu.decode_groups == 1
+    assert _config("m", "--initial_peers", "x", "--decode_groups", "2").decode_groups == 2
     web = _config("m", "--initial_peers", "x", "--allow_origins", "http://a:1", "http://b:2")
     assert web.allow_origins == ("http://a:1", "http://b:2")
     assert dict(on_gpu.client_options) == {"torch_dtype": torch.bfloat16}
@@ -73,6 +75,7 @@ def test_flags_map_onto_the_config(monkeypatch: pytest.MonkeyPatch) -> None:
         ["m"],  # no --initial_peers
         ["m", "--initial_peers", "x", "--max_concurrent_requests", "0"],
         ["m", "--initial_peers", "x", "--port", "70000"],
+        ["m", "--initial_peers", "x", "--decode_groups", "0"],
         ["m", "--initial_peers", "x", "--request_timeout", "-1"],
     ],
 )

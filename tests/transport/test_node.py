@@ -16,6 +16,7 @@ import time
 import attrs
 import pytest
 import trio
+import trio.testing
 
 from petals_core import PeerUnreachable
 from petals_core.transport import (
@@ -209,3 +210,50 @@ async def test_dns_multiaddrs_are_resolved_when_dialled() -> None:
         with pytest.raises(PeerUnreachable, match=r"cannot resolve 'no-such-host\.invalid'"):
             with trio.fail_after(30):
                 await client.connect(unknown)
+
+
+async def test_data_queued_by_tasks_woken_together_leaves_in_one_packet() -> None:
+    """Eight tasks woken by the same event each send a small message on a stream of their own:
+    the flush waits for all of them, so the messages share one datagram."""
+    streams_count = 8
+    with trio.fail_after(60):
+        config = TransportConfig(udp_offload=False)
+        async with (
+            open_node(config=config) as server,
+            open_node(config=config) as client,
+            trio.open_nursery() as nursery,
+        ):
+            received = 0
+            got_all = trio.Event()
+            expected = streams_count * len(MESSAGE)
+
+            async def sink(stream: Stream) -> None:
+                nonlocal received
+                while data := await stream.receive_some():
+                    received += len(data)
+                    if received == expected:
+                        got_all.set()
+
+            server.set_stream_handler(lambda stream: nursery.start_soon(sink, stream))
+            connection = await client.connect(server.listen_multiaddr)
+            streams = [await connection.open_stream() for _ in range(streams_count)]
+            for stream in streams:  # every stream open on both sides
+                await stream.send_all(MESSAGE)
+            await got_all.wait()
+            await trio.testing.wait_all_tasks_blocked()
+            received, got_all = 0, trio.Event()
+            go = trio.Event()
+
+            async def send_when_told(stream: Stream) -> None:
+                await go.wait()
+                await stream.send_all(MESSAGE)
+
+            before = client.statistics().datagrams_sent
+            async with trio.open_nursery() as senders:
+                for stream in streams:
+                    senders.start_soon(send_when_told, stream)
+                await trio.testing.wait_all_tasks_blocked()
+                go.set()
+            await got_all.wait()
+            assert client.statistics().datagrams_sent - before == 1
+            nursery.cancel_scope.cancel()
