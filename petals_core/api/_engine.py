@@ -40,7 +40,7 @@ import math
 import statistics
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from typing import Any, Final
 
 import attrs
@@ -321,8 +321,16 @@ class _Lineup:
     final norm, the LM head and each request's choice) for the batch in a worker thread, and
     releases its requests together."""
 
-    def __init__(self, compute: Callable[[list[_Entry]], None], nursery: trio.Nursery) -> None:
+    def __init__(
+        self,
+        compute: Callable[[list[_Entry]], None],
+        nursery: trio.Nursery,
+        *,
+        run_sync: Callable[..., Awaitable[Any]] = trio.to_thread.run_sync,
+    ) -> None:
         self._compute = compute
+        #: How ``compute`` is run (a worker thread; the lineup's own tests run it inline).
+        self._run_sync = run_sync
         self._nursery = nursery
         self._running = False
         self._members: set[object] = set()
@@ -394,7 +402,7 @@ class _Lineup:
     async def _release(self, batch: dict[object, _Entry]) -> None:
         entries = list(batch.values())
         try:
-            await trio.to_thread.run_sync(self._compute, entries)
+            await self._run_sync(self._compute, entries)
         except Exception as exc:  # compute failed as a whole: every request in it fails
             for entry in entries:
                 entry.error = exc
