@@ -60,9 +60,8 @@ __all__ = ["GREEDY_BELOW", "Chunk", "Engine", "Limits", "TokenLogprob", "Usage"]
 #: distribution is its argmax to within float precision long before.
 GREEDY_BELOW: Final = 1e-6
 
-#: How long the requests that are ready wait for a late one, at most, in steps of the usual
-#: length (and within these bounds, in seconds).
-_HOLD_STEPS: Final = 1.0
+#: How long the requests that are ready wait for a late one, at most: one step of the usual
+#: length, within these bounds (seconds).
 _HOLD_MIN_S: Final = 0.002
 _HOLD_MAX_S: Final = 1.0
 #: Steps the hold's "usual length" is the median of.
@@ -135,10 +134,7 @@ Event = Chunk | Usage | ApiError
 class _Row:
     """One choice being generated: its tokens, its text, and what was sent of it."""
 
-    def __init__(
-        self, prompt_length: int, limit: int, decode: Callable[[Sequence[int]], str]
-    ) -> None:
-        self.prompt_length = prompt_length
+    def __init__(self, limit: int, decode: Callable[[Sequence[int]], str]) -> None:
         self.limit = limit
         self.text = IncrementalText(decode)
         self.tokens = self.text.tokens
@@ -172,9 +168,7 @@ class _Job:
         self._send = send
         self._logprobs: torch.Tensor | None = None
         self.rows = [
-            _Row(len(prompt), max_new_tokens, engine.decode)
-            for prompt in prompts
-            for _ in range(sampling.n)
+            _Row(max_new_tokens, engine.decode) for prompt in prompts for _ in range(sampling.n)
         ]
 
     def emit(self, event: Event) -> None:
@@ -383,7 +377,7 @@ class _Lineup:
         if not self._steps_s:
             return _HOLD_MIN_S
         median = statistics.median(self._steps_s)
-        return min(_HOLD_MAX_S, max(_HOLD_MIN_S, _HOLD_STEPS * median))
+        return min(_HOLD_MAX_S, max(_HOLD_MIN_S, median))
 
     async def _run(self) -> None:
         try:
