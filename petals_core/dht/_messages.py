@@ -15,10 +15,13 @@ from ..transport import Multiaddr, PeerID
 from ._records import Record, decode_record_untrusted
 from ._routing import NODE_ID_BITS, Contact, NodeID
 
-__all__ = ["MAX_RECORDS_PER_REQUEST"]
+__all__ = ["MAX_RECORDS_PER_REPLY", "MAX_RECORDS_PER_REQUEST"]
 
 #: Records one STORE request may carry.
 MAX_RECORDS_PER_REQUEST: Final = 64
+#: Records one FIND_VALUE reply may carry: every entry of a key (a block served by many servers,
+#: a registry of many models), up to the record store's default ``max_subkeys_per_key``.
+MAX_RECORDS_PER_REPLY: Final = 1024
 #: Contacts we read from one reply (a peer returns at most its ``k``; more is padding).
 _MAX_CONTACTS_PER_REPLY: Final = 64
 _NODE_ID_BYTES: Final = NODE_ID_BITS // 8
@@ -46,9 +49,9 @@ def decode_contacts_untrusted(obj: object, now: float) -> list[Contact]:
     return contacts
 
 
-def decode_records_untrusted(obj: object) -> list[Record]:
-    if not isinstance(obj, list) or len(obj) > MAX_RECORDS_PER_REQUEST:
-        raise CodecError(f"records are a list of at most {MAX_RECORDS_PER_REQUEST}")
+def decode_records_untrusted(obj: object, limit: int = MAX_RECORDS_PER_REQUEST) -> list[Record]:
+    if not isinstance(obj, list) or len(obj) > limit:
+        raise CodecError(f"records are a list of at most {limit}")
     return [decode_record_untrusted(item) for item in obj]
 
 

@@ -53,7 +53,12 @@ from ..transport import (
 )
 from ._gossip import Gossip, PeerTableSnapshot, build_snapshot
 from ._lookup import Lookup, LookupResult
-from ._messages import MAX_RECORDS_PER_REQUEST, decode_contacts_untrusted, decode_records_untrusted
+from ._messages import (
+    MAX_RECORDS_PER_REPLY,
+    MAX_RECORDS_PER_REQUEST,
+    decode_contacts_untrusted,
+    decode_records_untrusted,
+)
 from ._reachability import DIAL_BACK, DialBack
 from ._record_store import RecordStore, RecordStoreStatistics
 from ._records import Record, ServerInfo, StoredValue, encode_record, merge
@@ -143,6 +148,7 @@ class DHTNode:
         self._republish_rounds = _Rounds()
         self._rng = rng
         self._topics: dict[str, Topic] = {}
+        self._topic_scopes: dict[str, trio.CancelScope] = {}
         self._handed_off = 0
         self._cached = 0
         self._service = DHTService(
@@ -357,7 +363,8 @@ class DHTNode:
         ``gossip_interval_s``, so that a new or departed server shows within seconds.
 
         Returns the :class:`Topic` whose :meth:`~Topic.snapshot` routing reads; following the
-        same prefix again returns the same topic.  The loops run until the node closes.
+        same prefix again returns the same topic.  The loops run until the node closes or
+        :meth:`unfollow` is called.
         """
         topic = self._topics.get(prefix)
         if topic is not None:
@@ -394,9 +401,26 @@ class DHTNode:
             rng=self._rng,
         )
         self._topics[prefix] = topic
-        self._nursery.start_soon(topic.refresh_forever, update_period_s)
-        self._nursery.start_soon(topic.gossip_forever, gossip_interval_s)
+        scope = self._topic_scopes[prefix] = trio.CancelScope()
+        self._nursery.start_soon(self._run_topic, topic, scope, update_period_s, gossip_interval_s)
         return topic
+
+    def unfollow(self, prefix: str) -> None:
+        """Stop following ``prefix`` (nothing if it is not followed): its reads and gossip stop,
+        and gossip about it is no longer answered.  Following it again starts afresh."""
+        self._topics.pop(prefix, None)
+        scope = self._topic_scopes.pop(prefix, None)
+        if scope is not None:
+            scope.cancel()
+
+    @staticmethod
+    async def _run_topic(
+        topic: Topic, scope: trio.CancelScope, update_period_s: float, gossip_interval_s: float
+    ) -> None:
+        with scope:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(topic.refresh_forever, update_period_s)
+                nursery.start_soon(topic.gossip_forever, gossip_interval_s)
 
     # -- lookups ---------------------------------------------------------------------------------
 
@@ -451,7 +475,9 @@ class DHTNode:
             contacts = decode_contacts_untrusted(reply.get("contacts"), now)
             records = None
             if lookup.want_value is not None:
-                records = decode_records_untrusted(reply.get("records", []))
+                records = decode_records_untrusted(
+                    reply.get("records", []), limit=MAX_RECORDS_PER_REPLY
+                )
         except CodecError:
             self._table.failed(contact.node_id, now)
             return lookup.on_failure(contact.node_id, now)

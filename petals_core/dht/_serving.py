@@ -14,6 +14,7 @@ import attrs
 from .._errors import CodecError
 from ..transport import Handlers, PeerID, ServerCall
 from ._messages import (
+    MAX_RECORDS_PER_REPLY,
     caller_contact_untrusted,
     decode_records_untrusted,
     encode_contacts,
@@ -76,7 +77,10 @@ class DHTService:
         self._caller(request, call)
         key = key_untrusted(request)
         held = self._records.get(key, self._clock())
-        records = [encode_record(r) for r in held.records(key)] if held else []
+        kept = held.records(key) if held else ()
+        if len(kept) > MAX_RECORDS_PER_REPLY:  # a store allowed more: those expiring last
+            kept = tuple(sorted(kept, key=lambda r: -r.expiration)[:MAX_RECORDS_PER_REPLY])
+        records = [encode_record(r) for r in kept]
         closest = self._table.closest(NodeID.from_key(key), self._k)
         return {"records": records, "contacts": encode_contacts(closest)}
 

@@ -94,7 +94,8 @@ def decode_records_untrusted(obj: object) -> list[Record]:
 class Topic:
     """One followed ``prefix`` of ``num_blocks`` blocks: its records, gossip and snapshot.
 
-    Build it with :meth:`DHTNode.follow`; it lives as long as the node.
+    Build it with :meth:`DHTNode.follow`; it lives until the node closes or
+    :meth:`DHTNode.unfollow`.
     """
 
     def __init__(

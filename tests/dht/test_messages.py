@@ -10,6 +10,7 @@ import pytest
 from petals_core._errors import CodecError
 from petals_core.dht import NodeID, Record, encode_record
 from petals_core.dht._messages import (
+    MAX_RECORDS_PER_REPLY,
     MAX_RECORDS_PER_REQUEST,
     caller_contact_untrusted,
     decode_contacts_untrusted,
@@ -99,3 +100,12 @@ def test_the_caller_is_noted_where_it_listens() -> None:
 def test_a_caller_without_a_valid_address_is_refused(request_: dict[str, Any]) -> None:
     with pytest.raises(CodecError):
         caller_contact_untrusted(request_, PEER, "10.0.0.2", 0.0)
+
+
+def test_a_find_value_reply_carries_more_records_than_a_store_request() -> None:
+    encoded = encode_record(Record("k", "s", b"v", 100.0))
+    assert len(decode_records_untrusted([encoded] * 1024, limit=MAX_RECORDS_PER_REPLY)) == 1024
+    with pytest.raises(CodecError):
+        decode_records_untrusted(
+            [encoded] * (MAX_RECORDS_PER_REPLY + 1), limit=MAX_RECORDS_PER_REPLY
+        )

@@ -196,3 +196,37 @@ async def test_a_node_behind_port_forwarding_is_known_by_the_address_it_announce
                 contact = first.routing_table.get(NodeID.from_peer_id(behind.peer_id))
                 assert contact is not None
                 assert Multiaddr.parse(contact.address).port == outside.port
+
+
+async def test_a_key_with_more_entries_than_a_store_request_carries_is_found_whole() -> None:
+    # 100 servers on one block: more than one STORE carries, all in one FIND_VALUE reply.
+    clock = FakeClock()
+    with trio.fail_after(DEADLINE_S):
+        # The client holds nothing itself: what it finds came in a reply.
+        async with shared_swarm(clock, 3, with_client=True) as (nodes, client):
+            assert client is not None
+            for index in range(100):
+                value = f"server-{index}".encode()
+                assert await nodes[index % 3].store(
+                    "model.block.0", value, clock.now + 60, subkey=f"peer-{index}"
+                )
+            found = await client.get("model.block.0")
+            assert found is not None and found.is_dictionary
+            assert len(found.entries) == 100
+            assert {entry.value for entry in found.entries.values()} == {
+                f"server-{index}".encode() for index in range(100)
+            }
+
+
+async def test_unfollow_stops_a_topic_and_following_again_starts_afresh() -> None:
+    clock = FakeClock()
+    with trio.fail_after(DEADLINE_S):
+        async with swarm(clock, n=2) as nodes:
+            topic = nodes[0].follow("model", 4)
+            await topic.refresh()
+            nodes[0].unfollow("model")
+            nodes[0].unfollow("model")  # not followed: nothing to do
+            nodes[0].unfollow("never-followed")
+            again = nodes[0].follow("model", 6)  # another count is no conflict now
+            assert again is not topic and again.num_blocks == 6
+            assert nodes[0].follow("model", 6) is again
