@@ -11,8 +11,9 @@ Every ``refresh_period_s`` a round:
 3. builds the state (:func:`build_state`) and, when the models in it changed, gives it the next
    version and wakes whoever waits in :meth:`SwarmMonitor.wait_state` (the event streams).
 
-A model stays on the page while the registry lists it or servers still announce it.  A model's
-block count is the one the registry gave when it was first followed.
+A model stays on the page while the registry lists it or servers still announce it; once
+neither holds, the monitor stops following it.  When the registry gives a model another block
+count, the model is followed afresh with that count.
 """
 
 from __future__ import annotations
@@ -137,7 +138,12 @@ class SwarmMonitor:
             registry = await get_models(self._dht)
         except TransportError as exc:
             logger.warning("reading the registry of models failed: %s", exc)
-            registry = {}
+            return  # what was listed stays listed until a read succeeds
+        for prefix, followed in list(self._topics.items()):
+            listed = registry.get(prefix)
+            gone = listed is None and not followed.snapshot().peer_ids
+            if gone or (listed is not None and listed.num_blocks != followed.num_blocks):
+                self._unfollow(prefix)
         new: list[Topic] = []
         for prefix, info in sorted(registry.items()):
             topic = self._topics.get(prefix)
@@ -146,8 +152,7 @@ class SwarmMonitor:
                 if topic is None:
                     continue
                 new.append(topic)
-            if info.num_blocks == topic.num_blocks:
-                self._models[prefix] = info
+            self._models[prefix] = info
         async with trio.open_nursery() as nursery:
             for topic in new:
                 nursery.start_soon(topic.refresh)
@@ -167,6 +172,13 @@ class SwarmMonitor:
         self._topics[prefix] = topic
         logger.info("following %s (%d blocks)", prefix, info.num_blocks)
         return topic
+
+    def _unfollow(self, prefix: str) -> None:
+        self._dht.unfollow(prefix)
+        del self._topics[prefix]
+        self._models.pop(prefix, None)
+        self._over_limit_logged = False
+        logger.info("no longer following %s", prefix)
 
     def _snapshots(self) -> dict[str, PeerTableSnapshot]:
         return {prefix: topic.snapshot() for prefix, topic in self._topics.items()}
@@ -190,9 +202,10 @@ class SwarmMonitor:
             if any(rtts.get(peer_id) is None for peer_id in snapshot.peer_ids):
                 # A server that stopped answering may have left: its OFFLINE announcement is in
                 # the DHT even when gossip missed it.  Read it without holding up the rounds.
-                topic = self._topics[prefix]
-                period = self._config.refresh_period_s
-                self._nursery.start_soon(partial(topic.refresh, min_interval_s=period))
+                topic = self._topics.get(prefix)  # None: no longer followed
+                if topic is not None:
+                    period = self._config.refresh_period_s
+                    self._nursery.start_soon(partial(topic.refresh, min_interval_s=period))
 
     async def _ping(self, address: Multiaddr) -> float | None:
         """Seconds a ``dht.ping`` call takes on a connection to ``address`` (dialled first, not
@@ -213,7 +226,7 @@ class SwarmMonitor:
         shown = {
             prefix: info
             for prefix, info in self._models.items()
-            if prefix in self._listed or snapshots[prefix].peer_ids
+            if prefix in snapshots and (prefix in self._listed or snapshots[prefix].peer_ids)
         }
         previous = self._state
         state = build_state(

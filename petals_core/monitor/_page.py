@@ -2,10 +2,13 @@
 have no internet, so nothing is fetched from elsewhere).
 
 The script opens an ``EventSource`` on ``api/v1/events`` and redraws the page from each state
-event: per model a bar of one cell per block (the number of online servers in it, coloured; a
-hole in red) and a table of its servers.  Everything peers announce (names, versions) is put in
-the page as text, never as markup, and the Content-Security-Policy admits only this script and
-this style (by their hashes), so nothing a peer announces can run in the page.
+event: per model a bar of one cell per block (the number of online servers in it that answer
+the monitor, coloured; a hole in red) and a table of its servers.  When the stream breaks for
+good (an answer that is not an event stream), it opens a new one a few seconds later.
+
+Everything peers announce (names, versions) is put in the page as text, never as markup, and
+the Content-Security-Policy admits only this script and this style (by their hashes), so
+nothing a peer announces can run in the page.
 """
 
 from __future__ import annotations
@@ -55,6 +58,12 @@ function el(tag, className, text) {
   return node;
 }
 
+function rate(value) {
+  if (value >= 10) return value.toFixed(0);
+  if (value >= 1) return value.toFixed(1);
+  return value > 0 ? value.toPrecision(2) : "0";
+}
+
 function cellClass(block) {
   if (block.online >= 3) return "cell c3";
   if (block.online > 0) return "cell c" + block.online;
@@ -76,7 +85,7 @@ function serverRow(server) {
     el("td", null, server.public_name || "—"),
     el("td", "num", server.start_block + ":" + server.end_block),
     el("td", null, server.state),
-    el("td", "num", server.throughput.toFixed(1)),
+    el("td", "num", rate(server.throughput)),
     el("td", "num", server.cache_tokens_left === null ? "—"
       : server.cache_tokens_left.toLocaleString("en-US")),
     el("td", null, server.torch_dtype + (server.quant_type === "none" ? ""
@@ -107,7 +116,9 @@ function renderModel(model) {
     cell.dataset.block = index;
     cell.dataset.online = block.online;
     cell.dataset.joining = block.joining;
-    cell.title = "block " + index + ": " + block.online + " online, " + block.joining + " joining";
+    cell.dataset.unreachable = block.unreachable;
+    cell.title = "block " + index + ": " + block.online + " online, " + block.joining +
+      " joining, " + block.unreachable + " unreachable";
     bar.append(cell);
   });
   section.append(bar);
@@ -137,16 +148,22 @@ function render(state) {
     : [el("p", "empty", "No model is announced in the swarm.")]));
 }
 
-const source = new EventSource("api/v1/events");
-source.addEventListener("state", (event) => {
-  render(JSON.parse(event.data));
-  status.textContent = "live";
-  status.className = "status live";
-});
-source.onerror = () => {
-  status.textContent = "reconnecting…";
-  status.className = "status down";
-};
+function listen() {
+  const source = new EventSource("api/v1/events");
+  source.addEventListener("state", (event) => {
+    render(JSON.parse(event.data));
+    status.textContent = "live";
+    status.className = "status live";
+  });
+  source.onerror = () => {
+    status.textContent = "reconnecting…";
+    status.className = "status down";
+    // The browser retries by itself unless the answer was not an event stream (a proxy's
+    // error page, say): then it gives up, and a new source tries again a little later.
+    if (source.readyState === EventSource.CLOSED) setTimeout(listen, 3000);
+  };
+}
+listen();
 """
 
 _LEGEND: Final = (

@@ -9,6 +9,7 @@ what each server-sent event carries.
 
 from __future__ import annotations
 
+import unicodedata
 from collections.abc import Mapping
 from typing import Any, Final
 
@@ -31,10 +32,13 @@ def short_id(peer_id: str) -> str:
 
 @attrs.frozen(kw_only=True)
 class BlockCoverage:
-    """How many servers hold one block: ``online`` serve it, ``joining`` are loading it."""
+    """How many servers hold one block: ``online`` serve it, ``joining`` are loading it, and
+    ``unreachable`` announce it online but did not answer the monitor's last ping (counted
+    apart: a client cannot count on them either)."""
 
     online: int = 0
     joining: int = 0
+    unreachable: int = 0
 
 
 @attrs.frozen(kw_only=True)
@@ -74,7 +78,7 @@ class ModelState:
 
     @property
     def served_blocks(self) -> int:
-        """How many blocks at least one online server holds."""
+        """How many blocks at least one online server (not known unreachable) holds."""
         return sum(1 for block in self.blocks if block.online)
 
 
@@ -121,6 +125,7 @@ def build_state(
     onto round-trip times in seconds, None for a server that did not answer (absent: not
     measured yet).  A block's coverage counts the servers listed under it; a server is listed
     once, with the span it announced; blocks past the model's ``num_blocks`` are not shown.
+    An online server that did not answer its ping counts as unreachable, not online.
     """
     return SwarmState(
         version=version,
@@ -141,9 +146,16 @@ def _model_state(
     blocks = {} if snapshot is None else snapshot.blocks
     coverage: list[BlockCoverage] = []
     for index in range(info.num_blocks):
-        servers = blocks.get(index, {}).values()
-        online = sum(1 for server in servers if server.state is ServerState.ONLINE)
-        coverage.append(BlockCoverage(online=online, joining=len(servers) - online))
+        servers = blocks.get(index, {})
+        online = [p for p, server in servers.items() if server.state is ServerState.ONLINE]
+        silent = sum(1 for peer_id in online if peer_id in rtts and rtts[peer_id] is None)
+        coverage.append(
+            BlockCoverage(
+                online=len(online) - silent,
+                joining=len(servers) - len(online),
+                unreachable=silent,
+            )
+        )
     # A server files one announcement under each block of its span: its first one stands for it.
     announced: dict[str, ServerInfo] = {}
     for index in sorted(blocks):
@@ -163,22 +175,28 @@ def _model_state(
     )
 
 
+def _plain(text: str) -> str:
+    """An announced text without control and format characters (a right-to-left override in a
+    server's name would turn the row around it): each becomes U+FFFD."""
+    return "".join("\ufffd" if unicodedata.category(c) in ("Cc", "Cf") else c for c in text)
+
+
 def _server_row(peer_id: str, info: ServerInfo, rtts: Mapping[str, float | None]) -> ServerRow:
     measured = peer_id in rtts
     rtt = rtts.get(peer_id)
     return ServerRow(
         peer_id=peer_id,
         short_id=short_id(peer_id),
-        public_name=info.public_name,
+        public_name=None if info.public_name is None else _plain(info.public_name),
         state=info.state.value,
         start_block=info.start_block,
         end_block=info.end_block,
         throughput=info.throughput,
         cache_tokens_left=info.cache_tokens_left,
-        torch_dtype=info.torch_dtype,
-        quant_type=info.quant_type,
-        version=info.version,
-        adapters=info.adapters,
+        torch_dtype=_plain(info.torch_dtype),
+        quant_type=_plain(info.quant_type),
+        version=_plain(info.version),
+        adapters=tuple(_plain(adapter) for adapter in info.adapters),
         rtt_ms=None if rtt is None else round(rtt * 1000.0, 2),
         reachable=(rtt is not None) if measured else None,
     )

@@ -16,9 +16,11 @@ import pytest
 import trio
 
 from petals_core import ConfigError, PeerUnreachable, __version__
-from petals_core.monitor import open_monitor
+from petals_core.dht import ModelInfo, register_model
+from petals_core.monitor import MonitorConfig, SwarmMonitor, open_monitor
 from petals_core.testing import open_local_swarm
 
+from ..dht._swarm import FakeClock, swarm as dht_swarm
 from ._http_client import get, get_json, open_events
 from ._swarm import REFRESH_S, add_servers, monitor_config, peer_id, save_tiny_llama, start_monitor
 
@@ -143,3 +145,39 @@ async def test_a_swarm_without_models_is_an_empty_state_and_a_dead_one_an_error(
 def test_the_config_refuses_what_cannot_work(fields: dict[str, Any], message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         attrs.evolve(monitor_config(["/ip4/127.0.0.1/udp/1/quic-v1"]), **fields)
+
+
+async def test_the_monitor_follows_the_registry_as_models_come_go_and_change() -> None:
+    """A model the registry drops, with no server left, is no longer followed (so a monitor at
+    its limit of models takes up the next one); a model given another block count is shown
+    with it."""
+    clock = FakeClock()
+    with trio.fail_after(DEADLINE_S):
+        async with (
+            dht_swarm(clock, 3, with_client=True) as (nodes, client),
+            trio.open_nursery() as nursery,
+        ):
+            assert client is not None
+            config = MonitorConfig(initial_peers=[str(nodes[0].listen_multiaddr)], max_models=1)
+            monitor = SwarmMonitor(client, config, nursery, clock=clock)
+
+            async def shown() -> dict[str, int]:
+                await monitor.refresh()
+                return {m.dht_prefix: m.num_blocks for m in monitor.state.models}
+
+            assert await register_model(
+                nodes[1], "alpha", ModelInfo(num_blocks=6), expiration=clock.now + 60
+            )
+            assert await shown() == {"alpha": 6}
+            assert await register_model(
+                nodes[1], "alpha", ModelInfo(num_blocks=8), expiration=clock.now + 90
+            )
+            assert await shown() == {"alpha": 8}
+
+            clock.now += 120  # alpha's entry expires
+            assert await register_model(
+                nodes[2], "beta", ModelInfo(num_blocks=4), expiration=clock.now + 60
+            )
+            assert await shown() == {"beta": 4}
+            monitor.close()
+            nursery.cancel_scope.cancel()

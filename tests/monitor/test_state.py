@@ -82,6 +82,28 @@ def test_one_row_per_server_sorted_by_span_with_its_round_trip() -> None:
     assert (row.torch_dtype, row.quant_type, row.version) == ("bfloat16", "nf4", "0.1.0")
 
 
+def test_an_online_server_that_does_not_answer_is_no_cover() -> None:
+    servers = {A: info(0, 3), B: info(0, 6), C: info(3, 6, state=ServerState.JOINING)}
+    rtts = {A: 0.001, B: None, C: None}
+    state = build_state(
+        {"llama": LLAMA}, {"llama": snapshot("llama", servers)}, rtts, version=1, updated_at=0.0
+    )
+    (model,) = state.models
+    coverage = [(block.online, block.joining, block.unreachable) for block in model.blocks]
+    assert coverage == [(1, 0, 1)] * 3 + [(0, 1, 1)] * 3
+    assert model.served_blocks == 3
+
+
+def test_announced_texts_lose_control_and_format_characters() -> None:
+    servers = {A: info(0, 6, public_name="evil\u202egnp.exe", version="1.0\n<b>")}
+    state = build_state(
+        {"llama": LLAMA}, {"llama": snapshot("llama", servers)}, {}, version=1, updated_at=0.0
+    )
+    (row,) = state.models[0].servers
+    assert row.public_name == "evil\ufffdgnp.exe"
+    assert row.version == "1.0\ufffd<b>"  # markup stays text: the page never parses it
+
+
 def test_models_without_a_table_have_no_servers_and_are_sorted_by_prefix() -> None:
     bloom = ModelInfo(num_blocks=2)
     state = build_state({"zeta": LLAMA, "alpha": bloom}, {}, {}, version=0, updated_at=0.0)
@@ -118,7 +140,7 @@ def test_the_json_is_what_the_api_sends() -> None:
     (model,) = data["models"]
     assert model["dht_prefix"] == "llama"
     assert model["num_blocks"] == 6 and model["served_blocks"] == 6
-    assert model["blocks"] == [{"online": 1, "joining": 0}] * 6
+    assert model["blocks"] == [{"online": 1, "joining": 0, "unreachable": 0}] * 6
     (row,) = model["servers"]
     assert row["adapters"] == ["lora"]
     assert row["public_name"] is None and row["cache_tokens_left"] is None
