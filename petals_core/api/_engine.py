@@ -35,12 +35,13 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import copy
 import logging
 import math
 import statistics
 import threading
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any, Final
 
 import attrs
@@ -262,7 +263,8 @@ class _Chooser:
 
     def __init__(self, sampling: Sampling) -> None:
         self.logprobs = sampling.logprobs is not None
-        self.greedy = sampling.temperature < GREEDY_BELOW
+        # top_p 0 keeps only the likeliest token: greedy.
+        self.greedy = sampling.temperature < GREEDY_BELOW or sampling.top_p == 0
         self._warpers: list[Any] = []
         if not self.greedy:
             if sampling.temperature != 1.0:
@@ -455,8 +457,12 @@ class Engine:
         self._nursery = nursery
         self._slots = trio.Semaphore(limits.max_concurrent_requests)
         self._waiting = 0
-        # Chats are tokenized in worker threads, the rest on the event loop; one at a time.
-        self._tokenizer_lock = threading.Lock()
+        # Prompts are tokenized in worker threads, one at a time, by a copy of the tokenizer of
+        # their own: a long one never holds up the answers' decoding on the event loop.
+        self._encoder = copy.deepcopy(tokenizer)
+        self._encoder_lock = threading.Lock()
+        #: UTF-8 bytes of the vocabulary's longest token (see :meth:`_encode`).
+        self._longest_token = max((len(str(t).encode()) for t in tokenizer.get_vocab()), default=1)
         #: Requests generating now, and the most that ever did at once.
         self.running = 0
         self.peak_running = 0
@@ -504,14 +510,38 @@ class Engine:
         return min(self.limits.max_request_tokens, self.context_length)
 
     def decode(self, tokens: Sequence[int]) -> str:
-        with self._tokenizer_lock:
-            return str(self.tokenizer.decode(list(tokens), skip_special_tokens=True))
+        """``tokens``' text, on the event loop (the answers' text and log-probabilities)."""
+        return str(self.tokenizer.decode(list(tokens), skip_special_tokens=True))
+
+    def decode_prompt(self, tokens: Sequence[int]) -> str:
+        """``tokens``' text, in a worker thread (an echoed prompt)."""
+        with self._encoder_lock:
+            return str(self._encoder.decode(list(tokens), skip_special_tokens=True))
+
+    def _encode(self, text: str, *, add_special_tokens: bool, param: str) -> list[int]:
+        """``text``'s token ids, in a worker thread. A text that is surely more tokens than any
+        request may hold is refused before tokenizing: no token stands for more than the
+        longest in the vocabulary (in UTF-8 bytes, at least its characters), and the factor
+        of 4 leaves room for normalizers that merge characters."""
+        limit = self.max_request_tokens
+        if len(text) > 4 * self._longest_token * limit:
+            raise ApiError(
+                400,
+                f"This endpoint's maximum context length is {limit} tokens. However, the "
+                f"prompt's {len(text)} characters are more tokens than that. Please reduce the "
+                "prompt.",
+                param=param,
+                code="context_length_exceeded",
+            )
+        with self._encoder_lock:
+            ids = self._encoder.encode(text, add_special_tokens=add_special_tokens)
+        return [int(i) for i in ids]
 
     def encode_prompt(self, prompt: str | Sequence[int]) -> list[int]:
-        """A completion prompt's token ids (token ids are checked against the vocabulary)."""
+        """A completion prompt's token ids (token ids are checked against the vocabulary), in a
+        worker thread."""
         if isinstance(prompt, str):
-            with self._tokenizer_lock:
-                ids = [int(i) for i in self.tokenizer.encode(prompt)]
+            ids = self._encode(prompt, add_special_tokens=True, param="prompt")
             if not ids and self.tokenizer.bos_token_id is not None:
                 ids = [int(self.tokenizer.bos_token_id)]
             if not ids:
@@ -526,25 +556,24 @@ class Engine:
         return list(prompt)
 
     def encode_chat(self, messages: Sequence[Message]) -> list[int]:
-        """The chat's token ids through the tokenizer's chat template, ready for the answer."""
+        """The chat's token ids through the tokenizer's chat template, ready for the answer, in a
+        worker thread (the template's text, tokenized with no special tokens added, as
+        ``apply_chat_template`` does)."""
         if getattr(self.tokenizer, "chat_template", None) is None:
             raise ApiError.bad_request(
                 f"{self.name}'s tokenizer has no chat template: use /v1/completions",
                 param="messages",
             )
         chat = [{"role": m.role, "content": m.content} for m in messages]
-        try:
-            with self._tokenizer_lock:
-                encoded = self.tokenizer.apply_chat_template(
-                    chat, add_generation_prompt=True, tokenize=True
-                )
+        try:  # rendering the template reads the tokenizer and changes nothing: no lock
+            text = self._encoder.apply_chat_template(
+                chat, add_generation_prompt=True, tokenize=False
+            )
         except Exception as exc:  # the template's own checks (jinja2 raise_exception)
             raise ApiError.bad_request(
                 f"the chat template refused these messages: {exc}", param="messages"
             ) from None
-        if isinstance(encoded, Mapping):
-            encoded = encoded["input_ids"]
-        return [int(i) for i in encoded]
+        return self._encode(str(text), add_special_tokens=False, param="messages")
 
     def check_rows(self, prompts: int, sampling: Sampling) -> None:
         """Refuse a request for more choices (prompts times ``n``) than the limit."""
@@ -571,7 +600,7 @@ class Engine:
                 400,
                 f"This endpoint's maximum context length is {limit} tokens. However, you "
                 f"requested {asked}. Please reduce the prompt or the completion length.",
-                param="max_tokens" if wanted else prompt_param,
+                param=prompt_param if longest >= limit or not wanted else "max_tokens",
                 code="context_length_exceeded",
             )
         return sampling.max_tokens if sampling.max_tokens is not None else limit - longest

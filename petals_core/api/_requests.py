@@ -237,10 +237,8 @@ def _sampling(body: Mapping[str, Any], *, max_tokens: int | None, logprobs: int 
 
 
 def _top_p(body: Mapping[str, Any]) -> float:
-    top_p = _number(body, "top_p", low=0.0, high=1.0, default=1.0)
-    if top_p == 0:
-        raise ApiError.bad_request("top_p must be above 0", param="top_p")
-    return top_p
+    """``top_p`` 0 keeps only the likeliest token, as greedy decoding does."""
+    return _number(body, "top_p", low=0.0, high=1.0, default=1.0)
 
 
 # -- completions ----------------------------------------------------------------------------------
@@ -310,6 +308,21 @@ def parse_completion_untrusted(body: Any) -> CompletionRequest:
 
 # -- chat completions -----------------------------------------------------------------------------
 
+#: OpenAI's fields that change nothing here but how OpenAI bills or caches: checked, ignored.
+_CHAT_IGNORED: Final = {
+    "service_tier": str,
+    "prompt_cache_key": str,
+    "safety_identifier": str,
+    "prediction": Mapping,
+}
+#: OpenAI's fields that ask for what this endpoint cannot do, and their neutral values.
+_CHAT_UNSUPPORTED: Final[dict[str, Callable[[Any], bool]]] = {
+    "modalities": lambda value: value == ["text"],
+    "reasoning_effort": lambda value: False,
+    "verbosity": lambda value: False,
+    "audio": lambda value: False,
+    "web_search_options": lambda value: False,
+}
 _CHAT: Final = _COMMON | {
     "messages",
     "max_completion_tokens",
@@ -322,6 +335,8 @@ _CHAT: Final = _COMMON | {
     "function_call",
     "store",
     "metadata",
+    *_CHAT_IGNORED,
+    *_CHAT_UNSUPPORTED,
 }
 #: Fields of an assistant message as OpenAI answers it: clients send them back with the history,
 #: accepted when empty.
@@ -383,7 +398,10 @@ def _messages(value: Any) -> tuple[Message, ...]:
         name = message.get("name")
         if name is not None and not isinstance(name, str):
             raise ApiError.bad_request(f"messages[{index}].name must be a string")
-        messages.append(Message(role=_ROLES[role], content=_content(message.get("content"), index)))
+        content = message.get("content")
+        if content is None and role == "assistant":  # an answer that was all refusal or tools
+            content = ""
+        messages.append(Message(role=_ROLES[role], content=_content(content, index)))
     return tuple(messages)
 
 
@@ -406,12 +424,18 @@ def parse_chat_untrusted(body: Any) -> ChatRequest:
     )
     for name in ("parallel_tool_calls", "store"):
         _boolean(body, name)
+    for name, kind in _CHAT_IGNORED.items():
+        if body.get(name) is not None and not isinstance(body[name], kind):
+            what = "a string" if kind is str else "an object"
+            raise ApiError.bad_request(f"{name} must be {what}", param=name)
+    for name, is_neutral in _CHAT_UNSUPPORTED.items():
+        _neutral(body, name, is_neutral)
     metadata = body.get("metadata")
     if metadata is not None and not isinstance(metadata, Mapping):
         raise ApiError.bad_request("metadata must be an object", param="metadata")
-    limit = _integer(body, "max_completion_tokens", low=0, high=2**31 - 1)
+    limit = _integer(body, "max_completion_tokens", low=1, high=2**31 - 1)
     if limit is None:
-        limit = _integer(body, "max_tokens", low=0, high=2**31 - 1)
+        limit = _integer(body, "max_tokens", low=1, high=2**31 - 1)
     stream = _boolean(body, "stream")
     wants_logprobs = _boolean(body, "logprobs")
     top = _integer(body, "top_logprobs", low=0, high=MAX_CHAT_LOGPROBS)

@@ -66,6 +66,28 @@ def test_greedy_chat_answer_equals_generate(endpoint: Any, client: Any) -> None:
     assert answer.usage.total_tokens == answer.usage.prompt_tokens + len(expected)
     assert answer.object == "chat.completion"
     assert answer.model == endpoint.repo
+    # The endpoint tokenizes the chat as the tokenizer's own apply_chat_template does.
+    reference = engine.tokenizer.apply_chat_template(CHAT, add_generation_prompt=True)
+    if not isinstance(reference, list):
+        reference = reference["input_ids"]
+    assert engine.encode_chat([Message(**CHAT[0])]) == list(reference)
+    # top_p 0 keeps only the likeliest token, whatever the temperature.
+    narrowest = client.chat.completions.create(
+        model=endpoint.repo, messages=CHAT, max_tokens=24, temperature=1.5, top_p=0, seed=3
+    )
+    assert narrowest.choices[0].message.content == choice.message.content
+
+
+def test_answers_are_decoded_while_a_prompt_is_being_tokenized(endpoint: Any, client: Any) -> None:
+    # A long prompt holds the tokenizer that prompts are encoded with; answers are decoded with
+    # another, so a running request (here, one given token ids) is not held up.
+    engine = endpoint.api.engine
+    with engine._encoder_lock:
+        answer = client.completions.create(
+            model=endpoint.repo, prompt=[504, 3458, 282], max_tokens=6, temperature=0
+        )
+    assert answer.usage.completion_tokens >= 1
+    assert answer.choices[0].text
 
 
 def test_streamed_chat_equals_the_plain_answer_with_usage_and_logprobs(

@@ -95,6 +95,38 @@ def test_malformed_bodies(endpoint: Any, body: bytes, status: int, param: str | 
     assert _error(got, answer, status)["param"] == param
 
 
+def test_a_prompt_far_over_the_context_is_refused_before_tokenizing(endpoint: Any) -> None:
+    engine = endpoint.api.engine
+    huge = "word " * (MAX_BODY_BYTES // 5 - 100)
+    # Refused without waiting for the tokenizer, which is held here.
+    with engine._encoder_lock:
+        for path, body in (
+            ("/v1/completions", {"model": endpoint.repo, "prompt": huge}),
+            (
+                "/v1/chat/completions",
+                {
+                    "model": endpoint.repo,
+                    "messages": [{"role": "user", "content": huge}],
+                },
+            ),
+        ):
+            status, answer = _post(endpoint.url, path, json.dumps(body).encode())
+            error = _error(status, answer, 400)
+            assert error["code"] == "context_length_exceeded"
+            assert error["param"] == ("prompt" if "prompt" in body else "messages")
+            assert f"maximum context length is {LIMITS.max_request_tokens}" in error["message"]
+    # A prompt just over the context is counted in tokens, and blamed, not max_tokens.
+    status, answer = _post(
+        endpoint.url,
+        "/v1/completions",
+        json.dumps({"model": endpoint.repo, "prompt": "word " * 600, "max_tokens": 4}).encode(),
+    )
+    error = _error(status, answer, 400)
+    assert (error["code"], error["param"]) == ("context_length_exceeded", "prompt")
+    assert "in the prompt, 4 in the completion" in error["message"]
+    _still_serving(endpoint)
+
+
 def test_routes_methods_and_sizes(endpoint: Any) -> None:
     assert _error(*_post(endpoint.url, "/v1/nothing", b"{}"), 404)["code"] == "not_found"
     status, body = _post(endpoint.url, "/v1/chat/completions", b"", method="GET")

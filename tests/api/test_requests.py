@@ -48,6 +48,34 @@ def test_chat_defaults_and_forms() -> None:
     assert sampling.logprobs == 0
     assert not request.stream
     assert parse_chat_untrusted({**CHAT, "max_completion_tokens": 7}).sampling.max_tokens == 7
+    assert parse_chat_untrusted({**CHAT, "top_p": 0}).sampling.top_p == 0.0
+
+
+def test_chat_fields_of_openai_that_change_nothing_here_are_accepted() -> None:
+    request = parse_chat_untrusted(
+        {
+            **CHAT,
+            "service_tier": "auto",
+            "prompt_cache_key": "session-7",
+            "safety_identifier": "user-1",
+            "prediction": {"type": "content", "content": "Hello"},
+            "modalities": ["text"],
+            "reasoning_effort": None,
+        }
+    )
+    assert request.messages == (Message(role="user", content="Hi"),)
+
+
+def test_an_assistant_message_without_content_is_an_empty_one() -> None:
+    messages = [
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": None, "refusal": None},
+        {"role": "user", "content": "Again"},
+    ]
+    request = parse_chat_untrusted({**CHAT, "messages": messages})
+    assert request.messages[1] == Message(role="assistant", content="")
+    with pytest.raises(ApiError, match="must be a string"):
+        parse_chat_untrusted({**CHAT, "messages": [{"role": "user", "content": None}]})
 
 
 def test_completion_defaults_and_prompt_forms() -> None:
@@ -74,8 +102,14 @@ def test_completion_defaults_and_prompt_forms() -> None:
         ({**CHAT, "stop": ["a", "b", "c", "d", "e"]}, "stop", "up to 4"),
         ({**CHAT, "stop": [""]}, "stop", "non-empty"),
         ({**CHAT, "seed": 2**70}, "seed", "64-bit"),
-        ({**CHAT, "top_p": 0}, "top_p", "above 0"),
-        ({**CHAT, "max_tokens": -1}, "max_tokens", "from 0"),
+        ({**CHAT, "max_tokens": -1}, "max_tokens", "from 1"),
+        ({**CHAT, "max_tokens": 0}, "max_tokens", "from 1"),
+        ({**CHAT, "max_completion_tokens": 0}, "max_completion_tokens", "from 1"),
+        ({**CHAT, "service_tier": 3}, "service_tier", "must be a string"),
+        ({**CHAT, "prediction": "x"}, "prediction", "must be an object"),
+        ({**CHAT, "reasoning_effort": "low"}, "reasoning_effort", "not supported"),
+        ({**CHAT, "modalities": ["text", "audio"]}, "modalities", "not supported"),
+        ({**CHAT, "web_search_options": {}}, "web_search_options", "not supported"),
         ({**CHAT, "logit_bias": {"1": 5}}, "logit_bias", "not supported"),
         ({**CHAT, "tools": [{"type": "function"}]}, "tools", "not supported"),
         ({**CHAT, "response_format": {"type": "json_object"}}, "response_format", "not supported"),
