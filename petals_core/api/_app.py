@@ -27,7 +27,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from ._engine import Chunk, Engine, TokenLogprob, Usage
+from ._engine import Chunk, Engine, Event, PromptLogprobs, TokenLogprob, Usage
 from ._errors import ApiError
 from ._requests import (
     ChatRequest,
@@ -170,7 +170,9 @@ class _Api:
         # A long prompt takes a while to tokenize: not on the event loop, which serves all.
         prompts, echo = await trio.to_thread.run_sync(encode)
         shape = _CompletionShape(parsed, len(prompts), echo, engine)
-        return await self._answer(request, shape, prompts, "prompt")
+        return await self._answer(
+            request, shape, prompts, "prompt", prompt_logprobs=shape.wants_prompt_logprobs
+        )
 
     async def chat_completions(self, request: Request) -> Response:
         parsed = parse_chat_untrusted(await self._body(request))
@@ -185,8 +187,12 @@ class _Api:
         shape: _Shape,
         prompts: Sequence[Sequence[int]],
         prompt_param: str,
+        *,
+        prompt_logprobs: bool = False,
     ) -> Response:
-        generation = self.engine.generate(prompts, shape.sampling, prompt_param=prompt_param)
+        generation = self.engine.generate(
+            prompts, shape.sampling, prompt_param=prompt_param, prompt_logprobs=prompt_logprobs
+        )
         if not shape.stream:
             chunks: list[Chunk] = []
             last: Usage | ApiError | None = None
@@ -195,6 +201,8 @@ class _Api:
                 async for event in events:
                     if isinstance(event, Chunk):
                         chunks.append(event)
+                    elif isinstance(event, PromptLogprobs):
+                        shape.take_prompt_logprobs(event)
                     else:
                         last = event
                 nursery.cancel_scope.cancel()
@@ -204,7 +212,7 @@ class _Api:
                 return Response(status_code=499)
             return JSONResponse(shape.whole(chunks, last))
         events = await generation.__aenter__()
-        first: Chunk | Usage | ApiError | None = None
+        first: Event | None = None
         try:
             # Until the first event (the request may wait for its turn), nothing else notices
             # a client that leaves.
@@ -233,16 +241,21 @@ async def _cancel_when_disconnected(request: Request, scope: trio.CancelScope) -
 
 async def _stream(
     shape: _Shape,
-    first: Chunk | Usage | ApiError,
-    events: AsyncIterator[Chunk | Usage | ApiError],
+    first: Event,
+    events: AsyncIterator[Event],
     close: Callable[[Any, Any, Any], Awaitable[None]],
 ) -> AsyncIterator[dict[str, str]]:
     try:
         held: dict[str, Any] | None = None
         for chunk in shape.stream_start():
             yield {"data": json.dumps(chunk)}
-        event: Chunk | Usage | ApiError | None = first
+        event: Event | None = first
         while event is not None:
+            if isinstance(event, PromptLogprobs):
+                for chunk in shape.prompt_chunks(event):
+                    yield {"data": json.dumps(chunk)}
+                event = await anext(events, None)
+                continue
             if isinstance(event, ApiError):
                 if held is not None:
                     yield {"data": json.dumps(held)}
@@ -317,6 +330,14 @@ class _Shape:
     def stream_start(self) -> list[dict[str, Any]]:
         return []
 
+    def take_prompt_logprobs(self, event: PromptLogprobs) -> None:
+        """A prompt's tokens with their logprobs, for the whole answer."""
+        raise NotImplementedError
+
+    def prompt_chunks(self, event: PromptLogprobs) -> list[dict[str, Any]]:
+        """The chunks that stream a prompt's tokens with their logprobs."""
+        raise NotImplementedError
+
     def _opening_chunk(self, content: Callable[[int], dict[str, Any]]) -> dict[str, Any]:
         """A chunk starting every choice with ``content(row)``."""
         choices = [
@@ -355,10 +376,25 @@ class _CompletionShape(_Shape):
         self.rows = prompts * parsed.sampling.n
         self.echo = echo
         self.with_logprobs = parsed.sampling.logprobs is not None
-        self._offsets = [0] * self.rows
+        #: An echoed prompt comes with its tokens' logprobs when logprobs are asked.
+        self.wants_prompt_logprobs = echo is not None and self.with_logprobs
+        self._prompt_logprobs: dict[int, tuple[TokenLogprob, ...]] = {}
+        # Where each row's next token starts in its text (after the echoed prompt).
+        self._offsets = [len(self._prefix(row)) for row in range(self.rows)]
 
     def _prefix(self, row: int) -> str:
         return self.echo[row // self.sampling.n] if self.echo is not None else ""
+
+    @staticmethod
+    def _entries(tokens: Sequence[TokenLogprob], offsets: list[int]) -> dict[str, Any]:
+        return {
+            "tokens": [token.token for token in tokens],
+            "token_logprobs": [token.logprob for token in tokens],
+            "top_logprobs": [
+                None if token.logprob is None else _top_by_text(token.top) for token in tokens
+            ],
+            "text_offset": offsets,
+        }
 
     def _logprobs(self, row: int, tokens: Sequence[TokenLogprob]) -> dict[str, Any] | None:
         if not self.with_logprobs:
@@ -367,25 +403,44 @@ class _CompletionShape(_Shape):
         for token in tokens:
             offsets.append(self._offsets[row])
             self._offsets[row] += len(token.token)
-        return {
-            "tokens": [token.token for token in tokens],
-            "token_logprobs": [token.logprob for token in tokens],
-            "top_logprobs": [_top_by_text(token.top) for token in tokens],
-            "text_offset": offsets,
-        }
+        return self._entries(tokens, offsets)
+
+    def _prompt_entries(self, tokens: Sequence[TokenLogprob]) -> dict[str, Any]:
+        offsets, at = [], 0
+        for token in tokens:
+            offsets.append(at)
+            at += len(token.token)
+        return self._entries(tokens, offsets)
 
     def whole_choice(self, row: int, parts: Sequence[Chunk]) -> dict[str, Any]:
+        logprobs = self._logprobs(row, [t for part in parts for t in part.logprobs])
+        prompt = self._prompt_logprobs.get(row // self.sampling.n)
+        if logprobs is not None and prompt is not None:
+            head = self._prompt_entries(prompt)
+            logprobs = {key: head[key] + values for key, values in logprobs.items()}
         return {
             "index": row,
             "text": self._prefix(row) + "".join(part.text for part in parts),
-            "logprobs": self._logprobs(row, [t for part in parts for t in part.logprobs]),
+            "logprobs": logprobs,
             "finish_reason": _finish_reason(parts),
         }
 
     def stream_start(self) -> list[dict[str, Any]]:
-        if self.echo is None:
+        if self.echo is None or self.wants_prompt_logprobs:  # then echoed with its logprobs
             return []
         return [self._opening_chunk(lambda row: {"text": self._prefix(row)})]
+
+    def take_prompt_logprobs(self, event: PromptLogprobs) -> None:
+        self._prompt_logprobs[event.prompt] = event.logprobs
+
+    def prompt_chunks(self, event: PromptLogprobs) -> list[dict[str, Any]]:
+        n = self.sampling.n
+        logprobs = self._prompt_entries(event.logprobs)
+        choices = [
+            {"index": row, "text": self._prefix(row), "logprobs": logprobs, "finish_reason": None}
+            for row in range(event.prompt * n, (event.prompt + 1) * n)
+        ]
+        return [{**self._head(self.chunk_object_name), "choices": choices, "usage": None}]
 
     def chunk_choice(self, chunk: Chunk) -> dict[str, Any]:
         return {

@@ -55,7 +55,7 @@ from ._detokenize import UNFINISHED, IncrementalText
 from ._errors import ApiError
 from ._requests import Message, Sampling
 
-__all__ = ["GREEDY_BELOW", "Chunk", "Engine", "Limits", "TokenLogprob", "Usage"]
+__all__ = ["GREEDY_BELOW", "Chunk", "Engine", "Limits", "PromptLogprobs", "TokenLogprob", "Usage"]
 
 #: Temperatures below this decode greedily: dividing logits by less overflows float32, and the
 #: distribution is its argmax to within float precision long before.
@@ -67,6 +67,8 @@ _HOLD_MIN_S: Final = 0.002
 _HOLD_MAX_S: Final = 1.0
 #: Steps the hold's "usual length" is the median of.
 _STEP_SAMPLES: Final = 32
+#: Prompt positions whose logits are computed at once (for a prompt's log-probabilities).
+_PROMPT_LOGITS_CHUNK: Final = 64
 
 logger = logging.getLogger(__name__)
 
@@ -92,11 +94,21 @@ class Limits:
 
 @attrs.frozen(kw_only=True)
 class TokenLogprob:
-    """A generated token's text and log-probability, with the likeliest alternatives."""
+    """A token's text and log-probability, with the likeliest alternatives (``logprob`` None:
+    a prompt's first token, which nothing predicts)."""
 
     token: str
-    logprob: float
+    logprob: float | None
     top: tuple[tuple[str, float], ...] = ()
+
+
+@attrs.frozen(kw_only=True)
+class PromptLogprobs:
+    """The tokens of prompt ``prompt`` (an index into the request's prompts) with their
+    log-probabilities under the model: sent before any :class:`Chunk` when they were asked."""
+
+    prompt: int
+    logprobs: tuple[TokenLogprob, ...]
 
 
 @attrs.frozen(kw_only=True)
@@ -129,7 +141,7 @@ class Usage:
         }
 
 
-Event = Chunk | Usage | ApiError
+Event = Chunk | PromptLogprobs | Usage | ApiError
 
 
 class _Row:
@@ -154,11 +166,14 @@ class _Job:
         sampling: Sampling,
         max_new_tokens: int,
         send: trio.MemorySendChannel[Event],
+        *,
+        prompt_logprobs: bool = False,
     ) -> None:
         self.engine = engine
         self.prompts = prompts
         self.sampling = sampling
         self.max_new_tokens = max_new_tokens
+        self.prompt_logprobs = prompt_logprobs
         #: Set when nobody waits for the rest (the HTTP side left, the endpoint shuts down).
         self.cancelled = False
         #: Where the job waits for its turn (see :meth:`Engine._run`), whether it got one, and
@@ -180,10 +195,8 @@ class _Job:
             self.cancelled = True  # nobody listens any more
 
     async def run(self) -> None:
-        if self.max_new_tokens == 0:
-            for index, row in enumerate(self.rows):
-                row.finish_reason = "length"
-                self.emit(Chunk(row=index, text="", finish_reason="length"))
+        if self.max_new_tokens == 0 and not self.prompt_logprobs:
+            self.finish_empty()
         else:
             await self.engine.decode_job(self)
         self.emit(
@@ -192,6 +205,12 @@ class _Job:
                 completion_tokens=sum(len(row.tokens) for row in self.rows),
             )
         )
+
+    def finish_empty(self) -> None:
+        """End every row with no token (``max_tokens`` 0)."""
+        for index, row in enumerate(self.rows):
+            row.finish_reason = "length"
+            self.emit(Chunk(row=index, text="", finish_reason="length"))
 
     @property
     def interrupted(self) -> bool:
@@ -606,10 +625,17 @@ class Engine:
         return sampling.max_tokens if sampling.max_tokens is not None else limit - longest
 
     def generate(
-        self, prompts: Sequence[Sequence[int]], sampling: Sampling, *, prompt_param: str = "prompt"
+        self,
+        prompts: Sequence[Sequence[int]],
+        sampling: Sampling,
+        *,
+        prompt_param: str = "prompt",
+        prompt_logprobs: bool = False,
     ) -> _Generation:
         """``async with engine.generate(prompts, sampling) as events: async for event in
-        events`` (:class:`Chunk` ..., then :class:`Usage`, or an :class:`ApiError`).
+        events`` (:class:`Chunk` ..., then :class:`Usage`, or an :class:`ApiError`; with
+        ``prompt_logprobs``, a :class:`PromptLogprobs` per prompt comes first, and
+        ``max_tokens`` may be 0).
 
         Raises :class:`ApiError` at once for a request over the limits, or 429 when too many
         wait. Leaving the block early cancels the generation."""
@@ -620,7 +646,7 @@ class Engine:
                 "Too many requests are waiting; try again shortly.",
                 code="too_many_requests",
             )
-        return _Generation(self, prompts, sampling, max_new_tokens)
+        return _Generation(self, prompts, sampling, max_new_tokens, prompt_logprobs)
 
     async def _run(self, job: _Job, send: trio.MemorySendChannel[Event]) -> None:
         error: Exception | None = None
@@ -688,9 +714,16 @@ class Engine:
             with torch.no_grad():
                 hidden, deep = self._embed(ids, first=True)
             try:
+                prefill = True
                 while True:
                     output = await session.step(hidden, prompts=deep, padding=padding)
                     deep = padding = None
+                    if prefill and job.prompt_logprobs:
+                        await self._send_prompt_logprobs(job, output)
+                        if job.max_new_tokens == 0:
+                            job.finish_empty()
+                            break
+                    prefill = False
                     tokens, logprobs = await lineup.choose(job, output[:, -1], chooser)
                     if job.on_tokens(tokens, logprobs):
                         break
@@ -704,6 +737,54 @@ class Engine:
             finally:
                 lineup.leave(job)
                 lineup.assigned -= 1
+
+    async def _send_prompt_logprobs(self, job: _Job, output: torch.Tensor) -> None:
+        """Each prompt's tokens with their log-probabilities, from the blocks' ``output`` over
+        the prompts (its first row of each prompt; the prompt is its last positions)."""
+        firsts = output[:: job.sampling.n]
+        count = job.sampling.logprobs or 0
+        per_prompt = await trio.to_thread.run_sync(
+            self._prompt_logprobs, firsts, job.prompts, count
+        )
+        for index, logprobs in enumerate(per_prompt):
+            job.emit(PromptLogprobs(prompt=index, logprobs=logprobs))
+
+    def _prompt_logprobs(
+        self, outputs: torch.Tensor, prompts: Sequence[Sequence[int]], count: int
+    ) -> list[tuple[TokenLogprob, ...]]:
+        """In a worker thread: the final norm and the LM head over every prompt position but
+        the last, a few positions at a time; each token's log-probability is read off the
+        position before it (the first token's is None)."""
+        decode = self.decode
+        per_prompt = []
+        with torch.no_grad():
+            for output, prompt in zip(outputs, prompts, strict=True):
+                states = output[output.shape[0] - len(prompt) : -1]
+                tokens = [TokenLogprob(token=decode(prompt[:1]), logprob=None)]
+                for start in range(0, states.shape[0], _PROMPT_LOGITS_CHUNK):
+                    chunk = states[start : start + _PROMPT_LOGITS_CHUNK]
+                    logprobs = torch.log_softmax(
+                        self._head(self._base.final_norm(chunk)).float(), dim=-1
+                    ).cpu()
+                    targets = prompt[start + 1 : start + 1 + chunk.shape[0]]
+                    chosen = logprobs[torch.arange(len(targets)), torch.tensor(targets)]
+                    top_values, top_ids = torch.topk(logprobs, count) if count else (None, None)
+                    for position, target in enumerate(targets):
+                        top: tuple[tuple[str, float], ...] = ()
+                        if top_values is not None and top_ids is not None:
+                            top = tuple(
+                                (decode([int(i)]), float(v))
+                                for v, i in zip(
+                                    top_values[position], top_ids[position], strict=True
+                                )
+                            )
+                        tokens.append(
+                            TokenLogprob(
+                                token=decode([target]), logprob=float(chosen[position]), top=top
+                            )
+                        )
+                per_prompt.append(tuple(tokens))
+        return per_prompt
 
     def _embed(
         self, ids: torch.Tensor, *, first: bool = False
@@ -738,10 +819,16 @@ class _Generation:
     """The async context manager :meth:`Engine.generate` returns."""
 
     def __init__(
-        self, engine: Engine, prompts: Sequence[Sequence[int]], sampling: Sampling, limit: int
+        self,
+        engine: Engine,
+        prompts: Sequence[Sequence[int]],
+        sampling: Sampling,
+        limit: int,
+        prompt_logprobs: bool,
     ) -> None:
         self._engine = engine
         self._args = (prompts, sampling, limit)
+        self._prompt_logprobs = prompt_logprobs
         self._job: _Job | None = None
         self._receive: trio.MemoryReceiveChannel[Event] | None = None
 
@@ -749,7 +836,7 @@ class _Generation:
         engine = self._engine
         send, receive = trio.open_memory_channel[Event](math.inf)
         prompts, sampling, limit = self._args
-        job = _Job(engine, prompts, sampling, limit, send)
+        job = _Job(engine, prompts, sampling, limit, send, prompt_logprobs=self._prompt_logprobs)
         engine._waiting += 1
         engine._nursery.start_soon(engine._run, job, send)
         self._job, self._receive = job, receive

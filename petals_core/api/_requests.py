@@ -291,11 +291,6 @@ def parse_completion_untrusted(body: Any) -> CompletionRequest:
         logprobs=_integer(body, "logprobs", low=0, high=MAX_COMPLETION_LOGPROBS),
     )
     echo = _boolean(body, "echo")
-    if echo and sampling.logprobs is not None:
-        raise ApiError.bad_request(
-            "echo with logprobs is not supported: prompt tokens get no logprobs here",
-            param="echo",
-        )
     return CompletionRequest(
         model=model,
         prompts=prompts,

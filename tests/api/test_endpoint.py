@@ -182,6 +182,71 @@ def test_completions_take_token_ids_and_echo(endpoint: Any, client: Any) -> None
     assert by_ids.usage.prompt_tokens == len(ids)
 
 
+def _prompt_logprobs(engine: Any, ids: list[int]) -> torch.Tensor:
+    """Each prompt token's log-probability after the ones before it, from the model's forward
+    pass over the whole prompt (through the swarm, from this thread)."""
+    with torch.no_grad():
+        logits = engine.model(torch.tensor([ids])).logits[0].float()
+    logprobs = torch.log_softmax(logits, dim=-1)
+    return logprobs[torch.arange(len(ids) - 1), torch.tensor(ids[1:])]
+
+
+def test_echo_with_logprobs_scores_the_prompt_as_the_model_does(endpoint: Any, client: Any) -> None:
+    engine = endpoint.api.engine
+    prompts = ["The capital of Italy is Rome", "Hi there"]
+    ids = [engine.encode_prompt(prompt) for prompt in prompts]
+    expected = [_prompt_logprobs(engine, prompt_ids) for prompt_ids in ids]
+
+    # What lm-evaluation-harness asks to score a text: the prompt echoed with its logprobs,
+    # nothing generated.
+    scored = client.completions.create(
+        model=endpoint.repo, prompt=prompts, max_tokens=0, echo=True, logprobs=2
+    )
+    assert scored.usage.completion_tokens == 0
+    assert scored.usage.prompt_tokens == sum(len(prompt_ids) for prompt_ids in ids)
+    for choice in scored.choices:
+        prompt_ids = ids[choice.index]
+        assert choice.text == prompts[choice.index]
+        assert choice.finish_reason == "length"
+        logprobs = choice.logprobs
+        assert logprobs.tokens == [engine.decode([token]) for token in prompt_ids]
+        assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None
+        got = torch.tensor(logprobs.token_logprobs[1:])
+        torch.testing.assert_close(got, expected[choice.index], atol=1e-4, rtol=0)
+        for value, top in zip(logprobs.token_logprobs[1:], logprobs.top_logprobs[1:], strict=True):
+            assert 1 <= len(top) <= 2 and max(top.values()) >= value - 1e-6
+        assert logprobs.text_offset[0] == 0
+
+    # With a completion after it, plain and streamed (n=2): the prompt's part, then the tokens.
+    settings: dict[str, Any] = {
+        "model": endpoint.repo,
+        "prompt": prompts[0],
+        "max_tokens": 3,
+        "echo": True,
+        "logprobs": 1,
+        "temperature": 0,
+        "n": 2,
+    }
+    whole = client.completions.create(**settings)
+    for choice in whole.choices:
+        logprobs = choice.logprobs
+        assert len(logprobs.tokens) == len(ids[0]) + whole.usage.completion_tokens // 2
+        got = torch.tensor(logprobs.token_logprobs[1 : len(ids[0])])
+        torch.testing.assert_close(got, expected[0], atol=1e-4, rtol=0)
+        assert logprobs.text_offset[len(ids[0])] == len(prompts[0])
+        assert choice.text.startswith(prompts[0])
+    texts = ["", ""]
+    streamed_logprobs: list[list[float | None]] = [[], []]
+    for chunk in client.completions.create(**settings, stream=True):
+        for choice in chunk.choices:
+            texts[choice.index] += choice.text
+            if choice.logprobs is not None:
+                streamed_logprobs[choice.index] += choice.logprobs.token_logprobs
+    for index, choice in enumerate(whole.choices):
+        assert texts[index] == choice.text
+        assert streamed_logprobs[index] == choice.logprobs.token_logprobs
+
+
 def test_concurrent_requests_each_get_their_own_answer(endpoint: Any, client: Any) -> None:
     engine = endpoint.api.engine
     questions = ["France", "Italy", "Japan", "Spain"]

@@ -134,7 +134,6 @@ def test_chat_refusals(body: dict[str, Any], param: str, match: str) -> None:
         ({"model": "m", "prompt": [1, "a"]}, "prompt", "prompt must be"),
         ({"model": "m", "prompt": [[]]}, "prompt", "prompt must be"),
         ({"model": "m", "prompt": [-1]}, "prompt", "prompt must be"),
-        ({"model": "m", "prompt": "x", "echo": True, "logprobs": 1}, "echo", "echo with logprobs"),
         ({"model": "m", "prompt": "x", "logprobs": 6}, "logprobs", "from 0 to 5"),
         ({"model": "m", "prompt": "x", "best_of": 3}, "best_of", "not supported"),
         ({"model": "m", "prompt": "x", "suffix": "y"}, "suffix", "not supported"),
