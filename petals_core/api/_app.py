@@ -27,6 +27,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from ._detokenize import text_bytes
 from ._engine import Chunk, Engine, Event, PromptLogprobs, TokenLogprob, Usage
 from ._errors import ApiError
 from ._requests import (
@@ -463,9 +464,9 @@ def _chat_logprob(token: TokenLogprob) -> dict[str, Any]:
     return {
         "token": token.token,
         "logprob": token.logprob,
-        "bytes": list(token.token.encode()),
+        "bytes": list(text_bytes(token.token)),
         "top_logprobs": [
-            {"token": text, "logprob": value, "bytes": list(text.encode())}
+            {"token": text, "logprob": value, "bytes": list(text_bytes(text))}
             for text, value in token.top
         ],
     }

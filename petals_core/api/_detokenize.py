@@ -1,22 +1,29 @@
 """The text of an answer as its tokens arrive, decoded a few tokens at a time.
 
 Decoding the whole answer again for each new token costs time in the answer's length: a
-2,000-token answer spends about a millisecond per token in the tokenizer, under a lock every
-request shares.  :class:`IncrementalText` decodes a window instead: the tokens since the last
+2,000-token answer spends about a millisecond per token in the tokenizer, on the event loop
+every request shares.  :class:`IncrementalText` decodes a window instead: the tokens since the last
 complete character, together with the tokens of the window before (so that what a tokenizer does
 at the start of a text, such as dropping a leading space, happens in both decodes and cancels
 out); the new text is what the window adds to the text of its first part.  A window that ends in
 an unfinished character (bytes of it still to come, shown as U+FFFD) grows until the character is
 complete.  Where a tokenizer rewrites text before the window (the window's decode does not start
 with its first part's), the whole answer is decoded again.
+
+:class:`TokenTexts` gives one token's own text, as log-probabilities show it: its bytes read off
+the vocabulary (GPT-2's byte alphabet, or SentencePiece's pieces), so that a leading space stays
+and a token that is part of a character reads ``bytes:\\xNN...`` as in OpenAI's answers.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Sequence
-from typing import Final
+from typing import Any, Final
 
-__all__ = ["UNFINISHED", "IncrementalText"]
+from tokenizers import decoders
+
+__all__ = ["BYTE_OF_CHAR", "UNFINISHED", "IncrementalText", "TokenTexts", "text_bytes"]
 
 #: What decoding shows for a character whose bytes are not all there yet.
 UNFINISHED: Final = "\ufffd"
@@ -55,3 +62,77 @@ class IncrementalText:
             self._start, self._read = self._read, len(self.tokens)
             self._start_text = self._decode(self.tokens[self._start : self._read])
         return self._text
+
+
+#: SentencePiece's space, and its pieces that stand for one byte.
+_METASPACE: Final = "\u2581"
+_BYTE_FALLBACK: Final = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+def _byte_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level alphabet read backwards: the byte each character stands for.  Bytes
+    that print as one Latin-1 character (other than a space) stand for themselves; the others,
+    in order, for the characters from U+0100 on."""
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("\u00a1"), ord("\u00ac") + 1),
+        *range(ord("\u00ae"), ord("\u00ff") + 1),
+    ]
+    alphabet = {chr(byte): byte for byte in printable}
+    others = [byte for byte in range(256) if byte not in printable]
+    for offset, byte in enumerate(others):
+        alphabet[chr(256 + offset)] = byte
+    return alphabet
+
+
+BYTE_OF_CHAR: Final = _byte_alphabet()
+
+
+class TokenTexts:
+    """``texts(token)``: one token's own text (cached), for log-probabilities."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self._tokenizer = tokenizer
+        vocab = tokenizer.get_vocab()
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        self._byte_level = isinstance(getattr(backend, "decoder", None), decoders.ByteLevel)
+        self._metaspace = not self._byte_level and any(_METASPACE in str(t) for t in vocab)
+        self._added = {
+            int(i): str(getattr(added, "content", added))
+            for i, added in getattr(tokenizer, "added_tokens_decoder", {}).items()
+        }
+        self._texts: dict[int, str] = {}
+
+    def __call__(self, token: int) -> str:
+        text = self._texts.get(token)
+        if text is None:
+            raw = self.token_bytes(token)
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError:
+                text = "bytes:" + "".join(f"\\x{byte:02x}" for byte in raw)
+            self._texts[token] = text
+        return text
+
+    def token_bytes(self, token: int) -> bytes:
+        """The bytes of text ``token`` stands for."""
+        added = self._added.get(token)
+        if added is not None:  # a special token: its own text, which decoding leaves out
+            return added.encode()
+        piece = self._tokenizer.convert_ids_to_tokens(token)
+        if isinstance(piece, str):
+            if self._byte_level and all(c in BYTE_OF_CHAR for c in piece):
+                return bytes(BYTE_OF_CHAR[c] for c in piece)
+            fallback = _BYTE_FALLBACK.fullmatch(piece)
+            if fallback is not None:
+                return bytes([int(fallback.group(1), 16)])
+            if self._metaspace:
+                return piece.replace(_METASPACE, " ").encode()
+        return str(self._tokenizer.decode([token])).encode()
+
+
+def text_bytes(text: str) -> bytes:
+    """The bytes a token's text (from :class:`TokenTexts`) stands for."""
+    if text.startswith("bytes:\\x"):
+        return bytes.fromhex(text[len("bytes:") :].replace("\\x", ""))
+    return text.encode()

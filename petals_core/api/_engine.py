@@ -51,7 +51,7 @@ from transformers import TemperatureLogitsWarper, TopPLogitsWarper
 
 from .. import PetalsError
 from ..routing import MissingBlocksError
-from ._detokenize import UNFINISHED, IncrementalText
+from ._detokenize import UNFINISHED, IncrementalText, TokenTexts
 from ._errors import ApiError
 from ._requests import Message, Sampling
 
@@ -267,13 +267,13 @@ class _Job:
     def _token_logprob(self, index: int, token: int) -> TokenLogprob:
         assert self._logprobs is not None
         logprobs = self._logprobs[index]
-        decode = self.engine.decode
+        piece = self.engine.token_text
         top: tuple[tuple[str, float], ...] = ()
         count = self.sampling.logprobs or 0
         if count:
             values, ids = torch.topk(logprobs, count)
-            top = tuple((decode([int(i)]), float(v)) for v, i in zip(values, ids, strict=True))
-        return TokenLogprob(token=decode([token]), logprob=float(logprobs[token]), top=top)
+            top = tuple((piece(int(i)), float(v)) for v, i in zip(values, ids, strict=True))
+        return TokenLogprob(token=piece(token), logprob=float(logprobs[token]), top=top)
 
 
 class _Chooser:
@@ -480,8 +480,11 @@ class Engine:
         # their own: a long one never holds up the answers' decoding on the event loop.
         self._encoder = copy.deepcopy(tokenizer)
         self._encoder_lock = threading.Lock()
+        vocab = tokenizer.get_vocab()
         #: UTF-8 bytes of the vocabulary's longest token (see :meth:`_encode`).
-        self._longest_token = max((len(str(t).encode()) for t in tokenizer.get_vocab()), default=1)
+        self._longest_token = max((len(str(t).encode()) for t in vocab), default=1)
+        #: One token's own text, for log-probabilities.
+        self.token_text = TokenTexts(tokenizer)
         #: Requests generating now, and the most that ever did at once.
         self.running = 0
         self.peak_running = 0
@@ -755,12 +758,12 @@ class Engine:
         """In a worker thread: the final norm and the LM head over every prompt position but
         the last, a few positions at a time; each token's log-probability is read off the
         position before it (the first token's is None)."""
-        decode = self.decode
+        piece = self.token_text
         per_prompt = []
         with torch.no_grad():
             for output, prompt in zip(outputs, prompts, strict=True):
                 states = output[output.shape[0] - len(prompt) : -1]
-                tokens = [TokenLogprob(token=decode(prompt[:1]), logprob=None)]
+                tokens = [TokenLogprob(token=piece(prompt[0]), logprob=None)]
                 for start in range(0, states.shape[0], _PROMPT_LOGITS_CHUNK):
                     chunk = states[start : start + _PROMPT_LOGITS_CHUNK]
                     logprobs = torch.log_softmax(
@@ -773,14 +776,14 @@ class Engine:
                         top: tuple[tuple[str, float], ...] = ()
                         if top_values is not None and top_ids is not None:
                             top = tuple(
-                                (decode([int(i)]), float(v))
+                                (piece(int(i)), float(v))
                                 for v, i in zip(
                                     top_values[position], top_ids[position], strict=True
                                 )
                             )
                         tokens.append(
                             TokenLogprob(
-                                token=decode([target]), logprob=float(chosen[position]), top=top
+                                token=piece(target), logprob=float(chosen[position]), top=top
                             )
                         )
                 per_prompt.append(tuple(tokens))

