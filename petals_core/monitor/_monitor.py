@@ -7,7 +7,8 @@ Every ``refresh_period_s`` a round:
    go show within seconds), waiting for the first read of the models it just began to follow;
 2. meanwhile times a ``dht.ping`` call to every server listed, all at once, each bounded by
    ``ping_timeout_s``; a server that does not answer is unreachable, and its model's blocks are
-   read from the DHT again (in the background) to learn whether it left;
+   read from the DHT again (in the background) to learn whether it left, as are those of a
+   model no server announces (to see one that joins);
 3. builds the state (:func:`build_state`) and, when the models in it changed, gives it the next
    version and wakes whoever waits in :meth:`SwarmMonitor.wait_state` (the event streams).
 
@@ -42,8 +43,8 @@ logger = logging.getLogger(__name__)
 #: A followed model's blocks are read from the DHT at most this often: gossip brings what
 #: changes within seconds, the reads catch what it missed.
 _MIN_TOPIC_READ_PERIOD_S: Final = 30.0
-#: Servers pinged at the same time.
-_MAX_CONCURRENT_PINGS: Final = 32
+#: Servers pinged at the same time (a round waits for the slowest batch of them).
+_MAX_CONCURRENT_PINGS: Final = 128
 
 
 def _multiaddrs(
@@ -199,9 +200,11 @@ class SwarmMonitor:
                     nursery.start_soon(ping, peer_id, self._topics[prefix])
         self._rtts = rtts
         for prefix, snapshot in listed.items():
-            if any(rtts.get(peer_id) is None for peer_id in snapshot.peer_ids):
+            if not snapshot.peer_ids or any(rtts.get(p) is None for p in snapshot.peer_ids):
                 # A server that stopped answering may have left: its OFFLINE announcement is in
-                # the DHT even when gossip missed it.  Read it without holding up the rounds.
+                # the DHT even when gossip missed it.  A model nobody serves has nobody to
+                # gossip with: a new server shows only in the DHT.  Read it without holding up
+                # the rounds.
                 topic = self._topics.get(prefix)  # None: no longer followed
                 if topic is not None:
                     period = self._config.refresh_period_s

@@ -7,7 +7,8 @@ generous deadline, as starting processes takes a while on a busy machine.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +17,7 @@ import pytest
 import trio
 
 from petals_core import ConfigError, PeerUnreachable, __version__
-from petals_core.dht import ModelInfo, register_model
+from petals_core.dht import DHTNode, ModelInfo, ServerInfo, ServerState, register_model
 from petals_core.monitor import MonitorConfig, SwarmMonitor, open_monitor
 from petals_core.testing import open_local_swarm
 
@@ -147,19 +148,31 @@ def test_the_config_refuses_what_cannot_work(fields: dict[str, Any], message: st
         attrs.evolve(monitor_config(["/ip4/127.0.0.1/udp/1/quic-v1"]), **fields)
 
 
+@asynccontextmanager
+async def monitor_on_dht(
+    clock: FakeClock, **config: Any
+) -> AsyncIterator[tuple[list[DHTNode], SwarmMonitor]]:
+    """3 DHT nodes on ``clock`` and a monitor on a client node of theirs, whose rounds the test
+    runs itself (:meth:`SwarmMonitor.refresh`)."""
+    async with (
+        dht_swarm(clock, 3, with_client=True) as (nodes, client),
+        trio.open_nursery() as nursery,
+    ):
+        assert client is not None
+        settings = MonitorConfig(initial_peers=[str(nodes[0].listen_multiaddr)], **config)
+        monitor = SwarmMonitor(client, settings, nursery, clock=clock)
+        yield nodes, monitor
+        monitor.close()
+        nursery.cancel_scope.cancel()
+
+
 async def test_the_monitor_follows_the_registry_as_models_come_go_and_change() -> None:
     """A model the registry drops, with no server left, is no longer followed (so a monitor at
     its limit of models takes up the next one); a model given another block count is shown
     with it."""
     clock = FakeClock()
     with trio.fail_after(DEADLINE_S):
-        async with (
-            dht_swarm(clock, 3, with_client=True) as (nodes, client),
-            trio.open_nursery() as nursery,
-        ):
-            assert client is not None
-            config = MonitorConfig(initial_peers=[str(nodes[0].listen_multiaddr)], max_models=1)
-            monitor = SwarmMonitor(client, config, nursery, clock=clock)
+        async with monitor_on_dht(clock, max_models=1) as (nodes, monitor):
 
             async def shown() -> dict[str, int]:
                 await monitor.refresh()
@@ -179,5 +192,34 @@ async def test_the_monitor_follows_the_registry_as_models_come_go_and_change() -
                 nodes[2], "beta", ModelInfo(num_blocks=4), expiration=clock.now + 60
             )
             assert await shown() == {"beta": 4}
-            monitor.close()
-            nursery.cancel_scope.cancel()
+
+
+async def test_a_server_joining_a_model_nobody_serves_shows_within_rounds() -> None:
+    """Nobody gossips about a model no server announces: the monitor reads its blocks from the
+    DHT each round (at most once per refresh period) to see one that joins."""
+    clock = FakeClock()
+    with trio.fail_after(DEADLINE_S):
+        async with monitor_on_dht(clock) as (nodes, monitor):
+            info = ModelInfo(num_blocks=4)
+            assert await register_model(nodes[1], "gamma", info, expiration=clock.now + 600)
+            await monitor.refresh()
+            (model,) = monitor.state.models
+            assert model.servers == ()
+
+            server = ServerInfo(
+                state=ServerState.ONLINE,
+                throughput=1.0,
+                start_block=0,
+                end_block=4,
+                version=__version__,
+                torch_dtype="float32",
+            )
+            assert await nodes[2].announce("gamma", server, expiration=clock.now + 600)
+            # Well before the model's own periodic read (every 30 s) would see it.
+            with trio.fail_after(10):
+                while not monitor.state.models[0].servers:
+                    clock.now += monitor.config.refresh_period_s
+                    await monitor.refresh()
+                    await trio.sleep(0.05)
+            (row,) = monitor.state.models[0].servers
+            assert row.peer_id == str(nodes[2].peer_id)
