@@ -168,8 +168,11 @@ class _Api:
             echo = [engine.decode_prompt(prompt) for prompt in prompts] if parsed.echo else None
             return prompts, echo
 
-        # A long prompt takes a while to tokenize: not on the event loop, which serves all.
-        prompts, echo = await trio.to_thread.run_sync(encode)
+        if parsed.echo or any(isinstance(prompt, str) for prompt in parsed.prompts):
+            # A long prompt takes a while to tokenize: not on the event loop, which serves all.
+            prompts, echo = await trio.to_thread.run_sync(encode, limiter=engine.encode_limiter)
+        else:  # token ids are only checked: no need to wait for the tokenizer
+            prompts, echo = encode()
         shape = _CompletionShape(parsed, len(prompts), echo, engine)
         return await self._answer(
             request, shape, prompts, "prompt", prompt_logprobs=shape.wants_prompt_logprobs
@@ -179,7 +182,9 @@ class _Api:
         parsed = parse_chat_untrusted(await self._body(request))
         self._check_model(parsed.model)
         self.engine.check_rows(1, parsed.sampling)
-        prompt = await trio.to_thread.run_sync(self.engine.encode_chat, parsed.messages)
+        prompt = await trio.to_thread.run_sync(
+            self.engine.encode_chat, parsed.messages, limiter=self.engine.encode_limiter
+        )
         return await self._answer(request, _ChatShape(parsed, self.engine), [prompt], "messages")
 
     async def _answer(
@@ -380,44 +385,32 @@ class _CompletionShape(_Shape):
         #: An echoed prompt comes with its tokens' logprobs when logprobs are asked.
         self.wants_prompt_logprobs = echo is not None and self.with_logprobs
         self._prompt_logprobs: dict[int, tuple[TokenLogprob, ...]] = {}
-        # Where each row's next token starts in its text (after the echoed prompt).
-        self._offsets = [len(self._prefix(row)) for row in range(self.rows)]
 
     def _prefix(self, row: int) -> str:
         return self.echo[row // self.sampling.n] if self.echo is not None else ""
 
     @staticmethod
-    def _entries(tokens: Sequence[TokenLogprob], offsets: list[int]) -> dict[str, Any]:
+    def _entries(tokens: Sequence[TokenLogprob], start: int) -> dict[str, Any]:
+        """Tokens of a text that starts at ``start`` in the choice's text."""
         return {
             "tokens": [token.token for token in tokens],
             "token_logprobs": [token.logprob for token in tokens],
             "top_logprobs": [
                 None if token.logprob is None else _top_by_text(token.top) for token in tokens
             ],
-            "text_offset": offsets,
+            "text_offset": [start + token.offset for token in tokens],
         }
 
     def _logprobs(self, row: int, tokens: Sequence[TokenLogprob]) -> dict[str, Any] | None:
         if not self.with_logprobs:
             return None
-        offsets = []
-        for token in tokens:
-            offsets.append(self._offsets[row])
-            self._offsets[row] += len(token.token)
-        return self._entries(tokens, offsets)
-
-    def _prompt_entries(self, tokens: Sequence[TokenLogprob]) -> dict[str, Any]:
-        offsets, at = [], 0
-        for token in tokens:
-            offsets.append(at)
-            at += len(token.token)
-        return self._entries(tokens, offsets)
+        return self._entries(tokens, len(self._prefix(row)))  # the answer follows the echo
 
     def whole_choice(self, row: int, parts: Sequence[Chunk]) -> dict[str, Any]:
         logprobs = self._logprobs(row, [t for part in parts for t in part.logprobs])
         prompt = self._prompt_logprobs.get(row // self.sampling.n)
         if logprobs is not None and prompt is not None:
-            head = self._prompt_entries(prompt)
+            head = self._entries(prompt, 0)
             logprobs = {key: head[key] + values for key, values in logprobs.items()}
         return {
             "index": row,
@@ -436,7 +429,7 @@ class _CompletionShape(_Shape):
 
     def prompt_chunks(self, event: PromptLogprobs) -> list[dict[str, Any]]:
         n = self.sampling.n
-        logprobs = self._prompt_entries(event.logprobs)
+        logprobs = self._entries(event.logprobs, 0)
         choices = [
             {"index": row, "text": self._prefix(row), "logprobs": logprobs, "finish_reason": None}
             for row in range(event.prompt * n, (event.prompt + 1) * n)
@@ -485,7 +478,9 @@ class _ChatShape(_Shape):
     def _logprobs(self, tokens: Sequence[TokenLogprob]) -> dict[str, Any] | None:
         if not self.with_logprobs:
             return None
-        return {"content": [_chat_logprob(token) for token in tokens], "refusal": None}
+        # A chat answer's logprobs are its content's tokens: the end token is not content.
+        content = [_chat_logprob(token) for token in tokens if not token.end]
+        return {"content": content, "refusal": None}
 
     def whole_choice(self, row: int, parts: Sequence[Chunk]) -> dict[str, Any]:
         return {
@@ -506,6 +501,10 @@ class _ChatShape(_Shape):
         return {
             "index": chunk.row,
             "delta": {"content": chunk.text} if chunk.text else {},
-            "logprobs": self._logprobs(chunk.logprobs) if chunk.logprobs else None,
+            "logprobs": (
+                self._logprobs(chunk.logprobs)
+                if any(not token.end for token in chunk.logprobs)
+                else None
+            ),
             "finish_reason": chunk.finish_reason,
         }

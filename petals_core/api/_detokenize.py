@@ -93,15 +93,26 @@ class TokenTexts:
 
     def __init__(self, tokenizer: Any) -> None:
         self._tokenizer = tokenizer
-        vocab = tokenizer.get_vocab()
+        self._vocab = [str(piece) for piece in tokenizer.get_vocab()]
         backend = getattr(tokenizer, "backend_tokenizer", None)
+        self._normalized = getattr(backend, "normalizer", None) is not None
         self._byte_level = isinstance(getattr(backend, "decoder", None), decoders.ByteLevel)
-        self._metaspace = not self._byte_level and any(_METASPACE in str(t) for t in vocab)
+        self._metaspace = not self._byte_level and any(_METASPACE in t for t in self._vocab)
         self._added = {
             int(i): str(getattr(added, "content", added))
             for i, added in getattr(tokenizer, "added_tokens_decoder", {}).items()
         }
         self._texts: dict[int, str] = {}
+
+    def longest(self) -> int:
+        """How many characters of a text one token stands for, at most: its bytes (where the
+        vocabulary writes one character per byte, its characters), times 4 where a normalizer
+        rewrites the text first (it may merge characters)."""
+        longest = max(
+            (len(piece) if self._byte_level else len(piece.encode()) for piece in self._vocab),
+            default=1,
+        )
+        return longest * (4 if self._normalized else 1)
 
     def __call__(self, token: int) -> str:
         text = self._texts.get(token)

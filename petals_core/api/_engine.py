@@ -95,11 +95,15 @@ class Limits:
 @attrs.frozen(kw_only=True)
 class TokenLogprob:
     """A token's text and log-probability, with the likeliest alternatives (``logprob`` None:
-    a prompt's first token, which nothing predicts)."""
+    a prompt's first token, which nothing predicts).  ``offset``: where the token's text
+    starts in the text it belongs to (the answer's or the prompt's), in characters; ``end``:
+    the end-of-sequence token that stopped an answer, which its text leaves out."""
 
     token: str
     logprob: float | None
     top: tuple[tuple[str, float], ...] = ()
+    offset: int = 0
+    end: bool = False
 
 
 @attrs.frozen(kw_only=True)
@@ -236,13 +240,16 @@ class _Job:
 
     def _advance(self, index: int, row: _Row, token: int) -> Chunk | None:
         engine = self.engine
+        offset = len(row.text.text)
         if token in engine.eos_token_ids:
             row.finish_reason = "stop"
             text = row.text.text
+            if self._logprobs is not None:  # a scorer reads the end's logprob too
+                row.pending.append(self._token_logprob(index, token, offset, end=True))
         else:
             text = row.text.add(token)
             if self._logprobs is not None:
-                row.pending.append(self._token_logprob(index, token))
+                row.pending.append(self._token_logprob(index, token, offset))
             if len(row.tokens) >= row.limit:
                 row.finish_reason = "length"
         end = len(text)
@@ -264,7 +271,9 @@ class _Job:
         pending, row.pending = tuple(row.pending), []
         return Chunk(row=index, text=new_text, logprobs=pending, finish_reason=row.finish_reason)
 
-    def _token_logprob(self, index: int, token: int) -> TokenLogprob:
+    def _token_logprob(
+        self, index: int, token: int, offset: int, *, end: bool = False
+    ) -> TokenLogprob:
         assert self._logprobs is not None
         logprobs = self._logprobs[index]
         piece = self.engine.token_text
@@ -273,7 +282,9 @@ class _Job:
         if count:
             values, ids = torch.topk(logprobs, count)
             top = tuple((piece(int(i)), float(v)) for v, i in zip(values, ids, strict=True))
-        return TokenLogprob(token=piece(token), logprob=float(logprobs[token]), top=top)
+        return TokenLogprob(
+            token=piece(token), logprob=float(logprobs[token]), top=top, offset=offset, end=end
+        )
 
 
 class _Chooser:
@@ -480,11 +491,13 @@ class Engine:
         # their own: a long one never holds up the answers' decoding on the event loop.
         self._encoder = copy.deepcopy(tokenizer)
         self._encoder_lock = threading.Lock()
-        vocab = tokenizer.get_vocab()
-        #: UTF-8 bytes of the vocabulary's longest token (see :meth:`_encode`).
-        self._longest_token = max((len(str(t).encode()) for t in vocab), default=1)
+        #: The worker threads prompts are tokenized in: one (they take turns on the encoder),
+        #: so that prompts waiting for it hold no thread the answers' steps need.
+        self.encode_limiter = trio.CapacityLimiter(1)
         #: One token's own text, for log-probabilities.
         self.token_text = TokenTexts(tokenizer)
+        #: Characters a token can stand for, at most (see :meth:`_encode`).
+        self._longest_token = self.token_text.longest()
         #: Requests generating now, and the most that ever did at once.
         self.running = 0
         self.peak_running = 0
@@ -542,11 +555,11 @@ class Engine:
 
     def _encode(self, text: str, *, add_special_tokens: bool, param: str) -> list[int]:
         """``text``'s token ids, in a worker thread. A text that is surely more tokens than any
-        request may hold is refused before tokenizing: no token stands for more than the
-        longest in the vocabulary (in UTF-8 bytes, at least its characters), and the factor
-        of 4 leaves room for normalizers that merge characters."""
+        request may hold is refused before tokenizing: no token stands for more characters
+        than the longest in the vocabulary, and a normalizer (that may merge characters before
+        the vocabulary sees them) is given a factor of 4."""
         limit = self.max_request_tokens
-        if len(text) > 4 * self._longest_token * limit:
+        if len(text) > self._longest_token * limit:
             raise ApiError(
                 400,
                 f"This endpoint's maximum context length is {limit} tokens. However, the "
@@ -722,7 +735,8 @@ class Engine:
                     output = await session.step(hidden, prompts=deep, padding=padding)
                     deep = padding = None
                     if prefill and job.prompt_logprobs:
-                        await self._send_prompt_logprobs(job, output)
+                        if not await self._send_prompt_logprobs(job, output):
+                            break
                         if job.max_new_tokens == 0:
                             job.finish_empty()
                             break
@@ -741,30 +755,47 @@ class Engine:
                 lineup.leave(job)
                 lineup.assigned -= 1
 
-    async def _send_prompt_logprobs(self, job: _Job, output: torch.Tensor) -> None:
+    async def _send_prompt_logprobs(self, job: _Job, output: torch.Tensor) -> bool:
         """Each prompt's tokens with their log-probabilities, from the blocks' ``output`` over
-        the prompts (its first row of each prompt; the prompt is its last positions)."""
+        the prompts (its first row of each prompt; the prompt is its last positions).  False
+        if the request was cancelled meanwhile (its rows are then ended)."""
         firsts = output[:: job.sampling.n]
         count = job.sampling.logprobs or 0
         per_prompt = await trio.to_thread.run_sync(
-            self._prompt_logprobs, firsts, job.prompts, count
+            self._prompt_logprobs, firsts, job.prompts, count, lambda: job.cancelled
         )
+        if per_prompt is None or job.cancelled:
+            for row in job.rows:
+                row.finish_reason = "cancelled"
+            return False
         for index, logprobs in enumerate(per_prompt):
             job.emit(PromptLogprobs(prompt=index, logprobs=logprobs))
+        return True
 
     def _prompt_logprobs(
-        self, outputs: torch.Tensor, prompts: Sequence[Sequence[int]], count: int
-    ) -> list[tuple[TokenLogprob, ...]]:
+        self,
+        outputs: torch.Tensor,
+        prompts: Sequence[Sequence[int]],
+        count: int,
+        cancelled: Callable[[], bool],
+    ) -> list[tuple[TokenLogprob, ...]] | None:
         """In a worker thread: the final norm and the LM head over every prompt position but
         the last, a few positions at a time; each token's log-probability is read off the
-        position before it (the first token's is None)."""
+        position before it (the first token's is None).  None once ``cancelled()``."""
         piece = self.token_text
         per_prompt = []
         with torch.no_grad():
             for output, prompt in zip(outputs, prompts, strict=True):
+                text = IncrementalText(self.decode)  # the echoed text, for the offsets
+                offsets = []
+                for token in prompt:
+                    offsets.append(len(text.text))
+                    text.add(token)
                 states = output[output.shape[0] - len(prompt) : -1]
                 tokens = [TokenLogprob(token=piece(prompt[0]), logprob=None)]
                 for start in range(0, states.shape[0], _PROMPT_LOGITS_CHUNK):
+                    if cancelled():
+                        return None
                     chunk = states[start : start + _PROMPT_LOGITS_CHUNK]
                     logprobs = torch.log_softmax(
                         self._head(self._base.final_norm(chunk)).float(), dim=-1
@@ -783,7 +814,10 @@ class Engine:
                             )
                         tokens.append(
                             TokenLogprob(
-                                token=piece(target), logprob=float(chosen[position]), top=top
+                                token=piece(target),
+                                logprob=float(chosen[position]),
+                                top=top,
+                                offset=offsets[start + 1 + position],
                             )
                         )
                 per_prompt.append(tuple(tokens))

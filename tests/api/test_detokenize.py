@@ -175,6 +175,15 @@ def test_token_texts_are_the_bytes_each_token_stands_for(kind: str, text: str) -
         assert UNFINISHED not in piece
 
 
+@pytest.mark.parametrize("kind", sorted(TOKENIZERS))
+@settings(max_examples=40, deadline=None)
+@given(text=st.text(alphabet="thedragonflew 龍éÉ日,.", min_size=1, max_size=40))
+def test_no_token_stands_for_more_characters_than_the_longest_says(kind: str, text: str) -> None:
+    tokenizer = TOKENIZERS[kind]
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    assert len(ids) * TokenTexts(tokenizer).longest() >= len(text)
+
+
 def test_a_special_token_reads_as_itself() -> None:
     tokenizer = TOKENIZERS["sentencepiece"]
     assert TokenTexts(tokenizer)(tokenizer.eos_token_id) == "</s>"

@@ -79,16 +79,37 @@ def test_greedy_chat_answer_equals_generate(endpoint: Any, client: Any) -> None:
     assert narrowest.choices[0].message.content == choice.message.content
 
 
-def test_answers_are_decoded_while_a_prompt_is_being_tokenized(endpoint: Any, client: Any) -> None:
-    # A long prompt holds the tokenizer that prompts are encoded with; answers are decoded with
-    # another, so a running request (here, one given token ids) is not held up.
+def test_answers_are_decoded_while_prompts_are_being_tokenized(endpoint: Any, client: Any) -> None:
+    # Long prompts hold the tokenizer that prompts are encoded with (here, the test holds it),
+    # and more wait for it than trio has worker threads; answers are decoded with another
+    # tokenizer and their steps find threads, so a request given token ids is not held up.
     engine = endpoint.api.engine
+    waiting = 45
+    answers: list[Any] = []
+
+    def chat() -> None:
+        answers.append(
+            client.chat.completions.create(model=endpoint.repo, messages=CHAT, max_tokens=1)
+        )
+
+    threads = [threading.Thread(target=chat) for _ in range(waiting)]
     with engine._encoder_lock:
+        for thread in threads:
+            thread.start()
+        # One is tokenizing (held by the lock), the others wait their turn.
+        _wait_for(
+            lambda: engine.encode_limiter.statistics().tasks_waiting == waiting - 1,
+            "the chats to wait for the tokenizer",
+        )
         answer = client.completions.create(
             model=endpoint.repo, prompt=[504, 3458, 282], max_tokens=6, temperature=0
         )
     assert answer.usage.completion_tokens >= 1
     assert answer.choices[0].text
+    for thread in threads:
+        thread.join(DEADLINE_S)
+    assert len(answers) == waiting
+    assert all(answer.usage.completion_tokens == 1 for answer in answers)
 
 
 def test_streamed_chat_equals_the_plain_answer_with_usage_and_logprobs(
@@ -140,6 +161,38 @@ def test_streamed_chat_equals_the_plain_answer_with_usage_and_logprobs(
     # A token's bytes are the text's: together, the answer's.
     answer = b"".join(bytes(token.bytes) for token in whole)
     assert answer.decode() == plain.choices[0].message.content
+
+
+def test_a_scored_continuation_ending_the_answer_keeps_its_end_token(
+    endpoint: Any, client: Any
+) -> None:
+    # lm-evaluation-harness scores a continuation from max_tokens=1 with echo: it reads every
+    # token but the generated one, which must be there even when it ends the answer.
+    engine = endpoint.api.engine
+    chat = [
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello! How can I help you today?"},
+    ]
+    prompt = engine.tokenizer.apply_chat_template(chat, tokenize=False, continue_final_message=True)
+    scored = client.completions.create(
+        model=endpoint.repo, prompt=prompt, max_tokens=1, echo=True, logprobs=1, temperature=0
+    )
+    (choice,) = scored.choices
+    assert choice.finish_reason == "stop"  # the model ends its turn here
+    assert choice.text == engine.decode(engine.encode_prompt(prompt))
+    logprobs = choice.logprobs
+    assert len(logprobs.tokens) == scored.usage.prompt_tokens + 1
+    assert logprobs.tokens[-1] in {engine.token_text(token) for token in engine.eos_token_ids}
+    assert logprobs.token_logprobs[-1] is not None and logprobs.token_logprobs[-1] <= 0
+    assert scored.usage.completion_tokens == 0
+
+
+def test_prompt_scoring_stops_when_its_request_is_cancelled(endpoint: Any) -> None:
+    engine = endpoint.api.engine
+    hidden = torch.zeros(1, 200, engine.model.config.hidden_size)
+    assert engine._prompt_logprobs(hidden, [list(range(200))], 0, lambda: True) is None
+    scored = engine._prompt_logprobs(hidden[:, :3], [[1, 2, 3]], 0, lambda: False)
+    assert scored is not None and len(scored[0]) == 3
 
 
 def test_logprobs_of_tokens_inside_a_character_give_its_bytes(endpoint: Any, client: Any) -> None:
@@ -229,7 +282,8 @@ def test_echo_with_logprobs_scores_the_prompt_as_the_model_does(endpoint: Any, c
         torch.testing.assert_close(got, expected[choice.index], atol=1e-4, rtol=0)
         for value, top in zip(logprobs.token_logprobs[1:], logprobs.top_logprobs[1:], strict=True):
             assert 1 <= len(top) <= 2 and max(top.values()) >= value - 1e-6
-        assert logprobs.text_offset[0] == 0
+        for token, offset in zip(logprobs.tokens, logprobs.text_offset, strict=True):
+            assert choice.text[offset : offset + len(token)] == token
 
     # With a completion after it, plain and streamed (n=2): the prompt's part, then the tokens.
     settings: dict[str, Any] = {
