@@ -13,6 +13,7 @@ import openai
 import pytest
 import torch
 import trio
+from hypothesis import HealthCheck, given, settings, strategies as st
 
 from petals_core.api import Message
 from petals_core.api._detokenize import text_bytes
@@ -574,3 +575,51 @@ def test_decode_groups_give_the_same_answers(endpoint: Any) -> None:
                     )
 
     endpoint.run(refused)
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+@given(
+    prompts=st.lists(
+        st.sampled_from(["The capital of Italy is", "日本の首都は", "Hi", "a b c d e f g"]),
+        min_size=1,
+        max_size=2,
+    ),
+    max_tokens=st.integers(0, 3),
+    n=st.integers(1, 2),
+    logprobs=st.integers(0, 2),
+    stream=st.booleans(),
+)
+def test_echoed_scores_line_up_with_the_text_for_any_request(
+    endpoint: Any,
+    client: Any,
+    prompts: list[str],
+    max_tokens: int,
+    n: int,
+    logprobs: int,
+    stream: bool,
+) -> None:
+    settings_: dict[str, Any] = {
+        "model": endpoint.repo,
+        "prompt": prompts,
+        "max_tokens": max_tokens,
+        "n": n,
+        "echo": True,
+        "logprobs": logprobs,
+        "seed": 5,
+    }
+    texts = [""] * (len(prompts) * n)
+    tokens: list[list[str]] = [[] for _ in texts]
+    offsets: list[list[int]] = [[] for _ in texts]
+    answers = client.completions.create(**settings_, stream=True) if stream else None
+    chunks = list(answers) if answers is not None else [client.completions.create(**settings_)]
+    for chunk in chunks:
+        for choice in chunk.choices:
+            texts[choice.index] += choice.text
+            if choice.logprobs is not None:
+                tokens[choice.index] += choice.logprobs.tokens
+                offsets[choice.index] += choice.logprobs.text_offset
+    for index, text in enumerate(texts):
+        assert text.startswith(prompts[index // n])
+        assert offsets[index] == sorted(offsets[index])
+        assert all(0 <= offset <= len(text) for offset in offsets[index])
+        assert len(tokens[index]) >= len(endpoint.api.engine.encode_prompt(prompts[index // n]))
