@@ -195,9 +195,16 @@ def _hostile(draw: st.DrawFn, repo: str) -> tuple[str, bytes]:
     limits = st.integers(-3, 2) | st.integers() | st.floats() | st.text(max_size=3) | st.booleans()
     chat = path == "/v1/chat/completions"
     for field in ("max_tokens", "max_completion_tokens") if chat else ("max_tokens",):
-        if body.get(field) is None:
-            body[field] = draw(limits)
+        value = body.get(field)
+        if value is None:
+            value = body[field] = draw(limits)
+        if _is_length(value) and 2 < value <= LIMITS.max_request_tokens:
+            body[field] = 2  # a length the endpoint would honour: keep the answer short
     return path, json.dumps(body).encode()
+
+
+def _is_length(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def test_hostile_requests_get_errors_and_the_endpoint_keeps_serving(endpoint: Any) -> None:
