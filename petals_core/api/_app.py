@@ -165,7 +165,7 @@ class _Api:
 
         def encode() -> tuple[list[list[int]], list[str] | None]:
             prompts = [engine.encode_prompt(prompt) for prompt in parsed.prompts]
-            echo = [engine.decode_prompt(prompt) for prompt in prompts] if parsed.echo else None
+            echo = [engine.decode(prompt) for prompt in prompts] if parsed.echo else None
             return prompts, echo
 
         if parsed.echo or any(isinstance(prompt, str) for prompt in parsed.prompts):

@@ -23,7 +23,7 @@ from typing import Any, Final
 
 from tokenizers import decoders
 
-__all__ = ["BYTE_OF_CHAR", "UNFINISHED", "IncrementalText", "TokenTexts", "text_bytes"]
+__all__ = ["UNFINISHED", "IncrementalText", "TokenTexts", "text_bytes"]
 
 #: What decoding shows for a character whose bytes are not all there yet.
 UNFINISHED: Final = "\ufffd"
@@ -85,7 +85,7 @@ def _byte_alphabet() -> dict[str, int]:
     return alphabet
 
 
-BYTE_OF_CHAR: Final = _byte_alphabet()
+_BYTE_OF_CHAR: Final = _byte_alphabet()
 
 
 class TokenTexts:
@@ -93,11 +93,15 @@ class TokenTexts:
 
     def __init__(self, tokenizer: Any) -> None:
         self._tokenizer = tokenizer
-        self._vocab = [str(piece) for piece in tokenizer.get_vocab()]
+        vocab = [str(piece) for piece in tokenizer.get_vocab()]
         backend = getattr(tokenizer, "backend_tokenizer", None)
-        self._normalized = getattr(backend, "normalizer", None) is not None
         self._byte_level = isinstance(getattr(backend, "decoder", None), decoders.ByteLevel)
-        self._metaspace = not self._byte_level and any(_METASPACE in t for t in self._vocab)
+        self._metaspace = not self._byte_level and any(_METASPACE in piece for piece in vocab)
+        longest = max(
+            (len(piece) if self._byte_level else len(piece.encode()) for piece in vocab),
+            default=1,
+        )
+        self._longest = longest * (1 if getattr(backend, "normalizer", None) is None else 4)
         self._added = {
             int(i): str(getattr(added, "content", added))
             for i, added in getattr(tokenizer, "added_tokens_decoder", {}).items()
@@ -108,11 +112,7 @@ class TokenTexts:
         """How many characters of a text one token stands for, at most: its bytes (where the
         vocabulary writes one character per byte, its characters), times 4 where a normalizer
         rewrites the text first (it may merge characters)."""
-        longest = max(
-            (len(piece) if self._byte_level else len(piece.encode()) for piece in self._vocab),
-            default=1,
-        )
-        return longest * (4 if self._normalized else 1)
+        return self._longest
 
     def __call__(self, token: int) -> str:
         text = self._texts.get(token)
@@ -132,8 +132,8 @@ class TokenTexts:
             return added.encode()
         piece = self._tokenizer.convert_ids_to_tokens(token)
         if isinstance(piece, str):
-            if self._byte_level and all(c in BYTE_OF_CHAR for c in piece):
-                return bytes(BYTE_OF_CHAR[c] for c in piece)
+            if self._byte_level and all(c in _BYTE_OF_CHAR for c in piece):
+                return bytes(_BYTE_OF_CHAR[c] for c in piece)
             fallback = _BYTE_FALLBACK.fullmatch(piece)
             if fallback is not None:
                 return bytes([int(fallback.group(1), 16)])

@@ -275,16 +275,30 @@ class _Job:
         self, index: int, token: int, offset: int, *, end: bool = False
     ) -> TokenLogprob:
         assert self._logprobs is not None
-        logprobs = self._logprobs[index]
-        piece = self.engine.token_text
-        top: tuple[tuple[str, float], ...] = ()
         count = self.sampling.logprobs or 0
-        if count:
-            values, ids = torch.topk(logprobs, count)
-            top = tuple((piece(int(i)), float(v)) for v, i in zip(values, ids, strict=True))
-        return TokenLogprob(
-            token=piece(token), logprob=float(logprobs[token]), top=top, offset=offset, end=end
+        return _scored(
+            self._logprobs[index], token, count, self.engine.token_text, offset=offset, end=end
         )
+
+
+def _scored(
+    logprobs: torch.Tensor,
+    token: int,
+    count: int,
+    piece: Callable[[int], str],
+    *,
+    offset: int,
+    end: bool = False,
+) -> TokenLogprob:
+    """``token`` with its log-probability in ``logprobs`` ``(vocab,)``, and the ``count``
+    likeliest tokens there; ``piece`` gives a token's text."""
+    top: tuple[tuple[str, float], ...] = ()
+    if count:
+        values, ids = torch.topk(logprobs, count)
+        top = tuple((piece(int(i)), float(v)) for v, i in zip(values, ids, strict=True))
+    return TokenLogprob(
+        token=piece(token), logprob=float(logprobs[token]), top=top, offset=offset, end=end
+    )
 
 
 class _Chooser:
@@ -545,13 +559,9 @@ class Engine:
         return min(self.limits.max_request_tokens, self.context_length)
 
     def decode(self, tokens: Sequence[int]) -> str:
-        """``tokens``' text, on the event loop (the answers' text and log-probabilities)."""
+        """``tokens``' text.  Decoding only reads the tokenizer: the event loop and worker
+        threads may decode at once (prompts are tokenized by another tokenizer)."""
         return str(self.tokenizer.decode(list(tokens), skip_special_tokens=True))
-
-    def decode_prompt(self, tokens: Sequence[int]) -> str:
-        """``tokens``' text, in a worker thread (an echoed prompt)."""
-        with self._encoder_lock:
-            return str(self._encoder.decode(list(tokens), skip_special_tokens=True))
 
     def _encode(self, text: str, *, add_special_tokens: bool, param: str) -> list[int]:
         """``text``'s token ids, in a worker thread. A text that is surely more tokens than any
@@ -801,25 +811,12 @@ class Engine:
                         self._head(self._base.final_norm(chunk)).float(), dim=-1
                     ).cpu()
                     targets = prompt[start + 1 : start + 1 + chunk.shape[0]]
-                    chosen = logprobs[torch.arange(len(targets)), torch.tensor(targets)]
-                    top_values, top_ids = torch.topk(logprobs, count) if count else (None, None)
-                    for position, target in enumerate(targets):
-                        top: tuple[tuple[str, float], ...] = ()
-                        if top_values is not None and top_ids is not None:
-                            top = tuple(
-                                (piece(int(i)), float(v))
-                                for v, i in zip(
-                                    top_values[position], top_ids[position], strict=True
-                                )
-                            )
-                        tokens.append(
-                            TokenLogprob(
-                                token=piece(target),
-                                logprob=float(chosen[position]),
-                                top=top,
-                                offset=offsets[start + 1 + position],
-                            )
+                    tokens += [
+                        _scored(row, target, count, piece, offset=offsets[start + 1 + position])
+                        for position, (row, target) in enumerate(
+                            zip(logprobs, targets, strict=True)
                         )
+                    ]
                 per_prompt.append(tuple(tokens))
         return per_prompt
 

@@ -303,12 +303,14 @@ def parse_completion_untrusted(body: Any) -> CompletionRequest:
 
 # -- chat completions -----------------------------------------------------------------------------
 
-#: OpenAI's fields that change nothing here but how OpenAI bills or caches: checked, ignored.
+#: OpenAI's fields that change nothing here but how OpenAI bills, caches or stores the answer:
+#: checked, ignored.
 _CHAT_IGNORED: Final = {
     "service_tier": str,
     "prompt_cache_key": str,
     "safety_identifier": str,
     "prediction": Mapping,
+    "metadata": Mapping,
 }
 #: OpenAI's fields that ask for what this endpoint cannot do, and their neutral values.
 _CHAT_UNSUPPORTED: Final[dict[str, Callable[[Any], bool]]] = {
@@ -329,7 +331,6 @@ _CHAT: Final = _COMMON | {
     "functions",
     "function_call",
     "store",
-    "metadata",
     *_CHAT_IGNORED,
     *_CHAT_UNSUPPORTED,
 }
@@ -425,9 +426,6 @@ def parse_chat_untrusted(body: Any) -> ChatRequest:
             raise ApiError.bad_request(f"{name} must be {what}", param=name)
     for name, is_neutral in _CHAT_UNSUPPORTED.items():
         _neutral(body, name, is_neutral)
-    metadata = body.get("metadata")
-    if metadata is not None and not isinstance(metadata, Mapping):
-        raise ApiError.bad_request("metadata must be an object", param="metadata")
     limit = _integer(body, "max_completion_tokens", low=1, high=2**31 - 1)
     if limit is None:
         limit = _integer(body, "max_tokens", low=1, high=2**31 - 1)

@@ -229,7 +229,7 @@ class SwarmMonitor:
         shown = {
             prefix: info
             for prefix, info in self._models.items()
-            if prefix in snapshots and (prefix in self._listed or snapshots[prefix].peer_ids)
+            if prefix in self._listed or snapshots[prefix].peer_ids
         }
         previous = self._state
         state = build_state(
