@@ -323,13 +323,16 @@ def _rows_tiles(
 ) -> list[dict[str, Any]]:
     """The row-table kernel at other split counts and tile sizes than its defaults."""
     from petals_core.kernels import _triton_attention, _triton_rows
+    from petals_core.kernels._launch import Target
 
     dtype = torch.bfloat16
     k, v = _cache_views(batch, length, dtype, device)
     q = torch.randn(batch, N_HEAD, HEAD_DIM, device=device, dtype=dtype)
     kv_bytes = 2 * k.numel() * k.element_size()
     tables = _tables(k, v, [length - 1] * batch)
-    default_splits = _triton_attention._default_splits(device, batch * N_KV_HEAD, length, 64)
+    default_splits = _triton_attention.default_splits(
+        Target.of(device), batch * N_KV_HEAD, length, 64
+    )
     results = []
     for factor in (1, 2, 4):
         for block_n in (32, 64, 128):

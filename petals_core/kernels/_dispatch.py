@@ -1,10 +1,11 @@
 """Choose each kernel's implementation by device: Triton on CUDA, the torch reference elsewhere.
 
-Attention on CUDA (without ALiBi, which only the Triton kernels compute exactly in 16 bits) has two
-candidates, the Triton kernels and torch's SDPA, and which is faster depends on the card, the
-shape and how costly a launch is on the host.  So the first call of each shape bucket times both
-(:class:`DispatchTable`) and later calls in the bucket take the faster; ``dispatch_table()``
-tells what was measured and chosen.  During a CUDA graph capture nothing can be timed: Triton runs.
+Decode attention on CUDA in 16 bits (without ALiBi, which only the Triton kernels compute exactly
+in 16 bits) has two candidates, the flash-decoding kernel and torch's SDPA, and which is faster
+depends on the card, the shape and how costly a launch is on the host.  So the first call of each
+shape bucket times both (:class:`DispatchTable`) and later calls in the bucket take the faster;
+``dispatch_table()`` tells what was measured and chosen.  During a CUDA graph capture nothing can
+be timed: Triton runs.
 
 Kernels launch on the tensors' device: Triton launches on the current device, which for a block
 on ``cuda:1`` need not be the tensors' own.
@@ -26,6 +27,7 @@ import attrs
 import torch
 import torch.nn.functional as F
 
+from ._limits import attention_kernel
 from ._reference import (
     attention_reference,
     rms_norm_reference,
@@ -41,6 +43,7 @@ __all__ = [
     "rms_norm",
     "rotary",
     "rotary_append",
+    "triton_attention_path",
     "triton_usable",
 ]
 
@@ -157,14 +160,17 @@ def attention(
 ) -> torch.Tensor:
     """See :func:`attention_reference` for shapes and semantics.
 
-    On CUDA: the flash-decoding kernel for up to 16 new tokens, the prefill kernel beyond, or
-    torch's SDPA where the shape's bucket measured it faster (not with ALiBi).  Elsewhere, and
-    whenever autograd needs a backward: without ALiBi, torch's fused SDPA with the same semantics
-    (called as transformers' SDPA attention calls it, so LLaMA blocks match transformers' default
-    attention); with ALiBi, the reference (as transformers' BLOOM), except
-    for an fp32 decode step (one query at the end of the cache), which gives the ALiBi term to
-    SDPA as an additive mask: half the ops of the reference, the same scores.  With a
-    ``key_bias`` (Falcon's ALiBi), the reference everywhere: no kernel takes a bias tensor.
+    On CUDA, in fp16 and bf16 (:func:`triton_attention_path` says which path a call takes):
+    with ALiBi, the Triton kernels, which alone compute it exactly in 16 bits (flash-decoding
+    for up to 16 new tokens, flash-attention tiles beyond); without, for up to 16 new tokens
+    the faster of the flash-decoding kernel and torch's SDPA, as the shape's bucket measured it
+    (Triton during a CUDA graph capture, where nothing can be timed), and torch's SDPA beyond.
+    Elsewhere, in fp32 and whenever autograd needs a backward: without ALiBi, torch's fused SDPA
+    with the same semantics (called as transformers' SDPA attention calls it, so LLaMA blocks
+    match transformers' default attention); with ALiBi, the reference (as transformers' BLOOM),
+    except for an fp32 decode step (one query at the end of the cache), which gives the ALiBi
+    term to SDPA as an additive mask: half the ops of the reference, the same scores.  With a
+    ``key_bias`` (Falcon's ALiBi) or ``key_padding``, the reference everywhere.
     """
     if key_padding is not None or key_bias is not None:
         # Left-padded sessions (batched generation) take the reference path everywhere.
@@ -178,12 +184,17 @@ def attention(
             key_padding=key_padding,
             key_bias=key_bias,
         )
-    if q.is_cuda and _use_triton(q, k, v):
+    path = triton_attention_path(q, k, v, alibi=alibi_slopes is not None)
+    if path is not None:
         from . import _triton_attention
 
         def triton_attention() -> torch.Tensor:
             with _on(q.device):
-                return _triton_attention.attention(
+                if path == "decode":
+                    return _triton_attention.decode_attention(
+                        q, k, v, query_offset=query_offset, scale=scale, alibi_slopes=alibi_slopes
+                    )
+                return _triton_attention.prefill_attention(
                     q, k, v, query_offset=query_offset, scale=scale, alibi_slopes=alibi_slopes
                 )
 
@@ -209,6 +220,20 @@ def attention(
         return _sdpa_alibi_decode(q, k, v, scale=scale, alibi_slopes=alibi_slopes)
     return attention_reference(
         q, k, v, query_offset=query_offset, scale=scale, alibi_slopes=alibi_slopes
+    )
+
+
+def triton_attention_path(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, alibi: bool
+) -> str | None:
+    """Which Triton attention kernel :func:`attention` may launch for these tensors (with ALiBi
+    or not, no padding or bias): ``"decode"``, ``"prefill"`` or None (see
+    :func:`~petals_core.kernels._limits.attention_kernel`), on GPUs Triton supports and when no
+    backward is to be recorded."""
+    if not (q.is_cuda and _use_triton(q, k, v)):
+        return None
+    return attention_kernel(
+        dtype=q.dtype, new_tokens=q.shape[2], group=q.shape[1] // k.shape[1], alibi=alibi
     )
 
 

@@ -20,20 +20,22 @@ import torch
 import triton
 import triton.language as tl
 
+from ._launch import Launch, Target
+from ._limits import MAX_DECODE_ROWS, MAX_DECODE_TOKENS
 from ._reference import check_attention_shapes
 
 __all__ = [
     "MAX_DECODE_ROWS",
     "MAX_DECODE_TOKENS",
-    "attention",
     "decode_attention",
+    "plan_decode_attention",
+    "plan_prefill_attention",
     "prefill_attention",
 ]
 
-MAX_DECODE_TOKENS = 16
-# Query rows (heads of a group x new tokens) that one decode program holds in registers.
-MAX_DECODE_ROWS = 128
 _MAX_SPLITS = 128
+# Splits the merge reads at a time.
+_COMBINE_SPLITS = 16
 _LOG2E = math.log2(math.e)
 
 
@@ -118,8 +120,8 @@ def _decode_split(
     PartialAcc,
     PartialMax,
     PartialSum,
+    num_splits,
     HAS_ALIBI: tl.constexpr,
-    DIRECT: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -127,9 +129,10 @@ def _decode_split(
     PRECISION: tl.constexpr,
 ):
     """A decode program's query rows (q: (BLOCK_R, BLOCK_D); head, row_mask, query_pos:
-    (BLOCK_R,)) over the keys lo .. hi-1 of one split.  DIRECT (a single split) writes the output
-    tile ``out_tile``; otherwise the softmax partials go to row ``part`` of the partial arrays,
-    (rows, head_dim) and (rows,), for :func:`_combine_kernel`."""
+    (BLOCK_R,)) over the keys lo .. hi-1 of one split.  A single split writes the output tile
+    ``out_tile``; otherwise the softmax partials go to row ``part`` of the partial arrays,
+    (rows, head_dim) and (rows,), for :func:`_combine_kernel`.  (Decided at run time: one
+    compiled kernel serves both.)"""
     if HAS_ALIBI:
         slope = tl.load(Slopes + head, mask=row_mask, other=0.0) * 1.4426950408889634
     else:
@@ -158,7 +161,7 @@ def _decode_split(
     )
     dims = tl.arange(0, BLOCK_D)
     tile_mask = row_mask[:, None] & (dims < head_dim)[None, :]
-    if DIRECT:
+    if num_splits == 1:
         out = acc / l_i[:, None]
         tl.store(out_tile, out.to(out_tile.dtype.element_ty), mask=tile_mask)
     else:
@@ -167,8 +170,12 @@ def _decode_split(
         tl.store(PartialSum + part, l_i, mask=row_mask)
 
 
-# Arguments that change every step are not specialized (on divisibility by 16), not to recompile.
-@triton.jit(do_not_specialize=["query_offset", "num_splits"])
+# Sizes that change from step to step, or from model to model, are not specialized on (their
+# divisibility by 16, or being 1): one compiled kernel serves them all.
+_VARYING = ["n_head", "n_kv_head", "new_tokens", "query_offset", "split_size", "num_splits"]
+
+
+@triton.jit(do_not_specialize=_VARYING)
 def _decode_kernel(
     # pointers
     Q,
@@ -203,7 +210,6 @@ def _decode_kernel(
     stride_ot,
     # meta
     HAS_ALIBI: tl.constexpr,
-    DIRECT: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -251,8 +257,8 @@ def _decode_kernel(
         PartialAcc,
         PartialMax,
         PartialSum,
+        num_splits,
         HAS_ALIBI,
-        DIRECT,
         BLOCK_R,
         BLOCK_N,
         BLOCK_D,
@@ -261,7 +267,7 @@ def _decode_kernel(
     )
 
 
-@triton.jit(do_not_specialize=["num_splits"])
+@triton.jit(do_not_specialize=["n_head", "new_tokens", "num_splits"])
 def _combine_kernel(
     # pointers
     PartialAcc,
@@ -281,23 +287,36 @@ def _combine_kernel(
     BLOCK_SPLITS: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
-    """One program per (batch, head, token): merge the splits' softmax partials."""
+    """One program per (batch, head, token): merge the splits' softmax partials, BLOCK_SPLITS
+    splits at a time (one compiled kernel for every number of splits)."""
     row = tl.program_id(0).to(tl.int64)
     splits = tl.arange(0, BLOCK_SPLITS)
-    split_mask = splits < num_splits
     dims = tl.arange(0, BLOCK_D)
     dim_mask = dims < head_dim
+    first = row * num_splits
 
-    m = tl.load(PartialMax + row * num_splits + splits, mask=split_mask, other=float("-inf"))
-    l_s = tl.load(PartialSum + row * num_splits + splits, mask=split_mask, other=0.0)
     # Split 0 holds key 0, which every query sees, so the maximum is finite.
-    weight = tl.math.exp2(m - tl.max(m, 0))
-    acc = tl.load(
-        PartialAcc + (row * num_splits + splits[:, None]) * head_dim + dims[None, :],
-        mask=split_mask[:, None] & dim_mask[None, :],
-        other=0.0,
-    )
-    out = tl.sum(acc * weight[:, None], 0) / tl.sum(l_s * weight, 0)
+    top = tl.full([BLOCK_SPLITS], float("-inf"), dtype=tl.float32)
+    for start in range(0, num_splits, BLOCK_SPLITS):
+        split_mask = start + splits < num_splits
+        m = tl.load(PartialMax + first + start + splits, mask=split_mask, other=float("-inf"))
+        top = tl.maximum(top, m)
+    top_max = tl.max(top, 0)
+    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    total = tl.zeros([BLOCK_SPLITS], dtype=tl.float32)
+    for start in range(0, num_splits, BLOCK_SPLITS):
+        split_mask = start + splits < num_splits
+        m = tl.load(PartialMax + first + start + splits, mask=split_mask, other=float("-inf"))
+        l_s = tl.load(PartialSum + first + start + splits, mask=split_mask, other=0.0)
+        weight = tl.math.exp2(m - top_max)
+        part = tl.load(
+            PartialAcc + (first + start + splits[:, None]) * head_dim + dims[None, :],
+            mask=split_mask[:, None] & dim_mask[None, :],
+            other=0.0,
+        )
+        acc += tl.sum(part * weight[:, None], 0)
+        total += l_s * weight
+    out = acc / tl.sum(total, 0)
 
     batch = row // (n_head * new_tokens)
     head = (row // new_tokens) % n_head
@@ -306,7 +325,7 @@ def _combine_kernel(
     tl.store(Out + out_row + dims, out.to(Out.dtype.element_ty), mask=dim_mask)
 
 
-@triton.jit(do_not_specialize=["new_tokens", "query_offset"])
+@triton.jit(do_not_specialize=["n_head", "n_kv_head", "new_tokens", "query_offset"])
 def _prefill_kernel(
     # pointers
     Q,
@@ -392,27 +411,6 @@ def _prefill_kernel(
     )
 
 
-def attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    *,
-    query_offset: int,
-    scale: float | None = None,
-    alibi_slopes: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """:func:`decode_attention` for a few new tokens, :func:`prefill_attention` otherwise."""
-    new_tokens = q.shape[2]
-    group = q.shape[1] // k.shape[1]
-    if new_tokens <= MAX_DECODE_TOKENS and group * new_tokens <= MAX_DECODE_ROWS:
-        return decode_attention(
-            q, k, v, query_offset=query_offset, scale=scale, alibi_slopes=alibi_slopes
-        )
-    return prefill_attention(
-        q, k, v, query_offset=query_offset, scale=scale, alibi_slopes=alibi_slopes
-    )
-
-
 def decode_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -430,37 +428,102 @@ def decode_attention(
     last one 1 (a cache prefix view).  See :func:`attention_reference` for the semantics.
     ``block_n`` (keys per tile) and ``num_splits`` default to a choice for the device.
     """
+    out, launches = plan_decode_attention(
+        q,
+        k,
+        v,
+        query_offset=query_offset,
+        scale=scale,
+        alibi_slopes=alibi_slopes,
+        block_n=block_n,
+        num_splits=num_splits,
+        target=Target.of(q.device),
+    )
+    for launch in launches:
+        launch()
+    return out
+
+
+def plan_decode_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    query_offset: int,
+    target: Target,
+    scale: float | None = None,
+    alibi_slopes: torch.Tensor | None = None,
+    block_n: int | None = None,
+    num_splits: int | None = None,
+) -> tuple[torch.Tensor, list[Launch]]:
+    """:func:`decode_attention`'s output (allocated, not yet written) and its launches."""
     batch, n_head, new_tokens, head_dim = q.shape
     n_kv_head = k.shape[1]
     slopes = _check(q, k, v, query_offset, alibi_slopes)
     if q.numel() == 0:
-        return torch.empty_like(q)
+        return torch.empty_like(q), []
     rows = (n_head // n_kv_head) * new_tokens
     assert new_tokens <= MAX_DECODE_TOKENS, f"decode takes up to {MAX_DECODE_TOKENS} new tokens"
     assert rows <= MAX_DECODE_ROWS, f"{rows} query rows per kv head, at most {MAX_DECODE_ROWS}"
-    default_block_n, num_stages = _decode_tiles(q, head_dim)
-    block_n = block_n or default_block_n
+    block_n = block_n or _decode_tiles(q.dtype, head_dim)[0]
     length = query_offset + new_tokens  # keys past the last query are never seen
-    split_size, num_splits = _splits(q.device, batch * n_kv_head, length, block_n, num_splits)
+    split_size, num_splits = _splits(target, batch * n_kv_head, length, block_n, num_splits)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    direct = num_splits == 1
     partial_acc, partial_max, partial_sum = _partials(out, num_splits)
-    block_r = max(16, triton.next_power_of_2(rows))
-    block_d = _block_d(head_dim)
-    dot_dtype, precision = _dot_config(q)
-    _decode_kernel[(batch * n_kv_head, num_splits)](
+    args = (
         q, k, v, out, partial_acc, partial_max, partial_sum, slopes,
         n_head, n_kv_head, new_tokens, query_offset, head_dim, split_size, num_splits,
         _qk_scale(scale, head_dim),
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
-        HAS_ALIBI=alibi_slopes is not None, DIRECT=direct,
-        BLOCK_R=block_r, BLOCK_N=block_n, BLOCK_D=block_d,
-        DOT_DTYPE=dot_dtype, PRECISION=precision,
-        num_warps=4 if block_r <= 32 else 8, num_stages=num_stages,
     )  # fmt: skip
-    if not direct:
-        _combine(partial_acc, partial_max, partial_sum, out, num_splits)
-    return out
+    launch = _decode_launch(
+        _decode_kernel,
+        (batch * n_kv_head, num_splits),
+        args,
+        alibi=alibi_slopes is not None,
+        rows=rows,
+        head_dim=head_dim,
+        dtype=q.dtype,
+        block_n=block_n,
+        target=target,
+    )
+    launches = [launch]
+    if num_splits > 1:
+        launches.append(_plan_combine(partial_acc, partial_max, partial_sum, out, num_splits))
+    return out, launches
+
+
+def _decode_launch(
+    kernel: object,
+    grid: tuple[int, int],
+    args: tuple[object, ...],
+    *,
+    alibi: bool,
+    rows: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    block_n: int,
+    target: Target,
+) -> Launch:
+    """A launch of a decode kernel (this module's or the row tables'): ``rows`` query rows per
+    program, keys ``block_n`` at a time."""
+    block_r = _block_r(rows)
+    dot_dtype, precision = _dot_config(dtype, target)
+    return Launch(
+        kernel=kernel,
+        grid=grid,
+        args=args,
+        constexprs={
+            "HAS_ALIBI": alibi,
+            "BLOCK_R": block_r,
+            "BLOCK_N": block_n,
+            "BLOCK_D": _block_d(head_dim),
+            "DOT_DTYPE": dot_dtype,
+            "PRECISION": precision,
+        },
+        num_warps=4 if block_r <= 32 else 8,
+        num_stages=_decode_tiles(dtype, head_dim)[1],
+    )
 
 
 def prefill_attention(
@@ -479,26 +542,65 @@ def prefill_attention(
     q: (B, n_head, T, head_dim), any T; k, v: (B, n_kv_head, S, head_dim), any strides with the
     last one 1.  See :func:`attention_reference` for the semantics.
     """
+    out, launches = plan_prefill_attention(
+        q,
+        k,
+        v,
+        query_offset=query_offset,
+        scale=scale,
+        alibi_slopes=alibi_slopes,
+        block_m=block_m,
+        block_n=block_n,
+        target=Target.of(q.device),
+    )
+    for launch in launches:
+        launch()
+    return out
+
+
+def plan_prefill_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    query_offset: int,
+    target: Target,
+    scale: float | None = None,
+    alibi_slopes: torch.Tensor | None = None,
+    block_m: int | None = None,
+    block_n: int | None = None,
+) -> tuple[torch.Tensor, list[Launch]]:
+    """:func:`prefill_attention`'s output (allocated, not yet written) and its launch."""
     batch, n_head, new_tokens, head_dim = q.shape
     slopes = _check(q, k, v, query_offset, alibi_slopes)
     if q.numel() == 0:
-        return torch.empty_like(q)
-    default_block_m, default_block_n, num_warps, num_stages = _prefill_tiles(q, head_dim)
+        return torch.empty_like(q), []
+    default_block_m, default_block_n, num_warps, num_stages = _prefill_tiles(q.dtype, head_dim)
     block_m = block_m or default_block_m
     block_n = block_n or default_block_n
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    dot_dtype, precision = _dot_config(q)
-    grid = (triton.cdiv(new_tokens, block_m), batch * n_head)
-    _prefill_kernel[grid](
+    dot_dtype, precision = _dot_config(q.dtype, target)
+    args = (
         q, k, v, out, slopes,
         n_head, k.shape[1], new_tokens, query_offset, head_dim, _qk_scale(scale, head_dim),
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
-        HAS_ALIBI=alibi_slopes is not None,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=_block_d(head_dim),
-        DOT_DTYPE=dot_dtype, PRECISION=precision,
-        num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
-    return out
+    launch = Launch(
+        kernel=_prefill_kernel,
+        grid=(triton.cdiv(new_tokens, block_m), batch * n_head),
+        args=args,
+        constexprs={
+            "HAS_ALIBI": alibi_slopes is not None,
+            "BLOCK_M": block_m,
+            "BLOCK_N": block_n,
+            "BLOCK_D": _block_d(head_dim),
+            "DOT_DTYPE": dot_dtype,
+            "PRECISION": precision,
+        },
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )
+    return out, [launch]
 
 
 def _check(
@@ -526,12 +628,12 @@ def _check(
 
 
 def _splits(
-    device: torch.device, programs: int, length: int, block_n: int, num_splits: int | None
+    target: Target, programs: int, length: int, block_n: int, num_splits: int | None
 ) -> tuple[int, int]:
     """(split_size, num_splits): ``length`` keys cut into at most ``num_splits`` (default: for
-    the device) ranges of whole BLOCK_N tiles, none of them empty."""
+    the target) ranges of whole BLOCK_N tiles, none of them empty."""
     if num_splits is None:
-        num_splits = _default_splits(device, programs, length, block_n)
+        num_splits = default_splits(target, programs, length, block_n)
     assert 1 <= num_splits <= _MAX_SPLITS, f"num_splits must be in [1, {_MAX_SPLITS}]"
     split_size = triton.cdiv(triton.cdiv(length, num_splits), block_n) * block_n
     return split_size, triton.cdiv(length, split_size)
@@ -539,10 +641,12 @@ def _splits(
 
 def _partials(out: torch.Tensor, num_splits: int) -> tuple[torch.Tensor, ...]:
     """The softmax partials of each split of each query row of ``out`` (..., head_dim): the
-    accumulators, maxima and sums, contiguous; ``out`` thrice, never read, for a single split
-    (the decode kernel then writes ``out`` itself)."""
+    accumulators, maxima and sums, contiguous.  For a single split (the decode kernel then
+    writes ``out`` itself) a float32 placeholder, never read or written, thrice: the kernel's
+    argument types are the same either way, so one compiled kernel serves both."""
     if num_splits == 1:
-        return out, out, out
+        placeholder = _placeholder(out.device)
+        return placeholder, placeholder, placeholder
     head_dim = out.shape[-1]
     count = math.prod(out.shape[:-1]) * num_splits
     # One allocation, cut into the three contiguous arrays the kernels index.
@@ -554,64 +658,74 @@ def _partials(out: torch.Tensor, num_splits: int) -> tuple[torch.Tensor, ...]:
     )
 
 
-def _combine(
+@functools.cache
+def _placeholder(device: torch.device) -> torch.Tensor:
+    with torch.inference_mode(False):
+        return torch.empty(1, dtype=torch.float32, device=device)
+
+
+def _plan_combine(
     partial_acc: torch.Tensor,
     partial_max: torch.Tensor,
     partial_sum: torch.Tensor,
     out: torch.Tensor,
     num_splits: int,
-) -> None:
+) -> Launch:
     """Merge the splits' partials into ``out`` (B, n_head, T, head_dim)."""
     batch, n_head, new_tokens, head_dim = out.shape
-    _combine_kernel[(batch * n_head * new_tokens,)](
+    args = (
         partial_acc, partial_max, partial_sum, out,
         n_head, new_tokens, head_dim, num_splits,
         *out.stride()[:3],
-        BLOCK_SPLITS=triton.next_power_of_2(num_splits), BLOCK_D=_block_d(head_dim),
-        num_warps=4,
     )  # fmt: skip
+    return Launch(
+        kernel=_combine_kernel,
+        grid=(batch * n_head * new_tokens,),
+        args=args,
+        constexprs={"BLOCK_SPLITS": _COMBINE_SPLITS, "BLOCK_D": _block_d(head_dim)},
+        num_warps=4,
+    )
 
 
 def _qk_scale(scale: float | None, head_dim: int) -> float:
     return (1.0 / math.sqrt(head_dim) if scale is None else scale) * _LOG2E
 
 
+def _block_r(rows: int) -> int:
+    """Query rows a decode program holds: 16 (tl.dot's least) or all the kernel allows.  Two
+    sizes, so that two compiled kernels per head size serve every grouping and step length."""
+    return 16 if rows <= 16 else MAX_DECODE_ROWS
+
+
 def _block_d(head_dim: int) -> int:
     return max(16, triton.next_power_of_2(head_dim))  # tl.dot needs 16 on every side
 
 
-def _decode_tiles(q: torch.Tensor, head_dim: int) -> tuple[int, int]:
+def _decode_tiles(dtype: torch.dtype, head_dim: int) -> tuple[int, int]:
     """(BLOCK_N, num_stages): the pipelined K and V tiles stay under ~100 KB of shared memory,
     which every CUDA card since sm_80 has."""
-    row_bytes = q.element_size() * _block_d(head_dim)
+    row_bytes = dtype.itemsize * _block_d(head_dim)
     if row_bytes <= 256:  # 16-bit, head_dim <= 128
         return 64, 3
     return (32, 2) if row_bytes <= 512 else (16, 2)
 
 
-def _prefill_tiles(q: torch.Tensor, head_dim: int) -> tuple[int, int, int, int]:
+def _prefill_tiles(dtype: torch.dtype, head_dim: int) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps, num_stages), within the same shared-memory budget."""
-    row_bytes = q.element_size() * _block_d(head_dim)
+    row_bytes = dtype.itemsize * _block_d(head_dim)
     if row_bytes <= 256:
         return 128, 64, 8, 3
     return (64, 32, 4, 2) if row_bytes <= 512 else (32, 16, 4, 2)
 
 
-def _dot_config(q: torch.Tensor) -> tuple[tl.dtype, str]:
+def _dot_config(dtype: torch.dtype, target: Target) -> tuple[tl.dtype, str]:
     """The dtype the dots take their operands in, and the precision of fp32 dots."""
-    if q.dtype == torch.float32 or not q.is_cuda:
+    if dtype == torch.float32 or not target.cuda:
         return tl.float32, "ieee"
-    return (tl.float16 if q.dtype == torch.float16 else tl.bfloat16), "tf32"
+    return (tl.float16 if dtype == torch.float16 else tl.bfloat16), "tf32"
 
 
-def _default_splits(device: torch.device, programs: int, length: int, block_n: int) -> int:
+def default_splits(target: Target, programs: int, length: int, block_n: int) -> int:
     """Enough key splits for about two programs per SM, each split at least four tiles long."""
-    wanted = triton.cdiv(2 * _multiprocessors(device), programs)
+    wanted = triton.cdiv(2 * target.multiprocessors, programs)
     return max(1, min(wanted, triton.cdiv(length, 4 * block_n), _MAX_SPLITS))
-
-
-@functools.cache
-def _multiprocessors(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 1
-    return torch.cuda.get_device_properties(device).multi_processor_count

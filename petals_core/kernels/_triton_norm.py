@@ -7,7 +7,9 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["rms_norm"]
+from ._launch import Launch
+
+__all__ = ["plan_rms_norm", "rms_norm"]
 
 # Rows up to this many elements are held in registers and read once; longer ones are read twice.
 MAX_BLOCK = 8192
@@ -66,6 +68,16 @@ def rms_norm(
     Returns x's shape in ``promote_types(x.dtype, weight.dtype)``, as the reference.
     ``block`` (elements a step, a power of two) defaults to the whole row up to 8192.
     """
+    out, launches = plan_rms_norm(x, weight, eps, block=block)
+    for launch in launches:
+        launch()
+    return out
+
+
+def plan_rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, *, block: int | None = None
+) -> tuple[torch.Tensor, list[Launch]]:
+    """:func:`rms_norm`'s output (allocated, not yet written) and its launch."""
     hidden = x.shape[-1]
     assert weight.shape == (hidden,), f"weight must be ({hidden},), got {tuple(weight.shape)}"
     assert x.dtype in (torch.float16, torch.bfloat16, torch.float32), f"unsupported {x.dtype}"
@@ -75,13 +87,13 @@ def rms_norm(
     rows = x.reshape(-1, hidden)  # a view unless the leading dimensions cannot be merged
     out = torch.empty(rows.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
     if out.numel() == 0:
-        return out.view(x.shape)
+        return out.view(x.shape), []
     block = block or min(triton.next_power_of_2(hidden), MAX_BLOCK)
-    _rms_norm_kernel[(rows.shape[0],)](
-        rows, weight, out,
-        hidden, eps,
-        rows.stride(0), out.stride(0),
-        BLOCK=block, ONE_PASS=block >= hidden,
+    launch = Launch(
+        kernel=_rms_norm_kernel,
+        grid=(rows.shape[0],),
+        args=(rows, weight, out, hidden, eps, rows.stride(0), out.stride(0)),
+        constexprs={"BLOCK": block, "ONE_PASS": block >= hidden},
         num_warps=min(max(block // 256, 1), 16),
-    )  # fmt: skip
-    return out.view(x.shape)
+    )
+    return out.view(x.shape), [launch]

@@ -12,9 +12,10 @@ import torch
 import triton
 import triton.language as tl
 
+from ._launch import Launch
 from ._reference import check_cache_room
 
-__all__ = ["rotary", "rotary_append"]
+__all__ = ["plan_rotary", "plan_rotary_append", "rotary", "rotary_append"]
 
 
 @triton.jit
@@ -41,7 +42,8 @@ def _rotate(src, dst, half, mask, cos_lo, cos_hi, sin_lo, sin_hi):
     tl.store(dst + half, out_hi.to(dst.dtype.element_ty), mask=mask)
 
 
-@triton.jit(do_not_specialize=["start"])  # a new position every step: do not recompile
+# A new position every step, and sizes that vary by model and step: not specialized on.
+@triton.jit(do_not_specialize=["n_head", "n_kv_head", "new_tokens", "start"])
 def _rotary_kernel(
     # pointers
     Q,
@@ -144,10 +146,19 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 
     Returns a new contiguous tensor in ``promote_types(x.dtype, cos.dtype)``, as the reference.
     """
+    out, launches = plan_rotary(x, cos, sin)
+    for launch in launches:
+        launch()
+    return out
+
+
+def plan_rotary(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, list[Launch]]:
+    """:func:`rotary`'s output (allocated, not yet written) and its launch."""
     cos, sin = _check(x, cos, sin)
     out = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, cos.dtype), device=x.device)
-    _launch(x, out, None, cos, sin, start=0)
-    return out
+    return out, _plan(x, out, None, cos, sin, start=0)
 
 
 def rotary_append(
@@ -168,6 +179,24 @@ def rotary_append(
     (cast to its dtype).  All with the last stride 1.  Returns the rotated q, contiguous, in
     ``promote_types(q.dtype, cos.dtype)``.
     """
+    out, launches = plan_rotary_append(q, k, v, cos, sin, keys=keys, values=values, start=start)
+    for launch in launches:
+        launch()
+    return out
+
+
+def plan_rotary_append(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    *,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    start: int,
+) -> tuple[torch.Tensor, list[Launch]]:
+    """:func:`rotary_append`'s rotated queries (allocated, not yet written) and its launch."""
     cos, sin = _check(q, cos, sin)
     new_tokens, head_dim = k.shape[2:]
     check_cache_room(start, new_tokens, keys.shape[2])
@@ -177,8 +206,7 @@ def rotary_append(
     assert k.stride(-1) == v.stride(-1) == keys.stride(-1) == values.stride(-1) == 1
     assert k.device == v.device == keys.device == values.device == q.device
     out = torch.empty(q.shape, dtype=torch.promote_types(q.dtype, cos.dtype), device=q.device)
-    _launch(q, out, (k, v, keys, values), cos, sin, start=start)
-    return out
+    return out, _plan(q, out, (k, v, keys, values), cos, sin, start=start)
 
 
 def _check(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -192,7 +220,7 @@ def _check(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch
     return cos.expand(batch, -1, -1), sin.expand(batch, -1, -1)
 
 
-def _launch(
+def _plan(
     q: torch.Tensor,
     q_out: torch.Tensor,
     kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None,
@@ -200,21 +228,27 @@ def _launch(
     sin: torch.Tensor,
     *,
     start: int,
-) -> None:
+) -> list[Launch]:
     batch, n_head, new_tokens, head_dim = q.shape
     if q.numel() == 0:
-        return
+        return []
     # Without k/v the kernel never touches those pointers; q stands in for them.
     k, v, keys, values = kv or (q, q, q, q)
     n_kv_head = 0 if kv is None else k.shape[1]
-    block_t = min(triton.next_power_of_2(new_tokens), 16)
+    # One token (a decode step) or up to 16 at a time: two compiled variants cover every T.
+    block_t = 1 if new_tokens == 1 else 16
     block_half = triton.next_power_of_2(head_dim // 2)
-    grid = (batch * (n_head + n_kv_head), triton.cdiv(new_tokens, block_t))
-    _rotary_kernel[grid](
+    args = (
         q, q_out, k, v, keys, values, cos, sin,
         n_head, n_kv_head, new_tokens, head_dim // 2, start,
         *q.stride()[:3], *q_out.stride()[:3], *k.stride()[:3], *v.stride()[:3],
         *keys.stride()[:3], *values.stride()[:3], *cos.stride()[:2], *sin.stride()[:2],
-        HAS_KV=kv is not None, BLOCK_T=block_t, BLOCK_HALF=block_half,
-        num_warps=4 if block_t * block_half >= 1024 else 1,
     )  # fmt: skip
+    launch = Launch(
+        kernel=_rotary_kernel,
+        grid=(batch * (n_head + n_kv_head), triton.cdiv(new_tokens, block_t)),
+        args=args,
+        constexprs={"HAS_KV": kv is not None, "BLOCK_T": block_t, "BLOCK_HALF": block_half},
+        num_warps=4 if block_t * block_half >= 1024 else 1,
+    )
+    return [launch]

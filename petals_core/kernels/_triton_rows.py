@@ -10,24 +10,78 @@ import torch
 import triton
 import triton.language as tl
 
+from ._launch import Launch, Target
 from ._rows import RowTables
 from ._triton_attention import (
     MAX_DECODE_ROWS,
-    _block_d,
-    _combine,
+    _decode_launch,
     _decode_split,
     _decode_tiles,
-    _dot_config,
     _partials,
+    _plan_combine,
     _qk_scale,
     _splits,
 )
 from ._triton_rotary import _load_halves, _rotate, _rotated
 
-__all__ = ["rows_append", "rows_decode_attention"]
+__all__ = [
+    "plan_rows_append",
+    "plan_rows_decode_attention",
+    "rows_append",
+    "rows_decode_attention",
+]
 
 
 @triton.jit
+def _append_kv_row(
+    K,
+    V,
+    KeyPtrs,
+    ValuePtrs,
+    HeadStrides,
+    row,
+    kv_head,
+    position,
+    half,
+    cols,
+    mask,
+    stride_kr,
+    stride_kh,
+    stride_vr,
+    stride_vh,
+    cos_lo,
+    cos_hi,
+    sin_lo,
+    sin_hi,
+    ROTARY: tl.constexpr,
+):
+    """Write one kv head of one row (its key rotated when ROTARY) into the row's cache at
+    ``position``."""
+    dtype = K.dtype.element_ty
+    # The tables' contract (see RowTables): 16-byte aligned slabs and head rows, which lets the
+    # stores below be vectorised.
+    start = kv_head * tl.load(HeadStrides + row) + position * (2 * half)
+    keys = tl.multiple_of(tl.load(KeyPtrs + row).to(tl.pointer_type(dtype)) + start, 16)
+    values = tl.multiple_of(tl.load(ValuePtrs + row).to(tl.pointer_type(dtype)) + start, 16)
+    keys += cols
+    values += cols
+    k = K + row * stride_kr + kv_head * stride_kh + cols
+    k_lo = tl.load(k, mask=mask, other=0.0)
+    k_hi = tl.load(k + half, mask=mask, other=0.0)
+    if ROTARY:
+        x_lo, x_hi = _rotated(
+            k_lo.to(tl.float32), k_hi.to(tl.float32), cos_lo, cos_hi, sin_lo, sin_hi
+        )
+        k_lo = x_lo.to(dtype)
+        k_hi = x_hi.to(dtype)
+    tl.store(keys, k_lo, mask=mask)
+    tl.store(keys + half, k_hi, mask=mask)
+    v = V + row * stride_vr + kv_head * stride_vh + cols
+    tl.store(values, tl.load(v, mask=mask, other=0.0), mask=mask)
+    tl.store(values + half, tl.load(v + half, mask=mask, other=0.0), mask=mask)
+
+
+@triton.jit(do_not_specialize=["n_head", "n_kv_head"])
 def _rows_append_kernel(
     # pointers
     Q,
@@ -59,8 +113,12 @@ def _rows_append_kernel(
     ROTARY: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
 ):
-    """One program: one head of one row; query heads (rotated into QOut) come first, then the
-    kv heads, whose rotated keys and values go into the row's cache at its position."""
+    """One program: one head of one row.  With ROTARY, query heads (rotated into QOut) come
+    first, then the kv heads, whose rotated keys and values go into the row's cache at its
+    position; without, the programs are the kv heads alone (``n_head`` is 0).
+
+    Every name a branch uses is defined in that branch or above it: the compiler builds both
+    sides of a branch decided at run time, where the interpreter runs only the one taken."""
     pid = tl.program_id(0)
     row = (pid // (n_head + n_kv_head)).to(tl.int64)
     head = pid % (n_head + n_kv_head)
@@ -71,38 +129,26 @@ def _rows_append_kernel(
     if ROTARY:
         cos_lo, cos_hi = _load_halves(Cos + position * stride_cos + cols, half, mask)
         sin_lo, sin_hi = _load_halves(Sin + position * stride_sin + cols, half, mask)
-
-    if head < n_head:
-        q = Q + row * stride_qr + head * stride_qh + cols
-        q_out = QOut + row * stride_qor + head * stride_qoh + cols
-        _rotate(q, q_out, half, mask, cos_lo, cos_hi, sin_lo, sin_hi)
+        if head < n_head:
+            q = Q + row * stride_qr + head * stride_qh + cols
+            q_out = QOut + row * stride_qor + head * stride_qoh + cols
+            _rotate(q, q_out, half, mask, cos_lo, cos_hi, sin_lo, sin_hi)
+        else:
+            _append_kv_row(
+                K, V, KeyPtrs, ValuePtrs, HeadStrides, row, (head - n_head).to(tl.int64),
+                position, half, cols, mask, stride_kr, stride_kh, stride_vr, stride_vh,
+                cos_lo, cos_hi, sin_lo, sin_hi, True,
+            )  # fmt: skip
     else:
-        kv_head = (head - n_head).to(tl.int64)
-        dtype = K.dtype.element_ty
-        # The tables' contract (see RowTables): 16-byte aligned slabs and head rows, which
-        # lets the stores below be vectorised.
-        start = kv_head * tl.load(HeadStrides + row) + position * (2 * half)
-        keys = tl.multiple_of(tl.load(KeyPtrs + row).to(tl.pointer_type(dtype)) + start, 16)
-        values = tl.multiple_of(tl.load(ValuePtrs + row).to(tl.pointer_type(dtype)) + start, 16)
-        keys += cols
-        values += cols
-        k = K + row * stride_kr + kv_head * stride_kh + cols
-        k_lo = tl.load(k, mask=mask, other=0.0)
-        k_hi = tl.load(k + half, mask=mask, other=0.0)
-        if ROTARY:
-            x_lo, x_hi = _rotated(
-                k_lo.to(tl.float32), k_hi.to(tl.float32), cos_lo, cos_hi, sin_lo, sin_hi
-            )
-            k_lo = x_lo.to(dtype)
-            k_hi = x_hi.to(dtype)
-        tl.store(keys, k_lo, mask=mask)
-        tl.store(keys + half, k_hi, mask=mask)
-        v = V + row * stride_vr + kv_head * stride_vh + cols
-        tl.store(values, tl.load(v, mask=mask, other=0.0), mask=mask)
-        tl.store(values + half, tl.load(v + half, mask=mask, other=0.0), mask=mask)
+        unused = tl.zeros([BLOCK_HALF], dtype=tl.float32)
+        _append_kv_row(
+            K, V, KeyPtrs, ValuePtrs, HeadStrides, row, head.to(tl.int64),
+            position, half, cols, mask, stride_kr, stride_kh, stride_vr, stride_vh,
+            unused, unused, unused, unused, False,
+        )  # fmt: skip
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_head", "n_kv_head", "split_size", "num_splits"])
 def _rows_decode_kernel(
     # pointers
     Q,
@@ -129,7 +175,6 @@ def _rows_decode_kernel(
     stride_oh,
     # meta
     HAS_ALIBI: tl.constexpr,
-    DIRECT: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -183,8 +228,8 @@ def _rows_decode_kernel(
         PartialAcc,
         PartialMax,
         PartialSum,
+        num_splits,
         HAS_ALIBI,
-        DIRECT,
         BLOCK_R,
         BLOCK_N,
         BLOCK_D,
@@ -210,33 +255,56 @@ def rows_append(
     (HF LLaMA's halves layout).  Without them, nothing is rotated and None is returned (q is
     not read).  The caches must be in k's dtype, on k's device.
     """
+    q_out, launches = plan_rows_append(q, k, v, tables, cos=cos, sin=sin)
+    for launch in launches:
+        launch()
+    return q_out
+
+
+def plan_rows_append(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    tables: RowTables,
+    *,
+    cos: torch.Tensor | None = None,
+    sin: torch.Tensor | None = None,
+) -> tuple[torch.Tensor | None, list[Launch]]:
+    """:func:`rows_append`'s rotated queries (allocated, not yet written; None without
+    rotation) and its launch."""
     rows, n_kv_head, head_dim = k.shape
     assert v.shape == k.shape and v.dtype == k.dtype, "k, v: (R, n_kv_head, head_dim)"
     assert q.dim() == 3 and q.shape[0] == rows and q.shape[2] == head_dim
     assert rows == tables.rows, f"{rows} rows of keys for tables of {tables.rows} rows"
     assert head_dim % 2 == 0, "head_dim must be even"
     assert q.stride(-1) == k.stride(-1) == v.stride(-1) == 1, "head_dim must be contiguous"
-    n_head = q.shape[1] if cos is not None else 0
+    rotary = cos is not None
     if cos is not None:
         assert sin is not None and cos.shape == sin.shape and cos.shape[1] == head_dim
         assert cos.stride(-1) == sin.stride(-1) == 1, "cos, sin: (positions, head_dim)"
+        n_head = q.shape[1]
         q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     else:
-        q_out = q  # never written: the grid covers the kv heads only
+        n_head = 0  # the grid covers the kv heads only
+        q_out = q  # never written
         cos = sin = k  # never read
-    rotary = n_head > 0
     if rows == 0:
-        return q_out if rotary else None
-    _rows_append_kernel[(rows * (n_head + n_kv_head),)](
-        q, q_out, k, v, tables.key_ptrs, tables.value_ptrs, tables.head_strides, tables.positions,
-        cos, sin,
+        return (q_out if rotary else None), []
+    args = (
+        q, q_out, k, v, tables.key_ptrs, tables.value_ptrs, tables.head_strides,
+        tables.positions, cos, sin,
         n_head, n_kv_head, head_dim // 2,
         q.stride(0), q.stride(1), q_out.stride(0), q_out.stride(1),
         k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0), sin.stride(0),
-        ROTARY=rotary, BLOCK_HALF=triton.next_power_of_2(head_dim // 2),
-        num_warps=1 if head_dim <= 128 else 2,
     )  # fmt: skip
-    return q_out if rotary else None
+    launch = Launch(
+        kernel=_rows_append_kernel,
+        grid=(rows * (n_head + n_kv_head),),
+        args=args,
+        constexprs={"ROTARY": rotary, "BLOCK_HALF": triton.next_power_of_2(head_dim // 2)},
+        num_warps=1 if head_dim <= 128 else 2,
+    )
+    return (q_out if rotary else None), [launch]
 
 
 def rows_decode_attention(
@@ -257,6 +325,35 @@ def rows_decode_attention(
     still attended in full, by its last split).  alibi_slopes: (n_head,) float32 on q's device.
     Returns (R, n_head, head_dim) in q's dtype.
     """
+    out, launches = plan_rows_decode_attention(
+        q,
+        n_kv_head,
+        tables,
+        max_length=max_length,
+        scale=scale,
+        alibi_slopes=alibi_slopes,
+        block_n=block_n,
+        num_splits=num_splits,
+        target=Target.of(q.device),
+    )
+    for launch in launches:
+        launch()
+    return out
+
+
+def plan_rows_decode_attention(
+    q: torch.Tensor,
+    n_kv_head: int,
+    tables: RowTables,
+    *,
+    max_length: int,
+    target: Target,
+    scale: float | None = None,
+    alibi_slopes: torch.Tensor | None = None,
+    block_n: int | None = None,
+    num_splits: int | None = None,
+) -> tuple[torch.Tensor, list[Launch]]:
+    """:func:`rows_decode_attention`'s output (allocated, not yet written) and its launches."""
     rows, n_head, head_dim = q.shape
     assert rows == tables.rows, f"{rows} query rows for tables of {tables.rows} rows"
     assert n_head % n_kv_head == 0, f"{n_head} heads cannot share {n_kv_head} kv heads"
@@ -270,28 +367,31 @@ def rows_decode_attention(
         assert alibi_slopes.device == q.device and alibi_slopes.is_contiguous()
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if rows == 0:
-        return out
-    default_block_n, num_stages = _decode_tiles(q, head_dim)
-    block_n = block_n or default_block_n
-    split_size, num_splits = _splits(q.device, rows * n_kv_head, max_length, block_n, num_splits)
-    direct = num_splits == 1
+        return out, []
+    block_n = block_n or _decode_tiles(q.dtype, head_dim)[0]
+    split_size, num_splits = _splits(target, rows * n_kv_head, max_length, block_n, num_splits)
     partial_acc, partial_max, partial_sum = _partials(out, num_splits)
-    block_r = max(16, triton.next_power_of_2(group))
-    block_d = _block_d(head_dim)
-    dot_dtype, precision = _dot_config(q)
-    _rows_decode_kernel[(rows * n_kv_head, num_splits)](
+    args = (
         q, out, partial_acc, partial_max, partial_sum,
         q if alibi_slopes is None else alibi_slopes,
         tables.key_ptrs, tables.value_ptrs, tables.head_strides, tables.positions,
         n_head, n_kv_head, head_dim, split_size, num_splits, _qk_scale(scale, head_dim),
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        HAS_ALIBI=alibi_slopes is not None, DIRECT=direct,
-        BLOCK_R=block_r, BLOCK_N=block_n, BLOCK_D=block_d,
-        DOT_DTYPE=dot_dtype, PRECISION=precision,
-        num_warps=4 if block_r <= 32 else 8, num_stages=num_stages,
     )  # fmt: skip
-    if not direct:
+    launch = _decode_launch(
+        _rows_decode_kernel,
+        (rows * n_kv_head, num_splits),
+        args,
+        alibi=alibi_slopes is not None,
+        rows=group,
+        head_dim=head_dim,
+        dtype=q.dtype,
+        block_n=block_n,
+        target=target,
+    )
+    launches = [launch]
+    if num_splits > 1:
         # Each row as a batch of one token.
         row_out = out.view(rows, n_head, 1, head_dim)
-        _combine(partial_acc, partial_max, partial_sum, row_out, num_splits)
-    return out
+        launches.append(_plan_combine(partial_acc, partial_max, partial_sum, row_out, num_splits))
+    return out, launches

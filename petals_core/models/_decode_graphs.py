@@ -42,6 +42,7 @@ from torch import nn
 
 from .. import kernels
 from .._errors import ConfigError
+from ..kernels._limits import CUDA_ATTENTION_DTYPES
 from ._cache import KVCache
 from ._families import Block
 from ._lora import active_adapter
@@ -105,6 +106,12 @@ def _unsupported_reason(blocks: Sequence[nn.Module]) -> str | None:
             f"{sorted(k.__name__ for k in kinds)}"
         )
     first = blocks[0]
+    assert isinstance(first, LlamaBlock | BloomBlock | FalconBlock)
+    weight = (
+        first.first_norm.weight if isinstance(first, FalconBlock) else first.input_layernorm.weight
+    )
+    if weight.device.type == "cuda" and weight.dtype not in CUDA_ATTENTION_DTYPES:
+        return f"the row kernels take fp16 and bf16 on GPUs, not {weight.dtype}"
     if isinstance(first, FalconBlock | LlamaBlock):
         reason = _rotary_reason(blocks)
         if reason is not None:

@@ -1,5 +1,6 @@
-"""The dispatch of attention: on CPU torch's SDPA must keep the reference's semantics; on CUDA a
-measured table picks between implementations."""
+"""The dispatch of attention: on CPU torch's SDPA must keep the reference's semantics; on CUDA
+the rules say which Triton kernel a call may take, and a measured table picks between
+implementations."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from petals_core.kernels import (
     attention_reference,
     dispatch_table,
 )
+from petals_core.kernels._limits import attention_kernel
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -99,3 +101,23 @@ def test_cpu_attention_makes_no_dispatch_choices() -> None:
     q, k = torch.randn(1, 2, 1, 8), torch.randn(1, 2, 4, 8)
     attention(q, k, k, query_offset=3)
     assert len(dispatch_table()) == before
+
+
+@pytest.mark.parametrize(
+    ("dtype", "new_tokens", "group", "alibi", "kernel"),
+    [
+        (torch.bfloat16, 1, 8, False, "decode"),
+        (torch.float16, 16, 8, True, "decode"),
+        (torch.bfloat16, 1, 128, False, "decode"),  # 128 query heads on one key/value head
+        (torch.bfloat16, 2, 71, False, None),  # 142 query rows: SDPA
+        (torch.bfloat16, 2, 71, True, "prefill"),
+        (torch.bfloat16, 17, 1, True, "prefill"),
+        (torch.float16, 300, 4, False, None),  # a prompt without ALiBi: SDPA's flash kernel
+        (torch.float32, 1, 8, False, None),  # fp32 on a GPU: torch
+        (torch.float32, 300, 1, True, None),
+    ],
+)
+def test_which_triton_kernel_a_gpu_call_takes(
+    dtype: torch.dtype, new_tokens: int, group: int, alibi: bool, kernel: str | None
+) -> None:
+    assert attention_kernel(dtype=dtype, new_tokens=new_tokens, group=group, alibi=alibi) == kernel

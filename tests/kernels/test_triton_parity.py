@@ -110,21 +110,27 @@ def test_prefill_attention(
 
 
 @pytest.mark.parametrize("new_tokens", [1, 17])
-def test_attention_picks_a_kernel_with_default_tiles(new_tokens: int) -> None:
-    """From an empty cache (query_offset 0) and from a filled one, with the default tile sizes."""
+def test_kernels_with_default_tiles(new_tokens: int) -> None:
+    """From an empty cache (query_offset 0) and from a filled one, with the default tile sizes:
+    the decode kernel for one new token, the prefill kernel for 17."""
     q, k, v = _attention_inputs(torch.float32, n_kv_head=2, new_tokens=new_tokens)
+    kernel = (
+        triton_attention.decode_attention if new_tokens == 1 else triton_attention.prefill_attention
+    )
     for query_offset in (0, 70 - new_tokens):
         expected = attention_reference(q, k, v, query_offset=query_offset)
-        actual = triton_attention.attention(q, k, v, query_offset=query_offset)
+        actual = kernel(q, k, v, query_offset=query_offset)
         assert_parity(actual, expected)
 
 
-def test_attention_refuses_what_the_reference_refuses() -> None:
+@pytest.mark.parametrize("kernel", ["decode_attention", "prefill_attention"])
+def test_kernels_refuse_what_the_reference_refuses(kernel: str) -> None:
+    attend = getattr(triton_attention, kernel)
     q, k, v = _attention_inputs(torch.float32, n_kv_head=4, new_tokens=3)
     with pytest.raises(ValueError, match="cannot cover"):
-        triton_attention.attention(q, k, v, query_offset=68)
+        attend(q, k, v, query_offset=68)
     with pytest.raises(ValueError, match="cannot share"):
-        triton_attention.attention(q, k[:, :3], v[:, :3], query_offset=0)
+        attend(q, k[:, :3], v[:, :3], query_offset=0)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
