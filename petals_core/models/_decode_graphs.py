@@ -22,7 +22,10 @@ and replays it with one launch:
 What does not fit (several new tokens, left padding, deep prompts, rows beyond ``max_rows`` in
 one session, length-dependent "dynamic" rotary scaling, Falcon's ALiBi, Mixtral's experts
 chosen per token, int8 layers whose outlier handling synchronises with the host) is left to the
-caller's eager path: :meth:`step` returns None for it before touching anything.
+caller's eager path: :meth:`step` returns None for it before touching anything.  So does a step
+that fails (a kernel that does not compile or launch, a capture that fails): it changes no cache,
+and the graphs go off for good, saying why (``disabled_reason``, logged once).  A server keeps
+serving without its fast path rather than dying of it.
 
 Without ``capture`` (how the CPU tests run it, through Triton's interpreter) the same step runs
 eagerly on the same static buffers, so everything but the capture itself is exercised anywhere.
@@ -83,7 +86,8 @@ class DecodeGraphsConfig:
 class DecodeGraphsStatistics:
     """``graphs``: held now; ``captured`` / ``evicted``: since creation; ``replays``: steps run
     (a step of more than ``max_rows`` rows counts once per replay); ``declined``: steps left to
-    the eager path; ``capture_failures``: captures that raised (the step then ran eagerly);
+    the eager path; ``failures``: steps that raised (a kernel that would not compile or launch,
+    a capture that failed: the step went to the eager path, and so do all later ones);
     ``pool_bytes``: what the captures added to the device's reserved memory."""
 
     graphs: int
@@ -91,7 +95,7 @@ class DecodeGraphsStatistics:
     evicted: int
     replays: int
     declined: int
-    capture_failures: int
+    failures: int
     pool_bytes: int
 
 
@@ -238,7 +242,7 @@ class DecodeGraphs:
             "evicted": 0,
             "replays": 0,
             "declined": 0,
-            "capture_failures": 0,
+            "failures": 0,
             "pool_bytes": 0,
         }
 
@@ -247,23 +251,39 @@ class DecodeGraphs:
 
     @property
     def disabled_reason(self) -> str | None:
-        """Why steps no longer take this path (a capture failed), or None."""
+        """Why steps no longer take this path (a warm-up or a step failed), or None."""
         return self._disabled
 
-    def warm_up(self) -> None:
+    def warm_up(self) -> bool:
         """Compile the step's kernels now (on scratch rows, eagerly; nothing is captured), so
         that the first sessions' first steps do not wait for it: a short and a long length
-        bucket, whose attention runs in one pass and in splits."""
-        for length in (self.config.min_length_bucket, 16 * self.config.min_length_bucket):
-            self._ensure_rotary(length)
-            if self._staged is not None:
-                self._staged.synchronize()
-            self._fill_scratch(0, len(self.blocks), 0, 1)
-            staging, tables = self._tables_for(1)
-            tables.copy_(staging)
-            self._step_fn(0, len(self.blocks), 1, length)()
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        bucket, whose attention runs in one pass and in splits.
+
+        Returns whether it worked.  If it failed, the graphs are off (:attr:`disabled_reason`
+        says why, logged once) and every step is left to the eager path: a server keeps
+        serving without its fast path rather than dying of it."""
+        try:
+            for length in (self.config.min_length_bucket, 16 * self.config.min_length_bucket):
+                self._ensure_rotary(length)
+                if self._staged is not None:
+                    self._staged.synchronize()
+                self._fill_scratch(0, len(self.blocks), 0, 1)
+                staging, tables = self._tables_for(1)
+                tables.copy_(staging)
+                self._step_fn(0, len(self.blocks), 1, length)()
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+        except Exception as error:
+            self.disable(f"warming up the decode step failed: {error!r}")
+            return False
+        return True
+
+    def disable(self, reason: str) -> None:
+        """Leave every later step to the eager path, saying why (logged once)."""
+        if self._disabled is None:
+            self._disabled = reason
+            log.warning("decode graphs off for this span: %s", reason)
+            self._graphs.clear()
 
     # -- the step --------------------------------------------------------------------------------
 
@@ -288,13 +308,23 @@ class DecodeGraphs:
         outputs: list[torch.Tensor] = []
         group: list[int] = []
         rows = 0
-        for index, session in enumerate(sessions):
-            if rows + session.batch > self.config.max_rows:
-                outputs += self._run(start, end, group, hidden_states, caches, sessions)
-                group, rows = [], 0
-            group.append(index)
-            rows += session.batch
-        outputs += self._run(start, end, group, hidden_states, caches, sessions)
+        try:
+            for index, session in enumerate(sessions):
+                if rows + session.batch > self.config.max_rows:
+                    outputs += self._run(start, end, group, hidden_states, caches, sessions)
+                    group, rows = [], 0
+                group.append(index)
+                rows += session.batch
+            outputs += self._run(start, end, group, hidden_states, caches, sessions)
+        except Exception as error:
+            # A replay writes each row's new key and value at its cache's length, and no length
+            # has moved yet: every cache is as it was.
+            self._counts["failures"] += 1
+            self.disable(f"a decode step failed: {error!r}")
+            return None
+        for items in caches:
+            for cache in items:
+                cache.length += 1
         return outputs
 
     def _eligible(
@@ -388,8 +418,6 @@ class DecodeGraphs:
         self._ensure_rotary(longest)
         key = (start, end, active_adapter(), bucket_rows, bucket_length)
         graph = self._graph(key)
-        if graph is None:  # the capture failed: this and later steps run eagerly
-            graph = _Graph(self._step_fn(start, end, bucket_rows, bucket_length), None, None)
         self._fill(start, end, group, caches, sessions, bucket_rows)
         joined = (
             torch.cat([hidden_states[index] for index in group])
@@ -399,9 +427,6 @@ class DecodeGraphs:
         self._x[:rows].copy_(joined)
         output = graph.replay()[:rows].clone()  # (rows, 1, hidden): the buffer is reused
         self._counts["replays"] += 1
-        for index in group:
-            for cache in caches[index]:
-                cache.length += 1
         return list(output.split([sessions[index].batch for index in group]))
 
     # -- tables ----------------------------------------------------------------------------------
@@ -479,7 +504,7 @@ class DecodeGraphs:
 
     # -- graphs ----------------------------------------------------------------------------------
 
-    def _graph(self, key: tuple[Any, ...]) -> _Graph | None:
+    def _graph(self, key: tuple[Any, ...]) -> _Graph:
         graph = self._graphs.get(key)
         if graph is not None:
             self._graphs.move_to_end(key)
@@ -487,13 +512,7 @@ class DecodeGraphs:
         start, end, _, bucket_rows, bucket_length = key
         run = self._step_fn(start, end, bucket_rows, bucket_length)
         if self.capture:
-            try:
-                graph = self._capture(start, end, bucket_rows, run)
-            except Exception as error:  # a layer that cannot be captured: eager from now on
-                self._counts["capture_failures"] += 1
-                self._disabled = f"capturing a decode step failed: {error!r}"
-                log.warning("decode graphs off for this span: %s", self._disabled)
-                return None
+            graph = self._capture(start, end, bucket_rows, run)
         else:
             graph = _Graph(run, None, None)
         self._graphs[key] = graph

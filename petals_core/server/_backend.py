@@ -125,7 +125,8 @@ class BlockBackend:
             )
             if reason is None:
                 self._graphs = DecodeGraphs(self.blocks, config=decode_graphs)
-                self._graphs.warm_up()
+                if not self._graphs.warm_up():  # logged; petals.info shows why
+                    return None
             return self._graphs
         if self.device.type == "cpu" and cpu_decode == "numpy":
             reason = CpuDecode.unsupported_reason(self.blocks)

@@ -9,7 +9,11 @@ cache) and compare with the eager path, outputs and caches both.  The capture it
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -243,3 +247,54 @@ def test_config_is_checked() -> None:
 def test_bucket() -> None:
     assert [bucket(n) for n in (1, 2, 3, 4, 5, 64, 65)] == [1, 2, 4, 4, 8, 64, 128]
     assert bucket(3, 256) == 256 and bucket(257, 256) == 512
+
+
+_KERNELS_CANNOT_RUN = """
+import torch
+from petals_core.models._decode_graphs import DecodeGraphs, DecodeGraphsConfig
+from tests.models._steps import eager_steps, twin
+from tests.models.test_decode_graphs import SPAN, _assert_same_caches, _sessions, _span, _tokens
+
+blocks = _span("llama-gqa")
+specs = [(2, 32, 5), (3, 32, 7), (1, 32, 1)]
+config = DecodeGraphsConfig(max_rows=4, min_length_bucket=16)
+
+warmed = DecodeGraphs(blocks, config=config)
+assert warmed.warm_up() is False
+reason = warmed.disabled_reason
+assert reason.startswith("warming up the decode step failed"), reason
+
+graphs = DecodeGraphs(blocks, config=config)
+sessions = _sessions(blocks, specs)
+before = twin(sessions)
+xs = _tokens(specs, seed=5)
+assert graphs.step(0, SPAN, xs, sessions) is None  # two groups (2 rows, then 3 + 1): none kept
+_assert_same_caches(sessions, before)
+assert graphs.statistics().failures == 1
+assert graphs.disabled_reason.startswith("a decode step failed"), graphs.disabled_reason
+# The eager path goes on from the caches as they were.
+for got, want in zip(eager_steps(blocks, xs, sessions), eager_steps(blocks, xs, before)):
+    torch.testing.assert_close(got, want, atol=0, rtol=0)
+assert graphs.step(0, SPAN, _tokens(specs, seed=6), sessions) is None  # off for good
+assert graphs.statistics().failures == 1
+print("ok", graphs.disabled_reason)
+"""
+
+
+def test_kernels_that_cannot_run_leave_every_step_to_the_eager_path() -> None:
+    """Compiled Triton (not the interpreter) refuses CPU tensors: a real failure of the fast
+    path, in a process of its own.  Warming up reports it; a step that fails changes no cache;
+    the graphs stay off and say why."""
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    result = subprocess.run(
+        [sys.executable, "-c", _KERNELS_CANNOT_RUN],
+        cwd=Path(__file__).resolve().parents[2],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.startswith("ok a decode step failed"), result.stdout
+    assert "decode graphs off for this span" in result.stderr  # logged once per instance
+    assert result.stderr.count("decode graphs off for this span") == 2
