@@ -21,6 +21,7 @@ from ._dispatch import (
     rotary_append as rotary_append,
     triton_usable as triton_usable,
 )
+from ._limits import CUDA_ATTENTION_DTYPES as CUDA_ATTENTION_DTYPES
 from ._reference import (
     alibi_slopes as alibi_slopes,
     attention_reference as attention_reference,

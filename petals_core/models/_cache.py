@@ -1,21 +1,117 @@
-"""The attention cache of one block for one session: a layout we control.
+"""Where a block's attention writes its new keys and values and reads the ones it attends to.
 
-Preallocated once per session, ``(batch, kv_heads, max_length, head_dim)`` for keys and values, so a
-decode step writes one position in place and attention reads a prefix view: no reallocation, no
-concatenation, and the server's memory budget is known when the session opens.
+Every family computes a block one way, whatever holds its keys: its attention projects the
+tokens, then hands its queries, keys and values to an :class:`AttentionCache`, which places them
+(:class:`PositionEncoding`: rotary angles or ALiBi), stores the keys and values, and attends.
+The implementations:
+
+- :class:`KVCache`: one session's cache of one block, a layout we control: preallocated once per
+  session, ``(batch, kv_heads, max_length, head_dim)`` for keys and values, so a decode step writes
+  one position in place and attention reads a prefix view: no reallocation, no concatenation, and
+  the server's memory budget is known when the session opens;
+- :class:`CacheBatch`: several sessions' caches, their tokens joined into one sequence so that the
+  projections and the MLP run once for all of them (``forward_many``);
+- :class:`Uncached`: no cache, the tokens attend causally among themselves (training, with
+  autograd);
+- the row tables of a decode graph (``petals_core.models._decode_graphs``): one new token per row,
+  each row's cache found through a pointer on the device.
 """
 
 from __future__ import annotations
 
 import operator
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Protocol
 
 import numpy as np
 import torch
 
 from .. import kernels
 
-__all__ = ["KVCache", "check_block_input", "step_position"]
+__all__ = [
+    "AttentionCache",
+    "CacheBatch",
+    "KVCache",
+    "PositionEncoding",
+    "Uncached",
+    "attention_cache",
+    "check_block_input",
+    "step_position",
+]
+
+
+class Rotary(Protocol):
+    def __call__(
+        self,
+        position: int,
+        length: int,
+        *,
+        device: torch.device,
+        dtype: torch.dtype,
+        padding: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin of positions ``position .. position + length - 1``: ``(1 or B, T, head_dim)``
+        each (``B`` rows with ``padding``, whose row b counts from its first real token)."""
+        ...
+
+
+#: Falcon's ALiBi: ``key_bias(start, new, keys_from, device, padding)``, the term of each key at
+#: positions ``keys_from .. start + new - 1``, ``(1 or B, n_head, S)`` float32.
+KeyBias = Callable[[int, int, int, torch.device, "torch.Tensor | None"], torch.Tensor]
+
+
+class PositionEncoding:
+    """How a block's attention tells positions apart; at most one of:
+
+    - ``rotary``: angles by which queries and keys are rotated (LLaMA, Mixtral, rotary Falcon);
+    - ``slopes``: BLOOM's ALiBi slopes, ``(n_head,)`` float32 (never cast with the block: a bf16
+      slope times a position in the thousands is off by whole logits), which the attention
+      kernels multiply by key positions in float32;
+    - ``key_bias``: Falcon's ALiBi, whose terms are rounded to bfloat16 (:data:`KeyBias`).
+    """
+
+    __slots__ = ("_slopes_by_device", "key_bias", "rotary", "slopes")
+
+    def __init__(
+        self,
+        *,
+        rotary: Rotary | None = None,
+        slopes: torch.Tensor | None = None,
+        key_bias: KeyBias | None = None,
+    ) -> None:
+        if sum(part is not None for part in (rotary, slopes, key_bias)) > 1:
+            raise ValueError("a block's positions are rotary, ALiBi slopes or a key bias")
+        self.rotary = rotary
+        self.slopes = slopes
+        self.key_bias = key_bias
+        self._slopes_by_device: dict[torch.device, torch.Tensor] = {}
+
+    def slopes_on(self, device: torch.device) -> torch.Tensor | None:
+        """The ALiBi slopes on ``device`` (copied there once), contiguous; None without."""
+        if self.slopes is None:
+            return None
+        slopes = self._slopes_by_device.get(device)
+        if slopes is None:
+            with torch.inference_mode(False):
+                slopes = self.slopes.to(device).contiguous()
+            self._slopes_by_device[device] = slopes
+        return slopes
+
+
+class AttentionCache(Protocol):
+    """Where a block's attention stores new keys and values and finds the ones it attends to."""
+
+    #: Whether the step runs in a CUDA graph (or as one would): nothing in it may wait for the
+    #: device or change shape with the data (Mixtral's experts then run on every row).
+    static: bool
+
+    def attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: PositionEncoding
+    ) -> torch.Tensor:
+        """Attention of the new tokens: q ``(B, T, n_head, head_dim)``, k and v ``(B, T,
+        n_kv_head, head_dim)``, as the projections lay them out (any strides with the last one
+        1); returns ``(B, T, n_head * head_dim)``, for the output projection."""
+        ...
 
 
 def check_block_input(
@@ -82,6 +178,8 @@ class KVCache:
     Every row of the batch has the same length (sessions advance in lock-step, as in
     ``generate()``); beams are rows, reordered with :meth:`reorder`.
     """
+
+    static = False
 
     def __init__(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         if keys.shape != values.shape or keys.dim() != 4:
@@ -156,6 +254,37 @@ class KVCache:
         )
         self.length = end
         return q, self.keys[:, :, :end], self.values[:, :, :end]
+
+    def attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: PositionEncoding
+    ) -> torch.Tensor:
+        """:meth:`AttentionCache.attend`: the new tokens at positions ``length ..`` (each row
+        counted from its first real token where there is left padding), appended; the queries
+        attend over everything filled."""
+        batch, new, heads, head_dim = q.shape
+        position = self.length
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, heads, T, d)
+        if positions.rotary is not None:
+            cos, sin = positions.rotary(
+                position, new, device=q.device, dtype=q.dtype, padding=self.padding
+            )
+            # Rotate q and k, and write k and v into the cache: one kernel on CUDA.
+            q, keys, values = self.append_rotated(q, k, v, cos, sin)
+        else:
+            keys, values = self.append(k, v)
+        bias = None
+        if positions.key_bias is not None:
+            bias = positions.key_bias(position, new, 0, q.device, self.padding)
+        y = kernels.attention(
+            q,
+            keys,
+            values,
+            query_offset=position,
+            alibi_slopes=positions.slopes_on(q.device),
+            key_padding=self.padding,
+            key_bias=bias,
+        )  # (B, heads, T, head_dim)
+        return y.transpose(1, 2).reshape(batch, new, heads * head_dim)
 
     def append_arrays(self, keys: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """:meth:`append` for numpy arrays (the CPU decode backend computes in numpy), on a cache
@@ -241,3 +370,92 @@ class KVCache:
         self.values[:, :, filled] = self.values[index, :, filled]
         if self.padding is not None:
             self.padding = self.padding[index]
+
+
+class CacheBatch:
+    """Several sessions' caches, their steps' tokens joined into one sequence: ``q``, ``k`` and
+    ``v`` of :meth:`attend` are ``(1, N, heads, head_dim)``, N = sum B_i * T_i, item ``i`` being
+    ``shapes[i] = (B_i, T_i)`` tokens of the session whose cache is ``caches[i]``.  Each item is
+    attended in its own cache at its own length; the caller has validated every item."""
+
+    static = False
+
+    def __init__(self, caches: Sequence[KVCache], shapes: Sequence[tuple[int, int]]) -> None:
+        self.caches = caches
+        self.shapes = shapes
+
+    def attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: PositionEncoding
+    ) -> torch.Tensor:
+        _, _, heads, head_dim = q.shape
+        kv_heads = k.shape[2]
+        outputs = []
+        start = 0
+        for (batch, new), cache in zip(self.shapes, self.caches, strict=True):
+            end = start + batch * new
+            y = cache.attend(
+                q[0, start:end].view(batch, new, heads, head_dim),
+                k[0, start:end].view(batch, new, kv_heads, head_dim),
+                v[0, start:end].view(batch, new, kv_heads, head_dim),
+                positions,
+            )  # (B_i, T_i, heads * head_dim)
+            outputs.append(y.view(batch * new, heads * head_dim))
+            start = end
+        # A single item's rows as they are, without a copy.
+        joined = outputs[0] if len(outputs) == 1 else torch.cat(outputs)
+        return joined.unsqueeze(0)
+
+
+class Uncached:
+    """No cache: the new tokens attend causally among themselves, placed at positions
+    ``position ..`` (which sets rotary angles and Falcon's rounded ALiBi terms; BLOOM's ALiBi
+    depends on distances only).  Autograd flows through it: training takes this path."""
+
+    static = False
+
+    def __init__(self, position: int = 0) -> None:
+        self.position = position
+
+    def attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: PositionEncoding
+    ) -> torch.Tensor:
+        batch, new, heads, head_dim = q.shape
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, heads, T, d)
+        if positions.rotary is not None:
+            cos, sin = positions.rotary(self.position, new, device=q.device, dtype=q.dtype)
+            q = kernels.rotary(q, cos, sin)
+            k = kernels.rotary(k, cos, sin)
+        bias = None
+        if positions.key_bias is not None:
+            bias = positions.key_bias(self.position, new, self.position, q.device, None)
+        y = kernels.attention(
+            q, k, v, query_offset=0, alibi_slopes=positions.slopes_on(q.device), key_bias=bias
+        )
+        return y.transpose(1, 2).reshape(batch, new, heads * head_dim)
+
+
+def attention_cache(
+    hidden_states: torch.Tensor,
+    cache: AttentionCache | None,
+    position: int | None,
+    *,
+    hidden_size: int,
+    weight: torch.Tensor,
+) -> AttentionCache:
+    """What a block's ``forward(hidden_states, cache=..., position=...)`` attends through,
+    after refusing what the block would silently miscompute (see :func:`check_block_input`):
+    ``cache`` itself (a :class:`KVCache` at ``position``, if given), or, without one,
+    :class:`Uncached` at ``position`` (default 0)."""
+    check_block_input(
+        hidden_states,
+        hidden_size=hidden_size,
+        weight=weight,
+        cache=cache if isinstance(cache, KVCache) else None,
+    )
+    if cache is None:
+        return Uncached(step_position(None, position))
+    if isinstance(cache, KVCache):
+        step_position(cache, position)
+    elif position is not None:
+        raise ValueError("position is that of a KVCache's next token, or of a step without one")
+    return cache

@@ -19,9 +19,17 @@ and replays it with one launch:
   ``max_graphs``, all sharing one memory pool: only one replays at a time, and each copies its
   output out before the next.
 
+- **One forward.**  A step is the blocks' own ``forward``, attending through
+  :class:`RowCaches` (the row tables as an :class:`~petals_core.models.AttentionCache`) instead of
+  a session's :class:`KVCache`: there is no second copy of any family's block.  Mixtral's experts
+  then run on every row, weighted by zero where a row did not choose them (nothing may wait for
+  the device in a graph), so its steps take this path only from as many rows as make the experts
+  chosen number the experts there are (4 rows for 2 of 8): below, the eager path reads fewer
+  weights.
+
 What does not fit (several new tokens, left padding, deep prompts, rows beyond ``max_rows`` in
-one session, length-dependent "dynamic" rotary scaling, Falcon's ALiBi, Mixtral's experts
-chosen per token, int8 layers whose outlier handling synchronises with the host) is left to the
+one session, length-dependent "dynamic" rotary scaling, Falcon's ALiBi, positions past a
+sliding window, int8 layers whose outlier handling synchronises with the host) is left to the
 caller's eager path: :meth:`step` returns None for it before touching anything.  So does a step
 that fails (a kernel that does not compile or launch, a capture that fails): it changes no cache,
 and the graphs go off for good, saying why (``disabled_reason``, logged once).  A server keeps
@@ -45,20 +53,20 @@ from torch import nn
 
 from .. import kernels
 from .._errors import ConfigError
-from ..kernels._limits import CUDA_ATTENTION_DTYPES
-from ._cache import KVCache
+from ._cache import KVCache, PositionEncoding
 from ._families import Block
 from ._lora import active_adapter
 from .bloom import BloomBlock
 from .falcon import FalconBlock
 from .llama import LlamaBlock
+from .mixtral import MixtralBlock
 
 __all__ = ["DecodeGraphs", "DecodeGraphsConfig", "DecodeGraphsStatistics"]
 
 log = logging.getLogger(__name__)
 
 #: The blocks whose decode steps are captured.
-GraphBlock = LlamaBlock | BloomBlock | FalconBlock
+GraphBlock = LlamaBlock | BloomBlock | FalconBlock | MixtralBlock
 
 #: Rows of the tables before the per-block pointers: positions, then head strides.
 _POSITIONS, _HEAD_STRIDES, _FIRST_POINTER = 0, 1, 2
@@ -104,17 +112,17 @@ def _unsupported_reason(blocks: Sequence[nn.Module]) -> str | None:
     if not blocks:
         return "no blocks"
     kinds = {type(block) for block in blocks}
-    if kinds not in ({LlamaBlock}, {BloomBlock}, {FalconBlock}):
+    if kinds not in ({LlamaBlock}, {BloomBlock}, {FalconBlock}, {MixtralBlock}):
         return (
-            "only spans of LlamaBlock, of BloomBlock or of FalconBlock, not "
+            "only spans of one of LlamaBlock, BloomBlock, FalconBlock and MixtralBlock, not "
             f"{sorted(k.__name__ for k in kinds)}"
         )
     first = blocks[0]
-    assert isinstance(first, LlamaBlock | BloomBlock | FalconBlock)
+    assert isinstance(first, GraphBlock)
     weight = (
         first.first_norm.weight if isinstance(first, FalconBlock) else first.input_layernorm.weight
     )
-    if weight.device.type == "cuda" and weight.dtype not in CUDA_ATTENTION_DTYPES:
+    if weight.device.type == "cuda" and weight.dtype not in kernels.CUDA_ATTENTION_DTYPES:
         return f"the row kernels take fp16 and bf16 on GPUs, not {weight.dtype}"
     if isinstance(first, FalconBlock | LlamaBlock):
         reason = _rotary_reason(blocks)
@@ -128,7 +136,7 @@ def _unsupported_reason(blocks: Sequence[nn.Module]) -> str | None:
 
 
 def _rotary_reason(blocks: Sequence[nn.Module]) -> str | None:
-    """Why a span of LLaMA or Falcon blocks (one kind) cannot take the rotary row step."""
+    """Why a span of rotary blocks (one kind) cannot take the rotary row step."""
     rotaries = [getattr(block, "rotary", None) for block in blocks]
     first = rotaries[0]
     if first is None:
@@ -219,6 +227,14 @@ class DecodeGraphs:
         if self.capture and self.device.type != "cuda":
             raise ValueError("CUDA graphs need blocks on a CUDA device")
         self.hidden_size = first.hidden_size
+        #: Fewest rows (as a rows bucket) a step must have to take this path, and the last
+        #: position a step may reach (Mixtral's sliding window).
+        self._least_rows = 1
+        self._window: int | None = None
+        if isinstance(first, MixtralBlock):
+            moe = first.block_sparse_moe
+            self._least_rows = -(-moe.num_experts // moe.top_k)
+            self._window = first.sliding_window
         rows = self.config.max_rows
         # Per rows bucket: the tables as the kernels read them, and their staging on the host.
         self._tables: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -227,11 +243,7 @@ class DecodeGraphs:
             self._x = torch.zeros((rows, 1, self.hidden_size), dtype=self.dtype, device=self.device)
         # Padding rows append at position 0 of this one-position cache and attend to it alone.
         self._scratch = first.allocate_cache(1, 1)
-        self._cos: torch.Tensor | None = None  # (positions, head_dim), rotary blocks only
-        self._sin: torch.Tensor | None = None
-        self._slopes: torch.Tensor | None = None  # (n_head,) float32 on the device, BLOOM only
-        if isinstance(first, BloomBlock):
-            self._slopes = first._slopes_on(self.device).contiguous()
+        self._angles = _RotaryTables()  # rotary blocks only
         self._graphs: OrderedDict[tuple[Any, ...], _Graph] = OrderedDict()
         self._sessions: weakref.WeakKeyDictionary[KVCache, _Session] = weakref.WeakKeyDictionary()
         self._pool: Any = None
@@ -358,6 +370,8 @@ class DecodeGraphs:
                 return None
             if states.shape[0] != first.batch or first.batch > self.config.max_rows:
                 return None
+            if self._window is not None and length + 1 > self._window:
+                return None  # the eager path refuses it, saying why
             if id(first) in seen:
                 return None
             seen.add(id(first))
@@ -365,6 +379,8 @@ class DecodeGraphs:
             if session is None:
                 return None
             sessions.append(session)
+        if bucket(sum(session.batch for session in sessions)) < self._least_rows:
+            return None
         return sessions
 
     def _session(self, start: int, caches: Sequence[KVCache]) -> _Session | None:
@@ -493,12 +509,12 @@ class DecodeGraphs:
         rotary = None if isinstance(first, BloomBlock) else first.rotary
         if rotary is None:
             return
-        if self._cos is not None and self._cos.shape[0] >= positions:
+        if self._angles.cos is not None and self._angles.cos.shape[0] >= positions:
             return
         size = max(_MIN_ROTARY_POSITIONS, 1 << (positions - 1).bit_length())
         with torch.inference_mode():
             cos, sin = rotary(0, size, device=self.device, dtype=self.dtype)
-        self._cos, self._sin = cos[0].contiguous(), sin[0].contiguous()  # (size, head_dim)
+        self._angles.cos, self._angles.sin = cos[0].contiguous(), sin[0].contiguous()
         self._counts["evicted"] += len(self._graphs)
         self._graphs.clear()
 
@@ -553,29 +569,73 @@ class DecodeGraphs:
     def _step_fn(
         self, start: int, end: int, bucket_rows: int, bucket_length: int
     ) -> Callable[[], torch.Tensor]:
+        """The step of blocks ``start .. end - 1`` on ``bucket_rows`` rows: the blocks' own
+        forward, attending through each block's rows of the tables."""
         x = self._x[:bucket_rows]
         _, device_tables = self._tables_for(bucket_rows)
-        tables = [_row_tables(device_tables, start + index) for index in range(end - start)]
+        views = [
+            RowCaches(_row_tables(device_tables, block), bucket_length, self._angles)
+            for block in range(start, end)
+        ]
         blocks = self.blocks[start:end]
 
         def run() -> torch.Tensor:
             with torch.inference_mode():
                 y = x
-                for block, block_tables in zip(blocks, tables, strict=True):
-                    if isinstance(block, LlamaBlock):
-                        assert self._cos is not None and self._sin is not None
-                        y = _llama_step(block, y, block_tables, self._cos, self._sin, bucket_length)
-                    elif isinstance(block, FalconBlock):
-                        assert self._cos is not None and self._sin is not None
-                        y = _falcon_step(
-                            block, y, block_tables, self._cos, self._sin, bucket_length
-                        )
-                    else:
-                        assert self._slopes is not None
-                        y = _bloom_step(block, y, block_tables, self._slopes, bucket_length)
+                for block, view in zip(blocks, views, strict=True):
+                    y = block(y, cache=view)
                 return y
 
         return run
+
+
+class _RotaryTables:
+    """cos and sin of every position a step may reach, ``(positions, head_dim)`` each in the
+    blocks' dtype on their device; they grow with the longest session (None before)."""
+
+    __slots__ = ("cos", "sin")
+
+    def __init__(self) -> None:
+        self.cos: torch.Tensor | None = None
+        self.sin: torch.Tensor | None = None
+
+
+class RowCaches:
+    """The :class:`~petals_core.models.AttentionCache` of one block in a decode graph's step: one
+    new token per row, each row's cache found through the row tables (its position, its slabs
+    of keys and values), rotary angles read by position from shared tables.  Attention splits
+    each row's keys as for ``length_bucket`` positions."""
+
+    static = True
+
+    def __init__(
+        self, tables: kernels.RowTables, length_bucket: int, angles: _RotaryTables
+    ) -> None:
+        self.tables = tables
+        self.length_bucket = length_bucket
+        self.angles = angles
+
+    def attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: PositionEncoding
+    ) -> torch.Tensor:
+        rows, new, heads, head_dim = q.shape  # (R, 1, n_head, head_dim)
+        q, k, v = q[:, 0], k[:, 0], v[:, 0]  # (R, heads, head_dim)
+        if positions.rotary is not None:
+            cos, sin = self.angles.cos, self.angles.sin
+            assert cos is not None and sin is not None
+            rotated = kernels.rows_append(q, k, v, self.tables, cos=cos, sin=sin)
+            assert rotated is not None
+            q = rotated
+        else:
+            kernels.rows_append(q, k, v, self.tables)
+        y = kernels.rows_decode_attention(
+            q,
+            k.shape[1],
+            self.tables,
+            max_length=self.length_bucket,
+            alibi_slopes=positions.slopes_on(q.device),
+        )
+        return y.view(rows, new, heads * head_dim)
 
 
 def _row_tables(tables: torch.Tensor, block: int) -> kernels.RowTables:
@@ -588,76 +648,6 @@ def _row_tables(tables: torch.Tensor, block: int) -> kernels.RowTables:
     )
 
 
-def _llama_step(
-    block: LlamaBlock,
-    x: torch.Tensor,
-    tables: kernels.RowTables,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    bucket_length: int,
-) -> torch.Tensor:
-    """:meth:`LlamaBlock.forward_many` for one token per row, the attention through row tables."""
-    attn = block.self_attn
-    rows = x.shape[0]  # x: (rows, 1, hidden)
-    h = block.input_layernorm(x)
-    q = attn.q_proj(h).view(rows, attn.n_head, attn.head_dim)
-    k = attn.k_proj(h).view(rows, attn.n_kv_head, attn.head_dim)
-    v = attn.v_proj(h).view(rows, attn.n_kv_head, attn.head_dim)
-    q = kernels.rows_append(q, k, v, tables, cos=cos, sin=sin)
-    assert q is not None
-    y = kernels.rows_decode_attention(q, attn.n_kv_head, tables, max_length=bucket_length)
-    x = x + attn.o_proj(y.view(rows, 1, attn.n_head * attn.head_dim))
-    return x + block.mlp(block.post_attention_layernorm(x))
-
-
-def _bloom_step(
-    block: BloomBlock,
-    x: torch.Tensor,
-    tables: kernels.RowTables,
-    slopes: torch.Tensor,
-    bucket_length: int,
-) -> torch.Tensor:
-    """:meth:`BloomBlock.forward_many` for one token per row, the attention through row tables."""
-    attn = block.self_attention
-    rows = x.shape[0]  # x: (rows, 1, hidden)
-    normed = block.input_layernorm(x)
-    residual = normed if block.residual_after_norm else x
-    # Megatron's fused layout interleaves per head: [q_h, k_h, v_h] for each head h.
-    qkv = attn.query_key_value(normed).view(rows, attn.n_head, 3, attn.head_dim)
-    q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
-    kernels.rows_append(q, k, v, tables)
-    y = kernels.rows_decode_attention(
-        q, attn.n_head, tables, max_length=bucket_length, alibi_slopes=slopes
-    )
-    x = residual + attn.dense(y.view(rows, 1, attn.n_head * attn.head_dim))
-    normed = block.post_attention_layernorm(x)
-    residual = normed if block.residual_after_norm else x
-    return residual + block.mlp(normed)
-
-
 def bucket(value: int, minimum: int = 1) -> int:
     """The power of two at or above ``value`` (and ``minimum``)."""
     return max(minimum, 1 << (max(value, 1) - 1).bit_length())
-
-
-def _falcon_step(
-    block: FalconBlock,
-    x: torch.Tensor,
-    tables: kernels.RowTables,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    bucket_length: int,
-) -> torch.Tensor:
-    """:meth:`FalconBlock.forward_many` for one token per row (rotary positions), the attention
-    through row tables."""
-    attn = block.self_attention
-    rows = x.shape[0]  # x: (rows, 1, hidden)
-
-    def attend(normed: torch.Tensor) -> torch.Tensor:
-        q, k, v = attn.split_heads(attn.query_key_value(normed), rows, 1)  # (rows, heads, 1, d)
-        rotated = kernels.rows_append(q[:, :, 0], k[:, :, 0], v[:, :, 0], tables, cos=cos, sin=sin)
-        assert rotated is not None
-        y = kernels.rows_decode_attention(rotated, attn.n_kv_head, tables, max_length=bucket_length)
-        return attn.dense(y.view(rows, 1, attn.n_head * attn.head_dim))
-
-    return block.around_attention(x, attend)

@@ -33,7 +33,7 @@ from .conftest import HIDDEN, tiny_bloom_config, tiny_llama_config
 
 torch.set_num_threads(1)
 
-Block = LlamaBlock | BloomBlock | FalconBlock
+Block = LlamaBlock | BloomBlock | FalconBlock | MixtralBlock
 TOL: dict[str, Any] = {"atol": 1e-5, "rtol": 1e-5}
 SPAN = 3
 
@@ -66,6 +66,7 @@ FAMILIES: dict[str, Callable[[int], Block]] = {
         ),
         i,
     ),
+    "mixtral": lambda i: MixtralBlock(tiny_mixtral_config(), i),
 }
 
 
@@ -224,17 +225,33 @@ def test_unsupported_blocks() -> None:
     )
     assert "dynamic" in (DecodeGraphs.unsupported_reason([dynamic]) or "")
     mixed = [LlamaBlock(tiny_llama_config()), BloomBlock(tiny_bloom_config())]
-    assert "only spans" in (DecodeGraphs.unsupported_reason(mixed) or "")
+    assert "only spans of one of" in (DecodeGraphs.unsupported_reason(mixed) or "")
     assert DecodeGraphs.unsupported_reason([]) == "no blocks"
     alibi = FalconBlock(tiny_falcon_config(alibi=True))
     assert "ALiBi" in (DecodeGraphs.unsupported_reason([alibi]) or "")
-    # Mixtral's experts are picked per token on the host: its steps stay eager.
-    mixtral = MixtralBlock(tiny_mixtral_config())
-    assert "only spans" in (DecodeGraphs.unsupported_reason([mixtral]) or "")
     with pytest.raises(ValueError, match="cannot run decode graphs: dynamic"):
         DecodeGraphs([dynamic])
     with pytest.raises(ValueError, match="CUDA graphs need blocks on a CUDA device"):
         DecodeGraphs([LlamaBlock(tiny_llama_config())], capture=True)
+
+
+def test_mixtral_takes_steps_of_enough_rows_within_its_window() -> None:
+    """Its experts run on every row in a graph: steps of fewer rows than make the chosen experts
+    number all 8 (2 each: 4 rows) are left to the eager path, which reads fewer weights; so are
+    positions past a sliding window, which the eager path refuses."""
+    blocks = [
+        perturbed(MixtralBlock(tiny_mixtral_config(sliding_window=12), i), seed=i)
+        for i in range(SPAN)
+    ]
+    graphs = DecodeGraphs(blocks, config=DecodeGraphsConfig(min_length_bucket=16))
+    few = _sessions(blocks, [(1, 16, 3), (2, 16, 3)])  # 3 rows: bucket 4
+    assert graphs.step(0, SPAN, _tokens([(1, 16, 3), (2, 16, 3)], seed=1), few) is not None
+    assert graphs.step(0, SPAN, _tokens([(2, 16, 3)], seed=2), few[1:]) is None  # 2 rows
+    late = _sessions(blocks, [(4, 16, 12)])  # the 13th position is past the window
+    assert graphs.step(0, SPAN, _tokens([(4, 16, 12)], seed=3), late) is None
+    assert graphs.statistics().declined == 2 and graphs.statistics().replays == 1
+    with pytest.raises(ValueError, match="sliding window"):
+        eager_steps(blocks, _tokens([(4, 16, 12)], seed=3), late)
 
 
 def test_config_is_checked() -> None:

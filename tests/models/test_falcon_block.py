@@ -127,10 +127,10 @@ def test_alibi_terms_equal_transformers_bit_for_bit() -> None:
         mask[row, :pad] = 0
     hf = hf_falcon.build_alibi_tensor(mask, config.num_attention_heads, torch.float32)
     expected = hf.view(3, config.num_attention_heads, 300) / math.sqrt(head_dim)
-    like = torch.zeros(1)
-    _, plain = block._positions(290, 10, keys_from=0, like=like, padding=None)
-    _, padded = block._positions(290, 10, keys_from=0, like=like, padding=padding)
-    assert plain is not None and padded is not None
+    key_bias = block.positions.key_bias
+    assert key_bias is not None
+    plain = key_bias(290, 10, 0, torch.device("cpu"), None)
+    padded = key_bias(290, 10, 0, torch.device("cpu"), padding)
     assert torch.equal(plain[0], expected[0])
     assert torch.equal(padded, expected)
     exact = block._slopes[:, None] * torch.arange(300) / math.sqrt(head_dim)

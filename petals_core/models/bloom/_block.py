@@ -21,9 +21,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ...kernels import alibi_slopes, attention
-from .._batched import check_many_inputs, join_rows, join_tokens, split_tokens
-from .._cache import KVCache, check_block_input, step_position
+from ...kernels import alibi_slopes
+from .._batched import check_many_inputs, join_tokens, split_tokens
+from .._cache import AttentionCache, CacheBatch, KVCache, PositionEncoding, attention_cache
 
 if TYPE_CHECKING:
     from transformers import BloomConfig
@@ -50,58 +50,15 @@ class BloomAttention(nn.Module):
         self.dense = nn.Linear(config.hidden_size, config.hidden_size)
 
     def forward(
-        self,
-        x: torch.Tensor,
-        slopes: torch.Tensor,
-        cache: KVCache | None,
-        position: int,
+        self, x: torch.Tensor, cache: AttentionCache, positions: PositionEncoding
     ) -> torch.Tensor:
-        batch, new, hidden = x.shape  # (B, T, hidden)
+        """``(B, T, hidden)`` normed states in, the attention's projected output out; the new
+        keys and values go into ``cache`` and the queries attend through it."""
+        batch, new, _ = x.shape
         # Megatron's fused layout interleaves per head: [q_h, k_h, v_h] for each head h.
         qkv = self.query_key_value(x).view(batch, new, self.n_head, 3, self.head_dim)
-        q = qkv[..., 0, :].transpose(1, 2)  # (B, n_head, T, head_dim)
-        k = qkv[..., 1, :].transpose(1, 2)
-        v = qkv[..., 2, :].transpose(1, 2)
-        padding = None
-        if cache is not None:
-            k, v = cache.append(k, v)  # (B, n_head, position + T, head_dim)
-            padding = cache.padding
-        y = attention(
-            q, k, v, query_offset=position, alibi_slopes=slopes, key_padding=padding
-        )  # (B, n_head, T, hd)
-        return self.dense(y.transpose(1, 2).reshape(batch, new, hidden))
-
-    def forward_many(
-        self,
-        x: torch.Tensor,
-        shapes: Sequence[tuple[int, int]],
-        slopes: torch.Tensor,
-        caches: Sequence[KVCache],
-    ) -> torch.Tensor:
-        """Several sessions' tokens, joined: ``(1, N, hidden)`` in and out, N = sum B_i * T_i.
-
-        The projections run once over all N tokens; the cache append and attention run per item,
-        item ``i`` being ``shapes[i] = (B_i, T_i)`` tokens at its cache's length.  The caller has
-        validated every item (nothing here may fail half-way).
-        """
-        hidden = x.shape[-1]
-        qkv_all = self.query_key_value(x)  # (1, N, 3 * hidden), per head [q_h, k_h, v_h]
-        outputs = []
-        start = 0
-        for (batch, new), cache in zip(shapes, caches, strict=True):
-            end = start + batch * new
-            qkv = qkv_all[0, start:end].view(batch, new, self.n_head, 3, self.head_dim)
-            q = qkv[..., 0, :].transpose(1, 2)  # (B, n_head, T, head_dim)
-            k = qkv[..., 1, :].transpose(1, 2)
-            v = qkv[..., 2, :].transpose(1, 2)
-            position = cache.length
-            k, v = cache.append(k, v)  # (B, n_head, position + T, head_dim)
-            y = attention(
-                q, k, v, query_offset=position, alibi_slopes=slopes, key_padding=cache.padding
-            )  # (B, n_head, T, hd)
-            outputs.append(y.transpose(1, 2).reshape(batch * new, hidden))
-            start = end
-        return self.dense(join_rows(outputs).unsqueeze(0))  # (1, N, hidden)
+        q, k, v = qkv[..., 0, :], qkv[..., 1, :], qkv[..., 2, :]  # (B, T, n_head, head_dim)
+        return self.dense(cache.attend(q, k, v, positions))
 
 
 class BloomMLP(nn.Module):
@@ -133,43 +90,41 @@ class BloomBlock(nn.Module):
         self.self_attention = BloomAttention(config)
         self.post_attention_layernorm = nn.LayerNorm(config.hidden_size, eps=eps)
         self.mlp = BloomMLP(config)
-        # A plain attribute, not a buffer: ``block.to(torch.bfloat16)`` must not round the slopes.
-        # On the CPU whatever the default device: a block built on "meta" gets real slopes.
+        # Not a buffer: ``block.to(torch.bfloat16)`` must not round the slopes.  On the CPU
+        # whatever the default device: a block built on "meta" gets real slopes.
         with torch.device("cpu"):
-            self._slopes = alibi_slopes(config.n_head)  # (n_head,) float32
+            self.positions = PositionEncoding(slopes=alibi_slopes(config.n_head))
 
     def forward(
         self,
         hidden_states: torch.Tensor,
         *,
-        cache: KVCache | None = None,
+        cache: AttentionCache | None = None,
         position: int | None = None,
     ) -> torch.Tensor:
         """Run ``(B, T, hidden)`` states of positions ``position .. position + T - 1``.
 
-        With a cache, their keys and values are appended to it and the queries attend over
-        everything it holds; ``position`` defaults to ``cache.length`` and must equal it (roll the
-        cache back to resend from earlier).  The cache outlives the call, so that path records no
-        autograd graph.  Without a cache the T tokens attend causally among themselves, with
-        autograd; ``position`` is accepted for symmetry with rotary families and changes nothing,
-        since ALiBi depends only on distances.
+        With a :class:`KVCache`, their keys and values are appended to it and the queries attend
+        over everything it holds; ``position`` defaults to ``cache.length`` and must equal it
+        (roll the cache back to resend from earlier).  The cache outlives the call, so that path
+        records no autograd graph.  Without a cache the T tokens attend causally among
+        themselves, with autograd; ``position`` is accepted for symmetry with rotary families and
+        changes nothing, since ALiBi depends only on distances.  Any other
+        :class:`AttentionCache` (several sessions joined, a decode graph's row tables) works as a
+        cache does.
         """
-        check_block_input(
+        attend = attention_cache(
             hidden_states,
-            hidden_size=self.input_layernorm.normalized_shape[0],
+            cache,
+            position,
+            hidden_size=self.hidden_size,
             weight=self.input_layernorm.weight,
-            cache=cache,
         )
-        step_position(cache, position)  # checked; ALiBi needs only the cache's length
-        offset = 0 if cache is None else cache.length
-        # Without a cache: autograd, for training.  With one: none (the cache checks that the new
-        # entries fit before writing them).
         with contextlib.nullcontext() if cache is None else torch.no_grad():
             x = hidden_states
             normed = self.input_layernorm(x)  # (B, T, hidden)
             residual = normed if self.residual_after_norm else x
-            slopes = self._slopes_on(x.device)
-            x = residual + self.self_attention(normed, slopes, cache, offset)
+            x = residual + self.self_attention(normed, attend, self.positions)
             normed = self.post_attention_layernorm(x)
             residual = normed if self.residual_after_norm else x
             return residual + self.mlp(normed)
@@ -182,8 +137,8 @@ class BloomBlock(nn.Module):
         ``hidden_states[i]`` is ``(B_i, T_i, hidden)`` for the session whose cache for this block
         is ``caches[i]`` (``B_i`` rows, its own length, i.e. position); each cache is appended at
         its own length.  Returns what ``self(hidden_states[i], cache=caches[i])`` would return for
-        each ``i``.  LayerNorms, projections and the MLP run once over all items' tokens (one
-        matmul each instead of one per session); the cache append and attention run per item.
+        each ``i``: the items' tokens, joined, go through :meth:`forward` once (one matmul per
+        layer instead of one per session), attending through a :class:`CacheBatch`.
 
         Every item is checked before any cache is written: if one is refused, no cache changes.
         Runs without autograd, like the single-step cache path.
@@ -198,16 +153,9 @@ class BloomBlock(nn.Module):
         )
         if not hidden_states:
             return []
-        with torch.no_grad():
-            x = join_tokens(hidden_states)  # (1, N, hidden)
-            shapes = [(states.shape[0], states.shape[1]) for states in hidden_states]
-            normed = self.input_layernorm(x)
-            residual = normed if self.residual_after_norm else x
-            slopes = self._slopes_on(x.device)
-            x = residual + self.self_attention.forward_many(normed, shapes, slopes, caches)
-            normed = self.post_attention_layernorm(x)
-            residual = normed if self.residual_after_norm else x
-            return split_tokens(residual + self.mlp(normed), hidden_states)
+        shapes = [(states.shape[0], states.shape[1]) for states in hidden_states]
+        x = self(join_tokens(hidden_states), cache=CacheBatch(caches, shapes))
+        return split_tokens(x, hidden_states)
 
     def allocate_cache(
         self,
@@ -228,8 +176,3 @@ class BloomBlock(nn.Module):
             dtype=reference.dtype if dtype is None else dtype,
             device=reference.device if device is None else device,
         )
-
-    def _slopes_on(self, device: torch.device) -> torch.Tensor:
-        if self._slopes.device != device:
-            self._slopes = self._slopes.to(device)
-        return self._slopes

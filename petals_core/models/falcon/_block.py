@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -41,18 +41,14 @@ from torch import nn
 from transformers.activations import ACT2FN
 
 from ... import kernels
-from .._batched import check_many_inputs, join_rows, join_tokens, split_tokens
-from .._cache import KVCache, check_block_input, step_position
+from .._batched import check_many_inputs, join_tokens, split_tokens
+from .._cache import AttentionCache, CacheBatch, KVCache, PositionEncoding, attention_cache
 from ..llama._block import LlamaRotary
 
 if TYPE_CHECKING:
     from transformers import FalconConfig
 
 __all__ = ["FalconAttention", "FalconBlock", "FalconMLP"]
-
-#: Where a step's positions enter attention: rotary ``(cos, sin)`` angles of the new tokens, or
-#: the ALiBi term of every key attended to, ``(B or 1, n_head, S)``; the other is None.
-Positions = tuple[tuple[torch.Tensor, torch.Tensor] | None, torch.Tensor | None]
 
 
 class FalconAttention(nn.Module):
@@ -82,7 +78,7 @@ class FalconAttention(nn.Module):
         self, fused: torch.Tensor, batch: int, new: int
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The fused projection of ``batch * new`` tokens, ``(..., (n_head + 2 * n_kv_head) *
-        head_dim)``, as q ``(B, n_head, T, head_dim)`` and k, v ``(B, n_kv_head, T, head_dim)``."""
+        head_dim)``, as q ``(B, T, n_head, head_dim)`` and k, v ``(B, T, n_kv_head, head_dim)``."""
         heads, kv_heads, head_dim = self.n_head, self.n_kv_head, self.head_dim
         if self.new_decoder_architecture:
             # Per key/value head g: its group's queries, then its key, then its value.  Query head
@@ -97,69 +93,16 @@ class FalconAttention(nn.Module):
             # Megatron's layout, as BLOOM's: [q_h, k_h, v_h] for each head h.
             qkv = fused.view(batch, new, heads, 3, head_dim)
             q, k, v = qkv[..., 0, :], qkv[..., 1, :], qkv[..., 2, :]
-        return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        return q, k, v
 
     def forward(
-        self,
-        x: torch.Tensor,
-        positions: Positions,
-        *,
-        cache: KVCache | None,
-        position: int,
+        self, x: torch.Tensor, cache: AttentionCache, positions: PositionEncoding
     ) -> torch.Tensor:
-        batch, new, hidden = x.shape  # (B, T, hidden)
+        """``(B, T, hidden)`` normed states in, the attention's projected output out; the new
+        keys and values go into ``cache`` and the queries attend through it."""
+        batch, new, _ = x.shape
         q, k, v = self.split_heads(self.query_key_value(x), batch, new)
-        if cache is not None:
-            y = self._attend_cached(q, k, v, positions, cache)
-        else:
-            angles, bias = positions
-            if angles is not None:
-                q = kernels.rotary(q, *angles)  # (B, n_head, T, head_dim)
-                k = kernels.rotary(k, *angles)  # (B, n_kv_head, T, head_dim)
-            # The T tokens attend among themselves; position only sets the angles or ALiBi term.
-            y = kernels.attention(q, k, v, query_offset=0, key_bias=bias)
-        return self.dense(y.transpose(1, 2).reshape(batch, new, hidden))
-
-    def forward_many(
-        self,
-        x: torch.Tensor,
-        shapes: Sequence[tuple[int, int]],
-        positions: Sequence[Positions],
-        caches: Sequence[KVCache],
-    ) -> torch.Tensor:
-        """Several sessions' tokens, joined: ``(1, N, hidden)`` in and out, N = sum B_i * T_i.
-
-        The projections run once over all N tokens; rotary, the cache append and attention run per
-        item, item ``i`` being ``shapes[i] = (B_i, T_i)`` tokens at its cache's length, placed by
-        ``positions[i]``.  The caller has validated every item (nothing here may fail half-way).
-        """
-        hidden = x.shape[-1]
-        fused = self.query_key_value(x)  # (1, N, (n_head + 2 * n_kv_head) * head_dim)
-        outputs = []
-        start = 0
-        for (batch, new), item_positions, cache in zip(shapes, positions, caches, strict=True):
-            end = start + batch * new
-            q, k, v = self.split_heads(fused[0, start:end], batch, new)
-            y = self._attend_cached(q, k, v, item_positions, cache)  # (B, n_head, T, head_dim)
-            outputs.append(y.transpose(1, 2).reshape(batch * new, hidden))
-            start = end
-        return self.dense(join_rows(outputs).unsqueeze(0))  # (1, N, hidden)
-
-    @staticmethod
-    def _attend_cached(
-        q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: Positions, cache: KVCache
-    ) -> torch.Tensor:
-        """Append the new keys and values (rotated, for rotary positions) to ``cache`` and attend
-        over everything it holds: ``(B, n_head, T, head_dim)``."""
-        angles, bias = positions
-        position = cache.length
-        if angles is not None:
-            q, k, v = cache.append_rotated(q, k, v, *angles)  # k, v: (B, n_kv_head, S, head_dim)
-        else:
-            k, v = cache.append(k, v)
-        return kernels.attention(
-            q, k, v, query_offset=position, key_padding=cache.padding, key_bias=bias
-        )
+        return self.dense(cache.attend(q, k, v, positions))
 
 
 class FalconMLP(nn.Module):
@@ -218,6 +161,11 @@ class FalconBlock(nn.Module):
         with torch.device("cpu"):
             self._slopes = kernels.alibi_slopes(config.num_attention_heads)  # (n_head,) float32
             self._alibi = torch.empty(config.num_attention_heads, 0)  # see _alibi_terms
+        self.positions = (
+            PositionEncoding(key_bias=self._key_bias)
+            if self.rotary is None
+            else PositionEncoding(rotary=self.rotary)
+        )
 
     @property
     def first_norm(self) -> nn.LayerNorm:
@@ -229,39 +177,42 @@ class FalconBlock(nn.Module):
         self,
         hidden_states: torch.Tensor,
         *,
-        cache: KVCache | None = None,
+        cache: AttentionCache | None = None,
         position: int | None = None,
     ) -> torch.Tensor:
         """Run ``T`` new positions: ``(B, T, hidden)`` in, ``(B, T, hidden)`` out.
 
-        With a cache, the new keys/values are appended to it and the queries attend over everything
-        it holds; ``position`` (the absolute position of the first new token) defaults to
-        ``cache.length`` and must equal it (roll the cache back to resend from earlier).  Without a
-        cache, the ``T`` tokens attend causally among themselves from ``position`` (default 0):
-        rotary angles and ALiBi terms are those of positions ``position .. position + T - 1``
-        (Falcon's rounded ALiBi is not quite shift-invariant).  That path is for training and
-        supports autograd; the cache path runs without (a graph kept through the cache would grow
-        for a whole session).
+        With a :class:`KVCache`, the new keys/values are appended to it and the queries attend
+        over everything it holds; ``position`` (the absolute position of the first new token)
+        defaults to ``cache.length`` and must equal it (roll the cache back to resend from
+        earlier).  Without a cache, the ``T`` tokens attend causally among themselves from
+        ``position`` (default 0): rotary angles and ALiBi terms are those of positions
+        ``position .. position + T - 1`` (Falcon's rounded ALiBi is not quite shift-invariant).
+        That path is for training and supports autograd; the cache path runs without (a graph
+        kept through the cache would grow for a whole session).  Any other
+        :class:`AttentionCache` (several sessions joined, a decode graph's row tables) works as a
+        cache does.
         """
-        check_block_input(
-            hidden_states, hidden_size=self.hidden_size, weight=self.first_norm.weight, cache=cache
+        attend = attention_cache(
+            hidden_states,
+            cache,
+            position,
+            hidden_size=self.hidden_size,
+            weight=self.first_norm.weight,
         )
-        position = step_position(cache, position)
-        new = hidden_states.shape[1]
         with contextlib.nullcontext() if cache is None else torch.no_grad():
-            positions = self._positions(
-                position,
-                new,
-                keys_from=position if cache is None else 0,
-                like=hidden_states,
-                padding=None if cache is None else cache.padding,
-            )
-            return self.around_attention(
-                hidden_states,
-                lambda normed: self.self_attention(
-                    normed, positions, cache=cache, position=position
-                ),
-            )
+            attention = self.self_attention
+            x = hidden_states
+            if self.two_norms:
+                attention_out = attention(self.ln_attn(x), attend, self.positions)
+                mlp_in = self.ln_mlp(x)
+            else:
+                mlp_in = self.input_layernorm(x)
+                attention_out = attention(mlp_in, attend, self.positions)
+            if not self.parallel:
+                x = x + attention_out
+                return x + self.mlp(self.post_attention_layernorm(x))
+            return x + (self.mlp(mlp_in) + attention_out)
 
     def forward_many(
         self, hidden_states: Sequence[torch.Tensor], caches: Sequence[KVCache]
@@ -269,9 +220,9 @@ class FalconBlock(nn.Module):
         """``[self(h, cache=c) for h, c in zip(hidden_states, caches)]``, in fewer, larger matmuls.
 
         Item ``i``, ``(B_i, T_i, hidden)``, is one session's step at its cache's length.  The
-        LayerNorms, projections and MLP see every item's tokens at once; positions, the cache
-        append and attention go item by item.  All items are checked before any cache is written
-        (a refused batch changes no cache), and nothing records autograd.
+        items' tokens, joined, go through :meth:`forward` once, attending through a
+        :class:`CacheBatch`.  All items are checked before any cache is written (a refused batch
+        changes no cache), and nothing records autograd.
         """
         attn = self.self_attention
         check_many_inputs(
@@ -284,17 +235,9 @@ class FalconBlock(nn.Module):
         )
         if not hidden_states:
             return []
-        with torch.no_grad():
-            x = join_tokens(hidden_states)  # (1, N, hidden)
-            shapes = [(states.shape[0], states.shape[1]) for states in hidden_states]
-            positions = [
-                self._positions(cache.length, new, keys_from=0, like=x, padding=cache.padding)
-                for (_, new), cache in zip(shapes, caches, strict=True)
-            ]
-            out = self.around_attention(
-                x, lambda normed: attn.forward_many(normed, shapes, positions, caches)
-            )
-            return split_tokens(out, hidden_states)
+        shapes = [(states.shape[0], states.shape[1]) for states in hidden_states]
+        x = self(join_tokens(hidden_states), cache=CacheBatch(caches, shapes))
+        return split_tokens(x, hidden_states)
 
     def allocate_cache(
         self,
@@ -316,47 +259,27 @@ class FalconBlock(nn.Module):
             device=reference.device if device is None else device,
         )
 
-    def around_attention(
-        self, x: torch.Tensor, attend: Callable[[torch.Tensor], torch.Tensor]
-    ) -> torch.Tensor:
-        """The layer around its attention, ``attend`` (normalised states in, attention's
-        projected output out), with transformers' LayerNorms and order of additions."""
-        if self.two_norms:
-            attention_out = attend(self.ln_attn(x))
-            mlp_in = self.ln_mlp(x)
-        else:
-            mlp_in = self.input_layernorm(x)
-            attention_out = attend(mlp_in)
-        if not self.parallel:
-            x = x + attention_out
-            return x + self.mlp(self.post_attention_layernorm(x))
-        return x + (self.mlp(mlp_in) + attention_out)
-
-    def _positions(
+    def _key_bias(
         self,
         start: int,
         new: int,
-        *,
         keys_from: int,
-        like: torch.Tensor,
+        device: torch.device,
         padding: torch.Tensor | None,
-    ) -> Positions:
-        """Rotary angles of positions ``start .. start + new - 1``, or the ALiBi terms of the keys
-        they attend to, at positions ``keys_from .. start + new - 1``.
+    ) -> torch.Tensor:
+        """The ALiBi terms of the keys that tokens ``start .. start + new - 1`` attend to, at
+        positions ``keys_from .. start + new - 1``: ``(1 or B, n_head, S)`` float32.
 
         With ``padding`` ((B,) left-padding lengths), row b counts positions from its first real
         token, as transformers does given an attention mask (padding positions count as 0).
         """
-        if self.rotary is not None:
-            angles = self.rotary(start, new, device=like.device, dtype=like.dtype, padding=padding)
-            return angles, None  # (1 or B, T, head_dim) each
         end = start + new
-        table = self._alibi_terms(end, like.device)  # (n_head, >= end)
+        table = self._alibi_terms(end, device)  # (n_head, >= end)
         if padding is None:
-            return None, table[None, :, keys_from:end]  # (1, n_head, S)
-        key_positions = torch.arange(keys_from, end, device=like.device)
-        rows = (key_positions[None, :] - padding.to(like.device).view(-1, 1)).clamp(min=0)
-        return None, table[:, rows].transpose(0, 1)  # (B, n_head, S)
+            return table[None, :, keys_from:end]  # (1, n_head, S)
+        key_positions = torch.arange(keys_from, end, device=device)
+        rows = (key_positions[None, :] - padding.to(device).view(-1, 1)).clamp(min=0)
+        return table[:, rows].transpose(0, 1)  # (B, n_head, S)
 
     def _alibi_terms(self, length: int, device: torch.device) -> torch.Tensor:
         """ALiBi terms of positions ``0 .. length - 1`` at least, ``(n_head, >= length)`` float32.

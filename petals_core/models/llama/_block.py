@@ -23,8 +23,8 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from ... import kernels
-from .._batched import check_many_inputs, join_rows, join_tokens, split_tokens
-from .._cache import KVCache, check_block_input, step_position
+from .._batched import check_many_inputs, join_tokens, split_tokens
+from .._cache import AttentionCache, CacheBatch, KVCache, PositionEncoding, attention_cache
 
 __all__ = ["LlamaAttention", "LlamaBlock", "LlamaMLP", "LlamaRMSNorm", "LlamaRotary"]
 
@@ -164,67 +164,15 @@ class LlamaAttention(nn.Module):
         self.o_proj = nn.Linear(self.n_head * self.head_dim, hidden, bias=bias)
 
     def forward(
-        self,
-        x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        *,
-        cache: KVCache | None,
-        position: int,
+        self, x: torch.Tensor, cache: AttentionCache, positions: PositionEncoding
     ) -> torch.Tensor:
-        batch, new, _ = x.shape  # (B, T, hidden)
-        q = self.q_proj(x).view(batch, new, self.n_head, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(batch, new, self.n_kv_head, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(batch, new, self.n_kv_head, self.head_dim).transpose(1, 2)
-        if cache is not None:
-            # Rotate q and k, and write k and v into the cache: one kernel on CUDA.
-            q, k, v = cache.append_rotated(
-                q, k, v, cos, sin
-            )  # k, v: (B, n_kv_head, position + T, head_dim)
-        else:
-            q = kernels.rotary(q, cos, sin)  # (B, n_head, T, head_dim)
-            k = kernels.rotary(k, cos, sin)  # (B, n_kv_head, T, head_dim)
-        # Without a cache the T tokens attend among themselves; position only sets the angles.
-        offset = 0 if cache is None else position
-        padding = None if cache is None else cache.padding
-        y = kernels.attention(
-            q, k, v, query_offset=offset, key_padding=padding
-        )  # (B, n_head, T, head_dim)
-        y = y.transpose(1, 2).reshape(batch, new, self.n_head * self.head_dim)
-        return self.o_proj(y)
-
-    def forward_many(
-        self,
-        x: torch.Tensor,
-        shapes: Sequence[tuple[int, int]],
-        angles: Sequence[tuple[torch.Tensor, torch.Tensor]],
-        caches: Sequence[KVCache],
-    ) -> torch.Tensor:
-        """Several sessions' tokens, joined: ``(1, N, hidden)`` in and out, N = sum B_i * T_i.
-
-        The projections run once over all N tokens; rotary, the cache append and attention run per
-        item, item ``i`` being ``shapes[i] = (B_i, T_i)`` tokens at its cache's length, rotated by
-        ``angles[i]``.  The caller has validated every item (nothing here may fail half-way).
-        """
-        q_all = self.q_proj(x)  # (1, N, n_head * head_dim)
-        k_all = self.k_proj(x)  # (1, N, n_kv_head * head_dim)
-        v_all = self.v_proj(x)
-        outputs = []
-        start = 0
-        for (batch, new), (cos, sin), cache in zip(shapes, angles, caches, strict=True):
-            end = start + batch * new
-            q = q_all[0, start:end].view(batch, new, self.n_head, self.head_dim).transpose(1, 2)
-            k = k_all[0, start:end].view(batch, new, self.n_kv_head, self.head_dim).transpose(1, 2)
-            v = v_all[0, start:end].view(batch, new, self.n_kv_head, self.head_dim).transpose(1, 2)
-            position = cache.length
-            q, k, v = cache.append_rotated(q, k, v, cos, sin)  # k, v: (B, n_kv_head, S, head_dim)
-            y = kernels.attention(
-                q, k, v, query_offset=position, key_padding=cache.padding
-            )  # (B, n_head, T, head_dim)
-            outputs.append(y.transpose(1, 2).reshape(batch * new, self.n_head * self.head_dim))
-            start = end
-        y = join_rows(outputs).unsqueeze(0)  # (1, N, n_head * head_dim)
-        return self.o_proj(y)
+        """``(B, T, hidden)`` normed states in, the attention's projected output out; the new
+        keys and values go into ``cache`` and the queries attend through it."""
+        batch, new, _ = x.shape
+        q = self.q_proj(x).view(batch, new, self.n_head, self.head_dim)
+        k = self.k_proj(x).view(batch, new, self.n_kv_head, self.head_dim)
+        v = self.v_proj(x).view(batch, new, self.n_kv_head, self.head_dim)
+        return self.o_proj(cache.attend(q, k, v, positions))
 
 
 class LlamaMLP(nn.Module):
@@ -257,14 +205,16 @@ class LlamaBlock(nn.Module):
         # Python call on every step.
         self.hidden_size: int = config.hidden_size
         self.rotary = LlamaRotary(config)
+        self.positions = PositionEncoding(rotary=self.rotary)
 
     def init_feed_forward(self, config: PretrainedConfig) -> None:
         """Build the part after attention (a family with another one overrides this and
         :meth:`feed_forward`)."""
         self.mlp = LlamaMLP(config)  # type: ignore[arg-type]
 
-    def feed_forward(self, x: torch.Tensor) -> torch.Tensor:
-        """The part after attention, on the normed residual: ``(..., hidden)`` in and out."""
+    def feed_forward(self, x: torch.Tensor, *, static: bool = False) -> torch.Tensor:
+        """The part after attention, on the normed residual: ``(..., hidden)`` in and out;
+        ``static``: without waiting for the device (see :attr:`AttentionCache.static`)."""
         return self.mlp(x)
 
     def allocate_cache(
@@ -291,40 +241,32 @@ class LlamaBlock(nn.Module):
         self,
         hidden_states: torch.Tensor,
         *,
-        cache: KVCache | None = None,
+        cache: AttentionCache | None = None,
         position: int | None = None,
     ) -> torch.Tensor:
         """Run ``T`` new positions: ``(B, T, hidden)`` in, ``(B, T, hidden)`` out.
 
-        With a cache, the new keys/values are appended to it and the queries attend over everything
-        it holds; ``position`` (the absolute position of the first new token) defaults to
-        ``cache.length`` and must equal it (roll the cache back to resend from earlier). Without a
-        cache, the ``T`` tokens attend causally among themselves from ``position`` (default 0);
-        this is the path for training and supports autograd. The cache path is for inference and
-        runs without autograd (a graph kept through the cache would grow for a whole session).
+        With a :class:`KVCache`, the new keys/values are appended to it and the queries attend
+        over everything it holds; ``position`` (the absolute position of the first new token)
+        defaults to ``cache.length`` and must equal it (roll the cache back to resend from
+        earlier). Without a cache, the ``T`` tokens attend causally among themselves from
+        ``position`` (default 0); this is the path for training and supports autograd. Any other
+        :class:`AttentionCache` (several sessions joined, a decode graph's row tables) works the
+        same way. Steps through a cache run without autograd (a graph kept through the cache
+        would grow for a whole session).
         """
-        check_block_input(
+        attend = attention_cache(
             hidden_states,
+            cache,
+            position,
             hidden_size=self.hidden_size,
             weight=self.input_layernorm.weight,
-            cache=cache,
         )
-        position = step_position(cache, position)
-        # Without a cache: autograd, for training.  With one: none (a graph kept through the
-        # cache would grow for the whole session).
         with contextlib.nullcontext() if cache is None else torch.no_grad():
-            cos, sin = self.rotary(
-                position,
-                hidden_states.shape[1],
-                device=hidden_states.device,
-                dtype=hidden_states.dtype,
-                padding=None if cache is None else cache.padding,
-            )  # (1 or B, T, head_dim) each
             x = hidden_states
-            x = x + self.self_attn(
-                self.input_layernorm(x), cos, sin, cache=cache, position=position
-            )
-            return x + self.feed_forward(self.post_attention_layernorm(x))
+            x = x + self.self_attn(self.input_layernorm(x), attend, self.positions)
+            x = x + self.feed_forward(self.post_attention_layernorm(x), static=attend.static)
+            return x
 
     def forward_many(
         self, hidden_states: Sequence[torch.Tensor], caches: Sequence[KVCache]
@@ -334,8 +276,8 @@ class LlamaBlock(nn.Module):
         ``hidden_states[i]`` is ``(B_i, T_i, hidden)`` for the session whose cache for this block
         is ``caches[i]`` (``B_i`` rows, its own length, i.e. position); each cache is appended at
         its own length.  Returns what ``self(hidden_states[i], cache=caches[i])`` would return for
-        each ``i``.  Norms, projections and the MLP run once over all items' tokens (one matmul
-        each instead of one per session); rotary, the cache append and attention run per item.
+        each ``i``: the items' tokens, joined, go through :meth:`forward` once (one matmul per
+        projection instead of one per session), attending through a :class:`CacheBatch`.
 
         Every item is checked before any cache is written: if one is refused, no cache changes.
         Runs without autograd, like the single-step cache path.
@@ -351,15 +293,6 @@ class LlamaBlock(nn.Module):
         )
         if not hidden_states:
             return []
-        with torch.no_grad():
-            x = join_tokens(hidden_states)  # (1, N, hidden)
-            shapes = [(states.shape[0], states.shape[1]) for states in hidden_states]
-            angles = [
-                self.rotary(
-                    cache.length, new, device=x.device, dtype=x.dtype, padding=cache.padding
-                )  # (1 or B_i, T_i, head_dim)
-                for (_, new), cache in zip(shapes, caches, strict=True)
-            ]
-            x = x + attn.forward_many(self.input_layernorm(x), shapes, angles, caches)
-            x = x + self.feed_forward(self.post_attention_layernorm(x))
-            return split_tokens(x, hidden_states)
+        shapes = [(states.shape[0], states.shape[1]) for states in hidden_states]
+        x = self(join_tokens(hidden_states), cache=CacheBatch(caches, shapes))
+        return split_tokens(x, hidden_states)

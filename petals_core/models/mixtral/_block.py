@@ -30,7 +30,7 @@ import torch
 from torch import nn
 from transformers.activations import ACT2FN
 
-from .._cache import KVCache, step_position
+from .._cache import AttentionCache, KVCache, step_position
 from ..llama._block import LlamaBlock
 
 if TYPE_CHECKING:
@@ -98,11 +98,24 @@ class MixtralSparseMoE(nn.Module):
         weights, experts = torch.topk(probabilities, self.top_k, dim=-1)
         return experts, weights / weights.sum(dim=-1, keepdim=True)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, *, static: bool = False) -> torch.Tensor:
+        """``(..., hidden)`` in and out.  ``static``: nothing waits for the device and no shape
+        depends on the routing (a CUDA graph captures it): every expert runs on every token, its
+        output weighted by zero where the token did not choose it, and added in the same order
+        as the eager path adds the chosen ones.  That reads every expert's weights each step,
+        which a step of a few rows does anyway (each row picks its own experts)."""
         shape = x.shape
         tokens = x.reshape(-1, self.hidden_size)  # (N, hidden)
         experts, weights = self.route(tokens)
         out = torch.zeros_like(tokens)
+        if static:
+            # (N, num_experts): each token's weight for each expert, 0 for those not chosen.
+            dense = torch.zeros(
+                tokens.shape[0], self.num_experts, dtype=weights.dtype, device=weights.device
+            ).scatter_(1, experts, weights)
+            for index, expert in enumerate(self.experts):
+                out += (expert(tokens) * dense[:, index, None]).to(out.dtype)
+            return out.view(shape)
         # Which experts have tokens: one look at the routing, then one pass per expert over the
         # tokens routed to it, in expert order (the order of the sums, as transformers').
         counts = torch.bincount(experts.flatten(), minlength=self.num_experts)
@@ -128,8 +141,8 @@ class MixtralBlock(LlamaBlock):
     def init_feed_forward(self, config: PretrainedConfig) -> None:
         self.block_sparse_moe = MixtralSparseMoE(config)  # type: ignore[arg-type]
 
-    def feed_forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.block_sparse_moe(x)
+    def feed_forward(self, x: torch.Tensor, *, static: bool = False) -> torch.Tensor:
+        return self.block_sparse_moe(x, static=static)
 
     def _check_window(self, end: int) -> None:
         if self.sliding_window is not None and end > self.sliding_window:
@@ -142,11 +155,16 @@ class MixtralBlock(LlamaBlock):
         self,
         hidden_states: torch.Tensor,
         *,
-        cache: KVCache | None = None,
+        cache: AttentionCache | None = None,
         position: int | None = None,
     ) -> torch.Tensor:
-        """As :meth:`LlamaBlock.forward`."""
-        if self.sliding_window is not None and _is_step(hidden_states):
+        """As :meth:`LlamaBlock.forward` (positions past the sliding window refused; a
+        :class:`CacheBatch` has had its items checked by :meth:`forward_many`)."""
+        if (
+            self.sliding_window is not None
+            and _is_step(hidden_states)
+            and (cache is None or isinstance(cache, KVCache))
+        ):
             self._check_window(step_position(cache, position) + hidden_states.shape[1])
         return super().forward(hidden_states, cache=cache, position=position)
 
