@@ -83,11 +83,20 @@ def _positive(instance: object, attribute: attrs.Attribute[int], value: int) -> 
 class DecodeGraphsConfig:
     """``max_rows``: most rows (sum of the sessions' batches) one replay computes; larger steps
     run as several replays.  ``max_graphs``: graphs kept (least recently used dropped first).
-    ``min_length_bucket``: the smallest length bucket, in positions."""
+    ``min_length_bucket``: the smallest length bucket, in positions.
+
+    ``ahead_max_length``: when set, :meth:`DecodeGraphs.capture_ahead` (which a server calls at
+    load) makes the whole span's graph for every rows bucket and every length bucket up to this
+    many positions (a server's longest session), within ``max_graphs`` and as long as the graphs'
+    memory pool has grown by less than ``ahead_pool_bytes``."""
 
     max_rows: int = attrs.field(default=64, validator=_positive)
-    max_graphs: int = attrs.field(default=32, validator=_positive)
+    max_graphs: int = attrs.field(default=64, validator=_positive)
     min_length_bucket: int = attrs.field(default=256, validator=_positive)
+    ahead_max_length: int | None = attrs.field(
+        default=None, validator=attrs.validators.optional(_positive)
+    )
+    ahead_pool_bytes: int = attrs.field(default=512 * 2**20, validator=_positive)
 
 
 @attrs.frozen(kw_only=True)
@@ -235,7 +244,7 @@ class DecodeGraphs:
             moe = first.block_sparse_moe
             self._least_rows = -(-moe.num_experts // moe.top_k)
             self._window = first.sliding_window
-        rows = self.config.max_rows
+        rows = bucket(self.config.max_rows)  # the largest rows bucket
         # Per rows bucket: the tables as the kernels read them, and their staging on the host.
         self._tables: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._staged: torch.cuda.Event | None = None
@@ -289,6 +298,43 @@ class DecodeGraphs:
             self.disable(f"warming up the decode step failed: {error!r}")
             return False
         return True
+
+    def capture_ahead(self) -> int:
+        """Make, now, the graphs of the steps a server meets in steady state (see
+        :class:`DecodeGraphsConfig`'s ``ahead_max_length``): the whole span, no adapter, every
+        rows bucket (Mixtral's from the fewest rows it takes), every length bucket, the shortest
+        lengths first.  Stops at ``max_graphs`` graphs or once the pool has grown by
+        ``ahead_pool_bytes``.  Returns how many graphs it made; a failure turns the graphs off,
+        as in :meth:`step`."""
+        longest = self.config.ahead_max_length
+        if longest is None or self._disabled is not None:
+            return 0
+        lengths = []
+        length = self.config.min_length_bucket
+        while length <= bucket(longest, self.config.min_length_bucket):
+            lengths.append(length)
+            length *= 2
+        largest = bucket(self.config.max_rows)
+        rows = [1 << n for n in range(largest.bit_length()) if 1 << n >= self._least_rows]
+        made = 0
+        try:
+            self._ensure_rotary(lengths[-1])  # no later growth drops what is made here
+            for bucket_length in lengths:
+                for bucket_rows in rows:
+                    if (
+                        len(self._graphs) >= self.config.max_graphs
+                        or self._counts["pool_bytes"] >= self.config.ahead_pool_bytes
+                    ):
+                        return made
+                    key = (0, len(self.blocks), None, bucket_rows, bucket_length)
+                    if key not in self._graphs:
+                        self._graph(key)
+                        made += 1
+        except Exception as error:
+            self._counts["failures"] += 1
+            self.disable(f"capturing the decode steps at load failed: {error!r}")
+            return made
+        return made
 
     def disable(self, reason: str) -> None:
         """Leave every later step to the eager path, saying why (logged once)."""
@@ -477,10 +523,12 @@ class DecodeGraphs:
             self._staged.record()
 
     def _tables_for(self, bucket_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The (staging, device) tables of a rows bucket: ``(2 + 2 * blocks, bucket_rows)``."""
+        """The (staging, device) tables of a rows bucket, ``(2 + 2 * blocks, columns)``: a
+        column per row, and one more for a bucket of one row, so that every table (a line)
+        starts 16 bytes from the last, as the kernels compiled for one bucket expect of all."""
         known = self._tables.get(bucket_rows)
         if known is None:
-            shape = (_FIRST_POINTER + 2 * len(self.blocks), bucket_rows)
+            shape = (_FIRST_POINTER + 2 * len(self.blocks), bucket_rows + bucket_rows % 2)
             pin = self.device.type == "cuda"
             with torch.inference_mode(False):  # written in place from any mode
                 known = (
@@ -574,7 +622,9 @@ class DecodeGraphs:
         x = self._x[:bucket_rows]
         _, device_tables = self._tables_for(bucket_rows)
         views = [
-            RowCaches(_row_tables(device_tables, block), bucket_length, self._angles)
+            RowCaches(
+                _row_tables(device_tables[:, :bucket_rows], block), bucket_length, self._angles
+            )
             for block in range(start, end)
         ]
         blocks = self.blocks[start:end]

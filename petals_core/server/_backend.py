@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from collections.abc import Sequence
 from typing import get_args
 
@@ -117,17 +118,26 @@ class BlockBackend:
             reason = (
                 None if kernels.triton_usable(self.device) else "Triton cannot run on this GPU"
             ) or DecodeGraphs.unsupported_reason(self.blocks)
+            if reason is not None:
+                logger.info("decode steps: eager (%s)", reason)
+                return None
+            graphs = self._graphs = DecodeGraphs(self.blocks, config=decode_graphs)
+            started = time.perf_counter()
+            if not graphs.warm_up():  # logged; petals.info shows why
+                return None
+            made = graphs.capture_ahead()
+            if graphs.disabled_reason is not None:
+                return None
             logger.info(
-                "decode steps: %s",
-                "CUDA graphs (captured per rows and length bucket on first use)"
-                if reason is None
-                else f"eager ({reason})",
+                "decode steps: CUDA graphs, %d captured at load in %.1f s (the whole span, rows "
+                "buckets up to %d, lengths up to %s; pool %s), others on first use",
+                made,
+                time.perf_counter() - started,
+                decode_graphs.max_rows,
+                decode_graphs.ahead_max_length,
+                f"{graphs.statistics().pool_bytes / 2**20:.0f} MiB",
             )
-            if reason is None:
-                self._graphs = DecodeGraphs(self.blocks, config=decode_graphs)
-                if not self._graphs.warm_up():  # logged; petals.info shows why
-                    return None
-            return self._graphs
+            return graphs
         if self.device.type == "cpu" and cpu_decode == "numpy":
             reason = CpuDecode.unsupported_reason(self.blocks)
             if reason is not None:

@@ -478,7 +478,11 @@ class Server:
             dtype=self.dtype,
             device=self.device,
             adapters=cfg.adapters,
-            decode_graphs=DecodeGraphsConfig() if cfg.cuda_graphs else None,
+            decode_graphs=(
+                DecodeGraphsConfig(ahead_max_length=cfg.limits.inference_max_length)
+                if cfg.cuda_graphs
+                else None
+            ),
             cpu_decode=cfg.cpu_decode,
         )
 

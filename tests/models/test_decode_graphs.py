@@ -16,6 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import attrs
 import pytest
 import torch
 
@@ -252,6 +253,36 @@ def test_mixtral_takes_steps_of_enough_rows_within_its_window() -> None:
     assert graphs.statistics().declined == 2 and graphs.statistics().replays == 1
     with pytest.raises(ValueError, match="sliding window"):
         eager_steps(blocks, _tokens([(4, 16, 12)], seed=3), late)
+
+
+def test_the_steps_a_server_meets_are_made_ahead() -> None:
+    """Every rows bucket at every length bucket up to the longest session, shortest first, up to
+    max_graphs; steps in steady state then make no graph.  (On CPU "making" a graph is keeping its
+    step; on a GPU it is the capture.)"""
+    blocks = _span("llama-gqa")
+    config = DecodeGraphsConfig(max_rows=4, min_length_bucket=16, ahead_max_length=40)
+    graphs = DecodeGraphs(blocks, config=config)
+    assert graphs.capture_ahead() == 3 * 3  # rows 1, 2 and 4 at lengths 16, 32 and 64
+    for specs in ([(1, 48, 3)], [(2, 48, 20)], [(1, 48, 38), (2, 48, 5)], [(3, 48, 30)]):
+        sessions = _sessions(blocks, specs)
+        assert graphs.step(0, SPAN, _tokens(specs, seed=1), sessions) is not None
+    assert graphs.statistics().captured == graphs.statistics().graphs == 9
+    assert graphs.capture_ahead() == 0  # nothing left to make
+    bounded = DecodeGraphs(blocks, config=attrs.evolve(config, max_graphs=4))
+    assert bounded.capture_ahead() == 4
+    assert DecodeGraphs(blocks, config=DecodeGraphsConfig()).capture_ahead() == 0  # not asked
+    mixtral = [MixtralBlock(tiny_mixtral_config(), i) for i in range(SPAN)]
+    assert DecodeGraphs(mixtral, config=config).capture_ahead() == 1 * 3  # from 4 rows
+
+
+def test_every_table_starts_16_bytes_after_the_last() -> None:
+    """The row kernels are compiled for 16-byte aligned tables: so is every table of every rows
+    bucket, one row's included (8 bytes of positions would leave the next table off by 8)."""
+    graphs = DecodeGraphs(_span("bloom"), config=DecodeGraphsConfig(max_rows=8))
+    for rows in (1, 2, 4, 8):
+        staging, tables = graphs._tables_for(rows)
+        for line in (*staging[:, :rows], *tables[:, :rows]):
+            assert line.is_contiguous() and line.data_ptr() % 16 == 0
 
 
 def test_config_is_checked() -> None:

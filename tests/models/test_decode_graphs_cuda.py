@@ -155,3 +155,24 @@ def test_quantised_spans(quant_type: str) -> None:
             assert graphs.disabled_reason is not None
             return
         _close(actual[0], expected[0])
+
+
+def test_graphs_captured_at_load_serve_the_steps() -> None:
+    """What a server captures at load: every rows bucket at every length bucket up to its longest
+    session; steps of any of those sizes then replay without capturing, equal to the eager path."""
+    blocks = _blocks("llama", torch.bfloat16)
+    config = DecodeGraphsConfig(max_rows=8, ahead_max_length=1024)
+    graphs = DecodeGraphs(blocks, config=config)
+    assert graphs.warm_up()
+    assert graphs.capture_ahead() == 4 * 3  # rows 1, 2, 4, 8 at lengths 256, 512, 1024
+    assert graphs.statistics().pool_bytes < config.ahead_pool_bytes
+    for specs in ([(1, 1024, 3)], [(2, 600, 300), (1, 1024, 1000)], [(8, 300, 200)]):
+        eager = _sessions(blocks, specs)
+        graphed = twin(eager)
+        xs = [torch.randn(b, 1, HIDDEN, device="cuda", dtype=torch.bfloat16) for b, _, _ in specs]
+        expected = eager_steps(blocks, xs, eager)
+        actual = graphs.step(0, SPAN, xs, graphed)
+        assert actual is not None, graphs.disabled_reason
+        for got, want in zip(actual, expected, strict=True):
+            _close(got, want)
+    assert graphs.statistics().captured == 12
