@@ -13,7 +13,9 @@ from typing import Any
 
 import attrs
 
-RESULTS = Path(__file__).resolve().parent / "results"
+#: Where JSON goes: ``bench/results``, or the folder ``BENCH_RESULTS`` names (a GPU machine's
+#: ``$OUT``, whose files come back even when the run is cut short).
+RESULTS = Path(os.environ.get("BENCH_RESULTS") or Path(__file__).resolve().parent / "results")
 
 
 def percentile(values: Sequence[float], fraction: float) -> float:
@@ -42,10 +44,9 @@ def _cell(value: Any) -> str:
     return "" if value is None else str(value)
 
 
-def write_json(name: str, results: dict[str, Any]) -> Path:
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    path = RESULTS / f"{name}.json"
-    document = {
+def document(name: str, results: dict[str, Any]) -> dict[str, Any]:
+    """What a benchmark's JSON holds: its name, when, where, and its results."""
+    return {
         "benchmark": name,
         "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "machine": {
@@ -55,7 +56,12 @@ def write_json(name: str, results: dict[str, Any]) -> Path:
         },
         "results": results,
     }
-    path.write_text(json.dumps(document, indent=2))
+
+
+def write_json(name: str, results: dict[str, Any]) -> Path:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = RESULTS / f"{name}.json"
+    path.write_text(json.dumps(document(name, results), indent=2))
     print(f"\nwrote {path}")
     return path
 

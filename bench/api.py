@@ -220,7 +220,8 @@ def _random_setup(folder: str, *, smoke: bool, device: str) -> _Setup:
     return _Setup(
         server_model=folder,
         spans=((0, half), (half, blocks)),
-        server_flags={"device": device, "torch_dtype": dtype},
+        # Not quantised: on CUDA a server quantises to nf4 unless told otherwise.
+        server_flags={"device": device, "torch_dtype": dtype, "quant_type": "none"},
         client_options={"torch_dtype": getattr(torch, dtype)},
         device=device,
     )

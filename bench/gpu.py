@@ -1,55 +1,45 @@
-"""One GPU benchmark: ``python -m bench gpu`` (or ``nox -s gpu``) on a machine with one CUDA GPU.
+"""``python -m bench gpu``: everything that runs on a GPU, measured within one 10-minute command.
 
-Runs with no network in about five minutes and writes ``bench/results/gpu.json`` after every
-phase (so a run cut short keeps what it measured).  The phases, in order:
+On one H100 the default run takes at most 7.5 minutes, server starts included.  Each phase runs
+in a process of its own under a time limit: a phase that fails, hangs or breaks the GPU's
+context costs that phase alone.  A phase records what it measures as it goes into ``gpu.json``
+(under ``bench/results``, or the folder ``$BENCH_RESULTS`` names), and one killed at its limit
+keeps what it recorded.  The phases, in order, with their limits in seconds:
 
-1. **tests**: the tests marked ``cuda`` in a pytest process with compiled Triton kernels: decode
-   graphs against the eager path, a client on the GPU, quantised blocks against bf16.
-2. **swarm**: a TinyLlama-1.1B-shaped LLaMA and a bloom-560m-shaped BLOOM, random weights made
-   on the GPU and saved as sharded safetensors, each served by 2 server processes on this GPU
-   per variant (fp32, bf16, nf4, int8; every variant under its own DHT prefix, all servers
-   started at once).  Measured, with the client on the GPU:
+1. **tests** (75): the tests marked ``cuda`` (skipped in CPU runs) with compiled Triton kernels:
+   decode graphs against the eager path (every family, captured at load too), a client on the
+   GPU, quantised blocks against bf16.  Judged: every test passes.
+2. **kernels** (60): :mod:`bench.kernels_cuda`: each kernel's parity, each row naming the path
+   that ran and each path forced once; decode attention eagerly and replayed from a CUDA graph
+   against SDPA; the row-table kernel's splits and tiles; prefill.
+3. **swarm-llama** (120), **swarm-bloom** (90): :mod:`bench._gpu_swarm`, one family each: fp32
+   parity with transformers, bf16 decode and prefill beside transformers' eager model, 1, 8 and
+   32 concurrent sessions (each level warmed untimed first), the servers' memory and graphs.
+4. **transport** (30): :mod:`bench.transport`'s quick sizes, QUIC against trio TCP on this host.
+5. **api** (75): the OpenAI endpoint in front of 2 bf16 servers of a random TinyLlama-shaped
+   model on this GPU (:mod:`bench.api`): HTTP against ``generate()`` per token, 1, 4 and 8
+   concurrent requests.
 
-   - fp32: the logits of a 16-token prompt and 24 greedy tokens against transformers' own
-     model on the same GPU;
-   - bf16, nf4, int8: a 128-token prefill and the decode ms per token, beside transformers' own
-     model in the same dtype and quantisation on the same GPU (eager, ``DynamicCache``);
-   - 1, 8 and 32 concurrent sessions (bf16, the trio client in this process): tokens per second
-     through the swarm;
-   - what torch holds on the GPU in each server, and its decode-graph counters (``petals.info``).
-3. **kernels**: parity and speed of the Triton kernels (:mod:`bench.kernels_cuda`).
-4. **transport**: QUIC against trio TCP on this host, and where the time goes
-   (:mod:`bench.transport`, its quick sizes), then again without UDP offload.
-5. **api**: the OpenAI endpoint in front of 2 servers of a random TinyLlama-shaped model (bf16,
-   the endpoint's own layers on the GPU too): ms per token streamed through HTTP against
-   ``generate()``, and 1, 4 and 8 concurrent requests (:mod:`bench.api`; targets: at most 1.05x,
-   and at least 4x the tokens per second of one at 8).
+Then the targets, each MET, NOT MET or NOT MEASURED (its phase failed, was killed, or did not
+run); the process exits 0 only if every target is MET.  ``--phases``, ``--families`` and
+``--variants`` (nf4 and int8 beside fp32 and bf16) choose what runs; ``--limit PHASE=SECONDS``
+changes a phase's limit.
 
-Targets (the issue's): decode attention at least SDPA's speed at every shape and at least 85% of
-peak bandwidth at B=8, S=16k; TinyLlama shape, 2 servers, bf16, client on the GPU: at most 6 ms
-per token and at most a quarter of transformers' eager decode; 32 sessions at least 15x the
-tokens per second of one; fp32 logits within 1e-4 of transformers', greedy tokens equal;
-transport RTT at most 3x trio TCP's, bulk at least 60 MB/s at 1452 B and 400 MB/s at 16 KiB.
-
-``python -m bench.gpu --phases swarm,kernels --families llama`` runs a part.  ``--families``
-also takes ``falcon`` (a 1B-parameter Falcon of the new decoder architecture: 32 heads over 4
-key/value heads, 22 blocks) and ``mixtral`` (8 experts of width 3584, top 2, hidden size 1024,
-16 blocks), which the default run leaves out for time.  ``--smoke`` runs
-the swarm phase on the CPU with tiny shapes, the fp32 and bf16 variants and few tokens: a check
-of the benchmark itself on a machine without a GPU (its numbers mean nothing).  bench/README.md
-lists the packages a bare CUDA machine lacks and how to bring them.
+``--dry-run``: the same phases on the CPU at the smallest sizes that run their code (tiny models,
+the kernels through Triton's interpreter, nothing timed on a GPU), into ``gpu-dry-run.json``: a
+check of the benchmark itself, whose numbers mean nothing (its GPU targets are NOT MEASURED).
+bench/README.md lists the packages a bare CUDA machine lacks and how to bring them.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import importlib.metadata
+import json
 import os
-import statistics
+import signal
 import subprocess
 import sys
-import tempfile
 import time
 import traceback
 import xml.etree.ElementTree as ElementTree
@@ -57,57 +47,100 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-import torch
-import trio
+import attrs
 
-from petals_core.testing import (
-    bloom_560m_config,
-    tiny_bloom_config,
-    tiny_falcon_config,
-    tiny_llama_config,
-    tiny_mixtral_config,
-    tinyllama_1b_config,
-)
-
-from ._report import print_table, summarize, write_json
+from . import _report
+from ._report import print_table, summarize
 
 ROOT = Path(__file__).resolve().parents[1]
-PHASES = ("tests", "swarm", "kernels", "transport", "api")
+PHASES = ("tests", "kernels", "swarm", "transport", "api")
 FAMILIES = ("llama", "bloom", "falcon", "mixtral")
-#: What runs unless ``--families`` says otherwise.
 DEFAULT_FAMILIES = ("llama", "bloom")
-#: variant -> (--torch_dtype, --quant_type) of its servers.
-VARIANTS = {
-    "fp32": ("float32", "none"),
-    "bf16": ("bfloat16", "none"),
-    "nf4": ("bfloat16", "nf4"),
-    "int8": ("bfloat16", "int8"),
+DEFAULT_VARIANTS = ("fp32", "bf16")
+#: Each phase's limit in seconds on a GPU (a family's swarm phase: its own).
+LIMITS_S = {
+    "tests": 75.0,
+    "kernels": 60.0,
+    "swarm-llama": 120.0,
+    "swarm-bloom": 90.0,
+    "swarm-falcon": 120.0,
+    "swarm-mixtral": 120.0,
+    "transport": 30.0,
+    "api": 75.0,
 }
-PROMPT = 16
-GREEDY_TOKENS = 24
-PREFILL = 128
-PREFILL_REPEATS = 3
-DECODE_WARMUP = 4
-DECODE_TOKENS = 24
+#: The same on the CPU, at the dry run's sizes.
+DRY_LIMITS_S = {name: 120.0 for name in LIMITS_S}
+#: After the limit, how long a phase has to end on SIGTERM before it is killed.
+GRACE_S = 10.0
 CONCURRENCY = (1, 8, 32)
-CONCURRENT_STEPS = 16
-#: Starting 16 servers (imports, CUDA contexts, weights) at once.
-SWARM_START_TIMEOUT_S = 240.0
-TESTS_TIMEOUT_S = 300.0
-ATTENTION_SHAPES_TARGET = 0.85
+DRY_CONCURRENCY = (1, 4)
+ATTENTION_BATCHES = (1, 8)
+ATTENTION_LENGTHS = (1024, 4096, 16384)
+PEAK_FRACTION_TARGET = 0.85
 DECODE_TARGET_MS = 6.0
+DECODE_VS_TRANSFORMERS = 0.25
+SESSIONS_SPEEDUP = 15.0
+LOGITS_TOLERANCE = 1e-4
+RTT_RATIO = 3.0
+API_PER_TOKEN = 1.05
+API_SPEEDUP = 4.0
 
 
-class _Setup:
-    """Where and at what size the swarm phase runs (the GPU, or the CPU for ``--smoke``)."""
+@attrs.frozen(kw_only=True)
+class Plan:
+    """What a run measures."""
 
-    device = "cuda"
-    smoke = False
-    variants: tuple[str, ...] = tuple(VARIANTS)
-    concurrency: tuple[int, ...] = CONCURRENCY
+    phases: tuple[str, ...]  # swarm expanded into one phase per family
+    families: tuple[str, ...]
+    variants: tuple[str, ...]
+    dry: bool
+    limits: dict[str, float]
+
+    @property
+    def device(self) -> str:
+        return "cpu" if self.dry else "cuda"
 
 
-SETUP = _Setup()
+# -- the record of a run -------------------------------------------------------------------------
+
+
+class Store:
+    """``gpu.json`` (``gpu-dry-run.json``): what each phase recorded, rewritten whole (through a
+    temporary file, so a reader never sees half of it) at every change."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def start(self, results: dict[str, Any]) -> None:
+        self._write(results)
+
+    def read(self) -> dict[str, Any]:
+        results: dict[str, Any] = json.loads(self.path.read_text())["results"]
+        return results
+
+    def update(self, change: Callable[[dict[str, Any]], None]) -> None:
+        results = self.read()
+        change(results)
+        self._write(results)
+
+    def record(self, phase: str, part: dict[str, Any]) -> None:
+        """Merge ``part`` into what ``phase`` measured."""
+
+        def merge(results: dict[str, Any]) -> None:
+            entry = results["phases"].setdefault(phase, {"status": "running"})
+            entry.setdefault("data", {}).update(part)
+
+        self.update(merge)
+
+    def _write(self, results: dict[str, Any]) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        temporary = self.path.with_suffix(".json.tmp")
+        document = _report.document(self.path.stem, results)
+        temporary.write_text(json.dumps(document, indent=2, default=str))
+        os.replace(temporary, self.path)
+
+
+# -- the parent: phases in processes of their own, then the targets -------------------------------
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -118,51 +151,153 @@ def main(argv: list[str] | None = None) -> None:
         default=",".join(DEFAULT_FAMILIES),
         help=f"comma-separated, of {', '.join(FAMILIES)}",
     )
-    parser.add_argument("--smoke", action="store_true", help="the swarm phase, tiny, on CPU")
+    parser.add_argument(
+        "--variants",
+        default=",".join(DEFAULT_VARIANTS),
+        help="the swarm's server variants, of fp32 (always), bf16, nf4, int8",
+    )
+    parser.add_argument("--dry-run", action="store_true", help="every phase, tiny, on the CPU")
+    parser.add_argument(
+        "--limit",
+        action="append",
+        default=[],
+        metavar="PHASE=SECONDS",
+        help="a phase's time limit (a swarm phase is named swarm-FAMILY)",
+    )
+    parser.add_argument("--child", help=argparse.SUPPRESS)  # a phase, in its own process
     args = parser.parse_args([] if argv is None else argv)
-    if args.smoke:
-        SETUP.device, SETUP.smoke = "cpu", True
-        SETUP.variants, SETUP.concurrency = ("fp32", "bf16"), (1, 4)
-        trio.run(_swarm, [f for f in args.families.split(",") if f])
+    plan = _plan(parser, args)
+    store = Store(_report.RESULTS / ("gpu-dry-run.json" if plan.dry else "gpu.json"))
+    if args.child:
+        _child(plan, store, args.child)
         return
+    status = run(plan, store)
+    if status:
+        raise SystemExit(status)
+
+
+def _plan(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Plan:
     phases = [phase for phase in args.phases.split(",") if phase]
-    families = [family for family in args.families.split(",") if family]
-    unknown = [p for p in phases if p not in PHASES] + [f for f in families if f not in FAMILIES]
+    families = tuple(family for family in args.families.split(",") if family)
+    variants = tuple(dict.fromkeys(["fp32", *(v for v in args.variants.split(",") if v)]))
+    unknown = (
+        [p for p in phases if p not in PHASES]
+        + [f for f in families if f not in FAMILIES]
+        + [v for v in variants if v not in ("fp32", "bf16", "nf4", "int8")]
+    )
     if unknown:
-        parser.error(f"unknown phase or family: {', '.join(unknown)}")
-    if not torch.cuda.is_available():
-        raise SystemExit("bench.gpu needs a CUDA GPU: torch.cuda.is_available() is False")
-    results: dict[str, Any] = {"environment": _environment()}
-    print_table("environment", ["what", "value"], list(results["environment"].items()))
-    runners: dict[str, Callable[[], Any]] = {
-        "tests": _tests,
-        "swarm": lambda: trio.run(_swarm, families),
-        "kernels": _kernels,
-        "transport": _transport,
-        "api": _api,
-    }
+        parser.error(f"unknown phase, family or variant: {', '.join(unknown)}")
+    expanded = []
     for phase in phases:
-        started = time.monotonic()
-        print(f"\n== {phase} ==", flush=True)
+        expanded += [f"swarm-{family}" for family in families] if phase == "swarm" else [phase]
+    limits = dict(DRY_LIMITS_S if args.dry_run else LIMITS_S)
+    for item in args.limit:
+        name, _, seconds = item.partition("=")
+        if name not in limits:
+            parser.error(f"--limit {item}: no phase {name!r}")
         try:
-            results[phase] = runners[phase]()
-        except Exception:
-            results[phase] = {"error": traceback.format_exc()}
-            print(results[phase]["error"], flush=True)
-        results[f"{phase}_seconds"] = time.monotonic() - started
-        write_json("gpu", results)
-    results["targets"] = _judge(results)
-    write_json("gpu", results)
+            limits[name] = float(seconds)
+        except ValueError:
+            parser.error(f"--limit {item}: SECONDS must be a number")
+    return Plan(
+        phases=tuple(expanded),
+        families=families,
+        variants=variants,
+        dry=args.dry_run,
+        limits=limits,
+    )
 
 
-def _environment() -> dict[str, Any]:
-    properties = torch.cuda.get_device_properties(0)
-    versions = {}
+def run(plan: Plan, store: Store) -> int:
+    """Every phase of ``plan`` in turn, then the targets; 0 if all are MET, else 1."""
+    import torch
+
+    if not plan.dry and not torch.cuda.is_available():
+        raise SystemExit("bench.gpu needs a CUDA GPU (or --dry-run): no CUDA device here")
+    environment = _environment(plan)
+    store.start(
+        {
+            "environment": environment,
+            "dry_run": plan.dry,
+            "limits_s": {phase: plan.limits[phase] for phase in plan.phases},
+            "phases": {},
+        }
+    )
+    print_table("environment", ["what", "value"], list(environment.items()))
+    started = time.monotonic()
+    for phase in plan.phases:
+        print(f"\n== {phase} (at most {plan.limits[phase]:.0f} s) ==", flush=True)
+        status, seconds = _run_phase(plan, phase)
+        print(f"== {phase}: {status} in {seconds:.0f} s ==", flush=True)
+
+        store.update(
+            lambda results, phase=phase, status=status, seconds=seconds: (
+                results["phases"].setdefault(phase, {}).update(status=status, seconds=seconds)
+            )
+        )
+    verdicts = judge(plan, store.read())
+    store.update(lambda results: results.update(targets=verdicts))
+    _print_phases(plan, store.read())
+    _print_targets(verdicts)
+    print(f"\nall phases in {time.monotonic() - started:.0f} s; wrote {store.path}")
+    return 0 if all(v["status"] == "MET" for v in verdicts) else 1
+
+
+def _finish(store: Store, phase: str, status: str, seconds: float) -> None:
+    def change(results: dict[str, Any]) -> None:
+        results["phases"].setdefault(phase, {}).update(status=status, seconds=seconds)
+
+    store.update(change)
+
+
+def _run_phase(plan: Plan, phase: str) -> tuple[str, float]:
+    """Run ``phase`` in a process of its own (a process group: its servers too) and wait at most
+    its limit; then SIGTERM, and after a grace period SIGKILL.  Returns (status, seconds)."""
+    command = [sys.executable, "-m", "bench.gpu", "--child", phase]
+    command += ["--families", ",".join(plan.families), "--variants", ",".join(plan.variants)]
+    command += ["--dry-run"] if plan.dry else []
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    if plan.dry:
+        # The kernels run on CPU tensors through Triton's interpreter; one thread per process.
+        env.update(TRITON_INTERPRET="1", OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    else:
+        env.pop("TRITON_INTERPRET", None)
+    started = time.monotonic()
+    process = subprocess.Popen(command, cwd=ROOT, env=env, start_new_session=True)
+    try:
+        code = process.wait(timeout=plan.limits[phase])
+    except subprocess.TimeoutExpired:
+        _signal_group(process.pid, signal.SIGTERM)
+        try:
+            process.wait(timeout=GRACE_S)
+        except subprocess.TimeoutExpired:
+            _signal_group(process.pid, signal.SIGKILL)
+            process.wait()
+        return f"killed at its limit of {plan.limits[phase]:.0f} s", time.monotonic() - started
+    _signal_group(process.pid, signal.SIGKILL)  # anything it left behind
+    seconds = time.monotonic() - started
+    return ("done" if code == 0 else f"failed (exit status {code})"), seconds
+
+
+def _signal_group(pid: int, number: signal.Signals) -> None:
+    try:
+        os.killpg(pid, number)
+    except ProcessLookupError:
+        pass
+
+
+def _environment(plan: Plan) -> dict[str, Any]:
+    import torch
+
+    versions: dict[str, str | None] = {}
     for package in ("torch", "triton", "transformers", "bitsandbytes", "aioquic", "trio"):
         try:
             versions[package] = importlib.metadata.version(package)
         except importlib.metadata.PackageNotFoundError:
             versions[package] = None
+    if plan.dry:
+        return {"gpu": None, "cpus": os.cpu_count(), "kernel": os.uname().release, **versions}
+    properties = torch.cuda.get_device_properties(0)
     free, total = torch.cuda.mem_get_info(0)
     return {
         "gpu": properties.name,
@@ -175,12 +310,45 @@ def _environment() -> dict[str, Any]:
     }
 
 
-# -- tests ---------------------------------------------------------------------------------------
+def _print_phases(plan: Plan, results: dict[str, Any]) -> None:
+    rows = []
+    for phase in plan.phases:
+        entry = results["phases"].get(phase, {})
+        rows.append([phase, entry.get("status", "not run"), entry.get("seconds"),
+                     plan.limits[phase]])  # fmt: skip
+    print_table("phases", ["phase", "status", "seconds", "limit s"], rows)
 
 
-def _tests() -> dict[str, Any]:
+# -- the child: one phase ------------------------------------------------------------------------
+
+
+def _child(plan: Plan, store: Store, phase: str) -> None:
+    def record(part: dict[str, Any]) -> None:
+        store.record(phase, part)
+
+    try:
+        if phase == "tests":
+            _tests(plan, record)
+        elif phase == "kernels":
+            _kernels(plan, record)
+        elif phase.startswith("swarm-"):
+            _swarm(plan, phase.removeprefix("swarm-"), record)
+        elif phase == "transport":
+            _transport(plan, record)
+        elif phase == "api":
+            _api(plan, record)
+        else:
+            raise ValueError(f"no phase {phase!r}")
+    except BaseException:
+        record({"error": traceback.format_exc()})
+        raise
+
+
+def _tests(plan: Plan, record: Callable[[dict[str, Any]], None]) -> None:
     # Every test marked ``cuda``; only the files that hold one are collected, which keeps the
     # CPU parity tests (they select Triton's interpreter for the whole process) out.
+    import tempfile
+
     files = sorted(
         str(path.relative_to(ROOT))
         for path in ROOT.glob("tests/**/test_*.py")
@@ -188,421 +356,69 @@ def _tests() -> dict[str, Any]:
     )
     with tempfile.TemporaryDirectory() as folder:
         junit = Path(folder) / "junit.xml"
-        env = {**os.environ, "TRITON_INTERPRET": "0", "OMP_NUM_THREADS": "4"}
+        env = {**os.environ, "OMP_NUM_THREADS": "1" if plan.dry else "4"}
+        if not plan.dry:
+            env["TRITON_INTERPRET"] = "0"
         process = subprocess.run(
             [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "cuda",
              f"--junitxml={junit}", *files],
-            cwd=ROOT, env=env, capture_output=True, text=True, timeout=TESTS_TIMEOUT_S,
+            cwd=ROOT, env=env, capture_output=True, text=True,
         )  # fmt: skip
         print(process.stdout[-6000:], process.stderr[-2000:], sep="\n", flush=True)
-        cases = []
-        if junit.exists():
-            for case in ElementTree.parse(junit).getroot().iter("testcase"):
-                outcome = "passed"
-                message = None
-                for child in case:
-                    if child.tag in ("failure", "error", "skipped"):
-                        outcome = {"failure": "failed"}.get(child.tag, child.tag)
-                        message = (child.get("message") or "")[:500]
-                cases.append(
-                    {
-                        "test": f"{case.get('classname')}::{case.get('name')}",
-                        "outcome": outcome,
-                        "message": message,
-                    }
-                )
+        cases = _junit_cases(junit) if junit.exists() else []
     counts = {o: sum(c["outcome"] == o for c in cases) for o in ("passed", "failed", "error")}
     counts["skipped"] = sum(c["outcome"] == "skipped" for c in cases)
+    record({"files": files, "exit_code": process.returncode, "counts": counts, "cases": cases})
     print_table("CUDA tests", ["files", "passed", "failed", "errors", "skipped"],
                 [[len(files), counts["passed"], counts["failed"], counts["error"],
                   counts["skipped"]]])  # fmt: skip
-    return {"files": files, "exit_code": process.returncode, "counts": counts, "cases": cases}
 
 
-# -- the swarm -----------------------------------------------------------------------------------
+def _junit_cases(junit: Path) -> list[dict[str, Any]]:
+    cases = []
+    for case in ElementTree.parse(junit).getroot().iter("testcase"):
+        outcome, message = "passed", None
+        for child in case:
+            if child.tag in ("failure", "error", "skipped"):
+                outcome = {"failure": "failed"}.get(child.tag, child.tag)
+                message = (child.get("message") or "")[:500]
+        name = f"{case.get('classname')}::{case.get('name')}"
+        cases.append({"test": name, "outcome": outcome, "message": message})
+    return cases
 
 
-def _family_model(family: str) -> tuple[Any, Any]:
-    """The config and model class of a family's benchmark shape."""
-    from transformers import AutoModelForCausalLM
+def _kernels(plan: Plan, record: Callable[[dict[str, Any]], None]) -> None:
+    import torch
 
-    if SETUP.smoke:
-        # Positions past the tiny configs' 128: a PREFILL-token prompt and then decode steps.
-        long = {"num_hidden_layers": 4, "vocab_size": 512, "max_position_embeddings": 2048}
-        smoke = {
-            "llama": lambda: tiny_llama_config(**long),
-            "bloom": lambda: tiny_bloom_config(n_layer=4, vocab_size=512),
-            "falcon": lambda: tiny_falcon_config(**long),
-            "mixtral": lambda: tiny_mixtral_config(**long),
-        }
-        config = smoke[family]()
-    else:
-        full = {
-            "llama": tinyllama_1b_config,
-            "bloom": bloom_560m_config,
-            "falcon": lambda: tiny_falcon_config(
-                hidden_size=2048,
-                num_attention_heads=32,
-                num_kv_heads=4,
-                num_hidden_layers=22,
-                vocab_size=65024,
-                max_position_embeddings=2048,
-            ),
-            "mixtral": lambda: tiny_mixtral_config(
-                hidden_size=1024,
-                intermediate_size=3584,
-                num_attention_heads=16,
-                num_key_value_heads=4,
-                num_hidden_layers=16,
-                vocab_size=32000,
-                max_position_embeddings=2048,
-            ),
-        }
-        config = full[family]()
-    return config, AutoModelForCausalLM.from_config
-
-
-def _make_checkpoint(family: str, folder: Path) -> Any:
-    """Random fp32 weights made on the GPU, saved in shards; returns the model (fp32, GPU)."""
-    config, make_model = _family_model(family)
-    torch.manual_seed(0)
-    with torch.device(SETUP.device):
-        model = make_model(config)
-    model.eval().requires_grad_(False)
-    model.save_pretrained(folder, max_shard_size="1GB")
-    return model
-
-
-async def _swarm(families: list[str]) -> dict[str, Any]:
-    from petals_core.testing import open_local_swarm
-
-    results: dict[str, Any] = {}
-    with tempfile.TemporaryDirectory() as scratch:
-        models = {}
-        folders = {}
-        for family in families:
-            folders[family] = Path(scratch) / f"{family}-bench"
-            started = time.monotonic()
-            models[family] = _make_checkpoint(family, folders[family])
-            results[f"{family}_checkpoint_s"] = time.monotonic() - started
-        async with contextlib.AsyncExitStack() as stack:
-            swarms = {}
-            for family in families:
-                swarms[family] = await stack.enter_async_context(
-                    open_local_swarm(str(folders[family]), [], env={"OMP_NUM_THREADS": "2"})
-                )
-            started = time.monotonic()
-            with trio.fail_after(SWARM_START_TIMEOUT_S):
-                async with trio.open_nursery() as nursery:
-                    for family in families:
-                        blocks = models[family].config.num_hidden_layers
-                        for variant in SETUP.variants:
-                            dtype, quant = VARIANTS[variant]
-                            for span in ((0, blocks // 2), (blocks // 2, blocks)):
-                                args = ["--block_indices", f"{span[0]}:{span[1]}",
-                                        "--throughput", "1", "--device", SETUP.device,
-                                        "--torch_dtype", dtype, "--quant_type", quant,
-                                        "--dht_prefix", f"{family}-{variant}"]  # fmt: skip
-                                nursery.start_soon(
-                                    swarms[family].add_server, str(folders[family]), args
-                                )
-            results["servers_start_s"] = time.monotonic() - started
-            count = 2 * len(families) * len(SETUP.variants)
-            print(f"{count} servers up in {results['servers_start_s']:.1f} s", flush=True)
-            for family in families:
-                peers = swarms[family].initial_peers
-                results[family] = await trio.to_thread.run_sync(
-                    _measure_family, family, folders[family], models[family], peers
-                )
-                results[family]["concurrency"] = await _concurrency(
-                    family, peers, models[family].config
-                )
-                results[family]["servers"] = await _server_info(swarms[family])
-                _print_family(family, results[family])
-                models[family] = None
-                if SETUP.device == "cuda":
-                    torch.cuda.empty_cache()
-    return results
-
-
-def _measure_family(family: str, folder: Path, reference: Any, peers: list[str]) -> dict[str, Any]:
-    results: dict[str, Any] = {"fp32": _fp32_check(family, folder, reference, peers)}
-    for variant in SETUP.variants[1:]:
-        try:
-            results[variant] = _speed(family, folder, reference, peers, variant)
-        except Exception:
-            results[variant] = {"error": traceback.format_exc()}
-            print(results[variant]["error"], flush=True)
-    return results
-
-
-def _client(folder: Path, peers: list[str], prefix: str, dtype: torch.dtype) -> Any:
-    from petals_core import AutoDistributedModelForCausalLM
-
-    model = AutoDistributedModelForCausalLM.from_pretrained(
-        str(folder), initial_peers=peers, dht_prefix=prefix, torch_dtype=dtype
-    )
-    return model.to(SETUP.device).eval()
-
-
-def _fp32_check(family: str, folder: Path, reference: Any, peers: list[str]) -> dict[str, Any]:
-    client = _client(folder, peers, f"{family}-fp32", torch.float32)
-    vocab = reference.config.vocab_size
-    generator = torch.Generator().manual_seed(1)
-    ids = torch.randint(0, vocab, (1, PROMPT), generator=generator).to(SETUP.device)
-    with torch.no_grad():
-        ours = client(ids).logits.float()
-        expected = reference(ids).logits.float()
-    greedy = {"max_new_tokens": GREEDY_TOKENS, "min_new_tokens": GREEDY_TOKENS, "do_sample": False}
-    ours_tokens = client.generate(ids, **greedy)
-    expected_tokens = reference.generate(ids, **greedy)
-    return {
-        "logits_max_abs_diff": (ours - expected).abs().max().item(),
-        "logits_scale": expected.abs().max().item(),
-        "greedy_equal": bool(torch.equal(ours_tokens.cpu(), expected_tokens.cpu())),
-        "greedy_tokens": GREEDY_TOKENS,
-    }
-
-
-def _hf_model(family: str, folder: Path, reference: Any, variant: str) -> Any:
-    """transformers' own model of the variant on the GPU."""
-    if variant == "bf16":
-        return _copy_to(reference, torch.bfloat16)
-    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
-
-    quantization = (
-        BitsAndBytesConfig(
-            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.bfloat16
-        )
-        if variant == "nf4"
-        else BitsAndBytesConfig(load_in_8bit=True)
-    )
-    return AutoModelForCausalLM.from_pretrained(
-        str(folder), quantization_config=quantization, dtype=torch.bfloat16, device_map={"": 0}
-    ).eval()
-
-
-def _copy_to(model: Any, dtype: torch.dtype) -> Any:
-    import copy
-
-    return copy.deepcopy(model).to(dtype)
-
-
-def _speed(
-    family: str, folder: Path, reference: Any, peers: list[str], variant: str
-) -> dict[str, Any]:
-    client = _client(folder, peers, f"{family}-{variant}", torch.bfloat16)
-    vocab = reference.config.vocab_size
-    generator = torch.Generator().manual_seed(2)
-    ids = torch.randint(0, vocab, (1, PREFILL), generator=generator).to(SETUP.device)
-    ours = _time_swarm(client, ids)
-    del client
-    hf = _hf_model(family, folder, reference, variant)
-    theirs = _time_transformers(hf, ids)
-    del hf
-    if SETUP.device == "cuda":
-        torch.cuda.empty_cache()
-    return {"ours": ours, "transformers": theirs}
-
-
-def _synchronized() -> float:
-    if SETUP.device == "cuda":
-        torch.cuda.synchronize()
-    return time.perf_counter()
-
-
-def _time_swarm(client: Any, ids: torch.Tensor) -> dict[str, Any]:
-    prefill_ms = []
-    decode_ms = []
-    with (
-        torch.no_grad(),
-        client.inference_session(max_length=PREFILL + DECODE_WARMUP + DECODE_TOKENS + 1) as session,
-    ):
-        client(ids[:, :1])  # opens the route (connections, server sessions)
-        for _ in range(PREFILL_REPEATS):
-            session.position = 0
-            started = _synchronized()
-            logits = client(ids).logits
-            prefill_ms.append((_synchronized() - started) * 1e3)
-        token = logits[:, -1:].argmax(-1)
-        for index in range(DECODE_WARMUP + DECODE_TOKENS):
-            started = _synchronized()
-            token = client(token).logits[:, -1:].argmax(-1)
-            elapsed = (_synchronized() - started) * 1e3
-            if index >= DECODE_WARMUP:
-                decode_ms.append(elapsed)
-    return _timings(prefill_ms, decode_ms)
-
-
-def _time_transformers(model: Any, ids: torch.Tensor) -> dict[str, Any]:
-    from petals_core._hf_compat import CACHE_ARG, cache_kwargs
-
-    prefill_ms = []
-    decode_ms = []
-    with torch.no_grad():
-        model(ids[:, :8])  # warm-up: kernels, allocator
-        for _ in range(PREFILL_REPEATS):
-            started = _synchronized()
-            output = model(ids, use_cache=True)
-            prefill_ms.append((_synchronized() - started) * 1e3)
-        past = getattr(output, CACHE_ARG)
-        token = output.logits[:, -1:].argmax(-1)
-        for index in range(DECODE_WARMUP + DECODE_TOKENS):
-            started = _synchronized()
-            output = model(token, use_cache=True, **cache_kwargs(past))
-            past = getattr(output, CACHE_ARG)
-            token = output.logits[:, -1:].argmax(-1)
-            elapsed = (_synchronized() - started) * 1e3
-            if index >= DECODE_WARMUP:
-                decode_ms.append(elapsed)
-    return _timings(prefill_ms, decode_ms)
-
-
-def _timings(prefill_ms: list[float], decode_ms: list[float]) -> dict[str, Any]:
-    return {
-        "prefill_ms": statistics.median(prefill_ms),
-        "decode_ms": statistics.median(decode_ms),
-        "decode_p90_ms": sorted(decode_ms)[int(0.9 * (len(decode_ms) - 1))],
-        "decode_samples": len(decode_ms),
-    }
-
-
-async def _concurrency(family: str, peers: list[str], config: Any) -> list[dict[str, Any]]:
-    """Sessions stepping at once through the bf16 swarm: total tokens per second."""
-    from petals_core.client import RemoteSequential
-    from petals_core.routing import RemoteSequenceManager, SequenceManagerConfig
-
-    manager = RemoteSequenceManager(
-        SequenceManagerConfig(initial_peers=tuple(peers), dht_prefix=f"{family}-bf16"),
-        config.num_hidden_layers,
-    )
-    results = []
-    async with RemoteSequential(manager) as remote:
-        for count in SETUP.concurrency:
-            async with contextlib.AsyncExitStack() as stack:
-                sessions = [
-                    await stack.enter_async_context(
-                        remote.open_inference_session(max_length=8 + CONCURRENT_STEPS + 1)
-                    )
-                    for _ in range(count)
-                ]
-                prompt = torch.randn(1, 8, config.hidden_size, dtype=torch.bfloat16)
-                async with trio.open_nursery() as nursery:
-                    for session in sessions:
-                        nursery.start_soon(_steps, session, prompt, 1)
-                token = torch.randn(1, 1, config.hidden_size, dtype=torch.bfloat16)
-                started = trio.current_time()
-                cpu = time.process_time()
-                async with trio.open_nursery() as nursery:
-                    for session in sessions:
-                        nursery.start_soon(_steps, session, token, CONCURRENT_STEPS)
-                seconds = trio.current_time() - started
-                results.append(
-                    {
-                        "sessions": count,
-                        "tokens": count * CONCURRENT_STEPS,
-                        "seconds": seconds,
-                        "tokens_per_s": count * CONCURRENT_STEPS / seconds,
-                        "client_cpu_fraction": (time.process_time() - cpu) / seconds,
-                    }
-                )
-    return results
-
-
-async def _steps(session: Any, hidden: torch.Tensor, count: int) -> None:
-    for _ in range(count):
-        await session.step(hidden)
-
-
-async def _server_info(swarm: Any) -> list[dict[str, Any]]:
-    from petals_core.protocol import INFO
-    from petals_core.transport import call_unary, open_node
-
-    infos = []
-    async with open_node() as node:
-        for server in swarm.servers:
-            connection = await node.connect(server.address)
-            info = await call_unary(connection, INFO, {})
-            infos.append(
-                {
-                    "blocks": f"{info['start_block']}:{info['end_block']}",
-                    "dtype": info["torch_dtype"],
-                    "device_memory_reserved_gib": (info.get("device_memory_reserved_bytes") or 0)
-                    / 2**30,
-                    "decode_graphs": info.get("decode_graphs"),
-                    "prefix": next(
-                        (line.rsplit("prefix ", 1)[-1].rstrip(")") for line in server.output
-                         if "prefix " in line), None,
-                    ),
-                }
-            )  # fmt: skip
-    return infos
-
-
-def _print_family(family: str, results: dict[str, Any]) -> None:
-    fp32 = results["fp32"]
-    print_table(
-        f"{family}: fp32 swarm against transformers on the GPU",
-        ["logits max |diff|", "logits scale", "greedy tokens equal"],
-        [[fp32["logits_max_abs_diff"], fp32["logits_scale"], fp32["greedy_equal"]]],
-    )
-    rows = []
-    for variant in SETUP.variants[1:]:
-        entry = results.get(variant, {})
-        if "error" in entry:
-            rows.append([variant, "error", None, None, None, None])
-            continue
-        ours, theirs = entry["ours"], entry["transformers"]
-        rows.append([variant, ours["decode_ms"], theirs["decode_ms"],
-                     theirs["decode_ms"] / ours["decode_ms"], ours["prefill_ms"],
-                     theirs["prefill_ms"]])  # fmt: skip
-    print_table(
-        f"{family}: 2 servers on this GPU, client on the GPU, ms (median)",
-        ["variant", "decode ours", "decode transformers", "speedup", "prefill 128 ours",
-         "prefill 128 transformers"],
-        rows,
-    )  # fmt: skip
-    concurrency = results["concurrency"]
-    one = concurrency[0]["tokens_per_s"]
-    print_table(
-        f"{family}: concurrent sessions (bf16)",
-        ["sessions", "tokens/s", "x one session", "client CPU"],
-        [[c["sessions"], c["tokens_per_s"], c["tokens_per_s"] / one, c["client_cpu_fraction"]]
-         for c in concurrency],
-    )  # fmt: skip
-    print_table(
-        f"{family}: servers",
-        ["prefix", "blocks", "dtype", "GPU GiB reserved", "graphs", "replays", "declined"],
-        [[s["prefix"], s["blocks"], s["dtype"], s["device_memory_reserved_gib"],
-          (s["decode_graphs"] or {}).get("graphs"), (s["decode_graphs"] or {}).get("replays"),
-          (s["decode_graphs"] or {}).get("declined")]
-         for s in results["servers"]],
-    )  # fmt: skip
-
-
-# -- kernels and transport -----------------------------------------------------------------------
-
-
-def _kernels() -> dict[str, Any]:
     from . import kernels_cuda
 
-    return kernels_cuda.measure(torch.device("cuda"))
+    kernels_cuda.measure(torch.device(plan.device), record=record)
 
 
-def _api() -> dict[str, Any] | None:
-    """The OpenAI endpoint (:mod:`bench.api`) in front of 2 servers of a random TinyLlama-shaped
-    model on this GPU, the endpoint's layers on it too: HTTP against ``generate()`` per token,
-    and 1, 4 and 8 concurrent requests."""
-    from . import api
+def _swarm(plan: Plan, family: str, record: Callable[[dict[str, Any]], None]) -> None:
+    from . import _gpu_swarm
 
-    return api.main(["--device", "cuda", "--random"])
+    setup = _gpu_swarm.SwarmSetup(
+        device=plan.device,
+        family=family,
+        variants=plan.variants,
+        concurrency=DRY_CONCURRENCY if plan.dry else CONCURRENCY,
+        dry=plan.dry,
+    )
+    measured: dict[str, Any] = {}
+
+    def keep(part: dict[str, Any]) -> None:
+        measured.update(part)
+        record(part)
+
+    _gpu_swarm.run(setup, keep)
+    _gpu_swarm.print_family(setup, measured)
 
 
-def _transport() -> dict[str, Any]:
-    """The transport benchmark (its quick sizes), then again without UDP offload."""
+def _transport(plan: Plan, record: Callable[[dict[str, Any]], None]) -> None:
     from . import transport
 
-    results = transport.measure(quick=True)
+    results = transport.measure(quick=True, tiny=plan.dry)
     transport.report(results)
     rows = results["rows"]
     results["headline"] = {
@@ -611,83 +427,175 @@ def _transport() -> dict[str, Any]:
         "bulk_1452_mb_s": rows["bulk, 1452 B datagrams, MB/s"]["quic"],
         "bulk_16k_mb_s": rows["bulk, 16 KiB datagrams, MB/s"]["quic"],
     }
-    try:
-        without = transport.measure(quick=True, offload=False)
-        results["quick_without_offload"] = {"rows": without["rows"], "host": without["host"]}
-    except Exception:
-        results["quick_without_offload"] = {"error": traceback.format_exc()}
-    return results
+    record(results)
+
+
+def _api(plan: Plan, record: Callable[[dict[str, Any]], None]) -> None:
+    from . import api
+
+    argv = ["--device", plan.device, "--random"] + (["--smoke"] if plan.dry else [])
+    report = api.main(argv)
+    if report is not None:
+        record(report)
 
 
 # -- targets -------------------------------------------------------------------------------------
 
+#: A target's measurement: (ours, the baseline in the same unit or None, met); a KeyError,
+#: IndexError, TypeError or StopIteration while reading it means it was not measured.
+Reading = Callable[[], tuple[float, float | None, bool]]
 
-def _judge(results: dict[str, Any]) -> list[dict[str, Any]]:
-    """Each target with what was measured; also recorded for the summary table."""
-    verdicts: list[dict[str, Any]] = []
 
-    def judge(what: str, ours: float, target: str, met: bool, **extra: Any) -> None:
-        summarize("gpu", what, ours, extra.get("baseline"), unit=extra.get("unit", ""),
-                  target=target, met=met)  # fmt: skip
-        verdicts.append({"what": what, "ours": ours, "target": target, "met": met, **extra})
+def _data(results: dict[str, Any], phase: str) -> dict[str, Any]:
+    data: dict[str, Any] = results["phases"][phase]["data"]
+    return data
 
-    with _ignoring_missing():
-        for shape in results["kernels"]["decode_attention"]:
-            name = f"B{shape['batch']} S{shape['length']}"
-            fastest_sdpa = min(shape["graph_sdpa_us"], shape["eager_sdpa_us"])
-            judge(f"decode attention {name}, graph rows vs SDPA", shape["graph_rows_us"],
-                  "<= SDPA", shape["graph_rows_us"] <= fastest_sdpa, baseline=fastest_sdpa,
-                  unit="us")  # fmt: skip
-            if (shape["batch"], shape["length"]) == (8, 16384) and shape[
-                "graph_rows_peak_fraction"
-            ] is not None:
-                fraction = shape["graph_rows_peak_fraction"]
-                target = ATTENTION_SHAPES_TARGET
-                judge("decode attention B8 S16k, fraction of peak", fraction, f">= {target}",
-                      fraction >= target)  # fmt: skip
-    with _ignoring_missing():
-        llama = results["swarm"]["llama"]
-        ours = llama["bf16"]["ours"]["decode_ms"]
-        theirs = llama["bf16"]["transformers"]["decode_ms"]
-        judge("TinyLlama bf16 decode ms/token", ours, f"<= {DECODE_TARGET_MS}",
-              ours <= DECODE_TARGET_MS, unit="ms")  # fmt: skip
-        judge("TinyLlama bf16 decode vs transformers", ours / theirs, "<= 0.25",
-              ours / theirs <= 0.25, baseline=theirs, unit="ratio")  # fmt: skip
-    for family in FAMILIES:
-        with _ignoring_missing():
-            swarm = results["swarm"][family]
-            concurrency = {c["sessions"]: c["tokens_per_s"] for c in swarm["concurrency"]}
-            ratio = concurrency[32] / concurrency[1]
-            judge(f"{family} 32 sessions vs one, tokens/s", ratio, ">= 15", ratio >= 15,
-                  unit="x")  # fmt: skip
-            fp32 = swarm["fp32"]
-            judge(f"{family} fp32 logits max |diff|", fp32["logits_max_abs_diff"], "<= 1e-4",
-                  fp32["logits_max_abs_diff"] <= 1e-4)  # fmt: skip
-            judge(f"{family} fp32 greedy tokens equal", float(fp32["greedy_equal"]), "equal",
-                  fp32["greedy_equal"])  # fmt: skip
-    with _ignoring_missing():
-        transport = results["transport"]["headline"]
-        rtt_ratio = transport["rtt_quic_ms"] / transport["rtt_tcp_ms"]
-        judge("transport RTT, QUIC / trio TCP", rtt_ratio, "<= 3", rtt_ratio <= 3, unit="x")
-        judge("transport bulk at 1452 B", transport["bulk_1452_mb_s"], ">= 60",
-              transport["bulk_1452_mb_s"] >= 60, unit="MB/s")  # fmt: skip
-        judge("transport bulk at 16 KiB", transport["bulk_16k_mb_s"], ">= 400",
-              transport["bulk_16k_mb_s"] >= 400, unit="MB/s")  # fmt: skip
-    print_table(
-        "targets",
-        ["what", "ours", "target", "met"],
-        [[v["what"], v["ours"], v["target"], "yes" if v["met"] else "NO"] for v in verdicts],
-    )
+
+def targets(plan: Plan) -> Iterator[tuple[str, str, str, Callable[[dict[str, Any]], Any]]]:
+    """Every target ``plan`` can judge: (what, target in words, unit, reading of the results)."""
+    if "tests" in plan.phases:
+
+        def tests(results: dict[str, Any]) -> tuple[float, float | None, bool]:
+            counts = _data(results, "tests")["counts"]
+            bad = counts["failed"] + counts["error"]
+            if counts["passed"] == 0 and bad == 0:
+                raise KeyError("no CUDA test ran")
+            code = _data(results, "tests")["exit_code"]
+            return float(bad), None, bad == 0 and code == 0
+
+        yield "CUDA tests failing", "0", "tests", tests
+    if "kernels" in plan.phases:
+
+        def parity(results: dict[str, Any]) -> tuple[float, float | None, bool]:
+            rows = _data(results, "kernels")["parity"]
+            bad = sum(not row["ok"] for row in rows)
+            return float(bad), None, bad == 0 and len(rows) > 0
+
+        yield "kernel parity rows off their bound", "0", "rows", parity
+        for batch in ATTENTION_BATCHES:
+            for length in ATTENTION_LENGTHS:
+
+                def attention(
+                    results: dict[str, Any], batch: int = batch, length: int = length
+                ) -> tuple[float, float | None, bool]:
+                    shape = next(
+                        s
+                        for s in _data(results, "kernels")["decode_attention"]
+                        if (s["batch"], s["length"]) == (batch, length)
+                    )
+                    sdpa = min(shape["graph_sdpa_us"], shape["eager_sdpa_us"])
+                    return shape["graph_rows_us"], sdpa, shape["graph_rows_us"] <= sdpa
+
+                name = f"decode attention B{batch} S{length // 1024}k, graph rows vs SDPA"
+                yield name, "<= SDPA", "us", attention
+
+        def peak(results: dict[str, Any]) -> tuple[float, float | None, bool]:
+            shape = next(
+                s
+                for s in _data(results, "kernels")["decode_attention"]
+                if (s["batch"], s["length"]) == (8, 16384)
+            )
+            fraction = float(shape["graph_rows_peak_fraction"])
+            return fraction, None, fraction >= PEAK_FRACTION_TARGET
+
+        yield "decode attention B8 S16k, fraction of peak", f">= {PEAK_FRACTION_TARGET}", "", peak
+    for family in plan.families:
+        phase = f"swarm-{family}"
+        if phase not in plan.phases:
+            continue
+        if family == "llama" and "bf16" in plan.variants:
+
+            def decode(results: dict[str, Any]) -> tuple[float, float | None, bool]:
+                ours = _data(results, "swarm-llama")["bf16"]["ours"]["decode_ms"]
+                return ours, None, ours <= DECODE_TARGET_MS
+
+            def versus(results: dict[str, Any]) -> tuple[float, float | None, bool]:
+                bf16 = _data(results, "swarm-llama")["bf16"]
+                ours, theirs = bf16["ours"]["decode_ms"], bf16["transformers"]["decode_ms"]
+                return ours / theirs, None, ours <= DECODE_VS_TRANSFORMERS * theirs
+
+            yield "TinyLlama bf16 decode ms/token", f"<= {DECODE_TARGET_MS}", "ms", decode
+            yield (
+                "TinyLlama bf16 decode vs transformers eager",
+                f"<= {DECODE_VS_TRANSFORMERS}",
+                "ratio",
+                versus,
+            )
+        if "bf16" in plan.variants:
+
+            def sessions(
+                results: dict[str, Any], phase: str = phase
+            ) -> tuple[float, float | None, bool]:
+                rates = {
+                    c["sessions"]: c["tokens_per_s"] for c in _data(results, phase)["concurrency"]
+                }
+                ratio = rates[32] / rates[1]
+                return ratio, None, ratio >= SESSIONS_SPEEDUP
+
+            yield f"{family}: 32 sessions vs one, tokens/s", f">= {SESSIONS_SPEEDUP}", "x", sessions
+
+        def logits(results: dict[str, Any], phase: str = phase) -> tuple[float, float | None, bool]:
+            diff = _data(results, phase)["fp32"]["logits_max_abs_diff"]
+            return diff, None, diff <= LOGITS_TOLERANCE
+
+        def greedy(results: dict[str, Any], phase: str = phase) -> tuple[float, float | None, bool]:
+            equal = bool(_data(results, phase)["fp32"]["greedy_equal"])
+            return float(equal), None, equal
+
+        yield f"{family}: fp32 logits max |diff|", f"<= {LOGITS_TOLERANCE}", "", logits
+        yield f"{family}: fp32 greedy tokens equal", "equal", "", greedy
+    if "transport" in plan.phases:
+
+        def rtt(results: dict[str, Any]) -> tuple[float, float | None, bool]:
+            headline = _data(results, "transport")["headline"]
+            ratio = headline["rtt_quic_ms"] / headline["rtt_tcp_ms"]
+            return ratio, None, ratio <= RTT_RATIO
+
+        yield "transport RTT, QUIC / trio TCP", f"<= {RTT_RATIO}", "x", rtt
+    if "api" in plan.phases:
+
+        def per_token(results: dict[str, Any]) -> tuple[float, float | None, bool]:
+            ms = _data(results, "api")["per_token_ms"]
+            ratio = ms["http_stream"] / ms["generate"]
+            return ratio, None, ratio <= API_PER_TOKEN
+
+        def concurrent(results: dict[str, Any]) -> tuple[float, float | None, bool]:
+            rates = _data(results, "api")["concurrency"]
+            ratio = rates["8"]["tokens_per_s"] / rates["1"]["tokens_per_s"]
+            return ratio, None, ratio >= API_SPEEDUP
+
+        yield "api: ms/token, HTTP streaming vs generate()", f"<= {API_PER_TOKEN}", "x", per_token
+        yield "api: tokens/s, 8 concurrent requests vs 1", f">= {API_SPEEDUP}", "x", concurrent
+
+
+def judge(plan: Plan, results: dict[str, Any]) -> list[dict[str, Any]]:
+    """Each target of ``plan``: MET, NOT MET, or NOT MEASURED (its phase failed, was killed or
+    did not run, or measured something else), with what was measured."""
+    verdicts = []
+    for what, target, unit, reading in targets(plan):
+        try:
+            ours, baseline, met = reading(results)
+        except (KeyError, IndexError, TypeError, StopIteration, ZeroDivisionError):
+            verdicts.append({"what": what, "target": target, "status": "NOT MEASURED"})
+            continue
+        status = "MET" if met else "NOT MET"
+        verdicts.append(
+            {"what": what, "target": target, "status": status, "ours": ours, "baseline": baseline}
+        )
+        summarize("gpu", what, ours, baseline, unit=unit, target=target, met=met)
     return verdicts
 
 
-@contextlib.contextmanager
-def _ignoring_missing() -> Iterator[None]:
-    """A phase that failed or was not run leaves its targets unjudged."""
-    try:
-        yield
-    except (KeyError, TypeError, ZeroDivisionError):
-        pass
+def _print_targets(verdicts: list[dict[str, Any]]) -> None:
+    print_table(
+        "targets",
+        ["what", "ours", "baseline", "target", "status"],
+        [[v["what"], v.get("ours"), v.get("baseline"), v["target"], v["status"]]
+         for v in verdicts],
+    )  # fmt: skip
+    counts = {s: sum(v["status"] == s for v in verdicts) for s in ("MET", "NOT MET")}
+    unmeasured = len(verdicts) - counts["MET"] - counts["NOT MET"]
+    print(f"targets: {counts['MET']} MET, {counts['NOT MET']} NOT MET, {unmeasured} NOT MEASURED")
 
 
 if __name__ == "__main__":

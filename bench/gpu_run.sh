@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # On a CUDA machine with no network: install the wheels from .whl/ (bench/gpu_wheels.sh) into
-# /tmp/site, run `python -m bench gpu`, and copy its JSON and log into $OUT when that is set.
+# /tmp/site and run `python -m bench gpu` (extra arguments go to it).  With $OUT set (a lent GPU
+# machine's folder of files that come back), the JSON and the log are written there as the run
+# goes, so a run cut short still returns what it measured; else under bench/results.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD" PYTHONUNBUFFERED=1
@@ -9,11 +11,8 @@ if [ -d .whl ]; then
         --target /tmp/site .whl/*.whl || exit 1
     export PYTHONPATH="/tmp/site:$PWD"
 fi
-log="${OUT:-bench/results}/gpu.log"
-mkdir -p "$(dirname "$log")" bench/results
-python3 -m bench gpu 2>&1 | tee "$log"
-status=${PIPESTATUS[0]}
-if [ -n "${OUT:-}" ]; then
-    cp bench/results/gpu.json bench/results/summary.json "$OUT"/ 2>/dev/null
-fi
-exit "$status"
+results="${OUT:-$PWD/bench/results}"
+mkdir -p "$results"
+export BENCH_RESULTS="$results"
+python3 -m bench gpu "$@" 2>&1 | tee "$results/gpu.log"
+exit "${PIPESTATUS[0]}"

@@ -14,6 +14,8 @@ download() {
 }
 download trio outcome sniffio 'aioquic>=1.7,<1.8' pylsqpack pyopenssl service-identity pyasn1 \
     pyasn1-modules cryptography cffi pycparser cbor2 gguf pytest-trio 'bitsandbytes>=0.50'
+# The transformers the project is developed with (a machine may have an older one).
+download 'transformers==5.24.0'
 # The HTTP stack of the endpoint (bench api): pure-Python wheels.
 download hypercorn h2 hpack hyperframe priority wsproto starlette sse-starlette anyio idna
 du -sh .whl

@@ -76,6 +76,9 @@ FULL = Sizes(rtt_rounds=2000, handshakes=30, bulk_bytes=64 << 20, parallel_bytes
 
 QUICK = Sizes(rtt_rounds=500, handshakes=10, bulk_bytes=16 << 20, parallel_bytes=1 << 20)
 
+#: A check of the benchmark itself (its numbers mean little): ``bench gpu --dry-run``.
+TINY = Sizes(rtt_rounds=50, handshakes=2, bulk_bytes=2 << 20, parallel_bytes=1 << 20)
+
 
 @attrs.define
 class Results:
@@ -292,9 +295,11 @@ async def _udp_client(address: str, sizes: Sizes) -> dict[str, Any]:
     return plain | {"rtt_with_work_ms": working["rtt_ms"]}
 
 
-def measure(*, quick: bool = False, offload: bool = True) -> dict[str, Any]:
-    """Run every part; the results as one JSON-ready dict (what :func:`report` prints)."""
-    sizes = QUICK if quick else FULL
+def measure(*, quick: bool = False, offload: bool = True, tiny: bool = False) -> dict[str, Any]:
+    """Run every part; the results as one JSON-ready dict (what :func:`report` prints).
+    ``tiny``: the fewest rounds and bytes that exercise every part (implies ``quick``)."""
+    quick = quick or tiny
+    sizes = TINY if tiny else QUICK if quick else FULL
     flag = "offload" if offload else "no-offload"
     servers = {
         "tcp": Server("tcp"),
