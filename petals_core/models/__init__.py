@@ -35,7 +35,10 @@ from ._lora import (
     add_adapter as add_adapter,
     using_adapter as using_adapter,
 )
-from ._lora_loading import load_lora_adapter as load_lora_adapter
+from ._lora_loading import (
+    adapter_nbytes_per_block as adapter_nbytes_per_block,
+    load_lora_adapter as load_lora_adapter,
+)
 from ._quantize import (
     QuantType as QuantType,
     quantize_block as quantize_block,

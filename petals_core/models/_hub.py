@@ -2,14 +2,15 @@
 
 A :class:`HubRepo` resolves its revision to a commit once (``HfApi.resolve_revision``); every file
 then comes from that commit through ``hf_hub_download``, with its cache, its offline mode
-(``HF_HUB_OFFLINE``, ``local_files_only``) and its endpoint (``HF_ENDPOINT``).
+(``HF_HUB_OFFLINE``, ``local_files_only``) and its endpoint (``HF_ENDPOINT``).  With a disk budget
+(``max_disk_space``), a load makes room for the files it lacks first (:mod:`._disk`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterable, Iterator
+from collections.abc import Collection, Iterable, Iterator
 from pathlib import Path
 
 import attrs
@@ -17,7 +18,10 @@ from huggingface_hub import (
     _CACHED_NO_EXIST,
     HfApi,
     ResolvedRevision,
+    constants,
+    get_hf_file_metadata,
     hf_hub_download,
+    hf_hub_url,
     is_offline_mode,
     try_to_load_from_cache,
 )
@@ -35,6 +39,7 @@ from huggingface_hub.errors import (
 from safetensors import SafetensorError
 
 from .._errors import CheckpointError
+from ._disk import cache_lock, make_room
 
 __all__ = ["HubAccess", "HubRepo", "hub_errors", "unreadable"]
 
@@ -42,12 +47,14 @@ __all__ = ["HubAccess", "HubRepo", "hub_errors", "unreadable"]
 @attrs.frozen(kw_only=True)
 class HubAccess:
     """How to get a repo's files, as ``hf_hub_download`` takes it: the revision (None: the main
-    branch), the token, the cache folder, and whether to use the local cache only."""
+    branch), the token, the cache folder, and whether to use the local cache only; and the most
+    bytes the repo's files may take in the cache (None: no limit, nothing deleted)."""
 
     revision: str | None = None
     token: str | bool | None = None
     cache_dir: str | os.PathLike[str] | None = None
     local_files_only: bool = False
+    max_disk_space: int | None = None
 
 
 @attrs.frozen(kw_only=True)
@@ -61,6 +68,7 @@ class HubRepo:
     token: str | bool | None
     #: Files come from the local cache only.
     offline: bool
+    max_disk_space: int | None = None
 
     @classmethod
     def resolve(cls, repo_id: str, access: HubAccess, *, what: str) -> HubRepo:
@@ -81,6 +89,7 @@ class HubRepo:
             cache_dir=cache,
             token=token,
             offline=offline,
+            max_disk_space=access.max_disk_space,
         )
 
     def fetch(self, filename: str) -> Path:
@@ -95,6 +104,43 @@ class HubRepo:
                 local_files_only=self.offline,
             )
         return Path(str(path))
+
+    @contextlib.contextmanager
+    def loading(self, filenames: Collection[str]) -> Iterator[None]:
+        """While ``filenames`` are fetched and read.  With a disk budget: hold the cache's lock
+        (no other load deletes anything meanwhile), and make room for the files not cached yet
+        (their sizes asked of the Hub) by deleting the repo's least recently used weight files,
+        never these."""
+        if self.max_disk_space is None or self.offline:
+            yield
+            return
+        folder = self.cache_dir or Path(constants.HF_HUB_CACHE)
+        with cache_lock(folder):
+            missing = [name for name in filenames if not self._cached(name)]
+            if missing:
+                with hub_errors(self.source):
+                    nbytes = sum(
+                        get_hf_file_metadata(
+                            hf_hub_url(self.repo_id, name, revision=self.revision.resolved),
+                            token=self.token,
+                        ).size
+                        or 0
+                        for name in missing
+                    )
+                make_room(
+                    self.repo_id,
+                    folder,
+                    nbytes,
+                    budget=self.max_disk_space,
+                    keep=frozenset(filenames),
+                )
+            yield
+
+    def _cached(self, filename: str) -> bool:
+        cached = try_to_load_from_cache(
+            self.repo_id, filename, cache_dir=self.cache_dir, revision=self.revision.resolved
+        )
+        return isinstance(cached, str)
 
     def cached_as_absent(self, filename: str) -> bool:
         """Whether the cache remembers that the commit lacks ``filename``."""

@@ -21,10 +21,12 @@ saved from ``BloomModel`` and lack the ``transformer.`` part (``h.N.``, ``word_e
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
+from contextlib import AbstractContextManager
 from pathlib import Path
 
 import attrs
@@ -134,13 +136,16 @@ def load_blocks(
     cache_dir: str | os.PathLike[str] | None = None,
     local_files_only: bool = False,
     dtype: torch.dtype | None = None,
+    max_disk_space: int | None = None,
 ) -> dict[int, dict[str, torch.Tensor]]:
     """The state dicts of several blocks (e.g. ``range(2, 4)``), keyed by block index.
 
     Only the shards holding these blocks are downloaded and opened, each once.
     ``model_name_or_path`` is a Hub repo id or a local folder; ``revision``, ``token``,
     ``cache_dir`` and ``local_files_only`` mean what they mean to ``hf_hub_download``. ``config``
-    gives the family (``model_type``) and the number of blocks.
+    gives the family (``model_type``) and the number of blocks.  With ``max_disk_space``, the
+    repo's files in the cache take at most that many bytes: the repo's least recently used
+    weight files (not these blocks') are deleted before a download would pass it.
 
     Raises :class:`CheckpointError` for an index out of range, a block missing from the checkpoint,
     a checkpoint without safetensors, or a Hub or cache failure.
@@ -155,7 +160,11 @@ def load_blocks(
                 f"(0..{num_blocks - 1})"
             )
     access = HubAccess(
-        revision=revision, token=token, cache_dir=cache_dir, local_files_only=local_files_only
+        revision=revision,
+        token=token,
+        cache_dir=cache_dir,
+        local_files_only=local_files_only,
+        max_disk_space=max_disk_space,
     )
     checkpoint, base = _open(model_name_or_path, layout, access)
     names_of = {
@@ -250,6 +259,10 @@ class _Checkpoint:
     source: str  # for messages: "folder '/x'" or "repo 'a/b' at revision 'main'"
     weight_map: Mapping[str, str]  # tensor name -> file name
     fetch: Callable[[str], Path]  # file name -> local path (downloading it if needed)
+    #: Around fetching and reading files: a repo's disk budget (HubRepo.loading).
+    loading: Callable[[Collection[str]], AbstractContextManager[None]] = attrs.field(
+        default=lambda files: contextlib.nullcontext()
+    )
 
     @classmethod
     def open(cls, model_name_or_path: str | os.PathLike[str], access: HubAccess) -> _Checkpoint:
@@ -289,6 +302,7 @@ class _Checkpoint:
                 source=source,
                 weight_map=_weight_map_untrusted(index_path.read_bytes(), source),
                 fetch=fetch,
+                loading=repo.loading,
             )
         try:
             single_path = fetch(SINGLE_FILE)
@@ -303,7 +317,7 @@ class _Checkpoint:
                 raise _no_safetensors(source, repo.present(_PICKLED_FILES)) from None
             raise
         weight_map = _single_file_weight_map(single_path, source)
-        return cls(source=source, weight_map=weight_map, fetch=fetch)
+        return cls(source=source, weight_map=weight_map, fetch=fetch, loading=repo.loading)
 
     def read(self, names: Iterable[str], *, dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
         """Read these tensors, opening each file that holds some of them once."""
@@ -311,23 +325,24 @@ class _Checkpoint:
         for name in names:
             names_in[self.weight_map[name]].append(name)
         tensors: dict[str, torch.Tensor] = {}
-        for filename, file_names in sorted(names_in.items()):
-            path = self.fetch(filename)
-            with (
-                unreadable(f"{self.source}, file {filename!r}"),
-                safe_open(path, framework="pt") as file,
-            ):
-                missing = set(file_names).difference(file.keys())
-                if missing:
-                    raise CheckpointError(
-                        f"{self.source}: the index places {sorted(missing)} in {filename!r}, "
-                        "which does not hold them"
-                    )
-                for name in file_names:
-                    tensor = file.get_tensor(name)
-                    if dtype is not None and tensor.is_floating_point():
-                        tensor = tensor.to(dtype)
-                    tensors[name] = tensor
+        with self.loading(names_in.keys()):
+            for filename, file_names in sorted(names_in.items()):
+                path = self.fetch(filename)
+                with (
+                    unreadable(f"{self.source}, file {filename!r}"),
+                    safe_open(path, framework="pt") as file,
+                ):
+                    missing = set(file_names).difference(file.keys())
+                    if missing:
+                        raise CheckpointError(
+                            f"{self.source}: the index places {sorted(missing)} in "
+                            f"{filename!r}, which does not hold them"
+                        )
+                    for name in file_names:
+                        tensor = file.get_tensor(name)
+                        if dtype is not None and tensor.is_floating_point():
+                            tensor = tensor.to(dtype)
+                        tensors[name] = tensor
         return tensors
 
 

@@ -175,6 +175,45 @@ def load_lora_adapter(
     )
 
 
+def adapter_nbytes_per_block(
+    name_or_path: str | os.PathLike[str],
+    *,
+    config: PreTrainedConfig,
+    dtype: torch.dtype,
+    revision: str | None = None,
+    token: str | bool | None = None,
+    cache_dir: str | os.PathLike[str] | None = None,
+    local_files_only: bool = False,
+) -> int:
+    """The most memory the adapter's weights take in one block of the model, in ``dtype``: its
+    rank times the inputs and outputs of each layer it adapts there.  Reads the adapter's config
+    only (the weights are fetched, not read); raises what :func:`load_lora_adapter` raises."""
+    from ._families import new_block
+
+    family = _FAMILIES.get(config.model_type)
+    if family is None:
+        raise AdapterError(f"cannot load adapters for model_type {config.model_type!r}")
+    family = family.for_config(config)
+    with _as_adapter_error():
+        access = HubAccess(
+            revision=revision, token=token, cache_dir=cache_dir, local_files_only=local_files_only
+        )
+        source, config_path, _ = _fetch(name_or_path, access)
+        lora = _parse_config_untrusted(config_path.read_bytes(), source)
+        targets = _targets(lora, family, config.num_hidden_layers, source)
+    with torch.device("meta"):
+        block = new_block(config, 0, purpose="size adapters")
+    most = 0
+    for paths in targets.values():
+        elements = 0
+        for path in paths:
+            linear = block.get_submodule(path)
+            assert isinstance(linear, torch.nn.Linear)
+            elements += lora.rank * (linear.in_features + linear.out_features)
+        most = max(most, elements)
+    return most * dtype.itemsize
+
+
 @contextlib.contextmanager
 def _as_adapter_error() -> Iterator[None]:
     try:

@@ -13,7 +13,6 @@ from typing import Any, TypeVar, get_args
 from .._cli import Refused, one_address
 from .._errors import InvalidMultiaddr
 from ..models import CpuDecodeChoice, QuantType
-from ._defaults import DEFAULT_ATTN_CACHE_TOKENS
 from ._handler import ServingLimits
 from ._server import SMOLLM2, ServerConfig
 
@@ -413,8 +412,8 @@ def build_parser() -> argparse.ArgumentParser:
     serving.add_argument(
         "--attn_cache_tokens",
         type=_positive_int,
-        help="attention cache, in tokens (positions of one row) per served block "
-        f"(default: {DEFAULT_ATTN_CACHE_TOKENS})",
+        help="attention cache, in tokens (positions of one row) per served block (default: "
+        "32768 for models with grouped-query attention, 8192 for others, as in Petals)",
     )
     serving.add_argument(
         "--max_batch_size",
@@ -442,9 +441,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serving.add_argument(
         "--inference_max_length",
-        **_defaulted(
-            _positive_int, limits.inference_max_length, "longest inference session, in tokens"
-        ),
+        type=_positive_int,
+        help="longest inference session, in tokens (default: 8192 for models with grouped-query "
+        "attention, 2048 for others, as in Petals)",
     )
     serving.add_argument(
         "--max_alloc_timeout",
@@ -486,11 +485,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--max_disk_space",
         type=parse_nbytes,
         metavar="SIZE",
-        help="refuse to start if downloading this server's shards would make the cache folder "
-        "exceed SIZE (e.g. 10GB, 500MB); the download is estimated as the checkpoint's size "
-        "times the fraction of blocks served; when it cannot be told beforehand (a single-file "
-        "checkpoint, or offline without the index cached), only the folder's current size is "
-        "checked (default: no limit)",
+        help="the model's files in the cache take at most SIZE (e.g. 10GB, 500MB): before a "
+        "download would pass it, the model's least recently used shards (not those being loaded) "
+        "are deleted, and the disk keeps 1 GiB free; a server that moves to other blocks stays "
+        "within it (default: no limit, nothing deleted)",
     )
     token = files.add_mutually_exclusive_group()
     token.add_argument("--token", help="Hugging Face token for private or gated repos")
@@ -557,6 +555,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         balance_quality=args.balance_quality,
         mean_balance_check_period_s=args.mean_balance_check_period,
         cache_dir=args.cache_dir,
+        max_disk_space=args.max_disk_space,
         token=args.token,
         revision=args.revision,
     )

@@ -10,7 +10,10 @@ does what its operator expects:
   transformers' and Petals' ``auto`` do; any other stored dtype (float32, or none) gives bfloat16;
 - ``quant_type=None``: nf4 on CUDA when bitsandbytes runs there, else none;
 - neither ``num_blocks`` nor ``block_indices``: on CUDA as many blocks as fit in the device's
-  free memory; elsewhere every block of the model.
+  free memory; elsewhere every block of the model;
+- ``attn_cache_tokens`` and ``inference_max_length``: 32768 and 8192 positions for a model with
+  grouped-query attention (its keys and values take a group's fraction of a head's), 8192 and
+  2048 for one without (BLOOM), as Petals sets them.
 
 The memory of a block is counted as Petals counts it, from the model's config, allocating
 nothing:
@@ -21,8 +24,16 @@ nothing:
   dtype's, and 1% more for quantisation state and tensor metadata;
 - attention cache: ``attn_cache_tokens`` positions of keys and values, what the server sets aside
   per block for sessions;
+- LoRA adapters: the weights an adapter adds to one block (its rank times the adapted layers'
+  inputs and outputs), for each adapter served;
 - once per server, a reserve for autograd (what a backward pass holds at once): 2 GiB at
-  BLOOM-176B's hidden size of 14336, in proportion to the hidden size for other models.
+  BLOOM-176B's hidden size of 14336, in proportion to the hidden size for other models;
+- once per server, what serving holds besides weights and caches, measured on the device before
+  choosing (:func:`measure_overhead`): one block is built there, takes a prefill step of
+  ``max_batch_tokens`` tokens (activations, the matmul library's workspace) and, with decode
+  graphs, warms up and captures them as a server does at load (the graphs' memory pool, the
+  attention kernels' partial results, the compiled kernels); the device's free memory before less
+  after, less the block's own weights and cache.
 
 Petals divides the device's total memory; we divide its free memory, so that what another server
 or program holds on the same GPU stays theirs.
@@ -44,13 +55,21 @@ import torch
 from transformers import PretrainedConfig
 
 from .._errors import ConfigError
-from ..models import Block, QuantType, new_block, quantized_linears
+from ..models import (
+    Block,
+    DecodeGraphs,
+    DecodeGraphsConfig,
+    QuantType,
+    adapter_nbytes_per_block,
+    new_block,
+    quantize_block,
+    quantized_linears,
+)
 
 if TYPE_CHECKING:
     from ._server import ServerConfig
 
 __all__ = [
-    "DEFAULT_ATTN_CACHE_TOKENS",
     "BlockBudget",
     "ServingDefaults",
     "autograd_reserve_nbytes",
@@ -58,6 +77,10 @@ __all__ = [
     "block_nbytes",
     "cache_nbytes_per_token",
     "choose_defaults",
+    "default_attn_cache_tokens",
+    "default_inference_max_length",
+    "grouped_query",
+    "measure_overhead",
     "plan_defaults",
     "plan_num_blocks",
     "resolve_device",
@@ -67,8 +90,10 @@ __all__ = [
 
 logger = logging.getLogger("petals_core.server")
 
-#: Attention cache per served block, in positions of one row (``--attn_cache_tokens``).
-DEFAULT_ATTN_CACHE_TOKENS: Final = 16384
+#: Attention cache per served block, in positions of one row (``--attn_cache_tokens``), and the
+#: longest session (``--inference_max_length``): with grouped-query attention, and without.
+_ATTN_CACHE_TOKENS: Final = {True: 32768, False: 8192}
+_INFERENCE_MAX_LENGTH: Final = {True: 8192, False: 2048}
 #: Petals' reserve for autograd: 2 GiB at hidden size 14336 (BLOOM-176B), in proportion elsewhere.
 _AUTOGRAD_RESERVE_NBYTES_PER_HIDDEN: Final = 2 * 2**30 / 14336
 #: Bytes per weight of a quantised linear layer (nf4: 4 bits, and the double-quantised scales).
@@ -184,6 +209,28 @@ def cache_nbytes_per_token(model_config: PretrainedConfig, *, dtype: torch.dtype
     return block.allocate_cache(1, 1, dtype=dtype, device="meta").nbytes
 
 
+def grouped_query(model_config: PretrainedConfig) -> bool:
+    """Whether the model's attention has fewer key/value heads than query heads (grouped-query
+    or multi-query attention)."""
+    block = _meta_block(model_config)
+    for module in block.modules():
+        heads = getattr(module, "n_head", None)
+        if isinstance(heads, int):
+            kv_heads = getattr(module, "n_kv_head", heads)
+            return isinstance(kv_heads, int) and kv_heads < heads
+    return False
+
+
+def default_attn_cache_tokens(model_config: PretrainedConfig) -> int:
+    """The attention cache per block, in positions of one row, when not told (Petals')."""
+    return _ATTN_CACHE_TOKENS[grouped_query(model_config)]
+
+
+def default_inference_max_length(model_config: PretrainedConfig) -> int:
+    """The longest session, in positions, when not told (Petals')."""
+    return _INFERENCE_MAX_LENGTH[grouped_query(model_config)]
+
+
 def autograd_reserve_nbytes(model_config: PretrainedConfig) -> int:
     """Device memory kept free for what backward passes hold (Petals' estimate)."""
     return math.ceil(_AUTOGRAD_RESERVE_NBYTES_PER_HIDDEN * int(model_config.hidden_size))
@@ -199,13 +246,20 @@ class BlockBudget:
     total_blocks: int
     free_nbytes: int
     reserve_nbytes: int
+    #: What serving holds besides weights and caches, measured (see :func:`measure_overhead`).
+    overhead_nbytes: int
     weights_nbytes_per_block: int
     cache_nbytes_per_block: int
+    adapters_nbytes_per_block: int
     attn_cache_tokens: int
 
     @property
     def nbytes_per_block(self) -> int:
-        return self.weights_nbytes_per_block + self.cache_nbytes_per_block
+        return (
+            self.weights_nbytes_per_block
+            + self.cache_nbytes_per_block
+            + self.adapters_nbytes_per_block
+        )
 
     @property
     def reason(self) -> str:
@@ -215,11 +269,17 @@ class BlockBudget:
             if self.fitting_blocks > self.total_blocks
             else f"{self.fitting_blocks} of the model's {self.total_blocks} fit"
         )
+        adapters = (
+            f" + {size_text(self.adapters_nbytes_per_block)} of adapters"
+            if self.adapters_nbytes_per_block
+            else ""
+        )
         return (
             f"({size_text(self.free_nbytes)} free - {size_text(self.reserve_nbytes)} reserved "
-            f"for autograd) / ({size_text(self.weights_nbytes_per_block)} of weights + "
-            f"{size_text(self.cache_nbytes_per_block)} of attention cache for "
-            f"{self.attn_cache_tokens} tokens per block): {fit}"
+            f"for autograd - {size_text(self.overhead_nbytes)} measured for activations, "
+            f"workspaces and decode graphs) / ({size_text(self.weights_nbytes_per_block)} of "
+            f"weights + {size_text(self.cache_nbytes_per_block)} of attention cache for "
+            f"{self.attn_cache_tokens} tokens{adapters} per block): {fit}"
         )
 
 
@@ -230,23 +290,33 @@ def plan_num_blocks(
     quant_type: QuantType,
     attn_cache_tokens: int,
     free_nbytes: int,
+    overhead_nbytes: int = 0,
+    adapters_nbytes_per_block: int = 0,
 ) -> BlockBudget:
-    """How many blocks of the model fit in ``free_nbytes`` of device memory.
+    """How many blocks of the model fit in ``free_nbytes`` of device memory, besides
+    ``overhead_nbytes`` that serving holds whatever the blocks and the reserve for autograd.
 
     Raises :class:`ConfigError` if not even one does.
     """
     weights = block_nbytes(model_config, dtype=dtype, quant_type=quant_type)
     cache = attn_cache_tokens * cache_nbytes_per_token(model_config, dtype=dtype)
     reserve = autograd_reserve_nbytes(model_config)
-    fitting = max(0, (free_nbytes - reserve) // (weights + cache))
+    per_block = weights + cache + adapters_nbytes_per_block
+    fitting = max(0, (free_nbytes - reserve - overhead_nbytes) // per_block)
     if fitting < 1:
+        adapters = (
+            f" + {size_text(adapters_nbytes_per_block)} of adapters"
+            if adapters_nbytes_per_block
+            else ""
+        )
         raise ConfigError(
             f"not even one block fits in the device's free memory: {size_text(free_nbytes)} "
-            f"free, one block needs {size_text(weights + cache)} ({size_text(weights)} of "
+            f"free, one block needs {size_text(per_block)} ({size_text(weights)} of "
             f"{_dtype_name(dtype)} weights, quant_type {quant_type}, + {size_text(cache)} of "
-            f"attention cache for {attn_cache_tokens} tokens) besides {size_text(reserve)} "
-            "reserved for autograd; free memory on the device, quantise (--quant_type nf4) or "
-            "give fewer --attn_cache_tokens"
+            f"attention cache for {attn_cache_tokens} tokens{adapters}) besides "
+            f"{size_text(reserve)} reserved for autograd and {size_text(overhead_nbytes)} "
+            "measured for activations, workspaces and decode graphs; free memory on the device, "
+            "quantise (--quant_type nf4) or give fewer --attn_cache_tokens"
         )
     total = int(model_config.num_hidden_layers)
     return BlockBudget(
@@ -255,10 +325,56 @@ def plan_num_blocks(
         total_blocks=total,
         free_nbytes=free_nbytes,
         reserve_nbytes=reserve,
+        overhead_nbytes=overhead_nbytes,
         weights_nbytes_per_block=weights,
         cache_nbytes_per_block=cache,
+        adapters_nbytes_per_block=adapters_nbytes_per_block,
         attn_cache_tokens=attn_cache_tokens,
     )
+
+
+def measure_overhead(
+    model_config: PretrainedConfig,
+    *,
+    device: torch.device,
+    dtype: torch.dtype,
+    quant_type: QuantType,
+    max_batch_tokens: int,
+    decode_graphs: DecodeGraphsConfig | None,
+) -> int:
+    """Device memory (bytes) that serving holds besides the blocks' weights and caches, measured
+    on ``device`` (CUDA) with one block of the model (random weights, quantised as served): a
+    prefill step of ``max_batch_tokens`` tokens (activations, the matmul library's workspace),
+    then, with ``decode_graphs``, their warm-up and captures at load (memory pool, the attention
+    kernels' partial results, compiled kernels).  The device's free memory before less after,
+    less the block's weights and cache; everything made is freed again."""
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    free_before, _ = torch.cuda.mem_get_info(device)
+    allocated_before = torch.cuda.memory_allocated(device)
+    with torch.device("meta"):
+        block = new_block(model_config, 0, purpose="measure serving memory")
+    block = block.to(dtype).to_empty(device=device)
+    with torch.no_grad():
+        for parameter in block.parameters():
+            parameter.normal_(0.0, 0.02)
+    quantize_block(block, quant_type)
+    block.requires_grad_(False).eval()
+    cache = block.allocate_cache(1, max_batch_tokens + 1)
+    held = torch.cuda.memory_allocated(device) - allocated_before  # weights and cache
+    with torch.inference_mode():
+        hidden = torch.randn(1, max_batch_tokens, int(model_config.hidden_size), device=device)
+        block(hidden.to(dtype), cache=cache)
+    graphs = None
+    if decode_graphs is not None and DecodeGraphs.unsupported_reason([block]) is None:
+        graphs = DecodeGraphs([block], config=decode_graphs)
+        if graphs.warm_up():
+            graphs.capture_ahead()
+    torch.cuda.synchronize(device)
+    free_after, _ = torch.cuda.mem_get_info(device)
+    del graphs, cache, block, hidden
+    torch.cuda.empty_cache()
+    return max(0, free_before - free_after - held)
 
 
 # -- all together ------------------------------------------------------------------------------
@@ -273,6 +389,10 @@ class ServingDefaults:
     quant_type: QuantType
     #: How many blocks to serve (the server then chooses which).
     num_blocks: int
+    #: Attention cache per served block, in positions of one row.
+    attn_cache_tokens: int
+    #: The longest session, in positions.
+    inference_max_length: int
     device_reason: str
     dtype_reason: str
     quant_type_reason: str
@@ -288,17 +408,30 @@ def plan_defaults(
     cuda_available: bool,
     free_nbytes: int | None,
     bitsandbytes_problem: str | None,
+    overhead_nbytes: int = 0,
+    adapters_nbytes_per_block: int = 0,
 ) -> ServingDefaults:
-    """The device, dtype, quantisation and number of blocks for ``config``, logged with why.
+    """The device, dtype, quantisation, number of blocks, attention cache and longest session
+    for ``config``, logged with why.
 
     ``free_nbytes`` is the free memory of the device ``config`` resolves to, needed when that is
-    CUDA and neither ``num_blocks`` nor ``block_indices`` is given; ``bitsandbytes_problem``
-    says why bitsandbytes cannot run there (None if it can; see :func:`bitsandbytes_problem`).
+    CUDA and neither ``num_blocks`` nor ``block_indices`` is given, and then ``overhead_nbytes``
+    (:func:`measure_overhead`) and ``adapters_nbytes_per_block`` (what the served adapters add
+    to a block) count against it; ``bitsandbytes_problem`` says why bitsandbytes cannot run there
+    (None if it can; see :func:`bitsandbytes_problem`).
     """
     device, device_reason = resolve_device(config.device, cuda_available=cuda_available)
     dtype, dtype_reason = resolve_dtype(config.torch_dtype, model_config, device)
     quant_type, quant_reason = resolve_quant_type(
         config.quant_type, device, bitsandbytes_problem=bitsandbytes_problem
+    )
+    grouped = grouped_query(model_config)
+    attention = "grouped-query attention" if grouped else "no grouped-query attention"
+    attn_cache_tokens = config.attn_cache_tokens or _ATTN_CACHE_TOKENS[grouped]
+    cache_reason = "asked for" if config.attn_cache_tokens else f"the default for {attention}"
+    length = config.limits.inference_max_length or _INFERENCE_MAX_LENGTH[grouped]
+    length_reason = (
+        "asked for" if config.limits.inference_max_length else f"the default for {attention}"
     )
     total = int(model_config.num_hidden_layers)
     budget = None
@@ -321,8 +454,10 @@ def plan_defaults(
             model_config,
             dtype=dtype,
             quant_type=quant_type,
-            attn_cache_tokens=config.attn_cache_tokens or DEFAULT_ATTN_CACHE_TOKENS,
+            attn_cache_tokens=attn_cache_tokens,
             free_nbytes=free_nbytes,
+            overhead_nbytes=overhead_nbytes,
+            adapters_nbytes_per_block=adapters_nbytes_per_block,
         )
         num_blocks, blocks_reason = (
             budget.num_blocks,
@@ -339,6 +474,8 @@ def plan_defaults(
         dtype=dtype,
         quant_type=quant_type,
         num_blocks=num_blocks,
+        attn_cache_tokens=attn_cache_tokens,
+        inference_max_length=length,
         device_reason=device_reason,
         dtype_reason=dtype_reason,
         quant_type_reason=quant_reason,
@@ -351,25 +488,54 @@ def plan_defaults(
         logger.warning("quant_type %s: %s", quant_type, quant_reason)
     else:
         logger.info("quant_type %s: %s", quant_type, quant_reason)
+    logger.info("attention cache of %d tokens per block: %s", attn_cache_tokens, cache_reason)
+    logger.info("sessions of up to %d tokens: %s", length, length_reason)
     logger.info("%d blocks: %s", num_blocks, blocks_reason)
     return defaults
 
 
 def choose_defaults(config: ServerConfig, model_config: PretrainedConfig) -> ServingDefaults:
     """:func:`plan_defaults` with the figures of this machine: whether torch has CUDA, the free
-    memory of the device (``torch.cuda.mem_get_info``), whether bitsandbytes runs there."""
+    memory of the device (``torch.cuda.mem_get_info``), whether bitsandbytes runs there, and,
+    when the number of blocks follows from the free memory, what serving holds besides the
+    blocks (:func:`measure_overhead`) and what the adapters add to each block."""
     cuda_available = torch.cuda.is_available()
     device, _ = resolve_device(config.device, cuda_available=cuda_available)
-    free_nbytes = None
-    if device.type == "cuda" and config.num_blocks is None and config.block_indices is None:
-        free_nbytes, _ = torch.cuda.mem_get_info(device)
     problem = None
     if device.type == "cuda" and config.quant_type is None:
         problem = bitsandbytes_problem(device)
+    free_nbytes = None
+    overhead = adapters = 0
+    if device.type == "cuda" and config.num_blocks is None and config.block_indices is None:
+        dtype, _ = resolve_dtype(config.torch_dtype, model_config, device)
+        quant_type, _ = resolve_quant_type(config.quant_type, device, bitsandbytes_problem=problem)
+        length = config.limits.inference_max_length or default_inference_max_length(model_config)
+        free_nbytes, _ = torch.cuda.mem_get_info(device)
+        overhead = measure_overhead(
+            model_config,
+            device=device,
+            dtype=dtype,
+            quant_type=quant_type,
+            max_batch_tokens=config.limits.max_batch_tokens,
+            decode_graphs=DecodeGraphsConfig(ahead_max_length=length)
+            if config.cuda_graphs
+            else None,
+        )
+        for name in config.adapters:
+            adapters += adapter_nbytes_per_block(
+                name,
+                config=model_config,
+                dtype=dtype,
+                token=config.token,
+                cache_dir=config.cache_dir,
+                local_files_only=config.local_files_only,
+            )
     return plan_defaults(
         config,
         model_config,
         cuda_available=cuda_available,
         free_nbytes=free_nbytes,
         bitsandbytes_problem=problem,
+        overhead_nbytes=overhead,
+        adapters_nbytes_per_block=adapters,
     )

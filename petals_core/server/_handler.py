@@ -48,8 +48,12 @@ __all__ = ["BlockServer", "BlockServerStatistics", "ServingLimits"]
 class ServingLimits:
     """What one request may ask of the server."""
 
-    #: Longest session (positions), the ``--inference_max_length`` flag.
-    inference_max_length: int = attrs.field(default=8192, validator=_positive)
+    #: Longest session (positions), the ``--inference_max_length`` flag; None: the model's
+    #: default, which a server resolves when it starts (8192 with grouped-query attention, 2048
+    #: without, as Petals): see :attr:`session_length`.
+    inference_max_length: int | None = attrs.field(
+        default=None, validator=attrs.validators.optional(_positive)
+    )
     #: Tokens (rows x positions) one inference job processes at most: longer steps go in
     #: chunks.  The ``--max_batch_size`` flag.
     max_batch_tokens: int = attrs.field(default=2048, validator=_positive)
@@ -81,6 +85,13 @@ class ServingLimits:
     #: How the server's outputs travel (``--compression``): None (as they are), ``"float16"``
     #: or ``"blockwise8"``.
     compression: str | None = attrs.field(default=None, converter=compression_scheme)
+
+    @property
+    def session_length(self) -> int:
+        """``inference_max_length``, resolved (a server does it when it starts)."""
+        if self.inference_max_length is None:
+            raise ValueError("inference_max_length is the model's default: resolve it first")
+        return self.inference_max_length
 
 
 @attrs.frozen(kw_only=True)
@@ -201,7 +212,7 @@ class BlockServer:
             accepted_dtypes=tuple(str(d).removeprefix("torch.") for d in TENSOR_DTYPES),
             adapters=tuple(sorted(backend.adapters)),
             cache_tokens_left=self.cache_tokens_left,
-            inference_max_length=self.limits.inference_max_length,
+            inference_max_length=self.limits.session_length,
             max_batch_tokens=self.limits.max_batch_tokens,
             open_sessions=self._inference.open_sessions,
             device=str(backend.device),

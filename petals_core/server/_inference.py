@@ -209,7 +209,7 @@ class InferenceHandlers:
             raise ServerError(f"session id {opening.session_id!r} is already in use")
         check_blocks_held(opening.blocks, backend)
         for name, value, limit in (
-            ("max_length", opening.max_length, self.limits.inference_max_length),
+            ("max_length", opening.max_length, self.limits.session_length),
             ("batch_size", opening.batch_size, self.limits.max_batch_tokens),
         ):
             if value > limit:

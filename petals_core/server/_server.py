@@ -78,7 +78,7 @@ from ..transport import (
     open_node,
 )
 from ._backend import Block, BlockBackend
-from ._defaults import DEFAULT_ATTN_CACHE_TOKENS, ServingDefaults, choose_defaults
+from ._defaults import ServingDefaults, choose_defaults
 from ._handler import BlockServer, ServingLimits
 from ._memory_cache import MemoryCache
 from ._task_pool import open_task_pool
@@ -164,6 +164,9 @@ class ServerConfig:
     balance_quality: float = 0.75
     mean_balance_check_period_s: float = 120.0
     cache_dir: str | None = None
+    #: The most bytes the model's files may take in the cache (``--max_disk_space``): least
+    #: recently used shards are deleted before a download would pass it; None: no limit.
+    max_disk_space: int | None = None
     token: str | None = None
     revision: str | None = None
     local_files_only: bool = False
@@ -422,7 +425,7 @@ class Server:
             del backend
 
     def _cache_bytes(self, backend: BlockBackend) -> int:
-        tokens = self.config.attn_cache_tokens or DEFAULT_ATTN_CACHE_TOKENS
+        tokens = self.defaults.attn_cache_tokens
         return tokens * backend.cache_bytes_per_token * (backend.end - backend.start)
 
     async def _choose_blocks(self) -> range:
@@ -447,6 +450,7 @@ class Server:
             cache_dir=cfg.cache_dir,
             local_files_only=cfg.local_files_only,
             dtype=self.dtype,
+            max_disk_space=cfg.max_disk_space,
         )
         built: list[Block] = []
         for index in blocks:
@@ -479,7 +483,7 @@ class Server:
             device=self.device,
             adapters=cfg.adapters,
             decode_graphs=(
-                DecodeGraphsConfig(ahead_max_length=cfg.limits.inference_max_length)
+                DecodeGraphsConfig(ahead_max_length=cfg.limits.session_length)
                 if cfg.cuda_graphs
                 else None
             ),
@@ -571,6 +575,9 @@ async def open_server(
     model, config = resolve_model(config)
     model_config = await trio.to_thread.run_sync(load_model_config, model, config)
     defaults = await trio.to_thread.run_sync(choose_defaults, config, model_config)
+    # From here on the model's default session length is resolved.
+    limits = attrs.evolve(config.limits, inference_max_length=defaults.inference_max_length)
+    config = attrs.evolve(config, limits=limits)
     if identity is None:
         identity = load_or_create_identity(config.identity_path) if config.identity_path else None
     block_server = BlockServer(config.limits, version=__version__)

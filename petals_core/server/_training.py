@@ -297,10 +297,10 @@ class TrainingHandlers:
             start, end = check_blocks_held(request.blocks, backend)
             backend.check_adapter(request.active_adapter)
             hidden = backend.check_hidden(request.hidden_states)
-            if hidden.shape[1] > self.limits.inference_max_length:
+            if hidden.shape[1] > self.limits.session_length:
                 raise ValueError(
                     f"{hidden.shape[1]} tokens exceed this server's longest sequence, "
-                    f"{self.limits.inference_max_length} (--inference_max_length)"
+                    f"{self.limits.session_length} (--inference_max_length)"
                 )
             backend.check_prompts(request.prompts, start, end, hidden)
         except AdapterError:

@@ -74,6 +74,26 @@ def test_only_the_requested_blocks_tensors_are_read(
     assert all(".layers.1." in name or ".layers.4." in name for name in read)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_memory_an_adapter_adds_to_a_block_is_what_its_weights_take(
+    tmp_path: Path, llama_config: Any, dtype: torch.dtype
+) -> None:
+    """What a server counts per block before choosing how many blocks fit: the most any block's
+    loaded weights take, read off the adapter's config (rank 8 on every projection)."""
+    write_adapter(tmp_path / "lora", llama_config, LLAMA_LINEARS, rank=8)
+    nbytes = _lora_loading.adapter_nbytes_per_block(
+        tmp_path / "lora", config=llama_config, dtype=dtype
+    )
+    blocks = range(llama_config.num_hidden_layers)
+    adapter = load_lora_adapter(
+        tmp_path / "lora", config=llama_config, block_indices=blocks, dtype=dtype
+    )
+    loaded = [
+        sum(a.nbytes + b.nbytes for a, b in adapter.weights[index].values()) for index in blocks
+    ]
+    assert nbytes == max(loaded) > 0
+
+
 # --- refusals ---------------------------------------------------------------------------------
 
 

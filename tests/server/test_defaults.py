@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 from typing import Any
 
 import pytest
@@ -17,20 +18,24 @@ from transformers import BloomConfig, FalconConfig, GPT2Config, LlamaConfig, Pre
 from transformers.models.falcon.modeling_falcon import FalconDecoderLayer
 
 from petals_core import ConfigError
-from petals_core.models import QuantType, new_block, quantize_block
+from petals_core.models import DecodeGraphsConfig, QuantType, new_block, quantize_block
 from petals_core.server._defaults import (
-    DEFAULT_ATTN_CACHE_TOKENS,
     autograd_reserve_nbytes,
     bitsandbytes_problem,
     block_nbytes,
     cache_nbytes_per_token,
     choose_defaults,
+    default_attn_cache_tokens,
+    default_inference_max_length,
+    grouped_query,
+    measure_overhead,
     plan_defaults,
     plan_num_blocks,
     resolve_device,
     resolve_dtype,
     resolve_quant_type,
 )
+from petals_core.server._handler import ServingLimits
 from petals_core.server._server import ServerConfig
 from petals_core.testing import (
     falcon_7b_config,
@@ -261,39 +266,39 @@ def test_other_model_types_cannot_be_sized() -> None:
 
 @pytest.mark.parametrize("name", sorted(MODELS))
 @pytest.mark.parametrize("quant_type", ["none", "int8", "nf4"])
-@pytest.mark.parametrize("tokens", [4096, DEFAULT_ATTN_CACHE_TOKENS])
+@pytest.mark.parametrize("tokens", [4096, 32768])
 @pytest.mark.parametrize("free_gib", [23, 79])
+@pytest.mark.parametrize(("overhead", "adapters"), [(0, 0), (3 * GIB // 2, 50 * 2**20)])
 def test_the_blocks_chosen_fit_and_one_more_would_not(
-    name: str, quant_type: QuantType, tokens: int, free_gib: int
+    name: str, quant_type: QuantType, tokens: int, free_gib: int, overhead: int, adapters: int
 ) -> None:
+    """Besides the weights and cache of each block: the reserve for autograd, what serving was
+    measured to hold, and what adapters add to each block."""
     config = MODELS[name]()
     free = free_gib * GIB
     weights = block_nbytes(config, dtype=torch.bfloat16, quant_type=quant_type)
     cache = tokens * cache_nbytes_per_token(config, dtype=torch.bfloat16)
     reserve = autograd_reserve_nbytes(config)
-    if reserve + weights + cache > free:
+    per_block = weights + cache + adapters
+    figures: dict[str, Any] = {
+        "dtype": torch.bfloat16,
+        "quant_type": quant_type,
+        "attn_cache_tokens": tokens,
+        "free_nbytes": free,
+        "overhead_nbytes": overhead,
+        "adapters_nbytes_per_block": adapters,
+    }
+    if reserve + overhead + per_block > free:
         with pytest.raises(ConfigError, match="not even one block fits"):
-            plan_num_blocks(
-                config,
-                dtype=torch.bfloat16,
-                quant_type=quant_type,
-                attn_cache_tokens=tokens,
-                free_nbytes=free,
-            )
+            plan_num_blocks(config, **figures)
         return
-    budget = plan_num_blocks(
-        config,
-        dtype=torch.bfloat16,
-        quant_type=quant_type,
-        attn_cache_tokens=tokens,
-        free_nbytes=free,
-    )
+    budget = plan_num_blocks(config, **figures)
     assert (budget.weights_nbytes_per_block, budget.cache_nbytes_per_block) == (weights, cache)
-    assert budget.reserve_nbytes == reserve
+    assert (budget.reserve_nbytes, budget.overhead_nbytes) == (reserve, overhead)
+    assert budget.nbytes_per_block == per_block
     fitting = budget.fitting_blocks
-    assert (
-        reserve + fitting * (weights + cache) <= free < reserve + (fitting + 1) * (weights + cache)
-    )
+    fixed = reserve + overhead
+    assert fixed + fitting * per_block <= free < fixed + (fitting + 1) * per_block
     assert budget.num_blocks == min(fitting, config.num_hidden_layers)
 
 
@@ -312,9 +317,23 @@ def test_worked_examples() -> None:
     assert budget.reserve_nbytes == 1_227_133_514
     assert (budget.num_blocks, budget.fitting_blocks) == (44, 44)
     assert budget.reason == (
-        "(23.00 GiB free - 1.14 GiB reserved for autograd) / (437.87 MiB of weights + "
-        "64.00 MiB of attention cache for 16384 tokens per block): 44 of the model's 80 fit"
+        "(23.00 GiB free - 1.14 GiB reserved for autograd - 0 B measured for activations, "
+        "workspaces and decode graphs) / (437.87 MiB of weights + 64.00 MiB of attention cache "
+        "for 16384 tokens per block): 44 of the model's 80 fit"
     )
+    # What serving was measured to hold, and a LoRA adapter of rank 16 on every projection.
+    served = plan_num_blocks(
+        llama2_70b(),
+        dtype=torch.bfloat16,
+        quant_type="nf4",
+        attn_cache_tokens=16384,
+        free_nbytes=23 * GIB,
+        overhead_nbytes=2 * GIB,
+        adapters_nbytes_per_block=30 * 2**20,
+    )
+    assert (served.num_blocks, served.fitting_blocks) == (38, 38)  # 19.86 GiB / 531.87 MiB
+    assert "- 2.00 GiB measured for activations" in served.reason
+    assert "+ 30.00 MiB of adapters per block" in served.reason
     # TinyLlama on an H200: every block, with room to spare.
     small = plan_num_blocks(
         tinyllama_1b(),
@@ -452,8 +471,11 @@ def test_defaults_on_cuda_are_logged_with_the_arithmetic(caplog: pytest.LogCaptu
             bitsandbytes_problem=None,
         )
     assert (defaults.device, defaults.dtype, defaults.quant_type) == (CUDA, torch.bfloat16, "nf4")
-    assert defaults.num_blocks == 44
-    assert defaults.budget is not None and defaults.budget.num_blocks == 44
+    # Grouped-query attention: 32768 tokens of cache per block (128 MiB for Llama-2-70B's 8
+    # key/value heads), sessions of up to 8192; 21.86 GiB / 565.87 MiB per block.
+    assert (defaults.attn_cache_tokens, defaults.inference_max_length) == (32768, 8192)
+    assert defaults.num_blocks == 39
+    assert defaults.budget is not None and defaults.budget.num_blocks == 39
     assert _messages(caplog) == [
         (logging.INFO, "device cuda: CUDA is available"),
         (logging.INFO, "dtype bfloat16: auto on cuda: the checkpoint does not say its dtype"),
@@ -462,8 +484,45 @@ def test_defaults_on_cuda_are_logged_with_the_arithmetic(caplog: pytest.LogCaptu
             "quant_type nf4: auto on cuda: "
             "4-bit weights take about a quarter of 16-bit ones' memory",
         ),
-        (logging.INFO, f"44 blocks: as many as fit in cuda: {defaults.budget.reason}"),
+        (
+            logging.INFO,
+            "attention cache of 32768 tokens per block: the default for grouped-query attention",
+        ),
+        (logging.INFO, "sessions of up to 8192 tokens: the default for grouped-query attention"),
+        (logging.INFO, f"39 blocks: as many as fit in cuda: {defaults.budget.reason}"),
     ]
+
+
+def test_models_without_grouped_query_attention_get_smaller_caches_and_sessions() -> None:
+    """Petals' defaults: BLOOM's keys and values take as much as its queries, so its cache and
+    longest session default to a quarter of a grouped-query model's."""
+    assert [grouped_query(config()) for config in (bloom_176b, llama2_70b, falcon_7b_config)] == [
+        False,
+        True,
+        True,
+    ]
+    assert default_attn_cache_tokens(bloom_176b()) == 8192
+    assert default_inference_max_length(bloom_176b()) == 2048
+    assert default_attn_cache_tokens(llama2_70b()) == 32768
+    assert default_inference_max_length(llama2_70b()) == 8192
+    bloom = plan_defaults(
+        _server_config(num_blocks=2),
+        bloom_176b(),
+        cuda_available=True,
+        free_nbytes=None,
+        bitsandbytes_problem=None,
+    )
+    assert (bloom.attn_cache_tokens, bloom.inference_max_length) == (8192, 2048)
+    asked = plan_defaults(
+        _server_config(
+            num_blocks=2, attn_cache_tokens=100, limits=ServingLimits(inference_max_length=300)
+        ),
+        bloom_176b(),
+        cuda_available=True,
+        free_nbytes=None,
+        bitsandbytes_problem=None,
+    )
+    assert (asked.attn_cache_tokens, asked.inference_max_length) == (100, 300)
 
 
 def test_without_bitsandbytes_cuda_serves_unquantised_blocks_and_warns(
@@ -501,6 +560,11 @@ def test_what_is_asked_for_is_served_and_no_memory_is_needed(
     assert _messages(caplog)[1:] == [
         (logging.INFO, "dtype float16: asked for"),
         (logging.INFO, "quant_type int8: asked for"),
+        (
+            logging.INFO,
+            "attention cache of 32768 tokens per block: the default for grouped-query attention",
+        ),
+        (logging.INFO, "sessions of up to 8192 tokens: the default for grouped-query attention"),
         (logging.INFO, "8 blocks: asked for"),
     ]
     too_many = plan_defaults(
@@ -536,7 +600,7 @@ def test_not_even_one_block_on_cuda_is_a_config_error() -> None:
             _server_config(),
             bloom_176b(),
             cuda_available=True,
-            free_nbytes=4 * GIB,
+            free_nbytes=3 * GIB,
             bitsandbytes_problem=None,
         )
 
@@ -559,7 +623,35 @@ def test_defaults_on_this_machine(caplog: pytest.LogCaptureFixture) -> None:
         (logging.INFO, "quant_type none: auto on cpu: quantised by default on CUDA only"),
         (
             logging.INFO,
+            "attention cache of 32768 tokens per block: the default for grouped-query attention",
+        ),
+        (logging.INFO, "sessions of up to 8192 tokens: the default for grouped-query attention"),
+        (
+            logging.INFO,
             "6 blocks: all of the model's, on cpu (free memory is counted on CUDA only; "
             "--num_blocks serves fewer)",
         ),
     ]
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1",
+    reason="needs a CUDA GPU and compiled Triton kernels (run by python -m bench gpu)",
+)
+def test_what_serving_holds_besides_blocks_is_measured_on_the_gpu_and_freed() -> None:
+    """One TinyLlama block, a 2048-token prefill, and decode graphs captured up to 2048
+    positions: something (workspaces, the graphs' pool), less than a few GiB, and what stays
+    held afterwards (compiled kernels, the matmul library's workspace) is part of it."""
+    free_before, _ = torch.cuda.mem_get_info(CUDA)
+    overhead = measure_overhead(
+        tinyllama_1b(),
+        device=CUDA,
+        dtype=torch.bfloat16,
+        quant_type="none",
+        max_batch_tokens=2048,
+        decode_graphs=DecodeGraphsConfig(ahead_max_length=2048),
+    )
+    assert 0 < overhead < 4 * GIB
+    free_after, _ = torch.cuda.mem_get_info(CUDA)
+    assert free_before - free_after <= overhead

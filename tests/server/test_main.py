@@ -1,15 +1,13 @@
 """``python -m petals_core.server`` as real processes: it serves the blocks it is told, a second
 server fills the gap the first leaves, both stop cleanly on SIGTERM (announcing OFFLINE, so
 that nobody lists them after); a config that cannot start exits 1; ``--throughput dry_run``
-prints a throughput without serving.  In process: bad flags exit 2, and the
-``--max_disk_space`` check over a Hugging Face cache laid out as huggingface_hub does."""
+prints a throughput without serving.  In process: bad flags exit 2, and flags reach the
+config."""
 
 from __future__ import annotations
 
-import json
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
@@ -25,13 +23,7 @@ from petals_core import ConfigError
 from petals_core.dht import open_dht_node
 from petals_core.models import default_dht_prefix
 from petals_core.protocol import INFO
-from petals_core.server.__main__ import (
-    build_parser,
-    check_disk_space,
-    config_from_args,
-    main,
-    parse_nbytes,
-)
+from petals_core.server.__main__ import build_parser, config_from_args, main, parse_nbytes
 from petals_core.server._server import ServerConfig
 from petals_core.transport import Multiaddr, call_unary, open_node
 
@@ -244,51 +236,14 @@ def test_parse_nbytes() -> None:
             parse_nbytes(bad)
 
 
-def _hub_cache(checkpoint: TinyCheckpoint, cache: Path, repo_id: str) -> Path:
-    """The checkpoint laid out as huggingface_hub caches a repo (files in the snapshot folder)."""
-    storage = cache / f"models--{repo_id.replace('/', '--')}"
-    snapshot = storage / "snapshots" / ("a" * 40)
-    shutil.copytree(checkpoint.folder, snapshot)
-    (storage / "refs").mkdir()
-    (storage / "refs" / "main").write_text("a" * 40)
-    return snapshot
-
-
-def test_max_disk_space_counts_the_cache_and_the_missing_shards(
-    server_llama: TinyCheckpoint, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    repo_id = "tiny/llama"
-    cache = tmp_path / "hub"
-    snapshot = _hub_cache(server_llama, cache, repo_id)
-    used = sum(path.stat().st_size for path in cache.rglob("*") if path.is_file())
-
-    def config(**fields: Any) -> ServerConfig:
-        return ServerConfig(model=repo_id, new_swarm=True, cache_dir=str(cache), **fields)
-
-    # Everything cached: only what the cache already holds counts.
-    check_disk_space(config(block_indices=(3, 6)), used)
-    with pytest.raises(ConfigError, match=f"holds {used} bytes;"):
-        check_disk_space(config(block_indices=(3, 6)), used - 1)
-
-    # A shard of block 4 missing: about half the checkpoint (3 of 6 blocks) to download.
-    index = json.loads((snapshot / "model.safetensors.index.json").read_text())
-    shard = index["weight_map"]["model.layers.4.mlp.down_proj.weight"]
-    removed = (snapshot / shard).stat().st_size
-    (snapshot / shard).unlink()
-    needed = -(-index["metadata"]["total_size"] * 3 // 6)
-    limit = used - removed + needed
-    check_disk_space(config(block_indices=(3, 6)), limit)
-    with pytest.raises(ConfigError, match=f"needs about {needed} bytes more"):
-        check_disk_space(config(block_indices=(3, 6)), limit - 1)
-    # Blocks 0:3 do not live in that shard: nothing to download for them.
-    check_disk_space(config(block_indices=(0, 3)), used - removed)
-    # Only a count of blocks: which ones is not known, so the missing shard counts.
-    with pytest.raises(ConfigError, match="needs about"):
-        check_disk_space(config(num_blocks=3), limit - 1)
-
-    # A local folder is read in place: nothing to download.
-    check_disk_space(
-        ServerConfig(model=str(server_llama.folder), new_swarm=True, cache_dir=str(cache)),
-        used - removed,
-    )
+def test_disk_and_session_flags_reach_the_config() -> None:
+    """``--max_disk_space`` bounds the model's files in the cache (tests/models/test_disk.py);
+    unset, the attention cache and the longest session are the model's defaults."""
+    parser = build_parser()
+    default = config_from_args(parser.parse_args(["model", "--new_swarm"]))
+    assert default.max_disk_space is None
+    assert default.limits.inference_max_length is None
+    flags = ["--max_disk_space", "10GB", "--inference_max_length", "4096"]
+    given = config_from_args(parser.parse_args(["model", "--new_swarm", *flags]))
+    assert given.max_disk_space == 10 * 10**9
+    assert given.limits.inference_max_length == 4096
