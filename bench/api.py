@@ -31,7 +31,7 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -58,6 +58,20 @@ NAMES = ("Ember", "Frost", "Moss", "Quill", "Rune", "Sable", "Thorn", "Vale")
 CLIENTS = "HTTP clients"
 
 
+#: Where figures go as soon as they are measured (``main``'s ``progress``).
+Progress = Callable[[dict[str, Any]], None]
+
+
+def _throughputs(samples: Mapping[int | str, list[tuple[float, int, Any]]]) -> dict[str, Any]:
+    """Median tokens per second of each concurrency measured so far, keyed as the report's."""
+    return {
+        str(count): {
+            "tokens_per_s": statistics.median(total / seconds for seconds, total, _ in runs)
+        }
+        for count, runs in samples.items()
+    }
+
+
 def _cpu_seconds(pid: int) -> float:
     """CPU time of process ``pid`` so far (for this process, ended threads' included)."""
     if pid == os.getpid():
@@ -77,7 +91,11 @@ def _concurrent(
 
 
 def _measure(
-    api: Any, model: str, processes: Mapping[str, int], load: LoadProcess
+    api: Any,
+    model: str,
+    processes: Mapping[str, int],
+    load: LoadProcess,
+    progress: Progress,
 ) -> dict[str, Any]:
     engine = api.engine
     url = api.urls[0]
@@ -108,11 +126,20 @@ def _measure(
     if set(generated) != set(streamed) or len(set(generated)) != 1:
         raise RuntimeError(f"token counts differ: generate {generated}, HTTP {streamed}")
     tokens = generated[0]
+    progress(
+        {
+            "per_token_ms": {
+                "generate": timings["generate()"].median_ms / tokens,
+                "http_stream": timings["HTTP stream"].median_ms / tokens,
+            }
+        }
+    )
     samples: dict[int | str, list[tuple[float, int, dict[str, float]]]] = {}
     _concurrent(load, url, model, max(CONCURRENCY), processes)  # warm up every prompt
     for _ in range(ROUNDS):
         for count in CONCURRENCY:
             samples.setdefault(count, []).append(_concurrent(load, url, model, count, processes))
+        progress({"concurrency": _throughputs(samples)})
         engine.decode_groups = 2
         try:
             grouped = _concurrent(load, url, model, max(CONCURRENCY), processes)
@@ -148,7 +175,9 @@ def _smollm2_setup(repo: str) -> _Setup:
     return _Setup(server_model=SMOLLM2, spans=SPANS)
 
 
-async def run(repo: str, setup: _Setup | None = None) -> dict[str, Any]:
+async def run(
+    repo: str, setup: _Setup | None = None, progress: Progress = lambda part: None
+) -> dict[str, Any]:
     from petals_core.api import ApiConfig, Limits, serve_api
     from petals_core.testing import open_local_swarm
 
@@ -172,7 +201,9 @@ async def run(repo: str, setup: _Setup | None = None) -> dict[str, Any]:
             for span, server in zip(setup.spans, swarm.servers, strict=True):
                 processes[f"server {span[0]}:{span[1]}"] = server.process.pid
             with LoadProcess() as load:
-                results = await trio.to_thread.run_sync(_measure, api, config.name, processes, load)
+                results = await trio.to_thread.run_sync(
+                    _measure, api, config.name, processes, load, progress
+                )
             nursery.cancel_scope.cancel()
             return {**results, "spans": setup.spans, "device": setup.device or "cpu"}
 
@@ -227,7 +258,12 @@ def _random_setup(folder: str, *, smoke: bool, device: str) -> _Setup:
     )
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any] | None:
+def main(
+    argv: list[str] | None = None, progress: Progress = lambda part: None
+) -> dict[str, Any] | None:
+    """Run the benchmark (``argv`` as on the command line); ``progress`` gets the figures the
+    report's targets are judged on (ms per token, tokens per second at each concurrency) as
+    soon as they are measured, for a caller whose run may be cut short."""
     parser = argparse.ArgumentParser(prog="python -m bench.api", description=__doc__)
     parser.add_argument("--device", default="cpu", help="where servers and client compute")
     parser.add_argument(
@@ -250,7 +286,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
         with tempfile.TemporaryDirectory() as folder, quiet_transformers():
             repo = random_checkpoint(Path(folder), smoke=args.smoke, device=args.device)
             setup = _random_setup(repo, smoke=args.smoke, device=args.device)
-            results = trio.run(run, repo, setup)
+            results = trio.run(run, repo, setup, progress)
         load_after = load_note()
     return _report(name, repo, results, load_before, load_after, started)
 

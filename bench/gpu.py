@@ -6,17 +6,17 @@ context costs that phase alone.  A phase records what it measures as it goes int
 (under ``bench/results``, or the folder ``$BENCH_RESULTS`` names), and one killed at its limit
 keeps what it recorded.  The phases, in order, with their limits in seconds:
 
-1. **tests** (75): the tests marked ``cuda`` (skipped in CPU runs) with compiled Triton kernels:
+1. **tests** (90): the tests marked ``cuda`` (skipped in CPU runs) with compiled Triton kernels:
    decode graphs against the eager path (every family, captured at load too), a client on the
-   GPU, quantised blocks against bf16.  Judged: every test passes.
+   GPU, quantised blocks against bf16, each test at most 30 s.  Judged: every test passes.
 2. **kernels** (60): :mod:`bench.kernels_cuda`: each kernel's parity, each row naming the path
    that ran and each path forced once; decode attention eagerly and replayed from a CUDA graph
    against SDPA; the row-table kernel's splits and tiles; prefill.
-3. **swarm-llama** (120), **swarm-bloom** (90): :mod:`bench._gpu_swarm`, one family each: fp32
+3. **swarm-llama** (110), **swarm-bloom** (80): :mod:`bench._gpu_swarm`, one family each: fp32
    parity with transformers, bf16 decode and prefill beside transformers' eager model, 1, 8 and
    32 concurrent sessions (each level warmed untimed first), the servers' memory and graphs.
-4. **transport** (30): :mod:`bench.transport`'s quick sizes, QUIC against trio TCP on this host.
-5. **api** (75): the OpenAI endpoint in front of 2 bf16 servers of a random TinyLlama-shaped
+4. **transport** (25): :mod:`bench.transport`'s quick sizes, QUIC against trio TCP on this host.
+5. **api** (85): the OpenAI endpoint in front of 2 bf16 servers of a random TinyLlama-shaped
    model on this GPU (:mod:`bench.api`): HTTP against ``generate()`` per token, 1, 4 and 8
    concurrent requests.
 
@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.metadata
+import importlib.util
 import json
 import os
 import signal
@@ -59,19 +60,21 @@ DEFAULT_FAMILIES = ("llama", "bloom")
 DEFAULT_VARIANTS = ("fp32", "bf16")
 #: Each phase's limit in seconds on a GPU (a family's swarm phase: its own).
 LIMITS_S = {
-    "tests": 75.0,
+    "tests": 90.0,
     "kernels": 60.0,
-    "swarm-llama": 120.0,
-    "swarm-bloom": 90.0,
-    "swarm-falcon": 120.0,
-    "swarm-mixtral": 120.0,
-    "transport": 30.0,
-    "api": 75.0,
+    "swarm-llama": 110.0,
+    "swarm-bloom": 80.0,
+    "swarm-falcon": 110.0,
+    "swarm-mixtral": 110.0,
+    "transport": 25.0,
+    "api": 85.0,
 }
 #: The same on the CPU, at the dry run's sizes.
 DRY_LIMITS_S = {name: 120.0 for name in LIMITS_S}
 #: After the limit, how long a phase has to end on SIGTERM before it is killed.
 GRACE_S = 10.0
+#: A CUDA test running longer fails (pytest-timeout), and the others go on.
+TEST_TIMEOUT_S = 30
 CONCURRENCY = (1, 8, 32)
 DRY_CONCURRENCY = (1, 4)
 ATTENTION_BATCHES = (1, 8)
@@ -267,16 +270,33 @@ def _run_phase(plan: Plan, phase: str) -> tuple[str, float]:
     try:
         code = process.wait(timeout=plan.limits[phase])
     except subprocess.TimeoutExpired:
-        _signal_group(process.pid, signal.SIGTERM)
-        try:
-            process.wait(timeout=GRACE_S)
-        except subprocess.TimeoutExpired:
-            _signal_group(process.pid, signal.SIGKILL)
-            process.wait()
+        _end_group(process)
         return f"killed at its limit of {plan.limits[phase]:.0f} s", time.monotonic() - started
-    _signal_group(process.pid, signal.SIGKILL)  # anything it left behind
+    _end_group(process)  # whatever it left behind (a server still loading, say)
     seconds = time.monotonic() - started
     return ("done" if code == 0 else f"failed (exit status {code})"), seconds
+
+
+def _end_group(process: subprocess.Popen[bytes]) -> None:
+    """End the phase's process group: SIGTERM, up to :data:`GRACE_S` for every member to leave
+    (servers announce themselves offline), then SIGKILL for those still there, whatever the
+    phase's process did meanwhile.  Nothing of a phase outlives it into the next."""
+    _signal_group(process.pid, signal.SIGTERM)
+    deadline = time.monotonic() + GRACE_S
+    while time.monotonic() < deadline:
+        if process.poll() is not None and not _group_alive(process.pid):
+            break
+        time.sleep(0.1)
+    _signal_group(process.pid, signal.SIGKILL)
+    process.wait()
+
+
+def _group_alive(pid: int) -> bool:
+    try:
+        os.killpg(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
 
 
 def _signal_group(pid: int, number: signal.Signals) -> None:
@@ -347,28 +367,28 @@ def _child(plan: Plan, store: Store, phase: str) -> None:
 def _tests(plan: Plan, record: Callable[[dict[str, Any]], None]) -> None:
     # Every test marked ``cuda``; only the files that hold one are collected, which keeps the
     # CPU parity tests (they select Triton's interpreter for the whole process) out.
-    import tempfile
-
     files = sorted(
         str(path.relative_to(ROOT))
         for path in ROOT.glob("tests/**/test_*.py")
         if "pytest.mark.cuda" in path.read_text()
     )
-    with tempfile.TemporaryDirectory() as folder:
-        junit = Path(folder) / "junit.xml"
-        env = {**os.environ, "OMP_NUM_THREADS": "1" if plan.dry else "4"}
-        if not plan.dry:
-            env["TRITON_INTERPRET"] = "0"
-        process = subprocess.run(
-            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "cuda",
-             f"--junitxml={junit}", *files],
-            cwd=ROOT, env=env, capture_output=True, text=True,
-        )  # fmt: skip
-        print(process.stdout[-6000:], process.stderr[-2000:], sep="\n", flush=True)
-        cases = _junit_cases(junit) if junit.exists() else []
+    # The report lands beside gpu.json (it comes back from a lent machine), pytest's output in
+    # the log as it goes: a phase cut short still shows which test it was in.
+    junit = _report.RESULTS / ("gpu-tests-dry-run.xml" if plan.dry else "gpu-tests.xml")
+    junit.unlink(missing_ok=True)
+    env = {**os.environ, "OMP_NUM_THREADS": "1" if plan.dry else "4"}
+    if not plan.dry:
+        env["TRITON_INTERPRET"] = "0"
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "cuda",
+               f"--junitxml={junit}", "--durations=15", *files]  # fmt: skip
+    if importlib.util.find_spec("pytest_timeout") is not None:
+        command[4:4] = ["--timeout", str(TEST_TIMEOUT_S)]  # a hung test fails, alone
+    record({"files": files, "running": True})
+    process = subprocess.run(command, cwd=ROOT, env=env)
+    cases = _junit_cases(junit) if junit.exists() else []
     counts = {o: sum(c["outcome"] == o for c in cases) for o in ("passed", "failed", "error")}
     counts["skipped"] = sum(c["outcome"] == "skipped" for c in cases)
-    record({"files": files, "exit_code": process.returncode, "counts": counts, "cases": cases})
+    record({"running": False, "exit_code": process.returncode, "counts": counts, "cases": cases})
     print_table("CUDA tests", ["files", "passed", "failed", "errors", "skipped"],
                 [[len(files), counts["passed"], counts["failed"], counts["error"],
                   counts["skipped"]]])  # fmt: skip
@@ -434,7 +454,7 @@ def _api(plan: Plan, record: Callable[[dict[str, Any]], None]) -> None:
     from . import api
 
     argv = ["--device", plan.device, "--random"] + (["--smoke"] if plan.dry else [])
-    report = api.main(argv)
+    report = api.main(argv, progress=record)  # what is measured is recorded at once
     if report is not None:
         record(report)
 

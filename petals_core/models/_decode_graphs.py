@@ -41,6 +41,7 @@ eagerly on the same static buffers, so everything but the capture itself is exer
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import weakref
 from collections import OrderedDict
@@ -284,16 +285,17 @@ class DecodeGraphs:
         says why, logged once) and every step is left to the eager path: a server keeps
         serving without its fast path rather than dying of it."""
         try:
-            for length in (self.config.min_length_bucket, 16 * self.config.min_length_bucket):
-                self._ensure_rotary(length)
-                if self._staged is not None:
-                    self._staged.synchronize()
-                self._fill_scratch(0, len(self.blocks), 0, 1)
-                staging, tables = self._tables_for(1)
-                tables.copy_(staging)
-                self._step_fn(0, len(self.blocks), 1, length)()
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
+            with self._on_device():
+                for length in (self.config.min_length_bucket, 16 * self.config.min_length_bucket):
+                    self._ensure_rotary(length)
+                    if self._staged is not None:
+                        self._staged.synchronize()
+                    self._fill_scratch(0, len(self.blocks), 0, 1)
+                    staging, tables = self._tables_for(1)
+                    tables.copy_(staging)
+                    self._step_fn(0, len(self.blocks), 1, length)()
+                if self.device.type == "cuda":
+                    torch.cuda.synchronize(self.device)
         except Exception as error:
             self.disable(f"warming up the decode step failed: {error!r}")
             return False
@@ -318,18 +320,19 @@ class DecodeGraphs:
         rows = [1 << n for n in range(largest.bit_length()) if 1 << n >= self._least_rows]
         made = 0
         try:
-            self._ensure_rotary(lengths[-1])  # no later growth drops what is made here
-            for bucket_length in lengths:
-                for bucket_rows in rows:
-                    if (
-                        len(self._graphs) >= self.config.max_graphs
-                        or self._counts["pool_bytes"] >= self.config.ahead_pool_bytes
-                    ):
-                        return made
-                    key = (0, len(self.blocks), None, bucket_rows, bucket_length)
-                    if key not in self._graphs:
-                        self._graph(key)
-                        made += 1
+            with self._on_device():
+                self._ensure_rotary(lengths[-1])  # no later growth drops what is made here
+                for bucket_length in lengths:
+                    for bucket_rows in rows:
+                        if (
+                            len(self._graphs) >= self.config.max_graphs
+                            or self._counts["pool_bytes"] >= self.config.ahead_pool_bytes
+                        ):
+                            return made
+                        key = (0, len(self.blocks), None, bucket_rows, bucket_length)
+                        if key not in self._graphs:
+                            self._graph(key)
+                            made += 1
         except Exception as error:
             self._counts["failures"] += 1
             self.disable(f"capturing the decode steps at load failed: {error!r}")
@@ -360,20 +363,15 @@ class DecodeGraphs:
         changed nothing, when the step must take the eager path.
         """
         sessions = self._eligible(start, end, hidden_states, caches)
-        if sessions is None:
+        groups = None if sessions is None else self._groups(sessions)
+        if sessions is None or groups is None:
             self._counts["declined"] += 1
             return None
         outputs: list[torch.Tensor] = []
-        group: list[int] = []
-        rows = 0
         try:
-            for index, session in enumerate(sessions):
-                if rows + session.batch > self.config.max_rows:
+            with self._on_device():
+                for group in groups:
                     outputs += self._run(start, end, group, hidden_states, caches, sessions)
-                    group, rows = [], 0
-                group.append(index)
-                rows += session.batch
-            outputs += self._run(start, end, group, hidden_states, caches, sessions)
         except Exception as error:
             # A replay writes each row's new key and value at its cache's length, and no length
             # has moved yet: every cache is as it was.
@@ -384,6 +382,29 @@ class DecodeGraphs:
             for cache in items:
                 cache.length += 1
         return outputs
+
+    def _groups(self, sessions: Sequence[_Session]) -> list[list[int]] | None:
+        """The sessions (indices) of each replay: in order, at most ``max_rows`` rows each; None
+        when a replay would have fewer rows than the blocks take (Mixtral's)."""
+        groups: list[list[int]] = [[]]
+        rows = 0
+        for index, session in enumerate(sessions):
+            if rows + session.batch > self.config.max_rows:
+                groups.append([])
+                rows = 0
+            groups[-1].append(index)
+            rows += session.batch
+        for group in groups:
+            if bucket(sum(sessions[index].batch for index in group)) < self._least_rows:
+                return None
+        return groups
+
+    def _on_device(self) -> contextlib.AbstractContextManager[None]:
+        """The blocks' device made current (streams, events and replays are the current
+        device's), a no-op off CUDA."""
+        if self.device.type != "cuda":
+            return contextlib.nullcontext()
+        return torch.cuda.device(self.device)
 
     def _eligible(
         self,
@@ -425,8 +446,6 @@ class DecodeGraphs:
             if session is None:
                 return None
             sessions.append(session)
-        if bucket(sum(session.batch for session in sessions)) < self._least_rows:
-            return None
         return sessions
 
     def _session(self, start: int, caches: Sequence[KVCache]) -> _Session | None:
@@ -601,6 +620,10 @@ class DecodeGraphs:
         self._fill_scratch(start, end, 0, bucket_rows)
         staging, tables = self._tables_for(bucket_rows)
         tables.copy_(staging)
+        # The capture empties the allocator's cache when it starts: so does this, first, so
+        # that what the capture adds is not hidden by what that frees.
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
         reserved = torch.cuda.memory_reserved(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):

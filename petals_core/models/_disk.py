@@ -7,8 +7,9 @@ than ``keep_free`` bytes, deletes the model's least recently used weight files (
 ``.bin`` shards, by last access) until it fits.  It never deletes a file the load needs, another
 repo's file, or a file that is not weights (configs, indexes, tokenizers).
 
-:func:`cache_lock` (an exclusive ``flock`` on a file in the cache folder) serializes the loads
-that may delete, so that one server never deletes a shard another is reading.
+:func:`repo_lock` (``flock`` on a file per repo) is shared while a load reads the repo's files,
+whether or not it has a budget, and exclusive while one deletes: a server never deletes a shard
+another is reading.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from huggingface_hub.errors import CacheNotFound
 
 from .._errors import CheckpointError
 
-__all__ = ["KEEP_FREE", "CachedWeights", "Eviction", "cache_lock", "make_room", "plan_eviction"]
+__all__ = ["KEEP_FREE", "CachedWeights", "Eviction", "make_room", "plan_eviction", "repo_lock"]
 
 log = logging.getLogger(__name__)
 
@@ -34,7 +35,8 @@ log = logging.getLogger(__name__)
 KEEP_FREE = 2**30
 #: The files a load reads: only these are ever deleted.
 WEIGHT_SUFFIXES = (".safetensors", ".bin")
-LOCK_FILE = ".petals_core.lock"
+#: The lock file of a repo's files, in huggingface_hub's folder of per-repo locks.
+LOCK_FILE = "petals_core.lock"
 
 
 @attrs.frozen(kw_only=True)
@@ -49,11 +51,20 @@ class Eviction:
 
 
 @contextlib.contextmanager
-def cache_lock(folder: Path) -> Iterator[None]:
-    """Hold the cache folder's lock (exclusive, across processes) for the duration."""
-    folder.mkdir(parents=True, exist_ok=True)
-    with (folder / LOCK_FILE).open("a") as lock:
-        fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
+def repo_lock(folder: Path, repo_id: str, *, exclusive: bool) -> Iterator[None]:
+    """Hold the lock of ``repo_id``'s files in the cache ``folder``, across processes: shared
+    while a load reads them, exclusive while :func:`make_room` may delete some.  A cache this
+    process cannot write to (a read-only one) is read without a lock."""
+    path = folder / ".locks" / f"models--{repo_id.replace('/', '--')}" / LOCK_FILE
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        lock = path.open("a")
+    except OSError as error:
+        log.debug("reading %s without a lock: %s", folder, error)
+        yield
+        return
+    with lock:
+        fcntl.flock(lock.fileno(), fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
         try:
             yield
         finally:
@@ -110,7 +121,7 @@ def make_room(
     """Delete the least recently used weight files of ``repo_id`` cached in ``folder`` until
     ``nbytes`` more fit: within ``budget`` bytes for the model's files, and leaving ``keep_free``
     bytes free on the disk (:func:`plan_eviction`).  Files named in ``keep`` (a load's own)
-    stay.  Call it holding :func:`cache_lock`.
+    stay.  Call it holding the repo's lock, exclusive (:func:`repo_lock`).
 
     Raises :class:`CheckpointError`, deleting nothing, when deleting every file it may would not
     make enough room.

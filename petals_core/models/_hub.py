@@ -39,7 +39,7 @@ from huggingface_hub.errors import (
 from safetensors import SafetensorError
 
 from .._errors import CheckpointError
-from ._disk import cache_lock, make_room
+from ._disk import make_room, repo_lock
 
 __all__ = ["HubAccess", "HubRepo", "hub_errors", "unreadable"]
 
@@ -107,33 +107,32 @@ class HubRepo:
 
     @contextlib.contextmanager
     def loading(self, filenames: Collection[str]) -> Iterator[None]:
-        """While ``filenames`` are fetched and read.  With a disk budget: hold the cache's lock
-        (no other load deletes anything meanwhile), and make room for the files not cached yet
-        (their sizes asked of the Hub) by deleting the repo's least recently used weight files,
-        never these."""
-        if self.max_disk_space is None or self.offline:
-            yield
-            return
+        """While ``filenames`` are fetched and read, hold the repo's lock in the cache, shared:
+        no load deletes them meanwhile.  With a disk budget, first (holding the lock
+        exclusively) make room for those not cached yet, their sizes asked of the Hub, by
+        deleting the repo's least recently used weight files, never these."""
         folder = self.cache_dir or Path(constants.HF_HUB_CACHE)
-        with cache_lock(folder):
-            missing = [name for name in filenames if not self._cached(name)]
-            if missing:
-                with hub_errors(self.source):
-                    nbytes = sum(
-                        get_hf_file_metadata(
-                            hf_hub_url(self.repo_id, name, revision=self.revision.resolved),
-                            token=self.token,
-                        ).size
-                        or 0
-                        for name in missing
+        if self.max_disk_space is not None and not self.offline:
+            with repo_lock(folder, self.repo_id, exclusive=True):
+                missing = [name for name in filenames if not self._cached(name)]
+                if missing:
+                    with hub_errors(self.source):
+                        nbytes = sum(
+                            get_hf_file_metadata(
+                                hf_hub_url(self.repo_id, name, revision=self.revision.resolved),
+                                token=self.token,
+                            ).size
+                            or 0
+                            for name in missing
+                        )
+                    make_room(
+                        self.repo_id,
+                        folder,
+                        nbytes,
+                        budget=self.max_disk_space,
+                        keep=frozenset(filenames),
                     )
-                make_room(
-                    self.repo_id,
-                    folder,
-                    nbytes,
-                    budget=self.max_disk_space,
-                    keep=frozenset(filenames),
-                )
+        with repo_lock(folder, self.repo_id, exclusive=False):
             yield
 
     def _cached(self, filename: str) -> bool:

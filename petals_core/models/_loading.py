@@ -305,7 +305,8 @@ class _Checkpoint:
                 loading=repo.loading,
             )
         try:
-            single_path = fetch(SINGLE_FILE)
+            with repo.loading([SINGLE_FILE]):  # the disk budget applies to it too
+                single_path = fetch(SINGLE_FILE)
         except CheckpointError as error:
             if isinstance(error.__cause__, LocalEntryNotFoundError):
                 raise CheckpointError(

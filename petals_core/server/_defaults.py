@@ -100,6 +100,9 @@ _AUTOGRAD_RESERVE_NBYTES_PER_HIDDEN: Final = 2 * 2**30 / 14336
 _QUANTISED_NBYTES_PER_WEIGHT: Final[dict[str, float]] = {"int8": 1.0, "nf4": 4.25 / 8}
 #: Quantisation state (scales, tables) and tensor metadata, as a fraction of the weights.
 _METADATA_FRACTION: Final = 0.01
+#: What a server's compiled kernels and library handles take on the device outside torch's
+#: allocator, at most: counted when other processes' allocations blur the device's free memory.
+_CODE_ALLOWANCE: Final = 256 * 2**20
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -346,12 +349,18 @@ def measure_overhead(
     on ``device`` (CUDA) with one block of the model (random weights, quantised as served): a
     prefill step of ``max_batch_tokens`` tokens (activations, the matmul library's workspace),
     then, with ``decode_graphs``, their warm-up and captures at load (memory pool, the attention
-    kernels' partial results, compiled kernels).  The device's free memory before less after,
-    less the block's weights and cache; everything made is freed again."""
+    kernels' partial results, compiled kernels).  Everything made is freed again.
+
+    Two measures, of which the smaller counts: the device's free memory before less after (all
+    of it, the compiled kernels' code too, but also whatever other processes took meanwhile),
+    and this process's allocator at its peak (its own only, but not the code) plus
+    :data:`_CODE_ALLOWANCE`; each less the block's weights and cache."""
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()
     free_before, _ = torch.cuda.mem_get_info(device)
+    reserved_before = torch.cuda.memory_reserved(device)
     allocated_before = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
     with torch.device("meta"):
         block = new_block(model_config, 0, purpose="measure serving memory")
     block = block.to(dtype).to_empty(device=device)
@@ -372,9 +381,10 @@ def measure_overhead(
             graphs.capture_ahead()
     torch.cuda.synchronize(device)
     free_after, _ = torch.cuda.mem_get_info(device)
+    own = torch.cuda.max_memory_reserved(device) - reserved_before + _CODE_ALLOWANCE
     del graphs, cache, block, hidden
     torch.cuda.empty_cache()
-    return max(0, free_before - free_after - held)
+    return max(0, min(free_before - free_after, own) - held)
 
 
 # -- all together ------------------------------------------------------------------------------

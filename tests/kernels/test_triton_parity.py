@@ -82,6 +82,24 @@ def test_decode_attention(dtype: torch.dtype, n_kv_head: int, new_tokens: int, a
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_decode_attention_in_more_splits_than_one_merge_pass_reads(dtype: torch.dtype) -> None:
+    """The merge reads 16 splits' partials at a time: 22 splits take two passes, the second
+    ragged.  3 heads of 1 query, 22 splits: 66 partial rows, which leave the maxima and sums
+    unaligned unless each array is padded to 16 bytes."""
+    generator = torch.Generator().manual_seed(5)
+    q = torch.randn(1, 1, 3, 32, generator=generator).to(dtype).transpose(1, 2)
+    k = torch.randn(1, 1, 700, 32, generator=generator).to(dtype)
+    v = torch.randn(1, 1, 700, 32, generator=generator).to(dtype)
+    expected = attention_reference(q, k, v, query_offset=699)
+    # 700 keys in splits of two 16-key tiles: 22 of them.
+    actual = triton_attention.decode_attention(q, k, v, query_offset=699, block_n=16, num_splits=22)
+    assert_parity(actual, expected)
+    partials = triton_attention._partials(torch.empty(1, 3, 1, 32), 22)
+    assert all(part.data_ptr() % 16 == 0 for part in partials)
+    assert [part.numel() for part in partials] == [66 * 32, 66, 66]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_decode_attention_in_one_split(dtype: torch.dtype) -> None:
     q, k, v = _attention_inputs(dtype, n_kv_head=2, new_tokens=3)
     expected = attention_reference(q, k, v, query_offset=40, scale=0.3)

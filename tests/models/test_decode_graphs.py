@@ -237,9 +237,9 @@ def test_unsupported_blocks() -> None:
 
 
 def test_mixtral_takes_steps_of_enough_rows_within_its_window() -> None:
-    """Its experts run on every row in a graph: steps of fewer rows than make the chosen experts
-    number all 8 (2 each: 4 rows) are left to the eager path, which reads fewer weights; so are
-    positions past a sliding window, which the eager path refuses."""
+    """Its experts run on every row in a graph: replays of fewer rows than make the chosen
+    experts number all 8 (2 each: 4 rows) are left to the eager path, which reads fewer weights;
+    so are positions past a sliding window, which the eager path refuses."""
     blocks = [
         perturbed(MixtralBlock(tiny_mixtral_config(sliding_window=12), i), seed=i)
         for i in range(SPAN)
@@ -250,6 +250,11 @@ def test_mixtral_takes_steps_of_enough_rows_within_its_window() -> None:
     assert graphs.step(0, SPAN, _tokens([(2, 16, 3)], seed=2), few[1:]) is None  # 2 rows
     late = _sessions(blocks, [(4, 16, 12)])  # the 13th position is past the window
     assert graphs.step(0, SPAN, _tokens([(4, 16, 12)], seed=3), late) is None
+    # 5 rows in replays of at most 4: the second would hold 1 row, too few.
+    split = DecodeGraphs(blocks, config=DecodeGraphsConfig(min_length_bucket=16, max_rows=4))
+    five = _sessions(blocks, [(4, 16, 3), (1, 16, 3)])
+    assert split.step(0, SPAN, _tokens([(4, 16, 3), (1, 16, 3)], seed=4), five) is None
+    assert split.statistics().declined == 1
     assert graphs.statistics().declined == 2 and graphs.statistics().replays == 1
     with pytest.raises(ValueError, match="sliding window"):
         eager_steps(blocks, _tokens([(4, 16, 12)], seed=3), late)

@@ -19,9 +19,10 @@ from petals_core.models import (
     FalconBlock,
     KVCache,
     LlamaBlock,
+    MixtralBlock,
 )
 from petals_core.models._quantize import quantize_block
-from petals_core.testing import tiny_falcon_config
+from petals_core.testing import tiny_falcon_config, tiny_mixtral_config
 
 from ._steps import eager_steps, twin
 from .conftest import tiny_bloom_config, tiny_llama_config
@@ -51,6 +52,15 @@ def _blocks(family: str, dtype: torch.dtype) -> list[Block]:
                 max_position_embeddings=4096,
             )
             block: Block = LlamaBlock(config, index)
+        elif family == "mixtral":  # 8 experts, 2 per token: in a graph, each on every row
+            mixtral = tiny_mixtral_config(
+                hidden_size=HIDDEN,
+                intermediate_size=2 * HIDDEN,
+                num_attention_heads=HEADS,
+                num_key_value_heads=KV_HEADS,
+                max_position_embeddings=4096,
+            )
+            block = MixtralBlock(mixtral, index)
         elif family == "falcon":  # Falcon-40B's layout: 8 heads in 2 groups, two LayerNorms
             falcon = tiny_falcon_config(
                 hidden_size=HIDDEN, num_attention_heads=HEADS, num_kv_heads=KV_HEADS
@@ -94,7 +104,7 @@ def test_fp32_spans_step_eagerly() -> None:
         DecodeGraphs(blocks)
 
 
-@pytest.mark.parametrize("family", ["llama", "bloom", "falcon"])
+@pytest.mark.parametrize("family", ["llama", "bloom", "falcon", "mixtral"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_replays_equal_the_eager_path(family: str, dtype: torch.dtype) -> None:
     blocks = _blocks(family, dtype)

@@ -4,6 +4,7 @@ download would pass the budget."""
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import os
 import shutil
@@ -15,10 +16,11 @@ from petals_core import CheckpointError
 from petals_core.models._config import AutoDistributedConfig
 from petals_core.models._disk import (
     KEEP_FREE,
+    LOCK_FILE,
     CachedWeights,
-    cache_lock,
     make_room,
     plan_eviction,
+    repo_lock,
 )
 from petals_core.models._loading import INDEX_FILE, load_blocks
 
@@ -154,6 +156,43 @@ def test_a_disk_too_full_for_the_load_fails_clearly_and_deletes_nothing(
     before = _cached_weights(hub.cache_dir, REPO)
     free = shutil.disk_usage(hub.cache_dir).free
     assert KEEP_FREE == 2**30
-    with cache_lock(hub.cache_dir), pytest.raises(CheckpointError, match="do not fit the disk"):
+    with (
+        repo_lock(hub.cache_dir, REPO, exclusive=True),
+        pytest.raises(CheckpointError, match="do not fit the disk"),
+    ):
         make_room(REPO, hub.cache_dir, 1, budget=10**15, keep_free=free + 10**12)
     assert _cached_weights(hub.cache_dir, REPO) == before
+
+
+def test_a_single_file_checkpoint_is_held_to_the_budget(
+    hub: Hub, tiny_llama_single_file: TinyCheckpoint
+) -> None:
+    hub.server.serve(REPO, tiny_llama_single_file.folder)
+    config = AutoDistributedConfig.from_pretrained(REPO, cache_dir=hub.cache_dir)
+    with pytest.raises(CheckpointError, match="--max_disk_space"):
+        load_blocks(REPO, range(0, 2), config=config, cache_dir=hub.cache_dir, max_disk_space=1)
+    assert _cached_weights(hub.cache_dir, REPO) == set()  # not downloaded
+
+
+def test_reading_shares_the_repo_lock_and_deleting_takes_it_alone(tmp_path: Path) -> None:
+    """Loads reading a repo's files hold its lock shared, with or without a budget; making room
+    holds it exclusively, so it waits for them (and they for it)."""
+    lock = tmp_path / ".locks" / f"models--{REPO.replace('/', '--')}" / LOCK_FILE
+
+    def try_lock(mode: int) -> bool:
+        with lock.open("a") as other:  # another open file: as another process would
+            try:
+                fcntl.flock(other.fileno(), mode | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return False
+            fcntl.flock(other.fileno(), fcntl.LOCK_UN)
+            return True
+
+    with repo_lock(tmp_path, REPO, exclusive=False):
+        assert try_lock(fcntl.LOCK_SH) and not try_lock(fcntl.LOCK_EX)
+    with repo_lock(tmp_path, REPO, exclusive=True):
+        assert not try_lock(fcntl.LOCK_SH)
+    assert try_lock(fcntl.LOCK_EX)
+    # Another repo's lock is another file.
+    with repo_lock(tmp_path, OTHER_REPO, exclusive=True):
+        assert try_lock(fcntl.LOCK_EX)

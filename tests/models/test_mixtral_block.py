@@ -171,6 +171,25 @@ def test_forward_many_equals_one_by_one_and_runs_each_expert_once() -> None:
     assert sum(calls) == tokens * 2
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_static_path_of_a_decode_graph_equals_the_eager_one(dtype: torch.dtype) -> None:
+    """In a CUDA graph every expert runs on every row (nothing may wait for the device): the
+    same sums in the same order (products of more rows at once may round differently).  An
+    expert a row did not choose adds exactly nothing, even where it overflows on that row
+    (0 * inf would be NaN)."""
+    moe = Pair(CONFIGS["8x2"]).blocks[0].block_sparse_moe.to(dtype)
+    x = torch.randn(5, 3, HIDDEN).to(dtype)
+    with torch.no_grad():
+        torch.testing.assert_close(moe(x, static=True), moe(x))
+        experts, _ = moe.route(x.reshape(-1, HIDDEN))
+        unchosen = next(e for e in range(moe.num_experts) if not (experts == e).any(-1).all())
+        moe.experts[unchosen].w2.weight.fill_(float("inf"))
+        eager, static = moe(x), moe(x, static=True)
+        rows = ~(experts == unchosen).any(-1)  # tokens that did not choose it
+        assert torch.isfinite(static.reshape(-1, HIDDEN)[rows]).all()
+        torch.testing.assert_close(static, eager, equal_nan=True)
+
+
 def test_bfloat16_runs_close_to_float32() -> None:
     pair = Pair(CONFIGS["8x2"])
     x = pair.inputs(2, 12)

@@ -109,12 +109,16 @@ class MixtralSparseMoE(nn.Module):
         experts, weights = self.route(tokens)
         out = torch.zeros_like(tokens)
         if static:
-            # (N, num_experts): each token's weight for each expert, 0 for those not chosen.
-            dense = torch.zeros(
-                tokens.shape[0], self.num_experts, dtype=weights.dtype, device=weights.device
-            ).scatter_(1, experts, weights)
+            # (N, num_experts): each token's weight for each expert, and whether it chose it.
+            shape_dense = (tokens.shape[0], self.num_experts)
+            dense = weights.new_zeros(shape_dense).scatter_(1, experts, weights)
+            chosen = torch.zeros(shape_dense, dtype=torch.bool, device=tokens.device)
+            chosen.scatter_(1, experts, True)
             for index, expert in enumerate(self.experts):
-                out += (expert(tokens) * dense[:, index, None]).to(out.dtype)
+                # Where not chosen, exactly 0: not 0 times the output (an expert a token did not
+                # choose may overflow on it, and inf * 0 is NaN).
+                y = torch.where(chosen[:, index, None], expert(tokens) * dense[:, index, None], 0)
+                out += y.to(out.dtype)
             return out.view(shape)
         # Which experts have tokens: one look at the routing, then one pass per expert over the
         # tokens routed to it, in expert order (the order of the sums, as transformers').
