@@ -8,6 +8,8 @@ second run starts in seconds.
 
 from __future__ import annotations
 
+import os
+import shutil
 import tomllib
 from pathlib import Path
 
@@ -37,11 +39,39 @@ def _one_thread(session: nox.Session) -> dict[str, str]:
     return {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 
 
+def _in_ci() -> bool:
+    return os.environ.get("CI", "").lower() in ("1", "true", "yes")
+
+
+def _system_parts(session: nox.Session) -> None:
+    """What tests need of the system, from Debian's packages (root, the package index): Chromium
+    and its driver for the monitor's page in tests/browser.  Installed once; in CI only."""
+    if shutil.which("chromium") and shutil.which("chromedriver"):
+        return
+    session.run("apt-get", "update", "-qq", external=True)
+    session.run(
+        "apt-get",
+        "install",
+        "-y",
+        "-qq",
+        "--no-install-recommends",
+        "chromium",
+        "chromium-driver",
+        external=True,
+        env={"DEBIAN_FRONTEND": "noninteractive"},
+    )
+
+
 @nox.session
 def tests(session: nox.Session) -> None:
-    """Run the test suite (extra pytest arguments pass through)."""
+    """Run the test suite (extra pytest arguments pass through).  In CI (``CI=true``) the
+    system's parts the tests need are installed first and the browser tests run too; a test that
+    finds a part missing then fails, and only CUDA tests may skip (tests/_system.py)."""
     _install(session, "dev")
     _install_smollm2(session)
+    if _in_ci():
+        _system_parts(session)
+        session.install("selenium")
     session.run("pytest", *session.posargs, env=_one_thread(session))
 
 
@@ -82,10 +112,12 @@ def demo(session: nox.Session) -> None:
 def browser(session: nox.Session) -> None:
     """The monitor's page in a headless Chromium (``pytest tests/browser``; it saves
     bench/results/monitor.png).  Chromium and its driver come from the system: ``apt-get install
-    -y chromium chromium-driver``; selenium is installed here only, not a dependency."""
+    -y chromium chromium-driver``; without them the session fails.  selenium is installed here
+    (and by ``tests`` in CI) only, not a dependency."""
     _install(session, "dev")
     session.install("selenium")
-    session.run("pytest", "tests/browser", *session.posargs, env=_one_thread(session))
+    env = {**_one_thread(session), "PETALS_REQUIRE_SYSTEM": "1"}
+    session.run("pytest", "tests/browser", *session.posargs, env=env)
 
 
 @nox.session

@@ -8,6 +8,9 @@ from typing import TYPE_CHECKING
 
 import pytest
 
+# The skips' count by reason at the end of every run, and CI's rule that only CUDA tests skip.
+from ._system import in_ci, pytest_sessionfinish, pytest_terminal_summary
+
 if TYPE_CHECKING:
     from ._served_swarm import InProcessSwarm, ServedModel
     from .client._swarm_helpers import Model
@@ -17,9 +20,12 @@ if TYPE_CHECKING:
 # process never launches compiled kernels: there is no GPU in CI.
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
-# tests/browser drives a real Chromium through selenium: the default run leaves it out, naming it
-# runs it (`pytest tests/browser`, which `nox -s browser` does).
-collect_ignore = ["browser"]
+# tests/browser drives a real Chromium through selenium: CI runs it (it installs Chromium first),
+# the default run elsewhere leaves it out, naming it runs it (`pytest tests/browser`, which
+# `nox -s browser` does).
+collect_ignore = [] if in_ci() else ["browser"]
+
+__all__ = ["pytest_sessionfinish", "pytest_terminal_summary"]
 
 
 # The swarm serves tests/distributed and tests/client alike: one for the whole session.  Its

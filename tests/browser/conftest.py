@@ -1,8 +1,10 @@
 """A headless Chromium driven by selenium, for the tests of the monitor's page.
 
 Chromium and its driver come from Debian's packages (``apt-get install -y chromium
-chromium-driver``), selenium from ``nox -s browser``; without them the tests are skipped, saying
-what to install.  The driver is given by path, so selenium never tries to download one.
+chromium-driver``), selenium from ``nox -s browser`` (or ``nox -s tests`` in CI, which installs
+all three); without them the tests are skipped, saying what to install, or fail where the
+system's parts are required (CI, ``nox -s browser``: see tests/_system.py).  The driver is given
+by path, so selenium never tries to download one.
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 import pytest
+
+from .._system import missing
 
 if TYPE_CHECKING:
     from selenium.webdriver import Chrome
@@ -27,14 +31,13 @@ def _which(names: tuple[str, ...]) -> str | None:
 
 @pytest.fixture(scope="session")
 def browser() -> Iterator[Chrome]:
-    webdriver = pytest.importorskip(
-        "selenium.webdriver", reason="selenium is not installed: run `nox -s browser`"
-    )
+    try:
+        from selenium import webdriver
+    except ImportError:
+        missing("selenium", "nox -s browser")
     chromium, driver = _which(CHROMIUM), _which(CHROMEDRIVER)
     if chromium is None or driver is None:
-        pytest.skip(
-            "Chromium and its driver are missing: apt-get install -y chromium chromium-driver"
-        )
+        missing("Chromium and its driver", "apt-get install -y chromium chromium-driver")
     options = webdriver.ChromeOptions()
     options.binary_location = chromium
     for argument in [
