@@ -43,10 +43,20 @@ def _in_ci() -> bool:
     return os.environ.get("CI", "").lower() in ("1", "true", "yes")
 
 
+#: What tests need of the system: a command each, and the Debian package that brings it.
+SYSTEM_PARTS = {
+    "chromium": "chromium",  # the monitor's page, tests/browser
+    "chromedriver": "chromium-driver",
+    "nft": "nftables",  # NAT routers in network namespaces, petals_core.testing.open_topology
+    "ip": "iproute2",
+}
+
+
 def _system_parts(session: nox.Session) -> None:
-    """What tests need of the system, from Debian's packages (root, the package index): Chromium
-    and its driver for the monitor's page in tests/browser.  Installed once; in CI only."""
-    if shutil.which("chromium") and shutil.which("chromedriver"):
+    """What tests need of the system, from Debian's packages (root, the package index).
+    Installed once, when missing; in CI only."""
+    packages = sorted({package for tool, package in SYSTEM_PARTS.items() if not shutil.which(tool)})
+    if not packages:
         return
     session.run("apt-get", "update", "-qq", external=True)
     session.run(
@@ -55,8 +65,7 @@ def _system_parts(session: nox.Session) -> None:
         "-y",
         "-qq",
         "--no-install-recommends",
-        "chromium",
-        "chromium-driver",
+        *packages,
         external=True,
         env={"DEBIAN_FRONTEND": "noninteractive"},
     )

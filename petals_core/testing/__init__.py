@@ -1,8 +1,8 @@
 """Public test kit: an in-memory datagram network for sans-IO endpoints (links with latency,
 loss and reordering; virtual time), a swarm of real processes on loopback
 (:func:`open_local_swarm`), a UDP relay that makes loopback as slow as a WAN
-(:class:`DelayRelay`), and model configs for tests and benchmarks (tiny ones, and real
-models' shapes).
+(:class:`DelayRelay`), hosts behind real NATs in network namespaces (:func:`open_topology`),
+and model configs for tests and benchmarks (tiny ones, and real models' shapes).
 """
 
 from ._configs import (
@@ -15,6 +15,13 @@ from ._configs import (
     tiny_llama_config as tiny_llama_config,
     tiny_mixtral_config as tiny_mixtral_config,
     tinyllama_1b_config as tinyllama_1b_config,
+)
+from ._nat import (
+    Host as Host,
+    Router as Router,
+    Topology as Topology,
+    missing_nat_tools as missing_nat_tools,
+    open_topology as open_topology,
 )
 from ._network import MemoryNetwork as MemoryNetwork, Pipe as Pipe
 from ._relay import DelayRelay as DelayRelay, RelayStats as RelayStats
