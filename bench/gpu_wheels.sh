@@ -15,7 +15,7 @@ download() {
 }
 # pyopenssl wants cryptography below 51.
 download trio outcome sniffio 'aioquic>=1.7,<1.8' pylsqpack pyopenssl service-identity pyasn1 \
-    pyasn1-modules 'cryptography<51' cffi pycparser cbor2 gguf pytest-trio pytest-timeout \
+    pyasn1-modules 'cryptography<51' cffi pycparser cbor2 gguf ifaddr pytest-trio pytest-timeout \
     'bitsandbytes>=0.50'
 # The HTTP stack of the endpoint (bench api): pure-Python wheels (anyio and idna are there).
 download hypercorn h2 hpack hyperframe priority wsproto starlette sse-starlette

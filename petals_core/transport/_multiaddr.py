@@ -10,16 +10,22 @@ from __future__ import annotations
 
 import ipaddress
 import re
-import socket
 from collections.abc import Iterable
 from typing import Final
 
 import attrs
+import ifaddr
 
 from .._errors import ConfigError, InvalidMultiaddr
 from ._identity import PeerID
 
-__all__ = ["Multiaddr", "as_multiaddr", "client_listen_host", "dialable_multiaddrs"]
+__all__ = [
+    "Multiaddr",
+    "as_multiaddr",
+    "client_listen_host",
+    "dialable_multiaddrs",
+    "interface_hosts",
+]
 
 _EXPECTED_FORM: Final = (
     "/ip4/<IPv4 address>/udp/<port>/quic-v1[/p2p/<PeerID>] "
@@ -244,8 +250,9 @@ def dialable_multiaddrs(
 
     ``announce_host`` (a public address, e.g. behind port forwarding) wins; ``announce_port``
     replaces the port (a router forwarding another port to this one).  A node on a
-    wildcard host (``0.0.0.0`` / ``::``) listens on every interface of its family: its loopback
-    address first, then the addresses this machine's name resolves to.  Otherwise ``listen``.
+    wildcard host (``0.0.0.0`` / ``::``) listens on every interface of its family (``::`` takes
+    IPv4 too): the loopback address first, then each interface's (:func:`interface_hosts`).
+    Otherwise ``listen``.
     """
     if announce_port is not None:
         listen = attrs.evolve(listen, port=announce_port)
@@ -256,14 +263,27 @@ def dialable_multiaddrs(
         return [attrs.evolve(listen, host=announce_host, dns=None)]
     if not ipaddress.ip_address(listen.host).is_unspecified:
         return [listen]
-    family = socket.AF_INET if listen.family == 4 else socket.AF_INET6
-    hosts = ["127.0.0.1" if listen.family == 4 else "::1"]
-    try:
-        infos = socket.getaddrinfo(socket.gethostname(), None, family, socket.SOCK_DGRAM)
-    except OSError:
-        infos = []
-    for info in infos:
-        host = str(info[4][0]).split("%", 1)[0]
-        if host not in hosts and not ipaddress.ip_address(host).is_unspecified:
-            hosts.append(host)
+    families = (4,) if listen.family == 4 else (4, 6)
+    hosts = ["127.0.0.1"] if listen.family == 4 else ["127.0.0.1", "::1"]
+    hosts += [host for host in interface_hosts(families) if host not in hosts]
     return [attrs.evolve(listen, host=host) for host in hosts]
+
+
+def interface_hosts(families: tuple[int, ...] = (4, 6)) -> list[str]:
+    """This machine's interfaces' addresses of these IP versions, as the system lists them
+    (``ifaddr``), IPv4 first: every address but loopback, unspecified and link-local ones
+    (an IPv6 link-local address needs its interface named to be dialled)."""
+    found: list[ipaddress.IPv4Address | ipaddress.IPv6Address] = []
+    for adapter in ifaddr.get_adapters():
+        for ip in adapter.ips:
+            # ifaddr gives IPv4 as a string, IPv6 as (address, flowinfo, scope_id).
+            address = ipaddress.ip_address(ip.ip if isinstance(ip.ip, str) else ip.ip[0])
+            if (
+                address.version in families
+                and not address.is_loopback
+                and not address.is_unspecified
+                and not address.is_link_local
+                and address not in found
+            ):
+                found.append(address)
+    return [str(address) for address in sorted(found, key=lambda a: a.version)]

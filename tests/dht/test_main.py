@@ -78,3 +78,47 @@ async def test_standalone_node_serves_keeps_its_identity_and_stops_on_sigterm(
     async with running_node(identity_path) as (process, address):
         assert address.peer_id == first_peer_id
         assert await _stop(process) == 0
+
+
+def test_a_node_on_every_interface_prints_the_addresses_others_can_dial() -> None:
+    """On a host of its own (a network namespace with one address, 198.51.100.x): listening on
+    0.0.0.0, the node prints that address beside loopback, not what the host name resolves to;
+    and a node on another host reaches it there."""
+    from petals_core.testing import missing_nat_tools, open_topology
+
+    from .._system import missing
+
+    reason = missing_nat_tools()
+    if reason is not None:
+        missing(f"what NAT tests need ({reason})", "apt-get install -y nftables iproute2")
+    with open_topology() as topology:
+        boot, other = topology.public("boot"), topology.public("other")
+        command = boot.command(sys.executable, "-m", "petals_core.dht", "--host", "0.0.0.0")
+        with subprocess.Popen(
+            command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
+        ) as process:
+            try:
+                assert process.stdout is not None
+                lines = [process.stdout.readline().strip() for _ in range(2)]
+                addresses = [Multiaddr.parse(line.removeprefix(ANNOUNCE)) for line in lines]
+                assert [a.host for a in addresses] == ["127.0.0.1", boot.address]
+                probe = (
+                    "import sys, trio\n"
+                    "from petals_core.transport import open_node\n"
+                    "async def main():\n"
+                    "    async with open_node(host='0.0.0.0') as node:\n"
+                    "        with trio.fail_after(20):\n"
+                    "            connection = await node.connect(sys.argv[1])\n"
+                    "        print(connection.peer_id)\n"
+                    "trio.run(main)\n"
+                )
+                reached = subprocess.run(
+                    other.command(sys.executable, "-c", probe, str(addresses[1])),
+                    capture_output=True,
+                    text=True,
+                    timeout=60,
+                )
+                assert reached.stdout.strip() == str(addresses[1].peer_id), reached.stderr
+            finally:
+                process.send_signal(signal.SIGTERM)
+                process.wait(timeout=STOP_TIMEOUT_S)
