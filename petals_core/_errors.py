@@ -68,6 +68,11 @@ class PeerUnreachable(NetworkError):
     """The peer could not be reached (no route, refused, or it stopped answering)."""
 
 
+class RelayRefused(PeerUnreachable):
+    """A relay refused to hold a reservation or open a circuit: it is at one of its bounds, it
+    does not relay, or it holds no reservation for the peer asked for."""
+
+
 class IdentityMismatch(NetworkError):
     """The peer proved a key other than the one its PeerID names."""
 

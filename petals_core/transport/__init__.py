@@ -33,6 +33,7 @@ from .._errors import (
     LocalProtocolError as LocalProtocolError,
     PeerUnreachable as PeerUnreachable,
     ProtocolError as ProtocolError,
+    RelayRefused as RelayRefused,
     RemoteError as RemoteError,
     RemoteProtocolError as RemoteProtocolError,
     StreamReset as StreamReset,
@@ -65,6 +66,13 @@ from ._multiaddr import (
     dialable_multiaddrs as dialable_multiaddrs,
 )
 from ._node import Node as Node, NodeStatistics as NodeStatistics, open_node as open_node
+from ._relay import (
+    RelayLimits as RelayLimits,
+    RelayService as RelayService,
+    RelayStatistics as RelayStatistics,
+    Reservation as Reservation,
+    hold_reservation as hold_reservation,
+)
 from ._rpc import (
     Call as Call,
     Handlers as Handlers,

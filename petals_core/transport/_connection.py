@@ -15,6 +15,7 @@ from .._errors import ClosedResourceError, StreamReset, TransportError
 from ._endpoint import APP_CANCELLED, Address
 from ._identity import PeerID
 from ._multiaddr import Multiaddr
+from ._relay_wire import split_virtual
 
 if TYPE_CHECKING:
     from ._node import Node
@@ -258,9 +259,27 @@ class Connection:
         self._waiters = 0
         # One stream at a time may assemble a frame over config.large_frame_bytes (see _rpc).
         self._large_frames = trio.Semaphore(1)
+        # The relay's socket address, for a connection we dialled through a relay.
+        self._relay_address: Address | None = None
+
+    @property
+    def current_address(self) -> Address:
+        """The address the peer sends from now: ``address``, unless its NAT moved it since."""
+        return self._node._endpoint.peer_address(self._handle) or self.address
+
+    @property
+    def relay(self) -> PeerID | None:
+        """The PeerID of the relay this connection goes through; None for a direct one."""
+        return self._node.relay_of(self.address)
 
     @property
     def multiaddr(self) -> Multiaddr:
+        relay = self.relay
+        if relay is not None:
+            split = split_virtual(self.address)
+            assert split is not None
+            host, port = split[0]
+            return Multiaddr(host, port, self.peer_id, relay=relay)
         return Multiaddr.from_socket_address(*self.address, peer_id=self.peer_id)
 
     @property

@@ -46,6 +46,7 @@ from ._endpoint_events import (
 )
 from ._identity import Identity, PeerID, check_certificate_identity
 from ._quic import PeerQuicConnection
+from ._relay_wire import RELAY_HEADER, split_virtual
 
 __all__ = [
     "ConnectionLost",
@@ -127,9 +128,14 @@ class Endpoint:
 
     def _quic_configuration(self, *, is_client: bool, address: Address) -> QuicConfiguration:
         config = self.config
+        relayed = split_virtual(address)
+        host = address[0] if relayed is None else relayed[0][0]
         datagram = (
-            config.loopback_datagram_bytes if is_loopback(address[0]) else config.max_datagram_bytes
+            config.loopback_datagram_bytes if is_loopback(host) else config.max_datagram_bytes
         )
+        if relayed is not None:
+            # The relay's header rides in the same UDP payload (QUIC needs 1200 bytes at least).
+            datagram = max(1200, datagram - RELAY_HEADER.size)
         return QuicConfiguration(
             is_client=is_client,
             alpn_protocols=[ALPN],
@@ -192,6 +198,15 @@ class Endpoint:
         quic.connect(address, now=now)
         self._after(conn, now)
         return conn.handle
+
+    def peer_address(self, handle: int) -> Address | None:
+        """Where the connection ``handle`` sends to now (its peer may have moved since the
+        handshake: a NAT's new mapping); None for a connection that is gone."""
+        conn = self._by_handle.get(handle)
+        if conn is None or conn.lost:
+            return None
+        address = conn.quic.get_peer_address()
+        return conn.address if address is None else (str(address[0]), int(address[1]))
 
     def close(
         self, handle: int, now: float, *, error_code: int = APP_CLOSED, reason: str = ""

@@ -1,6 +1,8 @@
 """Peer addresses as multiaddrs: ``/ip4|ip6|dns4|dns6|dns/<host>/udp/<port>/quic-v1[/p2p/<ID>]``.
 
-Only this one shape is accepted, strictly: the transport speaks QUIC v1 over UDP, so TCP, other
+A peer reached through a relay (it cannot be dialled directly, e.g. behind a NAT) has a
+relayed address: the relay's, then ``/p2p-circuit/p2p/<the peer's ID>``.  Only these shapes are
+accepted, strictly: the transport speaks QUIC v1 over UDP, so TCP, other
 QUIC versions and anything after the PeerID are refused with an error that quotes the input and
 names the expected form, rather than half-understood.  A DNS name (``/dns4`` for IPv4, ``/dns6``
 for IPv6, ``/dns`` for either) stays a name here; the node resolves it when it dials.
@@ -29,7 +31,8 @@ __all__ = [
 
 _EXPECTED_FORM: Final = (
     "/ip4/<IPv4 address>/udp/<port>/quic-v1[/p2p/<PeerID>] "
-    "(or /ip6/<IPv6 address>, /dns4|dns6|dns/<DNS name> in place of /ip4/...)"
+    "(or /ip6/<IPv6 address>, /dns4|dns6|dns/<DNS name> in place of /ip4/...; "
+    "through a relay: the relay's address with its PeerID, then /p2p-circuit/p2p/<PeerID>)"
 )
 #: The DNS protocols and the address family each resolves to (None: either).
 DNS_PROTOCOLS: Final[dict[str, int | None]] = {"dns": None, "dns4": 4, "dns6": 6}
@@ -76,7 +79,10 @@ def _check_port(instance: Multiaddr, attribute: attrs.Attribute[int], port: int)
 @attrs.frozen
 class Multiaddr:
     """Where to reach a peer over QUIC: an IP address (or, with ``dns``, a DNS name resolved
-    when dialled), a UDP port and optionally its PeerID."""
+    when dialled), a UDP port and optionally its PeerID.
+
+    With ``relay`` (the relay's PeerID), ``host`` and ``port`` are the relay's, and ``peer_id``
+    is the peer reached through it (required)."""
 
     host: str = attrs.field(converter=_normalise_host)
     port: int = attrs.field(validator=_check_port)
@@ -85,8 +91,18 @@ class Multiaddr:
     )
     #: ``"dns"``, ``"dns4"`` or ``"dns6"`` when ``host`` is a DNS name; None for an IP address.
     dns: str | None = attrs.field(default=None, kw_only=True)
+    #: The PeerID of the relay at ``host``/``port`` that forwards to ``peer_id``; None: direct.
+    relay: PeerID | None = attrs.field(
+        default=None,
+        kw_only=True,
+        validator=attrs.validators.optional(attrs.validators.instance_of(PeerID)),
+    )
 
     def __attrs_post_init__(self) -> None:
+        if self.relay is not None and self.peer_id is None:
+            raise InvalidMultiaddr("a relayed address names the peer behind the relay")
+        if self.relay is not None and self.relay == self.peer_id:
+            raise InvalidMultiaddr("a relayed address names a peer other than the relay")
         if self.dns is None:
             try:
                 ipaddress.ip_address(self.host)
@@ -149,9 +165,26 @@ class Multiaddr:
             peer_id = PeerID.from_string(peer_text)
         except ConfigError as exc:
             raise _invalid(text, f"bad PeerID after /p2p ({exc})") from exc
-        if len(parts) > 7:
-            raise _invalid(text, f"unexpected trailing /{'/'.join(parts[7:])} after the PeerID")
-        return cls(host, port, peer_id, dns=dns)
+        if len(parts) == 7:
+            return cls(host, port, peer_id, dns=dns)
+        if parts[7] != "p2p-circuit":
+            raise _invalid(
+                text,
+                f"unexpected /{parts[7]} after the PeerID, "
+                "only /p2p-circuit/p2p/<PeerID> may follow",
+            )
+        if _component(text, parts, 8, "/p2p-circuit") != "p2p":
+            raise _invalid(text, f"unexpected /{parts[8]} after /p2p-circuit, expected /p2p")
+        target_text = _component(text, parts, 9, "/p2p-circuit/p2p")
+        try:
+            target = PeerID.from_string(target_text)
+        except ConfigError as exc:
+            raise _invalid(text, f"bad PeerID after /p2p-circuit/p2p ({exc})") from exc
+        if len(parts) > 10:
+            raise _invalid(text, f"unexpected trailing /{'/'.join(parts[10:])} after the PeerID")
+        if target == peer_id:
+            raise _invalid(text, "a relayed address names a peer other than the relay")
+        return cls(host, port, target, dns=dns, relay=peer_id)
 
     @classmethod
     def from_socket_address(cls, host: str, port: int, peer_id: PeerID | None = None) -> Multiaddr:
@@ -172,6 +205,23 @@ class Multiaddr:
         return ipaddress.ip_address(self.host).is_loopback
 
     @property
+    def is_relayed(self) -> bool:
+        return self.relay is not None
+
+    @property
+    def relay_multiaddr(self) -> Multiaddr:
+        """The relay's own address (with its PeerID); ``self`` for a direct address."""
+        if self.relay is None:
+            return self
+        return attrs.evolve(self, peer_id=self.relay, relay=None)
+
+    def relayed(self, peer_id: PeerID) -> Multiaddr:
+        """``peer_id`` reached through this address's peer, a relay (whose PeerID it names)."""
+        if self.peer_id is None or self.relay is not None:
+            raise InvalidMultiaddr(f"{self} is not a relay's direct address with its PeerID")
+        return attrs.evolve(self, peer_id=peer_id, relay=self.peer_id)
+
+    @property
     def socket_address(self) -> tuple[str, int]:
         """The IP address and port to send to; a DNS name must be resolved first."""
         if self.dns is not None:
@@ -184,6 +234,8 @@ class Multiaddr:
     def __str__(self) -> str:
         protocol = self.dns if self.dns is not None else f"ip{self.family}"
         text = f"/{protocol}/{self.host}/udp/{self.port}/quic-v1"
+        if self.relay is not None:
+            text += f"/p2p/{self.relay}/p2p-circuit"
         if self.peer_id is not None:
             text += f"/p2p/{self.peer_id}"
         return text

@@ -14,8 +14,8 @@ import logging
 import math
 import socket
 from collections import deque
-from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import asynccontextmanager, contextmanager
 
 import attrs
 import trio
@@ -36,6 +36,8 @@ from ._endpoint import (
 )
 from ._identity import Identity, PeerID
 from ._multiaddr import Multiaddr, as_multiaddr
+from ._relay import RelayLimits, RelayTable, open_relayed_channel
+from ._relay_wire import PUNCH, RELAY_HEADER, RELAYED, split_virtual, virtual_address
 from ._udp import DatagramSocket
 
 __all__ = ["Node", "NodeStatistics", "open_node"]
@@ -72,6 +74,8 @@ class NodeStatistics:
     segmentation_offload: bool
     #: Whether runs of datagrams arrive in one system call (UDP receive offload).
     receive_offload: bool
+    #: Hole-punching probes that arrived (and were dropped, as they are meant to be).
+    punches_received: int = 0
 
 
 class Node:
@@ -95,6 +99,12 @@ class Node:
         self._closed = False
         self._pump_wakeups = 0
         self._timer_wakeups = 0
+        self._punches_received = 0
+        #: What this node relays for others (see start_relaying); None: it does not.
+        self.relay: RelayTable | None = None
+        # Relays we take relayed datagrams from (those we hold reservations with or dial
+        # through): their socket address -> their PeerID and how many uses hold it.
+        self._relays: dict[Address, tuple[PeerID, int]] = {}
         self.listen_multiaddr = Multiaddr.from_socket_address(
             *udp.local_address(), peer_id=identity.peer_id
         )
@@ -120,7 +130,45 @@ class Node:
             timer_wakeups=self._timer_wakeups,
             segmentation_offload=udp.segmentation,
             receive_offload=udp.coalescing,
+            punches_received=self._punches_received,
         )
+
+    def start_relaying(self, limits: RelayLimits) -> RelayTable:
+        """Forward relayed datagrams for others within ``limits`` (the first call's limits
+        stay); the table of reservations and circuits, for ``RelayService`` to fill."""
+        if self.relay is None:
+            self.relay = RelayTable(limits, self._endpoint.peer_address)
+        return self.relay
+
+    @contextmanager
+    def relayed_through(self, connection: Connection) -> Iterator[None]:
+        """Take relayed datagrams from the relay at the other end of ``connection`` while
+        inside (a reservation held there, or a connection dialled through it)."""
+        address = connection.current_address
+        self._trust_relay(address, connection.peer_id)
+        try:
+            yield
+        finally:
+            self._untrust_relay(address)
+
+    def _trust_relay(self, address: Address, peer_id: PeerID) -> None:
+        _, uses = self._relays.get(address, (peer_id, 0))
+        self._relays[address] = (peer_id, uses + 1)
+
+    def _untrust_relay(self, address: Address) -> None:
+        peer_id, uses = self._relays.get(address, (None, 0))
+        if uses > 1 and peer_id is not None:
+            self._relays[address] = (peer_id, uses - 1)
+        else:
+            self._relays.pop(address, None)
+
+    def relay_of(self, address: Address) -> PeerID | None:
+        """The PeerID of the relay behind a virtual address (None for a real address)."""
+        split = split_virtual(address)
+        if split is None:
+            return None
+        entry = self._relays.get(split[0])
+        return None if entry is None else entry[0]
 
     def set_stream_handler(self, handler: Callable[[Stream], None] | None) -> None:
         """Route streams that peers open to ``handler`` (called synchronously; spawn a task)."""
@@ -144,9 +192,16 @@ class Node:
                     existing._waiters -= 1
                 if existing._error is None:
                     return existing
-        sockaddr = await _resolve(maddr, prefer=self.listen_multiaddr.family)
+        relay_address = None
+        if maddr.is_relayed:
+            relay_connection, sockaddr, _ = await open_relayed_channel(self, maddr)
+            relay_address = relay_connection.current_address
+            self._trust_relay(relay_address, relay_connection.peer_id)
+        else:
+            sockaddr = await _resolve(maddr, prefer=self.listen_multiaddr.family)
         handle = self._endpoint.connect(sockaddr, maddr.peer_id, trio.current_time())
         connection = Connection(self, handle, sockaddr, we_dialed=True)
+        connection._relay_address = relay_address
         self._connections[handle] = connection
         if maddr.peer_id is not None:
             connection.peer_id = maddr.peer_id
@@ -194,7 +249,10 @@ class Node:
             if scope.cancelled_caught and not datagrams:
                 self._timer_wakeups += 1
             for data, address in datagrams:
-                endpoint.receive_datagram(data, address, now)
+                if data and data[0] & 0x40:
+                    endpoint.receive_datagram(data, address, now)
+                else:
+                    self._receive_ours(data, address, now)
             endpoint.handle_timers(now)
             self._dispatch_events()
             # Let the tasks just woken answer first (one schedule point to take their data,
@@ -207,6 +265,25 @@ class Node:
                 waiters, self._send_waiters = self._send_waiters, set()
                 for connection in waiters:
                     connection._wake_senders()
+
+    def _receive_ours(self, data: bytes, address: Address, now: float) -> None:
+        """A datagram that is not QUIC (see ``_relay_wire``): forward it as a relay, take it
+        from one of our relays, or drop it."""
+        if not data:
+            return
+        if data[0] == RELAYED and len(data) > RELAY_HEADER.size:
+            if self.relay is not None:
+                destination = self.relay.forward(data, address, now)
+                if destination is not None:
+                    self._outbox.append((data, destination))
+                    return
+            if address in self._relays:
+                _, channel = RELAY_HEADER.unpack_from(data)
+                self._endpoint.receive_datagram(
+                    data[RELAY_HEADER.size :], virtual_address(address, channel), now
+                )
+        elif data[0] == PUNCH:
+            self._punches_received += 1
 
     async def _sender(self) -> None:
         while True:
@@ -235,7 +312,10 @@ class Node:
         self._flush_due = False
         endpoint = self._endpoint
         now = trio.current_time()
-        self._outbox.extend(endpoint.datagrams_to_send(now))
+        datagrams = endpoint.datagrams_to_send(now)
+        if self._relays:
+            datagrams = [_through_relay(data, address) for data, address in datagrams]
+        self._outbox.extend(datagrams)
         if self._outbox:
             self._send_outbox()
             if self._outbox:
@@ -274,7 +354,10 @@ class Node:
     def _unreachable(self, address: Address, exc: OSError) -> None:
         now = trio.current_time()
         for connection in list(self._connections.values()):
-            if connection.address == address and connection._error is None:
+            if connection._error is None and address in (
+                connection.address,
+                connection._relay_address,
+            ):
                 error = PeerUnreachable(f"cannot send to {address[0]} port {address[1]}: {exc}")
                 error.__cause__ = exc
                 self._endpoint.fail(connection._handle, error, now)
@@ -303,7 +386,11 @@ class Node:
             self._on_ready(event)
         elif isinstance(event, ConnectionLost):
             connection = self._connections.pop(event.handle, None)
+            if self.relay is not None:
+                self.relay.connection_lost(event.handle)
             if connection is not None:
+                if connection._relay_address is not None:
+                    self._untrust_relay(connection._relay_address)
                 if self._by_peer.get(connection.peer_id) is connection:
                     del self._by_peer[connection.peer_id]
                 connection._on_lost(event.error)
@@ -337,6 +424,15 @@ class Node:
             stream.reset(APP_REFUSED)
             return None
         return stream
+
+
+def _through_relay(data: bytes, address: Address) -> tuple[bytes, Address]:
+    """A datagram for a virtual address: to its relay, behind the channel's header."""
+    split = split_virtual(address)
+    if split is None:
+        return data, address
+    relay, channel = split
+    return RELAY_HEADER.pack(RELAYED, channel) + data, relay
 
 
 def _bind(host: str, port: int, config: TransportConfig) -> DatagramSocket:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import trio
 
@@ -32,7 +32,9 @@ from ._codec_format import CodecLimits
 from ._connection import Connection, Stream
 from ._endpoint import APP_CANCELLED, APP_PROTOCOL
 from ._identity import PeerID
-from ._node import Node
+
+if TYPE_CHECKING:
+    from ._node import Node
 
 __all__ = ["Call", "Handlers", "ServerCall", "call_unary", "open_call", "serve_rpc"]
 
@@ -228,8 +230,14 @@ class ServerCall:
 
     @property
     def remote_address(self) -> tuple[str, int]:
-        """The caller's (host, port) as this node sees it."""
+        """The caller's (host, port) as this node sees it (a virtual address when it came
+        through a relay: see ``Connection.relay``)."""
         return self._framed.stream.connection.address
+
+    @property
+    def connection(self) -> Connection:
+        """The connection the call came on."""
+        return self._framed.stream.connection
 
     async def send(self, message: Mapping[str, Any]) -> None:
         await self._framed.send({"msg": message})

@@ -179,9 +179,37 @@ INVALID = [
     (V4 + "/webtransport", "only /p2p/<PeerID> may follow"),
     (V4 + "/p2p/QmNotAPeer", "bad PeerID"),
     (V4 + "/p2p/" + str(PEER_ID) + "x", "bad PeerID"),
-    (V4 + "/p2p/" + str(PEER_ID) + "/p2p-circuit", "trailing /p2p-circuit"),
-    (V4 + "/p2p/" + str(PEER_ID) + "/p2p/" + str(PEER_ID), "trailing /p2p/"),
+    (V4 + "/p2p/" + str(PEER_ID) + "/p2p-circuit", "ends after /p2p-circuit"),
+    (V4 + "/p2p-circuit/p2p/" + str(PEER_ID), "only /p2p/<PeerID> may follow"),
+    (V4 + "/p2p/" + str(PEER_ID) + "/p2p/" + str(PEER_ID), "only /p2p-circuit/p2p/<PeerID>"),
+    (V4 + "/p2p/" + str(PEER_ID) + "/p2p-circuit/ipfs/x", "after /p2p-circuit, expected /p2p"),
+    (V4 + "/p2p/" + str(PEER_ID) + "/p2p-circuit/p2p", "ends after /p2p-circuit/p2p"),
+    (V4 + "/p2p/" + str(PEER_ID) + "/p2p-circuit/p2p/Qm", "bad PeerID after /p2p-circuit"),
+    (V4 + "/p2p/" + str(PEER_ID) + "/p2p-circuit/p2p/" + str(PEER_ID), "other than the relay"),
+    (
+        V4 + "/p2p/" + str(PEER_ID) + "/p2p-circuit/p2p/" + str(OTHER_PEER_ID) + "/x",
+        "trailing /x",
+    ),
 ]
+
+
+def test_relayed_addresses() -> None:
+    relay = Multiaddr.parse(f"{V4}/p2p/{PEER_ID}")
+    relayed = relay.relayed(OTHER_PEER_ID)
+    text = f"{V4}/p2p/{PEER_ID}/p2p-circuit/p2p/{OTHER_PEER_ID}"
+    assert str(relayed) == text and Multiaddr.parse(text) == relayed
+    assert relayed.is_relayed and not relay.is_relayed
+    assert relayed.peer_id == OTHER_PEER_ID and relayed.relay == PEER_ID
+    assert relayed.relay_multiaddr == relay and relay.relay_multiaddr == relay
+    assert relayed.socket_address == relay.socket_address
+    dns = Multiaddr.parse(f"/dns4/relay.example.com/udp/4001/quic-v1/p2p/{PEER_ID}")
+    assert Multiaddr.parse(str(dns.relayed(OTHER_PEER_ID))).dns == "dns4"
+    with pytest.raises(InvalidMultiaddr, match="not a relay's direct address"):
+        relayed.relayed(PEER_ID)
+    with pytest.raises(InvalidMultiaddr, match="not a relay's direct address"):
+        Multiaddr.parse(V4).relayed(PEER_ID)
+    with pytest.raises(InvalidMultiaddr, match="names the peer behind the relay"):
+        relayed.with_peer_id(None)
 
 
 @pytest.mark.parametrize(("text", "problem"), INVALID)

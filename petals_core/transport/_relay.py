@@ -1,0 +1,397 @@
+"""Relays: a node others can reach forwards datagrams for peers that cannot be dialled.
+
+A peer behind a NAT that lets nothing in unasked (or maps a new port per destination) holds a
+*reservation* with a relay: a ``relay.reserve`` call it keeps open on its connection to the
+relay.  Its connection keeps the NAT's mapping towards the relay open, and the relay knows where
+to send.  The peer then announces a relayed address (the relay's, then
+``/p2p-circuit/p2p/<its PeerID>``).
+
+A dialer asks the relay for a *circuit* to that peer (``relay.connect``) and gets a channel
+number.  From then on the dialer and the peer exchange QUIC datagrams through the relay, each
+prefixed with the channel (see ``_relay_wire``): the relay forwards between the two addresses its
+own connections to them use, and only those.  The QUIC connection inside is end to end: the relay
+sees ciphertext, and the dialer checks the peer's key as on any connection.
+
+Bounds (:class:`RelayLimits`): reservations, circuits (in all and per dialer) and bytes per
+second (per circuit and in all).  A reservation or circuit beyond them is refused with
+:class:`RelayRefused`; datagrams beyond the byte rates are dropped, as a congested link would,
+and QUIC's congestion control slows down.  A circuit ends with either side's connection to the
+relay, or after ``circuit_idle_s`` without a datagram.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import attrs
+import trio
+
+from .._errors import (
+    CallEnded,
+    CodecError,
+    ConfigError,
+    PeerUnreachable,
+    RelayRefused,
+    RemoteError,
+    TransportError,
+)
+from .._validators import positive, positive_or_none
+from ._identity import PeerID
+from ._multiaddr import Multiaddr
+from ._relay_wire import RELAY_HEADER, Address, split_virtual, virtual_address
+from ._rpc import Handlers, ServerCall, call_unary, open_call
+
+if TYPE_CHECKING:
+    from ._connection import Connection
+    from ._node import Node
+
+__all__ = [
+    "RELAY_CONNECT",
+    "RELAY_RESERVE",
+    "RelayLimits",
+    "RelayService",
+    "RelayStatistics",
+    "RelayTable",
+    "Reservation",
+    "hold_reservation",
+    "open_relayed_channel",
+]
+
+logger = logging.getLogger(__name__)
+
+RELAY_RESERVE = "relay.reserve"
+RELAY_CONNECT = "relay.connect"
+
+
+@attrs.frozen(kw_only=True)
+class RelayLimits:
+    """How much a relay does for others.  Bytes per second None: no bound."""
+
+    #: Peers that may hold a reservation at once.
+    max_reservations: int = attrs.field(default=64, validator=positive)
+    #: Circuits open at once, in all and per dialer.
+    max_circuits: int = attrs.field(default=256, validator=positive)
+    max_circuits_per_peer: int = attrs.field(default=16, validator=positive)
+    #: Bytes forwarded per second on one circuit (both ways together), and in all.
+    circuit_bytes_per_s: float | None = attrs.field(default=32 << 20, validator=positive_or_none)
+    total_bytes_per_s: float | None = attrs.field(default=128 << 20, validator=positive_or_none)
+    #: A circuit with no datagram for this long is closed.
+    circuit_idle_s: float = attrs.field(default=120.0, validator=positive)
+
+
+@attrs.frozen(kw_only=True)
+class RelayStatistics:
+    reservations: int
+    circuits: int
+    datagrams_relayed: int
+    bytes_relayed: int
+    #: Datagrams dropped: no such circuit, a stranger's, or beyond a byte rate.
+    datagrams_dropped: int
+
+
+@attrs.define
+class _Bucket:
+    """A token bucket: ``rate`` bytes per second, up to a quarter second's worth at once."""
+
+    rate: float
+    tokens: float
+    at: float
+
+    @classmethod
+    def full(cls, rate: float, now: float) -> _Bucket:
+        return cls(rate, cls._burst(rate), now)
+
+    @staticmethod
+    def _burst(rate: float) -> float:
+        return max(rate / 4, 256 << 10)
+
+    def take(self, n: int, now: float) -> bool:
+        self.tokens = min(self._burst(self.rate), self.tokens + (now - self.at) * self.rate)
+        self.at = now
+        if self.tokens < n:
+            return False
+        self.tokens -= n
+        return True
+
+
+@attrs.define(eq=False)
+class _Circuit:
+    channel: int
+    dialer: PeerID
+    dialer_handle: int
+    target: PeerID
+    target_handle: int
+    last_used: float
+    bucket: _Bucket | None
+
+
+class RelayTable:
+    """A relay's reservations and circuits, and the forwarding of datagrams (no I/O).
+
+    Connections are known by their handles; ``address_of(handle)`` gives the address a
+    connection's peer sends from now (None once it is gone), so a peer whose NAT moves it to
+    another port keeps its circuits.
+    """
+
+    def __init__(self, limits: RelayLimits, address_of: Callable[[int], Address | None]) -> None:
+        self.limits = limits
+        self._address_of = address_of
+        self._reservations: dict[PeerID, int] = {}
+        self._circuits: dict[int, _Circuit] = {}
+        self._total = (
+            None
+            if limits.total_bytes_per_s is None
+            else _Bucket.full(limits.total_bytes_per_s, 0.0)
+        )
+        self._relayed = 0
+        self._relayed_bytes = 0
+        self._dropped = 0
+
+    def statistics(self) -> RelayStatistics:
+        return RelayStatistics(
+            reservations=len(self._reservations),
+            circuits=len(self._circuits),
+            datagrams_relayed=self._relayed,
+            bytes_relayed=self._relayed_bytes,
+            datagrams_dropped=self._dropped,
+        )
+
+    def holds(self, peer_id: PeerID) -> bool:
+        return peer_id in self._reservations
+
+    def reserve(self, peer_id: PeerID, handle: int) -> None:
+        """Hold a reservation for ``peer_id`` on its connection ``handle`` (a newer one of the
+        same peer replaces the old, whose circuits close)."""
+        old = self._reservations.get(peer_id)
+        if old is None and len(self._reservations) >= self.limits.max_reservations:
+            raise RelayRefused(
+                f"this relay holds {self.limits.max_reservations} reservations, its most"
+            )
+        if old is not None and old != handle:
+            self._close_circuits(lambda c: c.target == peer_id)
+        self._reservations[peer_id] = handle
+
+    def release(self, peer_id: PeerID, handle: int) -> None:
+        if self._reservations.get(peer_id) == handle:
+            del self._reservations[peer_id]
+            self._close_circuits(lambda c: c.target == peer_id)
+
+    def open_circuit(self, dialer: PeerID, dialer_handle: int, target: PeerID, now: float) -> int:
+        """A new circuit from ``dialer`` (on its connection ``dialer_handle``) to ``target``;
+        returns its channel.  Raises :class:`RelayRefused` beyond the bounds, or when no
+        reservation for ``target`` is held."""
+        target_handle = self._reservations.get(target)
+        if target_handle is None:
+            raise RelayRefused(f"this relay holds no reservation for {target}")
+        if target == dialer:
+            raise RelayRefused("a peer cannot open a circuit to itself")
+        self._close_circuits(lambda c: now - c.last_used > self.limits.circuit_idle_s)
+        limits = self.limits
+        if len(self._circuits) >= limits.max_circuits:
+            raise RelayRefused(f"this relay has {limits.max_circuits} circuits open, its most")
+        if sum(c.dialer == dialer for c in self._circuits.values()) >= limits.max_circuits_per_peer:
+            raise RelayRefused(
+                f"{dialer} has {limits.max_circuits_per_peer} circuits open here, the most a peer "
+                "may have"
+            )
+        channel = 0
+        while channel == 0 or channel in self._circuits:
+            channel = secrets.randbits(32)
+        bucket = (
+            None
+            if limits.circuit_bytes_per_s is None
+            else _Bucket.full(limits.circuit_bytes_per_s, now)
+        )
+        self._circuits[channel] = _Circuit(
+            channel, dialer, dialer_handle, target, target_handle, now, bucket
+        )
+        return channel
+
+    def connection_lost(self, handle: int) -> None:
+        """A connection ended: its reservation and the circuits through it end."""
+        for peer_id in [p for p, h in self._reservations.items() if h == handle]:
+            del self._reservations[peer_id]
+        self._close_circuits(lambda c: handle in (c.dialer_handle, c.target_handle))
+
+    def forward(self, data: bytes, source: Address, now: float) -> Address | None:
+        """Where the relayed datagram ``data`` from ``source`` goes on to, unchanged; None to
+        drop it."""
+        if len(data) < RELAY_HEADER.size:
+            self._dropped += 1
+            return None
+        _, channel = RELAY_HEADER.unpack_from(data)
+        circuit = self._circuits.get(channel)
+        if circuit is None:
+            self._dropped += 1
+            return None
+        dialer = self._address_of(circuit.dialer_handle)
+        target = self._address_of(circuit.target_handle)
+        if source == dialer:
+            destination = target
+        elif source == target:
+            destination = dialer
+        else:
+            destination = None
+        size = len(data)
+        if (
+            destination is None
+            or (circuit.bucket is not None and not circuit.bucket.take(size, now))
+            or (self._total is not None and not self._total.take(size, now))
+        ):
+            self._dropped += 1
+            return None
+        circuit.last_used = now
+        self._relayed += 1
+        self._relayed_bytes += size
+        return destination
+
+    def _close_circuits(self, which: Callable[[_Circuit], bool]) -> None:
+        for channel in [ch for ch, c in self._circuits.items() if which(c)]:
+            del self._circuits[channel]
+
+
+def _direct_caller(call: ServerCall) -> Connection:
+    connection = call.connection
+    if split_virtual(connection.address) is not None:
+        raise RelayRefused("a peer reached through a relay cannot use this relay")
+    return connection
+
+
+@attrs.define(eq=False)
+class RelayService:
+    """The ``relay.*`` handlers of a node that relays for others (see the module)."""
+
+    node: Node
+    table: RelayTable
+
+    @classmethod
+    def on(cls, node: Node, limits: RelayLimits | None = None) -> RelayService:
+        """Make ``node`` relay (its datagrams with a relay header are forwarded)."""
+        return cls(node, node.start_relaying(limits or RelayLimits()))
+
+    def handlers(self) -> Handlers:
+        handlers = Handlers()
+        handlers.add_stream(RELAY_RESERVE, self._reserve)
+        handlers.add_unary(RELAY_CONNECT, self._connect)
+        return handlers
+
+    async def _reserve(self, call: ServerCall) -> None:
+        connection = _direct_caller(call)
+        self.table.reserve(call.peer_id, connection._handle)
+        try:
+            await call.send({"reserved": True, "observed": str(_observed(connection))})
+            # Held until the peer ends the call or its connection ends.
+            while True:
+                await call.receive()
+        except CallEnded:
+            pass
+        finally:
+            self.table.release(call.peer_id, connection._handle)
+
+    async def _connect(self, request: dict[str, Any], call: ServerCall) -> dict[str, Any]:
+        connection = _direct_caller(call)
+        peer = request.get("peer") if isinstance(request, dict) else None
+        if not isinstance(peer, str):
+            raise CodecError("relay.connect takes {'peer': <PeerID>}")
+        try:
+            target = PeerID.from_string(peer)
+        except ConfigError as exc:
+            raise CodecError(f"invalid 'peer': {exc}") from None
+        channel = self.table.open_circuit(
+            call.peer_id, connection._handle, target, trio.current_time()
+        )
+        return {"channel": channel, "observed": str(_observed(connection))}
+
+
+def _observed(connection: Connection) -> Multiaddr:
+    return Multiaddr.from_socket_address(*connection.current_address)
+
+
+@attrs.frozen
+class Reservation:
+    """A reservation held with a relay: the address to announce, and ours as the relay sees it."""
+
+    address: Multiaddr
+    observed: Multiaddr | None
+
+
+def _refused(exc: RemoteError, relay: Multiaddr) -> PeerUnreachable:
+    if exc.remote_type == "RelayRefused":
+        return RelayRefused(f"relay {relay} refused: {exc.remote_message}")
+    if exc.remote_type == "UnknownMethod":
+        return RelayRefused(f"{relay} does not relay")
+    return PeerUnreachable(f"relay {relay} failed: {exc}")
+
+
+def _observed_untrusted(reply: dict[str, Any]) -> Multiaddr | None:
+    text = reply.get("observed")
+    try:
+        return Multiaddr.parse(text) if isinstance(text, str) else None
+    except ConfigError:
+        return None
+
+
+async def hold_reservation(
+    node: Node,
+    relay: Multiaddr | str,
+    *,
+    task_status: trio.TaskStatus[Reservation] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Hold a reservation with ``relay`` (a multiaddr with its PeerID) for as long as this runs;
+    ``task_status.started`` gets the :class:`Reservation` once it is held.  Raises
+    :class:`RelayRefused` if the relay refuses, and :class:`PeerUnreachable` (or another
+    :class:`TransportError`) when the relay cannot be reached or the reservation is lost."""
+    relay = Multiaddr.parse(relay) if isinstance(relay, str) else relay
+    if relay.peer_id is None or relay.is_relayed:
+        raise ConfigError(f"a relay is given by its direct address with its PeerID, not {relay}")
+    connection = await node.connect(relay)
+    try:
+        async with open_call(connection, RELAY_RESERVE) as call:
+            try:
+                reply = await call.receive()
+            except RemoteError as exc:
+                raise _refused(exc, relay) from None
+            except CallEnded:
+                raise PeerUnreachable(f"relay {relay} ended the reservation") from None
+            if reply.get("reserved") is not True:
+                raise PeerUnreachable(f"relay {relay} answered no reservation: {reply!r:.200}")
+            with node.relayed_through(connection):
+                task_status.started(
+                    Reservation(relay.relayed(node.peer_id), _observed_untrusted(reply))
+                )
+                try:
+                    await call.receive()
+                except CallEnded:
+                    pass
+                except RemoteError:
+                    raise
+                except TransportError as exc:
+                    raise PeerUnreachable(f"relay {relay} ended the reservation ({exc})") from exc
+                raise PeerUnreachable(f"relay {relay} ended the reservation")
+    except RemoteError as exc:
+        raise _refused(exc, relay) from None
+
+
+async def open_relayed_channel(
+    node: Node, address: Multiaddr
+) -> tuple[Connection, Address, Multiaddr | None]:
+    """Ask the relay of the relayed ``address`` for a circuit to its peer: our connection to
+    the relay, the virtual address to dial, and our address as the relay sees it."""
+    relay = address.relay_multiaddr
+    connection = await node.connect(relay)
+    try:
+        reply = await call_unary(connection, RELAY_CONNECT, {"peer": str(address.peer_id)})
+    except RemoteError as exc:
+        raise _refused(exc, relay) from None
+    except TransportError as exc:
+        if isinstance(exc, PeerUnreachable):
+            raise
+        raise PeerUnreachable(f"relay {relay} opened no circuit ({exc})") from exc
+    channel = reply.get("channel")
+    if not isinstance(channel, int) or isinstance(channel, bool) or not 0 < channel < 1 << 32:
+        raise PeerUnreachable(f"relay {relay} answered no channel: {reply!r:.200}")
+    virtual = virtual_address(connection.current_address, channel)
+    return connection, virtual, _observed_untrusted(reply)

@@ -1,0 +1,225 @@
+"""Relays on loopback: reservations, circuits, end-to-end QUIC through a relay, and the bounds.
+
+Through real NATs (network namespaces) see tests/server/test_nat.py; here three nodes on one
+host exercise the protocol and the relay's bookkeeping.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import attrs
+import pytest
+import trio
+
+from petals_core.transport import (
+    Handlers,
+    Identity,
+    IdentityMismatch,
+    Multiaddr,
+    Node,
+    PeerUnreachable,
+    RelayLimits,
+    RelayRefused,
+    RelayService,
+    Reservation,
+    ServerCall,
+    call_unary,
+    hold_reservation,
+    open_call,
+    open_node,
+    serve_rpc,
+)
+from petals_core.transport._relay import RelayTable
+from petals_core.transport._relay_wire import RELAY_HEADER, RELAYED
+
+DEADLINE_S = 60
+
+
+def _peer_handlers() -> Handlers:
+    handlers = Handlers()
+
+    @handlers.unary("echo")
+    async def echo(request: dict, call: ServerCall) -> dict:
+        return {"echo": request, "caller": str(call.peer_id), "relay": str(call.connection.relay)}
+
+    @handlers.stream("reverse")
+    async def reverse(call: ServerCall) -> None:
+        async for message in call:
+            await call.send({"chunk": message["chunk"][::-1]})
+
+    return handlers
+
+
+@attrs.frozen
+class Trio:
+    relay: Node
+    service: RelayService
+    peer: Node
+    reservation: Reservation
+    dialer: Node
+
+
+@asynccontextmanager
+async def relayed(limits: RelayLimits | None = None) -> AsyncIterator[Trio]:
+    """A relay, a peer holding a reservation there (serving echo and reverse), and a dialer."""
+    async with (
+        open_node() as relay,
+        open_node() as peer,
+        open_node() as dialer,
+        trio.open_nursery() as nursery,
+    ):
+        service = RelayService.on(relay, limits)
+        await nursery.start(serve_rpc, relay, service.handlers())
+        await nursery.start(serve_rpc, peer, _peer_handlers())
+        reservation = await nursery.start(hold_reservation, peer, relay.listen_multiaddr)
+        try:
+            yield Trio(relay, service, peer, reservation, dialer)
+        finally:
+            nursery.cancel_scope.cancel()
+
+
+async def test_a_peer_is_reached_through_its_relay_end_to_end() -> None:
+    with trio.fail_after(DEADLINE_S):
+        async with relayed() as t:
+            address = t.reservation.address
+            assert address.is_relayed and address.peer_id == t.peer.peer_id
+            assert address.relay == t.relay.peer_id
+            assert str(address) == (f"{t.relay.listen_multiaddr}/p2p-circuit/p2p/{t.peer.peer_id}")
+            assert Multiaddr.parse(str(address)) == address
+            # The relay tells the peer where it sees it from.
+            assert t.reservation.observed == Multiaddr.from_socket_address(
+                *t.peer.listen_multiaddr.socket_address
+            )
+
+            connection = await t.dialer.connect(address)
+            assert connection.peer_id == t.peer.peer_id
+            assert connection.relay == t.relay.peer_id
+            assert connection.multiaddr == address
+            reply = await call_unary(connection, "echo", {"x": 1})
+            assert reply == {
+                "echo": {"x": 1},
+                "caller": str(t.dialer.peer_id),
+                "relay": str(t.relay.peer_id),
+            }
+
+            # A few MiB each way, end to end through the relay.
+            async with open_call(connection, "reverse") as call:
+                for i in range(20):
+                    chunk = hashlib.sha256(bytes([i])).digest() * 3125
+                    await call.send({"chunk": chunk})
+                    assert (await call.receive())["chunk"] == chunk[::-1]
+            stats = t.service.table.statistics()
+            assert stats.reservations == 1 and stats.circuits == 1
+            assert stats.bytes_relayed > 2 * 20 * 100_000
+            # Nothing was dropped on the way.
+            assert stats.datagrams_dropped == 0
+
+
+async def test_the_relay_cannot_impersonate_the_peer() -> None:
+    """A relayed address that names another PeerID than the one behind the channel fails the
+    handshake's identity check: the relay forwards, it does not vouch."""
+    with trio.fail_after(DEADLINE_S):
+        async with relayed() as t:
+            stranger = Identity.generate().peer_id
+            # A reservation for the stranger does not exist: the relay refuses.
+            with pytest.raises(RelayRefused, match="holds no reservation for"):
+                await t.dialer.connect(t.relay.listen_multiaddr.relayed(stranger))
+            # The relay forwards to the peer, but the dialer expects another key.
+            table = t.service.table
+            table.reserve(stranger, table._reservations[t.peer.peer_id])
+            with pytest.raises(IdentityMismatch):
+                await t.dialer.connect(t.relay.listen_multiaddr.relayed(stranger))
+
+
+async def test_bounds_are_refused_with_a_clear_error_and_nothing_else_is_disturbed() -> None:
+    limits = RelayLimits(max_reservations=1, max_circuits=4, max_circuits_per_peer=1)
+    with trio.fail_after(DEADLINE_S):
+        async with relayed(limits) as t, open_node() as other:
+            first = await t.dialer.connect(t.reservation.address)
+            # A second reservation is beyond the relay's bound.
+            with pytest.raises(RelayRefused, match="holds 1 reservations, its most"):
+                await hold_reservation(other, t.relay.listen_multiaddr)
+            # The dialer's second circuit is beyond the per-peer bound.
+            await first.aclose()
+            with pytest.raises(RelayRefused, match="circuits open here, the most a peer may have"):
+                await t.dialer.connect(t.reservation.address)
+            # Bad requests: no PeerID, a malformed one; the relay answers and goes on.
+            relay_connection = await other.connect(t.relay.listen_multiaddr)
+            for request, match in (({}, "takes"), ({"peer": "Qm-nope"}, "invalid 'peer'")):
+                with pytest.raises(Exception, match=match):
+                    await call_unary(relay_connection, "relay.connect", request)
+            # Another dialer still gets through, and the reservation still works.
+            async with open_node() as third:
+                connection = await third.connect(t.reservation.address)
+                assert (await call_unary(connection, "echo", {"y": 2}))["echo"] == {"y": 2}
+            assert t.service.table.statistics().reservations == 1
+
+
+async def test_a_reservation_ends_with_the_relay_and_dialers_see_it() -> None:
+    with trio.fail_after(DEADLINE_S):
+        async with (
+            open_node() as relay,
+            open_node() as peer,
+            open_node() as dialer,
+            trio.open_nursery() as nursery,
+        ):
+            service = RelayService.on(relay)
+            relay_scope = trio.CancelScope()
+
+            async def serve_relay(task_status: trio.TaskStatus[None]) -> None:
+                with relay_scope:
+                    await serve_rpc(relay, service.handlers(), task_status=task_status)
+
+            await nursery.start(serve_relay)
+            await nursery.start(serve_rpc, peer, _peer_handlers())
+            failures: list[BaseException] = []
+            failed = trio.Event()
+
+            async def hold(task_status: trio.TaskStatus[Reservation]) -> None:
+                try:
+                    await hold_reservation(peer, relay.listen_multiaddr, task_status=task_status)
+                except PeerUnreachable as exc:
+                    failures.append(exc)
+                    failed.set()
+
+            reservation = await nursery.start(hold)
+            await call_unary(await dialer.connect(reservation.address), "echo", {})
+            # The relay stops serving: the reservation call is cancelled on both sides.
+            relay_scope.cancel()
+            await failed.wait()
+            assert "ended the reservation" in str(failures[0])
+            assert service.table.statistics().reservations == 0
+            with pytest.raises(PeerUnreachable):
+                await dialer.connect(relay.listen_multiaddr.relayed(Identity.generate().peer_id))
+            nursery.cancel_scope.cancel()
+
+
+def test_the_table_forwards_only_between_a_circuits_two_ends() -> None:
+    addresses = {1: ("198.51.100.2", 4000), 2: ("198.51.100.3", 5000)}
+    table = RelayTable(RelayLimits(circuit_bytes_per_s=1 << 20), addresses.get)
+    dialer, target = Identity.generate().peer_id, Identity.generate().peer_id
+    table.reserve(target, 2)
+    channel = table.open_circuit(dialer, 1, target, now=0.0)
+    datagram = RELAY_HEADER.pack(RELAYED, channel) + b"x" * 1000
+    assert table.forward(datagram, addresses[1], 0.0) == addresses[2]
+    assert table.forward(datagram, addresses[2], 0.0) == addresses[1]
+    # A stranger, an unknown channel, a runt: dropped.
+    assert table.forward(datagram, ("198.51.100.9", 4000), 0.0) is None
+    assert table.forward(RELAY_HEADER.pack(RELAYED, channel ^ 1) + b"x", addresses[1], 0.0) is None
+    assert table.forward(b"\x00\x01", addresses[1], 0.0) is None
+    assert table.statistics().datagrams_dropped == 3
+    # Beyond the circuit's byte rate (a quarter second's burst), datagrams are dropped; a
+    # second later there is room again.
+    sent = sum(table.forward(datagram, addresses[1], 0.5) is not None for _ in range(400))
+    assert 200 < sent < 300
+    assert table.forward(datagram, addresses[1], 1.5) == addresses[2]
+    # The NAT moved the dialer to another port: the circuit follows its connection.
+    addresses[1] = ("198.51.100.2", 4001)
+    assert table.forward(datagram, ("198.51.100.2", 4001), 1.5) == addresses[2]
+    # Losing either connection ends the circuit.
+    table.connection_lost(2)
+    assert table.forward(datagram, addresses[1], 1.5) is None
+    assert table.statistics().circuits == 0 and table.statistics().reservations == 0
