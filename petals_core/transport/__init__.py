@@ -66,6 +66,7 @@ from ._multiaddr import (
     dialable_multiaddrs as dialable_multiaddrs,
 )
 from ._node import Node as Node, NodeStatistics as NodeStatistics, open_node as open_node
+from ._punch import PunchService as PunchService
 from ._relay import (
     RelayLimits as RelayLimits,
     RelayService as RelayService,

@@ -69,5 +69,11 @@ class TransportConfig:
     #: make us buffer is bounded by about ``max_incoming_streams * large_frame_bytes +
     #: codec_limits.max_frame_bytes`` plus the receive windows.
     large_frame_bytes: int = attrs.field(default=1 << 20, validator=at_least(64 << 10))
+    #: ``Node.connect_any`` starts dialling a peer's next address when the one before has not
+    #: connected within this long.
+    dial_stagger_s: float = attrs.field(default=0.25, validator=positive)
+    #: How long ``Node.connect_any`` tries to punch a hole to a peer it reached through a relay
+    #: before it settles for the relay; None: it never tries.
+    hole_punch_timeout_s: float | None = attrs.field(default=2.0, validator=positive_or_none)
     #: "reno" or "cubic".
     congestion_control: str = attrs.field(default="cubic", validator=one_of(("reno", "cubic")))

@@ -14,13 +14,13 @@ import logging
 import math
 import socket
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from contextlib import asynccontextmanager, contextmanager
 
 import attrs
 import trio
 
-from .._errors import ClosedResourceError, PeerUnreachable
+from .._errors import ClosedResourceError, ConfigError, PeerUnreachable, TransportError
 from .._groups import open_block_nursery
 from ._config import TransportConfig
 from ._connection import Connection, Stream, peer_initiated
@@ -36,8 +36,9 @@ from ._endpoint import (
 )
 from ._identity import Identity, PeerID
 from ._multiaddr import Multiaddr, as_multiaddr
+from ._punch import punch_hole
 from ._relay import RelayLimits, RelayTable, open_relayed_channel
-from ._relay_wire import PUNCH, RELAY_HEADER, RELAYED, split_virtual, virtual_address
+from ._relay_wire import PUNCH, PUNCH_PROBE, RELAY_HEADER, RELAYED, split_virtual, virtual_address
 from ._udp import DatagramSocket
 
 __all__ = ["Node", "NodeStatistics", "open_node"]
@@ -105,6 +106,10 @@ class Node:
         # Relays we take relayed datagrams from (those we hold reservations with or dial
         # through): their socket address -> their PeerID and how many uses hold it.
         self._relays: dict[Address, tuple[PeerID, int]] = {}
+        # Peers that connect_any is dialling now.
+        self._dialing: dict[PeerID, trio.Event] = {}
+        # Peers a hole could not be punched to, and until when not to try again.
+        self._punch_failures: dict[PeerID, float] = {}
         self.listen_multiaddr = Multiaddr.from_socket_address(
             *udp.local_address(), peer_id=identity.peer_id
         )
@@ -132,6 +137,11 @@ class Node:
             receive_offload=udp.coalescing,
             punches_received=self._punches_received,
         )
+
+    @property
+    def connections(self) -> list[Connection]:
+        """The live connections (handshake done): which peers, which through a relay."""
+        return [c for c in self._connections.values() if c._ready.is_set() and c._error is None]
 
     def start_relaying(self, limits: RelayLimits) -> RelayTable:
         """Forward relayed datagrams for others within ``limits`` (the first call's limits
@@ -177,35 +187,118 @@ class Node:
     async def connect(self, address: Multiaddr | str) -> Connection:
         """Dial ``address``; if it names a PeerID the peer must prove that key.
 
-        Reuses the live connection to that peer when there is one.
+        Reuses the live connection to that peer when there is one.  A relayed address is dialled
+        through its relay (see ``_relay``).
         """
         if self._closed:
             raise ClosedResourceError("this node was closed")
         maddr = as_multiaddr(address)
-        if maddr.peer_id is not None:
-            existing = self._by_peer.get(maddr.peer_id)
-            if existing is not None and existing._error is None:
-                existing._waiters += 1
-                try:
-                    await existing._ready.wait()
-                finally:
-                    existing._waiters -= 1
-                if existing._error is None:
-                    return existing
+        existing = await self._live(maddr.peer_id)
+        if existing is not None:
+            return existing
+        return await self._dial(maddr, register=True)
+
+    async def connect_any(self, addresses: Sequence[Multiaddr | str]) -> Connection:
+        """Dial one peer at whichever of its ``addresses`` answers first (all name the same
+        PeerID, best first, as the peer announced them).
+
+        Addresses are tried in order, the next one starting when the one before has not
+        connected within ``config.dial_stagger_s`` (or failed); the first handshake wins and the
+        rest are abandoned.  Loopback addresses are skipped unless this node listens on
+        loopback, where nothing else can be dialled.  A peer that announces relayed addresses
+        is behind a NAT: it is reached through a relay first, then a hole is punched to its
+        direct addresses (see ``_punch``) within ``config.hole_punch_timeout_s``, and the
+        direct connection is returned when it opens, else the relayed one.  Reuses a live
+        connection to the peer, or the one another task is dialling.
+        """
+        if self._closed:
+            raise ClosedResourceError("this node was closed")
+        maddrs = [as_multiaddr(address) for address in addresses]
+        peers = {maddr.peer_id for maddr in maddrs}
+        peer_id = maddrs[0].peer_id if maddrs else None
+        if peer_id is None or len(peers) != 1:
+            raise ConfigError(
+                "connect_any takes one or more addresses of one peer, each with its PeerID"
+            )
+        while True:
+            existing = await self._live(peer_id)
+            if existing is not None:
+                return existing
+            pending = self._dialing.get(peer_id)
+            if pending is None:
+                break
+            # Another task is dialling this peer: its connection will do for us too.
+            await pending.wait()
+        dialing = self._dialing[peer_id] = trio.Event()
+        try:
+            return await self._dial_any(peer_id, maddrs)
+        finally:
+            if self._dialing.get(peer_id) is dialing:
+                del self._dialing[peer_id]
+            dialing.set()
+
+    async def _dial_any(self, peer_id: PeerID, maddrs: list[Multiaddr]) -> Connection:
+        on_loopback = self.listen_multiaddr.is_loopback
+        usable = [m for m in maddrs if m.is_loopback == on_loopback or m.is_relayed]
+        if not usable:
+            raise PeerUnreachable(
+                f"{peer_id} announced no address this node can dial from "
+                f"{self.listen_multiaddr.host} ({', '.join(map(str, maddrs))})"
+            )
+        relayed = [m for m in usable if m.is_relayed]
+        direct = [m for m in usable if not m.is_relayed]
+        if not relayed:
+            return await self._connect_first(direct)
+        # A peer that announces relayed addresses cannot be dialled unasked: its NAT would drop
+        # our datagrams (and, on some routers, keep our port from a hole punched later).  Its
+        # direct addresses are for punching, or a last resort.
+        try:
+            connection = await self._connect_first(relayed)
+        except PeerUnreachable:
+            if not direct:
+                raise
+            return await self._connect_first(direct)
+        punchable = [m for m in direct if not m.is_loopback]
+        if punchable and self.config.hole_punch_timeout_s is not None:
+            punched = await punch_hole(self, connection, punchable)
+            if punched is not None:
+                return punched
+        return connection
+
+    async def _live(self, peer_id: PeerID | None) -> Connection | None:
+        """The live connection to ``peer_id`` (once its handshake is done), if there is one."""
+        if peer_id is None:
+            return None
+        existing = self._by_peer.get(peer_id)
+        if existing is None or existing._error is not None:
+            return None
+        existing._waiters += 1
+        try:
+            await existing._ready.wait()
+        finally:
+            existing._waiters -= 1
+        return existing if existing._error is None else None
+
+    async def _dial(self, maddr: Multiaddr, *, register: bool) -> Connection:
+        """A new connection to ``maddr``; with ``register``, others dialling its PeerID
+        meanwhile wait for this one."""
         relay_address = None
         if maddr.is_relayed:
-            relay_connection, sockaddr, _ = await open_relayed_channel(self, maddr)
+            relay_connection, sockaddr, observed = await open_relayed_channel(self, maddr)
             relay_address = relay_connection.current_address
             self._trust_relay(relay_address, relay_connection.peer_id)
         else:
             sockaddr = await _resolve(maddr, prefer=self.listen_multiaddr.family)
+            observed = None
         handle = self._endpoint.connect(sockaddr, maddr.peer_id, trio.current_time())
         connection = Connection(self, handle, sockaddr, we_dialed=True)
         connection._relay_address = relay_address
+        connection._observed = observed
         self._connections[handle] = connection
         if maddr.peer_id is not None:
             connection.peer_id = maddr.peer_id
-            self._by_peer[maddr.peer_id] = connection
+            if register:
+                self._by_peer[maddr.peer_id] = connection
         self._flush()
         try:
             await connection._ready.wait()
@@ -218,6 +311,49 @@ class Node:
             raise
         connection._check_open()
         return connection
+
+    async def _connect_first(self, addresses: Sequence[Multiaddr]) -> Connection:
+        """The first connection made to one of ``addresses``, tried in order, each next one
+        once the one before failed or ``dial_stagger_s`` passed; the others are abandoned."""
+        won: list[Connection] = []
+        errors: list[str] = []
+        stagger_s = self.config.dial_stagger_s
+        async with trio.open_nursery() as nursery:
+            previous_done = trio.Event()
+            previous_done.set()
+            for address in addresses:
+                done = trio.Event()
+
+                async def attempt(address: Multiaddr, done: trio.Event) -> None:
+                    try:
+                        connection = await self._dial(address, register=False)
+                    except TransportError as exc:
+                        errors.append(f"{address}: {type(exc).__name__}: {exc}")
+                        done.set()
+                        return
+                    if won:
+                        await connection.aclose()
+                        return
+                    won.append(connection)
+                    nursery.cancel_scope.cancel()
+
+                if address is not addresses[0]:
+                    with trio.move_on_after(stagger_s):
+                        await previous_done.wait()
+                nursery.start_soon(attempt, address, done)
+                previous_done = done
+        if won:
+            connection = won[0]
+            self._by_peer[connection.peer_id] = connection
+            return connection
+        raise PeerUnreachable("no address answered: " + "; ".join(errors))
+
+    def send_punches(self, addresses: Sequence[Address]) -> None:
+        """Send one hole-punching probe to each of ``addresses`` (it opens our NAT towards
+        them; they drop it)."""
+        for address in addresses:
+            self._outbox.append((PUNCH_PROBE, address))
+        self._flush()
 
     async def aclose(self) -> None:
         if self._closed:

@@ -266,6 +266,8 @@ class RelayService:
 
     node: Node
     table: RelayTable
+    #: Whether new reservations are taken (a node others cannot dial relays for nobody).
+    accepting: bool = True
 
     @classmethod
     def on(cls, node: Node, limits: RelayLimits | None = None) -> RelayService:
@@ -280,6 +282,8 @@ class RelayService:
 
     async def _reserve(self, call: ServerCall) -> None:
         connection = _direct_caller(call)
+        if not self.accepting:
+            raise RelayRefused("this node cannot be dialled directly, so it relays for nobody")
         self.table.reserve(call.peer_id, connection._handle)
         try:
             await call.send({"reserved": True, "observed": str(_observed(connection))})

@@ -21,6 +21,7 @@ from typing import Final
 
 __all__ = [
     "PUNCH",
+    "PUNCH_PROBE",
     "RELAYED",
     "RELAY_HEADER",
     "is_quic",
@@ -34,6 +35,8 @@ Address = tuple[str, int]
 RELAYED: Final = 0x00
 #: First byte of a hole-punching probe.
 PUNCH: Final = 0x01
+#: What a hole-punching probe carries.
+PUNCH_PROBE: Final = bytes([PUNCH]) + b"punch"
 #: Marker and channel in front of a relayed datagram.
 RELAY_HEADER: Final = struct.Struct("!BI")
 _PREFIX: Final = "relay-"
