@@ -53,6 +53,7 @@ from ._node import (
 )
 from ._reachability import (
     Reachability as Reachability,
+    ReachabilityReport as ReachabilityReport,
     check_reachability as check_reachability,
 )
 from ._record_store import (

@@ -22,7 +22,7 @@ import trio
 
 from .._cli import Refused, configure_logging, one_address
 from .._errors import InvalidMultiaddr, PetalsError
-from ..transport import dialable_multiaddrs, load_or_create_identity
+from ..transport import RelayLimits, dialable_multiaddrs, load_or_create_identity
 from ._node import open_dht_node
 
 logger = logging.getLogger("petals_core.dht")
@@ -37,8 +37,11 @@ _PETALS_ONLY_FLAGS: dict[str, tuple[int | str, str]] = {
         "on the forwarded port (--port)",
     ),
     "--use_ipfs": (0, "there is no IPFS bootstrap; give --initial_peers"),
-    "--no_relay": (0, "there are no libp2p relays"),
-    "--use_auto_relay": (0, "there are no libp2p relays"),
+    "--use_auto_relay": (
+        0,
+        "a DHT node is where others start: it must be dialled directly (servers behind a NAT "
+        "use relays, and DHT nodes relay for them)",
+    ),
 }
 
 
@@ -76,6 +79,15 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="seconds between refreshes of the routing table's quiet buckets "
         f"(default: {_REFRESH_S:g})",
     )
+    parser.add_argument(
+        "--use_relay",
+        action="store_true",
+        default=True,
+        help="relay for servers that cannot be dialled (behind a NAT); the default",
+    )
+    parser.add_argument(
+        "--no_relay", action="store_false", dest="use_relay", help="relay for nobody"
+    )
     for flag, (nargs, reason) in _PETALS_ONLY_FLAGS.items():
         parser.add_argument(
             flag, nargs=nargs, help=argparse.SUPPRESS, action=Refused, reason=reason
@@ -103,6 +115,7 @@ async def _run(args: argparse.Namespace) -> None:
             port=args.port,
             initial_peers=args.initial_peers,
             refresh_interval_s=args.refresh_period,
+            relay=RelayLimits() if args.use_relay else None,
         ) as dht:
             for address in dialable_multiaddrs(dht.listen_multiaddr):
                 print(f"DHT node listening on {address}", flush=True)

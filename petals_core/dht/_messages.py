@@ -87,15 +87,17 @@ def caller_address_untrusted(
 
 
 def caller_contact_untrusted(
-    request: dict[str, Any], peer_id: PeerID, remote_host: str, now: float
+    request: dict[str, Any], peer_id: PeerID, remote_host: str | None, now: float
 ) -> Contact | None:
     """The caller of ``request`` (``peer_id``, as its connection proved, calling from
-    ``remote_host``) as a contact for the routing table; None for a client-mode caller, which
-    serves nothing."""
+    ``remote_host``; None when it came through a relay) as a contact for the routing table;
+    None for a client-mode caller, which serves nothing."""
     if request.get("client") is True:
         return None
     maddr = caller_address_untrusted(request, peer_id, "or 'client': true")
     if maddr.dns is None and ipaddress.ip_address(maddr.host).is_unspecified:
+        if remote_host is None:
+            return None
         # A node listening on every interface (0.0.0.0 / ::) cannot know which of its
         # addresses we reach it by: the one its request came from, with its port.
         maddr = Multiaddr.from_socket_address(remote_host, maddr.port)

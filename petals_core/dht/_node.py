@@ -46,6 +46,9 @@ from ..transport import (
     Multiaddr,
     Node,
     PeerID,
+    PunchService,
+    RelayLimits,
+    RelayService,
     TransportConfig,
     call_unary,
     open_node,
@@ -124,9 +127,15 @@ class DHTNode:
         expire_interval_s: float | None,
         republish_interval_s: float | None,
         announce: Multiaddr | None = None,
+        dialable: bool = True,
     ) -> None:
         self._node = node
         self._announce = announce
+        self._dialable = dialable
+        #: The ``nat.punch`` service (the node punches holes for dialers reaching it by relay).
+        self.punch = PunchService(node)
+        #: The relay service, when this node relays for others.
+        self.relay: RelayService | None = None
         self._nursery = nursery
         self._client_mode = client_mode
         self._k = k
@@ -485,8 +494,16 @@ class DHTNode:
 
     # -- requests --------------------------------------------------------------------------------
 
+    def set_reach(self, *, dialable: bool, announce: Multiaddr | None = None) -> None:
+        """What a reachability check found: a node others cannot dial (behind a NAT) asks as a
+        client does, staying out of others' routing tables; ``announce`` (when given) is the
+        address they can dial, e.g. a NAT's forwarded port."""
+        self._dialable = dialable
+        if announce is not None:
+            self._announce = announce
+
     def _identify(self, request: dict[str, Any]) -> dict[str, Any]:
-        if self._client_mode:
+        if self._client_mode or not self._dialable:
             request["client"] = True
         else:
             request["address"] = str(self.announce_multiaddr)
@@ -505,13 +522,17 @@ class DHTNode:
         return reply
 
     async def _call(
-        self, address: Multiaddr | str, method: str, request: dict[str, Any]
+        self, address: Multiaddr | str | list[Multiaddr], method: str, request: dict[str, Any]
     ) -> dict[str, Any] | None:
-        """Call ``method`` at ``address`` within the request timeout; None if it failed."""
+        """Call ``method`` at ``address`` (or the first of a peer's addresses to answer)
+        within the request timeout; None if it failed."""
         self._sent += 1
         with trio.move_on_after(self._request_timeout_s):
             try:
-                connection = await self._node.connect(address)
+                if isinstance(address, list):
+                    connection = await self._node.connect_any(address)
+                else:
+                    connection = await self._node.connect(address)
                 return await call_unary(connection, method, self._identify(request))
             except TransportError as exc:
                 logger.debug("%s to %s failed: %s", method, address, exc)
@@ -645,6 +666,8 @@ async def open_dht_node(
     node: Node | None = None,
     handlers: Handlers | None = None,
     announce: Multiaddr | None = None,
+    relay: RelayLimits | None = None,
+    dialable: bool = True,
 ) -> AsyncIterator[DHTNode]:
     """A DHT node listening on ``host:port``, joined through ``initial_peers`` (multiaddrs).
 
@@ -661,8 +684,14 @@ async def open_dht_node(
     then unused.
 
     ``announce`` is the address other nodes are told to dial instead of the listen address: a
-    node behind port forwarding (or any relay) gives the outside address, so that its contacts
-    in others' routing tables are ones they can reach.
+    node behind port forwarding gives the outside address, so that its contacts in others'
+    routing tables are ones they can reach.
+
+    With ``relay``, the node relays for peers that cannot be dialled, within those limits (see
+    :class:`~petals_core.transport.RelayService`).  ``dialable=False`` keeps the node out of
+    others' routing tables (it asks as a client does, serving all the same) until
+    :meth:`DHTNode.set_reach` says peers can dial it: a node that does not know yet whether it
+    sits behind a NAT should not hand out an address nobody can dial.
     """
     if replicas < 1:
         raise ConfigError(f"replicas must be at least 1, got {replicas}")
@@ -698,9 +727,14 @@ async def open_dht_node(
                     expire_interval_s=expire_interval_s,
                     republish_interval_s=republish_interval_s,
                     announce=announce,
+                    dialable=dialable,
                 )
                 served = dht._service.handlers()
                 served.add_unary(DIAL_BACK, DialBack(node, request_timeout_s))
+                served.include(dht.punch.handlers())
+                if relay is not None:
+                    dht.relay = RelayService.on(node, relay)
+                    served.include(dht.relay.handlers())
                 if handlers is not None:
                     served.include(handlers)
                 if not client_mode or handlers is not None:

@@ -1,88 +1,251 @@
-"""Whether a node can be reached at the addresses it announces: another node dials them back.
+"""Whether a node can be reached, and what stands in the way: peers tell, a node cannot tell alone.
 
-A node behind NAT or a firewall announces addresses nobody can dial; it cannot tell from the
-inside.  ``dht.dial_back`` asks a peer to open a fresh connection to an address of the caller's
-and to check that the caller answers there (the handshake proves the caller's key).  A peer
-dials only addresses of the caller itself, once per call, within its request timeout.
+Two questions go to peers:
+
+- *Where do you see me?*  Every ``dht.ping`` reply carries ``observed``: the address the
+  caller's datagrams came from.  Behind a NAT that is the NAT's public mapping.  Seen from two
+  peers, the mapping either stays the same towards both (a *cone* NAT: a hole punched towards
+  one peer is one every peer can use) or changes with the destination (a *symmetric* NAT: only a
+  relay helps).
+- *Can you reach me there?*  ``dht.dial_back`` asks a peer to dial an address of the caller's
+  from a fresh socket, with the caller's PeerID expected.  A fresh socket matters: a NAT lets
+  in replies from where the caller sent to, so a dial from the socket the caller just talked
+  to would pass where a stranger's would not.  A peer dials back only the IP address the
+  request came from (nobody can aim it at a third host), at most ``_DIAL_BACK_AT_ONCE`` at a
+  time, once per address, within its request timeout.
+
+:func:`check_reachability` asks both and sums up: ``public`` (a peer reached us),
+``cone`` or ``symmetric`` (no peer could, and the mappings peers saw say which NAT), or
+``unknown`` (no peer answered).  With only one peer's view, a NAT counts as cone: hole
+punching is then tried, and falls back to a relay when it fails.
 """
 
 from __future__ import annotations
 
+import enum
 import logging
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, Final
 
 import attrs
 import trio
 
-from .._errors import ConfigError, TransportError
-from ..transport import Multiaddr, Node, ServerCall, call_unary
+from .._errors import CodecError, ConfigError, TransportError
+from ..transport import Connection, Multiaddr, Node, ServerCall, call_unary, open_node
 from ._messages import caller_address_untrusted
 
-__all__ = ["DIAL_BACK", "DialBack", "Reachability", "check_reachability"]
+__all__ = [
+    "DIAL_BACK",
+    "DialBack",
+    "Reachability",
+    "ReachabilityReport",
+    "check_reachability",
+]
 
 logger = logging.getLogger(__name__)
 
 #: The RPC a DHT node serves for others' reachability checks.
 DIAL_BACK = "dht.dial_back"
+#: Dial-backs a node runs at once for others (each holds a socket for up to its timeout).
+_DIAL_BACK_AT_ONCE: Final = 4
+#: Peers asked where they see us.
+_OBSERVERS: Final = 3
 
 
-@attrs.frozen
+class Reachability(enum.Enum):
+    """How others can reach a node."""
+
+    #: Peers dial it directly.
+    PUBLIC = "public"
+    #: Behind a NAT that keeps one mapping towards every peer: hole punching can work.
+    CONE = "cone"
+    #: Behind a NAT that maps each destination anew: only a relay reaches it.
+    SYMMETRIC = "symmetric"
+    #: No peer answered the check.
+    UNKNOWN = "unknown"
+
+
+@attrs.define(eq=False)
 class DialBack:
-    """The ``dht.dial_back`` handler of a node: it dials with ``node`` within ``timeout_s``."""
+    """The ``dht.dial_back`` handler of a node: it dials from a fresh socket within
+    ``timeout_s``."""
 
     node: Node
     timeout_s: float
+    _limiter: trio.CapacityLimiter = attrs.field(
+        factory=lambda: trio.CapacityLimiter(_DIAL_BACK_AT_ONCE)
+    )
 
     async def __call__(self, request: dict[str, Any], call: ServerCall) -> dict[str, Any]:
         address = caller_address_untrusted(request, call.peer_id, "")
-        with trio.move_on_after(self.timeout_s):
-            try:
-                # Without a PeerID the node dials anew instead of reusing the caller's connection.
-                connection = await self.node.connect(address.with_peer_id(None))
-            except TransportError as exc:
-                return {"reachable": False, "error": f"{type(exc).__name__}: {exc}"}
-            try:
-                if connection.peer_id != call.peer_id:
-                    return {"reachable": False, "error": "another peer answers there"}
-                return {"reachable": True}
-            finally:
-                with trio.CancelScope(shield=True):
-                    await connection.aclose()
+        if call.connection.relay is not None:
+            raise CodecError("a dial-back is asked directly, not through a relay")
+        if address.is_relayed or address.dns is not None:
+            raise CodecError("only an IP address is dialled back")
+        remote_host = call.connection.current_address[0]
+        if address.host != remote_host:
+            raise CodecError(
+                f"only the address the request came from ({remote_host}) is dialled back, "
+                f"not {address.host}"
+            )
+        if self._limiter.borrowed_tokens >= self._limiter.total_tokens:
+            return {"reachable": False, "error": "busy with other dial-backs; ask again later"}
+        async with self._limiter:
+            with trio.move_on_after(self.timeout_s):
+                try:
+                    host = _fresh_host(address)
+                    async with open_node(host=host, config=self.node.config) as fresh:
+                        connection = await fresh.connect(address.with_peer_id(call.peer_id))
+                        await connection.aclose()
+                        return {"reachable": True}
+                except TransportError as exc:
+                    return {"reachable": False, "error": f"{type(exc).__name__}: {exc}"}
         return {"reachable": False, "error": f"no answer within {self.timeout_s:g} s"}
 
 
-@attrs.frozen
-class Reachability:
-    """What a peer found dialling ``address`` back: ``error`` is None if it reached us."""
+def _fresh_host(address: Multiaddr) -> str:
+    if address.is_loopback:
+        return "::1" if address.family == 6 else "127.0.0.1"
+    return "::" if address.family == 6 else "0.0.0.0"
 
-    address: Multiaddr
-    via: str
-    error: str | None
+
+@attrs.frozen(kw_only=True)
+class ReachabilityReport:
+    """What peers found: ``reachable`` (addresses a peer dialled back), ``unreachable``
+    (address and why), ``observed`` (our address as each peer saw it, by the peer's address)."""
+
+    reachability: Reachability
+    reachable: tuple[Multiaddr, ...] = ()
+    unreachable: tuple[tuple[Multiaddr, str], ...] = ()
+    observed: tuple[tuple[str, Multiaddr], ...] = ()
+    #: The peer that dialled back, if any answered.
+    via: str | None = None
+
+    @property
+    def public_addresses(self) -> list[Multiaddr]:
+        """The distinct addresses peers saw us at that are not loopback."""
+        seen: list[Multiaddr] = []
+        for _, address in self.observed:
+            if not address.is_loopback and address not in seen:
+                seen.append(address)
+        return seen
+
+
+async def observe(node: Node, peer: Multiaddr, *, timeout_s: float) -> Multiaddr | None:
+    """Our address as ``peer`` sees it (from its ``dht.ping`` reply); None if it does not say."""
+    with trio.move_on_after(timeout_s):
+        try:
+            connection = await node.connect(peer)
+            reply = await call_unary(connection, "dht.ping", {"client": True})
+        except TransportError as exc:
+            logger.debug("asking %s where it sees us failed: %r", peer, exc)
+            return None
+        text = reply.get("observed")
+        try:
+            return Multiaddr.parse(text) if isinstance(text, str) else None
+        except ConfigError:
+            return None
+    return None
 
 
 async def check_reachability(
-    node: Node, addresses: list[Multiaddr], via: list[str], *, timeout_s: float
-) -> list[Reachability]:
-    """Ask the first of ``via`` (multiaddrs of peers) that answers to dial each of
-    ``addresses`` back; empty if none answers.  Loopback addresses are checked only by a
-    loopback peer, and others only by others (a peer elsewhere cannot reach our loopback)."""
-    for peer in via:
+    node: Node, addresses: Sequence[Multiaddr], via: Sequence[str], *, timeout_s: float
+) -> ReachabilityReport:
+    """Ask peers (``via``, multiaddrs) where they see us and whether they can dial us back at
+    ``addresses`` and at what they saw; see the module.  Loopback addresses are checked only by
+    a loopback peer, and others only by others (a peer elsewhere cannot reach our loopback)."""
+    peers: list[Multiaddr] = []
+    for text in via:
         try:
-            peer_address = Multiaddr.parse(peer)
+            peer = Multiaddr.parse(text)
         except ConfigError:
             continue
-        wanted = [a for a in addresses if a.is_loopback == peer_address.is_loopback]
+        if not peer.is_relayed and peer not in peers:
+            peers.append(peer)
+    observed: list[tuple[str, Multiaddr]] = []
+
+    async def ask(peer: Multiaddr) -> None:
+        seen = await observe(node, peer, timeout_s=timeout_s)
+        if seen is not None:
+            observed.append((str(peer), seen))
+
+    async with trio.open_nursery() as nursery:
+        for peer in peers[:_OBSERVERS]:
+            nursery.start_soon(ask, peer)
+    if not observed:
+        return ReachabilityReport(reachability=Reachability.UNKNOWN)
+    answered = [p for p in peers if any(str(p) == seen_by for seen_by, _ in observed)]
+    # Ask in the order given (initial peers first), not in the order they answered.
+    for peer in answered:
+        # Every address any peer saw is checked by one peer: a peer that lies about where it
+        # sees us is found out by another's dial-back.
+        candidates = [a.with_peer_id(None) for a in addresses]
+        candidates += [seen for _, seen in observed]
+        wanted = _unique(a for a in candidates if a.is_loopback == peer.is_loopback)
         if not wanted:
             continue
-        results: list[Reachability] = []
-        with trio.move_on_after(2 * timeout_s * len(wanted)):
-            try:
-                connection = await node.connect(peer_address)
+        found = await _dial_backs(node, peer, wanted, timeout_s=timeout_s)
+        if found is None:
+            continue
+        reachable, unreachable = found
+        return ReachabilityReport(
+            reachability=Reachability.PUBLIC if reachable else _nat_kind(observed),
+            reachable=tuple(reachable),
+            unreachable=tuple(unreachable),
+            observed=tuple(observed),
+            via=str(peer),
+        )
+    return ReachabilityReport(reachability=_nat_kind(observed), observed=tuple(observed))
+
+
+async def _dial_backs(
+    node: Node, peer: Multiaddr, wanted: list[Multiaddr], *, timeout_s: float
+) -> tuple[list[Multiaddr], list[tuple[Multiaddr, str]]] | None:
+    """``peer``'s dial-backs to each of ``wanted``, all at once: those it reached, and those it
+    did not with why (in ``wanted``'s order); None if ``peer`` itself failed us."""
+    reachable: list[Multiaddr] = []
+    unreachable: list[tuple[Multiaddr, str]] = []
+
+    async def dial_back(connection: Connection, address: Multiaddr) -> None:
+        try:
+            reply = await call_unary(connection, DIAL_BACK, {"address": str(address)})
+        except TransportError as exc:
+            unreachable.append((address, str(exc)))
+            return
+        if reply.get("reachable") is True:
+            reachable.append(address)
+        else:
+            unreachable.append((address, str(reply.get("error"))))
+
+    try:
+        with trio.fail_after(2 * timeout_s):
+            connection = await node.connect(peer)
+            async with trio.open_nursery() as nursery:
                 for address in wanted:
-                    reply = await call_unary(connection, DIAL_BACK, {"address": str(address)})
-                    error = None if reply.get("reachable") is True else str(reply.get("error"))
-                    results.append(Reachability(address, peer, error))
-                return results
-            except TransportError as exc:
-                logger.debug("reachability check through %s failed: %r", peer, exc)
-    return []
+                    nursery.start_soon(dial_back, connection, address)
+    except (TransportError, trio.TooSlowError) as exc:
+        logger.debug("dial-back through %s failed: %r", peer, exc)
+        return None
+    reachable.sort(key=wanted.index)
+    unreachable.sort(key=lambda item: wanted.index(item[0]))
+    return reachable, unreachable
+
+
+def _nat_kind(observed: Sequence[tuple[str, Multiaddr]]) -> Reachability:
+    """Cone or symmetric, from where peers saw us: a mapping that differs between peers on the
+    same public address is symmetric."""
+    by_host: dict[str, set[int]] = {}
+    for _, address in observed:
+        if not address.is_loopback:
+            by_host.setdefault(address.host, set()).add(address.port)
+    if any(len(ports) > 1 for ports in by_host.values()):
+        return Reachability.SYMMETRIC
+    return Reachability.CONE
+
+
+def _unique(addresses: Any) -> list[Multiaddr]:
+    unique: list[Multiaddr] = []
+    for address in addresses:
+        if address not in unique:
+            unique.append(address)
+    return unique

@@ -438,6 +438,9 @@ def _check_server_info(info: ServerInfo) -> None:
     _check_name("torch_dtype", info.torch_dtype)
     _check_name("quant_type", info.quant_type)
     _check_name("public_name", info.public_name, optional=True)
+    _check_name("reachability", info.reachability, optional=True)
+    if info.relay is not None and not isinstance(info.relay, bool):
+        raise LocalProtocolError(f"relay is true or false, not {info.relay!r}")
     _check_rate("inference_rps", info.inference_rps, optional=True)
     _check_rate("forward_rps", info.forward_rps, optional=True)
     if not isinstance(info.adapters, tuple) or len(info.adapters) > _MAX_ADAPTERS:
@@ -467,8 +470,9 @@ class ServerInfo:
 
     Blocks ``start_block`` to ``end_block`` (exclusive) are served; ``throughput`` and the
     ``*_rps`` are requests per second; ``next_pings`` maps the PeerIDs of servers this one could
-    pass activations to onto round-trip times in seconds; ``addresses`` are the multiaddrs it
-    listens on (with its PeerID), where clients and other servers dial it.  None means unknown.
+    pass activations to onto round-trip times in seconds; ``addresses`` are the multiaddrs
+    (with its PeerID) where clients and other servers dial it, best first (relayed ones first
+    for a server behind a NAT).  None means unknown.
     Readers ignore fields they do not know, so newer servers may add some.  Invalid fields raise
     :class:`LocalProtocolError`.
     """
@@ -487,6 +491,11 @@ class ServerInfo:
     cache_tokens_left: int | None = None
     next_pings: Mapping[str, float] = attrs.field(factory=dict, converter=_to_pings, hash=False)
     addresses: tuple[str, ...] = attrs.field(default=(), converter=_to_tuple)
+    #: How others reach it: "public" (dialled directly), "cone" or "symmetric" (behind such a
+    #: NAT: through a relay, or a punched hole from behind a cone NAT), "unknown" (not checked).
+    reachability: str | None = None
+    #: Whether it relays for servers that cannot be dialled.
+    relay: bool | None = None
 
     def __attrs_post_init__(self) -> None:
         _check_server_info(self)

@@ -12,7 +12,7 @@ from typing import Any
 import attrs
 
 from .._errors import CodecError
-from ..transport import Handlers, PeerID, ServerCall
+from ..transport import Handlers, Multiaddr, PeerID, ServerCall
 from ._messages import (
     MAX_RECORDS_PER_REPLY,
     caller_contact_untrusted,
@@ -59,14 +59,19 @@ class DHTService:
             raise CodecError("a request is a map")
         self.served += 1
         now = self._clock()
-        contact = caller_contact_untrusted(request, call.peer_id, call.remote_address[0], now)
+        remote_host = None if call.connection.relay is not None else call.remote_address[0]
+        contact = caller_contact_untrusted(request, call.peer_id, remote_host, now)
         if contact is not None:
             self._observe(contact, now)
         return request
 
     async def _ping(self, request: dict[str, Any], call: ServerCall) -> dict[str, Any]:
         self._caller(request, call)
-        return {"peer_id": str(self._peer_id)}
+        reply: dict[str, Any] = {"peer_id": str(self._peer_id)}
+        if call.connection.relay is None:
+            # Where the caller's datagrams come from: behind a NAT, its public mapping.
+            reply["observed"] = str(Multiaddr.from_socket_address(*call.connection.current_address))
+        return reply
 
     async def _find_node(self, request: dict[str, Any], call: ServerCall) -> dict[str, Any]:
         self._caller(request, call)

@@ -122,7 +122,7 @@ class Topic:
         self._built_at = -math.inf
         self._dirty = True
         self._changed = trio.Event()
-        self._addresses: dict[str, Multiaddr] = {}
+        self._addresses: dict[str, list[Multiaddr]] = {}
         self._refreshes = 0
         self._limited_read_at = -math.inf
         self._reading: trio.Event | None = None
@@ -165,9 +165,15 @@ class Topic:
                 await self._changed.wait()
 
     def address_of(self, peer_id: str) -> Multiaddr | None:
-        """Where the server ``peer_id`` said it listens (from its announcements), if known."""
+        """The first address the server ``peer_id`` announced (its best), if known."""
+        addresses = self.addresses_of(peer_id)
+        return addresses[0] if addresses else None
+
+    def addresses_of(self, peer_id: str) -> list[Multiaddr]:
+        """Where the server ``peer_id`` said it can be dialled, best first (from its
+        announcements; to dial with ``Node.connect_any``); empty if unknown."""
         self.snapshot()
-        return self._addresses.get(peer_id)
+        return self._addresses.get(peer_id, [])
 
     async def refresh(self, *, min_interval_s: float = 0.0) -> None:
         """Read every block's announcements from the DHT now (one attempt: a failure is logged
@@ -267,10 +273,10 @@ class Topic:
 
     async def _send(self, action: Action) -> None:
         """Carry ``action`` to its peer and act on the reply (pushes for us, wants from us)."""
-        address = self.address_of(action.peer)
-        if address is None:
+        addresses = self.addresses_of(action.peer)
+        if not addresses:
             return
-        reply = await self._dht._call(address, "dht.gossip", encode_action(self.prefix, action))
+        reply = await self._dht._call(addresses, "dht.gossip", encode_action(self.prefix, action))
         if reply is None:
             return
         try:
@@ -292,19 +298,21 @@ class Topic:
         self._changed = trio.Event()
 
     def _update_members(self) -> None:
-        addresses: dict[str, Multiaddr] = {}
+        addresses: dict[str, list[Multiaddr]] = {}
         for servers in self._snapshot.blocks.values():
             for peer_id, info in servers.items():
                 if peer_id in addresses or not info.addresses:
                     continue
+                usable = []
                 for text in info.addresses:
                     try:
                         address = Multiaddr.parse(text)
                     except ConfigError:
                         continue
                     if address.peer_id is not None and str(address.peer_id) == peer_id:
-                        addresses[peer_id] = address
-                        break
+                        usable.append(address)
+                if usable:
+                    addresses[peer_id] = usable
         own = str(self._dht.peer_id)
         addresses.pop(own, None)
         for peer_id in self._gossip.peers - addresses.keys():

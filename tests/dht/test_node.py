@@ -128,7 +128,9 @@ async def test_malformed_requests_are_refused_and_the_node_keeps_serving() -> No
                 with pytest.raises(RemoteError):
                     await call_unary(connection, method, request)
             reply = await call_unary(connection, "dht.ping", {"client": True})
-            assert reply == {"peer_id": str(dht.peer_id)}
+            # The reply says where the caller's datagrams come from.
+            observed = str(raw.listen_multiaddr.with_peer_id(None))
+            assert reply == {"peer_id": str(dht.peer_id), "observed": observed}
             assert len(dht.routing_table) == 0
 
 
