@@ -188,8 +188,8 @@ class SwarmMonitor:
         rtts: dict[str, float | None] = {}
 
         async def ping(peer_id: str, topic: Topic) -> None:
-            address = topic.address_of(peer_id)
-            rtts[peer_id] = None if address is None else await self._ping(address)
+            addresses = topic.addresses_of(peer_id)
+            rtts[peer_id] = await self._ping(addresses) if addresses else None
 
         listed = self._snapshots()
         async with trio.open_nursery() as nursery:
@@ -210,18 +210,19 @@ class SwarmMonitor:
                     period = self._config.refresh_period_s
                     self._nursery.start_soon(partial(topic.refresh, min_interval_s=period))
 
-    async def _ping(self, address: Multiaddr) -> float | None:
-        """Seconds a ``dht.ping`` call takes on a connection to ``address`` (dialled first, not
-        timed); None if it does not answer within ``ping_timeout_s``."""
+    async def _ping(self, addresses: list[Multiaddr]) -> float | None:
+        """Seconds a ``dht.ping`` call takes on a connection to a server at one of its
+        ``addresses`` (dialled first, not timed); None if it does not answer within
+        ``ping_timeout_s``."""
         async with self._limiter:
             with trio.move_on_after(self._config.ping_timeout_s):
                 try:
-                    connection = await self._dht.node.connect(address)
+                    connection = await self._dht.node.connect_any(addresses)
                     began = trio.current_time()
                     await call_unary(connection, "dht.ping", {"client": True})
                     return trio.current_time() - began
                 except TransportError as exc:
-                    logger.debug("pinging %s failed: %s", address, exc)
+                    logger.debug("pinging %s failed: %s", addresses[0].peer_id, exc)
             return None
 
     def _publish(self) -> None:

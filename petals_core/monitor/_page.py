@@ -75,6 +75,18 @@ function rtt(server) {
   return server.reachable ? server.rtt_ms.toFixed(1) + " ms" : "unreachable";
 }
 
+const REACH = {
+  public: "direct",
+  cone: "NAT (punched or relayed)",
+  symmetric: "NAT (relayed)",
+  unknown: "not checked",
+};
+
+function reach(server) {
+  const text = REACH[server.reachability] || "—";
+  return server.relay ? text + ", relays" : text;
+}
+
 function serverRow(server) {
   const row = el("tr");
   row.dataset.peerId = server.peer_id;
@@ -91,6 +103,7 @@ function serverRow(server) {
     el("td", null, server.torch_dtype + (server.quant_type === "none" ? ""
       : " / " + server.quant_type)),
     el("td", null, server.version),
+    el("td", null, reach(server)),
     el("td", server.reachable === false ? "num unreachable" : "num", rtt(server)),
   ];
   row.append(...cells);
@@ -129,7 +142,8 @@ function renderModel(model) {
   const table = el("table", "servers");
   const head = el("tr");
   for (const name of ["Peer", "Name", "Blocks", "State", "Throughput (rps)",
-                      "Cache tokens left", "Dtype / quant.", "Version", "Round trip"]) {
+                      "Cache tokens left", "Dtype / quant.", "Version", "Reached",
+                      "Round trip"]) {
     head.append(el("th", null, name));
   }
   const thead = el("thead");

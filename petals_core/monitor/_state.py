@@ -63,6 +63,11 @@ class ServerRow:
     adapters: tuple[str, ...]
     rtt_ms: float | None
     reachable: bool | None
+    #: How peers reach it, as it announced: "public", "cone" or "symmetric" (behind such a NAT,
+    #: served through relays and punched holes), "unknown", or None (not announced).
+    reachability: str | None = None
+    #: Whether it relays for servers behind NATs (None: not announced).
+    relay: bool | None = None
 
 
 @attrs.frozen(kw_only=True)
@@ -199,4 +204,6 @@ def _server_row(peer_id: str, info: ServerInfo, rtts: Mapping[str, float | None]
         adapters=tuple(_plain(adapter) for adapter in info.adapters),
         rtt_ms=None if rtt is None else round(rtt * 1000.0, 2),
         reachable=(rtt is not None) if measured else None,
+        reachability=None if info.reachability is None else _plain(info.reachability),
+        relay=info.relay,
     )

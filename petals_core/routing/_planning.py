@@ -14,12 +14,15 @@ server (a server that runs two consecutive spans runs one).  Three planners, aft
 **The latency model** (:func:`route_cost`), in seconds, for one inference step:
 
 - the client's ping to the first server, and the last server's ping back to the client:
-  ``client_pings[peer]`` where known, else ``default_ping_s``;
+  ``client_pings[peer]`` where known, else ``default_ping_s`` (twice that for a server behind a
+  symmetric NAT, reached only through a relay: an extra leg);
 - per span, its blocks over the server's ``inference_rps`` (``default_inference_rps`` where the
   server announced none; a server announcing 0 takes forever);
 - per hop between consecutive servers ``a -> b``: ``a.next_pings[b]`` where ``a`` measured it,
   else ``client_pings[a] / 2 + client_pings[b] / 2`` where the client knows both (going through
-  the client is the estimate), else ``default_ping_s``;
+  the client is the estimate), else ``default_ping_s``, twice that when ``b`` is behind a
+  symmetric NAT (measured pings already include the relay's leg; a server behind a cone NAT is
+  expected to be reached through a punched hole, directly);
 - ``cache_penalty_s`` per span whose server announced ``cache_tokens_left`` below
   ``cache_tokens_needed`` times the span's blocks: that server would make the session wait for
   (or refuse) its attention cache.  Each span is judged on its own, so a route that visits a
@@ -238,6 +241,17 @@ class _LatencyModel:
             return _INF
         return info.cache_tokens_left // self.cache_tokens_needed
 
+    def extra_leg_s(self, info: ServerInfo) -> float:
+        """What reaching a server adds where no ping was measured: a relay's leg for one
+        behind a symmetric NAT."""
+        return self.default_ping_s if info.reachability == "symmetric" else 0.0
+
+    def client_leg_s(self, peer_id: str, info: ServerInfo) -> float:
+        measured = self.client_pings.get(peer_id)
+        if measured is not None:
+            return measured
+        return self.default_ping_s + self.extra_leg_s(info)
+
     def hop_s(self, source: str, target: str, servers: Mapping[str, ServerInfo]) -> float:
         measured = servers[source].next_pings.get(target)
         if measured is not None:
@@ -245,7 +259,7 @@ class _LatencyModel:
         pings = self.client_pings
         if source in pings and target in pings:
             return pings[source] / 2 + pings[target] / 2
-        return self.default_ping_s
+        return self.default_ping_s + self.extra_leg_s(servers[target])
 
 
 def route_cost(
@@ -269,7 +283,8 @@ def route_cost(
     missing = [span.peer_id for span in route if span.peer_id not in servers]
     if missing:
         raise ConfigError(f"route goes through servers not in the swarm: {', '.join(missing)}")
-    costs = [client_pings.get(route[0].peer_id, default_ping_s)]
+    first, last = route[0].peer_id, route[-1].peer_id
+    costs = [model.client_leg_s(first, servers[first])]
     for index, span in enumerate(route):
         info = servers[span.peer_id]
         costs.append(span.length * model.block_cost(info))
@@ -277,7 +292,7 @@ def route_cost(
             costs.append(cache_penalty_s)
         if index > 0:
             costs.append(model.hop_s(route[index - 1].peer_id, span.peer_id, servers))
-    costs.append(client_pings.get(route[-1].peer_id, default_ping_s))
+    costs.append(model.client_leg_s(last, servers[last]))
     return math.fsum(costs)
 
 
@@ -348,7 +363,10 @@ class _LatencyPlanner:
         self.cost = np.array([model.block_cost(info) for info in infos])
         self.known = np.array([p in client_pings for p in peers], bool)
         self.half = np.array([client_pings.get(p, 0.0) / 2 for p in peers])
-        self.edge = np.array([client_pings.get(p, default_ping_s) for p in peers])
+        #: What reaching each server adds to an estimated leg (see ``extra_leg_s``).
+        self.extra = np.array([model.extra_leg_s(info) for info in infos])
+        self.extra_list = self.extra.tolist()
+        self.edge = np.array([model.client_leg_s(p, info) for p, info in candidates])
         # Halves as keys: inf stands for an unknown ping in ``known_half``, for a known one in
         # ``unknown_zero``.
         self.known_list, self.half_list = self.known.tolist(), self.half.tolist()
@@ -379,7 +397,7 @@ class _LatencyPlanner:
         estimate = np.where(
             self.known[source] & self.known[target],
             self.half[source] + self.half[target],
-            default_ping_s,
+            default_ping_s + self.extra[target],
         )
         longer = rtt > estimate
         shut_source, shut_target = source[longer], target[longer]
@@ -508,8 +526,8 @@ class _LatencyPlanner:
         either_value += default
         row = np.where(
             self.known,
-            np.minimum(known_value + self.half, unknown_value),
-            either_value,
+            np.minimum(known_value + self.half, unknown_value + self.extra),
+            either_value + self.extra,
         )
         # Targets that must leave out one of those best sources (a best source itself, or one
         # whose measured ping to them is longer than the estimate) look further down.
@@ -537,13 +555,13 @@ class _LatencyPlanner:
                 (v for s, v in enumerate(keys[index].tolist()) if s not in shut), default=_INF
             )
 
-        known, half = self.known_list, self.half_list
+        known, half, extra = self.known_list, self.half_list, self.extra_list
         for t in slow:
             shut = self._shut(t)
             if known[t]:
-                row[t] = min(best(0, shut) + half[t], best(1, shut) + default)
+                row[t] = min(best(0, shut) + half[t], best(1, shut) + default + extra[t])
             else:
-                row[t] = best(2, shut) + default
+                row[t] = best(2, shut) + default + extra[t]
         # Measured hops: every one that can happen here, the least offer per target.
         a, b = self.hop_bounds[e], self.hop_bounds[e + 1]
         if a < b:
@@ -563,7 +581,11 @@ class _LatencyPlanner:
     def _source(self, t: int, e: int) -> int:
         """A server ``enter[e][t]`` can come from at least cost."""
         arrive = self.arrive[e]
-        hops = np.where(self.known & self.known[t], self.half + self.half[t], self.default_ping_s)
+        hops = np.where(
+            self.known & self.known[t],
+            self.half + self.half[t],
+            self.default_ping_s + self.extra[t],
+        )
         for s, rtt in self._measured_into(t).items():
             hops[s] = rtt
         offers = arrive + hops

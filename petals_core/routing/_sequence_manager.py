@@ -389,12 +389,12 @@ class RemoteSequenceManager:
     async def connect(self, peer: str) -> Connection:
         """A connection to the server ``peer`` (at the address it announced)."""
         topic = self._topic()
-        address: Multiaddr | None = topic.address_of(peer)
-        if address is None:
+        addresses: list[Multiaddr] = topic.addresses_of(peer)
+        if not addresses:
             raise PeerUnreachable(f"server {peer} announced no address")
         assert self.state.dht is not None
         with trio.move_on_after(self.config.connect_timeout_s):
-            return await self.state.dht.node.connect(address)
+            return await self.state.dht.node.connect_any(addresses)
         raise PeerUnreachable(
             f"server {peer} did not answer within {self.config.connect_timeout_s} s"
         )
@@ -445,15 +445,29 @@ class RemoteSequenceManager:
     # -- failures --------------------------------------------------------------------------------
 
     def on_request_failure(self, peer: str | None) -> None:
-        """Ban ``peer`` for ``ban_timeout_s``, doubling with each failure in a row."""
+        """Ban ``peer`` for ``ban_timeout_s``, doubling with each failure in a row.
+
+        A server reached through relays is not banned for its first failure in a row: what
+        failed may be the relay, and the server announced others (or holds a new one by now);
+        it is tried again at once, and banned from its second failure on."""
         if peer is None:
             return
         ban = self.state.bans.get(peer)
         failures = 1 if ban is None else ban.failures + 1
-        duration = self.config.ban_timeout_s * 2 ** (failures - 1)
+        exponent = failures - 1
+        if self._relayed(peer):
+            exponent -= 1
+        duration = 0.0 if exponent < 0 else self.config.ban_timeout_s * 2**exponent
         self.state.bans[peer] = _Ban(until=time.monotonic() + duration, failures=failures)
         self.state.pings.pop(peer, None)
-        logger.info("banned %s for %.1f s after %d failure(s)", peer, duration, failures)
+        if duration == 0.0:
+            logger.info("%s failed; it is reached through relays: trying it again at once", peer)
+        else:
+            logger.info("banned %s for %.1f s after %d failure(s)", peer, duration, failures)
+
+    def _relayed(self, peer: str) -> bool:
+        topic = self.state.topic
+        return topic is not None and any(a.is_relayed for a in topic.addresses_of(peer))
 
     def on_request_success(self, peer: str) -> None:
         self.state.bans.pop(peer, None)

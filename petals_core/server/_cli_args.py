@@ -172,7 +172,6 @@ PETALS_ONLY_FLAGS: dict[str, tuple[int | str, str]] = {
     "--min_batch_size": (1, "a batch is whatever is waiting; there is no minimum"),
     "--increase_file_limit": (1, "the server uses one UDP socket; no file limit is raised"),
     "--daemon_startup_timeout": (1, "there is no libp2p daemon to wait for"),
-    "--no_auto_relay": (0, "there are no libp2p relays; see --announce_host for NAT"),
     "--tensor_parallel_devices": ("+", "blocks are not split across GPUs"),
     "--custom_module_path": (1, "custom modules are not loaded"),
     "--config": (1, "flags are read from the command line only, not from a config file"),
@@ -351,7 +350,29 @@ def build_parser() -> argparse.ArgumentParser:
     network.add_argument(
         "--skip_reachability_check",
         action="store_true",
-        help="do not ask an initial peer to dial this server's announced addresses back at start",
+        help="do not ask peers whether they can dial this server (at start and every 10 "
+        "minutes); it then neither relays for others nor uses relays",
+    )
+    network.add_argument(
+        "--use_relay",
+        action="store_true",
+        default=config.relay,
+        help="relay for servers that cannot be dialled, when peers can dial this one (default)",
+    )
+    network.add_argument(
+        "--no_relay", action="store_false", dest="use_relay", help="relay for nobody"
+    )
+    network.add_argument(
+        "--use_auto_relay",
+        action="store_true",
+        default=config.auto_relay,
+        help="when peers cannot dial this server (behind a NAT), serve through relays (default)",
+    )
+    network.add_argument(
+        "--no_auto_relay",
+        action="store_false",
+        dest="use_auto_relay",
+        help="never serve through relays: behind a NAT, clients will not reach this server",
     )
     network.add_argument(
         "--initial_peers", **_repeatable("MULTIADDR", "multiaddrs of peers of the swarm to join")
@@ -550,6 +571,8 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         adapters=tuple(args.adapters),
         public_name=args.public_name,
         check_reachability=not args.skip_reachability_check,
+        relay=args.use_relay,
+        auto_relay=args.use_auto_relay,
         update_period_s=args.update_period,
         expiration_s=args.expiration,
         balance_quality=args.balance_quality,

@@ -44,10 +44,10 @@ from .._groups import raising_single_error
 from ..dht import (
     DHTNode,
     ModelInfo,
+    Reachability,
     ServerInfo,
     ServerState,
     Topic,
-    check_reachability,
     open_dht_node,
     register_model,
 )
@@ -70,7 +70,7 @@ from ..transport import (
     Connection,
     Identity,
     Multiaddr,
-    Node,
+    RelayLimits,
     TransportConfig,
     call_unary,
     dialable_multiaddrs,
@@ -81,6 +81,7 @@ from ._backend import Block, BlockBackend
 from ._defaults import ServingDefaults, choose_defaults
 from ._handler import BlockServer, ServingLimits
 from ._memory_cache import MemoryCache
+from ._reach import Reach
 from ._task_pool import open_task_pool
 from ._throughput import ThroughputInfo, get_server_throughput
 
@@ -171,9 +172,13 @@ class ServerConfig:
     revision: str | None = None
     local_files_only: bool = False
     transport: TransportConfig | None = None
-    #: Ask an initial peer to dial the announced addresses back at start, and warn if it
-    #: cannot (``--skip_reachability_check`` turns it off).
+    #: Ask peers whether they can dial us, at start and every 10 minutes (see ``Reach``;
+    #: ``--skip_reachability_check`` turns it off, and with it relays either way).
     check_reachability: bool = True
+    #: Relay for servers that cannot be dialled, when peers can dial us (``--no_relay``: not).
+    relay: bool = True
+    #: Behind a NAT, serve through relays (``--no_auto_relay``: not).
+    auto_relay: bool = True
 
     def __attrs_post_init__(self) -> None:
         if self.announce_port is not None and not 0 < self.announce_port <= 65535:
@@ -280,6 +285,9 @@ class Server:
         self._announced = trio.Event()
         self.next_pings: dict[str, float] = {}
         self.moves = 0
+        #: Whether peers can dial us, and our relays (None: not checked).
+        self.reach: Reach | None = None
+        self._reach_changed = trio.Event()
 
     @property
     def dht_prefix(self) -> str:
@@ -292,12 +300,56 @@ class Server:
 
     @property
     def multiaddrs(self) -> list[Multiaddr]:
-        """Where clients reach this server: what they pass in ``initial_peers``."""
+        """Where clients reach this server, best first (relayed addresses first behind a NAT):
+        what they pass in ``initial_peers``, and what it announces."""
+        if self.reach is not None:
+            return self.reach.addresses()
+        return self.listen_multiaddrs()
+
+    def listen_multiaddrs(self) -> list[Multiaddr]:
+        """Where this server listens (or what ``--announce_host`` says), whoever can dial it."""
         return dialable_multiaddrs(
             self.dht.listen_multiaddr,
             announce_host=self.config.announce_host,
             announce_port=self.config.announce_port,
         )
+
+    def relay_candidates(self) -> list[Multiaddr]:
+        """Relays we may hold reservations with: our initial peers, then servers that announce
+        that they relay (at the first direct address each announced)."""
+        candidates = []
+        for text in self.config.initial_peers:
+            try:
+                address = Multiaddr.parse(text)
+            except ConfigError:
+                continue
+            if address.peer_id is not None and not address.is_relayed:
+                candidates.append(address)
+        for servers in self.topic.snapshot().blocks.values():
+            for peer_id, info in servers.items():
+                if info.relay is not True or info.state is not ServerState.ONLINE:
+                    continue
+                direct = [a for a in self.topic.addresses_of(peer_id) if not a.is_relayed]
+                if direct and direct[0] not in candidates:
+                    candidates.append(direct[0])
+        return candidates
+
+    def reachability_peers(self) -> list[str]:
+        """Whom to ask whether they can dial us: initial peers, then DHT contacts."""
+        peers = list(self.config.initial_peers)
+        peers += [contact.address for contact in self.dht.routing_table if contact.address]
+        return peers
+
+    def reach_changed(self) -> None:
+        """Our reachability or relays changed: announce anew (see ``_announce_changes``)."""
+        self._reach_changed.set()
+
+    async def _announce_changes(self) -> None:
+        while True:
+            await self._reach_changed.wait()
+            self._reach_changed = trio.Event()
+            if self.blocks is not None and self.state is not ServerState.OFFLINE:
+                await self.announce()
 
     async def wait_serving(self) -> None:
         await self._serving.wait()
@@ -315,6 +367,10 @@ class Server:
         if isinstance(throughput, ThroughputInfo):
             rps = {"inference_rps": throughput.inference_rps, "forward_rps": throughput.forward_rps}
             value = throughput.throughput
+            if self.reach is not None and self.reach.reachability is Reachability.SYMMETRIC:
+                # Every byte goes through a relay: fewer requests should come our way, and
+                # servers choosing blocks count us for less.
+                value = throughput.through_relay()
         else:
             value = float(throughput) if throughput is not None else 0.0
         backend = self.backend
@@ -331,6 +387,8 @@ class Server:
             cache_tokens_left=self.block_server.cache_tokens_left if backend is not None else None,
             next_pings=self.next_pings,
             addresses=tuple(str(address) for address in self.multiaddrs[:8]),
+            reachability=None if self.reach is None else self.reach.reachability.value,
+            relay=None if self.reach is None else self.reach.relays_for_others,
             **rps,
         )
 
@@ -511,13 +569,13 @@ class Server:
         pings: dict[str, float] = {}
 
         async def ping(peer_id: str) -> None:
-            address = self.topic.address_of(peer_id)
-            if address is None:
+            addresses = self.topic.addresses_of(peer_id)
+            if not addresses:
                 return
             with trio.move_on_after(5.0):
                 try:
                     began = trio.current_time()
-                    connection = await self.dht.node.connect(address)
+                    connection = await self.dht.node.connect_any(addresses)
                     await call_unary(connection, "dht.ping", {"client": True})
                     pings[peer_id] = trio.current_time() - began
                 except TransportError:
@@ -591,8 +649,14 @@ async def open_server(
             request_timeout_s=min(config.limits.request_timeout_s, 10.0),
             rng=rng,
             announce=_dht_announce(node.listen_multiaddr, config),
+            relay=RelayLimits() if config.relay else None,
+            # Until peers say they can dial us, we stay out of their routing tables.
+            dialable=not (config.check_reachability and config.initial_peers),
         ) as dht,
     ):
+        if dht.relay is not None:
+            # Until peers say they can dial us, we relay for nobody.
+            dht.relay.accepting = False
         topic = dht.follow(
             model_config.dht_prefix or model,
             int(model_config.num_hidden_layers),
@@ -600,22 +664,34 @@ async def open_server(
         )
 
         async def connect_peer(peer_id: str) -> Connection:
-            address = topic.address_of(peer_id)
-            if address is None:
+            addresses = topic.addresses_of(peer_id)
+            if not addresses:
                 # Announced since our last read (gossip brings it within seconds, a client may
                 # be quicker): read the DHT, at most once per few seconds whoever asks.
                 await topic.refresh(min_interval_s=_PEER_LOOKUP_MIN_INTERVAL_S)
-                address = topic.address_of(peer_id)
-            if address is None:
+                addresses = topic.addresses_of(peer_id)
+            if not addresses:
                 raise PeerUnreachable(f"server {peer_id} announced no address")
-            return await node.connect(address)
+            return await node.connect_any(addresses)
 
         block_server.connect_peer = connect_peer
         server = Server(config, model_config, model, dht, topic, block_server, defaults, rng)
+        if config.check_reachability and config.initial_peers:
+            server.reach = Reach(
+                dht=dht,
+                listen=server.listen_multiaddrs,
+                peers=server.reachability_peers,
+                relay_candidates=server.relay_candidates,
+                on_change=server.reach_changed,
+                auto_relay=config.auto_relay,
+                relay=config.relay,
+                timeout_s=_REACHABILITY_TIMEOUT_S,
+            )
         async with trio.open_nursery() as nursery:
+            if server.reach is not None:
+                nursery.start_soon(server.reach.run)
+            nursery.start_soon(server._announce_changes)
             await nursery.start(server._run)
-            if config.check_reachability and config.initial_peers:
-                nursery.start_soon(_report_reachability, node, server.multiaddrs, config)
             try:
                 yield server
             finally:
@@ -639,30 +715,3 @@ def _dht_announce(listen: Multiaddr, config: ServerConfig) -> Multiaddr | None:
         # A wildcard host stays one: the other side puts in the host our request came from.
         return attrs.evolve(listen, port=config.announce_port)
     return None
-
-
-async def _report_reachability(
-    node: Node, addresses: list[Multiaddr], config: ServerConfig
-) -> None:
-    """Log whether an initial peer reaches this server at the addresses it announces; warn,
-    saying how to fix it, when it cannot."""
-    results = await check_reachability(
-        node, addresses, list(config.initial_peers), timeout_s=_REACHABILITY_TIMEOUT_S
-    )
-    if not results:
-        logger.info("reachability not checked: no initial peer answered")
-        return
-    for result in results:
-        if result.error is None:
-            logger.info("reachable at %s (dialled back by %s)", result.address, result.via)
-        else:
-            logger.warning(
-                "%s cannot reach this server at %s (%s): clients and other servers will not "
-                "reach it either. Forward UDP port %d to this machine, or give the address "
-                "others can dial with --announce_host (or --public_ip); "
-                "--skip_reachability_check skips this check",
-                result.via,
-                result.address,
-                result.error,
-                result.address.port,
-            )

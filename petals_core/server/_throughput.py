@@ -82,6 +82,10 @@ def _positive_finite(instance: object, attribute: attrs.Attribute[float], value:
         raise ValueError(f"{attribute.name} must be a positive finite number, got {value!r}")
 
 
+#: The share of its network rate a server reached only through a relay announces.
+RELAY_PENALTY = 0.2
+
+
 @attrs.frozen(kw_only=True)
 class ThroughputInfo:
     """What a server measured (or assumed) and the throughput it announces, all per second."""
@@ -94,6 +98,12 @@ class ThroughputInfo:
     """Tokens per second the network carries: ``bandwidth_bits_per_s / (hidden_size * 16)``."""
     throughput: float = attrs.field(converter=float, validator=_positive_finite)
     """Announced: ``min(forward_rps / ((num_blocks + 1) / 2), network_rps)``."""
+
+    def through_relay(self) -> float:
+        """What to announce when every byte goes through a relay (behind a symmetric NAT):
+        the network's share counts :data:`RELAY_PENALTY` of itself, as the relay's extra leg
+        and its link, shared with others, slow it down."""
+        return min(self.throughput, self.network_rps * RELAY_PENALTY)
 
 
 class ComputeMeasure(Protocol):

@@ -30,7 +30,7 @@ PAGE_WAIT_S = 90.0
 SCREENSHOT = Path(__file__).resolve().parents[2] / "bench" / "results" / "monitor.png"
 
 #: What the page shows, read from its DOM: the server rows (PeerIDs), the bar's cells (their
-#: text and class), and the round-trip column.
+#: text and class), how each server is reached, and the round-trip column.
 READ_PAGE = """
 const rows = [...document.querySelectorAll("table.servers tbody tr")];
 return {
@@ -39,6 +39,7 @@ return {
   peers: rows.map((row) => row.dataset.peerId),
   names: rows.map((row) => row.children[1].textContent),
   rtts: rows.map((row) => row.lastChild.textContent),
+  reached: rows.map((row) => row.lastChild.previousSibling.textContent),
   cells: [...document.querySelectorAll(".bar .cell")].map((cell) => cell.textContent),
   holes: [...document.querySelectorAll(".bar .cell.hole")].map((cell) => cell.dataset.block),
   notReloaded: window.notReloaded === true,
@@ -85,7 +86,12 @@ async def test_the_page_shows_the_swarm_and_follows_a_departure_live(
             page = await in_thread(
                 wait_for_page,
                 browser,
-                lambda page: set(page["peers"]) == everyone and "measuring…" not in page["rtts"],
+                lambda page: (
+                    set(page["peers"]) == everyone
+                    and "measuring…" not in page["rtts"]
+                    # Each server found that peers dial it directly, and so relays for others.
+                    and set(page["reached"]) == {"direct, relays"}
+                ),
             )
             assert page["status"] == "live"
             assert page["names"] == ["alpha", "beta", "gamma"]  # by span

@@ -129,6 +129,11 @@ async def test_servers_behind_port_forwarding_are_reached_only_where_they_announ
                     await swarm.add(span, port=port, announce_port=outside)
                 servers = list(swarm.servers.values())
                 await servers_know_each_other(servers)
+                # The second asks as a DHT client until a peer dialled it back; from its next
+                # announcement on, it gives its address.
+                assert servers[1].reach is not None
+                await servers[1].reach.wait_checked()
+                await servers[1].wait_announcements(1)
                 manager = manager_for(servers)
                 async with (
                     RemoteSequential(manager) as seq,

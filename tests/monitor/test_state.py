@@ -145,6 +145,8 @@ def test_the_json_is_what_the_api_sends() -> None:
     assert row["adapters"] == ["lora"]
     assert row["public_name"] is None and row["cache_tokens_left"] is None
     assert row["rtt_ms"] == 2.0 and row["reachable"] is True
+    # How the server is reached, as it announced (nothing here: an older server's shape).
+    assert row["reachability"] is None and row["relay"] is None
     assert set(row) == {
         "peer_id",
         "short_id",
@@ -160,6 +162,8 @@ def test_the_json_is_what_the_api_sends() -> None:
         "adapters",
         "rtt_ms",
         "reachable",
+        "reachability",
+        "relay",
     }
 
 

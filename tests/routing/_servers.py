@@ -20,6 +20,7 @@ def server(
     cache_tokens_left: int | None = None,
     adapters: tuple[str, ...] = (),
     next_pings: Mapping[str, float] | None = None,
+    reachability: str | None = None,
 ) -> ServerInfo:
     """What a server of blocks ``start:end`` announces (fp32, no measurements unless given)."""
     return ServerInfo(
@@ -34,4 +35,5 @@ def server(
         adapters=adapters,
         cache_tokens_left=cache_tokens_left,
         next_pings=dict(next_pings or {}),
+        reachability=reachability,
     )

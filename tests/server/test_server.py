@@ -3,17 +3,15 @@
 from __future__ import annotations
 
 import logging
-import socket
 from pathlib import Path
 
-import attrs
 import pytest
 import trio
 
+from petals_core.dht import Reachability
 from petals_core.server import ServerConfig
 from petals_core.server._cli_args import config_from_args, parse_args
-from petals_core.server._server import _report_reachability, resolve_model
-from petals_core.transport import Multiaddr
+from petals_core.server._server import resolve_model
 
 from ..client._swarm_helpers import DEADLINE_S, Model, in_process_swarm
 
@@ -33,29 +31,44 @@ def test_the_repo_loaded_for_a_model_name(model: str, loaded: str) -> None:
     assert resolve_model(config) == (loaded, config)
 
 
-async def test_a_server_warns_when_its_announced_address_cannot_be_dialled_back(
+async def test_a_server_learns_that_peers_can_dial_it_and_announces_so(
     model: Model, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     with trio.fail_after(DEADLINE_S):
         async with in_process_swarm(model, tmp_path, [(0, 6), (0, 6)]) as swarm:
             first, second = swarm.servers.values()
-            config = attrs.evolve(second.config, initial_peers=(str(first.multiaddrs[0]),))
-            node = second.dht.node
+            # The first started a swarm: nobody to ask.  The second asks the first.
+            assert first.reach is None and second.reach is not None
             with caplog.at_level(logging.INFO, logger="petals_core.server"):
-                await _report_reachability(node, second.multiaddrs, config)
-                assert f"reachable at {second.multiaddrs[0]}" in caplog.text
-                # What a server behind NAT announces: an address where nobody answers for it.
-                with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as silent:
-                    silent.bind(("127.0.0.1", 0))
-                    behind_nat = Multiaddr("127.0.0.1", silent.getsockname()[1])
-                    await _report_reachability(node, [behind_nat], config)
-            (warning,) = [r for r in caplog.records if r.levelno == logging.WARNING]
-            assert f"cannot reach this server at {behind_nat}" in warning.getMessage()
-            assert "--announce_host" in warning.getMessage()
-            assert "--skip_reachability_check" in warning.getMessage()
+                second.reach.report = None
+                report = await second.reach.check()
+            assert report.reachability is Reachability.PUBLIC
+            listen = second.dht.listen_multiaddr.with_peer_id(None)
+            assert report.reachable == (listen,)
+            assert f"reachable at {listen} (dialled back by" in caplog.text
+            assert second.multiaddrs[0] == second.dht.listen_multiaddr
+            info = second.info()
+            assert (info.reachability, info.relay) == ("public", True)
+            # Peers can dial it: it relays for those they cannot.
+            assert second.dht.relay is not None and second.dht.relay.accepting
 
 
 def test_skip_reachability_check_turns_the_check_off() -> None:
     args = ["m", "--new_swarm", "--skip_reachability_check"]
     assert not config_from_args(parse_args(args)).check_reachability
     assert config_from_args(parse_args(["m", "--new_swarm"])).check_reachability
+
+
+@pytest.mark.parametrize(
+    ("flags", "relay", "auto_relay"),
+    [
+        ([], True, True),
+        (["--use_relay", "--use_auto_relay"], True, True),
+        (["--no_relay"], False, True),
+        (["--no_auto_relay"], True, False),
+        (["--no_relay", "--no_auto_relay"], False, False),
+    ],
+)
+def test_petals_relay_flags(flags: list[str], relay: bool, auto_relay: bool) -> None:
+    config = config_from_args(parse_args(["m", "--new_swarm", *flags]))
+    assert (config.relay, config.auto_relay) == (relay, auto_relay)

@@ -23,6 +23,7 @@ from petals_core.server._throughput import (
     CACHE_FILE_NAME,
     DEFAULT_NETWORK_BANDWIDTH_BITS_PER_S,
     LOCK_FILE_NAME,
+    RELAY_PENALTY,
     ComputeMeasure,
     ThroughputInfo,
     get_server_throughput,
@@ -216,6 +217,18 @@ def test_throughput_info_refuses_non_positive_rates(field: str, bad: float) -> N
     rates = dict.fromkeys(("inference_rps", "forward_rps", "network_rps", "throughput"), 1.0)
     with pytest.raises(ValueError, match=field):
         ThroughputInfo(**{**rates, field: bad})
+
+
+def test_through_a_relay_the_network_counts_a_fifth() -> None:
+    # Network-bound: its share shrinks.  Compute-bound far below the network: unchanged.
+    network_bound = ThroughputInfo(
+        inference_rps=50.0, forward_rps=5000.0, network_rps=1000.0, throughput=1000.0
+    )
+    assert network_bound.through_relay() == pytest.approx(1000.0 * RELAY_PENALTY)
+    compute_bound = ThroughputInfo(
+        inference_rps=5.0, forward_rps=100.0, network_rps=1000.0, throughput=50.0
+    )
+    assert compute_bound.through_relay() == 50.0
 
 
 def test_a_broken_measurement_is_refused_and_not_cached(tmp_path: Path) -> None:
