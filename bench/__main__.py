@@ -23,6 +23,7 @@ BENCHMARKS = {
     "swarm": "bench.swarm",
     "compression": "bench.compression",
     "wan": "bench.wan",
+    "nat": "bench.nat",
     "api": "bench.api",
 }
 # Run only when named: needs a CUDA GPU.

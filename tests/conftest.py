@@ -11,6 +11,9 @@ import pytest
 # The skips' count by reason at the end of every run, and CI's rule that only CUDA tests skip.
 from ._system import in_ci, pytest_sessionfinish, pytest_terminal_summary
 
+# Hosts behind real NATs (network namespaces), for the NAT tests of several packages.
+from ._topology import topology
+
 if TYPE_CHECKING:
     from ._served_swarm import InProcessSwarm, ServedModel
     from .client._swarm_helpers import Model
@@ -25,7 +28,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 # `nox -s browser` does).
 collect_ignore = [] if in_ci() else ["browser"]
 
-__all__ = ["pytest_sessionfinish", "pytest_terminal_summary"]
+__all__ = ["pytest_sessionfinish", "pytest_terminal_summary", "topology"]
 
 
 # The swarm serves tests/distributed and tests/client alike: one for the whole session.  Its

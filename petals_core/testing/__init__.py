@@ -1,8 +1,9 @@
 """Public test kit: an in-memory datagram network for sans-IO endpoints (links with latency,
 loss and reordering; virtual time), a swarm of real processes on loopback
 (:func:`open_local_swarm`), a UDP relay that makes loopback as slow as a WAN
-(:class:`DelayRelay`), hosts behind real NATs in network namespaces (:func:`open_topology`),
-and model configs for tests and benchmarks (tiny ones, and real models' shapes).
+(:class:`DelayRelay`), hosts behind real NATs in network namespaces (:func:`open_topology`)
+with clients run inside them (:func:`open_host_client`), and model configs for tests and
+benchmarks (tiny ones, and real models' shapes).
 """
 
 from ._configs import (
@@ -16,6 +17,7 @@ from ._configs import (
     tiny_mixtral_config as tiny_mixtral_config,
     tinyllama_1b_config as tinyllama_1b_config,
 )
+from ._host_client import HostClient as HostClient, open_host_client as open_host_client
 from ._nat import (
     Host as Host,
     Router as Router,

@@ -6,7 +6,7 @@ A :class:`Topology` is an "Internet": a bridge in a namespace of its own, on 198
 address on the Internet) and a host on a LAN of its own behind it (a /28 of 203.0.113.0/24,
 then of 192.0.2.0/24).  The router forwards the LAN out and rewrites its sources
 (``masquerade``), and drops what comes in unasked (a home router's filter: only replies to what
-the LAN sent pass).  Two kinds of mapping:
+the LAN sent pass; nothing unasked reaches the router itself either).  Two kinds of mapping:
 
 - ``"cone"``: Linux's default masquerade keeps a host's source port toward every destination
   (endpoint-independent mapping), as most home routers do; what comes in must answer what went
@@ -147,6 +147,21 @@ class Topology:
         self.hosts[name] = host
         return host
 
+    def forward_port(self, name: str, port: int) -> None:
+        """Forward UDP ``port`` of router ``name``'s WAN address to the same port of the host
+        behind it (what a user sets up in a home router's page)."""
+        router, host = self.routers[name], self.hosts[name]
+        rules = f"""
+table ip nat {{
+    chain prerouting {{
+        type nat hook prerouting priority dstnat; policy accept;
+        iifname "wan" udp dport {port} dnat to {host.address}:{port}
+    }}
+}}
+insert rule ip filter forward iifname "wan" ct status dnat accept
+"""
+        _run(router.command("nft", "-f", "-"), stdin=rules)
+
     def interface_bytes(self, host: Host, interface: str = "eth0") -> tuple[int, int]:
         """Bytes received and sent on a host's interface so far."""
         counts = []
@@ -204,6 +219,11 @@ table ip filter {{
         type filter hook forward priority filter; policy drop;
         ct state established,related accept
         iifname "lan" oifname "wan" accept
+    }}
+    chain input {{
+        type filter hook input priority filter; policy drop;
+        ct state established,related accept
+        iifname {{ "lo", "lan" }} accept
     }}
 }}
 """

@@ -21,6 +21,7 @@ import attrs
 import trio
 
 from .._groups import raising_single_error
+from ._nat import Host
 
 __all__ = ["LocalSwarm", "SwarmProcess", "fixed_server_args", "open_local_swarm"]
 
@@ -56,10 +57,31 @@ class SwarmProcess:
     process: trio.Process
     address: str
     output: list[str]
+    _line: trio.Event = attrs.Factory(trio.Event)
+    _ended: bool = False
 
     @property
     def alive(self) -> bool:
         return self.process.returncode is None
+
+    async def wait_output(self, text: str, *, start: int = 0) -> str:
+        """The first line of its output (from line ``start`` on) that contains ``text``, once
+        one does; ``RuntimeError`` if the process ends first."""
+        while True:
+            for line in self.output[start:]:
+                if text in line:
+                    return line
+            if self._ended:
+                raise RuntimeError(
+                    f"{self.name} ended its output without printing {text!r}:\n"
+                    + "\n".join(self.output[-30:])
+                )
+            await self._line.wait()
+
+    def _on_line(self, *, ended: bool = False) -> None:
+        self._ended = self._ended or ended
+        self._line.set()
+        self._line = trio.Event()
 
     def kill(self) -> None:
         """SIGKILL: it dies at once, announcing nothing (a crash, as far as peers can tell)."""
@@ -83,29 +105,53 @@ class LocalSwarm:
     _nursery: trio.Nursery
     _env: Mapping[str, str]
     _named: int = 0
+    #: DHT nodes started beside the first (``add_bootstrap``).
+    bootstraps: list[SwarmProcess] = attrs.Factory(list)
 
     @property
     def initial_peers(self) -> list[str]:
-        return [self.bootstrap.address]
+        return [self.bootstrap.address] + [node.address for node in self.bootstraps]
 
-    async def add_server(self, model: str, args: Sequence[str] = ()) -> SwarmProcess:
-        """Start one more server (``--initial_peers`` the bootstrap node)."""
+    async def add_server(
+        self, model: str, args: Sequence[str] = (), *, host: Host | None = None
+    ) -> SwarmProcess:
+        """Start one more server (``--initial_peers`` the bootstrap nodes), on loopback, or
+        inside ``host`` (a host of a :class:`~petals_core.testing.Topology`) at its address."""
         command = [
             sys.executable,
             "-m",
             "petals_core.server",
             model,
             "--host",
-            "127.0.0.1",
+            "127.0.0.1" if host is None else host.address,
             "--initial_peers",
-            self.bootstrap.address,
+            *self.initial_peers,
             *args,
         ]
         name = f"server-{self._named}"  # taken now: servers may start concurrently
         self._named += 1
+        if host is not None:
+            command = host.command(*command)
         server = await _start(self._nursery, name, command, SERVER_READY, self._env)
         self.servers.append(server)
         return server
+
+    async def add_bootstrap(self, *, host: Host | None = None) -> SwarmProcess:
+        """Start one more DHT node, joined to the first (servers started after it list it in
+        their ``--initial_peers``, and may use it as a relay)."""
+        command = [*_dht_command(host), "--initial_peers", self.bootstrap.address]
+        node = await _start(
+            self._nursery, f"bootstrap-{len(self.bootstraps) + 1}", command, DHT_READY, self._env
+        )
+        self.bootstraps.append(node)
+        return node
+
+
+def _dht_command(host: Host | None) -> list[str]:
+    command = [sys.executable, "-m", "petals_core.dht", "--host"]
+    if host is None:
+        return [*command, "127.0.0.1"]
+    return host.command(*command, host.address)
 
 
 @asynccontextmanager
@@ -115,12 +161,14 @@ async def open_local_swarm(
     *,
     env: Mapping[str, str] | None = None,
     stop_timeout_s: float = 20.0,
+    bootstrap_host: Host | None = None,
 ) -> AsyncIterator[LocalSwarm]:
     """A bootstrap node and one server per entry of ``server_args`` (extra flags each, e.g.
     ``["--block_indices", "0:3", "--throughput", "1"]``), started one after the other.
 
     A process that exits before it is ready raises ``RuntimeError`` with the end of its output;
     bound the whole with a trio deadline (a server that hangs while loading is waited for).
+    ``bootstrap_host`` runs the bootstrap node inside that host of a topology (see ``_nat``).
     """
     full_env = {
         **os.environ,
@@ -137,11 +185,7 @@ async def open_local_swarm(
         async with trio.open_nursery() as nursery:
             try:
                 bootstrap = await _start(
-                    nursery,
-                    "bootstrap",
-                    [sys.executable, "-m", "petals_core.dht", "--host", "127.0.0.1"],
-                    DHT_READY,
-                    full_env,
+                    nursery, "bootstrap", _dht_command(bootstrap_host), DHT_READY, full_env
                 )
                 swarm = LocalSwarm(bootstrap, [], nursery, full_env)
                 for args in server_args:
@@ -153,6 +197,9 @@ async def open_local_swarm(
                     # bootstrap node.
                     async with trio.open_nursery() as stopping:
                         for process in [] if swarm is None else swarm.servers:
+                            stopping.start_soon(process.stop, stop_timeout_s)
+                    async with trio.open_nursery() as stopping:
+                        for process in [] if swarm is None else swarm.bootstraps:
                             stopping.start_soon(process.stop, stop_timeout_s)
                     if bootstrap is not None:
                         await bootstrap.stop(stop_timeout_s)
@@ -172,6 +219,7 @@ async def _start(
     output: list[str] = []
     found = trio.Event()
     address: list[str] = []
+    started = SwarmProcess(name, process, "", output)
 
     async def read() -> None:
         assert process.stdout is not None
@@ -185,6 +233,8 @@ async def _start(
                 if line.startswith(ready) and not found.is_set():
                     address.append(line[len(ready) :].strip())
                     found.set()
+            started._on_line()
+        started._on_line(ended=True)
         found.set()
 
     nursery.start_soon(read)
@@ -200,4 +250,5 @@ async def _start(
         await process.wait()
         tail = "\n".join(output[-30:])
         raise RuntimeError(f"{name} exited with {process.returncode} before it was ready:\n{tail}")
-    return SwarmProcess(name, process, address[0], output)
+    started.address = address[0]
+    return started

@@ -7,9 +7,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from collections.abc import Iterator
-
-import pytest
 
 from petals_core.testing import Host, Topology, missing_nat_tools, open_topology
 
@@ -43,15 +40,6 @@ for host in sys.argv[1:]:
         seen.append(None)
 print(json.dumps(seen))
 """
-
-
-@pytest.fixture
-def topology() -> Iterator[Topology]:
-    reason = missing_nat_tools()
-    if reason is not None:
-        missing(f"what NAT tests need ({reason})", "apt-get install -y nftables iproute2")
-    with open_topology() as topology:
-        yield topology
 
 
 def _observers(hosts: list[Host]) -> list[subprocess.Popen[str]]:
@@ -126,3 +114,19 @@ def test_nothing_is_left_behind() -> None:
         namespaces = [topology.internet, *(h.netns for h in topology.hosts.values())]
     listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert not any(name in listed for name in namespaces)
+
+
+def test_a_forwarded_port_lets_strangers_in(topology: Topology) -> None:
+    """With UDP port 7000 forwarded, a datagram from anywhere reaches the host behind the
+    router, at the router's address (from a public host that never heard from it)."""
+    outside = topology.public("outside")
+    behind = topology.behind_nat("behind", "cone")
+    topology.forward_port("behind", 7000)
+    (observer,) = _observers([behind])
+    try:
+        router = topology.routers["behind"]
+        (seen,) = _ask(outside, [Host(name="router", netns="", address=router.wan_address)])
+        assert seen == (outside.address, 40000)
+    finally:
+        observer.kill()
+        observer.wait()
