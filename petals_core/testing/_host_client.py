@@ -7,7 +7,8 @@ and drives it (:class:`HostClient`).
 ``python -m petals_core.testing._host_client '<json>'``: ``tries`` connections, each from a
 fresh node (a new socket: a new mapping in our NAT), to the server ``peer`` of the swarm of
 ``initial_peers`` and ``dht_prefix``; prints ``DONE <json>``: per try, the seconds it took and
-whether it ended direct (a punched hole) or through a relay.
+whether it ended direct (a punched hole) or through a relay; with ``pings``, that many
+round trips (``dht.ping``) through the relay and through a punched hole, in milliseconds.
 """
 
 from __future__ import annotations
@@ -112,7 +113,30 @@ async def _punch(settings: dict[str, Any]) -> None:
                     )
                     continue
                 tries.append({"seconds": None, "direct": False})
-        print(f"DONE {json.dumps({'addresses': [str(a) for a in addresses], 'tries': tries})}")
+        report: dict[str, Any] = {"addresses": [str(a) for a in addresses], "tries": tries}
+        if settings.get("pings"):
+            report["rtt_ms"] = {
+                "relayed": await _round_trips(addresses, settings["pings"], punch=False),
+                "direct": await _round_trips(addresses, settings["pings"], punch=True),
+            }
+        print(f"DONE {json.dumps(report)}")
+
+
+async def _round_trips(addresses: list[Any], count: int, *, punch: bool) -> list[float]:
+    """Milliseconds of ``count`` pings to the peer, through its relay or a punched hole."""
+    from petals_core.transport import TransportConfig, call_unary, open_node
+
+    config = TransportConfig(hole_punch_timeout_s=2.0 if punch else None)
+    async with open_node(host="0.0.0.0", config=config) as node:
+        connection = await node.connect_any(addresses)
+        if (connection.relay is None) != punch:
+            raise RuntimeError(f"wanted {'direct' if punch else 'relayed'}, got the other")
+        rtts = []
+        for _ in range(count):
+            began = time.perf_counter()
+            await call_unary(connection, "dht.ping", {"client": True})
+            rtts.append((time.perf_counter() - began) * 1e3)
+        return rtts
 
 
 def main() -> None:
