@@ -1,18 +1,19 @@
 """``python -m bench gpu``: everything that runs on a GPU, measured within one 10-minute command.
 
-On one H100 the default run takes at most 7.5 minutes, server starts included.  Each phase runs
-in a process of its own under a time limit: a phase that fails, hangs or breaks the GPU's
+On one H100 the default run takes at most 8 minutes, server starts included.  Each phase runs in
+a process of its own under a time limit: a phase that fails, hangs or breaks the GPU's
 context costs that phase alone.  A phase records what it measures as it goes into ``gpu.json``
 (under ``bench/results``, or the folder ``$BENCH_RESULTS`` names), and one killed at its limit
 keeps what it recorded.  The phases, in order, with their limits in seconds:
 
-1. **tests** (90): the tests marked ``cuda`` (skipped in CPU runs) with compiled Triton kernels:
+1. **tests** (150): the tests marked ``cuda`` (skipped in CPU runs) with compiled Triton kernels:
    decode graphs against the eager path (every family, captured at load too), a client on the
-   GPU, quantised blocks against bf16, each test at most 30 s.  Judged: every test passes.
+   GPU, quantised blocks against bf16; each file in a pytest process of its own (at most 75 s,
+   each test at most 30 s), its cases recorded as it ends.  Judged: every test passes.
 2. **kernels** (60): :mod:`bench.kernels_cuda`: each kernel's parity, each row naming the path
    that ran and each path forced once; decode attention eagerly and replayed from a CUDA graph
    against SDPA; the row-table kernel's splits and tiles; prefill.
-3. **swarm-llama** (110), **swarm-bloom** (80): :mod:`bench._gpu_swarm`, one family each: fp32
+3. **swarm-llama** (90), **swarm-bloom** (70): :mod:`bench._gpu_swarm`, one family each: fp32
    parity with transformers, bf16 decode and prefill beside transformers' eager model, 1, 8 and
    32 concurrent sessions (each level warmed untimed first), the servers' memory and graphs.
 4. **transport** (25): :mod:`bench.transport`'s quick sizes, QUIC against trio TCP on this host.
@@ -41,6 +42,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import traceback
 import xml.etree.ElementTree as ElementTree
@@ -60,10 +62,10 @@ DEFAULT_FAMILIES = ("llama", "bloom")
 DEFAULT_VARIANTS = ("fp32", "bf16")
 #: Each phase's limit in seconds on a GPU (a family's swarm phase: its own).
 LIMITS_S = {
-    "tests": 90.0,
+    "tests": 150.0,
     "kernels": 60.0,
-    "swarm-llama": 110.0,
-    "swarm-bloom": 80.0,
+    "swarm-llama": 90.0,
+    "swarm-bloom": 70.0,
     "swarm-falcon": 110.0,
     "swarm-mixtral": 110.0,
     "transport": 25.0,
@@ -75,6 +77,9 @@ DRY_LIMITS_S = {name: 120.0 for name in LIMITS_S}
 GRACE_S = 10.0
 #: A CUDA test running longer fails (pytest-timeout), and the others go on.
 TEST_TIMEOUT_S = 30
+#: A file of CUDA tests running longer is killed, and the next file runs.
+FILE_LIMIT_S = 75.0
+DRY_FILE_LIMIT_S = 110.0
 CONCURRENCY = (1, 8, 32)
 DRY_CONCURRENCY = (1, 4)
 ATTENTION_BATCHES = (1, 8)
@@ -366,32 +371,55 @@ def _child(plan: Plan, store: Store, phase: str) -> None:
 
 def _tests(plan: Plan, record: Callable[[dict[str, Any]], None]) -> None:
     # Every test marked ``cuda``; only the files that hold one are collected, which keeps the
-    # CPU parity tests (they select Triton's interpreter for the whole process) out.
+    # CPU parity tests (they select Triton's interpreter for the whole process) out.  Each file
+    # runs in a pytest process of its own under FILE_LIMIT_S, and its cases are recorded when it
+    # ends: a file that hangs (a wait in C that pytest-timeout's signal cannot interrupt) costs
+    # itself alone, and faulthandler prints every thread's stack into the log before it is killed.
     files = sorted(
         str(path.relative_to(ROOT))
         for path in ROOT.glob("tests/**/test_*.py")
         if "pytest.mark.cuda" in path.read_text()
     )
-    # The report lands beside gpu.json (it comes back from a lent machine), pytest's output in
-    # the log as it goes: a phase cut short still shows which test it was in.
-    junit = _report.RESULTS / ("gpu-tests-dry-run.xml" if plan.dry else "gpu-tests.xml")
-    junit.unlink(missing_ok=True)
     env = {**os.environ, "OMP_NUM_THREADS": "1" if plan.dry else "4"}
     if not plan.dry:
         env["TRITON_INTERPRET"] = "0"
-    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "cuda",
-               f"--junitxml={junit}", "--durations=15", *files]  # fmt: skip
-    if importlib.util.find_spec("pytest_timeout") is not None:
-        command[4:4] = ["--timeout", str(TEST_TIMEOUT_S)]  # a hung test fails, alone
-    record({"files": files, "running": True})
-    process = subprocess.run(command, cwd=ROOT, env=env)
-    cases = _junit_cases(junit) if junit.exists() else []
+    limit = DRY_FILE_LIMIT_S if plan.dry else FILE_LIMIT_S
+    cases: list[dict[str, Any]] = []
+    codes: list[int] = []
+    record({"files": files, "running": True, "cases": cases})
+    with tempfile.TemporaryDirectory() as folder:
+        for file in files:
+            junit = Path(folder) / "report.xml"
+            junit.unlink(missing_ok=True)
+            command = [sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider",
+                       "-m", "cuda", f"--junitxml={junit}", "--durations=5",
+                       "-o", f"faulthandler_timeout={TEST_TIMEOUT_S + 5}", file]  # fmt: skip
+            if importlib.util.find_spec("pytest_timeout") is not None:
+                command[4:4] = ["--timeout", str(TEST_TIMEOUT_S)]  # a hung test fails, alone
+            print(f"-- {file} (at most {limit:.0f} s)", flush=True)
+            process = subprocess.Popen(command, cwd=ROOT, env=env, start_new_session=True)
+            try:
+                codes.append(process.wait(timeout=limit))
+            except subprocess.TimeoutExpired:
+                codes.append(-int(signal.SIGKILL))
+                cases.append(
+                    {"test": file, "outcome": "error", "message": f"killed after {limit:.0f} s"}
+                )
+            _end_group(process)
+            if junit.exists():
+                cases.extend(_junit_cases(junit))
+            record({"cases": cases, "exit_codes": dict(zip(files, codes, strict=False))})
     counts = {o: sum(c["outcome"] == o for c in cases) for o in ("passed", "failed", "error")}
     counts["skipped"] = sum(c["outcome"] == "skipped" for c in cases)
-    record({"running": False, "exit_code": process.returncode, "counts": counts, "cases": cases})
+    # pytest exits 5 when a file's cuda tests were all deselected: not a failure.
+    code = max((c for c in codes if c not in (0, 5)), key=abs, default=0)
+    record({"running": False, "exit_code": code, "counts": counts, "cases": cases})
     print_table("CUDA tests", ["files", "passed", "failed", "errors", "skipped"],
                 [[len(files), counts["passed"], counts["failed"], counts["error"],
                   counts["skipped"]]])  # fmt: skip
+    for case in cases:
+        if case["outcome"] in ("failed", "error"):
+            print(f"{case['outcome'].upper()} {case['test']}: {case['message']}")
 
 
 def _junit_cases(junit: Path) -> list[dict[str, Any]]:

@@ -103,6 +103,10 @@ class InProcessSwarm:
             "host": "127.0.0.1",
             "throughput": 1.0,
             "torch_dtype": "float32",
+            # On the CPU on a CUDA machine too: a client's backward on the GPU holds torch's CUDA
+            # autograd thread while it waits for the server, whose own backward on the GPU in the
+            # same process would queue behind it.
+            "device": "cpu",
             "quant_type": "none",  # the tests compare with unquantised models, on CUDA too
             "cache_dir": str(self._cache_dir / name),
         }

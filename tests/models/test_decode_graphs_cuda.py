@@ -81,7 +81,8 @@ def _sessions(blocks: list[Block], specs: list[tuple[int, int, int]]) -> list[li
     sessions = []
     for batch, max_length, filled in specs:
         caches = [block.allocate_cache(batch, max_length) for block in blocks]
-        dtype = next(blocks[0].parameters()).dtype
+        # Quantised layers hold their weights in integers: the norms keep the compute dtype.
+        dtype = next(p.dtype for p in blocks[0].parameters() if p.is_floating_point())
         x = torch.randn(batch, filled, HIDDEN, device="cuda", dtype=dtype)
         with torch.inference_mode():
             for block, cache in zip(blocks, caches, strict=True):
