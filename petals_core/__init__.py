@@ -22,6 +22,7 @@ from ._errors import (
     PeerUnreachable as PeerUnreachable,
     PetalsError as PetalsError,
     ProtocolError as ProtocolError,
+    ReceiptError as ReceiptError,
     RemoteError as RemoteError,
     RemoteProtocolError as RemoteProtocolError,
     ServerError as ServerError,

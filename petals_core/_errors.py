@@ -126,3 +126,8 @@ class ServerError(PetalsError):
 
 class AllocationFailed(ServerError):
     """The attention cache cannot hold what a session asks for, now or within its timeout."""
+
+
+class ReceiptError(ServerError):
+    """A server's answer came without a valid signature of its receipt: missing, made with
+    another key than the server's, or over something else than what was asked and answered."""

@@ -26,6 +26,7 @@ import trio
 
 from .._errors import CodecError, PetalsError
 from .._groups import raising_single_error
+from ..dht import ServerInfo
 from ..protocol import (
     BACKWARD,
     FORWARD,
@@ -33,11 +34,15 @@ from ..protocol import (
     BackwardRequest,
     ForwardReply,
     ForwardRequest,
+    Receipt,
+    Signature,
+    digest_tensors,
     receive_tensors,
     send_tensors,
 )
-from ..routing import RemoteSequenceManager, RouteSpan
-from ..transport import compress_floats, open_call
+from ..routing import MissingBlocksError, RemoteSequenceManager, RouteSpan
+from ..transport import as_received, compress_floats, open_call
+from ._checks import agree, check_receipt, disagreement, tolerance
 from ._inference import RETRIABLE
 from ._placement import like, to_wire
 
@@ -86,6 +91,33 @@ def _parse_reply(
         return parse(meta, tensors)
     except CodecError as exc:
         raise PetalsError(f"server {span.peer_id} returned a malformed {what}: {exc}") from None
+
+
+def _check_receipt(
+    manager: RemoteSequenceManager,
+    span: RouteSpan,
+    request: ForwardRequest | BackwardRequest,
+    answered: dict[str, torch.Tensor | None],
+    signature: Signature | None,
+) -> Receipt:
+    """The receipt of ``span``'s answer, once its signature checks (else :class:`ReceiptError`):
+    over what we sent as the server decoded it, and what we received."""
+    scheme = manager.config.compression
+    asked = {
+        name: None if tensor is None else as_received(tensor, scheme)
+        for name, tensor in request.to_wire()[1].items()
+    }
+    assert manager.config.dht_prefix is not None
+    receipt = Receipt(
+        kind="forward" if isinstance(request, ForwardRequest) else "backward",
+        model=manager.config.dht_prefix,
+        blocks=(span.start, span.end),
+        adapter=request.active_adapter,
+        asked=digest_tensors(asked),
+        answered=digest_tensors(answered),
+    )
+    check_receipt(receipt, signature, span.peer_id)
+    return receipt
 
 
 def _prompts_for(
@@ -154,6 +186,9 @@ async def _forward_span(
         reply = _parse_reply(ForwardReply.from_wire_untrusted, span, "forward", meta, tensors)
         if reply.hidden_states.shape != hidden.shape:
             raise PetalsError(f"server {span.peer_id} returned a forward of the wrong shape")
+        _check_receipt(
+            manager, span, request, {"hidden_states": reply.hidden_states}, reply.receipt
+        )
     except RETRIABLE as exc:
         exc._petals_peer = span.peer_id  # type: ignore[union-attr]
         raise
@@ -185,7 +220,12 @@ async def _forward_blocks(
         try:
             for span in route:
                 output, token = await _forward_span(manager, span, x, prompts, keep)
-                saved.append((span, x, token))
+                entries: Saved = [(span, x, token)]
+                if manager.should_verify(span.peer_id):
+                    output, entries = await _verify_forward(
+                        manager, span, x, prompts, output, entries, keep
+                    )
+                saved.extend(entries)
                 x = output
                 block = span.end
         except RETRIABLE as exc:
@@ -199,6 +239,92 @@ async def _forward_blocks(
             logger.warning("forward through blocks %d:%d failed: %r; rerouting", block, end, exc)
             await trio.sleep(manager.retry_delay(attempt[0]))
     return x, saved
+
+
+async def _recompute(
+    manager: RemoteSequenceManager,
+    span: RouteSpan,
+    hidden: torch.Tensor,
+    prompts: torch.Tensor | None,
+    keep: bool,
+    exclude: set[str],
+    like: ServerInfo | None,
+) -> tuple[torch.Tensor, Saved]:
+    """``span``'s blocks on ``hidden`` through other servers (not ``exclude``; of ``like``'s
+    dtype and quantisation), unchecked."""
+    route = await manager.make_sequence(
+        span.start, span.end, mode="max_throughput", exclude=exclude, like=like, wait=False
+    )
+    saved: Saved = []
+    x = hidden
+    for other in route:
+        output, token = await _forward_span(manager, other, x, prompts, keep)
+        saved.append((other, x, token))
+        x = output
+    return x, saved
+
+
+async def _verify_forward(
+    manager: RemoteSequenceManager,
+    span: RouteSpan,
+    hidden: torch.Tensor,
+    prompts: torch.Tensor | None,
+    output: torch.Tensor,
+    entries: Saved,
+    keep: bool,
+) -> tuple[torch.Tensor, Saved]:
+    """Check ``span``'s answer (``output``) against other servers holding its blocks: the answer
+    to use and what to keep for the backward.  Another server recomputes it; if they disagree, a
+    third decides, and the server in the minority is caught (never used again).  Where no other
+    server can recompute it, the answer stands unchecked."""
+    info = manager.server_info(span.peer_id)
+    bound = tolerance(info)
+    exclude = {span.peer_id}
+    try:
+        second, second_saved = await _recompute(manager, span, hidden, prompts, keep, exclude, info)
+    except (MissingBlocksError, *RETRIABLE) as exc:
+        logger.info(
+            "could not check %s on blocks %d:%d: %r", span.peer_id, span.start, span.end, exc
+        )
+        return output, entries
+    checkers = {other.peer_id for other, _, _ in second_saved}
+    if agree(output, second, bound):
+        for peer in {span.peer_id} | checkers:
+            manager.on_verified(peer)
+        return output, entries
+    try:
+        third, third_saved = await _recompute(
+            manager, span, hidden, prompts, keep, exclude | checkers, info
+        )
+    except (MissingBlocksError, *RETRIABLE) as exc:
+        raise PetalsError(
+            f"servers {span.peer_id} and {', '.join(sorted(checkers))} computed blocks "
+            f"{span.start}:{span.end} differently (relative difference "
+            f"{disagreement(output, second):.3g}, bound {bound:.3g}) and no third server could "
+            f"decide: {exc!r}"
+        ) from exc
+    with_first, with_second = agree(third, output, bound), agree(third, second, bound)
+    if with_second and not with_first:
+        manager.on_caught(
+            span.peer_id,
+            f"blocks {span.start}:{span.end} off by {disagreement(output, second):.3g} "
+            f"(bound {bound:.3g}) against two other servers",
+        )
+        return second, second_saved
+    if with_first and not with_second:
+        if len(second_saved) == 1:
+            manager.on_caught(
+                second_saved[0][0].peer_id,
+                f"blocks {span.start}:{span.end} off by {disagreement(output, second):.3g} "
+                f"(bound {bound:.3g}) against two other servers",
+            )
+        manager.on_verified(span.peer_id)
+        return output, entries
+    raise PetalsError(
+        f"servers disagree on blocks {span.start}:{span.end} and no majority decides "
+        f"({span.peer_id}; {', '.join(sorted(checkers))}; "
+        f"{', '.join(sorted(s.peer_id for s, _, _ in third_saved))})"
+    )
 
 
 async def remote_forward(
@@ -304,6 +430,7 @@ async def _backward_chunk(
             reply = _parse_reply(BackwardReply.from_wire_untrusted, span, "backward", meta, tensors)
             if reply.grad_inputs.shape != inputs.shape:
                 raise PetalsError(f"server {span.peer_id} returned a backward of the wrong shape")
+            _check_receipt(manager, span, request, reply.tensors(), reply.receipt)
         except RETRIABLE as exc:
             await _failed_attempt(
                 manager,

@@ -38,6 +38,12 @@ from ._inference import (
     StepResult as StepResult,
 )
 from ._info import INFO as INFO, InfoReply as InfoReply, InfoRequest as InfoRequest
+from ._receipts import (
+    Receipt as Receipt,
+    ReceiptKind as ReceiptKind,
+    Signature as Signature,
+    digest_tensors as digest_tensors,
+)
 from ._training import (
     BACKWARD as BACKWARD,
     FORWARD as FORWARD,

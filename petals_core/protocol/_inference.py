@@ -79,7 +79,8 @@ class OpenSession(WireMessage):
     alloc_timeout: float = attrs.field(default=0.0, converter=to_float)
     #: The adapter the blocks run with (an empty name means none).
     active_adapter: str | None = attrs.field(default=None, converter=no_empty_adapter)
-    #: What the client offers for priority among requests.
+    #: What the client offers for priority among requests; servers ignore it (nobody can check
+    #: it), as Petals' do.
     points: float = attrs.field(default=0.0, converter=to_float)
     #: Per row, how many leading positions are padding, hidden from the row's real tokens.
     left_padding: tuple[int, ...] | None = attrs.field(default=None, converter=as_tuple)

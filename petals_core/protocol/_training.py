@@ -18,6 +18,7 @@ import attrs
 import torch
 
 from .._errors import LocalProtocolError
+from ._receipts import Signature, as_signature
 from ._wire import (
     TENSOR_DTYPES,
     TENSOR_EQ,
@@ -59,7 +60,8 @@ class _Pass(WireTransfer):
     prompts: torch.Tensor | None = attrs.field(default=None, eq=TENSOR_EQ, hash=False)
     #: The adapter the blocks run with (an empty name means none).
     active_adapter: str | None = attrs.field(default=None, converter=no_empty_adapter)
-    #: What the client offers for priority among requests.
+    #: What the client offers for priority among requests; servers ignore it (nobody can check
+    #: it), as Petals' do.
     points: float = attrs.field(default=0.0, converter=to_float)
 
     def __attrs_post_init__(self) -> None:
@@ -109,13 +111,16 @@ class ForwardReply(WireTransfer):
 
     hidden_states: torch.Tensor = attrs.field(eq=TENSOR_EQ, hash=False)
     kept: str | None = None
+    #: The server's signature of its receipt (``_receipts``).
+    receipt: Signature | None = attrs.field(default=None, converter=as_signature)
 
     def __attrs_post_init__(self) -> None:
         check_hidden("hidden_states", self.hidden_states)
         _check_token(self.kept)
 
     def to_wire(self) -> tuple[dict[str, Any], Tensors]:
-        return present(kept=self.kept), {"hidden_states": self.hidden_states}
+        meta = present(kept=self.kept, receipt=self.receipt and self.receipt.to_wire())
+        return meta, {"hidden_states": self.hidden_states}
 
 
 @attrs.frozen(kw_only=True)
@@ -154,13 +159,20 @@ class BackwardReply(WireTransfer):
 
     grad_inputs: torch.Tensor = attrs.field(eq=TENSOR_EQ, hash=False)
     grad_prompts: torch.Tensor | None = attrs.field(default=None, eq=TENSOR_EQ, hash=False)
+    #: The server's signature of its receipt (``_receipts``).
+    receipt: Signature | None = attrs.field(default=None, converter=as_signature)
 
     def __attrs_post_init__(self) -> None:
         check_hidden("grad_inputs", self.grad_inputs)
         check_prompts("grad_prompts", self.grad_prompts)
 
     def to_wire(self) -> tuple[dict[str, Any], Tensors]:
-        return {}, {"grad_inputs": self.grad_inputs, "grad_prompts": self.grad_prompts}
+        meta = present(receipt=self.receipt and self.receipt.to_wire())
+        return meta, {"grad_inputs": self.grad_inputs, "grad_prompts": self.grad_prompts}
+
+    def tensors(self) -> Tensors:
+        """What the receipt's ``answered`` digest covers."""
+        return self.to_wire()[1]
 
 
 def _check_token(token: object) -> None:

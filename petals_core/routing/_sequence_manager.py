@@ -25,7 +25,7 @@ from __future__ import annotations
 import logging
 import random
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from typing import Any, Literal
 
 import attrs
@@ -82,7 +82,11 @@ class SequenceManagerConfig:
     ``compression`` (None, ``"float16"``, ``"blockwise8"``): how the activations and
     gradients this client sends travel (servers choose for their answers).  ``host``: where the
     client's node listens; None picks loopback when every initial peer is on loopback, else every
-    interface (a socket on loopback cannot reach other machines).
+    interface (a socket on loopback cannot reach other machines).  ``verify``: which answers of
+    forward passes another server recomputes to check them: ``"sample"`` (each server's first
+    ``verify_first`` answers, then a ``verify_share`` of them at random), ``"all"`` or
+    ``"none"``; a server caught answering wrongly is never used again, and the right answer is
+    used in its place.
     """
 
     initial_peers: tuple[str, ...] = attrs.field(default=(), converter=tuple)
@@ -105,12 +109,23 @@ class SequenceManagerConfig:
     min_step_timeout_s: float = attrs.field(default=5.0, validator=positive)
     compression: str | None = attrs.field(default=None, converter=compression_scheme)
     host: str | None = None
+    verify: Literal["sample", "all", "none"] = attrs.field(default="sample")
+    verify_first: int = attrs.field(default=2)
+    verify_share: float = attrs.field(default=0.05)
 
     def __attrs_post_init__(self) -> None:
         if self.max_retries is not None and self.max_retries < 0:
             raise ConfigError(f"max_retries must be >= 0 or None, got {self.max_retries}")
         if self.min_backoff_s > self.max_backoff_s:
             raise ConfigError("min_backoff_s must not exceed max_backoff_s")
+        if self.verify not in ("sample", "all", "none"):
+            raise ConfigError(f"verify must be 'sample', 'all' or 'none', got {self.verify!r}")
+        if isinstance(self.verify_first, bool) or not isinstance(self.verify_first, int):
+            raise ConfigError(f"verify_first must be an integer, got {self.verify_first!r}")
+        if self.verify_first < 0:
+            raise ConfigError(f"verify_first must be >= 0, got {self.verify_first}")
+        if not 0.0 <= self.verify_share <= 1.0:
+            raise ConfigError(f"verify_share must be within [0, 1], got {self.verify_share!r}")
 
 
 @attrs.define(eq=False)
@@ -138,6 +153,10 @@ class SequenceManagerState:
     loop_token: trio.lowlevel.TrioToken | None = None
     #: Measured forward speed per server: token-blocks per second (a moving average).
     measured_rps: dict[str, float] = attrs.field(factory=dict)
+    #: Servers caught answering wrongly, and how: never routed through again.
+    caught: dict[str, str] = attrs.field(factory=dict)
+    #: Per server, how many of its answers were checked and agreed.
+    verified: dict[str, int] = attrs.field(factory=dict)
 
 
 class RemoteSequenceManager:
@@ -283,7 +302,8 @@ class RemoteSequenceManager:
         # An expired ban stops applying but is remembered (its count doubles the next one) until
         # a request through that server succeeds.
         now = time.monotonic()
-        return {peer for peer, ban in self.state.bans.items() if ban.until > now}
+        banned = {peer for peer, ban in self.state.bans.items() if ban.until > now}
+        return banned | self.state.caught.keys()
 
     def _servers_seen(self) -> tuple[str, ...]:
         """Each server of the peer table: its span, and why it is not used if it is not."""
@@ -293,6 +313,8 @@ class RemoteSequenceManager:
         for peer, info in sorted(self._announced().items()):
             if info.state is not ServerState.ONLINE:
                 status = info.state.name.lower()
+            elif peer in self.state.caught:
+                status = f"caught answering wrongly ({self.state.caught[peer]})"
             elif peer in banned:
                 status = "banned after failing"
             elif peer in config.blocked_servers:
@@ -313,19 +335,31 @@ class RemoteSequenceManager:
         *,
         mode: Literal["min_latency", "max_throughput"] = "min_latency",
         cache_tokens_needed: int = 0,
+        exclude: Collection[str] = (),
+        like: ServerInfo | None = None,
+        wait: bool = True,
     ) -> list[RouteSpan]:
         """A route over ``[start, end)`` (default: this manager's blocks).
 
-        Waits (up to ``missing_blocks_timeout_s``) until the peer table holds servers for every
-        block; then raises :class:`MissingBlocksError` naming the blocks nobody serves and the
-        servers seen.
+        Waits (up to ``missing_blocks_timeout_s``; not at all if not ``wait``) until the peer
+        table holds servers for every block; then raises :class:`MissingBlocksError` naming the
+        blocks nobody serves and the servers seen.  ``exclude``: servers not to use; ``like``:
+        only servers of its dtype and quantisation.
         """
         start = self.block_indices.start if start is None else start
         end = self.block_indices.stop if end is None else end
         topic = self._topic()
 
         def plan() -> list[RouteSpan]:
-            servers = self.servers()
+            servers = {
+                peer: info
+                for peer, info in self.servers().items()
+                if peer not in exclude
+                and (
+                    like is None
+                    or (info.torch_dtype, info.quant_type) == (like.torch_dtype, like.quant_type)
+                )
+            }
             if mode == "min_latency":
                 return make_route_min_latency(
                     servers,
@@ -337,7 +371,7 @@ class RemoteSequenceManager:
             return make_route_max_throughput(servers, start, end, rng=self._rng)
 
         route: list[RouteSpan] | None = None
-        with trio.move_on_after(self.config.missing_blocks_timeout_s):
+        with trio.move_on_after(self.config.missing_blocks_timeout_s if wait else 0):
             while route is None:
                 try:
                     route = plan()
@@ -468,6 +502,29 @@ class RemoteSequenceManager:
     def _relayed(self, peer: str) -> bool:
         topic = self.state.topic
         return topic is not None and any(a.is_relayed for a in topic.addresses_of(peer))
+
+    def should_verify(self, peer: str) -> bool:
+        """Whether to check this answer of ``peer`` (``verify``: every answer, none, or a
+        server's first ``verify_first`` answers and then a ``verify_share`` of them at random)."""
+        if self.config.verify != "sample":
+            return self.config.verify == "all"
+        if self.state.verified.get(peer, 0) < self.config.verify_first:
+            return True
+        return self._rng.random() < self.config.verify_share
+
+    def on_verified(self, peer: str) -> None:
+        """One more answer of ``peer`` checked and found right."""
+        self.state.verified[peer] = self.state.verified.get(peer, 0) + 1
+
+    def on_caught(self, peer: str, reason: str) -> None:
+        """``peer`` answered wrongly: no route of this client goes through it again."""
+        self.state.caught[peer] = reason
+        self.state.pings.pop(peer, None)
+        logger.warning("server %s answered wrongly (%s): it is no longer used", peer, reason)
+
+    def server_info(self, peer: str) -> ServerInfo | None:
+        """``peer``'s announcement (of its lowest block), if the peer table holds it."""
+        return self._announced().get(peer)
 
     def on_request_success(self, peer: str) -> None:
         self.state.bans.pop(peer, None)

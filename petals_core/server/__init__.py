@@ -4,8 +4,9 @@ Run it as ``python -m petals_core.server MODEL [options]``.  Its parts:
 
 - :class:`MemoryCache`: the attention-cache byte budget that sessions allocate from, waiting up
   to their timeout;
-- :func:`open_task_pool`: compute off the event loop, inference steps first, then by client
-  points and arrival, with single-token steps of concurrent sessions batched together;
+- :func:`open_task_pool`: compute off the event loop, inference steps first, then by arrival
+  (never by the points a client claims), with single-token steps of concurrent sessions batched
+  together;
 - :class:`BlockBackend` / :class:`BlockServer`: the blocks and the RPCs over them (sessions,
   forward, backward, info; the messages are :mod:`petals_core.protocol`'s);
 - :func:`open_server`: the whole life of a server in the swarm (:class:`ServerConfig`);

@@ -33,7 +33,7 @@ from ..protocol import (
     InfoReply,
     InfoRequest,
 )
-from ..transport import Connection, Handlers, ServerCall
+from ..transport import Connection, Handlers, Identity, ServerCall
 from ._backend import BlockBackend
 from ._inference import InferenceHandlers
 from ._memory_cache import MemoryCache
@@ -146,6 +146,10 @@ class BlockServer:
         self._inference.connect_peer = connect_peer
 
     # -- life cycle ------------------------------------------------------------------------------
+
+    def sign_as(self, identity: Identity, model: str) -> None:
+        """Sign every answer's receipt with ``identity``, naming ``model`` (its DHT prefix)."""
+        self._serving.sign_as(identity, model)
 
     def attach(self, backend: BlockBackend, pool: TaskPool, cache: MemoryCache) -> None:
         self._serving.attach(backend, pool, cache)

@@ -90,7 +90,6 @@ class _Session:
     batch: int
     max_length: int
     adapter: str | None
-    points: float
     caches: list[KVCache]
     scope: trio.CancelScope
     #: Positions and step ids: what each step does (see SessionState).
@@ -150,7 +149,6 @@ class InferenceHandlers:
             caches = await pool.run(
                 lambda: backend.allocate_caches(start, end, batch, max_length, padding=padding),
                 priority=Priority.INFERENCE,
-                points=opening.points,
             )
             # Checked again with no await before the session is registered: another opening
             # with the same id (or of the same peer) may have registered while we waited.
@@ -165,7 +163,6 @@ class InferenceHandlers:
                 batch=batch,
                 max_length=max_length,
                 adapter=opening.active_adapter,
-                points=opening.points,
                 caches=caches,
                 scope=trio.CancelScope(),
                 state=SessionState(batch=batch, max_length=max_length),
@@ -297,7 +294,7 @@ class InferenceHandlers:
                 for cache in session.caches:
                     cache.reorder(reorder)
 
-            await pool.run(reorder_all, priority=Priority.INFERENCE, points=session.points)
+            await pool.run(reorder_all, priority=Priority.INFERENCE)
         if tokens == 0:
             return hidden
         chunk = max(1, self.limits.max_batch_tokens // session.batch)
@@ -316,7 +313,6 @@ class InferenceHandlers:
                 (hidden, session.caches),
                 run_batch,
                 priority=Priority.INFERENCE,
-                points=session.points,
                 size=session.batch * tokens,
             )
         outputs = []
@@ -337,7 +333,6 @@ class InferenceHandlers:
                         adapter=session.adapter,
                     ),
                     priority=Priority.INFERENCE,
-                    points=session.points,
                     cost_key=(
                         "chunk",
                         session.start,

@@ -675,6 +675,7 @@ async def open_server(
             return await node.connect_any(addresses)
 
         block_server.connect_peer = connect_peer
+        block_server.sign_as(node.identity, model_config.dht_prefix or model)
         server = Server(config, model_config, model, dht, topic, block_server, defaults, rng)
         if config.check_reachability and config.initial_peers:
             server.reach = Reach(

@@ -4,11 +4,15 @@ a request against the blocks this server holds."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Final
 
+import torch
 import trio
 
 from .._errors import CodecError, ServerError
+from ..protocol import Receipt, ReceiptKind, Signature, digest_tensors
+from ..transport import Identity, as_received
 from ._backend import BlockBackend
 from ._memory_cache import MemoryCache
 from ._task_pool import TaskPool
@@ -31,6 +35,8 @@ COUNTERS: Final = (
     "kept_backwards",
     "failures",
 )
+#: Tensors of more bytes than this are hashed for a receipt in a worker thread.
+_HASH_INLINE_BYTES: Final = 1 << 20
 
 
 class Serving:
@@ -43,6 +49,9 @@ class Serving:
         self.pool: TaskPool | None = None
         self.cache: MemoryCache | None = None
         self.refusing: str | None = "the server is still loading its blocks"
+        #: Who signs the receipts of answers, and the model they name (see :meth:`sign_as`).
+        self.signer: Identity | None = None
+        self.model = ""
         self.counts = dict.fromkeys(COUNTERS, 0)
         #: Set (and dropped) at the next count; made by a waiter.
         self._counted: trio.Event | None = None
@@ -62,6 +71,50 @@ class Serving:
             raise ServerError(self.refusing or "the server is not serving")
         assert self.pool is not None and self.cache is not None
         return self.backend, self.pool, self.cache
+
+    def sign_as(self, identity: Identity, model: str) -> None:
+        self.signer, self.model = identity, model
+
+    async def receipt(
+        self,
+        kind: ReceiptKind,
+        blocks: tuple[int, int],
+        adapter: str | None,
+        asked: Mapping[str, torch.Tensor | None],
+        answered: Mapping[str, torch.Tensor | None],
+        *,
+        session: str | None = None,
+        step: int | None = None,
+    ) -> Signature | None:
+        """The signature of this answer's receipt (None until :meth:`sign_as`).  ``answered`` as
+        the client will decode it (after this server's compression); large tensors are hashed
+        off the event loop."""
+        if self.signer is None:
+            return None
+        scheme = self.limits.compression
+        sent = {name: None if t is None else as_received(t, scheme) for name, t in answered.items()}
+
+        def digests() -> tuple[bytes, bytes]:
+            return digest_tensors(asked), digest_tensors(sent)
+
+        nbytes = sum(
+            t.numel() * t.element_size() for t in (*asked.values(), *sent.values()) if t is not None
+        )
+        if nbytes > _HASH_INLINE_BYTES:
+            asked_digest, answered_digest = await trio.to_thread.run_sync(digests)
+        else:
+            asked_digest, answered_digest = digests()
+        receipt = Receipt(
+            kind=kind,
+            model=self.model,
+            blocks=blocks,
+            adapter=adapter,
+            session=session,
+            step=step,
+            asked=asked_digest,
+            answered=answered_digest,
+        )
+        return receipt.sign(self.signer)
 
     def count(self, name: str) -> None:
         self.counts[name] += 1

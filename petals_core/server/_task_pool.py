@@ -2,8 +2,9 @@
 
 Transformer blocks run as ordinary blocking (torch) calls.  They must not run on the trio event
 loop, which has to keep moving packets, so :class:`TaskPool` hands them to threads, in order of
-``(priority, -points, arrival)``: smaller :class:`Priority` first, then more points (what the
-client offers to pay), then first come.
+``(priority, arrival)``: smaller :class:`Priority` first, then first come.  The ``points`` that a
+request carries are what its sender claims and nobody can check, so they order nothing: a client
+that claimed more would jump every queue.
 
 Threads: each of the ``workers`` is a trio task that takes a job from the queue and runs it with
 :func:`trio.to_thread.run_sync`, under a :class:`trio.CapacityLimiter` private to the pool (so other
@@ -68,7 +69,7 @@ class Priority(enum.IntEnum):
     """How urgent a job is; smaller runs first.
 
     ``BACKWARD`` has the value of ``FORWARD`` (an alias: the two share one place in the queue and
-    are told apart by points and arrival only).
+    are told apart by arrival only).
     """
 
     INFERENCE = 0
@@ -106,7 +107,7 @@ class _State(enum.Enum):
 class _Job(Generic[T]):
     """One caller's work: either ``fn()`` or one item of ``batch_fn(items)``."""
 
-    order: tuple[int, float, int]
+    order: tuple[int, int]
     priority: int
     key: Hashable
     fn: Callable[[], T] | None = None
@@ -221,7 +222,6 @@ class TaskPool:
         fn: Callable[[], T],
         *,
         priority: int,
-        points: float = 0.0,
         cost_key: Hashable | None = None,
         size: float = 1.0,
     ) -> T:
@@ -231,9 +231,7 @@ class TaskPool:
         the pool is shutting down.  Jobs naming a ``cost_key`` have their seconds per unit of
         ``size`` learnt under it, and run inline when expected to be quick (module docstring).
         """
-        job: _Job[T] = self._new_job(
-            priority, points, _Unbatched(), fn=fn, size=size, cost_key=cost_key
-        )
+        job: _Job[T] = self._new_job(priority, _Unbatched(), fn=fn, size=size, cost_key=cost_key)
         return await self._submit_and_wait(job)
 
     async def run_batched(
@@ -243,7 +241,6 @@ class TaskPool:
         batch_fn: Callable[[list[ItemT]], Sequence[T]],
         *,
         priority: int,
-        points: float = 0.0,
         size: float = 1.0,
     ) -> T:
         """``batch_fn([..., item, ...])[i]``: ``item`` run together with queued jobs of equal
@@ -252,20 +249,16 @@ class TaskPool:
         batch's expected duration is its items' sizes times the key's measured seconds per unit.
         """
         job: _Job[T] = self._new_job(
-            priority, points, key, batch_fn=batch_fn, item=item, size=size, cost_key=key
+            priority, key, batch_fn=batch_fn, item=item, size=size, cost_key=key
         )
         return await self._submit_and_wait(job)
 
     # -- callers -----------------------------------------------------------------------------------
 
-    def _new_job(
-        self, priority: int, points: float, key: Hashable, *, size: float, **work: Any
-    ) -> _Job[Any]:
-        if points != points:  # NaN would break the queue's order
-            raise ValueError("points must be a number, not NaN")
+    def _new_job(self, priority: int, key: Hashable, *, size: float, **work: Any) -> _Job[Any]:
         if not size > 0:
             raise ValueError(f"size must be > 0, not {size!r}")
-        order = (int(priority), -float(points), next(self._arrivals))
+        order = (int(priority), next(self._arrivals))
         return _Job(order=order, priority=int(priority), key=key, size=float(size), **work)
 
     async def _submit_and_wait(self, job: _Job[T]) -> T:

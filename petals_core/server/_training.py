@@ -109,7 +109,7 @@ class TrainingHandlers:
         with self._request_deadline():
             request = await self._receive(call, ForwardRequest.from_wire_untrusted, backend)
             (start, end), hidden, prompts = request.blocks, request.hidden_states, request.prompts
-            adapter, points = request.active_adapter, request.points
+            adapter = request.active_adapter
             nbytes = backend.activation_bytes(hidden.shape[0], hidden.shape[1]) * (end - start)
             token = None
             if request.keep_for_backward and nbytes <= min(
@@ -125,7 +125,6 @@ class TrainingHandlers:
                         adapter=adapter,
                     ),
                     priority=Priority.FORWARD,
-                    points=points,
                 )
                 token = self._keep(
                     _Kept(
@@ -142,12 +141,18 @@ class TrainingHandlers:
                 )
             else:
                 output = (
-                    await self._run_forward(
-                        backend, pool, start, end, hidden, prompts, adapter, points
-                    )
+                    await self._run_forward(backend, pool, start, end, hidden, prompts, adapter)
                 )[-1]
             self._serving.count("forwards")
-            reply = ForwardReply(hidden_states=output.to(hidden.dtype), kept=token)
+            output = output.to(hidden.dtype)
+            receipt = await self._serving.receipt(
+                "forward",
+                (start, end),
+                adapter,
+                request.to_wire()[1],
+                {"hidden_states": output},
+            )
+            reply = ForwardReply(hidden_states=output, kept=token, receipt=receipt)
             await send_tensors(call.send, *reply.to_wire(), encode_part=self._encode_part)
 
     def _keep(self, kept: _Kept) -> str:
@@ -188,7 +193,6 @@ class TrainingHandlers:
                         backend.backward_from_graph, kept.graph, request.grad_outputs
                     ),
                     priority=Priority.BACKWARD,
-                    points=request.points,
                 )
                 self._serving.count("kept_backwards")
             else:
@@ -202,6 +206,14 @@ class TrainingHandlers:
                 if grad_prompts is None or prompts is None
                 else grad_prompts.to(prompts.dtype),
             )
+            receipt = await self._serving.receipt(
+                "backward",
+                (start, end),
+                request.active_adapter,
+                request.to_wire()[1],
+                reply.tensors(),
+            )
+            reply = attrs.evolve(reply, receipt=receipt)
             await send_tensors(call.send, *reply.to_wire(), encode_part=self._encode_part)
 
     def _take_kept(self, token: str | None, peer: str) -> _Kept | None:
@@ -225,13 +237,13 @@ class TrainingHandlers:
         """Gradients of the input (and prompts) of blocks ``[start, end)``, each group of blocks
         recomputed with its graph."""
         hidden, prompts = request.hidden_states, request.prompts
-        adapter, points = request.active_adapter, request.points
+        adapter = request.active_adapter
         groups = self._backward_groups(backend, start, end, hidden)
         # Each group's input: the request's for the first, a forward (no graph) for the others.
         group_inputs = [hidden]
         if len(groups) > 1:
             outputs = await self._run_forward(
-                backend, pool, start, groups[-1][0], hidden, prompts, adapter, points
+                backend, pool, start, groups[-1][0], hidden, prompts, adapter
             )
             group_inputs += [outputs[group_start - start - 1] for group_start, _ in groups[1:]]
         grad = request.grad_outputs
@@ -253,7 +265,6 @@ class TrainingHandlers:
                     adapter=adapter,
                 ),
                 priority=Priority.BACKWARD,
-                points=points,
             )
             if prompt_grad is not None:
                 prompt_grads.append(prompt_grad)
@@ -320,7 +331,6 @@ class TrainingHandlers:
         hidden: torch.Tensor,
         prompts: torch.Tensor | None,
         adapter: str | None,
-        points: float,
     ) -> list[torch.Tensor]:
         """Every block's output, each block a job of its own."""
         outputs = []
@@ -330,7 +340,6 @@ class TrainingHandlers:
             x = await pool.run(
                 functools.partial(backend.forward_block, index, x, prompt=prompt, adapter=adapter),
                 priority=Priority.FORWARD,
-                points=points,
             )
             outputs.append(x)
         return outputs

@@ -49,6 +49,7 @@ from ._codec_format import SCHEMES as SCHEMES, CodecLimits as CodecLimits, Schem
 from ._codec_tensors import (
     Compressed as Compressed,
     RawTensor as RawTensor,
+    as_received as as_received,
     compress as compress,
     compress_floats as compress_floats,
 )

@@ -214,6 +214,14 @@ def raw_from_torch(tensor: torch.Tensor, scheme: Scheme | None) -> RawTensor:
     return RawTensor(name, tensor.shape, data, compression=scheme, scales=_tensor_bytes(scales))
 
 
+def as_received(tensor: torch.Tensor, scheme: str | None) -> torch.Tensor:
+    """``tensor`` as its receiver decodes it when it travels with compression ``scheme`` (the
+    lossy schemes change its values; integer tensors travel as they are)."""
+    if scheme is None or tensor.dtype.is_floating_point is False:
+        return tensor
+    return raw_from_torch(tensor, cast(Scheme, scheme)).to_torch()
+
+
 def _tensor_bytes(tensor: torch.Tensor) -> bytes:
     """The elements of ``tensor`` in C order, copied once to the CPU and without numpy."""
     cpu = tensor.to("cpu").contiguous()

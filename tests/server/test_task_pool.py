@@ -51,26 +51,26 @@ async def _hold_worker(nursery: trio.Nursery, pool: TaskPool, gate: Gate, priori
     await gate.wait_started()
 
 
-async def test_queue_order_is_priority_then_points_then_arrival(gate: Gate) -> None:
+async def test_queue_order_is_priority_then_arrival(gate: Gate) -> None:
     ran: list[str] = []
     jobs = [
-        ("f0", Priority.FORWARD, 0.0),
-        ("i0", Priority.INFERENCE, 0.0),
-        ("f5", Priority.FORWARD, 5.0),
-        ("i1", Priority.INFERENCE, 1.0),
-        ("f0b", Priority.FORWARD, 0.0),
-        ("b5", Priority.BACKWARD, 5.0),
+        ("f0", Priority.FORWARD),
+        ("i0", Priority.INFERENCE),
+        ("f1", Priority.FORWARD),
+        ("i1", Priority.INFERENCE),
+        ("f2", Priority.FORWARD),
+        ("b0", Priority.BACKWARD),
     ]
 
-    async def submit(name: str, priority: int, points: float) -> None:
-        await pool.run(lambda: ran.append(name), priority=priority, points=points)
+    async def submit(name: str, priority: int) -> None:
+        await pool.run(lambda: ran.append(name), priority=priority)
 
     with trio.fail_after(DEADLINE_S):
         async with open_task_pool(workers=1, reserved_workers=0) as pool:
             async with trio.open_nursery() as nursery:
                 await _hold_worker(nursery, pool, gate, Priority.FORWARD)
-                for name, priority, points in jobs:
-                    nursery.start_soon(submit, name, priority, points)
+                for name, priority in jobs:
+                    nursery.start_soon(submit, name, priority)
                     await trio.testing.wait_all_tasks_blocked()
                 stats = pool.statistics()
                 assert dict(stats.queued) == {Priority.INFERENCE: 2, Priority.FORWARD: 4}
@@ -78,7 +78,7 @@ async def test_queue_order_is_priority_then_points_then_arrival(gate: Gate) -> N
                 gate.release.set()
             stats = pool.statistics()
             assert (dict(stats.queued), stats.running, stats.completed) == ({}, 0, 7)
-    assert ran == ["i1", "i0", "f5", "b5", "f0", "f0b"]
+    assert ran == ["i0", "i1", "f0", "f1", "f2", "b0"]
 
 
 async def test_exceptions_reach_the_caller_unchanged() -> None:
@@ -129,8 +129,8 @@ async def test_batches_keep_to_one_priority_and_the_queue_order(gate: Gate) -> N
         batches.append(list(items))
         return items
 
-    async def submit(item: str, priority: int, points: float) -> None:
-        assert await pool.run_batched("k", item, echo, priority=priority, points=points) == item
+    async def submit(item: str, priority: int) -> None:
+        assert await pool.run_batched("k", item, echo, priority=priority) == item
 
     with trio.fail_after(DEADLINE_S):
         async with (
@@ -138,15 +138,15 @@ async def test_batches_keep_to_one_priority_and_the_queue_order(gate: Gate) -> N
             trio.open_nursery() as nursery,
         ):
             await _hold_worker(nursery, pool, gate, Priority.FORWARD)
-            for item, priority, points in [
-                ("f-low", Priority.FORWARD, 0.0),
-                ("i", Priority.INFERENCE, 0.0),
-                ("f-high", Priority.FORWARD, 3.0),
+            for item, priority in [
+                ("f-first", Priority.FORWARD),
+                ("i", Priority.INFERENCE),
+                ("f-second", Priority.FORWARD),
             ]:
-                nursery.start_soon(submit, item, priority, points)
+                nursery.start_soon(submit, item, priority)
                 await trio.testing.wait_all_tasks_blocked()
             gate.release.set()
-    assert batches == [["i"], ["f-high", "f-low"]]
+    assert batches == [["i"], ["f-first", "f-second"]]
 
 
 async def test_a_failing_item_fails_only_its_own_caller(gate: Gate) -> None:

@@ -1,0 +1,73 @@
+"""When two servers' answers to the same question agree.
+
+Two honest servers computing the same blocks on the same input differ by their arithmetic: the
+order of sums (thread counts, kernels, GPUs) and the dtype they compute in.  An answer agrees with
+another when, for every token, the difference of the two hidden states is small against the
+state itself (relative L2 norm, :func:`disagreement`), within a bound set by the dtype the servers
+compute in (:data:`TOLERANCE`; servers are only compared with servers of the same dtype and
+quantisation).  A server that changes what it computes by more than that bound is caught; one
+that changes it by less is not, and its answers stay within what an honest server of a coarser
+dtype could return.
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+import torch
+
+from .._errors import ReceiptError
+from ..dht import ServerInfo
+from ..protocol import Receipt, Signature
+from ..transport import PeerID
+
+__all__ = ["TOLERANCE", "agree", "check_receipt", "disagreement", "tolerance"]
+
+#: The largest relative difference per token (L2) between two honest servers' answers, by the
+#: dtype they compute in.
+TOLERANCE: Final = {"float32": 1e-3, "float16": 2e-2, "bfloat16": 5e-2}
+#: For a dtype not listed (or a server not announced): the loosest bound.
+_DEFAULT: Final = max(TOLERANCE.values())
+
+
+def tolerance(*servers: ServerInfo | None) -> float:
+    """The bound for comparing answers of ``servers`` (the loosest of their dtypes')."""
+    return max(
+        TOLERANCE.get(info.torch_dtype, _DEFAULT) if info is not None else _DEFAULT
+        for info in servers
+    )
+
+
+def disagreement(a: torch.Tensor, b: torch.Tensor) -> float:
+    """The largest, over tokens, of ``|a - b| / max(|a|, |b|)`` (L2 norms over the hidden
+    dimension); infinite where the shapes differ or a value is not finite (unless both are
+    identical)."""
+    if a.shape != b.shape:
+        return float("inf")
+    x, y = a.detach().float().reshape(-1, a.shape[-1]), b.detach().float().reshape(-1, b.shape[-1])
+    if not (bool(torch.isfinite(x).all()) and bool(torch.isfinite(y).all())):
+        return 0.0 if torch.equal(x, y) else float("inf")
+    if x.numel() == 0:
+        return 0.0
+    scale = torch.maximum(x.norm(dim=-1), y.norm(dim=-1)).clamp_min(torch.finfo(torch.float32).tiny)
+    return float(((x - y).norm(dim=-1) / scale).max())
+
+
+def agree(a: torch.Tensor, b: torch.Tensor, bound: float) -> bool:
+    return disagreement(a, b) <= bound
+
+
+def check_receipt(receipt: Receipt, signature: Signature | None, peer_id: str | PeerID) -> None:
+    """Raise :class:`ReceiptError` unless ``signature`` is by ``peer_id``'s key, over
+    ``receipt``."""
+    if signature is None:
+        raise ReceiptError(f"server {peer_id} answered a {receipt.kind} without a receipt")
+    if str(PeerID.from_public_key(signature.signer)) != str(peer_id):
+        raise ReceiptError(
+            f"server {peer_id} signed its {receipt.kind} receipt with another peer's key"
+        )
+    if not receipt.verify(signature):
+        raise ReceiptError(
+            f"server {peer_id}'s {receipt.kind} receipt is not signed over what was asked and "
+            "answered"
+        )

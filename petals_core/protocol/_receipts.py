@@ -1,0 +1,153 @@
+"""Signed answers: a server's receipt for what it was asked and what it answered.
+
+Every answer of a forward and a backward carries a signature by the server's
+identity key (the Ed25519 key its PeerID names) over a :class:`Receipt`: the kind of answer, the
+model (its DHT prefix), the blocks and adapter, the session and step where there is one, and
+sha2-256 digests of the tensors asked and answered (:func:`digest_tensors`). On the wire a reply
+carries only the signer's public key and the signature (:class:`Signature`): the client knows the
+rest, since it asked and it received, so it rebuilds the receipt and checks the signature
+(:meth:`Receipt.verify`) and that the key is the server's (its PeerID names it). A receipt that
+checks is evidence anyone can verify that this server gave this answer to this question: a fraud
+report is one, with its tensors.
+
+Digests are over the tensors as the receiver decodes them: a sender that compresses (lossy schemes)
+digests its tensors after the same round trip (``petals_core.transport.as_received``), so both
+sides hash the same bytes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, ClassVar, Final, Literal
+
+import attrs
+import cbor2
+import torch
+from cryptography.exceptions import InvalidSignature
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+
+from .._errors import CodecError
+
+if TYPE_CHECKING:
+    from ..transport import Identity
+
+__all__ = [
+    "DIGEST_BYTES",
+    "Receipt",
+    "Signature",
+    "digest_tensors",
+]
+
+DIGEST_BYTES: Final = 32
+_KEY_BYTES: Final = 32
+_SIGNATURE_BYTES: Final = 64
+#: What the signed bytes begin with: a signature over a receipt means nothing else.
+_DOMAIN: Final = "petals_core receipt v1"
+
+ReceiptKind = Literal["forward", "backward", "step"]
+KINDS: Final = ("forward", "backward", "step")
+
+
+def digest_tensors(tensors: Mapping[str, torch.Tensor | None]) -> bytes:
+    """sha2-256 over the named tensors (absent ones skipped), in name order: each name, dtype,
+    shape and the tensor's bytes in C order."""
+    digest = hashlib.sha256()
+    for name in sorted(tensors):
+        tensor = tensors[name]
+        if tensor is None:
+            continue
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"{name} must be a tensor, not {type(tensor).__name__}")
+        tensor = tensor.detach().to("cpu").contiguous()
+        header = cbor2.dumps([name, str(tensor.dtype).removeprefix("torch."), list(tensor.shape)])
+        digest.update(len(header).to_bytes(4, "big") + header)
+        digest.update(tensor.reshape(-1).view(torch.uint8).numpy().data)
+    return digest.digest()
+
+
+@attrs.frozen(kw_only=True)
+class Signature:
+    """What a reply carries: the signer's raw Ed25519 public key and its signature."""
+
+    what: ClassVar[str] = "receipt signature"
+
+    signer: bytes
+    signature: bytes
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"signer": self.signer, "signature": self.signature}
+
+    @classmethod
+    def from_wire_untrusted(cls, value: object) -> Signature:
+        if not isinstance(value, dict):
+            raise CodecError("a receipt must be a map")
+        signer, signature = value.get("signer"), value.get("signature")
+        if not isinstance(signer, bytes) or len(signer) != _KEY_BYTES:
+            raise CodecError(f"a receipt's signer must be {_KEY_BYTES} bytes")
+        if not isinstance(signature, bytes) or len(signature) != _SIGNATURE_BYTES:
+            raise CodecError(f"a receipt's signature must be {_SIGNATURE_BYTES} bytes")
+        return cls(signer=signer, signature=signature)
+
+
+def as_signature(value: object) -> Signature | None:
+    """A field's converter: a :class:`Signature` as it is, a map from the wire parsed (a
+    malformed one raises :class:`CodecError`)."""
+    if value is None or isinstance(value, Signature):
+        return value
+    return Signature.from_wire_untrusted(value)
+
+
+def _check_digest(name: str, value: bytes) -> None:
+    if not isinstance(value, bytes) or len(value) != DIGEST_BYTES:
+        raise ValueError(f"{name} must be a {DIGEST_BYTES}-byte digest")
+
+
+@attrs.frozen(kw_only=True)
+class Receipt:
+    """What a server signs for one answer (see the module)."""
+
+    kind: ReceiptKind
+    model: str
+    blocks: tuple[int, int]
+    adapter: str | None = None
+    session: str | None = None
+    step: int | None = None
+    asked: bytes
+    answered: bytes
+
+    def __attrs_post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"a receipt's kind is one of {KINDS}, not {self.kind!r}")
+        _check_digest("asked", self.asked)
+        _check_digest("answered", self.answered)
+
+    def signed_bytes(self) -> bytes:
+        return cbor2.dumps(
+            [
+                _DOMAIN,
+                self.kind,
+                self.model,
+                list(self.blocks),
+                self.adapter,
+                self.session,
+                self.step,
+                self.asked,
+                self.answered,
+            ]
+        )
+
+    def sign(self, identity: Identity) -> Signature:
+        return Signature(
+            signer=identity.public_key_bytes, signature=identity.sign(self.signed_bytes())
+        )
+
+    def verify(self, signature: Signature) -> bool:
+        """Whether ``signature`` is its signer's over this receipt (who the signer is, the caller
+        checks: a PeerID names the key, ``PeerID.from_public_key(signature.signer)``)."""
+        try:
+            key = Ed25519PublicKey.from_public_bytes(signature.signer)
+            key.verify(signature.signature, self.signed_bytes())
+        except (InvalidSignature, ValueError):
+            return False
+        return True

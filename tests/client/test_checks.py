@@ -1,0 +1,190 @@
+"""Checked answers of forward passes: a server whose backend perturbs what it computes (a test
+double, never a mode of the shipped server) is caught on its first checked answer, and the
+client's outputs and gradients equal an honest swarm's; answers are signed, and a server whose
+signature does not match is refused."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import trio
+
+from petals_core import PetalsError
+from petals_core.client import RemoteSequential, remote_backward, remote_forward
+from petals_core.client._checks import TOLERANCE, agree, disagreement, tolerance
+from petals_core.server import Server
+
+from ._swarm_helpers import (
+    DEADLINE_S,
+    HIDDEN,
+    N_BLOCKS,
+    Model,
+    assert_close,
+    in_process_swarm,
+    manager_for,
+    wait_for_servers,
+)
+from .test_sequential import local_grads
+
+#: How much the liar changes its outputs: a fifth of their scale.
+LIE = 0.2
+
+
+def _lying(method: Callable[..., Any]) -> Callable[..., Any]:
+    """``method`` of a backend, with its output moved by a fifth of its scale."""
+
+    @functools.wraps(method)
+    def lie(*args: Any, **kwargs: Any) -> Any:
+        result = method(*args, **kwargs)
+        output = result[0] if isinstance(result, tuple) else result
+        moved = output + LIE * output.detach().abs().mean() * torch.ones_like(output)
+        return (moved, *result[1:]) if isinstance(result, tuple) else moved
+
+    return lie
+
+
+def make_liar(server: Server) -> None:
+    """The server's backend computes every forward wrongly from now on."""
+    backend = server.backend
+    assert backend is not None
+    backend.forward_block = _lying(backend.forward_block)  # type: ignore[method-assign]
+    backend.forward_keeping_graph = _lying(backend.forward_keeping_graph)  # type: ignore[method-assign]
+
+
+def test_honest_differences_stay_within_the_bound_and_lies_do_not() -> None:
+    torch.manual_seed(0)
+    x = torch.randn(4, 7, HIDDEN)
+    assert disagreement(x, x.clone()) == 0.0
+    for dtype, bound in TOLERANCE.items():
+        rounded = x.to(getattr(torch, dtype)).float()
+        assert agree(rounded, x, bound), dtype
+    lie = x + LIE * x.abs().mean()
+    assert not agree(lie, x, max(TOLERANCE.values()))
+    assert disagreement(x, x[:, :3]) == float("inf")
+    assert disagreement(x, torch.full_like(x, float("nan"))) == float("inf")
+    assert tolerance(None) == max(TOLERANCE.values())
+
+
+async def test_a_liar_is_caught_on_its_first_checked_answer(model: Model, tmp_path: Path) -> None:
+    """Three servers hold every block; the liar announces the highest speed, so routes prefer
+    it.  Forward and backward equal local autograd all the same, and the liar is not used again."""
+    torch.manual_seed(5)
+    x = torch.randn(2, 5, HIDDEN)
+    prompts = torch.randn(N_BLOCKS, 1, 2, HIDDEN) * 0.5
+    grad_output = torch.randn(2, 5, HIDDEN)
+    expected, expected_grad, expected_prompt_grad = local_grads(model, x, grad_output, prompts)
+    async with in_process_swarm(model, tmp_path, []) as swarm:
+        liar = await swarm.add((0, N_BLOCKS), throughput=1000.0)
+        for _ in range(2):
+            await swarm.add((0, N_BLOCKS))
+        make_liar(liar)
+        liar_id = str(liar.dht.peer_id)
+        manager = manager_for(list(swarm.servers.values()), max_retries=3)
+        with trio.fail_after(DEADLINE_S):
+            async with RemoteSequential(manager) as seq:
+                await wait_for_servers(seq.sequence_manager, 3)
+                for _ in range(3):
+                    output, saved = await remote_forward(seq.sequence_manager, x, prompts)
+                    assert_close(output, expected)
+                    grad, prompt_grad = await remote_backward(
+                        seq.sequence_manager, grad_output, saved, prompts
+                    )
+                    assert_close(grad, expected_grad)
+                    assert prompt_grad is not None and expected_prompt_grad is not None
+                    assert_close(prompt_grad, expected_prompt_grad)
+                    used = {span.peer_id for chunk in saved for span, *_ in chunk}
+                    assert liar_id not in used
+                state = seq.sequence_manager.state
+                assert list(state.caught) == [liar_id]
+                assert "against two other servers" in state.caught[liar_id]
+                assert liar_id not in seq.sequence_manager.servers()
+
+
+async def test_with_checks_off_the_liar_goes_unnoticed(model: Model, tmp_path: Path) -> None:
+    """What checks prevent: ``verify="none"`` takes the liar's answers as they are."""
+    torch.manual_seed(6)
+    x = torch.randn(1, 4, HIDDEN)
+    expected = model.forward(x).detach()
+    async with in_process_swarm(model, tmp_path, []) as swarm:
+        liar = await swarm.add((0, N_BLOCKS), throughput=1000.0)
+        await swarm.add((0, N_BLOCKS))
+        make_liar(liar)
+        manager = manager_for(list(swarm.servers.values()), verify="none")
+        with trio.fail_after(DEADLINE_S):
+            async with RemoteSequential(manager) as seq:
+                await wait_for_servers(seq.sequence_manager, 2)
+                output, _ = await remote_forward(seq.sequence_manager, x)
+                assert disagreement(output, expected) > max(TOLERANCE.values())
+                assert not seq.sequence_manager.state.caught
+
+
+async def test_two_servers_that_disagree_with_no_third_fail_clearly(
+    model: Model, tmp_path: Path
+) -> None:
+    torch.manual_seed(7)
+    x = torch.randn(1, 4, HIDDEN)
+    async with in_process_swarm(model, tmp_path, []) as swarm:
+        liar = await swarm.add((0, N_BLOCKS), throughput=1000.0)
+        await swarm.add((0, N_BLOCKS))
+        make_liar(liar)
+        manager = manager_for(list(swarm.servers.values()), verify="all")
+        with trio.fail_after(DEADLINE_S):
+            async with RemoteSequential(manager) as seq:
+                await wait_for_servers(seq.sequence_manager, 2)
+                with pytest.raises(PetalsError, match="no third server could decide"):
+                    await remote_forward(seq.sequence_manager, x)
+                assert not seq.sequence_manager.state.caught  # nobody is blamed without a majority
+
+
+async def test_honest_answers_are_checked_and_counted(model: Model, tmp_path: Path) -> None:
+    """``verify="all"`` over honest servers: every answer checked, nobody caught, outputs exact."""
+    torch.manual_seed(8)
+    x = torch.randn(2, 3, HIDDEN)
+    expected = model.forward(x).detach()
+    async with in_process_swarm(model, tmp_path, [(0, 3), (3, 6), (0, 6)]) as swarm:
+        manager = manager_for(list(swarm.servers.values()), verify="all")
+        with trio.fail_after(DEADLINE_S):
+            async with RemoteSequential(manager) as seq:
+                await wait_for_servers(seq.sequence_manager, 3)
+                for _ in range(4):
+                    output, _ = await remote_forward(seq.sequence_manager, x)
+                    assert_close(output, expected)
+                state = seq.sequence_manager.state
+                assert not state.caught
+                assert sum(state.verified.values()) >= 8  # each answer and its checker, 4 times
+
+
+async def test_an_answer_whose_signature_does_not_match_is_refused(
+    model: Model, tmp_path: Path
+) -> None:
+    """A server that signs something else than it answers: its answers are refused (and it is
+    banned like a failing server), the forward goes through the other one, exactly."""
+    torch.manual_seed(9)
+    x = torch.randn(1, 4, HIDDEN)
+    expected = model.forward(x).detach()
+    async with in_process_swarm(model, tmp_path, []) as swarm:
+        forger = await swarm.add((0, N_BLOCKS), throughput=1000.0)
+        await swarm.add((0, N_BLOCKS))
+        serving = forger.block_server._serving
+        sign = serving.receipt
+
+        async def wrong_receipt(
+            kind: Any, blocks: Any, adapter: Any, asked: Any, answered: Any, **kw: Any
+        ) -> Any:
+            return await sign(kind, blocks, adapter, asked, {"hidden_states": torch.zeros(1)}, **kw)
+
+        serving.receipt = wrong_receipt  # type: ignore[method-assign]
+        manager = manager_for(list(swarm.servers.values()), verify="none", max_retries=3)
+        with trio.fail_after(DEADLINE_S):
+            async with RemoteSequential(manager) as seq:
+                await wait_for_servers(seq.sequence_manager, 2)
+                output, saved = await remote_forward(seq.sequence_manager, x)
+                assert_close(output, expected)
+                forger_id = str(forger.dht.peer_id)
+                assert forger_id not in {span.peer_id for chunk in saved for span, *_ in chunk}
+                assert seq.sequence_manager.is_banned(forger_id)

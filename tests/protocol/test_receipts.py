@@ -1,0 +1,118 @@
+"""Receipts: what a server signs for an answer, and how a client checks the signature."""
+
+from __future__ import annotations
+
+import attrs
+import pytest
+import torch
+
+from petals_core import ReceiptError
+from petals_core._errors import CodecError
+from petals_core.client._checks import check_receipt
+from petals_core.protocol import ForwardReply, Receipt, Signature, digest_tensors
+from petals_core.transport import Identity, as_received
+
+
+def _receipt(**changes: object) -> Receipt:
+    fields: dict[str, object] = {
+        "kind": "forward",
+        "model": "llama-hf",
+        "blocks": (3, 6),
+        "adapter": None,
+        "asked": digest_tensors({"hidden_states": torch.ones(1, 2, 4)}),
+        "answered": digest_tensors({"hidden_states": torch.zeros(1, 2, 4)}),
+    }
+    fields.update(changes)
+    return Receipt(**fields)  # type: ignore[arg-type]
+
+
+def test_a_signed_receipt_checks_against_its_signer() -> None:
+    server = Identity.generate()
+    receipt = _receipt()
+    check_receipt(receipt, receipt.sign(server), server.peer_id)
+    check_receipt(receipt, receipt.sign(server), str(server.peer_id))
+
+
+@pytest.mark.parametrize(
+    "changed",
+    [
+        {"kind": "backward"},
+        {"model": "bloom"},
+        {"blocks": (3, 5)},
+        {"adapter": "lora"},
+        {"session": "s"},
+        {"step": 0},
+        {"asked": digest_tensors({"hidden_states": torch.ones(1, 2, 4) * 2})},
+        {"answered": digest_tensors({"hidden_states": torch.ones(1, 2, 4)})},
+    ],
+)
+def test_a_signature_over_anything_else_is_refused(changed: dict[str, object]) -> None:
+    server = Identity.generate()
+    signature = _receipt().sign(server)
+    with pytest.raises(ReceiptError, match="not signed over what was asked and answered"):
+        check_receipt(_receipt(**changed), signature, server.peer_id)
+
+
+def test_a_signature_by_another_key_or_none_is_refused() -> None:
+    server, other = Identity.generate(), Identity.generate()
+    receipt = _receipt()
+    with pytest.raises(ReceiptError, match="another peer's key"):
+        check_receipt(receipt, receipt.sign(other), server.peer_id)
+    # Another peer's signature presented with the server's key does not verify either.
+    forged = Signature(signer=server.public_key_bytes, signature=receipt.sign(other).signature)
+    with pytest.raises(ReceiptError, match="not signed over"):
+        check_receipt(receipt, forged, server.peer_id)
+    with pytest.raises(ReceiptError, match="without a receipt"):
+        check_receipt(receipt, None, server.peer_id)
+
+
+def test_digests_cover_names_dtypes_shapes_and_values() -> None:
+    x = torch.arange(8, dtype=torch.float32).view(2, 4)
+    base = digest_tensors({"a": x})
+    assert len(base) == 32
+    assert digest_tensors({"a": x.clone()}) == base
+    assert digest_tensors({"a": x, "b": None}) == base  # absent tensors are skipped
+    assert digest_tensors({"b": x}) != base
+    assert digest_tensors({"a": x.double()}) != base
+    assert digest_tensors({"a": x.view(4, 2)}) != base
+    assert digest_tensors({"a": x.t().contiguous().t()}) == base  # layout does not matter
+    changed = x.clone()
+    changed[1, 3] = torch.nextafter(changed[1, 3], torch.tensor(100.0))
+    assert digest_tensors({"a": changed}) != base
+    assert digest_tensors({"a": x, "b": x}) == digest_tensors({"b": x, "a": x})
+    assert digest_tensors({"a": x.bfloat16()}) != digest_tensors({"a": x.half()})
+
+
+def test_a_compressed_tensor_is_digested_as_its_receiver_decodes_it() -> None:
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, 64)
+    for scheme in ("float16", "blockwise8"):
+        decoded = as_received(x, scheme)
+        assert decoded.shape == x.shape and not torch.equal(decoded, x)
+        assert torch.equal(as_received(x, scheme), decoded)  # the round trip is deterministic
+    assert as_received(x, None) is x
+
+
+def test_replies_carry_the_signature_and_refuse_a_malformed_one() -> None:
+    server = Identity.generate()
+    signature = _receipt().sign(server)
+    reply = ForwardReply(hidden_states=torch.zeros(1, 2, 4), receipt=signature)
+    meta, tensors = reply.to_wire()
+    assert meta["receipt"] == {"signer": signature.signer, "signature": signature.signature}
+    assert ForwardReply.from_wire_untrusted(meta, tensors) == reply
+    assert ForwardReply.from_wire_untrusted({}, tensors).receipt is None
+    for bad, reason in [
+        ([1], "a receipt must be a map"),
+        ({"signer": b"x" * 31, "signature": b"y" * 64}, "signer must be 32 bytes"),
+        ({"signer": b"x" * 32, "signature": "y" * 64}, "signature must be 64 bytes"),
+    ]:
+        with pytest.raises(CodecError, match=reason):
+            ForwardReply.from_wire_untrusted({"receipt": bad}, tensors)
+
+
+def test_receipts_refuse_what_they_cannot_mean() -> None:
+    with pytest.raises(ValueError, match="kind is one of"):
+        _receipt(kind="push")
+    with pytest.raises(ValueError, match="32-byte digest"):
+        _receipt(asked=b"short")
+    assert attrs.evolve(_receipt(), step=3).step == 3
