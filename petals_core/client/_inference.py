@@ -27,10 +27,26 @@ from typing import Any
 import torch
 import trio
 
-from .._errors import CodecError, PetalsError, RemoteError, ServerError, TransportError
-from ..protocol import INFERENCE, OpenSession, SessionReady, Step, StepResult
+from .._errors import (
+    CodecError,
+    PetalsError,
+    ReceiptError,
+    RemoteError,
+    ServerError,
+    TransportError,
+)
+from ..protocol import (
+    INFERENCE,
+    OpenSession,
+    Receipt,
+    SessionReady,
+    Step,
+    StepResult,
+    digest_tensors,
+)
 from ..routing import RemoteSequenceManager, RouteSpan
 from ..transport import Call, compress_floats, open_call
+from ._checks import check_receipt
 from ._placement import like, to_wire
 from ._session_core import SessionCore, SpanState
 
@@ -66,9 +82,11 @@ class _SpanCall:
         assert self.call is not None
         await self.call.send(compress_floats(step.to_wire(), compression))
 
-    async def answer(self, core: SessionCore, index: int) -> StepResult:
-        """The answer the core awaits from span ``index``; answers to other steps are stale
-        (pushed steps resent since) and skipped."""
+    async def answer(
+        self, core: SessionCore, index: int, manager: RemoteSequenceManager
+    ) -> StepResult:
+        """The answer the core awaits from span ``index``, its receipt checked; answers to
+        other steps are stale (pushed steps resent since) and skipped."""
         assert self.call is not None
         while True:
             reply = await self.call.receive()
@@ -79,7 +97,28 @@ class _SpanCall:
                     f"server {self.state.peer} sent a malformed step result: {exc}"
                 ) from None
             if core.is_answer(index, result):
+                self._check_receipt(result, manager)
                 return result
+
+    def _check_receipt(self, result: StepResult, manager: RemoteSequenceManager) -> None:
+        """The server signed this output for this position of our session on its blocks (the
+        input it names by digest: it may have come pushed from the previous server)."""
+        signature = result.receipt
+        if signature is None or signature.asked is None:
+            raise ReceiptError(f"server {self.state.peer} answered a step without a receipt")
+        assert manager.config.dht_prefix is not None
+        span = self.state.span
+        receipt = Receipt(
+            kind="step",
+            model=manager.config.dht_prefix,
+            blocks=(span.start, span.end),
+            adapter=manager.config.active_adapter or None,
+            session=self.state.session_id,
+            step=result.position,
+            asked=signature.asked,
+            answered=digest_tensors({"hidden_states": result.hidden_states}),
+        )
+        check_receipt(receipt, signature, self.state.peer)
 
     async def close(self) -> None:
         call, self.call = self.call, None
@@ -186,7 +225,7 @@ class InferenceSession:
                     span_call = self._calls[state]
                     if request is not None:
                         await span_call.send(request, self.manager.config.compression)
-                    result = await span_call.answer(core, index)
+                    result = await span_call.answer(core, index, self.manager)
                     output = core.answered(index, x, result)
             except RETRIABLE as exc:
                 core.failed()
@@ -289,7 +328,7 @@ class InferenceSession:
                     with trio.fail_after(self.manager.config.request_timeout_s):
                         span_call = self._calls[state]
                         await span_call.send(core.replay(state, x), self.manager.config.compression)
-                        result = await span_call.answer(core, core.spans.index(state))
+                        result = await span_call.answer(core, core.spans.index(state), self.manager)
                         output = core.replayed(state, x, result)
                 except RETRIABLE:
                     self.manager.on_request_failure(state.peer)

@@ -22,6 +22,7 @@ import attrs
 import torch
 
 from .._errors import LocalProtocolError
+from ._receipts import Signature, as_signature
 from ._wire import (
     TENSOR_EQ,
     WireMessage,
@@ -260,6 +261,8 @@ class StepResult(WireMessage):
     position: int
     step_id: int | None = None
     pushed: bool | None = None
+    #: The server's signature of its receipt (``_receipts``), with the digest of its input.
+    receipt: Signature | None = attrs.field(default=None, converter=as_signature)
 
     def __attrs_post_init__(self) -> None:
         check_hidden("hidden_states", self.hidden_states)
@@ -272,7 +275,11 @@ class StepResult(WireMessage):
         return {
             "hidden_states": self.hidden_states,
             "position": self.position,
-            **present(step_id=self.step_id, pushed=self.pushed),
+            **present(
+                step_id=self.step_id,
+                pushed=self.pushed,
+                receipt=self.receipt and self.receipt.to_wire(),
+            ),
         }
 
 

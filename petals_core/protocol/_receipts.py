@@ -1,6 +1,6 @@
 """Signed answers: a server's receipt for what it was asked and what it answered.
 
-Every answer of a forward and a backward carries a signature by the server's
+Every answer of a forward, a backward and an inference step carries a signature by the server's
 identity key (the Ed25519 key its PeerID names) over a :class:`Receipt`: the kind of answer, the
 model (its DHT prefix), the blocks and adapter, the session and step where there is one, and
 sha2-256 digests of the tensors asked and answered (:func:`digest_tensors`). On the wire a reply
@@ -74,9 +74,13 @@ class Signature:
 
     signer: bytes
     signature: bytes
+    #: The digest of what the server computed from, where the client may not hold the same
+    #: bytes (an inference step's input may come pushed from the previous server).
+    asked: bytes | None = None
 
     def to_wire(self) -> dict[str, Any]:
-        return {"signer": self.signer, "signature": self.signature}
+        wire = {"signer": self.signer, "signature": self.signature}
+        return wire if self.asked is None else {**wire, "asked": self.asked}
 
     @classmethod
     def from_wire_untrusted(cls, value: object) -> Signature:
@@ -87,7 +91,10 @@ class Signature:
             raise CodecError(f"a receipt's signer must be {_KEY_BYTES} bytes")
         if not isinstance(signature, bytes) or len(signature) != _SIGNATURE_BYTES:
             raise CodecError(f"a receipt's signature must be {_SIGNATURE_BYTES} bytes")
-        return cls(signer=signer, signature=signature)
+        asked = value.get("asked")
+        if asked is not None and (not isinstance(asked, bytes) or len(asked) != DIGEST_BYTES):
+            raise CodecError(f"a receipt's asked digest must be {DIGEST_BYTES} bytes")
+        return cls(signer=signer, signature=signature, asked=asked)
 
 
 def as_signature(value: object) -> Signature | None:
@@ -137,9 +144,13 @@ class Receipt:
             ]
         )
 
-    def sign(self, identity: Identity) -> Signature:
+    def sign(self, identity: Identity, *, with_asked: bool = False) -> Signature:
+        """The signature of this receipt by ``identity`` (carrying the ``asked`` digest if
+        ``with_asked``)."""
         return Signature(
-            signer=identity.public_key_bytes, signature=identity.sign(self.signed_bytes())
+            signer=identity.public_key_bytes,
+            signature=identity.sign(self.signed_bytes()),
+            asked=self.asked if with_asked else None,
         )
 
     def verify(self, signature: Signature) -> bool:

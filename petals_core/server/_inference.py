@@ -273,6 +273,17 @@ class InferenceHandlers:
             if pushed:
                 self._serving.count("pushed_steps")
             result = session.state.completed(plan, output, pushed=pushed_on)
+            receipt = await self._serving.receipt(
+                "step",
+                (session.start, session.end),
+                session.adapter,
+                {"hidden_states": plan.hidden, "prompts": plan.prompts, "hypo_ids": plan.reorder},
+                {"hidden_states": output},
+                session=session.session_id,
+                step=result.position,
+                with_asked=True,
+            )
+            result = attrs.evolve(result, receipt=receipt)
             await call.send(compress_floats(result.to_wire(), self.limits.compression))
 
     async def _step(

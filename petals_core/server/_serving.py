@@ -85,6 +85,7 @@ class Serving:
         *,
         session: str | None = None,
         step: int | None = None,
+        with_asked: bool = False,
     ) -> Signature | None:
         """The signature of this answer's receipt (None until :meth:`sign_as`).  ``answered`` as
         the client will decode it (after this server's compression); large tensors are hashed
@@ -114,7 +115,7 @@ class Serving:
             asked=asked_digest,
             answered=answered_digest,
         )
-        return receipt.sign(self.signer)
+        return receipt.sign(self.signer, with_asked=with_asked)
 
     def count(self, name: str) -> None:
         self.counts[name] += 1

@@ -15,7 +15,12 @@ import torch
 import trio
 
 from petals_core import PetalsError
-from petals_core.client import RemoteSequential, remote_backward, remote_forward
+from petals_core.client import (
+    InferenceSession,
+    RemoteSequential,
+    remote_backward,
+    remote_forward,
+)
 from petals_core.client._checks import TOLERANCE, agree, disagreement, tolerance
 from petals_core.server import Server
 
@@ -29,6 +34,7 @@ from ._swarm_helpers import (
     manager_for,
     wait_for_servers,
 )
+from .test_inference import Reference
 from .test_sequential import local_grads
 
 #: How much the liar changes its outputs: a fifth of their scale.
@@ -162,8 +168,9 @@ async def test_honest_answers_are_checked_and_counted(model: Model, tmp_path: Pa
 async def test_an_answer_whose_signature_does_not_match_is_refused(
     model: Model, tmp_path: Path
 ) -> None:
-    """A server that signs something else than it answers: its answers are refused (and it is
-    banned like a failing server), the forward goes through the other one, exactly."""
+    """A server that signs something else than it answers (forward passes and inference steps):
+    its answers are refused (and it is banned like a failing server); the forward goes through
+    the other server, and the session moves there with its history, both exactly."""
     torch.manual_seed(9)
     x = torch.randn(1, 4, HIDDEN)
     expected = model.forward(x).detach()
@@ -173,18 +180,25 @@ async def test_an_answer_whose_signature_does_not_match_is_refused(
         serving = forger.block_server._serving
         sign = serving.receipt
 
-        async def wrong_receipt(
-            kind: Any, blocks: Any, adapter: Any, asked: Any, answered: Any, **kw: Any
-        ) -> Any:
-            return await sign(kind, blocks, adapter, asked, {"hidden_states": torch.zeros(1)}, **kw)
+        async def wrong_receipt(*args: Any, **kwargs: Any) -> Any:
+            kind, blocks, adapter, asked, _ = args
+            return await sign(kind, blocks, adapter, asked, {"other": torch.zeros(1)}, **kwargs)
 
         serving.receipt = wrong_receipt  # type: ignore[method-assign]
+        forger_id = str(forger.dht.peer_id)
         manager = manager_for(list(swarm.servers.values()), verify="none", max_retries=3)
         with trio.fail_after(DEADLINE_S):
             async with RemoteSequential(manager) as seq:
                 await wait_for_servers(seq.sequence_manager, 2)
                 output, saved = await remote_forward(seq.sequence_manager, x)
                 assert_close(output, expected)
-                forger_id = str(forger.dht.peer_id)
                 assert forger_id not in {span.peer_id for chunk in saved for span, *_ in chunk}
                 assert seq.sequence_manager.is_banned(forger_id)
+
+                seq.sequence_manager.on_request_success(forger_id)  # routes may take it again
+                reference = Reference(model)
+                async with InferenceSession(seq.sequence_manager, 8) as session:
+                    for tokens in (3, 1, 1):
+                        await reference.check_step(session, 1, tokens)
+                    assert session.retries >= 1
+                    assert seq.sequence_manager.is_banned(forger_id)

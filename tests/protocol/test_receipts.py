@@ -9,7 +9,7 @@ import torch
 from petals_core import ReceiptError
 from petals_core._errors import CodecError
 from petals_core.client._checks import check_receipt
-from petals_core.protocol import ForwardReply, Receipt, Signature, digest_tensors
+from petals_core.protocol import ForwardReply, Receipt, Signature, StepResult, digest_tensors
 from petals_core.transport import Identity, as_received
 
 
@@ -116,3 +116,18 @@ def test_receipts_refuse_what_they_cannot_mean() -> None:
     with pytest.raises(ValueError, match="32-byte digest"):
         _receipt(asked=b"short")
     assert attrs.evolve(_receipt(), step=3).step == 3
+
+
+def test_step_results_carry_the_signature_with_the_digest_of_the_input() -> None:
+    server = Identity.generate()
+    receipt = _receipt(kind="step", session="s", step=4)
+    signature = receipt.sign(server, with_asked=True)
+    assert signature.asked == receipt.asked
+    assert receipt.sign(server).asked is None
+    result = StepResult(hidden_states=torch.zeros(1, 1, 4), position=4, receipt=signature)
+    wire = result.to_wire()
+    assert wire["receipt"]["asked"] == receipt.asked
+    assert StepResult.from_wire_untrusted(wire) == result
+    check_receipt(receipt, StepResult.from_wire_untrusted(wire).receipt, server.peer_id)
+    with pytest.raises(CodecError, match="asked digest must be 32 bytes"):
+        StepResult.from_wire_untrusted({**wire, "receipt": {**wire["receipt"], "asked": b"x"}})
