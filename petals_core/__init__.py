@@ -28,6 +28,7 @@ from ._errors import (
     ServerError as ServerError,
     StreamReset as StreamReset,
     TransportError as TransportError,
+    WrongAnswer as WrongAnswer,
 )
 
 __version__ = "0.1.0"

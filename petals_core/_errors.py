@@ -128,6 +128,11 @@ class AllocationFailed(ServerError):
     """The attention cache cannot hold what a session asks for, now or within its timeout."""
 
 
+class WrongAnswer(ServerError):
+    """A server's answer disagreed with two other servers' computing the same: the server is no
+    longer used, and its answer is computed again elsewhere."""
+
+
 class ReceiptError(ServerError):
     """A server's answer came without a valid signature of its receipt: missing, made with
     another key than the server's, or over something else than what was asked and answered."""

@@ -24,6 +24,7 @@ import logging
 from contextlib import AsyncExitStack
 from typing import Any
 
+import attrs
 import torch
 import trio
 
@@ -34,7 +35,9 @@ from .._errors import (
     RemoteError,
     ServerError,
     TransportError,
+    WrongAnswer,
 )
+from ..dht import ServerInfo
 from ..protocol import (
     INFERENCE,
     OpenSession,
@@ -44,9 +47,9 @@ from ..protocol import (
     StepResult,
     digest_tensors,
 )
-from ..routing import RemoteSequenceManager, RouteSpan
+from ..routing import MissingBlocksError, RemoteSequenceManager, RouteSpan
 from ..transport import Call, compress_floats, open_call
-from ._checks import check_receipt
+from ._checks import agree, check_receipt, disagreement, tolerance
 from ._placement import like, to_wire
 from ._session_core import SessionCore, SpanState
 
@@ -99,6 +102,19 @@ class _SpanCall:
             if core.is_answer(index, result):
                 self._check_receipt(result, manager)
                 return result
+
+    async def result(self, manager: RemoteSequenceManager) -> StepResult:
+        """The next answer, its receipt checked (a session of one step: a check's)."""
+        assert self.call is not None
+        reply = await self.call.receive()
+        try:
+            result = StepResult.from_wire_untrusted(reply)
+        except CodecError as exc:
+            raise ServerError(
+                f"server {self.state.peer} sent a malformed step result: {exc}"
+            ) from None
+        self._check_receipt(result, manager)
+        return result
 
     def _check_receipt(self, result: StepResult, manager: RemoteSequenceManager) -> None:
         """The server signed this output for this position of our session on its blocks (the
@@ -226,7 +242,9 @@ class InferenceSession:
                     if request is not None:
                         await span_call.send(request, self.manager.config.compression)
                     result = await span_call.answer(core, index, self.manager)
-                    output = core.answered(index, x, result)
+                if self.manager.should_verify(state.peer):
+                    await self._verify(state, x, result)
+                output = core.answered(index, x, result)
             except RETRIABLE as exc:
                 core.failed()
                 attempt = await self._failed(attempt, state, exc)
@@ -299,6 +317,93 @@ class InferenceSession:
                     await self._calls.pop(state).close()
             raise
         return opened
+
+    async def _verify(self, state: SpanState, x: torch.Tensor, result: StepResult) -> None:
+        """Check ``state``'s answer to this step (input ``x``) against other servers holding its
+        blocks, which replay the span's inputs so far (as a replacement would).  If they
+        disagree, a third decides: a server in the minority is never used again, and if it is
+        this span's, :class:`WrongAnswer` sends the step to a replacement.  Where no other
+        server can replay it, the answer stands unchecked."""
+        peer, span = state.peer, state.span
+        inputs = self._core.inputs_of(span, x)
+        tokens = x.shape[1]
+        answer = result.hidden_states
+        info = self.manager.server_info(peer)
+        bound = tolerance(info)
+        second, checkers = await self._recompute(span, inputs, tokens, {peer}, info)
+        if second is None:
+            return
+        if agree(answer, second, bound):
+            for verified in {peer} | checkers:
+                self.manager.on_verified(verified)
+            return
+        off = disagreement(answer, second)
+        third, thirds = await self._recompute(span, inputs, tokens, {peer} | checkers, info)
+        if third is None:
+            raise PetalsError(
+                f"servers {peer} and {', '.join(sorted(checkers))} computed blocks "
+                f"{span.start}:{span.end} differently at position {self.position} (relative "
+                f"difference {off:.3g}, bound {bound:.3g}) and no third server could decide"
+            )
+        with_first, with_second = agree(third, answer, bound), agree(third, second, bound)
+        why = f"blocks {span.start}:{span.end} off by {off:.3g} (bound {bound:.3g})"
+        if with_second and not with_first:
+            self.manager.on_caught(peer, f"{why} against two other servers")
+            raise WrongAnswer(f"server {peer} answered a step wrongly: {why}")
+        if with_first and not with_second:
+            if len(checkers) == 1:
+                self.manager.on_caught(next(iter(checkers)), f"{why} against two other servers")
+            self.manager.on_verified(peer)
+            return
+        raise PetalsError(
+            f"servers disagree on blocks {span.start}:{span.end} and no majority decides "
+            f"({peer}; {', '.join(sorted(checkers))}; {', '.join(sorted(thirds))})"
+        )
+
+    async def _recompute(
+        self,
+        span: RouteSpan,
+        inputs: torch.Tensor,
+        tokens: int,
+        exclude: set[str],
+        like: ServerInfo | None,
+    ) -> tuple[torch.Tensor | None, set[str]]:
+        """The last ``tokens`` outputs of ``inputs`` (a span's inputs from position 0) through
+        ``span``'s blocks on other servers (not ``exclude``; of ``like``'s dtype and
+        quantisation), in sessions of their own closed at once; (None, none) where there are
+        none or they fail."""
+        core = self._core
+        try:
+            route = await self.manager.make_sequence(
+                span.start, span.end, mode="max_throughput", exclude=exclude, like=like, wait=False
+            )
+        except MissingBlocksError as exc:
+            logger.info("could not check %s on blocks %d:%d: %r", span, span.start, span.end, exc)
+            return None, set()
+        calls: list[_SpanCall] = []
+        y = inputs
+        try:
+            with trio.fail_after(self.manager.config.request_timeout_s):
+                for other in route:
+                    call = _SpanCall(SpanState(other))
+                    calls.append(call)
+                    opening = core.opening(
+                        call.state,
+                        alloc_timeout=self.alloc_timeout,
+                        active_adapter=self.manager.config.active_adapter,
+                    )
+                    await call.open(self.manager, attrs.evolve(opening, max_length=y.shape[1]))
+                    step = core.checking_step(other, y)
+                    await call.send(step, self.manager.config.compression)
+                    y = (await call.result(self.manager)).hidden_states
+        except RETRIABLE as exc:
+            logger.info("could not check blocks %d:%d: %r", span.start, span.end, exc)
+            return None, set()
+        finally:
+            with trio.CancelScope(shield=True):
+                for call in calls:
+                    await call.close()
+        return y[:, -tokens:], {other.peer_id for other in route}
 
     async def _replace(self, index: int) -> None:
         """Route the blocks of span ``index`` anew and replay its history there.

@@ -314,6 +314,24 @@ class SessionCore:
             raise ValueError(f"padding must lie in [0, {hidden.shape[1]}] (this step's length)")
         return lengths
 
+    def inputs_of(self, span: RouteSpan, x: torch.Tensor) -> torch.Tensor:
+        """Everything ``span`` has computed from, up to and with this step's input ``x`` (what
+        a check replays on another server)."""
+        history = self.history.get(span.start)
+        if history is None or self.position == 0:
+            return x
+        return torch.cat([history[:, : self.position].to(x.dtype), x], dim=1)
+
+    def checking_step(self, span: RouteSpan, inputs: torch.Tensor) -> Step:
+        """The step that computes ``inputs`` (from position 0) through ``span``'s blocks on a
+        server that checks an answer: it carries the session's deep prompts."""
+        return Step(
+            hidden_states=inputs,
+            start_from_position=0,
+            step_id=0,
+            prompts=self._span_prompts(span),
+        )
+
     def _span_prompts(self, span: RouteSpan) -> torch.Tensor | None:
         if self.prompts is None:
             return None

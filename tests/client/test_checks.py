@@ -41,25 +41,32 @@ from .test_sequential import local_grads
 LIE = 0.2
 
 
+def _moved(output: torch.Tensor) -> torch.Tensor:
+    return output + LIE * output.detach().abs().mean() * torch.ones_like(output)
+
+
 def _lying(method: Callable[..., Any]) -> Callable[..., Any]:
-    """``method`` of a backend, with its output moved by a fifth of its scale."""
+    """``method`` of a backend, with its output (or each of its outputs) moved by a fifth of
+    its scale."""
 
     @functools.wraps(method)
     def lie(*args: Any, **kwargs: Any) -> Any:
         result = method(*args, **kwargs)
-        output = result[0] if isinstance(result, tuple) else result
-        moved = output + LIE * output.detach().abs().mean() * torch.ones_like(output)
-        return (moved, *result[1:]) if isinstance(result, tuple) else moved
+        if isinstance(result, list):
+            return [_moved(output) for output in result]
+        if isinstance(result, tuple):
+            return (_moved(result[0]), *result[1:])
+        return _moved(result)
 
     return lie
 
 
 def make_liar(server: Server) -> None:
-    """The server's backend computes every forward wrongly from now on."""
+    """The server's backend computes every forward and inference step wrongly from now on."""
     backend = server.backend
     assert backend is not None
-    backend.forward_block = _lying(backend.forward_block)  # type: ignore[method-assign]
-    backend.forward_keeping_graph = _lying(backend.forward_keeping_graph)  # type: ignore[method-assign]
+    for name in ("forward_block", "forward_keeping_graph", "inference_step", "inference_steps"):
+        setattr(backend, name, _lying(getattr(backend, name)))
 
 
 def test_honest_differences_stay_within_the_bound_and_lies_do_not() -> None:
@@ -202,3 +209,27 @@ async def test_an_answer_whose_signature_does_not_match_is_refused(
                         await reference.check_step(session, 1, tokens)
                     assert session.retries >= 1
                     assert seq.sequence_manager.is_banned(forger_id)
+
+
+async def test_a_lying_server_in_a_session_is_caught_and_the_outputs_stay_exact(
+    model: Model, tmp_path: Path
+) -> None:
+    """Inference: the liar's first answer is checked (another server replays the span's inputs),
+    a third server decides, and the step moves to a replacement with the session's history: every
+    output equals the local blocks'.  Later steps never reach the liar."""
+    async with in_process_swarm(model, tmp_path, [(0, 3), (3, 6)]) as swarm:
+        liar = await swarm.add((0, N_BLOCKS), throughput=1000.0)
+        await swarm.add((0, N_BLOCKS))
+        make_liar(liar)
+        liar_id = str(liar.dht.peer_id)
+        manager = manager_for(list(swarm.servers.values()), max_retries=3)
+        with trio.fail_after(DEADLINE_S):
+            async with RemoteSequential(manager) as seq:
+                await wait_for_servers(seq.sequence_manager, 4)
+                torch.manual_seed(10)
+                reference = Reference(model)
+                async with InferenceSession(seq.sequence_manager, 16) as session:
+                    for tokens in (4, 1, 1, 2, 1):
+                        await reference.check_step(session, 2, tokens)
+                    assert liar_id not in {span.peer_id for span in session.route}
+                assert list(seq.sequence_manager.state.caught) == [liar_id]
