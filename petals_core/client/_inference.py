@@ -90,31 +90,27 @@ class _SpanCall:
     ) -> StepResult:
         """The answer the core awaits from span ``index``, its receipt checked; answers to
         other steps are stale (pushed steps resent since) and skipped."""
-        assert self.call is not None
         while True:
-            reply = await self.call.receive()
-            try:
-                result = StepResult.from_wire_untrusted(reply)
-            except CodecError as exc:
-                raise ServerError(
-                    f"server {self.state.peer} sent a malformed step result: {exc}"
-                ) from None
+            result = await self._receive()
             if core.is_answer(index, result):
                 self._check_receipt(result, manager)
                 return result
 
     async def result(self, manager: RemoteSequenceManager) -> StepResult:
         """The next answer, its receipt checked (a session of one step: a check's)."""
+        result = await self._receive()
+        self._check_receipt(result, manager)
+        return result
+
+    async def _receive(self) -> StepResult:
         assert self.call is not None
         reply = await self.call.receive()
         try:
-            result = StepResult.from_wire_untrusted(reply)
+            return StepResult.from_wire_untrusted(reply)
         except CodecError as exc:
             raise ServerError(
                 f"server {self.state.peer} sent a malformed step result: {exc}"
             ) from None
-        self._check_receipt(result, manager)
-        return result
 
     def _check_receipt(self, result: StepResult, manager: RemoteSequenceManager) -> None:
         """The server signed this output for this position of our session on its blocks (the

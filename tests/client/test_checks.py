@@ -5,8 +5,6 @@ signature does not match is refused."""
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +20,7 @@ from petals_core.client import (
     remote_forward,
 )
 from petals_core.client._checks import TOLERANCE, agree, disagreement, tolerance
-from petals_core.server import Server
+from petals_core.testing import make_liar
 
 from ._swarm_helpers import (
     DEADLINE_S,
@@ -39,34 +37,6 @@ from .test_sequential import local_grads
 
 #: How much the liar changes its outputs: a fifth of their scale.
 LIE = 0.2
-
-
-def _moved(output: torch.Tensor) -> torch.Tensor:
-    return output + LIE * output.detach().abs().mean() * torch.ones_like(output)
-
-
-def _lying(method: Callable[..., Any]) -> Callable[..., Any]:
-    """``method`` of a backend, with its output (or each of its outputs) moved by a fifth of
-    its scale."""
-
-    @functools.wraps(method)
-    def lie(*args: Any, **kwargs: Any) -> Any:
-        result = method(*args, **kwargs)
-        if isinstance(result, list):
-            return [_moved(output) for output in result]
-        if isinstance(result, tuple):
-            return (_moved(result[0]), *result[1:])
-        return _moved(result)
-
-    return lie
-
-
-def make_liar(server: Server) -> None:
-    """The server's backend computes every forward and inference step wrongly from now on."""
-    backend = server.backend
-    assert backend is not None
-    for name in ("forward_block", "forward_keeping_graph", "inference_step", "inference_steps"):
-        setattr(backend, name, _lying(getattr(backend, name)))
 
 
 def test_honest_differences_stay_within_the_bound_and_lies_do_not() -> None:
@@ -125,12 +95,13 @@ async def test_with_checks_off_the_liar_goes_unnoticed(model: Model, tmp_path: P
     expected = model.forward(x).detach()
     async with in_process_swarm(model, tmp_path, []) as swarm:
         liar = await swarm.add((0, N_BLOCKS), throughput=1000.0)
-        await swarm.add((0, N_BLOCKS))
+        honest = await swarm.add((0, N_BLOCKS))
         make_liar(liar)
         manager = manager_for(list(swarm.servers.values()), verify="none")
         with trio.fail_after(DEADLINE_S):
             async with RemoteSequential(manager) as seq:
                 await wait_for_servers(seq.sequence_manager, 2)
+                seq.sequence_manager.on_request_failure(str(honest.dht.peer_id))  # route: liar
                 output, _ = await remote_forward(seq.sequence_manager, x)
                 assert disagreement(output, expected) > max(TOLERANCE.values())
                 assert not seq.sequence_manager.state.caught
@@ -176,14 +147,16 @@ async def test_an_answer_whose_signature_does_not_match_is_refused(
     model: Model, tmp_path: Path
 ) -> None:
     """A server that signs something else than it answers (forward passes and inference steps):
-    its answers are refused (and it is banned like a failing server); the forward goes through
-    the other server, and the session moves there with its history, both exactly."""
+    its answers are refused and it is banned like a failing server; the forward goes through
+    the other server, and the session moves there with its history, both exactly.  The honest
+    server is banned for a moment before each, so that the route takes the forger first."""
     torch.manual_seed(9)
     x = torch.randn(1, 4, HIDDEN)
     expected = model.forward(x).detach()
     async with in_process_swarm(model, tmp_path, []) as swarm:
-        forger = await swarm.add((0, N_BLOCKS), throughput=1000.0)
-        await swarm.add((0, N_BLOCKS))
+        forger = await swarm.add((0, N_BLOCKS))
+        honest = await swarm.add((0, N_BLOCKS))
+        forger_id, honest_id = str(forger.dht.peer_id), str(honest.dht.peer_id)
         serving = forger.block_server._serving
         sign = serving.receipt
 
@@ -192,23 +165,28 @@ async def test_an_answer_whose_signature_does_not_match_is_refused(
             return await sign(kind, blocks, adapter, asked, {"other": torch.zeros(1)}, **kwargs)
 
         serving.receipt = wrong_receipt  # type: ignore[method-assign]
-        forger_id = str(forger.dht.peer_id)
-        manager = manager_for(list(swarm.servers.values()), verify="none", max_retries=3)
+        manager = manager_for(
+            list(swarm.servers.values()), verify="none", max_retries=10, ban_timeout_s=0.5
+        )
         with trio.fail_after(DEADLINE_S):
             async with RemoteSequential(manager) as seq:
-                await wait_for_servers(seq.sequence_manager, 2)
-                output, saved = await remote_forward(seq.sequence_manager, x)
+                manager = seq.sequence_manager
+                await wait_for_servers(manager, 2)
+                manager.on_request_failure(honest_id)
+                output, saved = await remote_forward(manager, x)
                 assert_close(output, expected)
                 assert forger_id not in {span.peer_id for chunk in saved for span, *_ in chunk}
-                assert seq.sequence_manager.is_banned(forger_id)
+                assert forger.block_server.statistics().forwards >= 1  # it answered, refused
 
-                seq.sequence_manager.on_request_success(forger_id)  # routes may take it again
+                manager.on_request_success(forger_id)
+                manager.on_request_failure(honest_id)
                 reference = Reference(model)
-                async with InferenceSession(seq.sequence_manager, 8) as session:
+                async with InferenceSession(manager, 8) as session:
                     for tokens in (3, 1, 1):
                         await reference.check_step(session, 1, tokens)
                     assert session.retries >= 1
-                    assert seq.sequence_manager.is_banned(forger_id)
+                    assert [span.peer_id for span in session.route] == [honest_id]
+                assert forger.block_server.statistics().steps >= 1
 
 
 async def test_a_lying_server_in_a_session_is_caught_and_the_outputs_stay_exact(

@@ -1,0 +1,43 @@
+"""A lying server, for tests and benchmarks of the client's checks: its backend moves every
+output of a forward and of an inference step by a share of its scale.  A test double applied to
+a running server (:func:`make_liar`); the shipped server has no such mode."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+    from ..server import Server
+
+__all__ = ["make_liar"]
+
+#: The backend's methods whose outputs leave the server.
+_ANSWERING = ("forward_block", "forward_keeping_graph", "inference_step", "inference_steps")
+
+
+def make_liar(server: Server, *, by: float = 0.2) -> None:
+    """From now on, ``server`` answers every forward and inference step off by ``by`` times the
+    mean magnitude of the right answer (added to every element)."""
+    backend = server.backend
+    if backend is None:
+        raise ValueError("the server has not loaded its blocks yet")
+
+    def moved(output: torch.Tensor) -> torch.Tensor:
+        return output + by * output.detach().abs().mean()
+
+    def lying(method: Callable[..., Any]) -> Callable[..., Any]:
+        def lie(*args: Any, **kwargs: Any) -> Any:
+            result = method(*args, **kwargs)
+            if isinstance(result, list):
+                return [moved(output) for output in result]
+            if isinstance(result, tuple):
+                return (moved(result[0]), *result[1:])
+            return moved(result)
+
+        return lie
+
+    for name in _ANSWERING:
+        setattr(backend, name, lying(getattr(backend, name)))
