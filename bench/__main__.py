@@ -25,6 +25,7 @@ BENCHMARKS = {
     "wan": "bench.wan",
     "nat": "bench.nat",
     "api": "bench.api",
+    "trust": "bench.trust",
 }
 # Run only when named: needs a CUDA GPU.
 ON_DEMAND = {"kernels_cuda": "bench.kernels_cuda", "gpu": "bench.gpu"}

@@ -1,0 +1,406 @@
+"""``python -m bench trust``: what checking answers costs, catches, and never gets wrong.
+
+1. **Honest disagreement** (no network): what a check compares, computed here.  Blocks of
+   SmolLM2-135M's shape (hidden 576, 9 heads over 3 key/value heads; ``BLOCKS`` of them, random
+   weights of a trained model's scale), in float32, bfloat16 and float16: the answering server
+   runs a session (a ``PREFILL``-token prefill, then one token at a time, KV cache) on one torch
+   thread; the checker replays the span's inputs so far from position 0 on two threads, as a
+   check does.  Each step is one checked answer, compared as the client compares them
+   (:func:`petals_core.client._checks.disagreement`); the table gives the largest and the 99.9th
+   percentile against the dtype's bound, and how many honest answers would have been reported
+   (target: none in at least 10,000).
+2. **A liar that lies on 1% of its answers**, under the default policy (each server's first 2
+   answers checked, then 5% at random): ``TRIALS`` simulated servers, answers until the first
+   checked lie, and lies that passed before it, drawn by the sequence manager's own policy.
+3. **End to end** (in-process servers of a tiny random LLaMA, 6 blocks, hidden 64, fp32, one
+   thread): greedy generation through ``AutoDistributedModelForCausalLM``, ``NEW_TOKENS`` new
+   tokens, (a) on 3 honest servers, (b) with a 4th server that answers every forward and step a
+   fifth of its scale off and announces a higher speed (routes prefer it; a test double, not a
+   server mode), with default settings: tokens and logits must equal (a)'s.  Then the overhead
+   of the default policy on the honest swarm, side by side with ``verify="none"``: ms per token
+   (rounds alternating), and the positions the servers computed (checks replay histories).
+
+Targets: 0 false reports in >= 10,000 honest answers; the liar caught and outputs equal with
+default settings; the default policy's overhead at most 10% (ms/token, and the positions the
+servers compute: a checked step replays the span's inputs so far, so this one grows with the
+length of sessions).
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import trio
+
+from ._report import percentile, print_table, summarize, summarize_ratio, write_json
+
+BLOCKS = 2
+PREFILL = 8
+DECODE_STEPS = 15
+SESSIONS = {"float32": 250, "bfloat16": 220, "float16": 160}
+TRIALS = 1000
+LIE_RATE = 0.01
+NEW_TOKENS = 24
+OVERHEAD_ROUNDS = 4
+LIE = 0.2
+
+
+# -- 1. honest disagreement ----------------------------------------------------------------------
+
+
+def _blocks(dtype: torch.dtype) -> list[Any]:
+    from petals_core.models.llama import LlamaBlock
+    from petals_core.testing import smollm2_135m_config
+
+    config = smollm2_135m_config(num_hidden_layers=BLOCKS)
+    blocks = []
+    for index in range(BLOCKS):
+        block = LlamaBlock(config, index)
+        with torch.no_grad():
+            for name, param in block.named_parameters():
+                if "norm" in name:
+                    param.copy_(1 + 0.1 * torch.randn(param.shape))
+                else:
+                    param.copy_(0.02 * torch.randn(param.shape))
+        blocks.append(block.to(dtype).eval().requires_grad_(False))
+    return blocks
+
+
+def honest_disagreement(dtype_name: str, sessions: int) -> list[float]:
+    """Each answer's disagreement with its check (see the module)."""
+    from petals_core.client._checks import disagreement
+
+    dtype = getattr(torch, dtype_name)
+    torch.manual_seed(1)
+    rng = random.Random(dtype_name)
+    blocks = _blocks(dtype)
+    found = []
+    length = PREFILL + DECODE_STEPS
+    with torch.inference_mode():
+        for _ in range(sessions):
+            batch = rng.choice((1, 2))
+            # Hidden states of a trained model's scale, a few large dimensions included.
+            inputs = torch.randn(batch, length, 576)
+            inputs[..., :4] *= 20
+            inputs = inputs.to(dtype)
+            torch.set_num_threads(1)
+            caches = [block.allocate_cache(batch, length) for block in blocks]
+            answers = []
+            for start, end in [(0, PREFILL), *((t, t + 1) for t in range(PREFILL, length))]:
+                x = inputs[:, start:end]
+                for block, cache in zip(blocks, caches, strict=True):
+                    x = block(x, cache=cache)
+                answers.append((end, x))
+            torch.set_num_threads(2)
+            for end, answer in answers:
+                replay = inputs[:, :end]
+                for block in blocks:
+                    replay = block(replay, cache=block.allocate_cache(batch, end))
+                found.append(disagreement(answer, replay[:, -answer.shape[1] :]))
+    torch.set_num_threads(1)
+    return found
+
+
+# -- 2. a liar of 1% under the default policy -----------------------------------------------------
+
+
+def caught_after(trials: int, lie_rate: float) -> tuple[list[int], list[int]]:
+    """Per simulated liar: answers until its first checked lie, and lies unchecked before it."""
+    from petals_core.routing import RemoteSequenceManager, SequenceManagerConfig
+
+    answers_until, passed = [], []
+    rng = random.Random(7)
+    for trial in range(trials):
+        manager = RemoteSequenceManager(
+            SequenceManagerConfig(dht_prefix="simulated"), 1, rng=random.Random(trial)
+        )
+        answers = lies = 0
+        while True:
+            answers += 1
+            lying = rng.random() < lie_rate
+            if manager.should_verify("liar"):
+                if lying:
+                    break
+                manager.on_verified("liar")
+            elif lying:
+                lies += 1
+        answers_until.append(answers)
+        passed.append(lies)
+    return answers_until, passed
+
+
+# -- 3. end to end -------------------------------------------------------------------------------
+
+
+class _Tokens:
+    """Counts the positions (rows x tokens) the servers' inference steps compute."""
+
+    def __init__(self, servers: list[Any]) -> None:
+        self.count = 0
+        for server in servers:
+            self._count(server.backend)
+
+    def _count(self, backend: Any) -> None:
+        step, steps = backend.inference_step, backend.inference_steps
+
+        def counted_step(start: int, end: int, hidden: torch.Tensor, *a: Any, **k: Any) -> Any:
+            self.count += hidden.shape[0] * hidden.shape[1]
+            return step(start, end, hidden, *a, **k)
+
+        def counted_steps(start: int, end: int, items: Any, *a: Any, **k: Any) -> Any:
+            self.count += sum(hidden.shape[0] * hidden.shape[1] for hidden, _ in items)
+            return steps(start, end, items, *a, **k)
+
+        backend.inference_step, backend.inference_steps = counted_step, counted_steps
+
+
+async def _end_to_end(folder: Path) -> dict[str, Any]:
+    from contextlib import AsyncExitStack
+
+    from petals_core.server import ServerConfig, open_server
+    from petals_core.testing import make_liar
+
+    common: dict[str, Any] = {
+        "model": str(folder),
+        "host": "127.0.0.1",
+        "torch_dtype": "float32",
+        "quant_type": "none",
+        "device": "cpu",
+        "cache_dir": str(folder / "cache"),
+    }
+    # The honest servers announce a low speed and the liar a high one: routes prefer the liar
+    # (as a cheat would arrange) even before the client has measured anyone.
+    honest_speed = {"throughput": 0.1}
+    async with AsyncExitStack() as stack:
+        first = await stack.enter_async_context(
+            open_server(
+                ServerConfig(new_swarm=True, block_indices=(0, 6), **honest_speed, **common)
+            )
+        )
+        peers = tuple(str(address) for address in first.multiaddrs)
+        servers = [first]
+        for _ in range(2):
+            servers.append(
+                await stack.enter_async_context(
+                    open_server(
+                        ServerConfig(
+                            initial_peers=peers, block_indices=(0, 6), **honest_speed, **common
+                        )
+                    )
+                )
+            )
+        prefix = first.dht_prefix
+        honest = await trio.to_thread.run_sync(_generate, folder, peers, prefix, "sample", 3)
+        tokens = _Tokens(servers)
+        overhead = await trio.to_thread.run_sync(_overhead, folder, peers, prefix, tokens)
+        liar = await stack.enter_async_context(
+            open_server(
+                ServerConfig(initial_peers=peers, block_indices=(0, 6), throughput=1000.0, **common)
+            )
+        )
+        make_liar(liar, by=LIE)
+        lied = await trio.to_thread.run_sync(_generate, folder, peers, prefix, "sample", 4)
+        unchecked = await trio.to_thread.run_sync(_generate, folder, peers, prefix, "none", 4)
+    return {
+        "tokens_equal": honest["tokens"] == lied["tokens"],
+        "logits_max_abs_diff": float((honest["logits"] - lied["logits"]).abs().max()),
+        "caught": lied["caught"],
+        "liar": str(liar.dht.peer_id),
+        "unchecked_tokens_equal": honest["tokens"] == unchecked["tokens"],
+        "unchecked_logits_max_abs_diff": float(
+            (honest["logits"] - unchecked["logits"]).abs().max()
+        ),
+        "overhead": overhead,
+    }
+
+
+def _model(folder: Path, peers: tuple[str, ...], prefix: str, verify: str) -> Any:
+    from petals_core.distributed import AutoDistributedModelForCausalLM
+
+    return AutoDistributedModelForCausalLM.from_pretrained(
+        str(folder),
+        initial_peers=peers,
+        dht_prefix=prefix,
+        verify=verify,
+        local_files_only=True,
+        request_timeout_s=30.0,
+        update_period_s=1.0,
+    ).eval()
+
+
+def _manager(model: Any) -> Any:
+    from petals_core.client import RemoteSequential
+
+    return next(m for m in model.modules() if isinstance(m, RemoteSequential)).sequence_manager
+
+
+def _generate(
+    folder: Path, peers: tuple[str, ...], prefix: str, verify: str, servers: int
+) -> dict[str, Any]:
+    model = _model(folder, peers, prefix, verify)
+    try:
+        manager = _manager(model)
+        ids = torch.tensor([[5, 17, 33, 2, 9, 41, 7, 12]])
+        with torch.no_grad():
+            model(ids)  # the client joins the swarm
+            deadline = time.monotonic() + 30
+            while len(manager.servers()) + len(manager.state.caught) < servers:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"the client did not see {servers} servers within 30 s")
+                time.sleep(0.05)
+            out = model.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False)
+            logits = model(out).logits
+        return {"tokens": out.tolist(), "logits": logits, "caught": list(manager.state.caught)}
+    finally:
+        model.shutdown()
+
+
+def _overhead(folder: Path, peers: tuple[str, ...], prefix: str, tokens: _Tokens) -> dict[str, Any]:
+    models = {verify: _model(folder, peers, prefix, verify) for verify in ("none", "sample")}
+    times: dict[str, list[float]] = {verify: [] for verify in models}
+    steps: dict[str, int] = {verify: 0 for verify in models}
+    ids = torch.tensor([[5, 17, 33, 2, 9, 41, 7, 12]])
+    try:
+        for model in models.values():  # warm: routes, pings, the first answers' checks
+            with torch.no_grad():
+                model.generate(ids, max_new_tokens=4, do_sample=False)
+        for _ in range(OVERHEAD_ROUNDS):
+            for verify, model in models.items():
+                before = tokens.count
+                began = time.perf_counter()
+                with torch.no_grad():
+                    model.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False)
+                times[verify].append((time.perf_counter() - began) * 1000 / NEW_TOKENS)
+                steps[verify] += tokens.count - before
+    finally:
+        for model in models.values():
+            model.shutdown()
+    return {
+        "ms_per_token": {verify: statistics.median(t) for verify, t in times.items()},
+        "server_positions": steps,
+    }
+
+
+def main() -> None:
+    from transformers import LlamaForCausalLM
+
+    from petals_core.client._checks import TOLERANCE
+    from petals_core.testing import tiny_llama_config
+
+    torch.set_num_threads(1)
+    started = time.perf_counter()
+    rows, honest = [], {}
+    total = false_reports = 0
+    for dtype, sessions in SESSIONS.items():
+        found = honest_disagreement(dtype, sessions)
+        bound = TOLERANCE[dtype]
+        reports = sum(value > bound for value in found)
+        total += len(found)
+        false_reports += reports
+        honest[dtype] = {
+            "answers": len(found),
+            "max": max(found),
+            "p999": percentile(found, 0.999),
+            "median": statistics.median(found),
+            "bound": bound,
+            "false_reports": reports,
+        }
+        rows.append(
+            [dtype, len(found), f"{statistics.median(found):.2e}",
+             f"{percentile(found, 0.999):.2e}", f"{max(found):.2e}", bound, reports]
+        )  # fmt: skip
+    print_table(
+        f"trust: honest disagreement, {BLOCKS} SmolLM2-shaped blocks: session on 1 thread against "
+        "replays from position 0 on 2 threads (relative L2 per token, largest over tokens)",
+        ["dtype", "answers", "median", "p99.9", "max", "bound", "false reports"],
+        rows,
+    )
+    summarize(
+        "trust",
+        f"false reports among {total} honest answers",
+        float(false_reports),
+        unit="answers",
+        target="0",
+        met=false_reports == 0 and total >= 10_000,
+    )
+
+    answers, passed = caught_after(TRIALS, LIE_RATE)
+    print_table(
+        f"trust: a server lying on {LIE_RATE:.0%} of its answers, default policy, {TRIALS} trials",
+        ["", "median", "p90", "p99", "max"],
+        [
+            ["answers until caught", statistics.median(answers), percentile(answers, 0.9),
+             percentile(answers, 0.99), max(answers)],
+            ["lies unchecked before", statistics.median(passed), percentile(passed, 0.9),
+             percentile(passed, 0.99), max(passed)],
+        ],
+    )  # fmt: skip
+
+    with tempfile.TemporaryDirectory() as folder:
+        torch.manual_seed(3)
+        LlamaForCausalLM(tiny_llama_config()).save_pretrained(folder, max_shard_size="200KB")
+        end = trio.run(_end_to_end, Path(folder))
+    overhead = end["overhead"]
+    ms = overhead["ms_per_token"]
+    steps = overhead["server_positions"]
+    print_table(
+        f"trust: end to end, tiny LLaMA on 3 honest servers (+1 liar), greedy, {NEW_TOKENS} tokens",
+        ["what", "value"],
+        [
+            ["liar caught (default settings)", end["liar"] in end["caught"]],
+            ["tokens equal an honest swarm's", end["tokens_equal"]],
+            ["logits max |diff| to an honest swarm", end["logits_max_abs_diff"]],
+            ["verify='none': tokens equal", end["unchecked_tokens_equal"]],
+            ["verify='none': logits max |diff|", end["unchecked_logits_max_abs_diff"]],
+            ["ms/token, verify='none'", ms["none"]],
+            ["ms/token, verify='sample'", ms["sample"]],
+            ["positions the servers computed, 'none'", steps["none"]],
+            ["positions the servers computed, 'sample'", steps["sample"]],
+        ],
+    )
+    exact = end["tokens_equal"] and end["logits_max_abs_diff"] == 0.0 and bool(end["caught"])
+    summarize(
+        "trust",
+        "a liar caught; tokens and logits equal an honest swarm's",
+        float(exact),
+        unit="",
+        target="1",
+        met=exact,
+    )
+    summarize_ratio(
+        "trust",
+        "decode ms/token, default checks vs none",
+        ms["sample"],
+        ms["none"],
+        at_most=1.10,
+    )
+    summarize(
+        "trust",
+        "positions the servers computed, default checks vs none",
+        float(steps["sample"]),
+        float(max(steps["none"], 1)),
+        unit="positions",
+        target="<= 1.1x",
+        met=steps["sample"] <= 1.1 * steps["none"],
+    )
+    print(f"total {time.perf_counter() - started:.0f} s")
+    write_json(
+        "trust",
+        {
+            "honest": honest,
+            "honest_answers": total,
+            "false_reports": false_reports,
+            "liar_1pct": {
+                "trials": TRIALS,
+                "answers_until_caught": answers,
+                "lies_unchecked": passed,
+            },
+            "end_to_end": {k: v for k, v in end.items()},
+        },
+    )
