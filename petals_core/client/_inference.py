@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import logging
 from contextlib import AsyncExitStack
-from typing import Any
+from typing import Any, Literal
 
 import attrs
 import torch
@@ -145,6 +145,24 @@ class _SpanCall:
             pass
 
 
+@attrs.define(eq=False)
+class _Follower:
+    """A session on another server holding a span's blocks, fed the span's inputs step by step
+    to check its answers (``until``: ``"first"``, until the span's server has its first answers
+    checked; ``"session"``: for the whole session)."""
+
+    call: _SpanCall
+    until: Literal["first", "session"]
+    opened_now: bool = True
+    #: The step sent for the step now running, and how many positions of its answer are ours.
+    sent: Step | None = None
+    tokens: int = 0
+
+    @property
+    def peer(self) -> str:
+        return self.call.state.peer
+
+
 class InferenceSession:
     """A session of up to ``max_length`` positions through ``manager``'s blocks (async API).
 
@@ -160,6 +178,11 @@ class InferenceSession:
         self.alloc_timeout = alloc_timeout
         self._core = SessionCore(blocks=manager.block_indices, max_length=max_length)
         self._calls: dict[SpanState, _SpanCall] = {}
+        #: Per span (by identity), the follower checking it, or None once decided against.
+        self._followers: dict[SpanState, _Follower | None] = {}
+        #: Spans that no single other server can follow: their answers are checked, as the
+        #: policy samples them, by replaying the span's inputs on other servers.
+        self._unfollowable: set[SpanState] = set()
         self._closed = False
         self.retries = 0
 
@@ -189,6 +212,15 @@ class InferenceSession:
     async def _close_calls(self, keep: frozenset[SpanState] = frozenset()) -> None:
         for state in [state for state in self._calls if state not in keep]:
             await self._calls.pop(state).close()
+        for key in [key for key in self._followers if key not in keep]:
+            await self._drop_follower(key)
+
+    async def _drop_follower(self, key: SpanState) -> None:
+        follower = self._followers.pop(key, None)
+        self._unfollowable.discard(key)
+        if follower is not None:
+            with trio.CancelScope(shield=True):
+                await follower.call.close()
 
     async def step(
         self,
@@ -228,6 +260,7 @@ class InferenceSession:
         index = 0
         while index < len(core.spans):
             state = core.spans[index]
+            follower = await self._follower(state)
             try:
                 timeout = self.manager.step_timeout(
                     state.span, tokens=x.shape[0] * x.shape[1], nbytes=x.nbytes
@@ -237,11 +270,16 @@ class InferenceSession:
                     span_call = self._calls[state]
                     if request is not None:
                         await span_call.send(request, self.manager.config.compression)
+                    if follower is not None:
+                        await self._follow(state, follower, x)
                     result = await span_call.answer(core, index, self.manager)
-                if self.manager.should_verify(state.peer):
+                if follower is not None:
+                    await self._check(state, follower, x, result)
+                elif state in self._unfollowable and self.manager.should_verify(state.peer):
                     await self._verify(state, x, result)
                 output = core.answered(index, x, result)
             except RETRIABLE as exc:
+                await self._drop_follower(state)
                 core.failed()
                 attempt = await self._failed(attempt, state, exc)
 
@@ -314,27 +352,117 @@ class InferenceSession:
             raise
         return opened
 
+    async def _follower(self, state: SpanState) -> _Follower | None:
+        """The follower checking ``state``'s span, opened at the span's first step if the
+        manager's policy asks for one (:meth:`RemoteSequenceManager.should_follow`) and a
+        server of the same dtype and quantisation holds all of its blocks; else None."""
+        key = state
+        if key in self._followers:
+            return self._followers[key]
+        self._followers[key] = None
+        until = self.manager.should_follow(state.peer)
+        if until is None:
+            return None
+        span, info = state.span, self.manager.server_info(state.peer)
+        try:
+            route = await self.manager.make_sequence(
+                span.start,
+                span.end,
+                mode="max_throughput",
+                exclude={state.peer},
+                like=info,
+                wait=False,
+            )
+        except MissingBlocksError:
+            return None  # nobody else holds these blocks: the answers stand unchecked
+        if len(route) != 1:
+            self._unfollowable.add(key)
+            return None
+        call = _SpanCall(SpanState(route[0]))
+        opening = self._core.opening(
+            call.state,
+            alloc_timeout=self.alloc_timeout,
+            active_adapter=self.manager.config.active_adapter,
+        )
+        try:
+            with trio.fail_after(self.manager.config.request_timeout_s):
+                await call.open(self.manager, opening)
+        except RETRIABLE as exc:
+            logger.info(
+                "could not open a session on %s to check %s: %r", call.state.peer, span, exc
+            )
+            with trio.CancelScope(shield=True):
+                await call.close()
+            return None
+        follower = self._followers[key] = _Follower(call=call, until=until)
+        return follower
+
+    async def _follow(self, state: SpanState, follower: _Follower, x: torch.Tensor) -> None:
+        """Send this step's input to ``follower`` (a failure drops the follower, not the step)."""
+        step = self._core.following_step(state.span, x, opened_now=follower.opened_now)
+        try:
+            await follower.call.send(step, self.manager.config.compression)
+        except RETRIABLE as exc:
+            logger.info("the follower of %s failed: %r", state.span, exc)
+            await self._drop_follower(state)
+            return
+        follower.sent, follower.tokens, follower.opened_now = step, x.shape[1], False
+
+    async def _check(
+        self, state: SpanState, follower: _Follower, x: torch.Tensor, result: StepResult
+    ) -> None:
+        """Compare ``state``'s answer to this step with its follower's (:meth:`_judge`).  A
+        follower that fails, or is outvoted, is dropped; one whose span's server has its first
+        answers checked is closed if that is all it was for."""
+        if follower.sent is None or self._followers.get(state) is not follower:
+            return
+        follower.sent = None
+        try:
+            with trio.fail_after(self.manager.config.request_timeout_s):
+                second = (await follower.call.result(self.manager)).hidden_states
+        except RETRIABLE as exc:
+            logger.info("the follower of %s failed: %r", state.span, exc)
+            await self._drop_follower(state)
+            return
+        second = second[:, -follower.tokens :]
+        if not agree(result.hidden_states, second, tolerance(self.manager.server_info(state.peer))):
+            await self._drop_follower(state)
+        await self._judge(state, x, result.hidden_states, second, {follower.peer})
+        verified = self.manager.state.verified.get(state.peer, 0)
+        if follower.until == "first" and verified >= self.manager.config.verify_first:
+            await self._drop_follower(state)
+
     async def _verify(self, state: SpanState, x: torch.Tensor, result: StepResult) -> None:
-        """Check ``state``'s answer to this step (input ``x``) against other servers holding its
-        blocks, which replay the span's inputs so far (as a replacement would).  If they
-        disagree, a third decides: a server in the minority is never used again, and if it is
-        this span's, :class:`WrongAnswer` sends the step to a replacement.  Where no other
-        server can replay it, the answer stands unchecked."""
+        """Check ``state``'s answer to this step against other servers that replay the span's
+        inputs so far (:meth:`_judge`); where none can, it stands unchecked."""
+        info = self.manager.server_info(state.peer)
+        inputs = self._core.inputs_of(state.span, x)
+        second, checkers = await self._recompute(state.span, inputs, x.shape[1], {state.peer}, info)
+        if second is not None:
+            await self._judge(state, x, result.hidden_states, second, checkers)
+
+    async def _judge(
+        self,
+        state: SpanState,
+        x: torch.Tensor,
+        answer: torch.Tensor,
+        second: torch.Tensor,
+        checkers: set[str],
+    ) -> None:
+        """``state``'s answer against ``checkers``' (``second``).  If they disagree, a third
+        server decides (replaying the span's inputs so far): a server in the minority is never
+        used again, and if it is this span's, :class:`WrongAnswer` sends the step to a
+        replacement.  With no third server, :class:`PetalsError`."""
         peer, span = state.peer, state.span
-        inputs = self._core.inputs_of(span, x)
-        tokens = x.shape[1]
-        answer = result.hidden_states
         info = self.manager.server_info(peer)
         bound = tolerance(info)
-        second, checkers = await self._recompute(span, inputs, tokens, {peer}, info)
-        if second is None:
-            return
         if agree(answer, second, bound):
             for verified in {peer} | checkers:
                 self.manager.on_verified(verified)
             return
+        inputs = self._core.inputs_of(span, x)
         off = disagreement(answer, second)
-        third, thirds = await self._recompute(span, inputs, tokens, {peer} | checkers, info)
+        third, thirds = await self._recompute(span, inputs, x.shape[1], {peer} | checkers, info)
         if third is None:
             raise PetalsError(
                 f"servers {peer} and {', '.join(sorted(checkers))} computed blocks "

@@ -322,6 +322,20 @@ class SessionCore:
             return x
         return torch.cat([history[:, : self.position].to(x.dtype), x], dim=1)
 
+    def following_step(self, span: RouteSpan, x: torch.Tensor, *, opened_now: bool) -> Step:
+        """The step for a server that follows ``span``'s session to check it: this step's input
+        ``x`` at this step's position; for a follower opened at this step past position 0, every
+        input of the span so far from position 0 (its answer's last ``x.shape[1]`` positions
+        are this step's)."""
+        if opened_now and self.position > 0:
+            return self.checking_step(span, self.inputs_of(span, x))
+        return Step(
+            hidden_states=x,
+            start_from_position=self.position,
+            prompts=self._span_prompts(span) if self.position == 0 else None,
+            hypo_ids=None if opened_now else self._hypo_ids,
+        )
+
     def checking_step(self, span: RouteSpan, inputs: torch.Tensor) -> Step:
         """The step that computes ``inputs`` (from position 0) through ``span``'s blocks on a
         server that checks an answer: it carries the session's deep prompts."""

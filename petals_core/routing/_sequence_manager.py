@@ -512,6 +512,19 @@ class RemoteSequenceManager:
             return True
         return self._rng.random() < self.config.verify_share
 
+    def should_follow(self, peer: str) -> Literal["first", "session"] | None:
+        """Whether a session's span on ``peer`` is checked by a server that follows it step by
+        step: until ``peer`` has ``verify_first`` answers checked (``"first"``), for the whole
+        session (``"session"``: every session with ``verify="all"``, a ``verify_share`` of them
+        otherwise), or not at all (None)."""
+        if self.config.verify == "none":
+            return None
+        if self.config.verify == "all":
+            return "session"
+        if self.state.verified.get(peer, 0) < self.config.verify_first:
+            return "first"
+        return "session" if self._rng.random() < self.config.verify_share else None
+
     def on_verified(self, peer: str) -> None:
         """One more answer of ``peer`` checked and found right."""
         self.state.verified[peer] = self.state.verified.get(peer, 0) + 1

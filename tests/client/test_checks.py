@@ -211,3 +211,32 @@ async def test_a_lying_server_in_a_session_is_caught_and_the_outputs_stay_exact(
                         await reference.check_step(session, 2, tokens)
                     assert liar_id not in {span.peer_id for span in session.route}
                 assert list(seq.sequence_manager.state.caught) == [liar_id]
+
+
+async def test_a_checked_session_is_followed_step_by_step_by_another_server(
+    model: Model, tmp_path: Path
+) -> None:
+    """``verify="all"``: a second server follows the session's span in a session of its own,
+    computing each step once (no replays), and every answer is compared with its; rollback and
+    beam reordering reach it too, and every output equals the local blocks'."""
+    async with in_process_swarm(model, tmp_path, [(0, N_BLOCKS), (0, N_BLOCKS)]) as swarm:
+        manager = manager_for(list(swarm.servers.values()), verify="all")
+        with trio.fail_after(DEADLINE_S):
+            async with RemoteSequential(manager) as seq:
+                await wait_for_servers(seq.sequence_manager, 2)
+                torch.manual_seed(11)
+                reference = Reference(model)
+                async with InferenceSession(seq.sequence_manager, 16) as session:
+                    await reference.check_step(session, 2, 4)
+                    for server in swarm.servers.values():
+                        assert server.block_server.statistics().sessions == 1
+                    await reference.check_step(session, 2, 1)
+                    session.position = 3
+                    reference.rollback(3)
+                    await reference.check_step(session, 2, 2)
+                    await reference.check_step(session, 2, 1, hypo_ids=torch.tensor([1, 0]))
+                    steps = [s.block_server.statistics().steps for s in swarm.servers.values()]
+                    assert steps == [4, 4]
+                state = seq.sequence_manager.state
+                assert not state.caught
+                assert sum(state.verified.values()) == 2 * 4
