@@ -43,6 +43,7 @@ from ..protocol import (
     OpenSession,
     Receipt,
     SessionReady,
+    SignedReceipt,
     Step,
     StepResult,
     digest_tensors,
@@ -64,10 +65,12 @@ RETRIABLE = (TransportError, RemoteError, ServerError, trio.TooSlowError)
 class _SpanCall:
     """The stream of one span's session on its server."""
 
-    def __init__(self, state: SpanState) -> None:
+    def __init__(self, state: SpanState, receipts: list[SignedReceipt]) -> None:
         self.state = state
         self.stack = AsyncExitStack()
         self.call: Call | None = None
+        #: Where the receipts of its answers go once they check (the session's).
+        self.receipts = receipts
 
     async def open(self, manager: RemoteSequenceManager, opening: OpenSession) -> None:
         connection = await manager.connect(self.state.peer)
@@ -131,6 +134,9 @@ class _SpanCall:
             answered=digest_tensors({"hidden_states": result.hidden_states}),
         )
         check_receipt(receipt, signature, self.state.peer)
+        self.receipts.append(
+            SignedReceipt(peer=self.state.peer, receipt=receipt, signature=signature)
+        )
 
     async def close(self) -> None:
         call, self.call = self.call, None
@@ -178,6 +184,9 @@ class InferenceSession:
         self.alloc_timeout = alloc_timeout
         self._core = SessionCore(blocks=manager.block_indices, max_length=max_length)
         self._calls: dict[SpanState, _SpanCall] = {}
+        #: Every answer's receipt (its signature checked), kept while the session lives: the
+        #: evidence of what each server answered.
+        self.receipts: list[SignedReceipt] = []
         #: Per span (by identity), the follower checking it, or None once decided against.
         self._followers: dict[SpanState, _Follower | None] = {}
         #: Spans that no single other server can follow: their answers are checked, as the
@@ -332,7 +341,7 @@ class InferenceSession:
         opened = core.route_opened(route, at)
         try:
             for state in opened:
-                span_call = self._calls[state] = _SpanCall(state)
+                span_call = self._calls[state] = _SpanCall(state, self.receipts)
                 opening = core.opening(
                     state,
                     alloc_timeout=self.alloc_timeout,
@@ -378,7 +387,7 @@ class InferenceSession:
         if len(route) != 1:
             self._unfollowable.add(key)
             return None
-        call = _SpanCall(SpanState(route[0]))
+        call = _SpanCall(SpanState(route[0]), self.receipts)
         opening = self._core.opening(
             call.state,
             alloc_timeout=self.alloc_timeout,
@@ -509,7 +518,7 @@ class InferenceSession:
         try:
             with trio.fail_after(self.manager.config.request_timeout_s):
                 for other in route:
-                    call = _SpanCall(SpanState(other))
+                    call = _SpanCall(SpanState(other), self.receipts)
                     calls.append(call)
                     opening = core.opening(
                         call.state,

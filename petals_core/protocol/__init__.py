@@ -42,6 +42,7 @@ from ._receipts import (
     Receipt as Receipt,
     ReceiptKind as ReceiptKind,
     Signature as Signature,
+    SignedReceipt as SignedReceipt,
     digest_tensors as digest_tensors,
 )
 from ._training import (

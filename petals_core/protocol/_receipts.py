@@ -36,6 +36,7 @@ __all__ = [
     "DIGEST_BYTES",
     "Receipt",
     "Signature",
+    "SignedReceipt",
     "digest_tensors",
 ]
 
@@ -162,3 +163,13 @@ class Receipt:
         except (InvalidSignature, ValueError):
             return False
         return True
+
+
+@attrs.frozen(kw_only=True)
+class SignedReceipt:
+    """A receipt whose signature checked, and the server (PeerID) that signed it: evidence that
+    this server gave this answer to this question."""
+
+    peer: str
+    receipt: Receipt
+    signature: Signature

@@ -19,7 +19,13 @@ from petals_core.client import (
     remote_backward,
     remote_forward,
 )
-from petals_core.client._checks import TOLERANCE, agree, disagreement, tolerance
+from petals_core.client._checks import (
+    TOLERANCE,
+    agree,
+    check_receipt,
+    disagreement,
+    tolerance,
+)
 from petals_core.testing import make_liar
 
 from ._swarm_helpers import (
@@ -237,6 +243,24 @@ async def test_a_checked_session_is_followed_step_by_step_by_another_server(
                     await reference.check_step(session, 2, 1, hypo_ids=torch.tensor([1, 0]))
                     steps = [s.block_server.statistics().steps for s in swarm.servers.values()]
                     assert steps == [4, 4]
+                    # Every answer's receipt is kept, main and follower alike, and checks.
+                    assert len(session.receipts) == 2 * 4
+                    # The position after each step: 4, 5, then 5 again after the rollback, 6.
+                    assert sorted(r.receipt.step for r in session.receipts) == [
+                        4,
+                        4,
+                        5,
+                        5,
+                        5,
+                        5,
+                        6,
+                        6,
+                    ]
+                    peers = {str(s.dht.peer_id) for s in swarm.servers.values()}
+                    assert {r.peer for r in session.receipts} == peers
+                    for kept in session.receipts:
+                        check_receipt(kept.receipt, kept.signature, kept.peer)
+                        assert kept.receipt.kind == "step" and kept.receipt.blocks == (0, N_BLOCKS)
                 state = seq.sequence_manager.state
                 assert not state.caught
                 assert sum(state.verified.values()) == 2 * 4
