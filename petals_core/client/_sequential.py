@@ -21,6 +21,7 @@ import logging
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+import attrs
 import torch
 import trio
 
@@ -402,6 +403,95 @@ async def remote_backward(
     return like(grad_input, home), grad_prompts
 
 
+async def _backward_span(
+    manager: RemoteSequenceManager, span: RouteSpan, request: BackwardRequest
+) -> BackwardReply:
+    """``span``'s server's answer to ``request``, its shape and receipt checked."""
+    meta, tensors = await _call(manager, span, request)
+    reply = _parse_reply(BackwardReply.from_wire_untrusted, span, "backward", meta, tensors)
+    if reply.grad_inputs.shape != request.hidden_states.shape:
+        raise PetalsError(f"server {span.peer_id} returned a backward of the wrong shape")
+    _check_receipt(manager, span, request, reply.tensors(), reply.receipt)
+    return reply
+
+
+def _grads_disagreement(a: BackwardReply, b: BackwardReply) -> float:
+    if (a.grad_prompts is None) != (b.grad_prompts is None):
+        return float("inf")
+    off = disagreement(a.grad_inputs, b.grad_inputs)
+    if a.grad_prompts is not None and b.grad_prompts is not None:
+        off = max(off, disagreement(a.grad_prompts, b.grad_prompts))
+    return off
+
+
+async def _backward_elsewhere(
+    manager: RemoteSequenceManager,
+    span: RouteSpan,
+    request: BackwardRequest,
+    exclude: set[str],
+    like: ServerInfo | None,
+) -> tuple[BackwardReply, str] | None:
+    """``request`` answered by one other server holding all of ``span``'s blocks (not
+    ``exclude``; of ``like``'s dtype and quantisation), recomputing its forward; None if there
+    is none or it fails."""
+    try:
+        route = await manager.make_sequence(
+            span.start, span.end, mode="max_throughput", exclude=exclude, like=like, wait=False
+        )
+    except MissingBlocksError:
+        return None
+    if len(route) != 1:
+        return None
+    try:
+        reply = await _backward_span(manager, route[0], attrs.evolve(request, kept=None))
+    except RETRIABLE as exc:
+        logger.info("could not check a backward on %s: %r", route[0], exc)
+        return None
+    return reply, route[0].peer_id
+
+
+async def _verify_backward(
+    manager: RemoteSequenceManager,
+    span: RouteSpan,
+    request: BackwardRequest,
+    reply: BackwardReply,
+) -> BackwardReply:
+    """Check ``span``'s gradients against another server's for the same request (a single
+    server holding the span's blocks; where there is none, they stand unchecked): the answer
+    to use.  A disagreement goes to a third server and the minority is caught, as for forwards
+    (:func:`_verify_forward`)."""
+    info = manager.server_info(span.peer_id)
+    bound = tolerance(info)
+    second = await _backward_elsewhere(manager, span, request, {span.peer_id}, info)
+    if second is None:
+        return reply
+    other, checker = second
+    off = _grads_disagreement(reply, other)
+    if off <= bound:
+        manager.on_verified(span.peer_id)
+        manager.on_verified(checker)
+        return reply
+    third = await _backward_elsewhere(manager, span, request, {span.peer_id, checker}, info)
+    if third is None:
+        raise PetalsError(
+            f"servers {span.peer_id} and {checker} computed the backward of blocks "
+            f"{span.start}:{span.end} differently (relative difference {off:.3g}, bound "
+            f"{bound:.3g}) and no third server could decide"
+        )
+    decider, _ = third
+    with_first = _grads_disagreement(decider, reply) <= bound
+    with_second = _grads_disagreement(decider, other) <= bound
+    why = f"backward of blocks {span.start}:{span.end} off by {off:.3g} (bound {bound:.3g})"
+    if with_second and not with_first:
+        manager.on_caught(span.peer_id, f"{why} against two other servers")
+        return other
+    if with_first and not with_second:
+        manager.on_caught(checker, f"{why} against two other servers")
+        manager.on_verified(span.peer_id)
+        return reply
+    raise PetalsError(f"servers disagree on the {why} and no majority decides")
+
+
 async def _backward_chunk(
     manager: RemoteSequenceManager,
     grad_output: torch.Tensor,
@@ -426,11 +516,9 @@ async def _backward_chunk(
             kept=token,
         )
         try:
-            meta, tensors = await _call(manager, span, request)
-            reply = _parse_reply(BackwardReply.from_wire_untrusted, span, "backward", meta, tensors)
-            if reply.grad_inputs.shape != inputs.shape:
-                raise PetalsError(f"server {span.peer_id} returned a backward of the wrong shape")
-            _check_receipt(manager, span, request, reply.tensors(), reply.receipt)
+            reply = await _backward_span(manager, span, request)
+            if manager.should_verify(span.peer_id):
+                reply = await _verify_backward(manager, span, request, reply)
         except RETRIABLE as exc:
             await _failed_attempt(
                 manager,

@@ -4,7 +4,7 @@ a running server (:func:`make_liar`); the shipped server has no such mode."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -14,13 +14,23 @@ if TYPE_CHECKING:
 
 __all__ = ["make_liar"]
 
-#: The backend's methods whose outputs leave the server.
-_ANSWERING = ("forward_block", "forward_keeping_graph", "inference_step", "inference_steps")
+#: The backend's methods whose outputs leave the server, by the kind of answer.
+_ANSWERING = {
+    "forward": ("forward_block", "forward_keeping_graph"),
+    "step": ("inference_step", "inference_steps"),
+    "backward": ("backward_span", "backward_from_graph"),
+}
 
 
-def make_liar(server: Server, *, by: float = 0.2) -> None:
-    """From now on, ``server`` answers every forward and inference step off by ``by`` times the
-    mean magnitude of the right answer (added to every element)."""
+def make_liar(
+    server: Server, *, by: float = 0.2, lies: Collection[str] = ("forward", "step")
+) -> None:
+    """From now on, ``server`` answers every one of ``lies`` (``"forward"``, ``"step"``,
+    ``"backward"``: the input gradient) off by ``by`` times the mean magnitude of the right
+    answer (added to every element)."""
+    unknown = set(lies) - _ANSWERING.keys()
+    if unknown:
+        raise ValueError(f"no kind of answer {sorted(unknown)}: one of {sorted(_ANSWERING)}")
     backend = server.backend
     if backend is None:
         raise ValueError("the server has not loaded its blocks yet")
@@ -39,5 +49,6 @@ def make_liar(server: Server, *, by: float = 0.2) -> None:
 
         return lie
 
-    for name in _ANSWERING:
-        setattr(backend, name, lying(getattr(backend, name)))
+    for kind in lies:
+        for name in _ANSWERING[kind]:
+            setattr(backend, name, lying(getattr(backend, name)))

@@ -264,3 +264,36 @@ async def test_a_checked_session_is_followed_step_by_step_by_another_server(
                 state = seq.sequence_manager.state
                 assert not state.caught
                 assert sum(state.verified.values()) == 2 * 4
+
+
+async def test_a_server_lying_in_its_gradients_is_caught_before_the_optimiser_sees_them(
+    model: Model, tmp_path: Path
+) -> None:
+    """A server whose forwards are right and whose backwards are not: checked backwards go to
+    another server, a third decides, and the gradients equal local autograd."""
+    torch.manual_seed(12)
+    x = torch.randn(2, 5, HIDDEN)
+    prompts = torch.randn(N_BLOCKS, 1, 2, HIDDEN) * 0.5
+    grad_output = torch.randn(2, 5, HIDDEN)
+    expected, expected_grad, expected_prompt_grad = local_grads(model, x, grad_output, prompts)
+    async with in_process_swarm(model, tmp_path, []) as swarm:
+        liar = await swarm.add((0, N_BLOCKS), throughput=1000.0)
+        for _ in range(2):
+            await swarm.add((0, N_BLOCKS))
+        make_liar(liar, lies=("backward",))
+        liar_id = str(liar.dht.peer_id)
+        manager = manager_for(list(swarm.servers.values()), verify="all", max_retries=3)
+        with trio.fail_after(DEADLINE_S):
+            async with RemoteSequential(manager) as seq:
+                await wait_for_servers(seq.sequence_manager, 3)
+                for _ in range(2):
+                    output, saved = await remote_forward(seq.sequence_manager, x, prompts)
+                    assert_close(output, expected)
+                    grad, prompt_grad = await remote_backward(
+                        seq.sequence_manager, grad_output, saved, prompts
+                    )
+                    assert_close(grad, expected_grad)
+                    assert prompt_grad is not None and expected_prompt_grad is not None
+                    assert_close(prompt_grad, expected_prompt_grad)
+                assert list(seq.sequence_manager.state.caught) == [liar_id]
+                assert "backward of blocks 0:6" in seq.sequence_manager.state.caught[liar_id]
