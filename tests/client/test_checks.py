@@ -59,39 +59,46 @@ def test_honest_differences_stay_within_the_bound_and_lies_do_not() -> None:
     assert tolerance(None) == max(TOLERANCE.values())
 
 
-async def test_a_liar_is_caught_on_its_first_checked_answer(model: Model, tmp_path: Path) -> None:
+async def _train_beside_a_liar(
+    model: Model, tmp_path: Path, lies: tuple[str, ...], rounds: int, **fields: Any
+) -> tuple[dict[str, str], str, set[str]]:
     """Three servers hold every block; the liar announces the highest speed, so routes prefer
-    it.  Forward and backward equal local autograd all the same, and the liar is not used again."""
+    it.  ``rounds`` forwards and backwards with deep prompts, each equal to local autograd.
+    Returns the servers caught, the liar's PeerID and the servers the last forward saved."""
     torch.manual_seed(5)
     x = torch.randn(2, 5, HIDDEN)
     prompts = torch.randn(N_BLOCKS, 1, 2, HIDDEN) * 0.5
     grad_output = torch.randn(2, 5, HIDDEN)
     expected, expected_grad, expected_prompt_grad = local_grads(model, x, grad_output, prompts)
+    assert expected_prompt_grad is not None
     async with in_process_swarm(model, tmp_path, []) as swarm:
         liar = await swarm.add((0, N_BLOCKS), throughput=1000.0)
         for _ in range(2):
             await swarm.add((0, N_BLOCKS))
-        make_liar(liar)
-        liar_id = str(liar.dht.peer_id)
-        manager = manager_for(list(swarm.servers.values()), max_retries=3)
+        make_liar(liar, lies=lies)
+        manager = manager_for(list(swarm.servers.values()), max_retries=3, **fields)
         with trio.fail_after(DEADLINE_S):
             async with RemoteSequential(manager) as seq:
                 await wait_for_servers(seq.sequence_manager, 3)
-                for _ in range(3):
+                for _ in range(rounds):
                     output, saved = await remote_forward(seq.sequence_manager, x, prompts)
                     assert_close(output, expected)
                     grad, prompt_grad = await remote_backward(
                         seq.sequence_manager, grad_output, saved, prompts
                     )
                     assert_close(grad, expected_grad)
-                    assert prompt_grad is not None and expected_prompt_grad is not None
+                    assert prompt_grad is not None
                     assert_close(prompt_grad, expected_prompt_grad)
-                    used = {span.peer_id for chunk in saved for span, *_ in chunk}
-                    assert liar_id not in used
-                state = seq.sequence_manager.state
-                assert list(state.caught) == [liar_id]
-                assert "against two other servers" in state.caught[liar_id]
-                assert liar_id not in seq.sequence_manager.servers()
+                used = {span.peer_id for chunk in saved for span, *_ in chunk}
+                return dict(seq.sequence_manager.state.caught), str(liar.dht.peer_id), used
+
+
+async def test_a_liar_is_caught_on_its_first_checked_answer(model: Model, tmp_path: Path) -> None:
+    """Forward and backward equal local autograd all the same, and the liar is not used again."""
+    caught, liar, used = await _train_beside_a_liar(model, tmp_path, ("forward", "step"), 3)
+    assert list(caught) == [liar]
+    assert "against two other servers" in caught[liar]
+    assert liar not in used
 
 
 async def test_with_checks_off_the_liar_goes_unnoticed(model: Model, tmp_path: Path) -> None:
@@ -271,29 +278,6 @@ async def test_a_server_lying_in_its_gradients_is_caught_before_the_optimiser_se
 ) -> None:
     """A server whose forwards are right and whose backwards are not: checked backwards go to
     another server, a third decides, and the gradients equal local autograd."""
-    torch.manual_seed(12)
-    x = torch.randn(2, 5, HIDDEN)
-    prompts = torch.randn(N_BLOCKS, 1, 2, HIDDEN) * 0.5
-    grad_output = torch.randn(2, 5, HIDDEN)
-    expected, expected_grad, expected_prompt_grad = local_grads(model, x, grad_output, prompts)
-    async with in_process_swarm(model, tmp_path, []) as swarm:
-        liar = await swarm.add((0, N_BLOCKS), throughput=1000.0)
-        for _ in range(2):
-            await swarm.add((0, N_BLOCKS))
-        make_liar(liar, lies=("backward",))
-        liar_id = str(liar.dht.peer_id)
-        manager = manager_for(list(swarm.servers.values()), verify="all", max_retries=3)
-        with trio.fail_after(DEADLINE_S):
-            async with RemoteSequential(manager) as seq:
-                await wait_for_servers(seq.sequence_manager, 3)
-                for _ in range(2):
-                    output, saved = await remote_forward(seq.sequence_manager, x, prompts)
-                    assert_close(output, expected)
-                    grad, prompt_grad = await remote_backward(
-                        seq.sequence_manager, grad_output, saved, prompts
-                    )
-                    assert_close(grad, expected_grad)
-                    assert prompt_grad is not None and expected_prompt_grad is not None
-                    assert_close(prompt_grad, expected_prompt_grad)
-                assert list(seq.sequence_manager.state.caught) == [liar_id]
-                assert "backward of blocks 0:6" in seq.sequence_manager.state.caught[liar_id]
+    caught, liar, _ = await _train_beside_a_liar(model, tmp_path, ("backward",), 2, verify="all")
+    assert list(caught) == [liar]
+    assert "backward of blocks 0:6" in caught[liar]
