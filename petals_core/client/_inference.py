@@ -274,13 +274,14 @@ class InferenceSession:
                 timeout = self.manager.step_timeout(
                     state.span, tokens=x.shape[0] * x.shape[1], nbytes=x.nbytes
                 )
+                if follower is not None:
+                    # Outside the span's step timeout: the follower's pace is not the span's.
+                    await self._follow(state, follower, x)
                 with trio.fail_after(timeout):
                     request = core.request(index, x)
                     span_call = self._calls[state]
                     if request is not None:
                         await span_call.send(request, self.manager.config.compression)
-                    if follower is not None:
-                        await self._follow(state, follower, x)
                     result = await span_call.answer(core, index, self.manager)
                 if follower is not None:
                     await self._check(state, follower, x, result)
@@ -410,7 +411,8 @@ class InferenceSession:
         """Send this step's input to ``follower`` (a failure drops the follower, not the step)."""
         step = self._core.following_step(state.span, x, opened_now=follower.opened_now)
         try:
-            await follower.call.send(step, self.manager.config.compression)
+            with trio.fail_after(self.manager.config.request_timeout_s):
+                await follower.call.send(step, self.manager.config.compression)
         except RETRIABLE as exc:
             logger.info("the follower of %s failed: %r", state.span, exc)
             await self._drop_follower(state)
