@@ -192,6 +192,8 @@ class InferenceSession:
         #: Spans that no single other server can follow: their answers are checked, as the
         #: policy samples them, by replaying the span's inputs on other servers.
         self._unfollowable: set[SpanState] = set()
+        #: Why the last recomputation for a check found no server, or failed.
+        self._check_failure: BaseException | None = None
         self._closed = False
         self.retries = 0
 
@@ -473,12 +475,17 @@ class InferenceSession:
             return
         inputs = self._core.inputs_of(span, x)
         off = disagreement(answer, second)
-        third, thirds = await self._recompute(span, inputs, x.shape[1], {peer} | checkers, info)
+        # A disagreement needs a decider: worth waiting for one.
+        self._check_failure = None
+        third, thirds = await self._recompute(
+            span, inputs, x.shape[1], {peer} | checkers, info, wait=True
+        )
         if third is None:
             raise PetalsError(
                 f"servers {peer} and {', '.join(sorted(checkers))} computed blocks "
                 f"{span.start}:{span.end} differently at position {self.position} (relative "
-                f"difference {off:.3g}, bound {bound:.3g}) and no third server could decide"
+                f"difference {off:.3g}, bound {bound:.3g}) and no third server could decide "
+                f"({self._check_failure!r})"
             )
         with_first, with_second = agree(third, answer, bound), agree(third, second, bound)
         why = f"blocks {span.start}:{span.end} off by {off:.3g} (bound {bound:.3g})"
@@ -502,18 +509,21 @@ class InferenceSession:
         tokens: int,
         exclude: set[str],
         like: ServerInfo | None,
+        *,
+        wait: bool = False,
     ) -> tuple[torch.Tensor | None, set[str]]:
         """The last ``tokens`` outputs of ``inputs`` (a span's inputs from position 0) through
         ``span``'s blocks on other servers (not ``exclude``; of ``like``'s dtype and
         quantisation), in sessions of their own closed at once; (None, none) where there are
-        none or they fail."""
+        none (waiting for some up to ``missing_blocks_timeout_s`` if ``wait``) or they fail."""
         core = self._core
         try:
             route = await self.manager.make_sequence(
-                span.start, span.end, mode="max_throughput", exclude=exclude, like=like, wait=False
+                span.start, span.end, mode="max_throughput", exclude=exclude, like=like, wait=wait
             )
         except MissingBlocksError as exc:
             logger.info("could not check %s on blocks %d:%d: %r", span, span.start, span.end, exc)
+            self._check_failure = exc
             return None, set()
         calls: list[_SpanCall] = []
         y = inputs
@@ -533,6 +543,7 @@ class InferenceSession:
                     y = (await call.result(self.manager)).hidden_states
         except RETRIABLE as exc:
             logger.info("could not check blocks %d:%d: %r", span.start, span.end, exc)
+            self._check_failure = exc
             return None, set()
         finally:
             with trio.CancelScope(shield=True):

@@ -250,11 +250,14 @@ async def _recompute(
     keep: bool,
     exclude: set[str],
     like: ServerInfo | None,
+    *,
+    wait: bool = False,
 ) -> tuple[torch.Tensor, Saved]:
     """``span``'s blocks on ``hidden`` through other servers (not ``exclude``; of ``like``'s
-    dtype and quantisation), unchecked."""
+    dtype and quantisation), unchecked; waiting for such servers (up to the manager's
+    ``missing_blocks_timeout_s``) only if ``wait``."""
     route = await manager.make_sequence(
-        span.start, span.end, mode="max_throughput", exclude=exclude, like=like, wait=False
+        span.start, span.end, mode="max_throughput", exclude=exclude, like=like, wait=wait
     )
     saved: Saved = []
     x = hidden
@@ -294,8 +297,9 @@ async def _verify_forward(
             manager.on_verified(peer)
         return output, entries
     try:
+        # A disagreement needs a decider: worth waiting for one.
         third, third_saved = await _recompute(
-            manager, span, hidden, prompts, keep, exclude | checkers, info
+            manager, span, hidden, prompts, keep, exclude | checkers, info, wait=True
         )
     except (MissingBlocksError, *RETRIABLE) as exc:
         raise PetalsError(
@@ -430,13 +434,15 @@ async def _backward_elsewhere(
     request: BackwardRequest,
     exclude: set[str],
     like: ServerInfo | None,
+    *,
+    wait: bool = False,
 ) -> tuple[BackwardReply, str] | None:
     """``request`` answered by one other server holding all of ``span``'s blocks (not
     ``exclude``; of ``like``'s dtype and quantisation), recomputing its forward; None if there
     is none or it fails."""
     try:
         route = await manager.make_sequence(
-            span.start, span.end, mode="max_throughput", exclude=exclude, like=like, wait=False
+            span.start, span.end, mode="max_throughput", exclude=exclude, like=like, wait=wait
         )
     except MissingBlocksError:
         return None
@@ -471,7 +477,9 @@ async def _verify_backward(
         manager.on_verified(span.peer_id)
         manager.on_verified(checker)
         return reply
-    third = await _backward_elsewhere(manager, span, request, {span.peer_id, checker}, info)
+    third = await _backward_elsewhere(
+        manager, span, request, {span.peer_id, checker}, info, wait=True
+    )
     if third is None:
         raise PetalsError(
             f"servers {span.peer_id} and {checker} computed the backward of blocks "

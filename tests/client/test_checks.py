@@ -129,7 +129,9 @@ async def test_two_servers_that_disagree_with_no_third_fail_clearly(
         liar = await swarm.add((0, N_BLOCKS), throughput=1000.0)
         await swarm.add((0, N_BLOCKS))
         make_liar(liar)
-        manager = manager_for(list(swarm.servers.values()), verify="all")
+        manager = manager_for(
+            list(swarm.servers.values()), verify="all", missing_blocks_timeout_s=1.0
+        )
         with trio.fail_after(DEADLINE_S):
             async with RemoteSequential(manager) as seq:
                 await wait_for_servers(seq.sequence_manager, 2)
