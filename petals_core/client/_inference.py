@@ -151,6 +151,33 @@ class _SpanCall:
             pass
 
 
+async def other_route(
+    manager: RemoteSequenceManager,
+    span: RouteSpan,
+    exclude: set[str],
+    like: ServerInfo | None,
+    *,
+    wait: bool,
+) -> list[RouteSpan]:
+    """A route over ``span``'s blocks through servers not in ``exclude`` (of ``like``'s dtype and
+    quantisation): one server holding them all if there is one, which leaves the others
+    free to decide a disagreement."""
+    try:
+        return await manager.make_sequence(
+            span.start,
+            span.end,
+            mode="max_throughput",
+            exclude=exclude,
+            like=like,
+            wait=False,
+            whole=True,
+        )
+    except MissingBlocksError:
+        return await manager.make_sequence(
+            span.start, span.end, mode="max_throughput", exclude=exclude, like=like, wait=wait
+        )
+
+
 @attrs.define(eq=False)
 class _Follower:
     """A session on another server holding a span's blocks, fed the span's inputs step by step
@@ -384,10 +411,10 @@ class InferenceSession:
                 exclude={state.peer},
                 like=info,
                 wait=False,
+                whole=True,
             )
         except MissingBlocksError:
-            return None  # nobody else holds these blocks: the answers stand unchecked
-        if len(route) != 1:
+            # Nobody else holds all these blocks: sampled answers are checked by replays.
             self._unfollowable.add(key)
             return None
         call = _SpanCall(SpanState(route[0]), self.receipts)
@@ -518,9 +545,7 @@ class InferenceSession:
         none (waiting for some up to ``missing_blocks_timeout_s`` if ``wait``) or they fail."""
         core = self._core
         try:
-            route = await self.manager.make_sequence(
-                span.start, span.end, mode="max_throughput", exclude=exclude, like=like, wait=wait
-            )
+            route = await other_route(self.manager, span, exclude, like, wait=wait)
         except MissingBlocksError as exc:
             logger.info("could not check %s on blocks %d:%d: %r", span, span.start, span.end, exc)
             self._check_failure = exc

@@ -44,7 +44,7 @@ from ..protocol import (
 from ..routing import MissingBlocksError, RemoteSequenceManager, RouteSpan
 from ..transport import as_received, compress_floats, open_call
 from ._checks import agree, check_receipt, disagreement, tolerance
-from ._inference import RETRIABLE
+from ._inference import RETRIABLE, other_route
 from ._placement import like, to_wire
 
 __all__ = ["remote_backward", "remote_forward"]
@@ -256,9 +256,7 @@ async def _recompute(
     """``span``'s blocks on ``hidden`` through other servers (not ``exclude``; of ``like``'s
     dtype and quantisation), unchecked; waiting for such servers (up to the manager's
     ``missing_blocks_timeout_s``) only if ``wait``."""
-    route = await manager.make_sequence(
-        span.start, span.end, mode="max_throughput", exclude=exclude, like=like, wait=wait
-    )
+    route = await other_route(manager, span, exclude, like, wait=wait)
     saved: Saved = []
     x = hidden
     for other in route:
@@ -442,11 +440,15 @@ async def _backward_elsewhere(
     is none or it fails."""
     try:
         route = await manager.make_sequence(
-            span.start, span.end, mode="max_throughput", exclude=exclude, like=like, wait=wait
+            span.start,
+            span.end,
+            mode="max_throughput",
+            exclude=exclude,
+            like=like,
+            wait=wait,
+            whole=True,
         )
     except MissingBlocksError:
-        return None
-    if len(route) != 1:
         return None
     try:
         reply = await _backward_span(manager, route[0], attrs.evolve(request, kept=None))

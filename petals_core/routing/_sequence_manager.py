@@ -338,13 +338,15 @@ class RemoteSequenceManager:
         exclude: Collection[str] = (),
         like: ServerInfo | None = None,
         wait: bool = True,
+        whole: bool = False,
     ) -> list[RouteSpan]:
         """A route over ``[start, end)`` (default: this manager's blocks).
 
         Waits (up to ``missing_blocks_timeout_s``; not at all if not ``wait``) until the peer
         table holds servers for every block; then raises :class:`MissingBlocksError` naming the
         blocks nobody serves and the servers seen.  ``exclude``: servers not to use; ``like``:
-        only servers of its dtype and quantisation.
+        only servers of its dtype and quantisation; ``whole``: only servers holding every block
+        of the range (a route of one span).
         """
         start = self.block_indices.start if start is None else start
         end = self.block_indices.stop if end is None else end
@@ -359,6 +361,7 @@ class RemoteSequenceManager:
                     like is None
                     or (info.torch_dtype, info.quant_type) == (like.torch_dtype, like.quant_type)
                 )
+                and (not whole or (info.start_block <= start and end <= info.end_block))
             }
             if mode == "min_latency":
                 return make_route_min_latency(
