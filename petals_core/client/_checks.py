@@ -12,7 +12,7 @@ dtype could return.
 
 from __future__ import annotations
 
-from typing import Final
+from typing import Final, Literal
 
 import torch
 
@@ -21,7 +21,7 @@ from ..dht import ServerInfo
 from ..protocol import Receipt, Signature
 from ..transport import PeerID
 
-__all__ = ["TOLERANCE", "agree", "check_receipt", "disagreement", "tolerance"]
+__all__ = ["TOLERANCE", "agree", "check_receipt", "disagreement", "majority", "tolerance"]
 
 #: The largest relative difference per token (L2) between two honest servers' answers, by the
 #: dtype they compute in.
@@ -55,6 +55,18 @@ def disagreement(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def agree(a: torch.Tensor, b: torch.Tensor, bound: float) -> bool:
     return disagreement(a, b) <= bound
+
+
+def majority(
+    third_to_first: float, third_to_second: float, bound: float
+) -> Literal["first", "second"] | None:
+    """Which of two disagreeing answers a third one sides with, given how far the third is from
+    each (:func:`disagreement`): the one it alone agrees with; None where it agrees with both or
+    neither, so no majority decides."""
+    with_first, with_second = third_to_first <= bound, third_to_second <= bound
+    if with_first == with_second:
+        return None
+    return "first" if with_first else "second"
 
 
 def check_receipt(receipt: Receipt, signature: Signature | None, peer_id: str | PeerID) -> None:

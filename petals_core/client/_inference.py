@@ -50,7 +50,7 @@ from ..protocol import (
 )
 from ..routing import MissingBlocksError, RemoteSequenceManager, RouteSpan
 from ..transport import Call, compress_floats, open_call
-from ._checks import agree, check_receipt, disagreement, tolerance
+from ._checks import check_receipt, disagreement, majority, tolerance
 from ._placement import like, to_wire
 from ._session_core import SessionCore, SpanState
 
@@ -158,20 +158,23 @@ async def other_route(
     like: ServerInfo | None,
     *,
     wait: bool,
+    whole_only: bool = False,
 ) -> list[RouteSpan]:
     """A route over ``span``'s blocks through servers not in ``exclude`` (of ``like``'s dtype and
-    quantisation): one server holding them all if there is one, which leaves the others
-    free to decide a disagreement."""
-    try:
+    quantisation): one server holding them all if there is one, which leaves the others free to
+    decide a disagreement, else (unless ``whole_only``) a chain of several."""
+    if whole_only:
         return await manager.make_sequence(
             span.start,
             span.end,
             mode="max_throughput",
             exclude=exclude,
             like=like,
-            wait=False,
+            wait=wait,
             whole=True,
         )
+    try:
+        return await other_route(manager, span, exclude, like, wait=False, whole_only=True)
     except MissingBlocksError:
         return await manager.make_sequence(
             span.start, span.end, mode="max_throughput", exclude=exclude, like=like, wait=wait
@@ -404,14 +407,8 @@ class InferenceSession:
             return None
         span, info = state.span, self.manager.server_info(state.peer)
         try:
-            route = await self.manager.make_sequence(
-                span.start,
-                span.end,
-                mode="max_throughput",
-                exclude={state.peer},
-                like=info,
-                wait=False,
-                whole=True,
+            route = await other_route(
+                self.manager, span, {state.peer}, info, wait=False, whole_only=True
             )
         except MissingBlocksError:
             # Nobody else holds all these blocks: sampled answers are checked by replays.
@@ -465,9 +462,10 @@ class InferenceSession:
             await self._drop_follower(state)
             return
         second = second[:, -follower.tokens :]
-        if not agree(result.hidden_states, second, tolerance(self.manager.server_info(state.peer))):
+        off = disagreement(result.hidden_states, second)
+        if off > tolerance(self.manager.server_info(state.peer)):
             await self._drop_follower(state)
-        await self._judge(state, x, result.hidden_states, second, {follower.peer})
+        await self._judge(state, x, result.hidden_states, second, {follower.peer}, off=off)
         verified = self.manager.state.verified.get(state.peer, 0)
         if follower.until == "first" and verified >= self.manager.config.verify_first:
             await self._drop_follower(state)
@@ -488,20 +486,23 @@ class InferenceSession:
         answer: torch.Tensor,
         second: torch.Tensor,
         checkers: set[str],
+        *,
+        off: float | None = None,
     ) -> None:
-        """``state``'s answer against ``checkers``' (``second``).  If they disagree, a third
+        """``state``'s answer against ``checkers``' (``second``; ``off``: their
+        :func:`disagreement`, if known).  If they disagree, a third
         server decides (replaying the span's inputs so far): a server in the minority is never
         used again, and if it is this span's, :class:`WrongAnswer` sends the step to a
         replacement.  With no third server, :class:`PetalsError`."""
         peer, span = state.peer, state.span
         info = self.manager.server_info(peer)
         bound = tolerance(info)
-        if agree(answer, second, bound):
+        off = disagreement(answer, second) if off is None else off
+        if off <= bound:
             for verified in {peer} | checkers:
                 self.manager.on_verified(verified)
             return
         inputs = self._core.inputs_of(span, x)
-        off = disagreement(answer, second)
         # A disagreement needs a decider: worth waiting for one.
         self._check_failure = None
         third, thirds = await self._recompute(
@@ -514,18 +515,18 @@ class InferenceSession:
                 f"difference {off:.3g}, bound {bound:.3g}) and no third server could decide "
                 f"({self._check_failure!r})"
             )
-        with_first, with_second = agree(third, answer, bound), agree(third, second, bound)
+        side = majority(disagreement(third, answer), disagreement(third, second), bound)
         why = f"blocks {span.start}:{span.end} off by {off:.3g} (bound {bound:.3g})"
-        if with_second and not with_first:
+        if side == "second":
             self.manager.on_caught(peer, f"{why} against two other servers")
             raise WrongAnswer(f"server {peer} answered a step wrongly: {why}")
-        if with_first and not with_second:
+        if side == "first":
             if len(checkers) == 1:
                 self.manager.on_caught(next(iter(checkers)), f"{why} against two other servers")
             self.manager.on_verified(peer)
             return
         raise PetalsError(
-            f"servers disagree on blocks {span.start}:{span.end} and no majority decides "
+            f"servers disagree on {why} and no majority decides "
             f"({peer}; {', '.join(sorted(checkers))}; {', '.join(sorted(thirds))})"
         )
 

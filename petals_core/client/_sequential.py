@@ -43,7 +43,7 @@ from ..protocol import (
 )
 from ..routing import MissingBlocksError, RemoteSequenceManager, RouteSpan
 from ..transport import as_received, compress_floats, open_call
-from ._checks import agree, check_receipt, disagreement, tolerance
+from ._checks import check_receipt, disagreement, majority, tolerance
 from ._inference import RETRIABLE, other_route
 from ._placement import like, to_wire
 
@@ -290,7 +290,8 @@ async def _verify_forward(
         )
         return output, entries
     checkers = {other.peer_id for other, _, _ in second_saved}
-    if agree(output, second, bound):
+    off = disagreement(output, second)
+    if off <= bound:
         for peer in {span.peer_id} | checkers:
             manager.on_verified(peer)
         return output, entries
@@ -303,28 +304,21 @@ async def _verify_forward(
         raise PetalsError(
             f"servers {span.peer_id} and {', '.join(sorted(checkers))} computed blocks "
             f"{span.start}:{span.end} differently (relative difference "
-            f"{disagreement(output, second):.3g}, bound {bound:.3g}) and no third server could "
+            f"{off:.3g}, bound {bound:.3g}) and no third server could "
             f"decide: {exc!r}"
         ) from exc
-    with_first, with_second = agree(third, output, bound), agree(third, second, bound)
-    if with_second and not with_first:
-        manager.on_caught(
-            span.peer_id,
-            f"blocks {span.start}:{span.end} off by {disagreement(output, second):.3g} "
-            f"(bound {bound:.3g}) against two other servers",
-        )
+    why = f"blocks {span.start}:{span.end} off by {off:.3g} (bound {bound:.3g})"
+    side = majority(disagreement(third, output), disagreement(third, second), bound)
+    if side == "second":
+        manager.on_caught(span.peer_id, f"{why} against two other servers")
         return second, second_saved
-    if with_first and not with_second:
+    if side == "first":
         if len(second_saved) == 1:
-            manager.on_caught(
-                second_saved[0][0].peer_id,
-                f"blocks {span.start}:{span.end} off by {disagreement(output, second):.3g} "
-                f"(bound {bound:.3g}) against two other servers",
-            )
+            manager.on_caught(second_saved[0][0].peer_id, f"{why} against two other servers")
         manager.on_verified(span.peer_id)
         return output, entries
     raise PetalsError(
-        f"servers disagree on blocks {span.start}:{span.end} and no majority decides "
+        f"servers disagree on {why} and no majority decides "
         f"({span.peer_id}; {', '.join(sorted(checkers))}; "
         f"{', '.join(sorted(s.peer_id for s, _, _ in third_saved))})"
     )
@@ -439,15 +433,7 @@ async def _backward_elsewhere(
     ``exclude``; of ``like``'s dtype and quantisation), recomputing its forward; None if there
     is none or it fails."""
     try:
-        route = await manager.make_sequence(
-            span.start,
-            span.end,
-            mode="max_throughput",
-            exclude=exclude,
-            like=like,
-            wait=wait,
-            whole=True,
-        )
+        route = await other_route(manager, span, exclude, like, wait=wait, whole_only=True)
     except MissingBlocksError:
         return None
     try:
@@ -489,13 +475,12 @@ async def _verify_backward(
             f"{bound:.3g}) and no third server could decide"
         )
     decider, _ = third
-    with_first = _grads_disagreement(decider, reply) <= bound
-    with_second = _grads_disagreement(decider, other) <= bound
+    side = majority(_grads_disagreement(decider, reply), _grads_disagreement(decider, other), bound)
     why = f"backward of blocks {span.start}:{span.end} off by {off:.3g} (bound {bound:.3g})"
-    if with_second and not with_first:
+    if side == "second":
         manager.on_caught(span.peer_id, f"{why} against two other servers")
         return other
-    if with_first and not with_second:
+    if side == "first":
         manager.on_caught(checker, f"{why} against two other servers")
         manager.on_verified(span.peer_id)
         return reply

@@ -24,6 +24,7 @@ from petals_core.client._checks import (
     agree,
     check_receipt,
     disagreement,
+    majority,
     tolerance,
 )
 from petals_core.testing import make_liar
@@ -57,6 +58,13 @@ def test_honest_differences_stay_within_the_bound_and_lies_do_not() -> None:
     assert disagreement(x, x[:, :3]) == float("inf")
     assert disagreement(x, torch.full_like(x, float("nan"))) == float("inf")
     assert tolerance(None) == max(TOLERANCE.values())
+
+
+def test_a_third_answer_decides_only_when_it_sides_with_one() -> None:
+    assert majority(0.0, 1.0, 0.1) == "first"
+    assert majority(1.0, 0.0, 0.1) == "second"
+    assert majority(0.0, 0.0, 0.1) is None  # the two differ, and the third is near both
+    assert majority(1.0, float("inf"), 0.1) is None
 
 
 async def _train_beside_a_liar(
