@@ -16,7 +16,11 @@
    thread): greedy generation through ``AutoDistributedModelForCausalLM``, ``NEW_TOKENS`` new
    tokens, (a) on 3 honest servers, (b) with a 4th server that answers every forward and step a
    fifth of its scale off and announces a higher speed (routes prefer it; a test double, not a
-   server mode), with default settings: tokens and logits must equal (a)'s.  Then the overhead
+   server mode), with default settings: tokens and logits must equal (a)'s.  (c) Deep prompt
+   tuning (``PTUNE_STEPS`` Adam steps, the liar also lying in gradients), on the honest swarm
+   and beside the liar: losses and the trained prompts must equal.  (d) A client that checks
+   nothing (``verify="none"``) starts after (b): it must ban the liar from (b)'s fraud report
+   (confirmed by two other servers) and then generate (a)'s tokens.  Then the overhead
    of the default policy on the honest swarm, side by side with ``verify="none"``:
    ``OVERHEAD_ROUNDS`` generations of ``OVERHEAD_TOKENS`` tokens each (a session each, so about
    one in 20 is followed by a checking server), rounds alternating: ms per token (median of
@@ -52,6 +56,10 @@ NEW_TOKENS = 24
 OVERHEAD_ROUNDS = 100
 OVERHEAD_TOKENS = 8
 LIE = 0.2
+PTUNE_STEPS = 3
+PTUNE_PROMPTS = 4
+#: How long the client of (d) may take to read and judge the report.
+REPORT_DEADLINE_S = 60.0
 
 
 # -- 1. honest disagreement ----------------------------------------------------------------------
@@ -200,6 +208,7 @@ async def _end_to_end(folder: Path) -> dict[str, Any]:
             )
         prefix = first.dht_prefix
         honest = await trio.to_thread.run_sync(_generate, folder, peers, prefix, "sample", 3)
+        honest_tuning = await trio.to_thread.run_sync(_ptune, folder, peers, prefix, 3)
         tokens = _Tokens(servers)
         overhead = await trio.to_thread.run_sync(_overhead, folder, peers, prefix, tokens)
         liar = await stack.enter_async_context(
@@ -207,14 +216,29 @@ async def _end_to_end(folder: Path) -> dict[str, Any]:
                 ServerConfig(initial_peers=peers, block_indices=(0, 6), throughput=1000.0, **common)
             )
         )
-        make_liar(liar, by=LIE)
+        make_liar(liar, by=LIE, lies=("forward", "step", "backward"))
         lied = await trio.to_thread.run_sync(_generate, folder, peers, prefix, "sample", 4)
+        reported = await trio.to_thread.run_sync(
+            _banned_from_report, folder, peers, prefix, str(liar.dht.peer_id)
+        )
+        lied_tuning = await trio.to_thread.run_sync(_ptune, folder, peers, prefix, 4)
         unchecked = await trio.to_thread.run_sync(_generate, folder, peers, prefix, "none", 4)
     return {
         "tokens_equal": honest["tokens"] == lied["tokens"],
         "logits_max_abs_diff": float((honest["logits"] - lied["logits"]).abs().max()),
         "caught": lied["caught"],
         "liar": str(liar.dht.peer_id),
+        "ptune_losses": {"honest": honest_tuning["losses"], "liar": lied_tuning["losses"]},
+        "ptune_losses_max_abs_diff": max(
+            abs(a - b) for a, b in zip(honest_tuning["losses"], lied_tuning["losses"], strict=True)
+        ),
+        "ptune_prompts_max_abs_diff": float(
+            (honest_tuning["prompts"] - lied_tuning["prompts"]).abs().max()
+        ),
+        "ptune_liar_caught": str(liar.dht.peer_id) in lied_tuning["caught"],
+        "report_banned_after_s": reported["seconds"],
+        "report_reason": reported["reason"],
+        "report_tokens_equal": honest["tokens"] == reported["tokens"],
         "unchecked_tokens_equal": honest["tokens"] == unchecked["tokens"],
         "unchecked_logits_max_abs_diff": float(
             (honest["logits"] - unchecked["logits"]).abs().max()
@@ -237,6 +261,73 @@ def _model(folder: Path, peers: tuple[str, ...], prefix: str, verify: str) -> An
     ).eval()
 
 
+def _ptune(folder: Path, peers: tuple[str, ...], prefix: str, servers: int) -> dict[str, Any]:
+    """``PTUNE_STEPS`` Adam steps of deep prompt tuning with default checks: the losses, the
+    trained prompts and who was caught."""
+    from petals_core.distributed import AutoDistributedModelForCausalLM
+
+    torch.manual_seed(21)
+    model = AutoDistributedModelForCausalLM.from_pretrained(
+        str(folder),
+        initial_peers=peers,
+        dht_prefix=prefix,
+        tuning_mode="deep_ptune",
+        pre_seq_len=PTUNE_PROMPTS,
+        local_files_only=True,
+        request_timeout_s=30.0,
+        update_period_s=1.0,
+    )
+    try:
+        manager = _manager(model)
+        _wait_for(manager, servers)
+        trained = [p for p in model.parameters() if p.requires_grad]
+        optimizer = torch.optim.Adam(trained, lr=1e-2)
+        ids = torch.tensor([[5, 17, 33, 2, 9, 41, 7, 12], [3, 8, 21, 40, 6, 1, 30, 11]])
+        losses = []
+        for _ in range(PTUNE_STEPS):
+            loss = model(ids, labels=ids).loss
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(loss.item())
+        prompts = torch.cat([p.detach().reshape(-1) for p in trained])
+        return {"losses": losses, "prompts": prompts, "caught": list(manager.state.caught)}
+    finally:
+        model.shutdown()
+
+
+def _banned_from_report(
+    folder: Path, peers: tuple[str, ...], prefix: str, liar: str
+) -> dict[str, Any]:
+    """A client checking nothing: how long until it bans ``liar`` from a report, why, and its
+    tokens afterwards."""
+    model = _model(folder, peers, prefix, "none")
+    try:
+        manager = _manager(model)
+        began = time.monotonic()
+        ids = torch.tensor([[5, 17, 33, 2, 9, 41, 7, 12]])
+        with torch.no_grad():
+            model(ids)  # the client joins the swarm
+        while liar not in manager.state.caught:
+            if time.monotonic() - began > REPORT_DEADLINE_S:
+                raise TimeoutError(f"no report banned the liar within {REPORT_DEADLINE_S} s")
+            time.sleep(0.05)
+        seconds = time.monotonic() - began
+        with torch.no_grad():
+            out = model.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False)
+        return {"seconds": seconds, "reason": manager.state.caught[liar], "tokens": out.tolist()}
+    finally:
+        model.shutdown()
+
+
+def _wait_for(manager: Any, servers: int) -> None:
+    deadline = time.monotonic() + 30
+    while len(manager.servers()) + len(manager.state.caught) < servers:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the client did not see {servers} servers within 30 s")
+        time.sleep(0.05)
+
+
 def _manager(model: Any) -> Any:
     from petals_core.client import RemoteSequential
 
@@ -252,11 +343,7 @@ def _generate(
         ids = torch.tensor([[5, 17, 33, 2, 9, 41, 7, 12]])
         with torch.no_grad():
             model(ids)  # the client joins the swarm
-            deadline = time.monotonic() + 30
-            while len(manager.servers()) + len(manager.state.caught) < servers:
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"the client did not see {servers} servers within 30 s")
-                time.sleep(0.05)
+            _wait_for(manager, servers)
             out = model.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False)
             logits = model(out).logits
         return {"tokens": out.tolist(), "logits": logits, "caught": list(manager.state.caught)}
@@ -359,6 +446,16 @@ def main() -> None:
             ["liar caught (default settings)", end["liar"] in end["caught"]],
             ["tokens equal an honest swarm's", end["tokens_equal"]],
             ["logits max |diff| to an honest swarm", end["logits_max_abs_diff"]],
+            [
+                f"deep p-tuning, {PTUNE_STEPS} steps: losses max |diff| to an honest swarm's",
+                end["ptune_losses_max_abs_diff"],
+            ],
+            ["deep p-tuning: trained prompts max |diff|", end["ptune_prompts_max_abs_diff"]],
+            [
+                "a client checking nothing bans the liar from a report after (s)",
+                end["report_banned_after_s"],
+            ],
+            ["... then its tokens equal an honest swarm's", end["report_tokens_equal"]],
             ["verify='none': tokens equal", end["unchecked_tokens_equal"]],
             ["verify='none': logits max |diff|", end["unchecked_logits_max_abs_diff"]],
             [f"ms/token, verify='none' ({OVERHEAD_ROUNDS} x {OVERHEAD_TOKENS} tokens)", ms["none"]],
@@ -367,14 +464,28 @@ def main() -> None:
             ["positions the servers computed, 'sample'", steps["sample"]],
         ],
     )
-    exact = end["tokens_equal"] and end["logits_max_abs_diff"] == 0.0 and bool(end["caught"])
+    exact = (
+        end["tokens_equal"]
+        and end["logits_max_abs_diff"] == 0.0
+        and bool(end["caught"])
+        and end["ptune_losses_max_abs_diff"] == 0.0
+        and end["ptune_prompts_max_abs_diff"] == 0.0
+    )
     summarize(
         "trust",
-        "a liar caught; tokens and logits equal an honest swarm's",
+        "a liar caught; tokens, logits and prompt tuning equal an honest swarm's",
         float(exact),
         unit="",
         target="1",
         met=exact,
+    )
+    summarize(
+        "trust",
+        "a client checking nothing bans the reported liar, then generates exact tokens",
+        end["report_banned_after_s"],
+        unit="s",
+        target=f"<= {REPORT_DEADLINE_S:.0f} s, tokens equal",
+        met=end["report_tokens_equal"] and end["report_reason"].startswith("reported by"),
     )
     summarize_ratio(
         "trust",

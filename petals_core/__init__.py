@@ -25,6 +25,7 @@ from ._errors import (
     ReceiptError as ReceiptError,
     RemoteError as RemoteError,
     RemoteProtocolError as RemoteProtocolError,
+    ReportRefused as ReportRefused,
     ServerError as ServerError,
     StreamReset as StreamReset,
     TransportError as TransportError,

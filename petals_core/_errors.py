@@ -136,3 +136,9 @@ class WrongAnswer(ServerError):
 class ReceiptError(ServerError):
     """A server's answer came without a valid signature of its receipt: missing, made with
     another key than the server's, or over something else than what was asked and answered."""
+
+
+class ReportRefused(PetalsError):
+    """A fraud report about a server was refused, and why: malformed or oversized, forged (not
+    signed by the accused over its question and answer), expired, about another model, or about
+    an answer that other servers reproduce."""

@@ -6,6 +6,9 @@
 - :func:`remote_forward` / :func:`remote_backward` (async): fine-tuning passes, retried per span.
 - :class:`RemoteSequential`: the same as a PyTorch module (autograd, sync inference sessions
   through the bridge, slicing), and an ``async with`` object for trio programs.
+- Fraud reports: a client publishes the signed answers of servers it caught, and judges others'
+  (:func:`judge_listed`, run by :func:`run_manager` beside the sequence manager); its
+  :class:`ReportBook` (:func:`book_of`) holds its :class:`Verdict` s.
 """
 
 from ._bridge import Bridge as Bridge, bridge as bridge
@@ -14,4 +17,6 @@ from ._remote_sequential import (
     RemoteSequential as RemoteSequential,
     SyncInferenceSession as SyncInferenceSession,
 )
+from ._report_judge import judge_listed as judge_listed, run_manager as run_manager
+from ._reports import ReportBook as ReportBook, Verdict as Verdict, book_of as book_of
 from ._sequential import remote_backward as remote_backward, remote_forward as remote_forward

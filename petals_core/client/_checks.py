@@ -12,6 +12,7 @@ dtype could return.
 
 from __future__ import annotations
 
+import time
 from typing import Final, Literal
 
 import torch
@@ -21,11 +22,21 @@ from ..dht import ServerInfo
 from ..protocol import Receipt, Signature
 from ..transport import PeerID
 
-__all__ = ["TOLERANCE", "agree", "check_receipt", "disagreement", "majority", "tolerance"]
+__all__ = [
+    "CLOCK_SKEW_S",
+    "TOLERANCE",
+    "agree",
+    "check_receipt",
+    "disagreement",
+    "majority",
+    "tolerance",
+]
 
 #: The largest relative difference per token (L2) between two honest servers' answers, by the
 #: dtype they compute in.
 TOLERANCE: Final = {"float32": 1e-3, "float16": 2e-2, "bfloat16": 5e-2}
+#: How far a receipt's time may be from the client's clock, either way, in seconds.
+CLOCK_SKEW_S: Final = 3600.0
 #: For a dtype not listed (or a server not announced): the loosest bound.
 _DEFAULT: Final = max(TOLERANCE.values())
 
@@ -69,11 +80,25 @@ def majority(
     return "first" if with_first else "second"
 
 
-def check_receipt(receipt: Receipt, signature: Signature | None, peer_id: str | PeerID) -> None:
+def check_receipt(
+    receipt: Receipt,
+    signature: Signature | None,
+    peer_id: str | PeerID,
+    *,
+    now: float | None = None,
+) -> None:
     """Raise :class:`ReceiptError` unless ``signature`` is by ``peer_id``'s key, over
-    ``receipt``."""
+    ``receipt``, dated within :data:`CLOCK_SKEW_S` of ``now`` (default: this machine's clock).
+    A receipt dated far away could not be reported while it matters (reports expire)."""
     if signature is None:
         raise ReceiptError(f"server {peer_id} answered a {receipt.kind} without a receipt")
+    now = time.time() if now is None else now
+    if abs(receipt.issued - now) > CLOCK_SKEW_S:
+        raise ReceiptError(
+            f"server {peer_id} dated its {receipt.kind} receipt {receipt.issued - now:+.0f} s "
+            f"from this machine's clock (at most {CLOCK_SKEW_S:.0f} s either way): one of the "
+            "two clocks is wrong"
+        )
     if str(PeerID.from_public_key(signature.signer)) != str(peer_id):
         raise ReceiptError(
             f"server {peer_id} signed its {receipt.kind} receipt with another peer's key"

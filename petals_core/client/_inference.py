@@ -130,6 +130,7 @@ class _SpanCall:
             adapter=manager.config.active_adapter or None,
             session=self.state.session_id,
             step=result.position,
+            issued=signature.issued,
             asked=signature.asked,
             answered=digest_tensors({"hidden_states": result.hidden_states}),
         )

@@ -21,6 +21,7 @@ from ..routing import RemoteSequenceManager
 from ._bridge import bridge
 from ._inference import InferenceSession
 from ._placement import like, to_wire
+from ._report_judge import run_manager
 from ._sequential import DEFAULT_MAX_CHUNK_TOKENS, Saved, remote_backward, remote_forward
 
 __all__ = ["RemoteSequential", "SyncInferenceSession"]
@@ -61,7 +62,7 @@ class RemoteSequential(nn.Module):
         """Run the network part in this trio program (until ``__aexit__``)."""
         stack = contextlib.AsyncExitStack()
         nursery = await stack.enter_async_context(trio.open_nursery())
-        await nursery.start(self.sequence_manager.run)
+        await nursery.start(run_manager, self.sequence_manager)
         stack.callback(self.sequence_manager.close)
         self._exit = stack
         return self
@@ -88,7 +89,7 @@ class RemoteSequential(nn.Module):
             if state.loop_token is not None:
                 return
             raise RuntimeError("the sequence manager failed to start") from state.start_error
-        await bridge.service_nursery().start(self.sequence_manager.run)
+        await bridge.service_nursery().start(run_manager, self.sequence_manager)
 
     def shutdown(self) -> None:
         """Stop the network part started by the bridge (it stops with the process otherwise)."""

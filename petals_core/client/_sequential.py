@@ -35,6 +35,7 @@ from ..protocol import (
     BackwardRequest,
     ForwardReply,
     ForwardRequest,
+    FraudReport,
     Receipt,
     Signature,
     digest_tensors,
@@ -46,6 +47,7 @@ from ..transport import as_received, compress_floats, open_call
 from ._checks import check_receipt, disagreement, majority, tolerance
 from ._inference import RETRIABLE, other_route
 from ._placement import like, to_wire
+from ._reports import book_of
 
 __all__ = ["remote_backward", "remote_forward"]
 
@@ -100,25 +102,39 @@ def _check_receipt(
     request: ForwardRequest | BackwardRequest,
     answered: dict[str, torch.Tensor | None],
     signature: Signature | None,
-) -> Receipt:
-    """The receipt of ``span``'s answer, once its signature checks (else :class:`ReceiptError`):
-    over what we sent as the server decoded it, and what we received."""
+) -> FraudReport:
+    """The evidence of ``span``'s answer, once its receipt's signature checks (else
+    :class:`ReceiptError`): what we sent as the server decoded it, what we received, and the
+    signature over both; a fraud report if the answer turns out wrong."""
     scheme = manager.config.compression
     asked = {
-        name: None if tensor is None else as_received(tensor, scheme)
+        name: as_received(tensor, scheme)
         for name, tensor in request.to_wire()[1].items()
+        if tensor is not None
     }
+    answers = {name: tensor for name, tensor in answered.items() if tensor is not None}
     assert manager.config.dht_prefix is not None
     receipt = Receipt(
         kind="forward" if isinstance(request, ForwardRequest) else "backward",
         model=manager.config.dht_prefix,
         blocks=(span.start, span.end),
         adapter=request.active_adapter,
+        issued=0 if signature is None else signature.issued,
         asked=digest_tensors(asked),
-        answered=digest_tensors(answered),
+        answered=digest_tensors(answers),
     )
     check_receipt(receipt, signature, span.peer_id)
-    return receipt
+    assert signature is not None
+    return FraudReport(
+        accused=span.peer_id,
+        kind=receipt.kind,
+        model=receipt.model,
+        blocks=receipt.blocks,
+        adapter=receipt.adapter,
+        signature=signature,
+        asked=asked,
+        answered=answers,
+    )
 
 
 def _prompts_for(
@@ -167,7 +183,9 @@ async def _forward_span(
     hidden: torch.Tensor,
     prompts: torch.Tensor | None,
     keep: bool,
-) -> tuple[torch.Tensor, str | None]:
+) -> tuple[torch.Tensor, str | None, FraudReport]:
+    """``span``'s answer to ``hidden``: the output, the token of the graph its server kept, and
+    the evidence of the answer."""
     request = ForwardRequest(
         blocks=(span.start, span.end),
         active_adapter=manager.config.active_adapter,
@@ -187,14 +205,14 @@ async def _forward_span(
         reply = _parse_reply(ForwardReply.from_wire_untrusted, span, "forward", meta, tensors)
         if reply.hidden_states.shape != hidden.shape:
             raise PetalsError(f"server {span.peer_id} returned a forward of the wrong shape")
-        _check_receipt(
+        evidence = _check_receipt(
             manager, span, request, {"hidden_states": reply.hidden_states}, reply.receipt
         )
     except RETRIABLE as exc:
         exc._petals_peer = span.peer_id  # type: ignore[union-attr]
         raise
     manager.on_request_success(span.peer_id)
-    return reply.hidden_states.to(hidden.dtype), reply.kept
+    return reply.hidden_states.to(hidden.dtype), reply.kept, evidence
 
 
 async def _forward_blocks(
@@ -220,11 +238,11 @@ async def _forward_blocks(
         )
         try:
             for span in route:
-                output, token = await _forward_span(manager, span, x, prompts, keep)
+                output, token, evidence = await _forward_span(manager, span, x, prompts, keep)
                 entries: Saved = [(span, x, token)]
                 if manager.should_verify(span.peer_id):
                     output, entries = await _verify_forward(
-                        manager, span, x, prompts, output, entries, keep
+                        manager, span, x, prompts, output, entries, keep, evidence
                     )
                 saved.extend(entries)
                 x = output
@@ -252,18 +270,20 @@ async def _recompute(
     like: ServerInfo | None,
     *,
     wait: bool = False,
-) -> tuple[torch.Tensor, Saved]:
+) -> tuple[torch.Tensor, Saved, list[FraudReport]]:
     """``span``'s blocks on ``hidden`` through other servers (not ``exclude``; of ``like``'s
-    dtype and quantisation), unchecked; waiting for such servers (up to the manager's
-    ``missing_blocks_timeout_s``) only if ``wait``."""
+    dtype and quantisation), unchecked, and the evidence of each one's answer; waiting for such
+    servers (up to the manager's ``missing_blocks_timeout_s``) only if ``wait``."""
     route = await other_route(manager, span, exclude, like, wait=wait)
     saved: Saved = []
+    evidence: list[FraudReport] = []
     x = hidden
     for other in route:
-        output, token = await _forward_span(manager, other, x, prompts, keep)
+        output, token, answer = await _forward_span(manager, other, x, prompts, keep)
         saved.append((other, x, token))
+        evidence.append(answer)
         x = output
-    return x, saved
+    return x, saved, evidence
 
 
 async def _verify_forward(
@@ -274,16 +294,20 @@ async def _verify_forward(
     output: torch.Tensor,
     entries: Saved,
     keep: bool,
+    evidence: FraudReport,
 ) -> tuple[torch.Tensor, Saved]:
     """Check ``span``'s answer (``output``) against other servers holding its blocks: the answer
     to use and what to keep for the backward.  Another server recomputes it; if they disagree, a
-    third decides, and the server in the minority is caught (never used again).  Where no other
-    server can recompute it, the answer stands unchecked."""
+    third decides, and the server in the minority is caught (never used again, and reported with
+    ``evidence``, or the other's).  Where no other server can recompute it, the answer stands
+    unchecked."""
     info = manager.server_info(span.peer_id)
     bound = tolerance(info)
     exclude = {span.peer_id}
     try:
-        second, second_saved = await _recompute(manager, span, hidden, prompts, keep, exclude, info)
+        second, second_saved, second_evidence = await _recompute(
+            manager, span, hidden, prompts, keep, exclude, info
+        )
     except (MissingBlocksError, *RETRIABLE) as exc:
         logger.info(
             "could not check %s on blocks %d:%d: %r", span.peer_id, span.start, span.end, exc
@@ -297,7 +321,7 @@ async def _verify_forward(
         return output, entries
     try:
         # A disagreement needs a decider: worth waiting for one.
-        third, third_saved = await _recompute(
+        third, third_saved, _ = await _recompute(
             manager, span, hidden, prompts, keep, exclude | checkers, info, wait=True
         )
     except (MissingBlocksError, *RETRIABLE) as exc:
@@ -311,10 +335,12 @@ async def _verify_forward(
     side = majority(disagreement(third, output), disagreement(third, second), bound)
     if side == "second":
         manager.on_caught(span.peer_id, f"{why} against two other servers")
+        book_of(manager).report(evidence)
         return second, second_saved
     if side == "first":
         if len(second_saved) == 1:
             manager.on_caught(second_saved[0][0].peer_id, f"{why} against two other servers")
+            book_of(manager).report(second_evidence[0])
         manager.on_verified(span.peer_id)
         return output, entries
     raise PetalsError(
@@ -401,14 +427,14 @@ async def remote_backward(
 
 async def _backward_span(
     manager: RemoteSequenceManager, span: RouteSpan, request: BackwardRequest
-) -> BackwardReply:
-    """``span``'s server's answer to ``request``, its shape and receipt checked."""
+) -> tuple[BackwardReply, FraudReport]:
+    """``span``'s server's answer to ``request``, its shape and receipt checked, and the evidence
+    of the answer."""
     meta, tensors = await _call(manager, span, request)
     reply = _parse_reply(BackwardReply.from_wire_untrusted, span, "backward", meta, tensors)
     if reply.grad_inputs.shape != request.hidden_states.shape:
         raise PetalsError(f"server {span.peer_id} returned a backward of the wrong shape")
-    _check_receipt(manager, span, request, reply.tensors(), reply.receipt)
-    return reply
+    return reply, _check_receipt(manager, span, request, reply.tensors(), reply.receipt)
 
 
 def _grads_disagreement(a: BackwardReply, b: BackwardReply) -> float:
@@ -428,20 +454,19 @@ async def _backward_elsewhere(
     like: ServerInfo | None,
     *,
     wait: bool = False,
-) -> tuple[BackwardReply, str] | None:
+) -> tuple[BackwardReply, FraudReport] | None:
     """``request`` answered by one other server holding all of ``span``'s blocks (not
-    ``exclude``; of ``like``'s dtype and quantisation), recomputing its forward; None if there
-    is none or it fails."""
+    ``exclude``; of ``like``'s dtype and quantisation), recomputing its forward, and the evidence
+    of its answer; None if there is none or it fails."""
     try:
         route = await other_route(manager, span, exclude, like, wait=wait, whole_only=True)
     except MissingBlocksError:
         return None
     try:
-        reply = await _backward_span(manager, route[0], attrs.evolve(request, kept=None))
+        return await _backward_span(manager, route[0], attrs.evolve(request, kept=None))
     except RETRIABLE as exc:
         logger.info("could not check a backward on %s: %r", route[0], exc)
         return None
-    return reply, route[0].peer_id
 
 
 async def _verify_backward(
@@ -449,6 +474,7 @@ async def _verify_backward(
     span: RouteSpan,
     request: BackwardRequest,
     reply: BackwardReply,
+    evidence: FraudReport,
 ) -> BackwardReply:
     """Check ``span``'s gradients against another server's for the same request (a single
     server holding the span's blocks; where there is none, they stand unchecked): the answer
@@ -459,7 +485,8 @@ async def _verify_backward(
     second = await _backward_elsewhere(manager, span, request, {span.peer_id}, info)
     if second is None:
         return reply
-    other, checker = second
+    other, second_evidence = second
+    checker = second_evidence.accused
     off = _grads_disagreement(reply, other)
     if off <= bound:
         manager.on_verified(span.peer_id)
@@ -479,9 +506,11 @@ async def _verify_backward(
     why = f"backward of blocks {span.start}:{span.end} off by {off:.3g} (bound {bound:.3g})"
     if side == "second":
         manager.on_caught(span.peer_id, f"{why} against two other servers")
+        book_of(manager).report(evidence)
         return other
     if side == "first":
         manager.on_caught(checker, f"{why} against two other servers")
+        book_of(manager).report(second_evidence)
         manager.on_verified(span.peer_id)
         return reply
     raise PetalsError(f"servers disagree on the {why} and no majority decides")
@@ -511,9 +540,9 @@ async def _backward_chunk(
             kept=token,
         )
         try:
-            reply = await _backward_span(manager, span, request)
+            reply, evidence = await _backward_span(manager, span, request)
             if manager.should_verify(span.peer_id):
-                reply = await _verify_backward(manager, span, request, reply)
+                reply = await _verify_backward(manager, span, request, reply, evidence)
         except RETRIABLE as exc:
             await _failed_attempt(
                 manager,

@@ -17,11 +17,22 @@ find_value, store, gossip), bootstrap from initial peers, client mode, store / g
 along lookup paths, hand-off of records to nodes that join nearer their keys, republishing, and
 ``follow(prefix, num_blocks)``: a :class:`Topic` whose snapshot gossip and the DHT both feed.
 Servers also file their model in the registry (:data:`MODELS_KEY`, :func:`register_model`), which
-:func:`get_models` reads: how a monitor finds every model served.
+:func:`get_models` reads: how a monitor finds every model served.  Clients list fraud reports
+and store their evidence under the model's prefix (``_fraud``).
 
 Importing it imports no torch.
 """
 
+from ._fraud import (
+    MAX_EVIDENCE_BYTES as MAX_EVIDENCE_BYTES,
+    MAX_LISTED as MAX_LISTED,
+    Listing as Listing,
+    fetch_evidence as fetch_evidence,
+    fetch_listings as fetch_listings,
+    index_key as index_key,
+    store_evidence as store_evidence,
+    store_listings as store_listings,
+)
 from ._gossip import (
     Action as Action,
     Digest as Digest,

@@ -12,6 +12,12 @@ Every ``refresh_period_s`` a round:
 3. builds the state (:func:`build_state`) and, when the models in it changed, gives it the next
    version and wakes whoever waits in :meth:`SwarmMonitor.wait_state` (the event streams).
 
+Beside the rounds, one at a time, the monitor judges each model's fraud reports as a client does
+(``petals_core.client._report_judge``: other servers recompute the reported answer, and only a
+report they confirm is upheld) and shows, per server, the reports upheld against it.  Reading
+the lists of reports needs no torch; judging one does, so torch is loaded once a report names a
+server the monitor sees.
+
 A model stays on the page while the registry lists it or servers still announce it; once
 neither holds, the monitor stops following it.  When the registry gives a model another block
 count, the model is followed afresh with that count.
@@ -24,17 +30,29 @@ import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from functools import partial
-from typing import Final
+from typing import TYPE_CHECKING, Final
 
 import attrs
 import trio
 
-from .._errors import ConfigError, TransportError
+from .._errors import ConfigError, PetalsError, TransportError
 from .._groups import open_block_nursery
 from .._validators import positive
-from ..dht import DHTNode, ModelInfo, PeerTableSnapshot, Topic, get_models, open_dht_node
+from ..dht import (
+    DHTNode,
+    ModelInfo,
+    PeerTableSnapshot,
+    Topic,
+    fetch_listings,
+    get_models,
+    open_dht_node,
+)
 from ..transport import Multiaddr, call_unary, client_listen_host
 from ._state import SwarmState, build_state
+
+if TYPE_CHECKING:
+    from ..client import Verdict
+    from ..routing import RemoteSequenceManager
 
 __all__ = ["MonitorConfig", "SwarmMonitor", "open_monitor"]
 
@@ -96,6 +114,9 @@ class SwarmMonitor:
         self._changed = trio.Event()
         self._closed = False
         self._over_limit_logged = False
+        #: Per followed model, the manager that judges its fraud reports (started on demand).
+        self._judges: dict[str, RemoteSequenceManager] = {}
+        self._judging = False
 
     @property
     def state(self) -> SwarmState:
@@ -125,6 +146,9 @@ class SwarmMonitor:
             nursery.start_soon(self._read_registry)
             nursery.start_soon(self._ping_servers)
         self._publish()
+        if not self._judging:
+            self._judging = True
+            self._nursery.start_soon(self._judge_reports)
 
     async def run(self) -> None:
         """Refresh every ``refresh_period_s`` until cancelled."""
@@ -175,6 +199,9 @@ class SwarmMonitor:
         return topic
 
     def _unfollow(self, prefix: str) -> None:
+        judge = self._judges.pop(prefix, None)
+        if judge is not None:
+            judge.close()
         self._dht.unfollow(prefix)
         del self._topics[prefix]
         self._models.pop(prefix, None)
@@ -225,6 +252,54 @@ class SwarmMonitor:
                     logger.debug("pinging %s failed: %s", addresses[0].peer_id, exc)
             return None
 
+    async def _judge_reports(self) -> None:
+        """Judge the followed models' new fraud reports, then show the verdicts."""
+        try:
+            for prefix, topic in list(self._topics.items()):
+                try:
+                    listings = await fetch_listings(self._dht, prefix)
+                except TransportError as exc:
+                    logger.info("reading the reports of %s failed: %r", prefix, exc)
+                    continue
+                judged = self._verdicts().get(prefix, {})
+                peers = topic.snapshot().peer_ids
+                if any(x.digest not in judged and x.accused in peers for x in listings):
+                    await self._judge(prefix, topic)
+        finally:
+            self._judging = False
+        self._publish()
+
+    async def _judge(self, prefix: str, topic: Topic) -> None:
+        # Judging recomputes answers: the client's machinery, and torch, load only now.
+        from ..client import judge_listed
+        from ..routing import RemoteSequenceManager, SequenceManagerConfig
+
+        judge = self._judges.get(prefix)
+        if judge is None:
+            config = SequenceManagerConfig(
+                dht_prefix=prefix,
+                verify="none",
+                request_timeout_s=max(self._config.request_timeout_s, 30.0),
+                missing_blocks_timeout_s=self._config.request_timeout_s,
+                max_retries=1,
+            )
+            judge = RemoteSequenceManager(config, topic.num_blocks, dht=self._dht)
+            await self._nursery.start(judge.run)
+            self._judges[prefix] = judge
+        try:
+            await judge_listed(judge)
+        except PetalsError as exc:
+            logger.info("judging the reports of %s failed: %r", prefix, exc)
+
+    def _verdicts(self) -> dict[str, dict[bytes, Verdict]]:
+        """Per model judged so far, the verdicts by the digest of their evidence."""
+        verdicts: dict[str, dict[bytes, Verdict]] = {}
+        for prefix, judge in self._judges.items():
+            book = judge.state.reports
+            if book is not None:
+                verdicts[prefix] = book.verdicts
+        return verdicts
+
     def _publish(self) -> None:
         snapshots = self._snapshots()
         shown = {
@@ -234,7 +309,14 @@ class SwarmMonitor:
         }
         previous = self._state
         state = build_state(
-            shown, snapshots, self._rtts, version=previous.version, updated_at=self._clock()
+            shown,
+            snapshots,
+            self._rtts,
+            version=previous.version,
+            updated_at=self._clock(),
+            verdicts={
+                prefix: list(verdicts.values()) for prefix, verdicts in self._verdicts().items()
+            },
         )
         if state.models != previous.models:
             state = attrs.evolve(state, version=previous.version + 1)

@@ -42,7 +42,7 @@ table { border-collapse: collapse; margin-top: 0.5em; }
 th, td { padding: 0.25em 0.8em; border-bottom: 1px solid #d0d7de; text-align: left; }
 td.num { text-align: right; font-variant-numeric: tabular-nums; }
 .mono { font-family: ui-monospace, monospace; }
-.unreachable { color: #d1242f; font-weight: 600; }
+.unreachable, .reported { color: #d1242f; font-weight: 600; }
 """
 
 _SCRIPT: Final = """
@@ -87,6 +87,13 @@ function reach(server) {
   return server.relay ? text + ", relays" : text;
 }
 
+function reports(server) {
+  if (server.reports === 0) return el("td", "num", "—");
+  const cell = el("td", "num reported", server.reports + " upheld");
+  cell.title = server.report;
+  return cell;
+}
+
 function serverRow(server) {
   const row = el("tr");
   row.dataset.peerId = server.peer_id;
@@ -105,6 +112,7 @@ function serverRow(server) {
     el("td", null, server.version),
     el("td", null, reach(server)),
     el("td", server.reachable === false ? "num unreachable" : "num", rtt(server)),
+    reports(server),
   ];
   row.append(...cells);
   return row;
@@ -120,6 +128,10 @@ function renderModel(model) {
     model.served_blocks + " of " + model.num_blocks + " blocks served",
     model.servers.length + (model.servers.length === 1 ? " server" : " servers"),
   ];
+  if (model.refused_reports > 0) {
+    facts.push(model.refused_reports + " fraud report" +
+      (model.refused_reports === 1 ? "" : "s") + " refused");
+  }
   section.append(el("p", "facts", facts.join(" · ")));
   const bar = el("div", "bar");
   bar.setAttribute("role", "img");
@@ -143,7 +155,7 @@ function renderModel(model) {
   const head = el("tr");
   for (const name of ["Peer", "Name", "Blocks", "State", "Throughput (rps)",
                       "Cache tokens left", "Dtype / quant.", "Version", "Reached",
-                      "Round trip"]) {
+                      "Round trip", "Fraud reports"]) {
     head.append(el("th", null, name));
   }
   const thead = el("thead");

@@ -1,21 +1,24 @@
 """What the monitor shows, built from what it read: no I/O here.
 
 :func:`build_state` turns the registry's models, each model's peer table
-(:class:`PeerTableSnapshot`) and the round-trip times measured to servers into a
-:class:`SwarmState`: per model, how many servers hold each block (holes are blocks none holds)
-and one row per server.  ``SwarmState.to_json()`` is what ``GET /api/v1/state`` returns and
-what each server-sent event carries.
+(:class:`PeerTableSnapshot`), the round-trip times measured to servers and the monitor's verdicts
+on fraud reports into a :class:`SwarmState`: per model, how many servers hold each block (holes
+are blocks none holds) and one row per server.  ``SwarmState.to_json()`` is what
+``GET /api/v1/state`` returns and what each server-sent event carries.
 """
 
 from __future__ import annotations
 
 import unicodedata
-from collections.abc import Mapping
-from typing import Any, Final
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Final
 
 import attrs
 
 from ..dht import ModelInfo, PeerTableSnapshot, ServerInfo, ServerState
+
+if TYPE_CHECKING:
+    from ..client import Verdict
 
 __all__ = ["BlockCoverage", "ModelState", "ServerRow", "SwarmState", "build_state", "short_id"]
 
@@ -68,6 +71,10 @@ class ServerRow:
     reachability: str | None = None
     #: Whether it relays for servers behind NATs (None: not announced).
     relay: bool | None = None
+    #: Fraud reports about it that the monitor upheld (other servers confirmed the reported
+    #: answer wrong), and the reason of one of them.
+    reports: int = 0
+    report: str | None = None
 
 
 @attrs.frozen(kw_only=True)
@@ -80,6 +87,9 @@ class ModelState:
     num_blocks: int
     blocks: tuple[BlockCoverage, ...]
     servers: tuple[ServerRow, ...]
+    #: Fraud reports about its servers that the monitor refused (forged, expired, about a
+    #: correct answer...).
+    refused_reports: int = 0
 
     @property
     def served_blocks(self) -> int:
@@ -123,12 +133,14 @@ def build_state(
     *,
     version: int,
     updated_at: float,
+    verdicts: Mapping[str, Sequence[Verdict]] | None = None,
 ) -> SwarmState:
     """The state of ``models`` (by ``dht_prefix``), sorted by prefix.
 
     ``snapshots`` holds each model's peer table (none yet: no servers); ``rtts`` maps PeerIDs
     onto round-trip times in seconds, None for a server that did not answer (absent: not
-    measured yet).  A block's coverage counts the servers listed under it; a server is listed
+    measured yet); ``verdicts``: the monitor's verdicts on each model's fraud reports.  A
+    block's coverage counts the servers listed under it; a server is listed
     once, with the span it announced; blocks past the model's ``num_blocks`` are not shown.
     An online server that did not answer its ping counts as unreachable, not online.
     """
@@ -136,7 +148,13 @@ def build_state(
         version=version,
         updated_at=updated_at,
         models=tuple(
-            _model_state(prefix, models[prefix], snapshots.get(prefix), rtts)
+            _model_state(
+                prefix,
+                models[prefix],
+                snapshots.get(prefix),
+                rtts,
+                () if verdicts is None else verdicts.get(prefix, ()),
+            )
             for prefix in sorted(models)
         ),
     )
@@ -147,6 +165,7 @@ def _model_state(
     info: ModelInfo,
     snapshot: PeerTableSnapshot | None,
     rtts: Mapping[str, float | None],
+    verdicts: Sequence[Verdict],
 ) -> ModelState:
     blocks = {} if snapshot is None else snapshot.blocks
     coverage: list[BlockCoverage] = []
@@ -166,8 +185,19 @@ def _model_state(
     for index in sorted(blocks):
         for peer_id, server in blocks[index].items():
             announced.setdefault(peer_id, server)
+    upheld: dict[str, list[str]] = {}
+    for verdict in verdicts:
+        if verdict.upheld:
+            upheld.setdefault(verdict.accused, []).append(verdict.reason)
     rows = sorted(
-        (_server_row(peer_id, server, rtts) for peer_id, server in announced.items()),
+        (
+            attrs.evolve(
+                _server_row(peer_id, server, rtts),
+                reports=len(upheld.get(peer_id, ())),
+                report=_plain(min(upheld[peer_id])) if peer_id in upheld else None,
+            )
+            for peer_id, server in announced.items()
+        ),
         key=lambda row: (row.start_block, row.end_block, row.peer_id),
     )
     return ModelState(
@@ -177,6 +207,7 @@ def _model_state(
         num_blocks=info.num_blocks,
         blocks=tuple(coverage),
         servers=tuple(rows),
+        refused_reports=sum(1 for verdict in verdicts if not verdict.upheld),
     )
 
 

@@ -45,6 +45,7 @@ from ._receipts import (
     SignedReceipt as SignedReceipt,
     digest_tensors as digest_tensors,
 )
+from ._reports import REPORTED_KINDS as REPORTED_KINDS, FraudReport as FraudReport
 from ._training import (
     BACKWARD as BACKWARD,
     FORWARD as FORWARD,

@@ -2,11 +2,12 @@
 
 Every answer of a forward, a backward and an inference step carries a signature by the server's
 identity key (the Ed25519 key its PeerID names) over a :class:`Receipt`: the kind of answer, the
-model (its DHT prefix), the blocks and adapter, the session and step where there is one, and
-sha2-256 digests of the tensors asked and answered (:func:`digest_tensors`). On the wire a reply
-carries only the signer's public key and the signature (:class:`Signature`): the client knows the
-rest, since it asked and it received, so it rebuilds the receipt and checks the signature
-(:meth:`Receipt.verify`) and that the key is the server's (its PeerID names it). A receipt that
+model (its DHT prefix), the blocks and adapter, the session and step where there is one, the time
+it was issued (Unix seconds, on the server's clock), and sha2-256 digests of the tensors asked and
+answered (:func:`digest_tensors`). On the wire a reply carries only the signer's public key, the
+time and the signature (:class:`Signature`): the client knows the rest, since it asked and it
+received, so it rebuilds the receipt and checks the signature (:meth:`Receipt.verify`) and that
+the key is the server's (its PeerID names it). A receipt that
 checks is evidence anyone can verify that this server gave this answer to this question: a fraud
 report is one, with its tensors.
 
@@ -19,7 +20,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, ClassVar, Final, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Final, Literal, TypeGuard
 
 import attrs
 import cbor2
@@ -75,12 +76,14 @@ class Signature:
 
     signer: bytes
     signature: bytes
+    #: When the server signed, Unix seconds on its clock.
+    issued: int
     #: The digest of what the server computed from, where the client may not hold the same
     #: bytes (an inference step's input may come pushed from the previous server).
     asked: bytes | None = None
 
     def to_wire(self) -> dict[str, Any]:
-        wire = {"signer": self.signer, "signature": self.signature}
+        wire = {"signer": self.signer, "signature": self.signature, "issued": self.issued}
         return wire if self.asked is None else {**wire, "asked": self.asked}
 
     @classmethod
@@ -92,10 +95,13 @@ class Signature:
             raise CodecError(f"a receipt's signer must be {_KEY_BYTES} bytes")
         if not isinstance(signature, bytes) or len(signature) != _SIGNATURE_BYTES:
             raise CodecError(f"a receipt's signature must be {_SIGNATURE_BYTES} bytes")
+        issued = value.get("issued")
+        if not _is_time(issued):
+            raise CodecError("a receipt's issued time must be an integer within [0, 2**63)")
         asked = value.get("asked")
         if asked is not None and (not isinstance(asked, bytes) or len(asked) != DIGEST_BYTES):
             raise CodecError(f"a receipt's asked digest must be {DIGEST_BYTES} bytes")
-        return cls(signer=signer, signature=signature, asked=asked)
+        return cls(signer=signer, signature=signature, issued=issued, asked=asked)
 
 
 def as_signature(value: object) -> Signature | None:
@@ -104,6 +110,10 @@ def as_signature(value: object) -> Signature | None:
     if value is None or isinstance(value, Signature):
         return value
     return Signature.from_wire_untrusted(value)
+
+
+def _is_time(value: object) -> TypeGuard[int]:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**63
 
 
 def _check_digest(name: str, value: bytes) -> None:
@@ -121,12 +131,15 @@ class Receipt:
     adapter: str | None = None
     session: str | None = None
     step: int | None = None
+    issued: int
     asked: bytes
     answered: bytes
 
     def __attrs_post_init__(self) -> None:
         if self.kind not in KINDS:
             raise ValueError(f"a receipt's kind is one of {KINDS}, not {self.kind!r}")
+        if not _is_time(self.issued):
+            raise ValueError("a receipt's issued time is an integer within [0, 2**63)")
         _check_digest("asked", self.asked)
         _check_digest("answered", self.answered)
 
@@ -140,6 +153,7 @@ class Receipt:
                 self.adapter,
                 self.session,
                 self.step,
+                self.issued,
                 self.asked,
                 self.answered,
             ]
@@ -151,6 +165,7 @@ class Receipt:
         return Signature(
             signer=identity.public_key_bytes,
             signature=identity.sign(self.signed_bytes()),
+            issued=self.issued,
             asked=self.asked if with_asked else None,
         )
 

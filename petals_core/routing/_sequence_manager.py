@@ -86,7 +86,9 @@ class SequenceManagerConfig:
     forward passes another server recomputes to check them: ``"sample"`` (each server's first
     ``verify_first`` answers, then a ``verify_share`` of them at random), ``"all"`` or
     ``"none"``; a server caught answering wrongly is never used again, and the right answer is
-    used in its place.
+    used in its place.  The client publishes what it caught as fraud reports in the DHT, and
+    reads the model's every ``reports_period_s``, banning a server only once other servers
+    confirm that the reported answer is wrong.
     """
 
     initial_peers: tuple[str, ...] = attrs.field(default=(), converter=tuple)
@@ -112,6 +114,7 @@ class SequenceManagerConfig:
     verify: Literal["sample", "all", "none"] = attrs.field(default="sample")
     verify_first: int = attrs.field(default=2)
     verify_share: float = attrs.field(default=0.05)
+    reports_period_s: float = attrs.field(default=60.0, validator=positive)
 
     def __attrs_post_init__(self) -> None:
         if self.max_retries is not None and self.max_retries < 0:
@@ -157,6 +160,8 @@ class SequenceManagerState:
     caught: dict[str, str] = attrs.field(factory=dict)
     #: Per server, how many of its answers were checked and agreed.
     verified: dict[str, int] = attrs.field(factory=dict)
+    #: The client's fraud reports (``petals_core.client._reports.ReportBook``), once it has any.
+    reports: Any = None
 
 
 class RemoteSequenceManager:

@@ -4,6 +4,7 @@ a request against the blocks this server holds."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Final
 
@@ -112,6 +113,7 @@ class Serving:
             adapter=adapter,
             session=session,
             step=step,
+            issued=int(time.time()),
             asked=asked_digest,
             answered=answered_digest,
         )

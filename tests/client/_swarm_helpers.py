@@ -158,6 +158,20 @@ async def in_process_swarm(
             await swarm.leave(peer)
 
 
+async def add_liar_and_two_honest(
+    swarm: InProcessSwarm, lies: tuple[str, ...] = ("forward",)
+) -> str:
+    """A liar (announcing the highest speed, so routes prefer it) and two honest servers, each
+    holding every block; the liar's PeerID."""
+    from petals_core.testing import make_liar
+
+    liar = await swarm.add((0, N_BLOCKS), throughput=1000.0)
+    for _ in range(2):
+        await swarm.add((0, N_BLOCKS))
+    make_liar(liar, lies=lies)
+    return str(liar.dht.peer_id)
+
+
 def assert_close(actual: torch.Tensor, expected: torch.Tensor) -> None:
     torch.testing.assert_close(actual, expected, atol=ATOL, rtol=0)
 

@@ -34,6 +34,7 @@ from ._swarm_helpers import (
     HIDDEN,
     N_BLOCKS,
     Model,
+    add_liar_and_two_honest,
     assert_close,
     in_process_swarm,
     manager_for,
@@ -80,10 +81,7 @@ async def _train_beside_a_liar(
     expected, expected_grad, expected_prompt_grad = local_grads(model, x, grad_output, prompts)
     assert expected_prompt_grad is not None
     async with in_process_swarm(model, tmp_path, []) as swarm:
-        liar = await swarm.add((0, N_BLOCKS), throughput=1000.0)
-        for _ in range(2):
-            await swarm.add((0, N_BLOCKS))
-        make_liar(liar, lies=lies)
+        liar = await add_liar_and_two_honest(swarm, lies)
         manager = manager_for(list(swarm.servers.values()), max_retries=3, **fields)
         with trio.fail_after(DEADLINE_S):
             async with RemoteSequential(manager) as seq:
@@ -98,7 +96,7 @@ async def _train_beside_a_liar(
                     assert prompt_grad is not None
                     assert_close(prompt_grad, expected_prompt_grad)
                 used = {span.peer_id for chunk in saved for span, *_ in chunk}
-                return dict(seq.sequence_manager.state.caught), str(liar.dht.peer_id), used
+                return dict(seq.sequence_manager.state.caught), liar, used
 
 
 async def test_a_liar_is_caught_on_its_first_checked_answer(model: Model, tmp_path: Path) -> None:

@@ -8,6 +8,7 @@ from typing import Any
 
 import attrs
 
+from petals_core.client import Verdict
 from petals_core.dht import ModelInfo, PeerTableSnapshot, ServerInfo, ServerState
 from petals_core.monitor import BlockCoverage, SwarmState, build_state
 from petals_core.transport import Identity
@@ -164,7 +165,43 @@ def test_the_json_is_what_the_api_sends() -> None:
         "reachable",
         "reachability",
         "relay",
+        "reports",
+        "report",
     }
+    assert row["reports"] == 0 and row["report"] is None
+    assert model["refused_reports"] == 0
+
+
+def test_upheld_reports_show_on_their_server_and_refused_ones_are_counted() -> None:
+    servers = {A: info(0, 6), B: info(0, 6)}
+    verdicts = [
+        Verdict(accused=A, reporters=frozenset({"r1"}), upheld=True, reason="off by 0.4\u202e"),
+        Verdict(accused=A, reporters=frozenset({"r2"}), upheld=True, reason="off by 0.3"),
+        Verdict(accused=B, reporters=frozenset({"r3"}), upheld=False, reason="forged"),
+    ]
+    state = build_state(
+        {"llama": LLAMA},
+        {"llama": snapshot("llama", servers)},
+        {},
+        version=1,
+        updated_at=1.0,
+        verdicts={"llama": verdicts},
+    )
+    (model,) = state.models
+    rows = {row.peer_id: row for row in model.servers}
+    assert rows[A].reports == 2 and rows[A].report == "off by 0.3"
+    assert rows[B].reports == 0 and rows[B].report is None
+    assert model.refused_reports == 1
+    only_a = build_state(
+        {"llama": LLAMA},
+        {"llama": snapshot("llama", servers)},
+        {},
+        version=1,
+        updated_at=1.0,
+        verdicts={"llama": verdicts[:1]},
+    )
+    (row,) = [row for row in only_a.models[0].servers if row.peer_id == A]
+    assert row.report == "off by 0.4\ufffd"  # no format characters
 
 
 def test_states_compare_by_what_they_show() -> None:

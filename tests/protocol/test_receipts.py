@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+import time
+
 import attrs
 import pytest
 import torch
 
 from petals_core import ReceiptError
 from petals_core._errors import CodecError
-from petals_core.client._checks import check_receipt
+from petals_core.client._checks import CLOCK_SKEW_S, check_receipt
 from petals_core.protocol import ForwardReply, Receipt, Signature, StepResult, digest_tensors
 from petals_core.transport import Identity, as_received
+
+#: When the receipts of these tests were issued.
+ISSUED = int(time.time())
 
 
 def _receipt(**changes: object) -> Receipt:
@@ -19,6 +24,7 @@ def _receipt(**changes: object) -> Receipt:
         "model": "llama-hf",
         "blocks": (3, 6),
         "adapter": None,
+        "issued": ISSUED,
         "asked": digest_tensors({"hidden_states": torch.ones(1, 2, 4)}),
         "answered": digest_tensors({"hidden_states": torch.zeros(1, 2, 4)}),
     }
@@ -42,6 +48,7 @@ def test_a_signed_receipt_checks_against_its_signer() -> None:
         {"adapter": "lora"},
         {"session": "s"},
         {"step": 0},
+        {"issued": ISSUED - 1},
         {"asked": digest_tensors({"hidden_states": torch.ones(1, 2, 4) * 2})},
         {"answered": digest_tensors({"hidden_states": torch.ones(1, 2, 4)})},
     ],
@@ -59,11 +66,24 @@ def test_a_signature_by_another_key_or_none_is_refused() -> None:
     with pytest.raises(ReceiptError, match="another peer's key"):
         check_receipt(receipt, receipt.sign(other), server.peer_id)
     # Another peer's signature presented with the server's key does not verify either.
-    forged = Signature(signer=server.public_key_bytes, signature=receipt.sign(other).signature)
+    forged = Signature(
+        signer=server.public_key_bytes, signature=receipt.sign(other).signature, issued=ISSUED
+    )
     with pytest.raises(ReceiptError, match="not signed over"):
         check_receipt(receipt, forged, server.peer_id)
     with pytest.raises(ReceiptError, match="without a receipt"):
         check_receipt(receipt, None, server.peer_id)
+
+
+def test_a_receipt_dated_far_from_the_clients_clock_is_refused() -> None:
+    server = Identity.generate()
+    receipt = _receipt()
+    signature = receipt.sign(server)
+    check_receipt(receipt, signature, server.peer_id, now=ISSUED + CLOCK_SKEW_S)
+    with pytest.raises(ReceiptError, match="clocks is wrong"):
+        check_receipt(receipt, signature, server.peer_id, now=ISSUED + CLOCK_SKEW_S + 1)
+    with pytest.raises(ReceiptError, match=r"\+3601 s from this machine's clock"):
+        check_receipt(receipt, signature, server.peer_id, now=ISSUED - CLOCK_SKEW_S - 1)
 
 
 def test_digests_cover_names_dtypes_shapes_and_values() -> None:
@@ -98,13 +118,20 @@ def test_replies_carry_the_signature_and_refuse_a_malformed_one() -> None:
     signature = _receipt().sign(server)
     reply = ForwardReply(hidden_states=torch.zeros(1, 2, 4), receipt=signature)
     meta, tensors = reply.to_wire()
-    assert meta["receipt"] == {"signer": signature.signer, "signature": signature.signature}
+    assert meta["receipt"] == {
+        "signer": signature.signer,
+        "signature": signature.signature,
+        "issued": ISSUED,
+    }
     assert ForwardReply.from_wire_untrusted(meta, tensors) == reply
     assert ForwardReply.from_wire_untrusted({}, tensors).receipt is None
     for bad, reason in [
         ([1], "a receipt must be a map"),
         ({"signer": b"x" * 31, "signature": b"y" * 64}, "signer must be 32 bytes"),
         ({"signer": b"x" * 32, "signature": "y" * 64}, "signature must be 64 bytes"),
+        ({"signer": b"x" * 32, "signature": b"y" * 64}, "issued time must be an integer"),
+        ({"signer": b"x" * 32, "signature": b"y" * 64, "issued": -1}, "issued time"),
+        ({"signer": b"x" * 32, "signature": b"y" * 64, "issued": True}, "issued time"),
     ]:
         with pytest.raises(CodecError, match=reason):
             ForwardReply.from_wire_untrusted({"receipt": bad}, tensors)
@@ -115,6 +142,8 @@ def test_receipts_refuse_what_they_cannot_mean() -> None:
         _receipt(kind="push")
     with pytest.raises(ValueError, match="32-byte digest"):
         _receipt(asked=b"short")
+    with pytest.raises(ValueError, match="issued time"):
+        _receipt(issued=1.5)
     assert attrs.evolve(_receipt(), step=3).step == 3
 
 

@@ -1,0 +1,224 @@
+"""Judging fraud reports by asking other servers, and the client's report watcher.
+
+A report passes :func:`~petals_core.client._reports.check_report` when the accused did give its
+answer to its question.  Whether that answer is wrong, no report can say on its own: the client
+asks the question again of a server other than the accused (of its dtype and quantisation).  If
+that server's answer agrees with the accused's, the report is about a correct answer and is
+refused.  If not, a third server decides: the report is upheld only if the third agrees with the
+second and not with the accused, so one lying server cannot frame an honest one by filing a
+report and confirming it.  Where too few servers hold the blocks, the report waits for the next
+round.  An upheld report bans the accused as a caught server is banned
+(:meth:`RemoteSequenceManager.on_caught`).
+
+The watcher (:func:`watch_reports`, run with the manager's network part by :func:`run_manager`)
+publishes the client's own reports and, every ``reports_period_s``, reads the model's list and
+judges up to :data:`CHECKS_PER_ROUND` new reports about servers in its peer table.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping
+from typing import Final
+
+import attrs
+import torch
+import trio
+
+from .._errors import PetalsError, ReportRefused, TransportError
+from ..dht import Listing, fetch_listings
+from ..protocol import BackwardRequest, FraudReport
+from ..routing import MissingBlocksError, RemoteSequenceManager, RouteSpan
+from ._checks import disagreement, tolerance
+from ._inference import RETRIABLE
+from ._reports import ReportBook, Verdict, book_of, check_report, fetch_report, publish
+from ._sequential import _backward_elsewhere, _recompute
+
+__all__ = ["CHECKS_PER_ROUND", "judge", "judge_listed", "run_manager", "watch_reports"]
+
+logger = logging.getLogger(__name__)
+
+#: New reports a client judges per round (each costs the swarm two recomputations).
+CHECKS_PER_ROUND: Final = 4
+
+Answer = dict[str, torch.Tensor]
+
+
+def _off(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor]) -> float:
+    if a.keys() != b.keys():
+        return float("inf")
+    return max(disagreement(a[name], b[name]) for name in a)
+
+
+async def _ask(
+    manager: RemoteSequenceManager, report: FraudReport, exclude: set[str]
+) -> tuple[Answer, set[str]] | None:
+    """The report's question answered by servers not in ``exclude`` (of the accused's dtype and
+    quantisation), and who answered; None where none can now."""
+    start, end = report.blocks
+    sub = RemoteSequenceManager(
+        attrs.evolve(manager.config, active_adapter=report.adapter),
+        manager.num_blocks,
+        block_indices=range(start, end),
+        state=manager.state,
+    )
+    span = RouteSpan(start=start, end=end, peer_id=report.accused)
+    like = manager.server_info(report.accused)
+    try:
+        if report.kind == "forward":
+            output, _, evidence = await _recompute(
+                sub,
+                span,
+                report.asked["hidden_states"],
+                report.asked.get("prompts"),
+                False,
+                exclude,
+                like,
+            )
+            return {"hidden_states": output}, {answer.accused for answer in evidence}
+        request = BackwardRequest(
+            blocks=(start, end),
+            active_adapter=report.adapter,
+            hidden_states=report.asked["hidden_states"],
+            grad_outputs=report.asked["grad_outputs"],
+            prompts=report.asked.get("prompts"),
+        )
+        found = await _backward_elsewhere(sub, span, request, exclude, like)
+    except (MissingBlocksError, *RETRIABLE) as exc:
+        logger.info("could not judge a report against %s now: %r", report.accused, exc)
+        return None
+    if found is None:
+        return None
+    reply, answer = found
+    return {name: t for name, t in reply.tensors().items() if t is not None}, {answer.accused}
+
+
+async def judge(manager: RemoteSequenceManager, report: FraudReport) -> str | None:
+    """Whether ``report``'s answer is wrong, asking other servers (see the module): the reason
+    to uphold it, :class:`ReportRefused` if it is about a correct answer, None if too few servers
+    can tell now."""
+    start, end = report.blocks
+    if end > manager.num_blocks:
+        raise ReportRefused(f"the report names blocks {start}:{end} of a {manager.num_blocks}")
+    bound = tolerance(manager.server_info(report.accused))
+    first = await _ask(manager, report, {report.accused})
+    if first is None:
+        return None
+    second, checkers = first
+    off = _off(report.answered, second)
+    if off <= bound:
+        raise ReportRefused(
+            f"about a correct answer: {', '.join(sorted(checkers))} computed the same "
+            f"(relative difference {off:.3g}, bound {bound:.3g})"
+        )
+    decider = await _ask(manager, report, {report.accused} | checkers)
+    if decider is None:
+        return None
+    third, thirds = decider
+    if _off(third, report.answered) <= bound:
+        raise ReportRefused(
+            f"about a correct answer: {', '.join(sorted(thirds))} computed the same, "
+            f"{', '.join(sorted(checkers))} did not"
+        )
+    if _off(third, second) > bound:
+        return None  # three different answers: nothing decides
+    return (
+        f"blocks {start}:{end} off by {off:.3g} (bound {bound:.3g}) against "
+        f"{', '.join(sorted(checkers | thirds))}"
+    )
+
+
+async def judge_listed(manager: RemoteSequenceManager) -> int:
+    """One round: read the model's reports and judge up to :data:`CHECKS_PER_ROUND` new ones
+    about servers in the peer table; how many were decided."""
+    dht, prefix = manager.state.dht, manager.config.dht_prefix
+    assert dht is not None and prefix is not None
+    book = book_of(manager)
+    by_digest: dict[bytes, list[Listing]] = {}
+    for listing in await fetch_listings(dht, prefix):
+        by_digest.setdefault(listing.digest, []).append(listing)
+    decided = 0
+    for digest, listings in by_digest.items():
+        reporters = frozenset(listing.reporter for listing in listings)
+        known = book.verdicts.get(digest)
+        if known is not None:
+            book.verdicts[digest] = attrs.evolve(known, reporters=known.reporters | reporters)
+            continue
+        accused = listings[0].accused
+        if (
+            manager.server_info(accused) is None
+            or accused in manager.state.caught
+            or decided >= CHECKS_PER_ROUND
+        ):
+            continue
+        decided += 1
+        try:
+            report = await fetch_report(dht, prefix, listings[0])
+            check_report(report, model=prefix, now=time.time())
+            reason = await judge(manager, report)
+        except ReportRefused as exc:
+            book.verdicts[digest] = Verdict(
+                accused=accused, reporters=reporters, upheld=False, reason=str(exc)
+            )
+            logger.info(
+                "refused a report against %s by %s: %s", accused, ", ".join(sorted(reporters)), exc
+            )
+            continue
+        if reason is None:
+            decided -= 1
+            continue
+        book.verdicts[digest] = Verdict(
+            accused=accused, reporters=reporters, upheld=True, reason=reason
+        )
+        manager.on_caught(accused, f"reported by {', '.join(sorted(reporters))}: {reason}")
+    return decided
+
+
+async def _publish_outbox(manager: RemoteSequenceManager, book: ReportBook) -> None:
+    dht, prefix = manager.state.dht, manager.config.dht_prefix
+    assert dht is not None and prefix is not None
+    while book.outbox:
+        report = book.outbox.pop(0)
+        try:
+            await publish(dht, prefix, book, report, now=time.time())
+        except ReportRefused as exc:
+            logger.warning("could not report %s: %s", report.accused, exc)
+            continue
+        except TransportError as exc:
+            logger.warning("could not report %s: %r", report.accused, exc)
+            continue
+        logger.info("reported %s in the DHT", report.accused)
+
+
+async def watch_reports(manager: RemoteSequenceManager) -> None:
+    """Publish the client's reports as they come and judge the model's, every
+    ``reports_period_s`` (until cancelled)."""
+    book = book_of(manager)
+    while True:
+        await _publish_outbox(manager, book)
+        try:
+            await judge_listed(manager)
+        except PetalsError as exc:
+            logger.info("reading fraud reports failed: %r", exc)
+        with trio.move_on_after(manager.config.reports_period_s):
+            await book.wake.wait()
+        book.wake = trio.Event()
+
+
+async def run_manager(
+    manager: RemoteSequenceManager, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+) -> None:
+    """``manager``'s network part (:meth:`RemoteSequenceManager.run`) and its report watcher,
+    until :meth:`RemoteSequenceManager.close`; for ``nursery.start``."""
+    async with trio.open_nursery() as nursery:
+
+        async def network(*, task_status: trio.TaskStatus[None]) -> None:
+            try:
+                await manager.run(task_status=task_status)
+            finally:
+                nursery.cancel_scope.cancel()
+
+        await nursery.start(network)
+        nursery.start_soon(watch_reports, manager)
+        task_status.started()

@@ -1,0 +1,210 @@
+"""Fraud reports: publishing the evidence of a caught server, and reading others'.
+
+A client that catches a server answering wrongly (``_sequential``: two other servers agree, and
+not with it) files the server's signed answer (:class:`~petals_core.protocol.FraudReport`) in its
+:class:`ReportBook`; the book's watcher (``_report_judge``) publishes it in the DHT (the layout is
+``petals_core.dht._fraud``'s: a signed list per reporter, the evidence in chunks checked by their
+digest).
+
+Reports last :data:`REPORT_TTL_S` from the answer (the receipt's signed time), at most 24 hours
+in the DHT (its limit), and are at most ``MAX_EVIDENCE_BYTES`` (4 MiB): a larger one is not
+published.  A reader refuses (:class:`ReportRefused`, with the reason) what is oversized,
+missing, altered, malformed, forged, about another model, expired or dated in the future
+(:func:`check_report`), and then asks other servers whether the answer is wrong
+(``_report_judge``).
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+import attrs
+import trio
+
+from .._errors import CodecError, ReportRefused
+from ..dht import (
+    MAX_EVIDENCE_BYTES,
+    MAX_LISTED,
+    DHTNode,
+    Listing,
+    fetch_evidence,
+    store_evidence,
+    store_listings,
+)
+from ..protocol import FraudReport
+from ..routing import RemoteSequenceManager
+from ..transport import CodecLimits, PeerID, decode_message_untrusted, encode_message
+from ._checks import CLOCK_SKEW_S
+
+__all__ = [
+    "REPORT_TTL_S",
+    "ReportBook",
+    "Verdict",
+    "book_of",
+    "check_report",
+    "decode_report",
+    "encode_report",
+    "fetch_report",
+    "publish",
+]
+
+#: How long after its answer a report counts.
+REPORT_TTL_S: Final = 24 * 3600.0
+#: The DHT keeps a value at most this long after it is stored.
+_DHT_HORIZON_S: Final = 23 * 3600.0
+_REPORT_LIMITS: Final = CodecLimits(
+    max_frame_bytes=MAX_EVIDENCE_BYTES,
+    max_depth=8,
+    max_container_items=256,
+    max_tensor_elements=MAX_EVIDENCE_BYTES,
+    max_tensor_dims=8,
+    max_string_bytes=4096,
+)
+
+
+def encode_report(report: FraudReport) -> bytes:
+    """The report's bytes; :class:`ReportRefused` if it exceeds ``MAX_EVIDENCE_BYTES``."""
+    try:
+        return encode_message(report.to_wire(), limits=_REPORT_LIMITS)
+    except CodecError as exc:
+        raise ReportRefused(f"the report is too large to publish: {exc}") from None
+
+
+def decode_report(data: bytes) -> FraudReport:
+    try:
+        return FraudReport.from_wire_untrusted(
+            decode_message_untrusted(data, limits=_REPORT_LIMITS)
+        )
+    except CodecError as exc:
+        raise ReportRefused(f"malformed: {exc}") from None
+
+
+def check_report(report: FraudReport, *, model: str, now: float) -> None:
+    """Raise :class:`ReportRefused` unless ``report`` is about ``model``, signed by the accused
+    over its question and answer, and its answer is at most :data:`REPORT_TTL_S` old at ``now``
+    (Unix seconds).  Whether the answer is wrong takes other servers (``_report_judge``)."""
+    if report.model != model:
+        raise ReportRefused(f"the report is about model {report.model!r}, not {model!r}")
+    try:
+        signer = str(PeerID.from_public_key(report.signature.signer))
+    except ValueError:
+        raise ReportRefused("forged: the signer's key is not an Ed25519 key") from None
+    if signer != report.accused:
+        raise ReportRefused(
+            f"forged: the answer is signed by {signer}, not by the accused {report.accused}"
+        )
+    try:
+        receipt = report.receipt
+    except ValueError as exc:
+        raise ReportRefused(f"malformed: {exc}") from None
+    if not receipt.verify(report.signature):
+        raise ReportRefused(
+            f"forged: {report.accused}'s signature does not cover this question and answer"
+        )
+    age = now - report.signature.issued
+    if age < -CLOCK_SKEW_S:
+        raise ReportRefused(f"the answer is dated {-age:.0f} s in the future")
+    if age > REPORT_TTL_S:
+        raise ReportRefused(
+            f"expired: the answer is {age / 3600:.1f} h old, and reports count for "
+            f"{REPORT_TTL_S / 3600:.0f} h"
+        )
+
+
+@attrs.frozen(kw_only=True)
+class Verdict:
+    """What a client concluded of one report: ``upheld`` (the accused answered wrongly: it is
+    no longer used) or refused, and why."""
+
+    accused: str
+    reporters: frozenset[str]
+    upheld: bool
+    reason: str
+
+
+@attrs.define(eq=False)
+class ReportBook:
+    """A client's reports: those to publish, those it published, and its verdicts on everyone's
+    (by the digest of the evidence)."""
+
+    outbox: list[FraudReport] = attrs.field(factory=list)
+    published: dict[bytes, Listing] = attrs.field(factory=dict)
+    verdicts: dict[bytes, Verdict] = attrs.field(factory=dict)
+    #: Set when there is something to publish.
+    wake: trio.Event = attrs.field(factory=trio.Event)
+    #: Set (and replaced) each time a report is published.
+    _published_now: trio.Event = attrs.field(factory=trio.Event)
+
+    def report(self, report: FraudReport) -> None:
+        """File ``report`` for publication (by the book's watcher)."""
+        self.outbox.append(report)
+        self.wake.set()
+
+    def on_published(self) -> None:
+        self._published_now.set()
+        self._published_now = trio.Event()
+
+    async def wait_published(self, count: int) -> None:
+        """Wait until ``count`` of this client's reports are listed."""
+        while len(self.published) < count:
+            await self._published_now.wait()
+
+    def by_accused(self) -> dict[str, list[Verdict]]:
+        found: dict[str, list[Verdict]] = {}
+        for verdict in self.verdicts.values():
+            found.setdefault(verdict.accused, []).append(verdict)
+        return found
+
+
+def book_of(manager: RemoteSequenceManager) -> ReportBook:
+    """The book of ``manager``'s client (shared with its slices)."""
+    state = manager.state
+    if state.reports is None:
+        state.reports = ReportBook()
+    book = state.reports
+    assert isinstance(book, ReportBook)
+    return book
+
+
+async def publish(
+    dht: DHTNode, prefix: str, book: ReportBook, report: FraudReport, *, now: float
+) -> bytes:
+    """Store ``report``'s evidence and list it with ours; its digest (:class:`ReportRefused` if
+    it cannot be published: too large, or expired)."""
+    data = encode_report(report)
+    issued = report.signature.issued
+    expiration = min(issued + REPORT_TTL_S, now + _DHT_HORIZON_S)
+    if expiration <= now:
+        raise ReportRefused("expired: the answer is older than reports last")
+    digest = await store_evidence(dht, prefix, data, expiration)
+    reporter = str(dht.peer_id)
+    book.verdicts[digest] = Verdict(
+        accused=report.accused,
+        reporters=frozenset({reporter}),
+        upheld=True,
+        reason="caught by this client",
+    )
+    book.published[digest] = Listing(
+        reporter=reporter, accused=report.accused, digest=digest, size=len(data), issued=issued
+    )
+    live = sorted(
+        (listing for listing in book.published.values() if listing.issued + REPORT_TTL_S > now),
+        key=lambda listing: listing.issued,
+    )[-MAX_LISTED:]
+    book.published = {listing.digest: listing for listing in live}
+    last = min(max(listing.issued for listing in live) + REPORT_TTL_S, now + _DHT_HORIZON_S)
+    await store_listings(dht, prefix, live, last)
+    book.on_published()
+    return digest
+
+
+async def fetch_report(dht: DHTNode, prefix: str, listing: Listing) -> FraudReport:
+    """The report ``listing`` names, read from the DHT and checked against its digest
+    (:class:`ReportRefused` if it is oversized, missing, altered, malformed or about another
+    server than listed)."""
+    report = decode_report(await fetch_evidence(dht, prefix, listing))
+    if report.accused != listing.accused:
+        raise ReportRefused(
+            f"the evidence is about {report.accused}, but listed against {listing.accused}"
+        )
+    return report

@@ -1,0 +1,251 @@
+"""Fraud reports: a caught server's signed answer published in the DHT, and judged by other
+clients before they ban it; forged, altered, expired, oversized reports and reports about
+correct answers are refused with their reason, and honest servers keep serving."""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from pathlib import Path
+
+import attrs
+import pytest
+import torch
+import trio
+
+from petals_core import ReportRefused
+from petals_core.client import RemoteSequential, remote_forward
+from petals_core.client._report_judge import judge_listed
+from petals_core.client._reports import (
+    REPORT_TTL_S,
+    book_of,
+    check_report,
+    decode_report,
+    encode_report,
+    publish,
+)
+from petals_core.client._sequential import _forward_span
+from petals_core.dht import MAX_EVIDENCE_BYTES, Listing, fetch_listings, index_key
+from petals_core.protocol import FraudReport, Receipt, digest_tensors
+from petals_core.routing import RemoteSequenceManager, RouteSpan
+from petals_core.transport import Identity, encode_message
+
+from ._swarm_helpers import (
+    DEADLINE_S,
+    HIDDEN,
+    N_BLOCKS,
+    Model,
+    add_liar_and_two_honest,
+    assert_close,
+    in_process_swarm,
+    manager_for,
+    wait_for_servers,
+)
+
+MODEL = "tiny-llama-hf"
+
+
+def _signed(
+    server: Identity, *, issued: int | None = None, model: str = MODEL, **tensors: torch.Tensor
+) -> FraudReport:
+    asked = {"hidden_states": tensors.get("asked", torch.ones(1, 2, 4))}
+    answered = {"hidden_states": tensors.get("answered", torch.zeros(1, 2, 4))}
+    receipt = Receipt(
+        kind="forward",
+        model=model,
+        blocks=(0, 2),
+        issued=int(time.time()) if issued is None else issued,
+        asked=digest_tensors(asked),
+        answered=digest_tensors(answered),
+    )
+    return FraudReport(
+        accused=str(server.peer_id),
+        kind="forward",
+        model=model,
+        blocks=(0, 2),
+        adapter=None,
+        signature=receipt.sign(server),
+        asked=asked,
+        answered=answered,
+    )
+
+
+def test_a_report_round_trips_and_checks() -> None:
+    server = Identity.generate()
+    report = _signed(server)
+    decoded = decode_report(encode_report(report))
+    assert decoded == report
+    assert torch.equal(decoded.answered["hidden_states"], report.answered["hidden_states"])
+    check_report(decoded, model=MODEL, now=time.time())
+
+
+def test_forged_altered_expired_and_foreign_reports_are_refused() -> None:
+    server, other = Identity.generate(), Identity.generate()
+    report = _signed(server)
+    now = time.time()
+    cases = [
+        (attrs.evolve(report, accused=str(other.peer_id)), "forged: the answer is signed by"),
+        (
+            attrs.evolve(report, answered={"hidden_states": torch.ones(1, 2, 4)}),
+            "forged: .* signature does not cover this question and answer",
+        ),
+        (attrs.evolve(report, blocks=(0, 3)), "signature does not cover"),
+        (
+            attrs.evolve(report, signature=_signed(other).signature),
+            "forged: the answer is signed by",
+        ),
+    ]
+    for bad, reason in cases:
+        with pytest.raises(ReportRefused, match=reason):
+            check_report(bad, model=MODEL, now=now)
+    with pytest.raises(ReportRefused, match="about model 'tiny-llama-hf', not 'bloom'"):
+        check_report(report, model="bloom", now=now)
+    old = _signed(server, issued=int(now - REPORT_TTL_S - 60))
+    with pytest.raises(ReportRefused, match=r"expired: the answer is 24.0 h old"):
+        check_report(old, model=MODEL, now=now)
+    future = _signed(server, issued=int(now + 2 * 3600))
+    with pytest.raises(ReportRefused, match="in the future"):
+        check_report(future, model=MODEL, now=now)
+
+
+def test_oversized_and_malformed_reports_are_refused() -> None:
+    server = Identity.generate()
+    big = torch.zeros(1, MAX_EVIDENCE_BYTES // (4 * 64) + 1, 64)
+    with pytest.raises(ReportRefused, match="too large to publish"):
+        encode_report(_signed(server, answered=big))
+    wire = _signed(server).to_wire()
+    for changed, reason in [
+        ({"kind": "step"}, "only forward and backward answers are reported"),
+        ({"version": 2}, "version must be 1"),
+        ({"blocks": [2, 2]}, "blocks must be"),
+        ({"answered": {"grad_inputs": torch.zeros(1)}}, "answered tensors are"),
+        ({"asked": {"hidden_states": 1}}, "must be a tensor"),
+        ({"signature": {"signer": b"x"}}, "signer must be 32 bytes"),
+    ]:
+        with pytest.raises(ReportRefused, match=f"malformed: .*{reason}"):
+            decode_report(encode_message({**wire, **changed}))
+    with pytest.raises(ReportRefused, match="malformed"):
+        decode_report(b"\xff" * 10)
+
+
+async def _wait_verdicts(manager: RemoteSequenceManager, count: int) -> None:
+    """Judge the model's reports round after round until ``count`` are decided."""
+    book = book_of(manager)
+    while len(book.verdicts) < count:
+        if await judge_listed(manager) == 0:
+            await trio.lowlevel.checkpoint()
+
+
+async def test_a_caught_liar_is_reported_and_other_clients_ban_it_once_confirmed(
+    model: Model, tmp_path: Path
+) -> None:
+    """A client checking every answer catches the liar and publishes its signed answer; another
+    client, checking nothing itself, reads the report, has two other servers confirm it, and
+    stops using the liar: its outputs are exact."""
+    torch.manual_seed(11)
+    x = torch.randn(1, 4, HIDDEN)
+    expected = model.forward(x).detach()
+    async with in_process_swarm(model, tmp_path, []) as swarm:
+        liar_id = await add_liar_and_two_honest(swarm)
+        servers = list(swarm.servers.values())
+        with trio.fail_after(DEADLINE_S):
+            async with (
+                RemoteSequential(manager_for(servers, verify="all")) as checking,
+                RemoteSequential(manager_for(servers, verify="none")) as trusting,
+            ):
+                await wait_for_servers(checking.sequence_manager, 3)
+                await wait_for_servers(trusting.sequence_manager, 3)
+                output, _ = await remote_forward(checking.sequence_manager, x)
+                assert_close(output, expected)
+                assert liar_id in checking.sequence_manager.state.caught
+                await book_of(checking.sequence_manager).wait_published(1)
+
+                await _wait_verdicts(trusting.sequence_manager, 1)
+                (verdict,) = book_of(trusting.sequence_manager).verdicts.values()
+                reporter = str(checking.sequence_manager.state.dht.peer_id)  # type: ignore[union-attr]
+                assert verdict.upheld and verdict.accused == liar_id
+                assert verdict.reporters == {reporter}
+                reason = trusting.sequence_manager.state.caught[liar_id]
+                assert reason.startswith(f"reported by {reporter}: blocks 0:{N_BLOCKS} off by")
+                for _ in range(3):
+                    output, saved = await remote_forward(trusting.sequence_manager, x)
+                    assert_close(output, expected)
+                    assert liar_id not in {span.peer_id for span, *_ in saved[0]}
+
+
+async def test_hostile_reports_are_refused_and_frame_no_honest_server(
+    model: Model, tmp_path: Path
+) -> None:
+    """Reports about a correct answer, with an altered answer, under another's name, oversized,
+    with missing evidence, and the same report listed twice: each refused with its reason (the
+    duplicate judged once), no honest server banned, and the swarm serves as before."""
+    torch.manual_seed(12)
+    x = torch.randn(1, 3, HIDDEN)
+    expected = model.forward(x).detach()
+    async with in_process_swarm(model, tmp_path, [(0, N_BLOCKS)] * 3) as swarm:
+        servers = list(swarm.servers.values())
+        peers = [str(server.dht.peer_id) for server in servers]
+        with trio.fail_after(DEADLINE_S):
+            async with (
+                RemoteSequential(manager_for(servers, verify="none")) as framer,
+                RemoteSequential(manager_for(servers, verify="none")) as accomplice,
+                RemoteSequential(manager_for(servers, verify="none")) as judging,
+            ):
+                for client in (framer, accomplice, judging):
+                    await wait_for_servers(client.sequence_manager, 3)
+                manager = framer.sequence_manager
+                dht = manager.state.dht
+                assert dht is not None
+                book = book_of(manager)
+                # A correct answer of peers[0], signed by it, reported as it is.
+                span = RouteSpan(start=0, end=N_BLOCKS, peer_id=peers[0])
+                output, _, honest = await _forward_span(manager, span, x, None, False)
+                assert_close(output, expected)
+                wrong = {"hidden_states": honest.answered["hidden_states"] + 1.0}
+                other_span = attrs.evolve(span, peer_id=peers[1])
+                _, _, other_answer = await _forward_span(manager, other_span, x, None, False)
+                hostile = [
+                    honest,
+                    attrs.evolve(honest, answered=wrong),
+                    attrs.evolve(other_answer, accused=peers[2]),
+                ]
+                prefix = manager.config.dht_prefix
+                assert prefix is not None
+                for report in hostile:
+                    await publish(dht, prefix, book, report, now=time.time())
+                # The accomplice lists the correct-answer report again, and two that name
+                # evidence that is too large or not there.
+                digests = [hashlib.sha256(encode_report(r)).digest() for r in hostile]
+                listings = [book.published[digest] for digest in digests]
+                forged = [
+                    attrs.evolve(listings[0], size=MAX_EVIDENCE_BYTES + 1, digest=b"\x01" * 32),
+                    attrs.evolve(listings[0], size=1000, digest=b"\x02" * 32),
+                    listings[0],
+                ]
+                await accomplice.sequence_manager.state.dht.store(  # type: ignore[union-attr]
+                    index_key(prefix),
+                    encode_message({"reports": [listing.to_wire() for listing in forged]}),
+                    time.time() + 600,
+                    signed=True,
+                )
+                listed = await fetch_listings(dht, prefix)
+                assert len(listed) == 6
+
+                await _wait_verdicts(judging.sequence_manager, 5)
+                verdicts = book_of(judging.sequence_manager).verdicts
+                reasons = {digest: v.reason for digest, v in verdicts.items()}
+                assert not any(v.upheld for v in verdicts.values())
+                assert len(verdicts[listings[0].digest].reporters) == 2  # judged once
+                assert reasons[listings[0].digest].startswith("about a correct answer")
+                assert "signature does not cover" in reasons[listings[1].digest]
+                assert "forged: the answer is signed by" in reasons[listings[2].digest]
+                assert reasons[b"\x01" * 32].startswith("oversized")
+                assert reasons[b"\x02" * 32].startswith("the evidence is missing")
+                assert not judging.sequence_manager.state.caught
+                output, _ = await remote_forward(judging.sequence_manager, x)
+                assert_close(output, expected)
+
+
+def test_a_listing_names_who_is_accused_and_what_evidence() -> None:
+    listing = Listing(reporter="r", accused="a", digest=b"\x00" * 32, size=5, issued=7)
+    assert listing.to_wire() == {"accused": "a", "digest": b"\x00" * 32, "size": 5, "issued": 7}
