@@ -17,6 +17,7 @@ judges up to :data:`CHECKS_PER_ROUND` new reports about servers in its peer tabl
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Mapping
@@ -131,7 +132,8 @@ async def judge(manager: RemoteSequenceManager, report: FraudReport) -> str | No
 
 async def judge_listed(manager: RemoteSequenceManager) -> int:
     """One round: read the model's reports and judge up to :data:`CHECKS_PER_ROUND` new ones
-    about servers in the peer table; how many were decided."""
+    about servers in the peer table; how many were decided.  Those about servers not in the
+    table are left for later (``ReportBook.waiting``)."""
     dht, prefix = manager.state.dht, manager.config.dht_prefix
     assert dht is not None and prefix is not None
     book = book_of(manager)
@@ -139,6 +141,7 @@ async def judge_listed(manager: RemoteSequenceManager) -> int:
     for listing in await fetch_listings(dht, prefix):
         by_digest.setdefault(listing.digest, []).append(listing)
     decided = 0
+    book.waiting = set()
     for digest, listings in by_digest.items():
         reporters = frozenset(listing.reporter for listing in listings)
         known = book.verdicts.get(digest)
@@ -146,11 +149,10 @@ async def judge_listed(manager: RemoteSequenceManager) -> int:
             book.verdicts[digest] = attrs.evolve(known, reporters=known.reporters | reporters)
             continue
         accused = listings[0].accused
-        if (
-            manager.server_info(accused) is None
-            or accused in manager.state.caught
-            or decided >= CHECKS_PER_ROUND
-        ):
+        if manager.server_info(accused) is None:
+            book.waiting.add(accused)
+            continue
+        if accused in manager.state.caught or decided >= CHECKS_PER_ROUND:
             continue
         decided += 1
         try:
@@ -192,18 +194,47 @@ async def _publish_outbox(manager: RemoteSequenceManager, book: ReportBook) -> N
 
 
 async def watch_reports(manager: RemoteSequenceManager) -> None:
-    """Publish the client's reports as they come and judge the model's, every
-    ``reports_period_s`` (until cancelled)."""
+    """Publish the client's reports as they come, and judge the model's every
+    ``reports_period_s`` and as soon as a server they accuse shows in the peer table (until
+    cancelled).  Reports still waiting when the manager stops are published then."""
     book = book_of(manager)
+    if not book.flushed_on_stop:
+        manager.state.on_stop.append(functools.partial(_publish_outbox, manager, book))
+        book.flushed_on_stop = True
     while True:
         await _publish_outbox(manager, book)
         try:
-            await judge_listed(manager)
+            decided = await judge_listed(manager)
         except PetalsError as exc:
             logger.info("reading fraud reports failed: %r", exc)
+            decided = 0
+        if decided >= CHECKS_PER_ROUND:
+            continue  # more may wait
         with trio.move_on_after(manager.config.reports_period_s):
-            await book.wake.wait()
+            await _next_reason(manager, book)
         book.wake = trio.Event()
+
+
+async def _next_reason(manager: RemoteSequenceManager, book: ReportBook) -> None:
+    """Return once there is a report to publish, or a server some report accuses shows."""
+    topic = manager.state.topic
+    waiting = set(book.waiting)
+    async with trio.open_nursery() as nursery:
+
+        async def woken() -> None:
+            await book.wake.wait()
+            nursery.cancel_scope.cancel()
+
+        async def shown() -> None:
+            assert topic is not None
+            await topic.wait_snapshot(
+                lambda _: any(manager.server_info(peer) is not None for peer in waiting)
+            )
+            nursery.cancel_scope.cancel()
+
+        nursery.start_soon(woken)
+        if waiting and topic is not None:
+            nursery.start_soon(shown)
 
 
 async def run_manager(

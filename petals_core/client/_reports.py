@@ -128,10 +128,15 @@ class ReportBook:
     (by the digest of the evidence)."""
 
     outbox: list[FraudReport] = attrs.field(factory=list)
+    #: Servers that listed reports accuse but the peer table does not show (yet): judged when
+    #: they appear.
+    waiting: set[str] = attrs.field(factory=set)
     published: dict[bytes, Listing] = attrs.field(factory=dict)
     verdicts: dict[bytes, Verdict] = attrs.field(factory=dict)
     #: Set when there is something to publish.
     wake: trio.Event = attrs.field(factory=trio.Event)
+    #: Whether the manager publishes what is left in the outbox when it stops.
+    flushed_on_stop: bool = False
     #: Set (and replaced) each time a report is published.
     _published_now: trio.Event = attrs.field(factory=trio.Event)
 

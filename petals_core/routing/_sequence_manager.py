@@ -25,7 +25,7 @@ from __future__ import annotations
 import logging
 import random
 import time
-from collections.abc import Callable, Collection, Iterator
+from collections.abc import Awaitable, Callable, Collection, Iterator
 from typing import Any, Literal
 
 import attrs
@@ -48,6 +48,8 @@ __all__ = ["RemoteSequenceManager", "SequenceManagerConfig", "SequenceManagerSta
 #: A server whose measured forward speed is below its claim by more than this factor is routed
 #: by what we measured instead.
 OVERCLAIM_FACTOR = 10.0
+#: How long each of the hooks run when the network part stops may take, in seconds.
+STOP_HOOK_S = 5.0
 #: The slowest link a step's timeout allows for, in bytes per second.
 _SLOW_LINK_BYTES_PER_S = 1e6
 
@@ -162,6 +164,9 @@ class SequenceManagerState:
     verified: dict[str, int] = attrs.field(factory=dict)
     #: The client's fraud reports (``petals_core.client._reports.ReportBook``), once it has any.
     reports: Any = None
+    #: Run when the network part stops, before the DHT node closes (each bounded by
+    #: :data:`STOP_HOOK_S`): what must reach the swarm before the client leaves.
+    on_stop: list[Callable[[], Awaitable[None]]] = attrs.field(factory=list)
 
 
 class RemoteSequenceManager:
@@ -258,6 +263,9 @@ class RemoteSequenceManager:
         task_status.started()
         try:
             await state.stop.wait()
+            for hook in state.on_stop:
+                with trio.move_on_after(STOP_HOOK_S):
+                    await hook()
         finally:
             state.loop_token = None
 

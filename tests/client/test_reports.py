@@ -173,6 +173,27 @@ async def test_a_caught_liar_is_reported_and_other_clients_ban_it_once_confirmed
                     assert liar_id not in {span.peer_id for span, *_ in saved[0]}
 
 
+async def test_a_client_leaving_right_after_a_catch_still_publishes_its_report(
+    model: Model, tmp_path: Path
+) -> None:
+    torch.manual_seed(14)
+    x = torch.randn(1, 2, HIDDEN)
+    async with in_process_swarm(model, tmp_path, []) as swarm:
+        liar_id = await add_liar_and_two_honest(swarm)
+        servers = list(swarm.servers.values())
+        with trio.fail_after(DEADLINE_S):
+            async with RemoteSequential(manager_for(servers, verify="all")) as checking:
+                await wait_for_servers(checking.sequence_manager, 3)
+                await remote_forward(checking.sequence_manager, x)
+                assert liar_id in checking.sequence_manager.state.caught
+            # The network part stopped: what it caught was published before its node closed.
+            assert book_of(checking.sequence_manager).published
+            async with RemoteSequential(manager_for(servers, verify="none")) as later:
+                await wait_for_servers(later.sequence_manager, 3)
+                await _wait_verdicts(later.sequence_manager, 1)
+                assert liar_id in later.sequence_manager.state.caught
+
+
 async def test_hostile_reports_are_refused_and_frame_no_honest_server(
     model: Model, tmp_path: Path
 ) -> None:
