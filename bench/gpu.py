@@ -1,6 +1,6 @@
 """``python -m bench gpu``: everything that runs on a GPU, measured within one 10-minute command.
 
-On one H100 the default run takes at most 8 minutes, server starts included.  Each phase runs in
+On one H100 the default run takes at most 8.5 minutes, server starts included.  Each phase runs in
 a process of its own under a time limit: a phase that fails, hangs or breaks the GPU's
 context costs that phase alone.  A phase records what it measures as it goes into ``gpu.json``
 (under ``bench/results``, or the folder ``$BENCH_RESULTS`` names), and one killed at its limit
@@ -13,11 +13,15 @@ keeps what it recorded.  The phases, in order, with their limits in seconds:
 2. **kernels** (60): :mod:`bench.kernels_cuda`: each kernel's parity, each row naming the path
    that ran and each path forced once; decode attention eagerly and replayed from a CUDA graph
    against SDPA; the row-table kernel's splits and tiles; prefill.
-3. **swarm-llama** (90), **swarm-bloom** (70): :mod:`bench._gpu_swarm`, one family each: fp32
+3. **trust** (25): :func:`bench.trust.honest_disagreement` with the session on the GPU and the
+   checks replayed on the CPU, in float32, bfloat16 and float16: how far two honest servers on
+   different hardware differ, against the bound a check allows.  Judged: no honest answer
+   beyond it.
+4. **swarm-llama** (90), **swarm-bloom** (70): :mod:`bench._gpu_swarm`, one family each: fp32
    parity with transformers, bf16 decode and prefill beside transformers' eager model, 1, 8 and
    32 concurrent sessions (each level warmed untimed first), the servers' memory and graphs.
-4. **transport** (25): :mod:`bench.transport`'s quick sizes, QUIC against trio TCP on this host.
-5. **api** (85): the OpenAI endpoint in front of 2 bf16 servers of a random TinyLlama-shaped
+5. **transport** (25): :mod:`bench.transport`'s quick sizes, QUIC against trio TCP on this host.
+6. **api** (85): the OpenAI endpoint in front of 2 bf16 servers of a random TinyLlama-shaped
    model on this GPU (:mod:`bench.api`): HTTP against ``generate()`` per token, 1, 4 and 8
    concurrent requests.
 
@@ -56,7 +60,7 @@ from . import _report
 from ._report import print_table, summarize
 
 ROOT = Path(__file__).resolve().parents[1]
-PHASES = ("tests", "kernels", "swarm", "transport", "api")
+PHASES = ("tests", "kernels", "trust", "swarm", "transport", "api")
 FAMILIES = ("llama", "bloom", "falcon", "mixtral")
 DEFAULT_FAMILIES = ("llama", "bloom")
 DEFAULT_VARIANTS = ("fp32", "bf16")
@@ -64,6 +68,7 @@ DEFAULT_VARIANTS = ("fp32", "bf16")
 LIMITS_S = {
     "tests": 150.0,
     "kernels": 60.0,
+    "trust": 25.0,
     "swarm-llama": 90.0,
     "swarm-bloom": 70.0,
     "swarm-falcon": 110.0,
@@ -356,6 +361,8 @@ def _child(plan: Plan, store: Store, phase: str) -> None:
             _tests(plan, record)
         elif phase == "kernels":
             _kernels(plan, record)
+        elif phase == "trust":
+            _trust(plan, record)
         elif phase.startswith("swarm-"):
             _swarm(plan, phase.removeprefix("swarm-"), record)
         elif phase == "transport":
@@ -461,6 +468,40 @@ def _swarm(plan: Plan, family: str, record: Callable[[dict[str, Any]], None]) ->
 
     _gpu_swarm.run(setup, keep)
     _gpu_swarm.print_family(setup, measured)
+
+
+#: Sessions per dtype of the trust phase (each 16 checked answers), on a GPU and in a dry run.
+TRUST_SESSIONS = {"float32": 20, "bfloat16": 60, "float16": 60}
+DRY_TRUST_SESSIONS = 2
+
+
+def _trust(plan: Plan, record: Callable[[dict[str, Any]], None]) -> None:
+    from petals_core.client._checks import TOLERANCE
+
+    from . import trust
+
+    rows = []
+    found_all: dict[str, Any] = {}
+    for dtype, sessions in TRUST_SESSIONS.items():
+        found = trust.honest_disagreement(
+            dtype, DRY_TRUST_SESSIONS if plan.dry else sessions, device=plan.device
+        )
+        bound = TOLERANCE[dtype]
+        found_all[dtype] = {
+            "answers": len(found),
+            "max": max(found),
+            "p999": _report.percentile(found, 0.999),
+            "bound": bound,
+            "beyond_bound": sum(value > bound for value in found),
+        }
+        record({"device": plan.device, "honest": found_all})
+        rows.append([dtype, len(found), f"{_report.percentile(found, 0.999):.2e}",
+                     f"{max(found):.2e}", bound, found_all[dtype]["beyond_bound"]])  # fmt: skip
+    print_table(
+        f"trust: answers on {plan.device} against replays on the CPU (relative L2 per token)",
+        ["dtype", "answers", "p99.9", "max", "bound", "beyond"],
+        rows,
+    )
 
 
 def _transport(plan: Plan, record: Callable[[dict[str, Any]], None]) -> None:
@@ -592,6 +633,22 @@ def targets(plan: Plan) -> Iterator[tuple[str, str, str, Callable[[dict[str, Any
 
         yield f"{family}: fp32 logits max |diff|", f"<= {LOGITS_TOLERANCE}", "", logits
         yield f"{family}: fp32 greedy tokens equal", "equal", "", greedy
+    if "trust" in plan.phases:
+
+        def honest(results: dict[str, Any]) -> tuple[float, float | None, bool]:
+            data = _data(results, "trust")
+            found = data["honest"]
+            if data["device"] != "cuda" or set(found) != set(TRUST_SESSIONS):
+                raise KeyError("not every dtype was measured on a GPU")
+            beyond = sum(entry["beyond_bound"] for entry in found.values())
+            return float(beyond), None, beyond == 0
+
+        yield (
+            "trust: honest GPU answers beyond the check's bound (CPU replays)",
+            "0",
+            "answers",
+            honest,
+        )
     if "transport" in plan.phases:
 
         def rtt(results: dict[str, Any]) -> tuple[float, float | None, bool]:

@@ -15,17 +15,34 @@ back to 0 between repetitions; locally a fresh cache).  Target (issue 7): <= 1.2
 second table breaks the decode time down per server and per layer of the client, and accounts
 for the CPU time of every process.
 
+Then the cost of checking answers (issue 38's overhead target): a second server joins for each
+span (6 processes), and three clients generate ``CHECK_TOKENS`` tokens after a
+``CHECK_PROMPT``-token prompt in turns, ``CHECK_ROUNDS`` rounds (each a fresh session, so a new
+route and a new draw of whether a follower checks it), with ``verify="none"``, the default
+``"sample"`` and ``"all"``, after ``CHECK_WARMUP`` untimed generations each (a server's first
+answers are always checked: the warm-up spends that).  Per setting: ms per token (median of
+rounds), and the CPU time of all six servers per token (``/proc`` schedstat).  Targets: the
+default at most 1.10x of ``"none"`` in both.  ``"all"`` shows what a followed session costs;
+the default follows ``verify_share`` of sessions, so its overhead is
+``1 + verify_share * (all / none - 1)``: the target is judged on that, computed from the
+measured ``"all"`` and ``"none"``, and the table gives the measured default beside it (a run of
+``CHECK_ROUNDS`` sessions draws one or two followed ones, each adding several percent).
+
 Run with ``nox -s bench -- swarm``.
 """
 
 from __future__ import annotations
 
+import functools
+import statistics
 import time
+from typing import Any
 
 import trio
 
 from petals_core.testing import LocalSwarm
 
+from ._cpu import sched_totals, schedstat_available
 from ._decode import (
     DecodeResults,
     breakdown_rows,
@@ -33,8 +50,9 @@ from ._decode import (
     measure_decode,
     quiet_transformers,
     server_args,
+    token_ids,
 )
-from ._report import print_table, summarize_ratio, write_json
+from ._report import print_table, summarize, summarize_ratio, write_json
 
 SPANS = ((0, 10), (10, 20), (20, 30))
 PREFILL = 128
@@ -46,8 +64,13 @@ IDLE_GAP_S = 0.04
 PREFILL_ROUNDS = 3
 PREFILL_PER_ROUND = 3
 CPU_ROUNDS = 2
+CHECK_PROMPT = 16
+CHECK_TOKENS = 16
+CHECK_WARMUP = 2
+CHECK_ROUNDS = 24
+CHECK_TARGET = 1.10
 #: Deadline of the whole run: starting the swarm (loading SmolLM2) and measuring.
-TIMEOUT_S = 900.0
+TIMEOUT_S = 1200.0
 
 
 def _measure(repo: str, initial_peers: list[str], swarm: LocalSwarm) -> DecodeResults:
@@ -78,16 +101,91 @@ def _measure(repo: str, initial_peers: list[str], swarm: LocalSwarm) -> DecodeRe
         model.shutdown()
 
 
-async def run(repo: str, **server_flags: object) -> DecodeResults:
+def _measure_checks(repo: str, initial_peers: list[str], swarm: LocalSwarm) -> dict[str, Any]:
+    """Generation with each ``verify`` setting, in turns: ms/token and servers' CPU ms/token."""
+    import torch
+    from transformers import AutoConfig
+
+    from petals_core.client import RemoteSequential
+    from petals_core.distributed import AutoDistributedModelForCausalLM
+
+    vocab = AutoConfig.from_pretrained(repo, local_files_only=True).vocab_size
+    ids = token_ids(1, CHECK_PROMPT, seed=38, vocab=vocab)
+    settings = ("none", "sample", "all")
+    models = {
+        verify: AutoDistributedModelForCausalLM.from_pretrained(
+            repo,
+            initial_peers=initial_peers,
+            local_files_only=True,
+            request_timeout_s=60.0,
+            verify=verify,
+        ).eval()
+        for verify in settings
+    }
+    pids = [server.process.pid for server in swarm.servers]
+    wall: dict[str, list[float]] = {verify: [] for verify in settings}
+    cpu: dict[str, list[float]] = {verify: [] for verify in settings}
+    tokens: dict[str, list[list[int]]] = {verify: [] for verify in settings}
+
+    def generate(verify: str) -> list[int]:
+        with torch.no_grad():
+            out = models[verify].generate(ids, max_new_tokens=CHECK_TOKENS, do_sample=False)
+        return out[0].tolist()
+
+    try:
+        for verify, model in models.items():
+            manager = next(
+                m for m in model.modules() if isinstance(m, RemoteSequential)
+            ).sequence_manager
+            generate(verify)  # joins the swarm
+            deadline = time.monotonic() + 60
+            while len(manager.servers()) < len(pids):
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"the client did not see {len(pids)} servers in 60 s")
+                time.sleep(0.05)
+            for _ in range(CHECK_WARMUP):
+                generate(verify)
+        for index in range(CHECK_ROUNDS):
+            order = settings[index % 3 :] + settings[: index % 3]
+            for verify in order:
+                before = sum(sched_totals(pid).cpu_ns for pid in pids)
+                began = time.perf_counter()
+                tokens[verify].append(generate(verify))
+                wall[verify].append((time.perf_counter() - began) * 1e3 / CHECK_TOKENS)
+                used = sum(sched_totals(pid).cpu_ns for pid in pids) - before
+                cpu[verify].append(used / 1e6 / CHECK_TOKENS)
+    finally:
+        for model in models.values():
+            model.shutdown()
+    return {
+        verify: {
+            "ms_per_token": statistics.median(wall[verify]),
+            "server_cpu_ms_per_token": statistics.mean(cpu[verify]),
+            "tokens_equal_none": tokens[verify] == tokens["none"],
+            "rounds_ms": wall[verify],
+        }
+        for verify in settings
+    }
+
+
+async def run(
+    repo: str, *, checks: bool = False, **server_flags: object
+) -> tuple[DecodeResults, dict[str, Any] | None]:
     """Start the swarm (each server also given ``server_flags``, e.g. ``cpu_decode="torch"``)
-    and measure it."""
+    and measure it; with ``checks``, then the cost of checking answers."""
     from petals_core.server import SMOLLM2
     from petals_core.testing import open_local_swarm
 
     args = [server_args(span, **server_flags) for span in SPANS]
     with trio.fail_after(TIMEOUT_S):
         async with open_local_swarm(SMOLLM2, args) as swarm:
-            return await trio.to_thread.run_sync(_measure, repo, swarm.initial_peers, swarm)
+            results = await trio.to_thread.run_sync(_measure, repo, swarm.initial_peers, swarm)
+            if not checks:
+                return results, None
+            for arg in args:
+                await swarm.add_server(SMOLLM2, arg)
+            found = await trio.to_thread.run_sync(_measure_checks, repo, swarm.initial_peers, swarm)
+            return results, found
 
 
 def main() -> None:
@@ -105,7 +203,7 @@ def main() -> None:
     load_before = load_note()
     with quiet_transformers():
         repo = prepare_smollm2()  # instant once the cache holds it
-        results = trio.run(run, repo)
+        results, checks = trio.run(functools.partial(run, repo, checks=schedstat_available()))
     load_after = load_note()
     print_table(
         "swarm: where a swarm decode token's time goes (medians)",
@@ -133,6 +231,8 @@ def main() -> None:
         d.prefill_local.median_ms,
         at_most=TARGET,
     )
+    if checks is not None:
+        _report_checks(checks)
     print(f"machine: before {load_before}; after {load_after}")
     print(f"total {time.perf_counter() - started:.0f} s")
     write_json(
@@ -144,5 +244,47 @@ def main() -> None:
             "target": TARGET,
             "load": {"before": load_before, "after": load_after},
             **d.summary(),
+            "checks": checks,
         },
     )
+
+
+def _report_checks(checks: dict[str, Any]) -> None:
+    from petals_core.routing import SequenceManagerConfig
+
+    share = SequenceManagerConfig().verify_share
+    none, sample, every = checks["none"], checks["sample"], checks["all"]
+    rows = []
+    for what, key in [
+        ("ms/token", "ms_per_token"),
+        ("servers' CPU ms/token", "server_cpu_ms_per_token"),
+    ]:
+        expected = 1 + share * (every[key] / none[key] - 1)
+        rows.append(
+            [what, f"{none[key]:.1f}", f"{sample[key]:.1f}", f"{every[key]:.1f}",
+             f"{sample[key] / none[key]:.2f}x", f"{expected:.2f}x", f"<= {CHECK_TARGET}x"]
+        )  # fmt: skip
+    print_table(
+        f"swarm: checking answers, SmolLM2-135M on 6 servers (2 per span), {CHECK_ROUNDS} "
+        f"sessions of {CHECK_TOKENS} tokens per setting, in turns",
+        ["what", "none", "sample", "all", "sample/none", "expected", "target"],
+        rows,
+    )
+    print(
+        "tokens equal to verify='none': "
+        + ", ".join(f"{verify} {checks[verify]['tokens_equal_none']}" for verify in checks)
+    )
+    for what, key in [
+        ("decode ms/token", "ms_per_token"),
+        ("servers' CPU", "server_cpu_ms_per_token"),
+    ]:
+        expected = 1 + share * (every[key] / none[key] - 1)
+        summarize(
+            "swarm",
+            f"SmolLM2 {what}, default checks vs none (expected from 'all'; measured "
+            f"{sample[key] / none[key]:.2f}x)",
+            expected,
+            unit="x",
+            target=f"<= {CHECK_TARGET}x",
+            met=expected <= CHECK_TARGET,
+        )

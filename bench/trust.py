@@ -84,14 +84,22 @@ def _blocks(dtype: torch.dtype) -> list[Any]:
     return blocks
 
 
-def honest_disagreement(dtype_name: str, sessions: int) -> list[float]:
-    """Each answer's disagreement with its check (see the module)."""
+def honest_disagreement(
+    dtype_name: str, sessions: int, *, device: str = "cpu", check_device: str = "cpu"
+) -> list[float]:
+    """Each answer's disagreement with its check (see the module): the session runs on
+    ``device`` (one thread on the CPU), the replays on ``check_device`` (two threads on the CPU),
+    as two honest servers on different hardware compute them."""
+    import copy
+
     from petals_core.client._checks import disagreement
 
     dtype = getattr(torch, dtype_name)
     torch.manual_seed(1)
     rng = random.Random(dtype_name)
-    blocks = _blocks(dtype)
+    made = _blocks(dtype)
+    blocks = [block.to(device) for block in copy.deepcopy(made)]
+    checkers = [block.to(check_device) for block in made]
     found = []
     length = PREFILL + DECODE_STEPS
     with torch.inference_mode():
@@ -105,16 +113,16 @@ def honest_disagreement(dtype_name: str, sessions: int) -> list[float]:
             caches = [block.allocate_cache(batch, length) for block in blocks]
             answers = []
             for start, end in [(0, PREFILL), *((t, t + 1) for t in range(PREFILL, length))]:
-                x = inputs[:, start:end]
+                x = inputs[:, start:end].to(device)
                 for block, cache in zip(blocks, caches, strict=True):
                     x = block(x, cache=cache)
-                answers.append((end, x))
+                answers.append((end, x.cpu()))
             torch.set_num_threads(2)
             for end, answer in answers:
-                replay = inputs[:, :end]
-                for block in blocks:
+                replay = inputs[:, :end].to(check_device)
+                for block in checkers:
                     replay = block(replay, cache=block.allocate_cache(batch, end))
-                found.append(disagreement(answer, replay[:, -answer.shape[1] :]))
+                found.append(disagreement(answer, replay[:, -answer.shape[1] :].cpu()))
     torch.set_num_threads(1)
     return found
 

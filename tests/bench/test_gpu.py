@@ -33,6 +33,7 @@ def test_a_dry_run_keeps_what_each_phase_measured_and_judges_every_target(
     assert statuses == {
         "tests": "done",
         "kernels": "done",
+        "trust": "done",
         "swarm-llama": "done",
         "swarm-bloom": "killed at its limit of 3 s",
         "transport": "done",
@@ -45,6 +46,9 @@ def test_a_dry_run_keeps_what_each_phase_measured_and_judges_every_target(
     assert {"sdpa, forced", "triton decode, forced", "triton prefill, forced"} <= {
         row["path"] for row in parity
     }
+    honest = phases["trust"]["data"]["honest"]
+    assert set(honest) == {"float32", "bfloat16", "float16"}
+    assert all(entry["answers"] > 0 and entry["beyond_bound"] == 0 for entry in honest.values())
     llama = phases["swarm-llama"]["data"]
     assert llama["fp32"]["greedy_equal"] and llama["concurrency"]
     assert "fp32" not in phases["swarm-bloom"].get("data", {})
@@ -56,6 +60,9 @@ def test_a_dry_run_keeps_what_each_phase_measured_and_judges_every_target(
     assert verdicts["kernel parity rows off their bound"] == "MET"
     assert verdicts["bloom: fp32 greedy tokens equal"] == "NOT MEASURED"
     assert verdicts["CUDA tests failing"] == "NOT MEASURED"
+    assert verdicts["trust: honest GPU answers beyond the check's bound (CPU replays)"] == (
+        "NOT MEASURED"  # the answers came from the CPU too
+    )
     assert verdicts["decode attention B8 S16k, fraction of peak"] == "NOT MEASURED"
     assert verdicts["llama: 32 sessions vs one, tokens/s"] == "NOT MEASURED"  # 1 and 4 here
     assert {"transport RTT, QUIC / trio TCP", "api: ms/token, HTTP streaming vs generate()"} <= set(
