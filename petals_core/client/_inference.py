@@ -37,21 +37,25 @@ from .._errors import (
     TransportError,
     WrongAnswer,
 )
-from ..dht import ServerInfo
+from ..dht import MAX_EVIDENCE_BYTES, ServerInfo
 from ..protocol import (
     INFERENCE,
+    FraudReport,
     OpenSession,
     Receipt,
     SessionReady,
+    Signature,
     SignedReceipt,
     Step,
+    StepEvidence,
     StepResult,
     digest_tensors,
 )
 from ..routing import MissingBlocksError, RemoteSequenceManager, RouteSpan
-from ..transport import Call, compress_floats, open_call
+from ..transport import Call, as_received, compress_floats, open_call
 from ._checks import check_receipt, disagreement, majority, tolerance
 from ._placement import like, to_wire
+from ._reports import book_of
 from ._session_core import SessionCore, SpanState
 
 __all__ = ["InferenceSession"]
@@ -63,14 +67,24 @@ RETRIABLE = (TransportError, RemoteError, ServerError, trio.TooSlowError)
 
 
 class _SpanCall:
-    """The stream of one span's session on its server."""
+    """The stream of one span's session on its server.  With ``keep_evidence``, it keeps every
+    step as the server received it with its signature (up to ``MAX_EVIDENCE_BYTES``): what a
+    fraud report on this session carries."""
 
-    def __init__(self, state: SpanState, receipts: list[SignedReceipt]) -> None:
+    def __init__(
+        self, state: SpanState, receipts: list[SignedReceipt], *, keep_evidence: bool = False
+    ) -> None:
         self.state = state
         self.stack = AsyncExitStack()
         self.call: Call | None = None
         #: Where the receipts of its answers go once they check (the session's).
         self.receipts = receipts
+        #: The session's steps so far, as its server received them; None once one could not be
+        #: kept (too large, or received otherwise than we hold it).
+        self.evidence: list[StepEvidence] | None = [] if keep_evidence else None
+        self._evidence_bytes = 0
+        #: What the step now answered was computed from, as the server received it.
+        self._asked: dict[str, torch.Tensor | None] | None = None
 
     async def open(self, manager: RemoteSequenceManager, opening: OpenSession) -> None:
         connection = await manager.connect(self.state.peer)
@@ -87,6 +101,17 @@ class _SpanCall:
     async def send(self, step: Step, compression: str | None) -> None:
         assert self.call is not None
         await self.call.send(compress_floats(step.to_wire(), compression))
+        if self.evidence is not None:
+            self._asked = {
+                "hidden_states": as_received(step.hidden_states, compression),
+                "prompts": None if step.prompts is None else as_received(step.prompts, compression),
+                "hypo_ids": None if step.hypo_ids is None else step.hypo_ids.to(torch.int64),
+            }
+
+    def pushed(self, x: torch.Tensor) -> None:
+        """The step now awaited was pushed to the server by the previous one: ``x``, as the
+        previous server answered us (its receipt says whether it pushed the same)."""
+        self._asked = {"hidden_states": x}
 
     async def answer(
         self, core: SessionCore, index: int, manager: RemoteSequenceManager
@@ -129,6 +154,7 @@ class _SpanCall:
             blocks=(span.start, span.end),
             adapter=manager.config.active_adapter or None,
             session=self.state.session_id,
+            padding=self.state.padding,
             step=result.position,
             issued=signature.issued,
             asked=signature.asked,
@@ -137,6 +163,51 @@ class _SpanCall:
         check_receipt(receipt, signature, self.state.peer)
         self.receipts.append(
             SignedReceipt(peer=self.state.peer, receipt=receipt, signature=signature)
+        )
+        self._keep(receipt, signature)
+
+    def _keep(self, receipt: Receipt, signature: Signature) -> None:
+        asked, self._asked = self._asked, None
+        if self.evidence is None:
+            return
+        if asked is None or digest_tensors(asked) != receipt.asked:
+            logger.debug("the session on %s cannot be reported: inputs differ", self.state.peer)
+            self.evidence = None
+            return
+        kept = {name: tensor for name, tensor in asked.items() if tensor is not None}
+        self._evidence_bytes += sum(t.numel() * t.element_size() for t in kept.values())
+        if self._evidence_bytes > MAX_EVIDENCE_BYTES:
+            self.evidence = None
+            return
+        assert receipt.step is not None
+        self.evidence.append(
+            StepEvidence(
+                position=receipt.step, signature=signature, asked=kept, answered=receipt.answered
+            )
+        )
+
+    def report(self, manager: RemoteSequenceManager, answer: torch.Tensor) -> FraudReport | None:
+        """A fraud report on the step just answered with ``answer`` (as received), if this
+        session's evidence was kept."""
+        evidence = self.evidence
+        if not evidence or evidence[-1].answered != digest_tensors({"hidden_states": answer}):
+            return None
+        last = evidence[-1]
+        assert manager.config.dht_prefix is not None
+        span = self.state.span
+        return FraudReport(
+            accused=self.state.peer,
+            kind="step",
+            model=manager.config.dht_prefix,
+            blocks=(span.start, span.end),
+            adapter=manager.config.active_adapter or None,
+            signature=last.signature,
+            asked=last.asked,
+            answered={"hidden_states": answer},
+            session=self.state.session_id,
+            padding=self.state.padding,
+            position=last.position,
+            steps=tuple(evidence[:-1]),
         )
 
     async def close(self) -> None:
@@ -228,6 +299,11 @@ class InferenceSession:
         self._closed = False
         self.retries = 0
 
+    @property
+    def _keep_evidence(self) -> bool:
+        """Whether its spans keep the evidence a fraud report needs (only checks catch)."""
+        return self.manager.config.verify != "none"
+
     async def __aenter__(self) -> InferenceSession:
         return self
 
@@ -315,6 +391,8 @@ class InferenceSession:
                     span_call = self._calls[state]
                     if request is not None:
                         await span_call.send(request, self.manager.config.compression)
+                    else:
+                        span_call.pushed(x)
                     result = await span_call.answer(core, index, self.manager)
                 if follower is not None:
                     await self._check(state, follower, x, result)
@@ -375,7 +453,9 @@ class InferenceSession:
         opened = core.route_opened(route, at)
         try:
             for state in opened:
-                span_call = self._calls[state] = _SpanCall(state, self.receipts)
+                span_call = self._calls[state] = _SpanCall(
+                    state, self.receipts, keep_evidence=self._keep_evidence
+                )
                 opening = core.opening(
                     state,
                     alloc_timeout=self.alloc_timeout,
@@ -415,7 +495,7 @@ class InferenceSession:
             # Nobody else holds all these blocks: sampled answers are checked by replays.
             self._unfollowable.add(key)
             return None
-        call = _SpanCall(SpanState(route[0]), self.receipts)
+        call = _SpanCall(SpanState(route[0]), self.receipts, keep_evidence=self._keep_evidence)
         opening = self._core.opening(
             call.state,
             alloc_timeout=self.alloc_timeout,
@@ -457,16 +537,24 @@ class InferenceSession:
         follower.sent = None
         try:
             with trio.fail_after(self.manager.config.request_timeout_s):
-                second = (await follower.call.result(self.manager)).hidden_states
+                full = (await follower.call.result(self.manager)).hidden_states
         except RETRIABLE as exc:
             logger.info("the follower of %s failed: %r", state.span, exc)
             await self._drop_follower(state)
             return
-        second = second[:, -follower.tokens :]
+        second = full[:, -follower.tokens :]
         off = disagreement(result.hidden_states, second)
         if off > tolerance(self.manager.server_info(state.peer)):
             await self._drop_follower(state)
-        await self._judge(state, x, result.hidden_states, second, {follower.peer}, off=off)
+        await self._judge(
+            state,
+            x,
+            result.hidden_states,
+            second,
+            {follower.peer},
+            off=off,
+            checker=(follower.call, full),
+        )
         verified = self.manager.state.verified.get(state.peer, 0)
         if follower.until == "first" and verified >= self.manager.config.verify_first:
             await self._drop_follower(state)
@@ -489,9 +577,12 @@ class InferenceSession:
         checkers: set[str],
         *,
         off: float | None = None,
+        checker: tuple[_SpanCall, torch.Tensor] | None = None,
     ) -> None:
         """``state``'s answer against ``checkers``' (``second``; ``off``: their
-        :func:`disagreement`, if known).  If they disagree, a third
+        :func:`disagreement`, if known; ``checker``: the follower's call and its whole answer,
+        to report it if it is the one caught).  The server caught is reported where its
+        session's evidence was kept.  If they disagree, a third
         server decides (replaying the span's inputs so far): a server in the minority is never
         used again, and if it is this span's, :class:`WrongAnswer` sends the step to a
         replacement.  With no third server, :class:`PetalsError`."""
@@ -520,16 +611,26 @@ class InferenceSession:
         why = f"blocks {span.start}:{span.end} off by {off:.3g} (bound {bound:.3g})"
         if side == "second":
             self.manager.on_caught(peer, f"{why} against two other servers")
+            call = self._calls.get(state)
+            self._report(None if call is None else call.report(self.manager, answer))
             raise WrongAnswer(f"server {peer} answered a step wrongly: {why}")
         if side == "first":
             if len(checkers) == 1:
                 self.manager.on_caught(next(iter(checkers)), f"{why} against two other servers")
+                if checker is not None:
+                    self._report(checker[0].report(self.manager, checker[1]))
             self.manager.on_verified(peer)
             return
         raise PetalsError(
             f"servers disagree on {why} and no majority decides "
             f"({peer}; {', '.join(sorted(checkers))}; {', '.join(sorted(thirds))})"
         )
+
+    def _report(self, report: FraudReport | None) -> None:
+        if report is None:
+            logger.info("a caught server's session could not be reported (no evidence kept)")
+        else:
+            book_of(self.manager).report(report)
 
     async def _recompute(
         self,

@@ -29,12 +29,13 @@ import trio
 
 from .._errors import PetalsError, ReportRefused, TransportError
 from ..dht import Listing, fetch_listings
-from ..protocol import BackwardRequest, FraudReport
+from ..protocol import BackwardRequest, FraudReport, OpenSession, Step
 from ..routing import MissingBlocksError, RemoteSequenceManager, RouteSpan
 from ._checks import disagreement, tolerance
-from ._inference import RETRIABLE
+from ._inference import RETRIABLE, _SpanCall, other_route
 from ._reports import ReportBook, Verdict, book_of, check_report, fetch_report, publish
 from ._sequential import _backward_elsewhere, _recompute
+from ._session_core import SpanState
 
 __all__ = ["CHECKS_PER_ROUND", "judge", "judge_listed", "run_manager", "watch_reports"]
 
@@ -42,6 +43,8 @@ logger = logging.getLogger(__name__)
 
 #: New reports a client judges per round (each costs the swarm two recomputations).
 CHECKS_PER_ROUND: Final = 4
+#: Rounds a report may stay undecided (too few servers could recompute it) before it is refused.
+MAX_UNDECIDED: Final = 3
 
 Answer = dict[str, torch.Tensor]
 
@@ -67,6 +70,8 @@ async def _ask(
     span = RouteSpan(start=start, end=end, peer_id=report.accused)
     like = manager.server_info(report.accused)
     try:
+        if report.kind == "step":
+            return await _replay_session(sub, span, report, exclude)
         if report.kind == "forward":
             output, _, evidence = await _recompute(
                 sub,
@@ -93,6 +98,64 @@ async def _ask(
         return None
     reply, answer = found
     return {name: t for name, t in reply.tensors().items() if t is not None}, {answer.accused}
+
+
+async def _replay_session(
+    manager: RemoteSequenceManager, span: RouteSpan, report: FraudReport, exclude: set[str]
+) -> tuple[Answer, set[str]] | None:
+    """A step report's session replayed step by step on one other server holding all its
+    blocks (opened with the same padding): its answer to the last step; None where there is no
+    such server."""
+    try:
+        route = await other_route(
+            manager,
+            span,
+            exclude,
+            manager.server_info(report.accused),
+            wait=False,
+            whole_only=True,
+        )
+    except MissingBlocksError:
+        return None
+    state = SpanState(route[0])
+    call = _SpanCall(state, [])
+    steps = [*((step.position, step.asked) for step in report.steps)]
+    steps.append((report.position or 0, report.asked))
+    batch = report.asked["hidden_states"].shape[0]
+    state.padding = report.padding
+    try:
+        opening = OpenSession(
+            session_id=state.session_id,
+            blocks=(span.start, span.end),
+            max_length=max(position for position, _ in steps),
+            batch_size=batch,
+            alloc_timeout=manager.config.request_timeout_s,
+            active_adapter=report.adapter,
+            points=0.0,
+            left_padding=report.padding,
+        )
+        messages = [
+            Step(
+                hidden_states=asked["hidden_states"],
+                start_from_position=position - asked["hidden_states"].shape[1],
+                step_id=step_id,
+                prompts=asked.get("prompts"),
+                hypo_ids=asked.get("hypo_ids"),
+            )
+            for step_id, (position, asked) in enumerate(steps)
+        ]
+    except (ValueError, PetalsError) as exc:
+        raise ReportRefused(f"malformed: a step cannot be sent again: {exc}") from None
+    try:
+        with trio.fail_after(manager.config.request_timeout_s):
+            await call.open(manager, opening)
+            for step in messages:
+                await call.send(step, manager.config.compression)
+                result = await call.result(manager)
+    finally:
+        with trio.CancelScope(shield=True):
+            await call.close()
+    return {"hidden_states": result.hidden_states}, {state.peer}
 
 
 async def judge(manager: RemoteSequenceManager, report: FraudReport) -> str | None:
@@ -168,7 +231,16 @@ async def judge_listed(manager: RemoteSequenceManager) -> int:
             )
             continue
         if reason is None:
-            decided -= 1
+            tries = book.undecided[digest] = book.undecided.get(digest, 0) + 1
+            if tries < MAX_UNDECIDED:
+                decided -= 1
+                continue
+            book.verdicts[digest] = Verdict(
+                accused=accused,
+                reporters=reporters,
+                upheld=False,
+                reason=f"undecided in {tries} rounds: too few servers could recompute it",
+            )
             continue
         book.verdicts[digest] = Verdict(
             accused=accused, reporters=reporters, upheld=True, reason=reason

@@ -1,10 +1,10 @@
 """Fraud reports: publishing the evidence of a caught server, and reading others'.
 
-A client that catches a server answering wrongly (``_sequential``: two other servers agree, and
-not with it) files the server's signed answer (:class:`~petals_core.protocol.FraudReport`) in its
-:class:`ReportBook`; the book's watcher (``_report_judge``) publishes it in the DHT (the layout is
-``petals_core.dht._fraud``'s: a signed list per reporter, the evidence in chunks checked by their
-digest).
+A client that catches a server answering wrongly (``_sequential``, ``_inference``: two other servers
+agree, and not with it) files the server's signed answer
+(:class:`~petals_core.protocol.FraudReport`) in its :class:`ReportBook`; the book's watcher
+(``_report_judge``) publishes it in the DHT (the layout is ``petals_core.dht._fraud``'s: a signed
+list per reporter, the evidence in chunks checked by their digest).
 
 Reports last :data:`REPORT_TTL_S` from the answer (the receipt's signed time), at most 24 hours
 in the DHT (its limit), and are at most ``MAX_EVIDENCE_BYTES`` (4 MiB): a larger one is not
@@ -55,7 +55,7 @@ _DHT_HORIZON_S: Final = 23 * 3600.0
 _REPORT_LIMITS: Final = CodecLimits(
     max_frame_bytes=MAX_EVIDENCE_BYTES,
     max_depth=8,
-    max_container_items=256,
+    max_container_items=1 << 18,
     max_tensor_elements=MAX_EVIDENCE_BYTES,
     max_tensor_dims=8,
     max_string_bytes=4096,
@@ -101,6 +101,8 @@ def check_report(report: FraudReport, *, model: str, now: float) -> None:
         raise ReportRefused(
             f"forged: {report.accused}'s signature does not cover this question and answer"
         )
+    if report.kind == "step":
+        _check_steps(report)
     age = now - report.signature.issued
     if age < -CLOCK_SKEW_S:
         raise ReportRefused(f"the answer is dated {-age:.0f} s in the future")
@@ -109,6 +111,30 @@ def check_report(report: FraudReport, *, model: str, now: float) -> None:
             f"expired: the answer is {age / 3600:.1f} h old, and reports count for "
             f"{REPORT_TTL_S / 3600:.0f} h"
         )
+
+
+def _check_steps(report: FraudReport) -> None:
+    """A step report's steps make one session on the accused's server, each signed by it."""
+    assert report.position is not None
+    batch = report.asked["hidden_states"].shape[0]
+    cache = 0  # positions the server's cache holds before each step
+    sequence = [*((step.position, step.asked) for step in report.steps)]
+    sequence.append((report.position, report.asked))
+    for index, (position, asked) in enumerate(sequence):
+        hidden = asked["hidden_states"]
+        start = position - hidden.shape[1]
+        if hidden.shape[0] != batch or not 0 <= start <= cache or (index == 0 and start != 0):
+            raise ReportRefused(
+                f"malformed: step {index} (to position {position}) does not follow the steps "
+                "before it in one session"
+            )
+        cache = position
+    for receipt, signature in report.step_receipts():
+        if signature.signer != report.signature.signer or not receipt.verify(signature):
+            raise ReportRefused(
+                f"forged: {report.accused}'s signature does not cover the step to position "
+                f"{receipt.step} of the session"
+            )
 
 
 @attrs.frozen(kw_only=True)
@@ -131,6 +157,8 @@ class ReportBook:
     #: Servers that listed reports accuse but the peer table does not show (yet): judged when
     #: they appear.
     waiting: set[str] = attrs.field(factory=set)
+    #: Per report, the rounds that could not decide it (too few servers answered).
+    undecided: dict[bytes, int] = attrs.field(factory=dict)
     published: dict[bytes, Listing] = attrs.field(factory=dict)
     verdicts: dict[bytes, Verdict] = attrs.field(factory=dict)
     #: Set when there is something to publish.

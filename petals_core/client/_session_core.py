@@ -42,6 +42,8 @@ class SpanState:
     span: RouteSpan
     session_id: str = attrs.field(factory=lambda: uuid.uuid4().hex)
     gone: bool = False
+    #: The left padding its session was opened with (what its step receipts sign).
+    padding: tuple[int, ...] | None = None
 
     @property
     def peer(self) -> str:
@@ -149,8 +151,10 @@ class SessionCore:
     def opening(
         self, state: SpanState, *, alloc_timeout: float, active_adapter: str | None
     ) -> OpenSession:
+        """The message that opens ``state``'s session (which remembers the padding it sends)."""
         assert self.batch is not None
         padding = self.padding
+        state.padding = tuple(padding) if padding is not None and any(padding) else None
         return OpenSession(
             session_id=state.session_id,
             blocks=(state.span.start, state.span.end),
@@ -159,7 +163,7 @@ class SessionCore:
             alloc_timeout=alloc_timeout,
             active_adapter=active_adapter,
             points=0.0,
-            left_padding=tuple(padding) if padding is not None and any(padding) else None,
+            left_padding=state.padding,
         )
 
     def start_chain(self, *, server_to_server: bool) -> None:

@@ -45,7 +45,11 @@ from ._receipts import (
     SignedReceipt as SignedReceipt,
     digest_tensors as digest_tensors,
 )
-from ._reports import REPORTED_KINDS as REPORTED_KINDS, FraudReport as FraudReport
+from ._reports import (
+    REPORTED_KINDS as REPORTED_KINDS,
+    FraudReport as FraudReport,
+    StepEvidence as StepEvidence,
+)
 from ._training import (
     BACKWARD as BACKWARD,
     FORWARD as FORWARD,

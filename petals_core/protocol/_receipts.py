@@ -2,12 +2,12 @@
 
 Every answer of a forward, a backward and an inference step carries a signature by the server's
 identity key (the Ed25519 key its PeerID names) over a :class:`Receipt`: the kind of answer, the
-model (its DHT prefix), the blocks and adapter, the session and step where there is one, the time
-it was issued (Unix seconds, on the server's clock), and sha2-256 digests of the tensors asked and
-answered (:func:`digest_tensors`). On the wire a reply carries only the signer's public key, the
-time and the signature (:class:`Signature`): the client knows the rest, since it asked and it
-received, so it rebuilds the receipt and checks the signature (:meth:`Receipt.verify`) and that
-the key is the server's (its PeerID names it). A receipt that
+model (its DHT prefix), the blocks and adapter, the session, its left padding and the step where
+there is one, the time it was issued (Unix seconds, on the server's clock), and sha2-256 digests of
+the tensors asked and answered (:func:`digest_tensors`). On the wire a reply carries only the
+signer's public key, the time and the signature (:class:`Signature`): the client knows the rest,
+since it asked and it received, so it rebuilds the receipt and checks the signature
+(:meth:`Receipt.verify`) and that the key is the server's (its PeerID names it). A receipt that
 checks is evidence anyone can verify that this server gave this answer to this question: a fraud
 report is one, with its tensors.
 
@@ -130,6 +130,8 @@ class Receipt:
     blocks: tuple[int, int]
     adapter: str | None = None
     session: str | None = None
+    #: A session's left padding per row, as it was opened (None: none).
+    padding: tuple[int, ...] | None = None
     step: int | None = None
     issued: int
     asked: bytes
@@ -152,6 +154,7 @@ class Receipt:
                 list(self.blocks),
                 self.adapter,
                 self.session,
+                None if self.padding is None else list(self.padding),
                 self.step,
                 self.issued,
                 self.asked,

@@ -1,16 +1,18 @@
 """Fraud reports: a server's signed receipt for a wrong answer, with the tensors it names.
 
-A client that catches a server answering a forward or a backward wrongly (two other servers
-agree, and not with it) publishes a :class:`FraudReport`: the question and the answer, as the
-server decoded and sent them, and the server's :class:`Signature` over their receipt.  Anyone can
-check that the accused gave this answer to this question (the signature is the accused's, over
+A client that catches a server answering a forward, a backward or an inference step wrongly (two
+other servers agree, and not with it) publishes a :class:`FraudReport`: the question and the answer,
+as the server decoded and sent them, and the server's :class:`Signature` over their receipt. Anyone
+can check that the accused gave this answer to this question (the signature is the accused's, over
 the receipt these tensors make), and then whether the answer is wrong by asking other servers the
-same question (``petals_core.client._reports``).  Nothing in a report is taken on the
-reporter's word: a report whose signature does not check is forged, and one whose answer other
-servers reproduce is about a correct answer; both are refused.
+same question (``petals_core.client._reports``). Nothing in a report is taken on the reporter's
+word: a report whose signature does not check is forged, and one whose answer other servers
+reproduce is about a correct answer; both are refused.
 
-Inference steps are not reported: a step's answer depends on the whole session before it, and
-its receipt names only the step's own input.
+A step's answer depends on the whole session before it: a report on a step carries every step
+of the accused's session up to it (:class:`StepEvidence`: each input as the server received it,
+with the server's signature over its receipt), which another server replays in a session of its
+own, with the padding the session was opened with (which the receipts sign too).
 """
 
 from __future__ import annotations
@@ -22,14 +24,17 @@ import attrs
 import torch
 
 from .._errors import CodecError
-from ._receipts import Receipt, Signature, digest_tensors
+from ._receipts import DIGEST_BYTES, Receipt, Signature, digest_tensors
 
 __all__ = [
     "REPORTED_KINDS",
     "FraudReport",
+    "StepEvidence",
 ]
 
-REPORTED_KINDS: Final = ("forward", "backward")
+REPORTED_KINDS: Final = ("forward", "backward", "step")
+#: The most steps a report on a step carries (each with its own tensors).
+MAX_STEPS: Final = 4096
 #: The tensors each kind of report names: asked (required, optional), answered (required,
 #: optional).
 _NAMES: Final = {
@@ -38,6 +43,7 @@ _NAMES: Final = {
         ({"hidden_states", "grad_outputs"}, {"prompts"}),
         ({"grad_inputs"}, {"grad_prompts"}),
     ),
+    "step": (({"hidden_states"}, {"prompts", "hypo_ids"}), ({"hidden_states"}, set[str]())),
 }
 _VERSION: Final = 1
 
@@ -57,6 +63,45 @@ def _tensors(value: object, kind: str, what: str, names: tuple[set[str], set[str
     return dict(value)
 
 
+def _count(value: object, what: str) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < 2**63:
+        raise CodecError(f"a report's {what} must be an integer within [0, 2**63)")
+    return value
+
+
+@attrs.frozen(kw_only=True)
+class StepEvidence:
+    """One earlier step of a reported session: the position after it, its input as the server
+    received it, the digest of its answer, and the server's signature over its receipt."""
+
+    position: int
+    signature: Signature
+    asked: Mapping[str, torch.Tensor] = attrs.field(eq=False)
+    answered: bytes
+
+    def to_wire(self) -> dict[str, Any]:
+        return {
+            "position": self.position,
+            "signature": self.signature.to_wire(),
+            "asked": dict(self.asked),
+            "answered": self.answered,
+        }
+
+    @classmethod
+    def from_wire_untrusted(cls, value: object) -> StepEvidence:
+        if not isinstance(value, dict):
+            raise CodecError("a report's step must be a map")
+        answered = value.get("answered")
+        if not isinstance(answered, bytes) or len(answered) != DIGEST_BYTES:
+            raise CodecError(f"a report's step answer digest must be {DIGEST_BYTES} bytes")
+        return cls(
+            position=_count(value.get("position"), "step position"),
+            signature=Signature.from_wire_untrusted(value.get("signature")),
+            asked=_tensors(value.get("asked"), "step", "asked", _NAMES["step"][0]),
+            answered=answered,
+        )
+
+
 @attrs.frozen(kw_only=True)
 class FraudReport:
     """The evidence that ``accused`` answered ``asked`` with ``answered`` (see the module)."""
@@ -69,22 +114,61 @@ class FraudReport:
     signature: Signature
     asked: Mapping[str, torch.Tensor] = attrs.field(eq=False)
     answered: Mapping[str, torch.Tensor] = attrs.field(eq=False)
+    #: A step's: its session, the padding it was opened with, the position after the step, and
+    #: every earlier step of the session on the accused's server, in order.
+    session: str | None = None
+    padding: tuple[int, ...] | None = None
+    position: int | None = None
+    steps: tuple[StepEvidence, ...] = ()
 
     @property
     def receipt(self) -> Receipt:
         """The receipt these tensors make: what the accused's signature must cover."""
+        return self._receipt(
+            self.position, self.signature, self.asked, digest_tensors(self.answered)
+        )
+
+    def step_receipts(self) -> list[tuple[Receipt, Signature]]:
+        """A step report's earlier steps: each one's receipt and signature."""
+        return [
+            (
+                self._receipt(step.position, step.signature, step.asked, step.answered),
+                step.signature,
+            )
+            for step in self.steps
+        ]
+
+    def _receipt(
+        self,
+        position: int | None,
+        signature: Signature,
+        asked: Mapping[str, torch.Tensor],
+        answered: bytes,
+    ) -> Receipt:
         return Receipt(
             kind=self.kind,  # type: ignore[arg-type]
             model=self.model,
             blocks=self.blocks,
             adapter=self.adapter,
-            issued=self.signature.issued,
-            asked=digest_tensors(self.asked),
-            answered=digest_tensors(self.answered),
+            session=self.session,
+            padding=self.padding,
+            step=position,
+            issued=signature.issued,
+            asked=digest_tensors(asked),
+            answered=answered,
         )
 
     def to_wire(self) -> dict[str, Any]:
+        session: dict[str, Any] = {}
+        if self.kind == "step":
+            session = {
+                "session": self.session,
+                "padding": None if self.padding is None else list(self.padding),
+                "position": self.position,
+                "steps": [step.to_wire() for step in self.steps],
+            }
         return {
+            **session,
             "version": _VERSION,
             "accused": self.accused,
             "kind": self.kind,
@@ -105,7 +189,7 @@ class FraudReport:
             raise CodecError(f"a report's version must be {_VERSION}")
         kind, model, accused = value.get("kind"), value.get("model"), value.get("accused")
         if kind not in _NAMES:
-            raise CodecError(f"only {' and '.join(REPORTED_KINDS)} answers are reported")
+            raise CodecError(f"only {', '.join(REPORTED_KINDS)} answers are reported")
         if not isinstance(model, str) or not isinstance(accused, str):
             raise CodecError("a report's model and accused must be text")
         blocks = value.get("blocks")
@@ -120,7 +204,31 @@ class FraudReport:
         if adapter is not None and not isinstance(adapter, str):
             raise CodecError("a report's adapter must be text or null")
         asked_names, answered_names = _NAMES[kind]
+        session: dict[str, Any] = {}
+        if kind == "step":
+            session_id, padding, steps = (
+                value.get("session"),
+                value.get("padding"),
+                value.get("steps"),
+            )
+            if not isinstance(session_id, str):
+                raise CodecError("a step report's session must be text")
+            if padding is not None and (
+                not isinstance(padding, list)
+                or not padding
+                or not all(_count(row, "padding") >= 0 for row in padding)
+            ):
+                raise CodecError("a step report's padding must be a list of integers or null")
+            if not isinstance(steps, list) or len(steps) >= MAX_STEPS:
+                raise CodecError(f"a step report's steps must be a list of fewer than {MAX_STEPS}")
+            session = {
+                "session": session_id,
+                "padding": None if padding is None else tuple(padding),
+                "position": _count(value.get("position"), "position"),
+                "steps": tuple(StepEvidence.from_wire_untrusted(step) for step in steps),
+            }
         return cls(
+            **session,
             accused=accused,
             kind=kind,
             model=model,

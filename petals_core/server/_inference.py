@@ -90,6 +90,8 @@ class _Session:
     batch: int
     max_length: int
     adapter: str | None
+    #: Left padding per row, as opened (None: none); step receipts sign it.
+    padding: tuple[int, ...] | None
     caches: list[KVCache]
     scope: trio.CancelScope
     #: Positions and step ids: what each step does (see SessionState).
@@ -163,6 +165,7 @@ class InferenceHandlers:
                 batch=batch,
                 max_length=max_length,
                 adapter=opening.active_adapter,
+                padding=opening.left_padding,
                 caches=caches,
                 scope=trio.CancelScope(),
                 state=SessionState(batch=batch, max_length=max_length),
@@ -280,6 +283,7 @@ class InferenceHandlers:
                 {"hidden_states": plan.hidden, "prompts": plan.prompts, "hypo_ids": plan.reorder},
                 {"hidden_states": output},
                 session=session.session_id,
+                padding=session.padding,
                 step=result.position,
                 with_asked=True,
             )

@@ -85,6 +85,7 @@ class Serving:
         answered: Mapping[str, torch.Tensor | None],
         *,
         session: str | None = None,
+        padding: tuple[int, ...] | None = None,
         step: int | None = None,
         with_asked: bool = False,
     ) -> Signature | None:
@@ -112,6 +113,7 @@ class Serving:
             blocks=blocks,
             adapter=adapter,
             session=session,
+            padding=padding,
             step=step,
             issued=int(time.time()),
             asked=asked_digest,

@@ -30,7 +30,7 @@ PAGE_WAIT_S = 90.0
 SCREENSHOT = Path(__file__).resolve().parents[2] / "bench" / "results" / "monitor.png"
 
 #: What the page shows, read from its DOM: the server rows (PeerIDs), the bar's cells (their
-#: text and class), how each server is reached, and the round-trip column.
+#: text and class), how each server is reached, the round-trip and the fraud-report columns.
 READ_PAGE = """
 const rows = [...document.querySelectorAll("table.servers tbody tr")];
 return {
@@ -38,8 +38,9 @@ return {
   status: document.getElementById("status").textContent,
   peers: rows.map((row) => row.dataset.peerId),
   names: rows.map((row) => row.children[1].textContent),
-  rtts: rows.map((row) => row.lastChild.textContent),
-  reached: rows.map((row) => row.lastChild.previousSibling.textContent),
+  rtts: rows.map((row) => row.children[9].textContent),
+  reached: rows.map((row) => row.children[8].textContent),
+  reports: rows.map((row) => row.children[10].textContent),
   cells: [...document.querySelectorAll(".bar .cell")].map((cell) => cell.textContent),
   holes: [...document.querySelectorAll(".bar .cell.hole")].map((cell) => cell.dataset.block),
   notReloaded: window.notReloaded === true,
@@ -98,6 +99,7 @@ async def test_the_page_shows_the_swarm_and_follows_a_departure_live(
             assert page["cells"] == ["1", "1", "2", "2", "2", "2"]
             assert page["holes"] == []
             assert all(rtt.endswith(" ms") for rtt in page["rtts"])
+            assert page["reports"] == ["—"] * len(page["peers"])  # nobody reported
             before = int(page["version"])
 
             # A reload would forget this.

@@ -14,7 +14,7 @@ import torch
 import trio
 
 from petals_core import ReportRefused
-from petals_core.client import RemoteSequential, remote_forward
+from petals_core.client import InferenceSession, RemoteSequential, remote_forward
 from petals_core.client._report_judge import judge_listed
 from petals_core.client._reports import (
     REPORT_TTL_S,
@@ -26,8 +26,9 @@ from petals_core.client._reports import (
 )
 from petals_core.client._sequential import _forward_span
 from petals_core.dht import MAX_EVIDENCE_BYTES, Listing, fetch_listings, index_key
-from petals_core.protocol import FraudReport, Receipt, digest_tensors
+from petals_core.protocol import FraudReport, Receipt, StepEvidence, digest_tensors
 from petals_core.routing import RemoteSequenceManager, RouteSpan
+from petals_core.testing import make_liar
 from petals_core.transport import Identity, encode_message
 
 from ._swarm_helpers import (
@@ -41,6 +42,7 @@ from ._swarm_helpers import (
     manager_for,
     wait_for_servers,
 )
+from .test_inference import Reference
 
 MODEL = "tiny-llama-hf"
 
@@ -115,7 +117,8 @@ def test_oversized_and_malformed_reports_are_refused() -> None:
         encode_report(_signed(server, answered=big))
     wire = _signed(server).to_wire()
     for changed, reason in [
-        ({"kind": "step"}, "only forward and backward answers are reported"),
+        ({"kind": "push"}, "only forward, backward, step answers are reported"),
+        ({"kind": "step"}, "a step report's session must be text"),
         ({"version": 2}, "version must be 1"),
         ({"blocks": [2, 2]}, "blocks must be"),
         ({"answered": {"grad_inputs": torch.zeros(1)}}, "answered tensors are"),
@@ -126,6 +129,85 @@ def test_oversized_and_malformed_reports_are_refused() -> None:
             decode_report(encode_message({**wire, **changed}))
     with pytest.raises(ReportRefused, match="malformed"):
         decode_report(b"\xff" * 10)
+
+
+def _session(
+    server: Identity, lengths: tuple[tuple[int, int], ...], padding: tuple[int, ...] | None = None
+) -> FraudReport:
+    """A signed step report of a session whose steps take ``(start, tokens)`` each."""
+    issued = int(time.time())
+    signed = []
+    for start, tokens in lengths:
+        asked = {"hidden_states": torch.randn(2, tokens, 4)}
+        answered = {"hidden_states": torch.randn(2, tokens, 4)}
+        receipt = Receipt(
+            kind="step",
+            model=MODEL,
+            blocks=(0, 2),
+            session="s1",
+            padding=padding,
+            step=start + tokens,
+            issued=issued,
+            asked=digest_tensors(asked),
+            answered=digest_tensors(answered),
+        )
+        signed.append((receipt, receipt.sign(server, with_asked=True), asked, answered))
+    steps = tuple(
+        StepEvidence(position=r.step or 0, signature=sig, asked=asked, answered=r.answered)
+        for r, sig, asked, _ in signed[:-1]
+    )
+    receipt, signature, asked, answered = signed[-1]
+    return FraudReport(
+        accused=str(server.peer_id),
+        kind="step",
+        model=MODEL,
+        blocks=(0, 2),
+        adapter=None,
+        signature=signature,
+        asked=asked,
+        answered=answered,
+        session="s1",
+        padding=padding,
+        position=receipt.step,
+        steps=steps,
+    )
+
+
+def test_a_step_report_carries_its_whole_session_and_checks() -> None:
+    server = Identity.generate()
+    # A prefill, two tokens, a rollback to 9 and a token again.
+    report = _session(server, ((0, 8), (8, 1), (9, 1), (9, 1)), padding=(0, 3))
+    decoded = decode_report(encode_report(report))
+    assert decoded == report and len(decoded.steps) == 3
+    check_report(decoded, model=MODEL, now=time.time())
+
+
+def test_step_reports_that_do_not_make_one_signed_session_are_refused() -> None:
+    server, other = Identity.generate(), Identity.generate()
+    report = _session(server, ((0, 8), (8, 1), (9, 1)))
+    now = time.time()
+    gap = _session(server, ((0, 8), (9, 1)))
+    late_start = _session(server, ((2, 8), (10, 1)))
+    altered = attrs.evolve(
+        report,
+        steps=(
+            attrs.evolve(report.steps[0], asked={"hidden_states": torch.zeros(2, 8, 4)}),
+            report.steps[1],
+        ),
+    )
+    foreign = attrs.evolve(
+        report, steps=(_session(other, ((0, 8), (8, 1))).steps[0], report.steps[1])
+    )
+    for bad, reason in [
+        (gap, r"step 1 \(to position 10\) does not follow"),
+        (late_start, r"step 0 \(to position 10\) does not follow"),
+        (altered, "does not cover the step to position 8"),
+        (foreign, "does not cover the step to position 8"),
+        (attrs.evolve(report, padding=(0, 1)), "signature does not cover this question"),
+        (attrs.evolve(report, session="s2"), "signature does not cover this question"),
+    ]:
+        with pytest.raises(ReportRefused, match=reason):
+            check_report(bad, model=MODEL, now=now)
 
 
 async def _wait_verdicts(manager: RemoteSequenceManager, count: int) -> None:
@@ -192,6 +274,60 @@ async def test_a_client_leaving_right_after_a_catch_still_publishes_its_report(
                 await wait_for_servers(later.sequence_manager, 3)
                 await _wait_verdicts(later.sequence_manager, 1)
                 assert liar_id in later.sequence_manager.state.caught
+
+
+async def test_a_session_liar_is_reported_with_its_session_and_judged_by_replaying_it(
+    model: Model, tmp_path: Path
+) -> None:
+    """A session that rolls back and reorders its beams, checked step by step: a report on a
+    correct step of it is refused (another server replays the session and agrees); then its
+    server starts lying, is caught, and the report on its session, every step included, is
+    upheld by a client that checks nothing."""
+    torch.manual_seed(15)
+    async with in_process_swarm(model, tmp_path, [(0, N_BLOCKS)] * 3) as swarm:
+        servers = list(swarm.servers.values())
+        with trio.fail_after(DEADLINE_S):
+            async with (
+                RemoteSequential(manager_for(servers, verify="all")) as checking,
+                RemoteSequential(manager_for(servers, verify="none")) as judging,
+            ):
+                manager = checking.sequence_manager
+                await wait_for_servers(manager, 3)
+                await wait_for_servers(judging.sequence_manager, 3)
+                reference = Reference(model)
+                async with InferenceSession(manager, 16) as session:
+                    await reference.check_step(session, 2, 4)
+                    await reference.check_step(session, 2, 1)
+                    session.position = 3
+                    reference.rollback(3)
+                    x = torch.randn(2, 2, HIDDEN)
+                    hypo_ids = torch.tensor([1, 0])
+                    output = await session.step(x, hypo_ids=hypo_ids)
+                    assert_close(output, reference.step(x, hypo_ids))
+                    (state,) = session._core.spans
+                    liar_id = state.peer  # the server the session goes through
+                    liar = next(s for s in servers if str(s.dht.peer_id) == liar_id)
+                    correct = session._calls[state].report(manager, output)
+                    assert correct is not None and len(correct.steps) == 2
+                    book = book_of(manager)
+                    prefix = manager.config.dht_prefix
+                    assert prefix is not None and manager.state.dht is not None
+                    await publish(manager.state.dht, prefix, book, correct, now=time.time())
+                    await _wait_verdicts(judging.sequence_manager, 1)
+                    (refused,) = book_of(judging.sequence_manager).verdicts.values()
+                    assert not refused.upheld
+                    assert refused.reason.startswith("about a correct answer")
+
+                    make_liar(liar, lies=("step",))
+                    await reference.check_step(session, 2, 1)
+                    assert liar_id in manager.state.caught
+                    await book.wait_published(2)
+                await _wait_verdicts(judging.sequence_manager, 2)
+                upheld = [
+                    v for v in book_of(judging.sequence_manager).verdicts.values() if v.upheld
+                ]
+                assert len(upheld) == 1 and upheld[0].accused == liar_id
+                assert liar_id in judging.sequence_manager.state.caught
 
 
 async def test_hostile_reports_are_refused_and_frame_no_honest_server(
