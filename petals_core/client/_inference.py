@@ -170,13 +170,13 @@ class _SpanCall:
         asked, self._asked = self._asked, None
         if self.evidence is None:
             return
-        if asked is None or digest_tensors(asked) != receipt.asked:
-            logger.debug("the session on %s cannot be reported: inputs differ", self.state.peer)
-            self.evidence = None
-            return
-        kept = {name: tensor for name, tensor in asked.items() if tensor is not None}
+        kept = {} if asked is None else {n: t for n, t in asked.items() if t is not None}
         self._evidence_bytes += sum(t.numel() * t.element_size() for t in kept.values())
         if self._evidence_bytes > MAX_EVIDENCE_BYTES:
+            self.evidence = None  # before hashing it: a long prefill is not hashed twice
+            return
+        if not kept or digest_tensors(kept) != receipt.asked:
+            logger.debug("the session on %s cannot be reported: inputs differ", self.state.peer)
             self.evidence = None
             return
         assert receipt.step is not None
