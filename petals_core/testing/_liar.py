@@ -4,6 +4,7 @@ a running server (:func:`make_liar`); the shipped server has no such mode."""
 
 from __future__ import annotations
 
+import random
 from collections.abc import Callable, Collection
 from typing import TYPE_CHECKING, Any
 
@@ -23,17 +24,25 @@ _ANSWERING = {
 
 
 def make_liar(
-    server: Server, *, by: float = 0.2, lies: Collection[str] = ("forward", "step")
+    server: Server,
+    *,
+    by: float = 0.2,
+    lies: Collection[str] = ("forward", "step"),
+    share: float = 1.0,
+    seed: int = 0,
 ) -> None:
-    """From now on, ``server`` answers every one of ``lies`` (``"forward"``, ``"step"``,
-    ``"backward"``: the input gradient) off by ``by`` times the mean magnitude of the right
-    answer (added to every element)."""
+    """From now on, ``server`` answers ``lies`` (``"forward"``, ``"step"``, ``"backward"``: the
+    input gradient) off by ``by`` times the mean magnitude of the right answer (added to every
+    element): every one of them, or a ``share`` drawn at random (seeded by ``seed``)."""
     unknown = set(lies) - _ANSWERING.keys()
     if unknown:
         raise ValueError(f"no kind of answer {sorted(unknown)}: one of {sorted(_ANSWERING)}")
+    if not 0.0 < share <= 1.0:
+        raise ValueError(f"share must be within (0, 1], got {share}")
     backend = server.backend
     if backend is None:
         raise ValueError("the server has not loaded its blocks yet")
+    rng = random.Random(seed)
 
     def moved(output: torch.Tensor) -> torch.Tensor:
         return output + by * output.detach().abs().mean()
@@ -41,6 +50,8 @@ def make_liar(
     def lying(method: Callable[..., Any]) -> Callable[..., Any]:
         def lie(*args: Any, **kwargs: Any) -> Any:
             result = method(*args, **kwargs)
+            if share < 1.0 and rng.random() >= share:
+                return result
             if isinstance(result, list):
                 return [moved(output) for output in result]
             if isinstance(result, tuple):

@@ -289,3 +289,56 @@ async def test_a_server_lying_in_its_gradients_is_caught_before_the_optimiser_se
     caught, liar, _ = await _train_beside_a_liar(model, tmp_path, ("backward",), 2, verify="all")
     assert list(caught) == [liar]
     assert "backward of blocks 0:6" in caught[liar]
+
+
+async def test_every_answer_checked_catches_an_occasional_liar_at_its_first_lie(
+    model: Model, tmp_path: Path
+) -> None:
+    """``verify="all"``: the server a session goes through starts lying on a third of its steps
+    at random; it is caught at its first lie, and every output equals the local blocks'."""
+    async with in_process_swarm(model, tmp_path, [(0, N_BLOCKS)] * 3) as swarm:
+        servers = list(swarm.servers.values())
+        manager = manager_for(servers, verify="all")
+        with trio.fail_after(DEADLINE_S):
+            async with RemoteSequential(manager) as seq:
+                await wait_for_servers(seq.sequence_manager, 3)
+                torch.manual_seed(16)
+                reference = Reference(model)
+                async with InferenceSession(seq.sequence_manager, 16) as session:
+                    await reference.check_step(session, 2, 3)
+                    (first,) = session.route
+                    liar = next(s for s in servers if str(s.dht.peer_id) == first.peer_id)
+                    make_liar(liar, lies=("step",), share=0.3, seed=0)
+                    for _ in range(8):
+                        await reference.check_step(session, 2, 1)
+                caught = seq.sequence_manager.state.caught
+                assert list(caught) == [first.peer_id]
+
+
+async def test_a_padded_batch_is_checked_step_by_step_with_its_padding(
+    model: Model, tmp_path: Path
+) -> None:
+    """Rows of different lengths (left padding): the follower's session is opened with the same
+    padding, the step receipts (which sign it) check, nobody is caught, and the outputs equal a
+    session's without checks."""
+    torch.manual_seed(17)
+    steps = [torch.randn(2, 5, HIDDEN), torch.randn(2, 1, HIDDEN), torch.randn(2, 1, HIDDEN)]
+    padding = torch.tensor([0, 2])
+    outputs: dict[str, list[torch.Tensor]] = {}
+    async with in_process_swarm(model, tmp_path, [(0, N_BLOCKS)] * 2) as swarm:
+        servers = list(swarm.servers.values())
+        with trio.fail_after(DEADLINE_S):
+            for verify in ("none", "all"):
+                async with RemoteSequential(manager_for(servers, verify=verify)) as seq:
+                    await wait_for_servers(seq.sequence_manager, 2)
+                    async with InferenceSession(seq.sequence_manager, 16) as session:
+                        outputs[verify] = [
+                            await session.step(x, padding=padding if i == 0 else None)
+                            for i, x in enumerate(steps)
+                        ]
+                        assert {r.receipt.padding for r in session.receipts} == {(0, 2)}
+                        peers = {r.peer for r in session.receipts}
+                    assert not seq.sequence_manager.state.caught
+            assert len(peers) == 2  # the span's server and its follower
+            for checked, unchecked in zip(outputs["all"], outputs["none"], strict=True):
+                assert_close(checked, unchecked)
