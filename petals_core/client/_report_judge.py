@@ -312,16 +312,10 @@ async def _next_reason(manager: RemoteSequenceManager, book: ReportBook) -> None
 async def run_manager(
     manager: RemoteSequenceManager, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
 ) -> None:
-    """``manager``'s network part (:meth:`RemoteSequenceManager.run`) and its report watcher,
-    until :meth:`RemoteSequenceManager.close`; for ``nursery.start``."""
-    async with trio.open_nursery() as nursery:
-
-        async def network(*, task_status: trio.TaskStatus[None]) -> None:
-            try:
-                await manager.run(task_status=task_status)
-            finally:
-                nursery.cancel_scope.cancel()
-
-        await nursery.start(network)
-        nursery.start_soon(watch_reports, manager)
-        task_status.started()
+    """``manager``'s network part (:meth:`RemoteSequenceManager.run`) with its report watcher
+    as a service, until :meth:`RemoteSequenceManager.close`; for ``nursery.start``."""
+    book = book_of(manager)
+    if not book.watched:
+        manager.state.services.append(functools.partial(watch_reports, manager))
+        book.watched = True
+    await manager.run(task_status=task_status)

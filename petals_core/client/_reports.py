@@ -163,8 +163,10 @@ class ReportBook:
     verdicts: dict[bytes, Verdict] = attrs.field(factory=dict)
     #: Set when there is something to publish.
     wake: trio.Event = attrs.field(factory=trio.Event)
-    #: Whether the manager publishes what is left in the outbox when it stops.
+    #: Whether the manager publishes what is left in the outbox when it stops, and runs the
+    #: watcher.
     flushed_on_stop: bool = False
+    watched: bool = False
     #: Set (and replaced) each time a report is published.
     _published_now: trio.Event = attrs.field(factory=trio.Event)
 

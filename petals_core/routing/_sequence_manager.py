@@ -164,6 +164,9 @@ class SequenceManagerState:
     verified: dict[str, int] = attrs.field(factory=dict)
     #: The client's fraud reports (``petals_core.client._reports.ReportBook``), once it has any.
     reports: Any = None
+    #: Tasks that run beside the network part once it has started (the client's report
+    #: watcher), cancelled when it stops.
+    services: list[Callable[[], Awaitable[None]]] = attrs.field(factory=list)
     #: Run when the network part stops, before the DHT node closes (each bounded by
     #: :data:`STOP_HOOK_S`): what must reach the swarm before the client leaves.
     on_stop: list[Callable[[], Awaitable[None]]] = attrs.field(factory=list)
@@ -262,10 +265,14 @@ class RemoteSequenceManager:
         state.started.set()
         task_status.started()
         try:
-            await state.stop.wait()
-            for hook in state.on_stop:
-                with trio.move_on_after(STOP_HOOK_S):
-                    await hook()
+            async with trio.open_nursery() as nursery:
+                for service in state.services:
+                    nursery.start_soon(service)
+                await state.stop.wait()
+                for hook in state.on_stop:
+                    with trio.move_on_after(STOP_HOOK_S):
+                        await hook()
+                nursery.cancel_scope.cancel()
         finally:
             state.loop_token = None
 
