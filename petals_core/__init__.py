@@ -42,6 +42,8 @@ _LAZY = {
             "AutoDistributedModel",
             "AutoDistributedModelForCausalLM",
             "AutoDistributedModelForSequenceClassification",
+            "AutoDistributedSpeculativeModel",
+            "DistributedLlamaForSpeculativeGeneration",
             "DistributedBloomForCausalLM",
             "DistributedBloomForSequenceClassification",
             "DistributedBloomModel",

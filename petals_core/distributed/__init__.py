@@ -3,7 +3,10 @@
 ``AutoDistributedModelForCausalLM.from_pretrained(name, initial_peers=[...])`` loads only the
 embeddings, final norm and LM head; the blocks are a :class:`~petals_core.client.RemoteSequential`.
 ``generate()`` and ``with model.inference_session(max_length=...)`` work as in Petals;
-``tuning_mode="ptune" | "deep_ptune"`` adds trainable prompts.
+``tuning_mode="ptune" | "deep_ptune"`` adds trainable prompts.  ``generate()`` takes
+transformers' assisted decoding (``prompt_lookup_num_tokens=``, ``assistant_model=``): each
+window of drafts is checked in one step through the swarm; ``AutoDistributedSpeculativeModel``
+(``small_model=``) does it by default, as Petals' speculative classes.
 
 This package sits above the client: importing it imports the client (the network). Nothing below
 it imports it; the configs (``AutoDistributedConfig`` and the family configs, which the server
@@ -54,3 +57,10 @@ from ._mixtral import (
 )
 from ._pretrained import TuningMode as TuningMode
 from ._session import RemoteInferenceSession as RemoteInferenceSession
+from ._speculative import (
+    AutoDistributedSpeculativeModel as AutoDistributedSpeculativeModel,
+    DistributedBloomForSpeculativeGeneration as DistributedBloomForSpeculativeGeneration,
+    DistributedFalconForSpeculativeGeneration as DistributedFalconForSpeculativeGeneration,
+    DistributedLlamaForSpeculativeGeneration as DistributedLlamaForSpeculativeGeneration,
+    DistributedMixtralForSpeculativeGeneration as DistributedMixtralForSpeculativeGeneration,
+)

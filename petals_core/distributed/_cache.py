@@ -50,9 +50,10 @@ class _LengthLayer(CacheLayerMixin):
         self.seen_tokens = 0
 
     def crop(self, tokens_to_remove: int) -> None:
-        # transformers' convention: a negative count removes that many from the end, a
-        # non-negative one keeps that many tokens.
-        if tokens_to_remove < 0:
+        # transformers' conventions: zero or a negative count removes that many from the end
+        # (assisted decoding crops by -rejected, 0 when every draft token was accepted); a
+        # positive one (before transformers 5.2x) keeps that many tokens.
+        if tokens_to_remove <= 0:
             self.seen_tokens = max(0, self.seen_tokens + tokens_to_remove)
         else:
             self.seen_tokens = min(self.seen_tokens, tokens_to_remove)

@@ -323,6 +323,23 @@ class DistributedCausalLMMixin(DistributedHeadMixin):
                     result = sequences
         return result
 
+    def prepare_inputs_for_generation(
+        self, input_ids: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> Any:
+        """transformers' inputs for the next forward, without the tokens the servers hold:
+        assisted decoding's first forward sends the whole sequence (its prompt and drafts),
+        which in a session that already holds some of it would resend those."""
+        inputs = super().prepare_inputs_for_generation(input_ids, *args, **kwargs)  # type: ignore[misc]
+        cache, ids = inputs.get(CACHE_ARG), inputs.get("input_ids")
+        if isinstance(cache, RemoteCache) and ids is not None:
+            held = cache.get_seq_length()
+            if 0 < held < ids.shape[1] == input_ids.shape[1]:
+                inputs["input_ids"] = ids[:, held:]
+                position_ids = inputs.get("position_ids")
+                if position_ids is not None and position_ids.shape[-1] == ids.shape[1]:
+                    inputs["position_ids"] = position_ids[..., held:]
+        return inputs
+
     def _generation_ids(self, kwargs: dict[str, Any]) -> tuple[int | None, list[int]]:
         """The pad token id and end-of-sequence ids a generate() call with ``kwargs`` uses."""
         config = cast("GenerationConfig", kwargs.get("generation_config") or self.generation_config)
@@ -358,6 +375,9 @@ class DistributedCausalLMMixin(DistributedHeadMixin):
             if stack is None:
                 raise RuntimeError("generation outside DistributedCausalLMMixin.generate")
             max_length = max(generation_config.max_length or 0, max_cache_length + 1)
+            if getattr(generation_mode, "value", generation_mode) == "assisted_generation":
+                # Drafts are checked past the last position generated: room for a window.
+                max_length += (generation_config.prompt_lookup_num_tokens or 0) + 1
             session = stack.enter_context(base.inference_session(max_length=max_length))
         model_kwargs[CACHE_ARG] = RemoteCache(session.token_position)
         return True

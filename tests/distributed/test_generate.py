@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import copy
 import threading
 from typing import Any
 
 import pytest
 import torch
 
-from petals_core.distributed import RemoteInferenceSession
+from petals_core import ConfigError
+from petals_core.distributed import AutoDistributedSpeculativeModel, RemoteInferenceSession
 
 from .._served_swarm import ServedModel
 from ._causal_lm import PROMPT_LEN, load_prompt_tuned, no_eos, random_ids
@@ -219,3 +221,84 @@ def test_threads_sharing_a_model_generate_in_sessions_of_their_own(
         assert result is not None
         assert torch.equal(result, want)
     assert model.active_session is None  # none of the threads' sessions is active here
+
+
+def test_prompt_lookup_decoding_equals_greedy(models: tuple[Any, Any]) -> None:
+    model, reference = models
+    ids = random_ids(1, 6, seed=40).repeat(1, 3)  # a repetitive prompt: lookups find drafts
+    settings = {"do_sample": False, "max_new_tokens": 12, **no_eos(reference)}
+    plain = reference.generate(ids, **settings)
+    ours = model.generate(ids, prompt_lookup_num_tokens=4, **settings)
+    assert torch.equal(ours, plain)
+
+
+def test_prompt_lookup_in_a_session_continues_like_greedy(models: tuple[Any, Any]) -> None:
+    """Rejected draft tokens roll the session back with the next step; a second generate() in
+    the session continues from the first's output."""
+    model, reference = models
+    ids = random_ids(1, 5, seed=41).repeat(1, 3)
+    settings = {"do_sample": False, **no_eos(reference)}
+    whole = reference.generate(ids, max_new_tokens=16, **settings)
+    with model.inference_session(max_length=40):
+        first = model.generate(ids, max_new_tokens=8, prompt_lookup_num_tokens=3, **settings)
+        second = model.generate(first, max_new_tokens=8, prompt_lookup_num_tokens=3, **settings)
+    assert torch.equal(first, whole[:, :23])
+    assert torch.equal(second, whole)
+
+
+def test_assisted_decoding_with_a_local_draft_model_equals_greedy(models: tuple[Any, Any]) -> None:
+    """A local model drafts tokens; the swarm checks each window in one step."""
+    model, reference = models
+    ids = random_ids(1, 7, seed=42)
+    settings = {"do_sample": False, "max_new_tokens": 10, **no_eos(reference)}
+    plain = reference.generate(ids, **settings)
+    assert torch.equal(model.generate(ids, assistant_model=reference, **settings), plain)
+
+
+def test_seeded_sampling_with_prompt_lookup_equals_transformers(models: tuple[Any, Any]) -> None:
+    """Sampled drafts are kept by transformers' rule (each position sampled from the model, a
+    draft token kept only if it is the one sampled), so the tokens are the model's distribution;
+    seeded alike, the swarm's draw equals transformers' own."""
+    model, reference = models
+    ids = random_ids(1, 5, seed=43).repeat(1, 3)
+    settings = {
+        "do_sample": True,
+        "top_k": 20,
+        "max_new_tokens": 10,
+        "prompt_lookup_num_tokens": 3,
+        **no_eos(reference),
+    }
+    torch.manual_seed(8)
+    ours = model.generate(ids, **settings)
+    torch.manual_seed(8)
+    theirs = reference.generate(ids, **settings)
+    assert torch.equal(ours, theirs)
+
+
+def test_the_speculative_model_drafts_with_a_small_model_and_equals_greedy(
+    served: ServedModel, models: tuple[Any, Any]
+) -> None:
+    """Petals' speculative class: a draft model that often disagrees (its LM head perturbed, as
+    Petals' test does) costs rejected windows, never a different token."""
+    _, reference = models
+    draft = copy.deepcopy(reference)
+    with torch.no_grad():
+        head = draft.get_output_embeddings().weight
+        head += torch.randn(head.shape, generator=torch.Generator().manual_seed(5)) * 0.05
+    model = AutoDistributedSpeculativeModel.from_pretrained(
+        served.folder, initial_peers=served.initial_peers, small_model=draft
+    )
+    try:
+        assert not any(p is head for p in model.parameters())  # the draft is not ours
+        ids = random_ids(1, 6, seed=44)
+        settings = {"do_sample": False, "max_new_tokens": 12, **no_eos(reference)}
+        plain = reference.generate(ids, **settings)
+        assert torch.equal(model.generate(ids, **settings), plain)
+        fixed = model.generate(ids, speculative_inference_iteration_size=3, **settings)
+        assert torch.equal(fixed, plain)
+    finally:
+        model.shutdown()
+    with pytest.raises(ConfigError, match="needs small_model="):
+        AutoDistributedSpeculativeModel.from_pretrained(
+            served.folder, initial_peers=served.initial_peers
+        )
