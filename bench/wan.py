@@ -144,6 +144,10 @@ def _speculative(model: Any, vocab: int) -> SpeculativeResults:
     )
 
 
+def _rounds(results: SpeculativeResults, name: str) -> str:
+    return ", ".join(f"{ms:.0f}" for ms in results.ms_per_token[name])
+
+
 def _measure(
     repo: str, initial_peers: list[str], relay: DelayRelay
 ) -> tuple[list[LinkResults], SpeculativeResults]:
@@ -348,11 +352,11 @@ def main() -> None:
         "included), taking turns",
         ["way", "ms/token (median)", "rounds", "tokens/s vs plain", "same tokens"],
         [
-            ("plain", plain, speculative.ms_per_token["plain"], "1.00x", None),
+            ("plain", plain, _rounds(speculative, "plain"), "1.00x", None),
             (
                 f"prompt lookup, window {SPEC_WINDOW}",
                 lookup,
-                speculative.ms_per_token["prompt lookup"],
+                _rounds(speculative, "prompt lookup"),
                 f"{plain / lookup:.2f}x",
                 speculative.tokens_equal,
             ),
