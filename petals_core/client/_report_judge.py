@@ -33,7 +33,15 @@ from ..protocol import BackwardRequest, FraudReport, OpenSession, Step
 from ..routing import MissingBlocksError, RemoteSequenceManager, RouteSpan
 from ._checks import disagreement, tolerance
 from ._inference import RETRIABLE, _SpanCall, other_route
-from ._reports import ReportBook, Verdict, book_of, check_report, fetch_report, publish
+from ._reports import (
+    REPORT_TTL_S,
+    ReportBook,
+    Verdict,
+    book_of,
+    check_report,
+    fetch_report,
+    publish,
+)
 from ._sequential import _backward_elsewhere, _recompute
 from ._session_core import SpanState
 
@@ -61,8 +69,9 @@ async def _ask(
     """The report's question answered by servers not in ``exclude`` (of the accused's dtype and
     quantisation), and who answered; None where none can now."""
     start, end = report.blocks
+    # The evidence travels as it is: compressing it again would change the question.
     sub = RemoteSequenceManager(
-        attrs.evolve(manager.config, active_adapter=report.adapter),
+        attrs.evolve(manager.config, active_adapter=report.adapter, compression=None),
         manager.num_blocks,
         block_indices=range(start, end),
         state=manager.state,
@@ -194,17 +203,21 @@ async def judge(manager: RemoteSequenceManager, report: FraudReport) -> str | No
 
 
 async def judge_listed(manager: RemoteSequenceManager) -> int:
-    """One round: read the model's reports and judge up to :data:`CHECKS_PER_ROUND` new ones
-    about servers in the peer table; how many were decided.  Those about servers not in the
-    table are left for later (``ReportBook.waiting``)."""
+    """One round: read the model's reports and try up to :data:`CHECKS_PER_ROUND` new ones
+    about servers in the peer table; how many were decided (``ReportBook.more``: whether others
+    wait for the next round).  Those about servers not in the table are left for later
+    (``ReportBook.waiting``); one no server could decide is tried again in later rounds, and
+    refused after :data:`MAX_UNDECIDED`."""
     dht, prefix = manager.state.dht, manager.config.dht_prefix
     assert dht is not None and prefix is not None
     book = book_of(manager)
+    now = time.time()
+    book.forget_expired(now)
     by_digest: dict[bytes, list[Listing]] = {}
     for listing in await fetch_listings(dht, prefix):
         by_digest.setdefault(listing.digest, []).append(listing)
-    decided = 0
-    book.waiting = set()
+    tried = decided = 0
+    book.waiting, book.more = set(), False
     for digest, listings in by_digest.items():
         reporters = frozenset(listing.reporter for listing in listings)
         known = book.verdicts.get(digest)
@@ -215,38 +228,79 @@ async def judge_listed(manager: RemoteSequenceManager) -> int:
         if manager.server_info(accused) is None:
             book.waiting.add(accused)
             continue
-        if accused in manager.state.caught or decided >= CHECKS_PER_ROUND:
+        if accused in manager.state.caught:
             continue
-        decided += 1
-        try:
-            report = await fetch_report(dht, prefix, listings[0])
-            check_report(report, model=prefix, now=time.time())
-            reason = await judge(manager, report)
-        except ReportRefused as exc:
-            book.verdicts[digest] = Verdict(
-                accused=accused, reporters=reporters, upheld=False, reason=str(exc)
-            )
-            logger.info(
-                "refused a report against %s by %s: %s", accused, ", ".join(sorted(reporters)), exc
-            )
+        if tried >= CHECKS_PER_ROUND:
+            book.more = True
             continue
-        if reason is None:
+        tried += 1
+        expires = listings[0].issued + REPORT_TTL_S
+        verdict = await _try(manager, prefix, listings[0], reporters, expires)
+        if verdict is None:
             tries = book.undecided[digest] = book.undecided.get(digest, 0) + 1
             if tries < MAX_UNDECIDED:
-                decided -= 1
                 continue
-            book.verdicts[digest] = Verdict(
+            verdict = Verdict(
                 accused=accused,
                 reporters=reporters,
                 upheld=False,
                 reason=f"undecided in {tries} rounds: too few servers could recompute it",
+                expires=expires,
             )
-            continue
-        book.verdicts[digest] = Verdict(
-            accused=accused, reporters=reporters, upheld=True, reason=reason
-        )
-        manager.on_caught(accused, f"reported by {', '.join(sorted(reporters))}: {reason}")
+        book.verdicts[digest] = verdict
+        book.undecided.pop(digest, None)
+        decided += 1
+        if verdict.upheld:
+            manager.on_caught(
+                accused, f"reported by {', '.join(sorted(reporters))}: {verdict.reason}"
+            )
+        else:
+            logger.info(
+                "refused a report against %s by %s: %s",
+                accused,
+                ", ".join(sorted(reporters)),
+                verdict.reason,
+            )
     return decided
+
+
+async def _try(
+    manager: RemoteSequenceManager,
+    prefix: str,
+    listing: Listing,
+    reporters: frozenset[str],
+    expires: float,
+) -> Verdict | None:
+    """The verdict on ``listing``'s report, or None where it cannot be decided now (its evidence
+    not found, too few servers, the DHT failing)."""
+    dht = manager.state.dht
+    assert dht is not None
+
+    def verdict(upheld: bool, reason: str) -> Verdict:
+        return Verdict(
+            accused=listing.accused,
+            reporters=reporters,
+            upheld=upheld,
+            reason=reason,
+            expires=expires,
+        )
+
+    try:
+        report = await fetch_report(dht, prefix, listing)
+        if report is None:
+            return None
+        check_report(report, model=prefix, now=time.time())
+        reason = await judge(manager, report)
+    except ReportRefused as exc:
+        return verdict(False, str(exc))
+    except PetalsError as exc:
+        logger.info("could not judge a report against %s now: %r", listing.accused, exc)
+        return None
+    except Exception as exc:
+        # Whatever else a report makes go wrong, it is the report's fault: never the client's.
+        logger.warning("a report against %s could not be judged", listing.accused, exc_info=True)
+        return verdict(False, f"malformed: {type(exc).__name__}: {exc}")
+    return None if reason is None else verdict(True, reason)
 
 
 async def _publish_outbox(manager: RemoteSequenceManager, book: ReportBook) -> None:
@@ -276,12 +330,11 @@ async def watch_reports(manager: RemoteSequenceManager) -> None:
     while True:
         await _publish_outbox(manager, book)
         try:
-            decided = await judge_listed(manager)
+            await judge_listed(manager)
         except PetalsError as exc:
             logger.info("reading fraud reports failed: %r", exc)
-            decided = 0
-        if decided >= CHECKS_PER_ROUND:
-            continue  # more may wait
+        if book.more:
+            continue
         with trio.move_on_after(manager.config.reports_period_s):
             await _next_reason(manager, book)
         book.wake = trio.Event()

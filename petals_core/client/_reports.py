@@ -16,6 +16,7 @@ missing, altered, malformed, forged, about another model, expired or dated in th
 
 from __future__ import annotations
 
+import math
 from typing import Final
 
 import attrs
@@ -146,6 +147,8 @@ class Verdict:
     reporters: frozenset[str]
     upheld: bool
     reason: str
+    #: When the report stops counting (Unix seconds): the verdict is forgotten then.
+    expires: float = math.inf
 
 
 @attrs.define(eq=False)
@@ -159,6 +162,8 @@ class ReportBook:
     waiting: set[str] = attrs.field(factory=set)
     #: Per report, the rounds that could not decide it (too few servers answered).
     undecided: dict[bytes, int] = attrs.field(factory=dict)
+    #: Whether the last round left new reports for the next one.
+    more: bool = False
     published: dict[bytes, Listing] = attrs.field(factory=dict)
     verdicts: dict[bytes, Verdict] = attrs.field(factory=dict)
     #: Set when there is something to publish.
@@ -183,6 +188,12 @@ class ReportBook:
         """Wait until ``count`` of this client's reports are listed."""
         while len(self.published) < count:
             await self._published_now.wait()
+
+    def forget_expired(self, now: float) -> None:
+        """Drop the verdicts on reports that no longer count."""
+        for digest in [d for d, verdict in self.verdicts.items() if verdict.expires <= now]:
+            del self.verdicts[digest]
+            self.undecided.pop(digest, None)
 
     def by_accused(self) -> dict[str, list[Verdict]]:
         found: dict[str, list[Verdict]] = {}
@@ -233,11 +244,14 @@ async def publish(
     return digest
 
 
-async def fetch_report(dht: DHTNode, prefix: str, listing: Listing) -> FraudReport:
-    """The report ``listing`` names, read from the DHT and checked against its digest
-    (:class:`ReportRefused` if it is oversized, missing, altered, malformed or about another
-    server than listed)."""
-    report = decode_report(await fetch_evidence(dht, prefix, listing))
+async def fetch_report(dht: DHTNode, prefix: str, listing: Listing) -> FraudReport | None:
+    """The report ``listing`` names, read from the DHT and checked against its digest; None if
+    its evidence is not found (now); :class:`ReportRefused` if it is oversized, altered,
+    malformed or about another server than listed."""
+    data = await fetch_evidence(dht, prefix, listing)
+    if data is None:
+        return None
+    report = decode_report(data)
     if report.accused != listing.accused:
         raise ReportRefused(
             f"the evidence is about {report.accused}, but listed against {listing.accused}"

@@ -166,9 +166,9 @@ async def store_evidence(dht: DHTNode, prefix: str, data: bytes, expiration: flo
     return digest
 
 
-async def fetch_evidence(dht: DHTNode, prefix: str, listing: Listing) -> bytes:
-    """The evidence ``listing`` names, checked against its digest (:class:`ReportRefused` if it
-    is oversized, missing or altered)."""
+async def fetch_evidence(dht: DHTNode, prefix: str, listing: Listing) -> bytes | None:
+    """The evidence ``listing`` names, checked against its digest; None if some of it is not
+    found (now); :class:`ReportRefused` if it is oversized or altered."""
     if listing.size > MAX_EVIDENCE_BYTES:
         raise ReportRefused(
             f"oversized: {listing.size} bytes, and reports are at most {MAX_EVIDENCE_BYTES}"
@@ -187,7 +187,8 @@ async def fetch_evidence(dht: DHTNode, prefix: str, listing: Listing) -> bytes:
             nursery.start_soon(read, index)
     present = [chunk for chunk in chunks if chunk is not None]
     if len(present) != count:
-        raise ReportRefused(f"the evidence is missing ({count - len(present)} of {count} parts)")
+        logger.info("%d of %d parts of a report are missing", count - len(present), count)
+        return None
     data = b"".join(present)
     if len(data) != listing.size or hashlib.sha256(data).digest() != listing.digest:
         raise ReportRefused("the evidence does not match its digest (altered)")

@@ -63,6 +63,63 @@ def _tensors(value: object, kind: str, what: str, names: tuple[set[str], set[str
     return dict(value)
 
 
+def _floating(tensor: torch.Tensor, name: str, shape: tuple[int, ...] | None = None) -> None:
+    if not tensor.dtype.is_floating_point:
+        raise CodecError(f"a report's {name} must be floating-point, not {tensor.dtype}")
+    if shape is not None and tuple(tensor.shape) != shape:
+        raise CodecError(f"a report's {name} must be {shape}, not {tuple(tensor.shape)}")
+
+
+def _check_asked(asked: Mapping[str, torch.Tensor], blocks: tuple[int, int]) -> None:
+    """The shapes a question's tensors must have: hidden states ``(B, T, hidden)``, deep prompts
+    ``(blocks, B or 1, P, hidden)``, row indices ``(B,)``, gradients like the hidden states."""
+    hidden = asked["hidden_states"]
+    _floating(hidden, "hidden_states")
+    if hidden.dim() != 3 or hidden.shape[0] < 1 or hidden.shape[2] < 1:
+        raise CodecError(
+            f"a report's hidden_states must be (B, T, hidden), not {tuple(hidden.shape)}"
+        )
+    batch, _, size = hidden.shape
+    prompts = asked.get("prompts")
+    if prompts is not None:
+        _floating(prompts, "prompts")
+        if (
+            prompts.dim() != 4
+            or prompts.shape[0] != blocks[1] - blocks[0]
+            or prompts.shape[1] not in (1, batch)
+            or prompts.shape[3] != size
+        ):
+            shape = tuple(prompts.shape)
+            raise CodecError(f"a report's prompts must be (blocks, B or 1, P, hidden), not {shape}")
+    hypo_ids = asked.get("hypo_ids")
+    if hypo_ids is not None and (
+        hypo_ids.dtype.is_floating_point
+        or hypo_ids.dtype == torch.bool
+        or tuple(hypo_ids.shape) != (batch,)
+        or not bool(((hypo_ids >= 0) & (hypo_ids < batch)).all())
+    ):
+        raise CodecError(f"a report's hypo_ids must be ({batch},) row indices")
+    grad = asked.get("grad_outputs")
+    if grad is not None:
+        _floating(grad, "grad_outputs", tuple(hidden.shape))
+
+
+def _check_answered(
+    kind: str, asked: Mapping[str, torch.Tensor], answered: Mapping[str, torch.Tensor]
+) -> None:
+    """An answer's tensors have the shapes of what they answer."""
+    hidden = tuple(asked["hidden_states"].shape)
+    if kind == "backward":
+        _floating(answered["grad_inputs"], "grad_inputs", hidden)
+        prompts, grads = asked.get("prompts"), answered.get("grad_prompts")
+        if grads is not None:
+            _floating(grads, "grad_prompts", None if prompts is None else tuple(prompts.shape))
+            if prompts is None:
+                raise CodecError("a report's grad_prompts answer no prompts")
+    else:
+        _floating(answered["hidden_states"], "answer", hidden)
+
+
 def _count(value: object, what: str) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < 2**63:
         raise CodecError(f"a report's {what} must be an integer within [0, 2**63)")
@@ -100,6 +157,9 @@ class StepEvidence:
             asked=_tensors(value.get("asked"), "step", "asked", _NAMES["step"][0]),
             answered=answered,
         )
+
+    def check_shapes(self, blocks: tuple[int, int]) -> None:
+        _check_asked(self.asked, blocks)
 
 
 @attrs.frozen(kw_only=True)
@@ -227,6 +287,13 @@ class FraudReport:
                 "position": _count(value.get("position"), "position"),
                 "steps": tuple(StepEvidence.from_wire_untrusted(step) for step in steps),
             }
+        asked = _tensors(value.get("asked"), kind, "asked", asked_names)
+        answered = _tensors(value.get("answered"), kind, "answered", answered_names)
+        span = (blocks[0], blocks[1])
+        _check_asked(asked, span)
+        _check_answered(kind, asked, answered)
+        for step in session.get("steps", ()):
+            step.check_shapes(span)
         return cls(
             **session,
             accused=accused,
@@ -235,6 +302,6 @@ class FraudReport:
             blocks=(blocks[0], blocks[1]),
             adapter=adapter,
             signature=Signature.from_wire_untrusted(value.get("signature")),
-            asked=_tensors(value.get("asked"), kind, "asked", asked_names),
-            answered=_tensors(value.get("answered"), kind, "answered", answered_names),
+            asked=asked,
+            answered=answered,
         )

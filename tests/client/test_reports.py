@@ -131,6 +131,34 @@ def test_oversized_and_malformed_reports_are_refused() -> None:
         decode_report(b"\xff" * 10)
 
 
+@pytest.mark.parametrize(
+    ("tensors", "reason"),
+    [
+        ({"asked": torch.ones(4)}, r"hidden_states must be \(B, T, hidden\)"),
+        ({"asked": torch.ones(0, 2, 4)}, r"hidden_states must be \(B, T, hidden\)"),
+        ({"asked": torch.ones(1, 2, 4, dtype=torch.int64)}, "must be floating-point"),
+        ({"answered": torch.ones(1, 3, 4)}, r"answer must be \(1, 2, 4\)"),
+    ],
+)
+def test_reports_whose_tensors_do_not_fit_their_question_are_refused(
+    tensors: dict[str, torch.Tensor], reason: str
+) -> None:
+    """Signed by the accused or not, tensors of the wrong shape or dtype never reach a replay."""
+    report = _signed(Identity.generate(), **tensors)
+    with pytest.raises(ReportRefused, match=f"malformed: .*{reason}"):
+        decode_report(encode_report(report))
+
+
+def test_step_reports_with_prompts_or_row_indices_that_do_not_fit_are_refused() -> None:
+    report = _session(Identity.generate(), ((0, 8), (8, 1)))
+    wire = report.to_wire()
+    bad_rows = {**wire["asked"], "hypo_ids": torch.tensor([0, 5])}
+    bad_prompts = {**wire["asked"], "prompts": torch.ones(3, 2, 1, 4)}
+    for asked, reason in [(bad_rows, "hypo_ids must be"), (bad_prompts, "prompts must be")]:
+        with pytest.raises(ReportRefused, match=reason):
+            decode_report(encode_message({**wire, "asked": asked}))
+
+
 def _session(
     server: Identity, lengths: tuple[tuple[int, int], ...], padding: tuple[int, ...] | None = None
 ) -> FraudReport:
@@ -397,7 +425,7 @@ async def test_hostile_reports_are_refused_and_frame_no_honest_server(
                 assert "signature does not cover" in reasons[listings[1].digest]
                 assert "forged: the answer is signed by" in reasons[listings[2].digest]
                 assert reasons[b"\x01" * 32].startswith("oversized")
-                assert reasons[b"\x02" * 32].startswith("the evidence is missing")
+                assert reasons[b"\x02" * 32].startswith("undecided in 3 rounds")  # not found
                 assert not judging.sequence_manager.state.caught
                 output, _ = await remote_forward(judging.sequence_manager, x)
                 assert_close(output, expected)
