@@ -156,6 +156,7 @@ class _SpanCall:
             session=self.state.session_id,
             padding=self.state.padding,
             step=result.position,
+            previous=signature.previous,
             issued=signature.issued,
             asked=signature.asked,
             answered=digest_tensors({"hidden_states": result.hidden_states}),
@@ -195,7 +196,7 @@ class _SpanCall:
         last = evidence[-1]
         assert manager.config.dht_prefix is not None
         span = self.state.span
-        return FraudReport(
+        report = FraudReport(
             accused=self.state.peer,
             kind="step",
             model=manager.config.dht_prefix,
@@ -209,6 +210,11 @@ class _SpanCall:
             position=last.position,
             steps=tuple(evidence[:-1]),
         )
+        if not report.chained():
+            # An answer was skipped (a stale one, after a resent step): a link is missing.
+            logger.info("the session on %s cannot be reported: its chain has a gap", span)
+            return None
+        return report
 
     async def close(self) -> None:
         call, self.call = self.call, None

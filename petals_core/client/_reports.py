@@ -136,6 +136,11 @@ def _check_steps(report: FraudReport) -> None:
                 f"forged: {report.accused}'s signature does not cover the step to position "
                 f"{receipt.step} of the session"
             )
+    if not report.chained():
+        raise ReportRefused(
+            "forged: the steps are not the session's whole chain of receipts (one is missing, "
+            "added or out of order)"
+        )
 
 
 @attrs.frozen(kw_only=True)

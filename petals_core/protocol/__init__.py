@@ -39,6 +39,7 @@ from ._inference import (
 )
 from ._info import INFO as INFO, InfoReply as InfoReply, InfoRequest as InfoRequest
 from ._receipts import (
+    FIRST_STEP as FIRST_STEP,
     Receipt as Receipt,
     ReceiptKind as ReceiptKind,
     Signature as Signature,

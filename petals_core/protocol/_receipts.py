@@ -35,6 +35,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "DIGEST_BYTES",
+    "FIRST_STEP",
     "Receipt",
     "Signature",
     "SignedReceipt",
@@ -42,6 +43,8 @@ __all__ = [
 ]
 
 DIGEST_BYTES: Final = 32
+#: What a session's first step receipt names as the one before it.
+FIRST_STEP: Final = bytes(32)
 _KEY_BYTES: Final = 32
 _SIGNATURE_BYTES: Final = 64
 #: What the signed bytes begin with: a signature over a receipt means nothing else.
@@ -81,10 +84,21 @@ class Signature:
     #: The digest of what the server computed from, where the client may not hold the same
     #: bytes (an inference step's input may come pushed from the previous server).
     asked: bytes | None = None
+    #: A step's: the digest of the session's receipt before it (:meth:`Receipt.digest`;
+    #: :data:`FIRST_STEP` for its first), so a session's receipts make one unbroken chain.
+    previous: bytes | None = None
 
     def to_wire(self) -> dict[str, Any]:
-        wire = {"signer": self.signer, "signature": self.signature, "issued": self.issued}
-        return wire if self.asked is None else {**wire, "asked": self.asked}
+        wire: dict[str, Any] = {
+            "signer": self.signer,
+            "signature": self.signature,
+            "issued": self.issued,
+        }
+        if self.asked is not None:
+            wire["asked"] = self.asked
+        if self.previous is not None:
+            wire["previous"] = self.previous
+        return wire
 
     @classmethod
     def from_wire_untrusted(cls, value: object) -> Signature:
@@ -98,10 +112,16 @@ class Signature:
         issued = value.get("issued")
         if not _is_time(issued):
             raise CodecError("a receipt's issued time must be an integer within [0, 2**63)")
-        asked = value.get("asked")
+        asked, previous = value.get("asked"), value.get("previous")
         if asked is not None and (not isinstance(asked, bytes) or len(asked) != DIGEST_BYTES):
             raise CodecError(f"a receipt's asked digest must be {DIGEST_BYTES} bytes")
-        return cls(signer=signer, signature=signature, issued=issued, asked=asked)
+        if previous is not None and (
+            not isinstance(previous, bytes) or len(previous) != DIGEST_BYTES
+        ):
+            raise CodecError(f"a receipt's previous digest must be {DIGEST_BYTES} bytes")
+        return cls(
+            signer=signer, signature=signature, issued=issued, asked=asked, previous=previous
+        )
 
 
 def as_signature(value: object) -> Signature | None:
@@ -133,6 +153,8 @@ class Receipt:
     #: A session's left padding per row, as it was opened (None: none).
     padding: tuple[int, ...] | None = None
     step: int | None = None
+    #: A step's: the digest of the session's receipt before it (see :class:`Signature`).
+    previous: bytes | None = None
     issued: int
     asked: bytes
     answered: bytes
@@ -144,6 +166,8 @@ class Receipt:
             raise ValueError("a receipt's issued time is an integer within [0, 2**63)")
         _check_digest("asked", self.asked)
         _check_digest("answered", self.answered)
+        if self.previous is not None:
+            _check_digest("previous", self.previous)
 
     def signed_bytes(self) -> bytes:
         return cbor2.dumps(
@@ -156,6 +180,7 @@ class Receipt:
                 self.session,
                 None if self.padding is None else list(self.padding),
                 self.step,
+                self.previous,
                 self.issued,
                 self.asked,
                 self.answered,
@@ -170,7 +195,12 @@ class Receipt:
             signature=identity.sign(self.signed_bytes()),
             issued=self.issued,
             asked=self.asked if with_asked else None,
+            previous=self.previous,
         )
+
+    def digest(self) -> bytes:
+        """sha2-256 of what is signed: what the next step's receipt names as ``previous``."""
+        return hashlib.sha256(self.signed_bytes()).digest()
 
     def verify(self, signature: Signature) -> bool:
         """Whether ``signature`` is its signer's over this receipt (who the signer is, the caller

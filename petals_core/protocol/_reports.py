@@ -12,7 +12,9 @@ reproduce is about a correct answer; both are refused.
 A step's answer depends on the whole session before it: a report on a step carries every step
 of the accused's session up to it (:class:`StepEvidence`: each input as the server received it,
 with the server's signature over its receipt), which another server replays in a session of its
-own, with the padding the session was opened with (which the receipts sign too).
+own, with the padding the session was opened with (which the receipts sign too).  Each step
+receipt names the digest of the session's receipt before it, so the steps make one chain: none
+can be left out or put in another order without breaking it.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import attrs
 import torch
 
 from .._errors import CodecError
-from ._receipts import DIGEST_BYTES, Receipt, Signature, digest_tensors
+from ._receipts import DIGEST_BYTES, FIRST_STEP, Receipt, Signature, digest_tensors
 
 __all__ = [
     "REPORTED_KINDS",
@@ -198,6 +200,16 @@ class FraudReport:
             for step in self.steps
         ]
 
+    def chained(self) -> bool:
+        """Whether a step report's receipts make one unbroken chain from its session's first
+        step to the reported one (each names the digest of the one before it)."""
+        expected = FIRST_STEP
+        for receipt, _ in [*self.step_receipts(), (self.receipt, self.signature)]:
+            if receipt.previous != expected:
+                return False
+            expected = receipt.digest()
+        return True
+
     def _receipt(
         self,
         position: int | None,
@@ -213,6 +225,7 @@ class FraudReport:
             session=self.session,
             padding=self.padding,
             step=position,
+            previous=signature.previous,
             issued=signature.issued,
             asked=digest_tensors(asked),
             answered=answered,

@@ -41,6 +41,7 @@ import trio
 from .._errors import CallEnded, CodecError, ServerError, TransportError
 from ..models import KVCache
 from ..protocol import (
+    FIRST_STEP,
     PUSH,
     OpenPush,
     OpenSession,
@@ -97,6 +98,9 @@ class _Session:
     #: Positions and step ids: what each step does (see SessionState).
     state: SessionState
     closed_because: str | None = None
+    #: The digest of the last step receipt signed (:data:`FIRST_STEP` before any): the next one
+    #: names it, so the session's receipts make one unbroken chain.
+    chain: bytes = FIRST_STEP
     #: The client's steps and pushed ones, in arrival order: (message, pushed).
     inbox: trio.MemorySendChannel[_InboxItem] | None = None
     #: Push streams to the next servers' sessions, by (peer, session id); None: that push failed
@@ -276,7 +280,7 @@ class InferenceHandlers:
             if pushed:
                 self._serving.count("pushed_steps")
             result = session.state.completed(plan, output, pushed=pushed_on)
-            receipt = await self._serving.receipt(
+            signed = await self._serving.signed(
                 "step",
                 (session.start, session.end),
                 session.adapter,
@@ -285,9 +289,13 @@ class InferenceHandlers:
                 session=session.session_id,
                 padding=session.padding,
                 step=result.position,
+                previous=session.chain,
                 with_asked=True,
             )
-            result = attrs.evolve(result, receipt=receipt)
+            if signed is not None:
+                receipt, signature = signed
+                session.chain = receipt.digest()
+                result = attrs.evolve(result, receipt=signature)
             await call.send(compress_floats(result.to_wire(), self.limits.compression))
 
     async def _step(

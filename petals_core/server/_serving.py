@@ -83,13 +83,26 @@ class Serving:
         adapter: str | None,
         asked: Mapping[str, torch.Tensor | None],
         answered: Mapping[str, torch.Tensor | None],
+    ) -> Signature | None:
+        """The signature of a forward's or backward's receipt (None until :meth:`sign_as`)."""
+        signed = await self.signed(kind, blocks, adapter, asked, answered)
+        return None if signed is None else signed[1]
+
+    async def signed(
+        self,
+        kind: ReceiptKind,
+        blocks: tuple[int, int],
+        adapter: str | None,
+        asked: Mapping[str, torch.Tensor | None],
+        answered: Mapping[str, torch.Tensor | None],
         *,
         session: str | None = None,
         padding: tuple[int, ...] | None = None,
         step: int | None = None,
+        previous: bytes | None = None,
         with_asked: bool = False,
-    ) -> Signature | None:
-        """The signature of this answer's receipt (None until :meth:`sign_as`).  ``answered`` as
+    ) -> tuple[Receipt, Signature] | None:
+        """This answer's receipt and its signature (None until :meth:`sign_as`).  ``answered`` as
         the client will decode it (after this server's compression); large tensors are hashed
         off the event loop."""
         if self.signer is None:
@@ -115,11 +128,12 @@ class Serving:
             session=session,
             padding=padding,
             step=step,
+            previous=previous,
             issued=int(time.time()),
             asked=asked_digest,
             answered=answered_digest,
         )
-        return receipt.sign(self.signer, with_asked=with_asked)
+        return receipt, receipt.sign(self.signer, with_asked=with_asked)
 
     def count(self, name: str) -> None:
         self.counts[name] += 1

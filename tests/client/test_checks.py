@@ -179,13 +179,13 @@ async def test_an_answer_whose_signature_does_not_match_is_refused(
         honest = await swarm.add((0, N_BLOCKS))
         forger_id, honest_id = str(forger.dht.peer_id), str(honest.dht.peer_id)
         serving = forger.block_server._serving
-        sign = serving.receipt
+        sign = serving.signed
 
         async def wrong_receipt(*args: Any, **kwargs: Any) -> Any:
             kind, blocks, adapter, asked, _ = args
             return await sign(kind, blocks, adapter, asked, {"other": torch.zeros(1)}, **kwargs)
 
-        serving.receipt = wrong_receipt  # type: ignore[method-assign]
+        serving.signed = wrong_receipt  # type: ignore[method-assign]
         manager = manager_for(
             list(swarm.servers.values()), verify="none", max_retries=10, ban_timeout_s=0.5
         )

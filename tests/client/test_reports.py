@@ -26,7 +26,13 @@ from petals_core.client._reports import (
 )
 from petals_core.client._sequential import _forward_span
 from petals_core.dht import MAX_EVIDENCE_BYTES, Listing, fetch_listings, index_key
-from petals_core.protocol import FraudReport, Receipt, StepEvidence, digest_tensors
+from petals_core.protocol import (
+    FIRST_STEP,
+    FraudReport,
+    Receipt,
+    StepEvidence,
+    digest_tensors,
+)
 from petals_core.routing import RemoteSequenceManager, RouteSpan
 from petals_core.testing import make_liar
 from petals_core.transport import Identity, encode_message
@@ -165,6 +171,7 @@ def _session(
     """A signed step report of a session whose steps take ``(start, tokens)`` each."""
     issued = int(time.time())
     signed = []
+    previous = FIRST_STEP
     for start, tokens in lengths:
         asked = {"hidden_states": torch.randn(2, tokens, 4)}
         answered = {"hidden_states": torch.randn(2, tokens, 4)}
@@ -175,10 +182,12 @@ def _session(
             session="s1",
             padding=padding,
             step=start + tokens,
+            previous=previous,
             issued=issued,
             asked=digest_tensors(asked),
             answered=digest_tensors(answered),
         )
+        previous = receipt.digest()
         signed.append((receipt, receipt.sign(server, with_asked=True), asked, answered))
     steps = tuple(
         StepEvidence(position=r.step or 0, signature=sig, asked=asked, answered=r.answered)
@@ -226,6 +235,10 @@ def test_step_reports_that_do_not_make_one_signed_session_are_refused() -> None:
     foreign = attrs.evolve(
         report, steps=(_session(other, ((0, 8), (8, 1))).steps[0], report.steps[1])
     )
+    # A prefill, the same positions again from 0 with other inputs, a token: reporting the
+    # first prefill and the token (as if the token followed it) leaves a hole in the chain.
+    resent = _session(server, ((0, 8), (0, 8), (8, 1)))
+    skipping = attrs.evolve(resent, steps=resent.steps[:1])
     for bad, reason in [
         (gap, r"step 1 \(to position 10\) does not follow"),
         (late_start, r"step 0 \(to position 10\) does not follow"),
@@ -233,6 +246,8 @@ def test_step_reports_that_do_not_make_one_signed_session_are_refused() -> None:
         (foreign, "does not cover the step to position 8"),
         (attrs.evolve(report, padding=(0, 1)), "signature does not cover this question"),
         (attrs.evolve(report, session="s2"), "signature does not cover this question"),
+        (skipping, "not the session's whole chain of receipts"),
+        (attrs.evolve(report, steps=report.steps[::-1]), "does not follow"),
     ]:
         with pytest.raises(ReportRefused, match=reason):
             check_report(bad, model=MODEL, now=now)

@@ -49,6 +49,8 @@ def test_a_signed_receipt_checks_against_its_signer() -> None:
         {"session": "s"},
         {"step": 0},
         {"issued": ISSUED - 1},
+        {"padding": (0, 2)},
+        {"previous": bytes(32)},
         {"asked": digest_tensors({"hidden_states": torch.ones(1, 2, 4) * 2})},
         {"answered": digest_tensors({"hidden_states": torch.ones(1, 2, 4)})},
     ],
@@ -132,6 +134,10 @@ def test_replies_carry_the_signature_and_refuse_a_malformed_one() -> None:
         ({"signer": b"x" * 32, "signature": b"y" * 64}, "issued time must be an integer"),
         ({"signer": b"x" * 32, "signature": b"y" * 64, "issued": -1}, "issued time"),
         ({"signer": b"x" * 32, "signature": b"y" * 64, "issued": True}, "issued time"),
+        (
+            {"signer": b"x" * 32, "signature": b"y" * 64, "issued": 1, "previous": b"z"},
+            "previous digest must be 32 bytes",
+        ),
     ]:
         with pytest.raises(CodecError, match=reason):
             ForwardReply.from_wire_untrusted({"receipt": bad}, tensors)
@@ -160,3 +166,14 @@ def test_step_results_carry_the_signature_with_the_digest_of_the_input() -> None
     check_receipt(receipt, StepResult.from_wire_untrusted(wire).receipt, server.peer_id)
     with pytest.raises(CodecError, match="asked digest must be 32 bytes"):
         StepResult.from_wire_untrusted({**wire, "receipt": {**wire["receipt"], "asked": b"x"}})
+
+
+def test_a_step_receipt_names_the_one_before_it() -> None:
+    server = Identity.generate()
+    first = _receipt(kind="step", session="s", step=2, previous=bytes(32))
+    second = _receipt(kind="step", session="s", step=3, previous=first.digest())
+    signature = second.sign(server, with_asked=True)
+    assert signature.previous == first.digest() and len(first.digest()) == 32
+    assert Signature.from_wire_untrusted(signature.to_wire()) == signature
+    check_receipt(second, signature, server.peer_id)
+    assert first.digest() != _receipt(kind="step", session="s", step=2).digest()
