@@ -8,11 +8,18 @@ compute in (:data:`TOLERANCE`; servers are only compared with servers of the sam
 quantisation).  A server that changes what it computes by more than that bound is caught; one
 that changes it by less is not, and its answers stay within what an honest server of a coarser
 dtype could return.
+
+Answers travel as their servers compress them (their receipts sign how).  Two answers are
+compared like with like (:func:`compare`): each passes through the other's compression too, so
+rounding that only one of them went through is no difference.  Where a second opinion comes from
+a chain of servers, the hidden states between them travelled compressed as well; each such hop
+widens the bound by what its scheme may change (:data:`COMPRESSION_ALLOWANCE`).
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from typing import Final, Literal
 
 import torch
@@ -20,15 +27,19 @@ import torch
 from .._errors import ReceiptError
 from ..dht import ServerInfo
 from ..protocol import Receipt, Signature
-from ..transport import PeerID
+from ..transport import PeerID, as_received
 
 __all__ = [
     "CLOCK_SKEW_S",
+    "COMPRESSION_ALLOWANCE",
     "TOLERANCE",
     "agree",
+    "compare",
     "check_receipt",
     "disagreement",
+    "hops_allowance",
     "majority",
+    "slice_allowance",
     "tolerance",
 ]
 
@@ -37,6 +48,10 @@ __all__ = [
 TOLERANCE: Final = {"float32": 1e-3, "float16": 2e-2, "bfloat16": 5e-2}
 #: How far a receipt's time may be from the client's clock, either way, in seconds.
 CLOCK_SKEW_S: Final = 3600.0
+#: The most an answer's compression may change it, relative L2 per token: float16 rounds each
+#: element to 2**-11 of itself; blockwise8 to 1/254 of its block's largest magnitude, at most
+#: 16/254 of a 256-element block's norm.
+COMPRESSION_ALLOWANCE: Final = {"float16": 1e-3, "blockwise8": 7e-2}
 #: For a dtype not listed (or a server not announced): the loosest bound.
 _DEFAULT: Final = max(TOLERANCE.values())
 
@@ -62,6 +77,39 @@ def disagreement(a: torch.Tensor, b: torch.Tensor) -> float:
         return 0.0
     scale = torch.maximum(x.norm(dim=-1), y.norm(dim=-1)).clamp_min(torch.finfo(torch.float32).tiny)
     return float(((x - y).norm(dim=-1) / scale).max())
+
+
+def compare(
+    a: torch.Tensor, a_signature: Signature | None, b: torch.Tensor, b_signature: Signature | None
+) -> float:
+    """:func:`disagreement` of two answers, each passed through the other's compression (as
+    their signatures say it travelled)."""
+    a_scheme = None if a_signature is None else a_signature.compression
+    b_scheme = None if b_signature is None else b_signature.compression
+    if a_scheme != b_scheme:
+        if b_scheme is not None:
+            a = as_received(a.detach(), b_scheme)
+        if a_scheme is not None:
+            b = as_received(b.detach(), a_scheme)
+    return disagreement(a, b)
+
+
+def hops_allowance(signatures: Sequence[Signature | None]) -> float:
+    """What compression between the servers of a chain (all but its last answer) may have
+    changed its final answer."""
+    return sum(
+        COMPRESSION_ALLOWANCE.get(signature.compression, 0.0)
+        for signature in signatures[:-1]
+        if signature is not None and signature.compression is not None
+    )
+
+
+def slice_allowance(signature: Signature | None) -> float:
+    """What compression may change in part of an answer compared on its own (its blocks were
+    cut over the whole answer, not over the part)."""
+    if signature is None or signature.compression is None:
+        return 0.0
+    return COMPRESSION_ALLOWANCE.get(signature.compression, 0.0)
 
 
 def agree(a: torch.Tensor, b: torch.Tensor, bound: float) -> bool:

@@ -53,7 +53,14 @@ from ..protocol import (
 )
 from ..routing import MissingBlocksError, RemoteSequenceManager, RouteSpan
 from ..transport import Call, as_received, compress_floats, open_call
-from ._checks import check_receipt, disagreement, majority, tolerance
+from ._checks import (
+    check_receipt,
+    compare,
+    hops_allowance,
+    majority,
+    slice_allowance,
+    tolerance,
+)
 from ._placement import like, to_wire
 from ._reports import book_of
 from ._session_core import SessionCore, SpanState
@@ -157,6 +164,7 @@ class _SpanCall:
             padding=self.state.padding,
             step=result.position,
             previous=signature.previous,
+            compression=signature.compression,
             issued=signature.issued,
             asked=signature.asked,
             answered=digest_tensors({"hidden_states": result.hidden_states}),
@@ -257,6 +265,18 @@ async def other_route(
         return await manager.make_sequence(
             span.start, span.end, mode="max_throughput", exclude=exclude, like=like, wait=wait
         )
+
+
+@attrs.frozen
+class _Opinion:
+    """Other servers' answer to a step: its last positions, the signature of the last server's
+    answer, who computed it, and what compression between them (or of a larger answer than
+    the part compared) may have changed in it."""
+
+    answer: torch.Tensor
+    signature: Signature | None
+    checkers: set[str]
+    allowance: float
 
 
 @attrs.define(eq=False)
@@ -543,24 +563,19 @@ class InferenceSession:
         follower.sent = None
         try:
             with trio.fail_after(self.manager.config.request_timeout_s):
-                full = (await follower.call.result(self.manager)).hidden_states
+                followed = await follower.call.result(self.manager)
         except RETRIABLE as exc:
             logger.info("the follower of %s failed: %r", state.span, exc)
             await self._drop_follower(state)
             return
+        full = followed.hidden_states
         second = full[:, -follower.tokens :]
-        off = disagreement(result.hidden_states, second)
-        if off > tolerance(self.manager.server_info(state.peer)):
+        allowance = slice_allowance(followed.receipt) if second.shape != full.shape else 0.0
+        opinion = _Opinion(second, followed.receipt, {follower.peer}, allowance)
+        off = compare(result.hidden_states, result.receipt, second, followed.receipt)
+        if off > tolerance(self.manager.server_info(state.peer)) + allowance:
             await self._drop_follower(state)
-        await self._judge(
-            state,
-            x,
-            result.hidden_states,
-            second,
-            {follower.peer},
-            off=off,
-            checker=(follower.call, full),
-        )
+        await self._judge(state, x, result, opinion, off=off, checker=(follower.call, full))
         verified = self.manager.state.verified.get(state.peer, 0)
         if follower.until == "first" and verified >= self.manager.config.verify_first:
             await self._drop_follower(state)
@@ -570,42 +585,40 @@ class InferenceSession:
         inputs so far (:meth:`_judge`); where none can, it stands unchecked."""
         info = self.manager.server_info(state.peer)
         inputs = self._core.inputs_of(state.span, x)
-        second, checkers = await self._recompute(state.span, inputs, x.shape[1], {state.peer}, info)
+        second = await self._recompute(state.span, inputs, x.shape[1], {state.peer}, info)
         if second is not None:
-            await self._judge(state, x, result.hidden_states, second, checkers)
+            await self._judge(state, x, result, second)
 
     async def _judge(
         self,
         state: SpanState,
         x: torch.Tensor,
-        answer: torch.Tensor,
-        second: torch.Tensor,
-        checkers: set[str],
+        result: StepResult,
+        second: _Opinion,
         *,
         off: float | None = None,
         checker: tuple[_SpanCall, torch.Tensor] | None = None,
     ) -> None:
-        """``state``'s answer against ``checkers``' (``second``; ``off``: their
-        :func:`disagreement`, if known; ``checker``: the follower's call and its whole answer,
-        to report it if it is the one caught).  The server caught is reported where its
+        """``state``'s answer (``result``) against other servers' (``second``; ``off``: their
+        :func:`compare`, if known; ``checker``: the follower's call and its whole answer, to
+        report it if it is the one caught).  The server caught is reported where its
         session's evidence was kept.  If they disagree, a third
         server decides (replaying the span's inputs so far): a server in the minority is never
         used again, and if it is this span's, :class:`WrongAnswer` sends the step to a
         replacement.  With no third server, :class:`PetalsError`."""
         peer, span = state.peer, state.span
+        answer, mine, checkers = result.hidden_states, result.receipt, second.checkers
         info = self.manager.server_info(peer)
         bound = tolerance(info)
-        off = disagreement(answer, second) if off is None else off
-        if off <= bound:
+        off = compare(answer, mine, second.answer, second.signature) if off is None else off
+        if off <= bound + second.allowance:
             for verified in {peer} | checkers:
                 self.manager.on_verified(verified)
             return
         inputs = self._core.inputs_of(span, x)
         # A disagreement needs a decider: worth waiting for one.
         self._check_failure = None
-        third, thirds = await self._recompute(
-            span, inputs, x.shape[1], {peer} | checkers, info, wait=True
-        )
+        third = await self._recompute(span, inputs, x.shape[1], {peer} | checkers, info, wait=True)
         if third is None:
             raise PetalsError(
                 f"servers {peer} and {', '.join(sorted(checkers))} computed blocks "
@@ -613,7 +626,11 @@ class InferenceSession:
                 f"difference {off:.3g}, bound {bound:.3g}) and no third server could decide "
                 f"({self._check_failure!r})"
             )
-        side = majority(disagreement(third, answer), disagreement(third, second), bound)
+        side = majority(
+            compare(third.answer, third.signature, answer, mine),
+            compare(third.answer, third.signature, second.answer, second.signature),
+            bound + second.allowance + third.allowance,
+        )
         why = f"blocks {span.start}:{span.end} off by {off:.3g} (bound {bound:.3g})"
         if side == "second":
             self.manager.on_caught(peer, f"{why} against two other servers")
@@ -629,7 +646,7 @@ class InferenceSession:
             return
         raise PetalsError(
             f"servers disagree on {why} and no majority decides "
-            f"({peer}; {', '.join(sorted(checkers))}; {', '.join(sorted(thirds))})"
+            f"({peer}; {', '.join(sorted(checkers))}; {', '.join(sorted(third.checkers))})"
         )
 
     def _report(self, report: FraudReport | None) -> None:
@@ -647,19 +664,20 @@ class InferenceSession:
         like: ServerInfo | None,
         *,
         wait: bool = False,
-    ) -> tuple[torch.Tensor | None, set[str]]:
+    ) -> _Opinion | None:
         """The last ``tokens`` outputs of ``inputs`` (a span's inputs from position 0) through
         ``span``'s blocks on other servers (not ``exclude``; of ``like``'s dtype and
-        quantisation), in sessions of their own closed at once; (None, none) where there are
-        none (waiting for some up to ``missing_blocks_timeout_s`` if ``wait``) or they fail."""
+        quantisation), in sessions of their own closed at once; None where there are none
+        (waiting for some up to ``missing_blocks_timeout_s`` if ``wait``) or they fail."""
         core = self._core
         try:
             route = await other_route(self.manager, span, exclude, like, wait=wait)
         except MissingBlocksError as exc:
             logger.info("could not check %s on blocks %d:%d: %r", span, span.start, span.end, exc)
             self._check_failure = exc
-            return None, set()
+            return None
         calls: list[_SpanCall] = []
+        signatures: list[Signature | None] = []
         y = inputs
         try:
             with trio.fail_after(self.manager.config.request_timeout_s):
@@ -674,16 +692,23 @@ class InferenceSession:
                     await call.open(self.manager, attrs.evolve(opening, max_length=y.shape[1]))
                     step = core.checking_step(other, y)
                     await call.send(step, self.manager.config.compression)
-                    y = (await call.result(self.manager)).hidden_states
+                    answered = await call.result(self.manager)
+                    y = answered.hidden_states
+                    signatures.append(answered.receipt)
         except RETRIABLE as exc:
             logger.info("could not check blocks %d:%d: %r", span.start, span.end, exc)
             self._check_failure = exc
-            return None, set()
+            return None
         finally:
             with trio.CancelScope(shield=True):
                 for call in calls:
                     await call.close()
-        return y[:, -tokens:], {other.peer_id for other in route}
+        allowance = hops_allowance(signatures)
+        if y.shape[1] > tokens:
+            allowance += slice_allowance(signatures[-1])
+        return _Opinion(
+            y[:, -tokens:], signatures[-1], {other.peer_id for other in route}, allowance
+        )
 
     async def _replace(self, index: int) -> None:
         """Route the blocks of span ``index`` anew and replay its history there.

@@ -29,9 +29,9 @@ import trio
 
 from .._errors import PetalsError, ReportRefused, TransportError
 from ..dht import Listing, fetch_listings
-from ..protocol import BackwardRequest, FraudReport, OpenSession, Step
+from ..protocol import BackwardRequest, FraudReport, OpenSession, Signature, Step
 from ..routing import MissingBlocksError, RemoteSequenceManager, RouteSpan
-from ._checks import disagreement, tolerance
+from ._checks import compare, hops_allowance, tolerance
 from ._inference import RETRIABLE, _SpanCall, other_route
 from ._reports import (
     REPORT_TTL_S,
@@ -54,18 +54,32 @@ CHECKS_PER_ROUND: Final = 4
 #: Rounds a report may stay undecided (too few servers could recompute it) before it is refused.
 MAX_UNDECIDED: Final = 3
 
-Answer = dict[str, torch.Tensor]
+
+@attrs.frozen
+class _Answer:
+    """Other servers' answer to a report's question: its tensors, the signature of the last
+    server's answer, who computed it, and what compression between them may have changed."""
+
+    tensors: dict[str, torch.Tensor]
+    signature: Signature | None
+    checkers: set[str]
+    allowance: float = 0.0
 
 
-def _off(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor]) -> float:
+def _off(
+    a: Mapping[str, torch.Tensor],
+    a_signature: Signature | None,
+    b: Mapping[str, torch.Tensor],
+    b_signature: Signature | None,
+) -> float:
     if a.keys() != b.keys():
         return float("inf")
-    return max(disagreement(a[name], b[name]) for name in a)
+    return max(compare(a[name], a_signature, b[name], b_signature) for name in a)
 
 
 async def _ask(
     manager: RemoteSequenceManager, report: FraudReport, exclude: set[str]
-) -> tuple[Answer, set[str]] | None:
+) -> _Answer | None:
     """The report's question answered by servers not in ``exclude`` (of the accused's dtype and
     quantisation), and who answered; None where none can now."""
     start, end = report.blocks
@@ -91,7 +105,13 @@ async def _ask(
                 exclude,
                 like,
             )
-            return {"hidden_states": output}, {answer.accused for answer in evidence}
+            signatures = [answer.signature for answer in evidence]
+            return _Answer(
+                {"hidden_states": output},
+                signatures[-1],
+                {answer.accused for answer in evidence},
+                hops_allowance(signatures),
+            )
         request = BackwardRequest(
             blocks=(start, end),
             active_adapter=report.adapter,
@@ -106,12 +126,13 @@ async def _ask(
     if found is None:
         return None
     reply, answer = found
-    return {name: t for name, t in reply.tensors().items() if t is not None}, {answer.accused}
+    tensors = {name: t for name, t in reply.tensors().items() if t is not None}
+    return _Answer(tensors, answer.signature, {answer.accused})
 
 
 async def _replay_session(
     manager: RemoteSequenceManager, span: RouteSpan, report: FraudReport, exclude: set[str]
-) -> tuple[Answer, set[str]] | None:
+) -> _Answer | None:
     """A step report's session replayed step by step on one other server holding all its
     blocks (opened with the same padding): its answer to the last step; None where there is no
     such server."""
@@ -164,7 +185,7 @@ async def _replay_session(
     finally:
         with trio.CancelScope(shield=True):
             await call.close()
-    return {"hidden_states": result.hidden_states}, {state.peer}
+    return _Answer({"hidden_states": result.hidden_states}, result.receipt, {state.peer})
 
 
 async def judge(manager: RemoteSequenceManager, report: FraudReport) -> str | None:
@@ -175,30 +196,30 @@ async def judge(manager: RemoteSequenceManager, report: FraudReport) -> str | No
     if end > manager.num_blocks:
         raise ReportRefused(f"the report names blocks {start}:{end} of a {manager.num_blocks}")
     bound = tolerance(manager.server_info(report.accused))
-    first = await _ask(manager, report, {report.accused})
-    if first is None:
+    second = await _ask(manager, report, {report.accused})
+    if second is None:
         return None
-    second, checkers = first
-    off = _off(report.answered, second)
-    if off <= bound:
+    checkers = second.checkers
+    off = _off(report.answered, report.signature, second.tensors, second.signature)
+    if off <= bound + second.allowance:
         raise ReportRefused(
             f"about a correct answer: {', '.join(sorted(checkers))} computed the same "
-            f"(relative difference {off:.3g}, bound {bound:.3g})"
+            f"(relative difference {off:.3g}, bound {bound + second.allowance:.3g})"
         )
-    decider = await _ask(manager, report, {report.accused} | checkers)
-    if decider is None:
+    third = await _ask(manager, report, {report.accused} | checkers)
+    if third is None:
         return None
-    third, thirds = decider
-    if _off(third, report.answered) <= bound:
+    both = bound + second.allowance + third.allowance
+    if _off(third.tensors, third.signature, report.answered, report.signature) <= both:
         raise ReportRefused(
-            f"about a correct answer: {', '.join(sorted(thirds))} computed the same, "
+            f"about a correct answer: {', '.join(sorted(third.checkers))} computed the same, "
             f"{', '.join(sorted(checkers))} did not"
         )
-    if _off(third, second) > bound:
+    if _off(third.tensors, third.signature, second.tensors, second.signature) > both:
         return None  # three different answers: nothing decides
     return (
         f"blocks {start}:{end} off by {off:.3g} (bound {bound:.3g}) against "
-        f"{', '.join(sorted(checkers | thirds))}"
+        f"{', '.join(sorted(checkers | third.checkers))}"
     )
 
 

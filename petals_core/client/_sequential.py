@@ -44,7 +44,7 @@ from ..protocol import (
 )
 from ..routing import MissingBlocksError, RemoteSequenceManager, RouteSpan
 from ..transport import as_received, compress_floats, open_call
-from ._checks import check_receipt, disagreement, majority, tolerance
+from ._checks import check_receipt, compare, hops_allowance, majority, tolerance
 from ._inference import RETRIABLE, other_route
 from ._placement import like, to_wire
 from ._reports import book_of
@@ -120,6 +120,7 @@ def _check_receipt(
         blocks=(span.start, span.end),
         adapter=request.active_adapter,
         issued=0 if signature is None else signature.issued,
+        compression=None if signature is None else signature.compression,
         asked=digest_tensors(asked),
         answered=digest_tensors(answers),
     )
@@ -314,14 +315,16 @@ async def _verify_forward(
         )
         return output, entries
     checkers = {other.peer_id for other, _, _ in second_saved}
-    off = disagreement(output, second)
-    if off <= bound:
+    mine, theirs = evidence.signature, second_evidence[-1].signature
+    seconds = [answer.signature for answer in second_evidence]
+    off = compare(output, mine, second, theirs)
+    if off <= bound + hops_allowance(seconds):
         for peer in {span.peer_id} | checkers:
             manager.on_verified(peer)
         return output, entries
     try:
         # A disagreement needs a decider: worth waiting for one.
-        third, third_saved, _ = await _recompute(
+        third, third_saved, third_evidence = await _recompute(
             manager, span, hidden, prompts, keep, exclude | checkers, info, wait=True
         )
     except (MissingBlocksError, *RETRIABLE) as exc:
@@ -332,7 +335,12 @@ async def _verify_forward(
             f"decide: {exc!r}"
         ) from exc
     why = f"blocks {span.start}:{span.end} off by {off:.3g} (bound {bound:.3g})"
-    side = majority(disagreement(third, output), disagreement(third, second), bound)
+    thirds = [answer.signature for answer in third_evidence]
+    side = majority(
+        compare(third, thirds[-1], output, mine),
+        compare(third, thirds[-1], second, theirs),
+        bound + hops_allowance(seconds) + hops_allowance(thirds),
+    )
     if side == "second":
         manager.on_caught(span.peer_id, f"{why} against two other servers")
         book_of(manager).report(evidence)
@@ -437,12 +445,15 @@ async def _backward_span(
     return reply, _check_receipt(manager, span, request, reply.tensors(), reply.receipt)
 
 
-def _grads_disagreement(a: BackwardReply, b: BackwardReply) -> float:
+def _grads_disagreement(
+    a: BackwardReply, a_evidence: FraudReport, b: BackwardReply, b_evidence: FraudReport
+) -> float:
     if (a.grad_prompts is None) != (b.grad_prompts is None):
         return float("inf")
-    off = disagreement(a.grad_inputs, b.grad_inputs)
+    mine, theirs = a_evidence.signature, b_evidence.signature
+    off = compare(a.grad_inputs, mine, b.grad_inputs, theirs)
     if a.grad_prompts is not None and b.grad_prompts is not None:
-        off = max(off, disagreement(a.grad_prompts, b.grad_prompts))
+        off = max(off, compare(a.grad_prompts, mine, b.grad_prompts, theirs))
     return off
 
 
@@ -487,7 +498,7 @@ async def _verify_backward(
         return reply
     other, second_evidence = second
     checker = second_evidence.accused
-    off = _grads_disagreement(reply, other)
+    off = _grads_disagreement(reply, evidence, other, second_evidence)
     if off <= bound:
         manager.on_verified(span.peer_id)
         manager.on_verified(checker)
@@ -501,8 +512,12 @@ async def _verify_backward(
             f"{span.start}:{span.end} differently (relative difference {off:.3g}, bound "
             f"{bound:.3g}) and no third server could decide"
         )
-    decider, _ = third
-    side = majority(_grads_disagreement(decider, reply), _grads_disagreement(decider, other), bound)
+    decider, third_evidence = third
+    side = majority(
+        _grads_disagreement(decider, third_evidence, reply, evidence),
+        _grads_disagreement(decider, third_evidence, other, second_evidence),
+        bound,
+    )
     why = f"backward of blocks {span.start}:{span.end} off by {off:.3g} (bound {bound:.3g})"
     if side == "second":
         manager.on_caught(span.peer_id, f"{why} against two other servers")

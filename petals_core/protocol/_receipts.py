@@ -43,6 +43,8 @@ __all__ = [
 ]
 
 DIGEST_BYTES: Final = 32
+#: How an answer may travel besides as it is (the transport's compression schemes).
+COMPRESSIONS: Final = ("float16", "blockwise8")
 #: What a session's first step receipt names as the one before it.
 FIRST_STEP: Final = bytes(32)
 _KEY_BYTES: Final = 32
@@ -87,6 +89,9 @@ class Signature:
     #: A step's: the digest of the session's receipt before it (:meth:`Receipt.digest`;
     #: :data:`FIRST_STEP` for its first), so a session's receipts make one unbroken chain.
     previous: bytes | None = None
+    #: How the answer travelled (the server's compression: None, ``"float16"``,
+    #: ``"blockwise8"``): what a comparison of answers must allow for.
+    compression: str | None = None
 
     def to_wire(self) -> dict[str, Any]:
         wire: dict[str, Any] = {
@@ -98,6 +103,8 @@ class Signature:
             wire["asked"] = self.asked
         if self.previous is not None:
             wire["previous"] = self.previous
+        if self.compression is not None:
+            wire["compression"] = self.compression
         return wire
 
     @classmethod
@@ -119,8 +126,16 @@ class Signature:
             not isinstance(previous, bytes) or len(previous) != DIGEST_BYTES
         ):
             raise CodecError(f"a receipt's previous digest must be {DIGEST_BYTES} bytes")
+        compression = value.get("compression")
+        if compression is not None and compression not in COMPRESSIONS:
+            raise CodecError(f"a receipt's compression is one of {COMPRESSIONS}")
         return cls(
-            signer=signer, signature=signature, issued=issued, asked=asked, previous=previous
+            signer=signer,
+            signature=signature,
+            issued=issued,
+            asked=asked,
+            previous=previous,
+            compression=compression,
         )
 
 
@@ -155,6 +170,8 @@ class Receipt:
     step: int | None = None
     #: A step's: the digest of the session's receipt before it (see :class:`Signature`).
     previous: bytes | None = None
+    #: How the answer travelled (see :class:`Signature`).
+    compression: str | None = None
     issued: int
     asked: bytes
     answered: bytes
@@ -168,6 +185,8 @@ class Receipt:
         _check_digest("answered", self.answered)
         if self.previous is not None:
             _check_digest("previous", self.previous)
+        if self.compression is not None and self.compression not in COMPRESSIONS:
+            raise ValueError(f"a receipt's compression is one of {COMPRESSIONS}")
 
     def signed_bytes(self) -> bytes:
         return cbor2.dumps(
@@ -181,6 +200,7 @@ class Receipt:
                 None if self.padding is None else list(self.padding),
                 self.step,
                 self.previous,
+                self.compression,
                 self.issued,
                 self.asked,
                 self.answered,
@@ -196,6 +216,7 @@ class Receipt:
             issued=self.issued,
             asked=self.asked if with_asked else None,
             previous=self.previous,
+            compression=self.compression,
         )
 
     def digest(self) -> bytes:

@@ -226,6 +226,7 @@ class FraudReport:
             padding=self.padding,
             step=position,
             previous=signature.previous,
+            compression=signature.compression,
             issued=signature.issued,
             asked=digest_tensors(asked),
             answered=answered,

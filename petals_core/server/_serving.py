@@ -129,6 +129,7 @@ class Serving:
             padding=padding,
             step=step,
             previous=previous,
+            compression=scheme,
             issued=int(time.time()),
             asked=asked_digest,
             answered=answered_digest,

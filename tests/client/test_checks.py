@@ -27,6 +27,7 @@ from petals_core.client._checks import (
     majority,
     tolerance,
 )
+from petals_core.server import ServingLimits
 from petals_core.testing import make_liar
 
 from ._swarm_helpers import (
@@ -342,3 +343,31 @@ async def test_a_padded_batch_is_checked_step_by_step_with_its_padding(
             assert len(peers) == 2  # the span's server and its follower
             for checked, unchecked in zip(outputs["all"], outputs["none"], strict=True):
                 assert_close(checked, unchecked)
+
+
+async def test_a_server_that_compresses_its_answers_is_compared_like_with_like(
+    model: Model, tmp_path: Path
+) -> None:
+    """An honest server sending its answers as blockwise8 (0.7% off, more than float32's bound):
+    checked against servers that send theirs as they are, forward, backward and session steps,
+    nobody is caught (each answer is compared after the other's compression)."""
+    torch.manual_seed(18)
+    x, grad = torch.randn(2, 5, HIDDEN), torch.randn(2, 5, HIDDEN)
+    async with in_process_swarm(model, tmp_path, []) as swarm:
+        compressing = await swarm.add(
+            (0, N_BLOCKS), throughput=1000.0, limits=ServingLimits(compression="blockwise8")
+        )
+        for _ in range(2):
+            await swarm.add((0, N_BLOCKS))
+        manager = manager_for(list(swarm.servers.values()), verify="all")
+        with trio.fail_after(DEADLINE_S):
+            async with RemoteSequential(manager) as seq:
+                await wait_for_servers(seq.sequence_manager, 3)
+                for _ in range(2):
+                    _, saved = await remote_forward(seq.sequence_manager, x, keep_for_backward=True)
+                    await remote_backward(seq.sequence_manager, grad, saved)
+                async with InferenceSession(seq.sequence_manager, 8) as session:
+                    for tokens in (3, 1, 1):
+                        await session.step(torch.randn(2, tokens, HIDDEN))
+                assert not seq.sequence_manager.state.caught
+                assert compressing.block_server.statistics().forwards >= 1
