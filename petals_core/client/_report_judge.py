@@ -28,7 +28,7 @@ import torch
 import trio
 
 from .._errors import PetalsError, ReportRefused, TransportError
-from ..dht import Listing, fetch_listings
+from ..dht import Listing, ServerInfo, fetch_listings
 from ..protocol import BackwardRequest, FraudReport, OpenSession, Signature, Step
 from ..routing import MissingBlocksError, RemoteSequenceManager, RouteSpan
 from ._checks import compare, hops_allowance, tolerance
@@ -78,7 +78,10 @@ def _off(
 
 
 async def _ask(
-    manager: RemoteSequenceManager, report: FraudReport, exclude: set[str]
+    manager: RemoteSequenceManager,
+    report: FraudReport,
+    exclude: set[str],
+    like: ServerInfo,
 ) -> _Answer | None:
     """The report's question answered by servers not in ``exclude`` (of the accused's dtype and
     quantisation), and who answered; None where none can now."""
@@ -91,10 +94,9 @@ async def _ask(
         state=manager.state,
     )
     span = RouteSpan(start=start, end=end, peer_id=report.accused)
-    like = manager.server_info(report.accused)
     try:
         if report.kind == "step":
-            return await _replay_session(sub, span, report, exclude)
+            return await _replay_session(sub, span, report, exclude, like)
         if report.kind == "forward":
             output, _, evidence = await _recompute(
                 sub,
@@ -131,7 +133,11 @@ async def _ask(
 
 
 async def _replay_session(
-    manager: RemoteSequenceManager, span: RouteSpan, report: FraudReport, exclude: set[str]
+    manager: RemoteSequenceManager,
+    span: RouteSpan,
+    report: FraudReport,
+    exclude: set[str],
+    like: ServerInfo,
 ) -> _Answer | None:
     """A step report's session replayed step by step on one other server holding all its
     blocks (opened with the same padding): its answer to the last step; None where there is no
@@ -141,7 +147,7 @@ async def _replay_session(
             manager,
             span,
             exclude,
-            manager.server_info(report.accused),
+            like,
             wait=False,
             whole_only=True,
         )
@@ -195,8 +201,12 @@ async def judge(manager: RemoteSequenceManager, report: FraudReport) -> str | No
     start, end = report.blocks
     if end > manager.num_blocks:
         raise ReportRefused(f"the report names blocks {start}:{end} of a {manager.num_blocks}")
-    bound = tolerance(manager.server_info(report.accused))
-    second = await _ask(manager, report, {report.accused})
+    # Read once: checkers are of the accused's dtype and quantisation as it announced them now.
+    like = manager.server_info(report.accused)
+    if like is None:
+        return None  # gone meanwhile: judged if it comes back
+    bound = tolerance(like)
+    second = await _ask(manager, report, {report.accused}, like)
     if second is None:
         return None
     checkers = second.checkers
@@ -206,7 +216,7 @@ async def judge(manager: RemoteSequenceManager, report: FraudReport) -> str | No
             f"about a correct answer: {', '.join(sorted(checkers))} computed the same "
             f"(relative difference {off:.3g}, bound {bound + second.allowance:.3g})"
         )
-    third = await _ask(manager, report, {report.accused} | checkers)
+    third = await _ask(manager, report, {report.accused} | checkers, like)
     if third is None:
         return None
     both = bound + second.allowance + third.allowance
