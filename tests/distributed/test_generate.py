@@ -294,8 +294,10 @@ def test_the_speculative_model_drafts_with_a_small_model_and_equals_greedy(
         settings = {"do_sample": False, "max_new_tokens": 12, **no_eos(reference)}
         plain = reference.generate(ids, **settings)
         assert torch.equal(model.generate(ids, **settings), plain)
+        window = draft.generation_config.num_assistant_tokens
         fixed = model.generate(ids, speculative_inference_iteration_size=3, **settings)
         assert torch.equal(fixed, plain)
+        assert draft.generation_config.num_assistant_tokens == window  # set for the call only
     finally:
         model.shutdown()
     with pytest.raises(ConfigError, match="needs small_model="):
