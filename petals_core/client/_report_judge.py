@@ -355,9 +355,6 @@ async def watch_reports(manager: RemoteSequenceManager) -> None:
     ``reports_period_s`` and as soon as a server they accuse shows in the peer table (until
     cancelled).  Reports still waiting when the manager stops are published then."""
     book = book_of(manager)
-    if not book.flushed_on_stop:
-        manager.state.on_stop.append(functools.partial(_publish_outbox, manager, book))
-        book.flushed_on_stop = True
     while True:
         await _publish_outbox(manager, book)
         try:
@@ -397,9 +394,11 @@ async def run_manager(
     manager: RemoteSequenceManager, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
 ) -> None:
     """``manager``'s network part (:meth:`RemoteSequenceManager.run`) with its report watcher
-    as a service, until :meth:`RemoteSequenceManager.close`; for ``nursery.start``."""
+    as a service (and what is left to publish published when it stops), until
+    :meth:`RemoteSequenceManager.close`; for ``nursery.start``."""
     book = book_of(manager)
     if not book.watched:
         manager.state.services.append(functools.partial(watch_reports, manager))
+        manager.state.on_stop.append(functools.partial(_publish_outbox, manager, book))
         book.watched = True
     await manager.run(task_status=task_status)

@@ -173,9 +173,7 @@ class ReportBook:
     verdicts: dict[bytes, Verdict] = attrs.field(factory=dict)
     #: Set when there is something to publish.
     wake: trio.Event = attrs.field(factory=trio.Event)
-    #: Whether the manager publishes what is left in the outbox when it stops, and runs the
-    #: watcher.
-    flushed_on_stop: bool = False
+    #: Whether the manager runs the book's watcher, and publishes what is left when it stops.
     watched: bool = False
     #: Set (and replaced) each time a report is published.
     _published_now: trio.Event = attrs.field(factory=trio.Event)
@@ -199,12 +197,6 @@ class ReportBook:
         for digest in [d for d, verdict in self.verdicts.items() if verdict.expires <= now]:
             del self.verdicts[digest]
             self.undecided.pop(digest, None)
-
-    def by_accused(self) -> dict[str, list[Verdict]]:
-        found: dict[str, list[Verdict]] = {}
-        for verdict in self.verdicts.values():
-            found.setdefault(verdict.accused, []).append(verdict)
-        return found
 
 
 def book_of(manager: RemoteSequenceManager) -> ReportBook:

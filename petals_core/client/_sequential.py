@@ -25,7 +25,7 @@ import attrs
 import torch
 import trio
 
-from .._errors import CodecError, PetalsError
+from .._errors import CodecError, PetalsError, ReceiptError
 from .._groups import raising_single_error
 from ..dht import ServerInfo
 from ..protocol import (
@@ -36,9 +36,7 @@ from ..protocol import (
     ForwardReply,
     ForwardRequest,
     FraudReport,
-    Receipt,
     Signature,
-    digest_tensors,
     receive_tensors,
     send_tensors,
 )
@@ -112,30 +110,22 @@ def _check_receipt(
         for name, tensor in request.to_wire()[1].items()
         if tensor is not None
     }
-    answers = {name: tensor for name, tensor in answered.items() if tensor is not None}
+    kind = "forward" if isinstance(request, ForwardRequest) else "backward"
+    if signature is None:
+        raise ReceiptError(f"server {span.peer_id} answered a {kind} without a receipt")
     assert manager.config.dht_prefix is not None
-    receipt = Receipt(
-        kind="forward" if isinstance(request, ForwardRequest) else "backward",
+    report = FraudReport(
+        accused=span.peer_id,
+        kind=kind,
         model=manager.config.dht_prefix,
         blocks=(span.start, span.end),
         adapter=request.active_adapter,
-        issued=0 if signature is None else signature.issued,
-        compression=None if signature is None else signature.compression,
-        asked=digest_tensors(asked),
-        answered=digest_tensors(answers),
-    )
-    check_receipt(receipt, signature, span.peer_id)
-    assert signature is not None
-    return FraudReport(
-        accused=span.peer_id,
-        kind=receipt.kind,
-        model=receipt.model,
-        blocks=receipt.blocks,
-        adapter=receipt.adapter,
         signature=signature,
         asked=asked,
-        answered=answers,
+        answered={name: tensor for name, tensor in answered.items() if tensor is not None},
     )
+    check_receipt(report.receipt, signature, span.peer_id)
+    return report
 
 
 def _prompts_for(

@@ -172,6 +172,20 @@ async def add_liar_and_two_honest(
     return str(liar.dht.peer_id)
 
 
+@asynccontextmanager
+async def checking_client(
+    servers: Sequence[Server], x: torch.Tensor
+) -> AsyncIterator[RemoteSequenceManager]:
+    """A client checking every answer that has sent ``x`` through the swarm of ``servers`` (a
+    liar on its route is caught, and its report filed), running until the block ends."""
+    from petals_core.client import RemoteSequential, remote_forward
+
+    async with RemoteSequential(manager_for(servers, verify="all")) as checking:
+        await wait_for_servers(checking.sequence_manager, len(servers))
+        await remote_forward(checking.sequence_manager, x)
+        yield checking.sequence_manager
+
+
 def assert_close(actual: torch.Tensor, expected: torch.Tensor) -> None:
     torch.testing.assert_close(actual, expected, atol=ATOL, rtol=0)
 

@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 import trio
 
-from petals_core.client import RemoteSequential, book_of, remote_forward
+from petals_core.client import book_of
 from petals_core.monitor import MonitorConfig, open_monitor
 
 from ..client._swarm_helpers import (
@@ -16,9 +16,8 @@ from ..client._swarm_helpers import (
     N_BLOCKS,
     Model,
     add_liar_and_two_honest,
+    checking_client,
     in_process_swarm,
-    manager_for,
-    wait_for_servers,
 )
 
 
@@ -31,10 +30,8 @@ async def test_the_monitor_shows_a_reported_liar_once_other_servers_confirm(
         liar_id = await add_liar_and_two_honest(swarm)
         servers = list(swarm.servers.values())
         with trio.fail_after(DEADLINE_S):
-            async with RemoteSequential(manager_for(servers, verify="all")) as checking:
-                await wait_for_servers(checking.sequence_manager, 3)
-                await remote_forward(checking.sequence_manager, x)
-                await book_of(checking.sequence_manager).wait_published(1)
+            async with checking_client(servers, x) as checking:
+                await book_of(checking).wait_published(1)
                 config = MonitorConfig(
                     initial_peers=(str(servers[0].multiaddrs[0]),),
                     refresh_period_s=0.5,
