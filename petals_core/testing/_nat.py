@@ -162,6 +162,11 @@ insert rule ip filter forward iifname "wan" ct status dnat accept
 """
         _run(router.command("nft", "-f", "-"), stdin=rules)
 
+    def set_mtu(self, netns: str, interface: str, mtu: int) -> None:
+        """Give ``interface`` of namespace ``netns`` an MTU of ``mtu`` bytes (a host's
+        ``eth0``, a router's ``wan`` or ``lan``): it neither sends nor takes larger packets."""
+        _run(["ip", "-n", netns, "link", "set", interface, "mtu", str(mtu)])
+
     def interface_bytes(self, host: Host, interface: str = "eth0") -> tuple[int, int]:
         """Bytes received and sent on a host's interface so far."""
         counts = []

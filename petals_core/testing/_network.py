@@ -37,6 +37,9 @@ class Pipe:
     jitter_s: float = 0.0
     #: Predicate over (datagram index on this network, payload) to drop specific datagrams.
     drop: Callable[[int, bytes], bool] | None = None
+    #: Datagrams with a larger payload are dropped, as a path with a smaller MTU drops
+    #: "don't fragment" packets; None: any size passes.
+    max_payload: int | None = None
 
 
 class MemoryNetwork:
@@ -69,8 +72,10 @@ class MemoryNetwork:
                 index = self.sent
                 self.sent += 1
                 pipe = self._pipes.get((source, destination), self.default)
-                if (pipe.drop is not None and pipe.drop(index, data)) or (
-                    pipe.loss and self.rng.random() < pipe.loss
+                if (
+                    (pipe.drop is not None and pipe.drop(index, data))
+                    or (pipe.max_payload is not None and len(data) > pipe.max_payload)
+                    or (pipe.loss and self.rng.random() < pipe.loss)
                 ):
                     self.dropped += 1
                     continue

@@ -48,6 +48,10 @@ class RelayStats:
     max_delay_s: float
     #: Mean time a datagram was sent after it was due (the relay's own lateness).
     mean_late_s: float
+    #: The largest datagram forwarded, and how many were dropped for exceeding
+    #: ``Pipe.max_payload`` (counted in ``dropped`` too).
+    largest_forwarded: int = 0
+    too_large: int = 0
 
 
 class _Link:
@@ -55,10 +59,13 @@ class _Link:
         self.latency_s = pipe.latency_s
         self.jitter_s = pipe.jitter_s
         self.loss = pipe.loss
+        self.max_payload = pipe.max_payload
         self.rng = random.Random(seed)
 
-    def hold(self) -> float | None:
-        """How long to hold the next datagram, or None to drop it."""
+    def hold(self, size: int) -> float | None:
+        """How long to hold the next datagram (of ``size`` bytes), or None to drop it."""
+        if self.max_payload is not None and size > self.max_payload:
+            return None
         if self.loss and self.rng.random() < self.loss:
             return None
         return self.latency_s + (self.rng.random() * self.jitter_s if self.jitter_s else 0.0)
@@ -71,6 +78,8 @@ class _Counters:
         self.held = 0.0
         self.max_held = 0.0
         self.late = 0.0
+        self.largest = 0
+        self.too_large = 0
 
     def stats(self) -> RelayStats:
         count = max(self.forwarded, 1)
@@ -80,6 +89,8 @@ class _Counters:
             mean_delay_s=self.held / count,
             max_delay_s=self.max_held,
             mean_late_s=self.late / count,
+            largest_forwarded=self.largest,
+            too_large=self.too_large,
         )
 
 
@@ -106,9 +117,11 @@ def _serve(control: IO[str], answer: IO[str], host: str, targets: list[int], see
     last_due: dict[tuple[int, Address], float] = {}  # keeps each flow's order
 
     def hold(sock: socket.socket, destination: Address, data: bytes, now: float) -> None:
-        delay = link.hold()
+        delay = link.hold(len(data))
         if delay is None:
             counters.dropped += 1
+            if link.max_payload is not None and len(data) > link.max_payload:
+                counters.too_large += 1
             return
         flow = (sock.fileno(), destination)
         due = max(now + delay, last_due.get(flow, 0.0))
@@ -127,6 +140,7 @@ def _serve(control: IO[str], answer: IO[str], host: str, targets: list[int], see
                     continue
                 sent = time.monotonic()
                 counters.forwarded += 1
+                counters.largest = max(counters.largest, len(data))
                 counters.held += sent - arrived
                 counters.max_held = max(counters.max_held, sent - arrived)
                 counters.late += sent - due
@@ -211,12 +225,18 @@ class DelayRelay:
 
     def set_link(self, pipe: Pipe) -> None:
         """From now on, hold each datagram ``pipe.latency_s`` plus up to ``pipe.jitter_s``
-        (uniformly), and drop each with probability ``pipe.loss``; resets :meth:`stats`."""
+        (uniformly), and drop each with probability ``pipe.loss``, and each larger than
+        ``pipe.max_payload``; resets :meth:`stats`."""
         if pipe.latency_s < 0 or pipe.jitter_s < 0 or not 0 <= pipe.loss < 1:
             raise ValueError(f"a link needs delays >= 0 and 0 <= loss < 1, not {pipe}")
         if pipe.drop is not None:
             raise ValueError("the relay drops at random only: Pipe.drop is not supported")
-        fields = {"latency_s": pipe.latency_s, "jitter_s": pipe.jitter_s, "loss": pipe.loss}
+        fields = {
+            "latency_s": pipe.latency_s,
+            "jitter_s": pipe.jitter_s,
+            "loss": pipe.loss,
+            "max_payload": pipe.max_payload,
+        }
         self._ask({"do": "link", "pipe": fields})
 
     def stats(self) -> RelayStats:

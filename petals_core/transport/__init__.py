@@ -68,6 +68,7 @@ from ._multiaddr import (
 )
 from ._node import Node as Node, NodeStatistics as NodeStatistics, open_node as open_node
 from ._punch import PunchService as PunchService
+from ._quic_path import PathInfo as PathInfo
 from ._relay import (
     RelayLimits as RelayLimits,
     RelayService as RelayService,

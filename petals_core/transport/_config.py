@@ -24,10 +24,14 @@ class TransportConfig:
     """How a node's QUIC endpoint behaves.  Sizes in bytes, times in seconds."""
 
     #: Largest UDP payload towards peers on other hosts (1500-byte MTU minus IPv6 and UDP headers).
+    #: With ``path_mtu_discovery`` a connection starts at 1200 bytes and probes up to this.
     max_datagram_bytes: int = attrs.field(default=1452, validator=in_range(1200, 65527))
     #: Largest UDP payload towards loopback peers: larger datagrams mean far fewer packets to
-    #: encrypt and acknowledge.  Above 16 KiB aioquic's connections were seen to break.
+    #: encrypt and acknowledge.  Above 16 KiB aioquic's connections break.
     loopback_datagram_bytes: int = attrs.field(default=16384, validator=in_range(1200, 16384))
+    #: Probe each path for the largest datagram it carries, up to the two sizes above (RFC 8899);
+    #: False: send datagrams of those sizes from the start.
+    path_mtu_discovery: bool = attrs.field(default=True, validator=v.instance_of(bool))
     #: A connection with no traffic for this long is closed (both sides apply their own value).
     idle_timeout_s: float = attrs.field(default=60.0, validator=positive)
     #: Send a PING after this much quiet so NAT bindings and idle timers stay fresh; None: never.

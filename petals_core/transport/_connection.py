@@ -15,6 +15,7 @@ from .._errors import ClosedResourceError, StreamReset, TransportError
 from ._endpoint import APP_CANCELLED, Address
 from ._identity import PeerID
 from ._multiaddr import Multiaddr
+from ._quic_path import PathInfo
 from ._relay_wire import split_virtual
 
 if TYPE_CHECKING:
@@ -268,6 +269,11 @@ class Connection:
     def current_address(self) -> Address:
         """The address the peer sends from now: ``address``, unless its NAT moved it since."""
         return self._node._endpoint.peer_address(self._handle) or self.address
+
+    def path(self) -> PathInfo | None:
+        """What this connection learned of its path (datagram size, RTT, congestion window);
+        None once it is closed."""
+        return self._node._endpoint.path_info(self._handle)
 
     @property
     def relay(self) -> PeerID | None:

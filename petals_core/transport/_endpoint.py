@@ -46,6 +46,7 @@ from ._endpoint_events import (
 )
 from ._identity import Identity, PeerID, check_certificate_identity
 from ._quic import PeerQuicConnection
+from ._quic_path import BASE_DATAGRAM_BYTES, PathInfo
 from ._relay_wire import RELAY_HEADER, split_virtual
 
 __all__ = [
@@ -126,7 +127,8 @@ class Endpoint:
 
     # -- configuration --------------------------------------------------------------------------
 
-    def _quic_configuration(self, *, is_client: bool, address: Address) -> QuicConfiguration:
+    def _datagram_ceiling(self, address: Address) -> int:
+        """The largest datagram worth sending to ``address`` (see ``TransportConfig``)."""
         config = self.config
         relayed = split_virtual(address)
         host = address[0] if relayed is None else relayed[0][0]
@@ -135,7 +137,11 @@ class Endpoint:
         )
         if relayed is not None:
             # The relay's header rides in the same UDP payload (QUIC needs 1200 bytes at least).
-            datagram = max(1200, datagram - RELAY_HEADER.size)
+            datagram = max(BASE_DATAGRAM_BYTES, datagram - RELAY_HEADER.size)
+        return datagram
+
+    def _quic_configuration(self, *, is_client: bool, datagram: int) -> QuicConfiguration:
+        config = self.config
         return QuicConfiguration(
             is_client=is_client,
             alpn_protocols=[ALPN],
@@ -180,12 +186,17 @@ class Endpoint:
     def _make_quic(
         self, *, is_client: bool, address: Address, original_dcid: bytes | None = None
     ) -> PeerQuicConnection:
+        ceiling = self._datagram_ceiling(address)
+        discover = self.config.path_mtu_discovery
         return PeerQuicConnection(
-            configuration=self._quic_configuration(is_client=is_client, address=address),
+            configuration=self._quic_configuration(
+                is_client=is_client, datagram=BASE_DATAGRAM_BYTES if discover else ceiling
+            ),
             stream_window_bytes=self.config.stream_window_bytes,
             connection_window_bytes=self.config.connection_window_bytes,
             max_incoming_streams=self.config.max_incoming_streams,
             pacing_burst_s=self.config.timer_granularity_s,
+            datagram_ceiling=ceiling if discover else None,
             original_destination_connection_id=original_dcid,
         )
 
@@ -207,6 +218,11 @@ class Endpoint:
             return None
         address = conn.quic.get_peer_address()
         return conn.address if address is None else (str(address[0]), int(address[1]))
+
+    def path_info(self, handle: int) -> PathInfo | None:
+        """What connection ``handle`` learned of its path; None for a connection that is gone."""
+        conn = self._by_handle.get(handle)
+        return None if conn is None or conn.lost else conn.quic.path_info()
 
     def close(
         self, handle: int, now: float, *, error_code: int = APP_CLOSED, reason: str = ""

@@ -39,7 +39,7 @@ from ._multiaddr import Multiaddr, as_multiaddr
 from ._punch import punch_hole
 from ._relay import RelayLimits, RelayTable, open_relayed_channel
 from ._relay_wire import PUNCH, PUNCH_PROBE, RELAY_HEADER, RELAYED, split_virtual, virtual_address
-from ._udp import DatagramSocket
+from ._udp import DatagramSocket, forbid_fragmentation
 
 __all__ = ["Node", "NodeStatistics", "open_node"]
 
@@ -581,6 +581,8 @@ def _bind(host: str, port: int, config: TransportConfig) -> DatagramSocket:
         for option in (socket.SO_RCVBUF, socket.SO_SNDBUF):
             if config.socket_buffer_bytes:
                 sock.setsockopt(socket.SOL_SOCKET, option, config.socket_buffer_bytes)
+        if config.path_mtu_discovery:
+            forbid_fragmentation(sock)
         sock.bind((host, port))
         sock.setblocking(False)
     except OSError as exc:

@@ -26,7 +26,10 @@ in its public API, so this subclass adds them (aioquic is pinned in pyproject; t
   expose how many bytes sit unacknowledged so the caller can wait.  aioquic's pacer releases at
   most 16 datagrams per burst and asks for sub-millisecond timers that the event loop rounds up to
   about a millisecond, which caps throughput at a few tens of MB/s; the pacer here allows a burst
-  that covers the driver's timer granularity.
+  that covers the driver's timer granularity, and paces at ``PACING_GAIN`` times window / RTT.
+* **What the connection learns of its path** (see ``_quic_path``): congestion controllers that
+  keep their window across idle gaps, and the datagram size found by probing, sent here as padded
+  PING packets of their own.
 """
 
 from __future__ import annotations
@@ -35,9 +38,25 @@ from typing import Any
 
 from aioquic import tls
 from aioquic.quic.configuration import QuicConfiguration
-from aioquic.quic.connection import NetworkAddress, QuicConnection, QuicReceiveContext
+from aioquic.quic.connection import (
+    NetworkAddress,
+    QuicConnection,
+    QuicConnectionState,
+    QuicReceiveContext,
+)
+from aioquic.quic.packet import QuicFrameType, QuicPacketType
+from aioquic.quic.packet_builder import QuicDeliveryState, QuicPacketBuilder
 from aioquic.quic.recovery import QuicPacketPacer
 from cryptography import x509
+
+from ._quic_path import (
+    BASE_DATAGRAM_BYTES,
+    BLACK_HOLE_TIMEOUTS,
+    PACING_GAIN,
+    MtuSearch,
+    PathInfo,
+    congestion_control,
+)
 
 __all__ = ["PeerQuicConnection"]
 
@@ -49,8 +68,11 @@ class _CoarsePacer(QuicPacketPacer):
         super().__init__(max_datagram_size=max_datagram_size)
         self._burst_s = burst_s
 
+    def set_datagram_size(self, size: int) -> None:
+        self._max_datagram_size = size
+
     def update_rate(self, congestion_window: int, smoothed_rtt: float) -> None:
-        super().update_rate(congestion_window, smoothed_rtt)
+        super().update_rate(int(congestion_window * PACING_GAIN), smoothed_rtt)
         if self.packet_time is not None:
             self.bucket_max = max(self.bucket_max, 2 * self._burst_s)
             self.bucket_time = min(self.bucket_time, self.bucket_max)
@@ -71,8 +93,11 @@ class PeerQuicConnection(QuicConnection):
         connection_window_bytes: int,
         max_incoming_streams: int,
         pacing_burst_s: float,
+        datagram_ceiling: int | None = None,
         original_destination_connection_id: bytes | None = None,
     ) -> None:
+        """``datagram_ceiling``: probe the path for datagrams up to this size, starting from the
+        configuration's ``max_datagram_size``; None: keep to that size."""
         super().__init__(
             configuration=configuration,
             original_destination_connection_id=original_destination_connection_id,
@@ -92,8 +117,18 @@ class PeerQuicConnection(QuicConnection):
         self._unacked_eliciting = 0
         self._first_unacked_at = 0.0
         self._second_unacked_at = 0.0
-        self._loss._pacer = _CoarsePacer(
+        self._loss._pacer = self._pacer = _CoarsePacer(
             max_datagram_size=configuration.max_datagram_size, burst_s=pacing_burst_s
+        )
+        self._loss._cc = self._cc = congestion_control(
+            configuration.congestion_control_algorithm,
+            max_datagram_size=configuration.max_datagram_size,
+        )
+        start = configuration.max_datagram_size
+        self._mtu = (
+            MtuSearch(ceiling=datagram_ceiling, floor=start)
+            if datagram_ceiling is not None and datagram_ceiling > start
+            else None
         )
 
     # -- authentication ---------------------------------------------------------------------------
@@ -257,7 +292,89 @@ class PeerQuicConnection(QuicConnection):
             space = self._spaces.get(tls.Epoch.ONE_RTT)
             if space is not None and space.ack_at is not None and space.ack_at > now:
                 space.ack_at = now
-        return super().datagrams_to_send(now)
+        datagrams = super().datagrams_to_send(now)
+        if self._mtu is not None:
+            datagrams += self._probe_path(now)
+        return datagrams
+
+    # -- path MTU --------------------------------------------------------------------------------
+
+    def path_info(self) -> PathInfo:
+        return PathInfo(
+            datagram_bytes=self._max_datagram_size,
+            datagram_search_done=self._mtu is None or self._mtu.done,
+            rtt_s=float(self._loss._rtt_smoothed),
+            congestion_window_bytes=self._cc.congestion_window,
+        )
+
+    def _probe_path(self, now: float) -> list[tuple[bytes, Any]]:
+        """A padded PING of the next size to try, when one is due and the window has room."""
+        search = self._mtu
+        assert search is not None
+        if (
+            self._loss._pto_count >= BLACK_HOLE_TIMEOUTS
+            and self._max_datagram_size > BASE_DATAGRAM_BYTES
+        ):
+            # Nothing sent for several probe timeouts was acknowledged: the path may have
+            # stopped carrying the size in use (a route change).  Back to the size every path
+            # carries (what is still unacknowledged is sent again in it), and search again.
+            search.restart()
+            self._set_datagram_size(BASE_DATAGRAM_BYTES)
+        size = search.next_size()
+        if (
+            size is None
+            or not self._handshake_confirmed
+            or self._state != QuicConnectionState.CONNECTED
+            or self._close_pending
+        ):
+            return []
+        room = self._cc.congestion_window - self._cc.bytes_in_flight
+        size = min(size, room)
+        if size <= search.floor:
+            return []  # the window has no room for a useful probe now
+        path = self._network_paths[0]
+        assert self._version is not None  # set once the handshake began
+        builder = QuicPacketBuilder(
+            host_cid=self.host_cid,
+            is_client=self._is_client,
+            max_datagram_size=size,
+            packet_number=self._packet_number,
+            peer_cid=self._peer_cid.cid,
+            peer_token=self._peer_token,
+            quic_logger=self._quic_logger,
+            spin_bit=self._spin_bit,
+            version=self._version,
+        )
+        builder.start_packet(QuicPacketType.ONE_RTT, self._cryptos[tls.Epoch.ONE_RTT])
+        builder.start_frame(
+            QuicFrameType.PING, handler=self._on_probe_delivery, handler_args=(size,)
+        )
+        padding = builder.remaining_flight_space
+        if padding > 0:
+            # PADDING frames are zero bytes; the first one's type byte is written here.
+            builder.start_frame(QuicFrameType.PADDING, capacity=padding).push_bytes(
+                bytes(padding - 1)
+            )
+        self._cc.probe_packets.add(self._packet_number)
+        search.sent(size)
+        return self._flush_builder(
+            builder=builder, network_path=path, peer_cid=self._peer_cid.cid, now=now
+        )
+
+    def _on_probe_delivery(self, delivery: QuicDeliveryState, size: int) -> None:
+        search = self._mtu
+        assert search is not None
+        if delivery == QuicDeliveryState.ACKED:
+            search.acknowledged(size)
+            if size > self._max_datagram_size:
+                self._set_datagram_size(size)
+        else:
+            search.lost(size)
+
+    def _set_datagram_size(self, size: int) -> None:
+        self._max_datagram_size = size
+        self._pacer.set_datagram_size(size)
+        self._cc.set_datagram_size(size)
 
     # -- send accounting ---------------------------------------------------------------------------
 

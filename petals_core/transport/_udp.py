@@ -14,13 +14,15 @@ The socket also counts what it did (system calls, datagrams, bytes), for the nod
 
 from __future__ import annotations
 
+import errno
 import itertools
 import logging
 import socket
 import struct
+import sys
 from collections import deque
 
-__all__ = ["Address", "DatagramSocket", "normalise_host"]
+__all__ = ["Address", "DatagramSocket", "forbid_fragmentation", "normalise_host"]
 
 logger = logging.getLogger(__name__)
 
@@ -139,10 +141,17 @@ class DatagramSocket:
                     self.blocked_sends += 1
                     raise
                 except OSError as exc:
-                    # Refused for this route or by this kernel: one datagram per call from now on.
-                    logger.debug("UDP segmentation offload refused (%s); sending singly", exc)
-                    self.segmentation = False
-                    continue
+                    if exc.errno == errno.EMSGSIZE:
+                        # One of the run is larger than the route carries (a path MTU probe
+                        # meets "don't fragment"): send this run singly, so that only that one
+                        # is refused.
+                        run = None
+                    else:
+                        # Refused by this kernel: one datagram per call from now on.
+                        logger.debug("UDP segmentation offload refused (%s); sending singly", exc)
+                        self.segmentation = False
+                        continue
+            if run is not None:
                 for _ in run:
                     outbox.popleft()
                 self.datagrams_sent += len(run)
@@ -185,6 +194,27 @@ class DatagramSocket:
 def normalise_host(host: str) -> str:
     """IPv4 peers reached through a dual-stack socket appear as ``::ffff:a.b.c.d``: plain IPv4."""
     return host[7:] if host.startswith("::ffff:") and "." in host else host
+
+
+# Linux's option numbers for "don't fragment, and don't trust the cached path MTU either".
+_IP_MTU_DISCOVER, _IPV6_MTU_DISCOVER, _PMTUDISC_PROBE = 10, 23, 3
+
+
+def forbid_fragmentation(sock: socket.socket) -> bool:
+    """Set "don't fragment" on ``sock``'s datagrams, ignoring the kernel's idea of the path MTU
+    (``IP_PMTUDISC_PROBE``): a datagram the path does not carry is lost (or refused at once with
+    ``EMSGSIZE`` when the local interface cannot carry it), never cut into IP fragments.  That is
+    what path MTU discovery needs to learn anything.  Returns whether the kernel took it (Linux
+    only; elsewhere datagrams go out as the system decides)."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        sock.setsockopt(socket.IPPROTO_IP, _IP_MTU_DISCOVER, _PMTUDISC_PROBE)
+        if sock.family == socket.AF_INET6:
+            sock.setsockopt(socket.IPPROTO_IPV6, _IPV6_MTU_DISCOVER, _PMTUDISC_PROBE)
+    except OSError:
+        return False
+    return True
 
 
 def _set_option(sock: socket.socket, option: int, value: int) -> bool:

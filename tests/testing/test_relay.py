@@ -79,6 +79,19 @@ def test_loss_drops_about_that_share_and_forwards_the_rest(target: socket.socket
         assert 0.15 * sent < stats.dropped < 0.35 * sent
 
 
+def test_datagrams_larger_than_the_link_carries_are_dropped(target: socket.socket) -> None:
+    with DelayRelay([target.getsockname()[1]]) as relay, _peer() as peer:
+        relay.set_link(Pipe(latency_s=0.0, max_payload=1452))
+        for size in (1453, 1452, 9000, 1200):
+            peer.sendto(bytes(size), (relay.host, relay.ports[0]))
+        assert [len(target.recvfrom(10_000)[0]) for _ in range(2)] == [1452, 1200]
+        deadline = time.monotonic() + DEADLINE_S
+        while (stats := relay.stats()).dropped < 2:
+            assert time.monotonic() < deadline, stats
+        assert (stats.forwarded, stats.dropped, stats.too_large) == (2, 2, 2)
+        assert stats.largest_forwarded == 1452
+
+
 def test_a_link_it_cannot_make_is_refused_and_the_relay_keeps_working(
     target: socket.socket,
 ) -> None:

@@ -3,13 +3,16 @@ where it does not, and the same datagrams arriving either way."""
 
 from __future__ import annotations
 
+import json
 import socket
+import subprocess
 import sys
 from collections import deque
 from collections.abc import Callable, Iterator
 
 import pytest
 
+from petals_core.testing import Topology
 from petals_core.transport._udp import DatagramSocket
 
 # Linux's SO_NO_CHECK: the kernel refuses segmented sends from a socket that skips checksums.
@@ -164,3 +167,45 @@ def test_receive_takes_about_limit_and_leaves_the_rest(bound: Bind) -> None:
     rest = receiver.receive(256)
     assert [data for data, _ in first + rest] == payloads
     assert receiver.empty_receives == 1
+
+
+#: In a namespace whose loopback carries at most 1300-byte packets: a run headed by a datagram
+#: too large for it, sent with "don't fragment".  Prints what happened as JSON.
+_TOO_LARGE = """
+import errno, json, socket
+from collections import deque
+from petals_core.transport._udp import DatagramSocket, forbid_fragmentation
+
+sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+assert forbid_fragmentation(sock)
+sock.bind(("127.0.0.1", 0))
+sock.setblocking(False)
+udp = DatagramSocket(sock)
+address = udp.local_address()
+outbox = deque([(bytes(1400), address), (bytes(1000), address), (bytes(1000), address)])
+refused = None
+try:
+    udp.send(outbox)
+except OSError as exc:
+    refused = errno.errorcode[exc.errno]
+    outbox.popleft()
+udp.send(outbox)
+sizes = sorted(len(data) for data, _ in udp.receive(10))
+print(json.dumps({"refused": refused, "received": sizes, "runs": udp.segmentation}))
+"""
+
+
+def test_a_datagram_too_large_for_the_route_is_refused_alone(topology: Topology) -> None:
+    host = topology.public("h")
+    topology.set_mtu(host.netns, "lo", 1300)
+    done = subprocess.run(
+        host.command(sys.executable, "-c", _TOO_LARGE),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    report = json.loads(done.stdout)
+    # The 1400-byte one is refused at once (never fragmented), the others arrive, and runs of
+    # datagrams still leave in one call afterwards.
+    assert report == {"refused": "EMSGSIZE", "received": [1000, 1000], "runs": True}
