@@ -12,6 +12,13 @@ a step's tensors (hundreds of kB) leave every few seconds on a connection that i
   has not learned that the path carries megabytes, and must not believe it.  CUBIC's clock stops
   while the window does not limit (RFC 9438 section 5.8), so a pause is not mistaken for time spent
   probing.
+* **Random loss is not congestion.**  Links between homes lose a packet here and there that no
+  queue overflowed for; halving the window for each (as Reno and CUBIC do) caps a path that
+  loses 0.5% of its packets at about 17 packets per round trip, whatever its capacity.  As BBR
+  does, losses count as congestion only above ``LOSS_TOLERANCE`` of the packets sent lately (a
+  queue that overflows loses many in a row); below it, the lost packets are sent again and the
+  window stays.  Persistent congestion (everything lost for several probe timeouts) still
+  collapses it.
 * **The datagram size is discovered** (datagram packetization layer PMTU discovery, RFC 8899 and
   RFC 9000 section 14.3).  A connection starts at QUIC's 1,200 bytes and probes larger sizes up to
   a ceiling with padded PING packets; a size whose probe is acknowledged is used from then on,
@@ -41,6 +48,7 @@ from aioquic.quic.packet_builder import QuicSentPacket
 __all__ = [
     "BASE_DATAGRAM_BYTES",
     "BLACK_HOLE_TIMEOUTS",
+    "LOSS_TOLERANCE",
     "PathInfo",
     "PACING_GAIN",
     "PROBE_ATTEMPTS",
@@ -61,6 +69,10 @@ PROBE_ATTEMPTS = 3
 PROBE_RESOLUTION = 32
 #: Probe timeouts in a row after which the datagram size in use is no longer trusted.
 BLACK_HOLE_TIMEOUTS = 3
+#: Losses below this share of the packets sent lately are not taken for congestion (BBR's 2%).
+LOSS_TOLERANCE = 0.02
+#: "Lately": about the last this many to twice this many packets sent.
+LOSS_WINDOW_PACKETS = 256
 
 
 @attrs.frozen(kw_only=True)
@@ -148,6 +160,9 @@ class PathCongestionControl(QuicCongestionControl):
         self._limited_at = -1.0
         self._rtt = 0.0
         self._probes_only = False
+        # Packets sent and lost lately (both halved now and then: a sliding count).
+        self._recent_sent = 0.0
+        self._recent_lost = 0.0
 
     def window_limited(self) -> bool:
         """Whether the window holds the sender back now: in slow start, when at least half of
@@ -164,6 +179,10 @@ class PathCongestionControl(QuicCongestionControl):
         self.bytes_in_flight += packet.sent_bytes
         if self.window_limited() and packet.sent_time is not None:
             self._limited_at = packet.sent_time
+        self._recent_sent += 1
+        if self._recent_sent >= 2 * LOSS_WINDOW_PACKETS:
+            self._recent_sent /= 2
+            self._recent_lost /= 2
 
     def on_packet_acked(self, *, now: float, packet: QuicSentPacket) -> None:
         self.probe_packets.discard(packet.packet_number)
@@ -185,8 +204,15 @@ class PathCongestionControl(QuicCongestionControl):
             else:
                 ordinary.append(packet)
         self._probes_only = not ordinary
-        if ordinary:
+        if not ordinary:
+            return
+        self._recent_lost += len(ordinary)
+        if self._recent_lost > LOSS_TOLERANCE * max(self._recent_sent, LOSS_WINDOW_PACKETS):
             super().on_packets_lost(now=now, packets=ordinary)  # type: ignore[safe-super]
+        else:
+            # Lost at random: sent again (by the connection), the window stays.
+            for packet in ordinary:
+                self.bytes_in_flight -= packet.sent_bytes
 
     def on_packets_expired(self, *, packets: Iterable[QuicSentPacket]) -> None:
         packets = list(packets)

@@ -216,6 +216,31 @@ def test_the_window_does_not_grow_while_it_does_not_limit() -> None:
     assert _path(client, handle).congestion_window_bytes == start
 
 
+def test_random_loss_leaves_the_window_and_heavy_loss_shrinks_it() -> None:
+    rtt = 0.1
+    net, client, server = _far_pair(pipe=Pipe(latency_s=rtt / 2, loss=0.005))
+    handle = _connect(net, client, server, FAR_SERVER)
+    _settle(net, client, server)
+    size = 300_000
+    for _ in range(3):  # slow start, then the window it reached
+        _transfer(net, client, server, handle, size)
+        net.run_until(lambda: False, max_time_s=1)
+    window = _path(client, handle).congestion_window_bytes
+    took = []
+    for _ in range(10):
+        took.append(_transfer(net, client, server, handle, size))
+        net.run_until(lambda: False, max_time_s=1)
+    assert net.dropped > 10
+    # A lost datagram costs its transfer a round trip to send it again, no more: the window
+    # (enough for the whole transfer) stays.
+    assert _path(client, handle).congestion_window_bytes == window
+    assert max(took) < 2.5 * rtt
+    # A fifth of everything lost: that is congestion, and the window shrinks.
+    net.default = Pipe(latency_s=rtt / 2, loss=0.2)
+    _transfer(net, client, server, handle, size)
+    assert _path(client, handle).congestion_window_bytes < window / 2
+
+
 # -- real links in network namespaces ---------------------------------------------------------
 
 #: Echoes each stream back; prints its PeerID, then serves 120 s at most.
