@@ -18,7 +18,9 @@ along lookup paths, hand-off of records to nodes that join nearer their keys, re
 ``follow(prefix, num_blocks)``: a :class:`Topic` whose snapshot gossip and the DHT both feed.
 Servers also file their model in the registry (:data:`MODELS_KEY`, :func:`register_model`), which
 :func:`get_models` reads: how a monitor finds every model served.  Clients list fraud reports
-and store their evidence under the model's prefix (``_fraud``).
+and store their evidence under the model's prefix (``_fraud``).  Every node answers
+``dht.dial_back`` (``_reachability``) and ``dht.speed_test`` (``_speed_test``: how fast bytes
+move between a peer and us, :func:`measure_bandwidth`).
 
 Importing it imports no torch.
 """
@@ -93,5 +95,12 @@ from ._routing import (
     RoutingTableStatistics as RoutingTableStatistics,
     bucket_index as bucket_index,
     xor_distance as xor_distance,
+)
+from ._speed_test import (
+    MAX_SPEED_TEST_BYTES as MAX_SPEED_TEST_BYTES,
+    SPEED_TEST as SPEED_TEST,
+    BandwidthReport as BandwidthReport,
+    SpeedTestResult as SpeedTestResult,
+    measure_bandwidth as measure_bandwidth,
 )
 from ._topic import Topic as Topic

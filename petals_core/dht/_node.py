@@ -67,6 +67,7 @@ from ._record_store import RecordStore, RecordStoreStatistics
 from ._records import Record, ServerInfo, StoredValue, encode_record, merge
 from ._routing import Contact, NodeID, PingOldest, RoutingTable, RoutingTableStatistics
 from ._serving import DHTService
+from ._speed_test import SPEED_TEST, SpeedTest
 from ._topic import Topic
 
 __all__ = ["DHTNode", "DHTStatistics", "open_dht_node"]
@@ -731,6 +732,7 @@ async def open_dht_node(
                 )
                 served = dht._service.handlers()
                 served.add_unary(DIAL_BACK, DialBack(node, request_timeout_s))
+                served.add_stream(SPEED_TEST, SpeedTest(request_timeout_s))
                 served.include(dht.punch.handlers())
                 if relay is not None:
                     dht.relay = RelayService.on(node, relay)

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import enum
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any, Final
 
 import attrs
@@ -154,14 +154,7 @@ async def check_reachability(
     """Ask peers (``via``, multiaddrs) where they see us and whether they can dial us back at
     ``addresses`` and at what they saw; see the module.  Loopback addresses are checked only by
     a loopback peer, and others only by others (a peer elsewhere cannot reach our loopback)."""
-    peers: list[Multiaddr] = []
-    for text in via:
-        try:
-            peer = Multiaddr.parse(text)
-        except ConfigError:
-            continue
-        if not peer.is_relayed and peer not in peers:
-            peers.append(peer)
+    peers = direct_peers(via)
     observed: list[tuple[str, Multiaddr]] = []
 
     async def ask(peer: Multiaddr) -> None:
@@ -229,6 +222,19 @@ async def _dial_backs(
     reachable.sort(key=wanted.index)
     unreachable.sort(key=lambda item: wanted.index(item[0]))
     return reachable, unreachable
+
+
+def direct_peers(via: Iterable[str]) -> list[Multiaddr]:
+    """The multiaddrs in ``via`` that parse and are not relayed, each once, in order."""
+    peers: list[Multiaddr] = []
+    for text in via:
+        try:
+            peer = Multiaddr.parse(text)
+        except ConfigError:
+            continue
+        if not peer.is_relayed and peer not in peers:
+            peers.append(peer)
+    return peers
 
 
 def _nat_kind(observed: Sequence[tuple[str, Multiaddr]]) -> Reachability:

@@ -400,7 +400,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--network_bandwidth",
         type=_positive_float,
         help="this host's network bandwidth in bits/s for the throughput "
-        "(default: assume 100e6; it is never measured)",
+        "(default: measured to peers at start, else assume 100e6)",
     )
     network.add_argument(
         "--update_period",

@@ -9,8 +9,9 @@
 2. Blocks: ``block_indices`` if given, else :func:`choose_best_blocks` over the swarm's
    throughput per block (after one read of the peer table).  How many: ``num_blocks``, else on
    CUDA as many as fit in free memory, else all (:mod:`._defaults`, with the dtype and the
-   quantisation).  It announces JOINING for them
-   before loading (so others see what is coming) and ONLINE once it serves; each announcement
+   quantisation).  Its throughput counts the network bandwidth it measured to peers at
+   start (:mod:`._bandwidth`; ``--network_bandwidth`` overrides).  It announces JOINING for
+   them before loading (so others see what is coming) and ONLINE once it serves; each announcement
    files the model in the swarm's registry too (``MODELS_KEY``: prefix, repo, block count).
 3. Loading reads only the shards holding those blocks, casts, quantises and adds the LoRA
    adapters, in a worker thread.
@@ -78,6 +79,7 @@ from ..transport import (
     open_node,
 )
 from ._backend import Block, BlockBackend
+from ._bandwidth import NetworkBandwidth, find_network_bandwidth
 from ._defaults import ServingDefaults, choose_defaults
 from ._handler import BlockServer, ServingLimits
 from ._memory_cache import MemoryCache
@@ -235,10 +237,14 @@ def server_throughput(
     defaults: ServingDefaults,
     *,
     num_blocks: int,
+    network_bandwidth_bits_per_s: float | None = None,
 ) -> ThroughputInfo:
     """What a server of ``num_blocks`` blocks on ``defaults``' device, dtype and quantisation
     announces: see :func:`get_server_throughput`; the measures are cached in ``config.cache_dir``
-    (default ``~/.cache/petals_core``), and ``--throughput eval`` measures again."""
+    (default ``~/.cache/petals_core``), and ``--throughput eval`` measures again.  The network
+    bandwidth is ``network_bandwidth_bits_per_s`` (measured), else ``--network_bandwidth``."""
+    if network_bandwidth_bits_per_s is None:
+        network_bandwidth_bits_per_s = config.network_bandwidth_bits_per_s
     return get_server_throughput(
         model_config,
         device=defaults.device,
@@ -246,7 +252,7 @@ def server_throughput(
         quant_type=defaults.quant_type,
         num_blocks=num_blocks,
         cache_dir=Path(config.cache_dir or Path.home() / ".cache" / "petals_core"),
-        network_bandwidth_bits_per_s=config.network_bandwidth_bits_per_s,
+        network_bandwidth_bits_per_s=network_bandwidth_bits_per_s,
         force_eval=config.throughput == "eval",
     )
 
@@ -278,6 +284,9 @@ class Server:
         self._rng = rng
         self.backend: BlockBackend | None = None
         self.throughput: ThroughputInfo | float | None = None
+        #: The network bandwidth the throughput counts, and where it came from (None: not
+        #: needed, the throughput is given as a number).
+        self.bandwidth: NetworkBandwidth | None = None
         self.state = ServerState.JOINING
         self.blocks: range | None = None
         self._serving = trio.Event()
@@ -439,6 +448,12 @@ class Server:
             self.backend = None
             if self.throughput is None:
                 # Known before joining, so that servers choosing their blocks meanwhile count us.
+                if not isinstance(self.config.throughput, float | int):
+                    self.bandwidth = await find_network_bandwidth(
+                        self.config.network_bandwidth_bits_per_s,
+                        self.dht.node,
+                        self.reachability_peers(),
+                    )
                 self.throughput = await trio.to_thread.run_sync(self._throughput)
             await self.announce()
             backend = await trio.to_thread.run_sync(self._load, self.blocks)
@@ -552,8 +567,14 @@ class Server:
         cfg = self.config
         if isinstance(cfg.throughput, float | int):
             return float(cfg.throughput)
-        assert self.blocks is not None
-        return server_throughput(cfg, self.model_config, self.defaults, num_blocks=len(self.blocks))
+        assert self.blocks is not None and self.bandwidth is not None
+        return server_throughput(
+            cfg,
+            self.model_config,
+            self.defaults,
+            num_blocks=len(self.blocks),
+            network_bandwidth_bits_per_s=self.bandwidth.bits_per_s,
+        )
 
     async def _announce_forever(self) -> None:
         while True:

@@ -21,9 +21,12 @@ latency figure, reported alongside.
 
 Measuring builds a block with random weights and times it, which takes seconds for real models, so
 the compute figures are cached in ``throughput_v1.json`` under an exclusive ``fcntl.flock`` (two
-servers starting at once on one host measure once).  The network part is *not* measured: nothing
-outside the host may be reachable, so it comes from the bandwidth the caller passes, or from
-:data:`DEFAULT_NETWORK_BANDWIDTH_BITS_PER_S`, and is recomputed on every call.
+servers starting at once on one host measure once).  The network part is never cached: it is
+recomputed on every call from the bandwidth the caller passes.  A server passes what it measured
+to peers at start (``dht.speed_test``: see :mod:`petals_core.server._bandwidth`), or what
+``--network_bandwidth`` says; without either (a dry run, a server no peer answered) it is
+:data:`DEFAULT_NETWORK_BANDWIDTH_BITS_PER_S`.  A bandwidth measured on loopback or a LAN can be
+gigabits: the ``min`` then leaves the compute part to decide.
 """
 
 from __future__ import annotations
@@ -239,9 +242,10 @@ def get_server_throughput(
     once and never measure each other's load.  A corrupt cache file is logged and replaced, never
     fatal.
 
-    ``network_bandwidth_bits_per_s`` is the bandwidth the operator states; without it we *assume*
-    :data:`DEFAULT_NETWORK_BANDWIDTH_BITS_PER_S` (100 Mbit/s).  It is never measured: no speed
-    test server is reachable from here.
+    ``network_bandwidth_bits_per_s`` is the bandwidth measured or stated by the operator (see
+    :mod:`petals_core.server._bandwidth`); without it we *assume*
+    :data:`DEFAULT_NETWORK_BANDWIDTH_BITS_PER_S` (100 Mbit/s).  Measuring it takes peers, so it
+    is done by the caller, and it is never cached here.
     """
     if num_blocks < 1:
         raise ConfigError(f"num_blocks must be >= 1, got {num_blocks}")
@@ -253,9 +257,7 @@ def get_server_throughput(
     if not (math.isfinite(bandwidth) and bandwidth > 0):
         raise ConfigError(f"network bandwidth must be a positive number of bits/s, got {bandwidth}")
     if network_bandwidth_bits_per_s is None:
-        logger.info(
-            "No network bandwidth given: assuming %.0f Mbit/s (not measured)", bandwidth / 1e6
-        )
+        logger.info("No network bandwidth given: assuming %.0f Mbit/s", bandwidth / 1e6)
 
     key = throughput_cache_key(config, device=device, dtype=dtype, quant_type=quant_type)
     directory = Path(cache_dir)

@@ -6,7 +6,11 @@ import time
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
 
-from petals_core.dht import DHTNode, open_dht_node
+import trio
+
+from petals_core.dht import SPEED_TEST, DHTNode, open_dht_node
+from petals_core.dht._speed_test import _SPEED_TESTS_AT_ONCE
+from petals_core.transport import Connection, Multiaddr, open_call
 
 
 class FakeClock:
@@ -42,3 +46,26 @@ async def swarm(
                 )
             )
         yield nodes, client
+
+
+@asynccontextmanager
+async def holding_speed_tests(address: Multiaddr) -> AsyncIterator[None]:
+    """Uploads to the node at ``address`` that start and send nothing, holding every one of its
+    speed test slots until the block ends."""
+    async with (
+        open_dht_node(host="127.0.0.1", client_mode=True) as caller,
+        trio.open_nursery() as nursery,
+    ):
+        connection = await caller.node.connect(address)
+        for _ in range(_SPEED_TESTS_AT_ONCE):
+            await nursery.start(_hold_upload, connection)
+        yield
+        nursery.cancel_scope.cancel()
+
+
+async def _hold_upload(connection: Connection, task_status: trio.TaskStatus[None]) -> None:
+    async with open_call(connection, SPEED_TEST) as call:
+        await call.send({"upload": 10})
+        assert await call.receive() == {"ready": True}
+        task_status.started()
+        await trio.sleep_forever()

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import socket
-from collections.abc import Iterator
-
 import pytest
 import trio
 
@@ -23,14 +20,6 @@ from petals_core.transport import (
 )
 
 DEADLINE_S = 60
-
-
-@pytest.fixture
-def silent_port() -> Iterator[int]:
-    """A loopback UDP port that receives and never answers."""
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        yield sock.getsockname()[1]
 
 
 async def test_a_peer_dials_announced_addresses_back(silent_port: int) -> None:
