@@ -32,11 +32,21 @@ without compute; and the 1-token step again after an idle gap like the one each 
 chain sees between its steps), the client's session step, and the whole model forward — what
 each layer adds.
 
-Run with ``nox -s bench -- inference``.
+- first step: the first forward of an inference session (``PREFILL`` tokens) on a client made
+  afresh, by part (route planning, opening the servers' sessions with the longest connection
+  among them, the step itself), beside local transformers' time for the same forward (a fresh
+  ``DynamicCache``), which stands for its compute.  Its fixed cost is the rest.  Each tree runs
+  in a worker process with a swarm of its own (``bench/_first_step.py``); ``--against REF``
+  measures the project at git ``REF`` too, the trees taking turns.  Target with ``--against``
+  (the tree before the change): the fixed cost at most half of the other tree's (medians).
+
+Run with ``nox -s bench -- inference`` (``nox -s bench -- inference --against REF``).
 """
 
 from __future__ import annotations
 
+import argparse
+import contextlib
 import tempfile
 import time
 from collections.abc import Mapping
@@ -61,6 +71,7 @@ from ._decode import (
     server_args,
     token_ids,
 )
+from ._first_step import ROOT, FirstSteps, checkout, measure_first_steps
 from ._report import print_table, summarize_ratio, write_json
 from ._timing import Timing, interleaved
 
@@ -76,6 +87,9 @@ PTUNE_WARMUP = 2
 PTUNE_STEPS = 8
 DECODE_TARGET = 1.6
 PTUNE_TARGET = 1.4
+FIRST_STEP_ROUNDS = 6
+#: With ``--against``: our fixed cost of a first step at most this share of the other tree's.
+FIRST_STEP_TARGET = 0.5
 #: Deadline of one family: starting its swarm and measuring it.
 FAMILY_TIMEOUT_S = 600.0
 
@@ -187,7 +201,75 @@ async def _run_family(family: str, temp: Path) -> FamilyResults:
             return await trio.to_thread.run_sync(_measure_family, folder, swarm)
 
 
-def main() -> None:
+def _local_prefill_ms(folder: str, rounds: int) -> Timing:
+    """Local transformers: the same first forward, into a fresh cache."""
+    from transformers import AutoModelForCausalLM, DynamicCache
+
+    reference = AutoModelForCausalLM.from_pretrained(folder).eval()
+    prompt = token_ids(1, PREFILL, seed=3, vocab=VOCAB)
+
+    def prefill() -> None:
+        with torch.no_grad():
+            reference(prompt, cache=DynamicCache(config=reference.config), use_cache=True)
+
+    return interleaved({"local": prefill}, warmup=2, rounds=rounds, per_round=4)["local"]
+
+
+def _first_step_rows(
+    family: str, steps: dict[str, FirstSteps], local: Timing, against: str | None
+) -> tuple[list[tuple[Any, ...]], dict[str, Any]]:
+    ours = steps["this tree"]
+    assert ours.parts is not None
+    local_ms = local.median_ms
+    first = ours.median("first_ms")
+    route, opening = ours.median("route_ms"), ours.median("open_ms")
+    step = ours.median("step_ms")
+    rows: list[tuple[Any, ...]] = [
+        (family, "route planning (peer table read, or waited for)", route, None),
+        (family, "opening the servers' sessions, all at once", opening, None),
+        (family, "  of which the longest connection", ours.median("connect_ms"), None),
+        (family, "the step itself (send, compute, answers)", step - route - opening, None),
+        (family, "first forward, all (embeddings and head included)", first, None),
+        (family, "local transformers, the same forward", local_ms, None),
+        (family, "fixed cost: first forward less local", first - local_ms, None),
+        (family, "second forward (1 token)", ours.median("second_ms"), None),
+    ]
+    record: dict[str, Any] = {name: attrs.asdict(measured) for name, measured in steps.items()} | {
+        "local_ms": local.summary()
+    }
+    if against is not None:
+        other = steps[against]
+        other_fixed = other.median("first_ms") - local_ms
+        ratio = (first - local_ms) / other_fixed
+        met = ratio <= FIRST_STEP_TARGET
+        rows += [
+            (family, f"{against}: first forward, all", other.median("first_ms"), None),
+            (family, f"{against}: fixed cost", other_fixed, None),
+            (
+                family,
+                f"fixed cost, this tree vs {against}",
+                f"{ratio:.2f}x",
+                f"<= {FIRST_STEP_TARGET}x: {'yes' if met else 'NO'}",
+            ),
+            (family, f"{against}: second forward", other.median("second_ms"), None),
+        ]
+        summarize_ratio(
+            "inference",
+            f"{family} tiny, fixed cost of a session's first step, vs {against}",
+            first - local_ms,
+            other_fixed,
+            at_most=FIRST_STEP_TARGET,
+        )
+    return rows, record
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m bench inference")
+    parser.add_argument(
+        "--against", metavar="REF", help="also measure the first step of the project at git REF"
+    )
+    parser.add_argument("--first-step-rounds", type=int, default=FIRST_STEP_ROUNDS)
+    args = parser.parse_args(argv or [])
     torch.set_num_threads(1)
     started = time.perf_counter()
     load_before = load_note()
@@ -196,6 +278,30 @@ def main() -> None:
     with quiet_transformers(), tempfile.TemporaryDirectory(prefix="bench-inference-") as temp:
         for family in ("llama", "bloom"):
             measured = trio.run(_run_family, family, Path(temp))
+            folder = str(Path(temp) / family)
+            with contextlib.ExitStack() as trees:
+                tree_paths = {"this tree": ROOT}
+                if args.against is not None:
+                    tree_paths[args.against] = trees.enter_context(checkout(args.against))
+                steps = measure_first_steps(
+                    tree_paths,
+                    folder=folder,
+                    server_args=[
+                        server_args(span, cache_dir=Path(temp) / "cache") for span in SPANS
+                    ],
+                    prefill=PREFILL,
+                    vocab=VOCAB,
+                    rounds=args.first_step_rounds,
+                )
+            first_rows, first_record = _first_step_rows(
+                family, steps, _local_prefill_ms(folder, args.first_step_rounds), args.against
+            )
+            print_table(
+                f"inference, {family}: a session's first forward ({PREFILL} tokens) on a fresh "
+                "client, by part (medians, ms)",
+                ["model", "part", "ms", "target"],
+                first_rows,
+            )
             d = measured.decode
             rows += d.ratio_rows(family, decode_target=DECODE_TARGET, prefill_target=None)
             rows += [
@@ -230,6 +336,7 @@ def main() -> None:
                 **d.summary(),
                 "ptune_swarm": measured.ptune_swarm.summary(),
                 "ptune_local": measured.ptune_local.summary(),
+                "first_step": first_record,
             }
     load_after = load_note()
     print_table(
@@ -246,6 +353,8 @@ def main() -> None:
             "model": {"hidden": HIDDEN, "blocks": BLOCKS, "vocab": VOCAB, "spans": SPANS},
             "decode_target": DECODE_TARGET,
             "ptune_target": PTUNE_TARGET,
+            "first_step_target": FIRST_STEP_TARGET,
+            "against": args.against,
             "load": {"before": load_before, "after": load_after},
             "results": results,
         },

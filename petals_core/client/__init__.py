@@ -12,7 +12,7 @@
 """
 
 from ._bridge import Bridge as Bridge, bridge as bridge
-from ._inference import InferenceSession as InferenceSession
+from ._inference import FirstStepTimes as FirstStepTimes, InferenceSession as InferenceSession
 from ._remote_sequential import (
     RemoteSequential as RemoteSequential,
     SyncInferenceSession as SyncInferenceSession,

@@ -65,12 +65,31 @@ from ._placement import like, to_wire
 from ._reports import book_of
 from ._session_core import SessionCore, SpanState
 
-__all__ = ["InferenceSession"]
+__all__ = ["FirstStepTimes", "InferenceSession"]
 
 logger = logging.getLogger(__name__)
 
 #: What a server failing looks like from here: network trouble, a remote exception, a stall.
 RETRIABLE = (TransportError, RemoteError, ServerError, trio.TooSlowError)
+
+
+@attrs.frozen(kw_only=True)
+class FirstStepTimes:
+    """Where the first step of a session spent its time, in seconds of wall clock.
+
+    What is left of ``total_s`` after ``route_s`` and ``open_s`` is the step itself: sending the
+    inputs, the servers' compute, the answers coming back.  Retries count where they happened.
+    """
+
+    #: Planning the route: reading the peer table (waiting for it, on a client just started).
+    route_s: float
+    #: Opening the sessions on the route's servers, all at once (connecting included).
+    open_s: float
+    #: The longest any one connection to a server of the route took to set up (0.0: all were
+    #: open already).
+    connect_s: float
+    #: The whole first step.
+    total_s: float
 
 
 class _SpanCall:
@@ -93,8 +112,11 @@ class _SpanCall:
         #: What the step now answered was computed from, as the server received it.
         self._asked: dict[str, torch.Tensor | None] | None = None
 
-    async def open(self, manager: RemoteSequenceManager, opening: OpenSession) -> None:
+    async def open(self, manager: RemoteSequenceManager, opening: OpenSession) -> float:
+        """Open the span's session on its server; returns how long connecting took."""
+        started = trio.current_time()
         connection = await manager.connect(self.state.peer)
+        connected = trio.current_time() - started
         self.call = await self.stack.enter_async_context(open_call(connection, INFERENCE))
         await self.call.send(opening.to_wire())
         reply = await self.call.receive()
@@ -104,6 +126,7 @@ class _SpanCall:
             raise ServerError(
                 f"server {self.state.peer} did not open the session: {reply!r}"
             ) from None
+        return connected
 
     async def send(self, step: Step, compression: str | None) -> None:
         assert self.call is not None
@@ -324,6 +347,10 @@ class InferenceSession:
         self._check_failure: BaseException | None = None
         self._closed = False
         self.retries = 0
+        #: Where the first step spent its time (None until it is done).
+        self.first_step: FirstStepTimes | None = None
+        # Seconds the first step spent so far on planning routes, opening spans, connecting.
+        self._setup = {"route": 0.0, "open": 0.0, "connect": 0.0}
 
     @property
     def _keep_evidence(self) -> bool:
@@ -391,6 +418,7 @@ class InferenceSession:
         if prompts is not None:
             prompts = to_wire(prompts, "deep prompts")
         core = self._core
+        started = trio.current_time()
         if core.begin(hidden, prompts=prompts, hypo_ids=hypo_ids, padding=padding):
             await self._close_calls()
         attempt = 0
@@ -439,6 +467,14 @@ class InferenceSession:
             x = output
             index += 1
         core.finish()
+        if self.first_step is None:
+            setup = self._setup
+            self.first_step = FirstStepTimes(
+                route_s=setup["route"],
+                open_s=setup["open"],
+                connect_s=setup["connect"],
+                total_s=trio.current_time() - started,
+            )
         return like(x, home)
 
     # -- internals -------------------------------------------------------------------------------
@@ -468,31 +504,53 @@ class InferenceSession:
 
     async def _open_route(self) -> None:
         assert self._core.batch is not None
-        route = await self.manager.make_sequence(
-            mode="min_latency", cache_tokens_needed=self.max_length * self._core.batch
-        )
+        started = trio.current_time()
+        try:
+            route = await self.manager.make_sequence(
+                mode="min_latency", cache_tokens_needed=self.max_length * self._core.batch
+            )
+        finally:
+            if self.first_step is None:
+                self._setup["route"] += trio.current_time() - started
         await self._open_spans(route, 0)
 
     async def _open_spans(self, route: list[RouteSpan], at: int) -> list[SpanState]:
-        """Open sessions for ``route`` and put them at index ``at`` of the chain."""
+        """Open sessions for ``route``, on all its servers at once, and put them at index ``at``
+        of the chain.  If any fails, all are closed and the first failure is raised."""
         core = self._core
         opened = core.route_opened(route, at)
+        started = trio.current_time()
+        failures: list[Exception] = []
+        connect_s = 0.0
+
+        async def open_span(state: SpanState, span_call: _SpanCall) -> None:
+            nonlocal connect_s
+            opening = core.opening(
+                state,
+                alloc_timeout=self.alloc_timeout,
+                active_adapter=self.manager.config.active_adapter,
+            )
+            try:
+                with trio.fail_after(self.manager.config.request_timeout_s):
+                    connect_s = max(connect_s, await span_call.open(self.manager, opening))
+            except RETRIABLE as exc:
+                self.manager.on_request_failure(state.peer)
+                failures.append(exc)
+            except Exception as exc:  # raised below, by itself rather than in a group
+                failures.append(exc)
+
         try:
-            for state in opened:
-                span_call = self._calls[state] = _SpanCall(
-                    state, self.receipts, keep_evidence=self._keep_evidence
-                )
-                opening = core.opening(
-                    state,
-                    alloc_timeout=self.alloc_timeout,
-                    active_adapter=self.manager.config.active_adapter,
-                )
-                try:
-                    with trio.fail_after(self.manager.config.request_timeout_s):
-                        await span_call.open(self.manager, opening)
-                except RETRIABLE:
-                    self.manager.on_request_failure(state.peer)
-                    raise
+            async with trio.open_nursery() as nursery:
+                for state in opened:
+                    span_call = self._calls[state] = _SpanCall(
+                        state, self.receipts, keep_evidence=self._keep_evidence
+                    )
+                    nursery.start_soon(open_span, state, span_call)
+            if self.first_step is None:
+                self._setup["open"] += trio.current_time() - started
+                self._setup["connect"] = max(self._setup["connect"], connect_s)
+            if failures:
+                raise failures[0]
         except BaseException:
             core.route_abandoned(opened)
             for state in opened:

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:
-    from ..client import SyncInferenceSession
+    from ..client import FirstStepTimes, SyncInferenceSession
     from ..routing import RouteSpan
     from ._base import DistributedModelMixin
 
@@ -80,6 +80,12 @@ class RemoteInferenceSession:
     def route(self) -> list[RouteSpan]:
         """The servers the session goes through now, with the blocks each runs."""
         return self._inner.session.route
+
+    @property
+    def first_step(self) -> FirstStepTimes | None:
+        """Where the session's first step spent its time (route planning, opening the servers'
+        sessions, the step itself); None before it."""
+        return self._inner.session.first_step
 
     @property
     def token_position(self) -> int:

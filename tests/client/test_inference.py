@@ -6,6 +6,7 @@ process killed with SIGKILL or stalled with SIGSTOP) with the history replayed e
 from __future__ import annotations
 
 import signal
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -96,6 +97,38 @@ async def test_rollback_and_reorder_through_two_servers_equal_local(
                 hypo_ids = torch.tensor([2, 0, 0])
                 await reference.check_step(session, 3, 1, hypo_ids=hypo_ids)
                 await reference.check_step(session, 3, 1)
+                assert session.retries == 0
+
+
+async def test_the_spans_of_a_session_open_on_their_servers_at_once(
+    model: Model, tmp_path: Path
+) -> None:
+    """Each server's cache allocation waits until the other's has begun: opened one after the
+    other, the first would wait until the barrier gives up."""
+    async with in_process_swarm(model, tmp_path, [(0, 3), (3, 6)]) as swarm:
+        barrier = threading.Barrier(2, timeout=DEADLINE_S / 4)
+        for server in swarm.servers.values():
+            backend = server.backend
+            assert backend is not None
+            original = backend.allocate_caches
+
+            def allocate(*args: Any, original: Any = original, **kwargs: Any) -> Any:
+                barrier.wait()  # in the server's pool thread
+                return original(*args, **kwargs)
+
+            backend.allocate_caches = allocate  # type: ignore[method-assign]
+        seq = RemoteSequential(manager_for(list(swarm.servers.values())))
+        reference = Reference(model)
+        with trio.fail_after(DEADLINE_S):
+            async with seq, seq.open_inference_session(max_length=16) as session:
+                assert session.first_step is None
+                await reference.check_step(session, 2, 4)
+                times = session.first_step
+                assert times is not None
+                assert 0 <= times.connect_s <= times.open_s
+                assert 0 <= times.route_s and times.route_s + times.open_s <= times.total_s
+                await reference.check_step(session, 2, 1)
+                assert session.first_step is times
                 assert session.retries == 0
 
 
