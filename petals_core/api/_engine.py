@@ -27,6 +27,10 @@ one per new token and row, as it is generated:
 Rows of one request (several prompts, ``n``) are one batch of its session, left-padded as
 ``generate()`` pads them; a row that finished is fed the pad token until the others finish.
 
+With ``speculative="prompt_lookup"`` a decode step also sends draft tokens after each row's
+newest one, and the tokens it keeps go to :meth:`_Job.on_tokens` one position at a time (see
+:mod:`._speculative`).
+
 When the HTTP side goes away (the client disconnected) or the endpoint shuts down, the request
 stops at its next token and its session closes, which frees the servers' caches.
 """
@@ -54,6 +58,12 @@ from ..routing import MissingBlocksError
 from ._detokenize import UNFINISHED, IncrementalText, TokenTexts
 from ._errors import ApiError
 from ._requests import Message, Sampling
+from ._speculative import (
+    PROMPT_LOOKUP_NUM_TOKENS,
+    SpeculationCounts,
+    check_speculative,
+    prompt_lookup,
+)
 
 __all__ = ["GREEDY_BELOW", "Chunk", "Engine", "Limits", "PromptLogprobs", "TokenLogprob", "Usage"]
 
@@ -128,21 +138,26 @@ class Chunk:
 
 @attrs.frozen(kw_only=True)
 class Usage:
-    """The request's last event: tokens read (each prompt once) and generated (all rows)."""
+    """The request's last event: tokens read (each prompt once) and generated (all rows), and
+    when it decoded speculatively, its steps and draft tokens (``usage.speculation``)."""
 
     prompt_tokens: int
     completion_tokens: int
+    speculation: SpeculationCounts | None = None
 
     @property
     def total_tokens(self) -> int:
         return self.prompt_tokens + self.completion_tokens
 
-    def to_json(self) -> dict[str, int]:
-        return {
+    def to_json(self) -> dict[str, Any]:
+        usage: dict[str, Any] = {
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": self.completion_tokens,
             "total_tokens": self.total_tokens,
         }
+        if self.speculation is not None:
+            usage["speculation"] = self.speculation.to_json()
+        return usage
 
 
 Event = Chunk | PromptLogprobs | Usage | ApiError
@@ -187,6 +202,8 @@ class _Job:
         self.left = False
         self._send = send
         self._logprobs: torch.Tensor | None = None
+        #: Its speculative steps, when it decodes speculatively (set by the engine).
+        self.speculation: SpeculationCounts | None = None
         self.rows = [
             _Row(max_new_tokens, engine.decode) for prompt in prompts for _ in range(sampling.n)
         ]
@@ -207,6 +224,7 @@ class _Job:
             Usage(
                 prompt_tokens=sum(len(prompt) for prompt in self.prompts),
                 completion_tokens=sum(len(row.tokens) for row in self.rows),
+                speculation=self.speculation,
             )
         )
 
@@ -343,7 +361,9 @@ class _Chooser:
 class _Entry:
     """A request's rows waiting in the lineup, and what comes back for them."""
 
-    hidden: torch.Tensor  # (rows, hidden): the last position's output of the blocks
+    #: (rows, hidden): the last position's output of the blocks; a speculative step's
+    #: positions go as rows of their own.
+    hidden: torch.Tensor
     chooser: _Chooser
     done: trio.Event = attrs.Factory(trio.Event)
     tokens: torch.Tensor | None = None
@@ -478,6 +498,11 @@ class Engine:
     where the servers' compute is the bound and their hosts have cores to spare.
     ``decode_groups`` may be changed at any time; it applies to requests that start after.
 
+    ``speculative="prompt_lookup"`` drafts up to ``prompt_lookup_num_tokens`` tokens per step
+    by prompt lookup (see :mod:`._speculative`); :attr:`speculation` counts the steps and
+    draft tokens of every request. Both may be changed at any time, for requests that start
+    after.
+
     Use :meth:`generate`, an async context manager yielding the request's events."""
 
     def __init__(
@@ -489,7 +514,10 @@ class Engine:
         limits: Limits,
         nursery: trio.Nursery,
         decode_groups: int = 1,
+        speculative: str | None = None,
+        prompt_lookup_num_tokens: int = PROMPT_LOOKUP_NUM_TOKENS,
     ) -> None:
+        check_speculative(speculative, prompt_lookup_num_tokens)
         if isinstance(decode_groups, bool) or not isinstance(decode_groups, int):
             raise TypeError(f"decode_groups must be an integer, got {decode_groups!r}")
         if decode_groups < 1:
@@ -534,10 +562,34 @@ class Engine:
         self._head = model.get_output_embeddings()
         self._device = self._base.local_device  # where the embeddings and the LM head are
         self.decode_groups = decode_groups
+        self._speculative = speculative
+        self._prompt_lookup_num_tokens = prompt_lookup_num_tokens
+        #: Steps and draft tokens of the requests that decoded speculatively, all together.
+        self.speculation = SpeculationCounts()
         self._lineups: list[_Lineup] = []
         self.context_length = int(
             getattr(model.config, "max_position_embeddings", None) or limits.max_request_tokens
         )
+
+    @property
+    def speculative(self) -> str | None:
+        """How requests draft tokens (``"prompt_lookup"``), or None: they do not."""
+        return self._speculative
+
+    @speculative.setter
+    def speculative(self, method: str | None) -> None:
+        check_speculative(method, self._prompt_lookup_num_tokens)
+        self._speculative = method
+
+    @property
+    def prompt_lookup_num_tokens(self) -> int:
+        """Draft tokens a speculative step sends at most."""
+        return self._prompt_lookup_num_tokens
+
+    @prompt_lookup_num_tokens.setter
+    def prompt_lookup_num_tokens(self, count: int) -> None:
+        check_speculative(self._speculative, count)
+        self._prompt_lookup_num_tokens = count
 
     @property
     def decode_batches(self) -> tuple[int, int]:
@@ -733,6 +785,9 @@ class Engine:
         pad = self.pad_token_id
         ids = torch.tensor([[pad] * count + ids for count, ids in zip(pads, rows, strict=True)])
         chooser = _Chooser(job.sampling)
+        draft_tokens = self._prompt_lookup_num_tokens if self._speculative is not None else 0
+        if draft_tokens:
+            job.speculation = SpeculationCounts()
         length = width + job.max_new_tokens + base.pre_seq_len
         lineup = self._lineup()
         lineup.assigned += 1
@@ -741,6 +796,7 @@ class Engine:
                 hidden, deep = self._embed(ids, first=True)
             try:
                 prefill = True
+                drafts: torch.Tensor | None = None  # (rows, tokens) sent after the newest
                 while True:
                     output = await session.step(hidden, prompts=deep, padding=padding)
                     deep = padding = None
@@ -750,20 +806,90 @@ class Engine:
                         if job.max_new_tokens == 0:
                             job.finish_empty()
                             break
+                    if prefill or job.speculation is None:
+                        chosen = [await lineup.choose(job, output[:, -1], chooser)]
+                    else:
+                        chosen = await self._check_drafts(
+                            job, session, lineup, chooser, output, drafts
+                        )
                     prefill = False
-                    tokens, logprobs = await lineup.choose(job, output[:, -1], chooser)
-                    if job.on_tokens(tokens, logprobs):
+                    done = False
+                    for tokens, logprobs in chosen:  # one position at a time
+                        done = job.on_tokens(tokens, logprobs)
+                        if done:
+                            break
+                    if done:
                         break
                     # A row that finished goes on with the pad token, as in generate().
                     following = [
                         pad if row.finish_reason is not None else int(token)
                         for row, token in zip(job.rows, tokens.tolist(), strict=True)
                     ]
+                    step = torch.tensor(following).unsqueeze(1)
+                    drafts = self._draft(job, draft_tokens) if draft_tokens else None
+                    if drafts is not None:
+                        step = torch.cat([step, drafts], dim=1)
                     with torch.no_grad():
-                        hidden, _ = self._embed(torch.tensor(following).unsqueeze(1))
+                        hidden, _ = self._embed(step)
             finally:
                 lineup.leave(job)
                 lineup.assigned -= 1
+
+    def _draft(self, job: _Job, count: int) -> torch.Tensor | None:
+        """Draft tokens ``(rows, tokens)`` to send after each row's newest token, by prompt
+        lookup in the row's prompt and answer: as many as the unfinished row with the fewest
+        has, and fewer than any of them may still generate (finished rows get pad tokens), or
+        None where that is none."""
+        per_prompt = job.sampling.n
+        found: dict[int, list[int]] = {}
+        for index, row in enumerate(job.rows):
+            if row.finish_reason is not None:
+                continue
+            count = min(count, row.limit - len(row.tokens) - 1)
+            if count < 1:
+                return None
+            sequence = [*job.prompts[index // per_prompt], *row.tokens]
+            found[index] = prompt_lookup(sequence, count, end_tokens=self.eos_token_ids)
+            count = min(count, len(found[index]))
+            if count < 1:
+                return None
+        drafts = torch.full((len(job.rows), count), self.pad_token_id, dtype=torch.long)
+        for index, tokens in found.items():
+            drafts[index] = torch.tensor(tokens[:count])
+        return drafts
+
+    async def _check_drafts(
+        self,
+        job: _Job,
+        session: Any,
+        lineup: _Lineup,
+        chooser: _Chooser,
+        output: torch.Tensor,
+        drafts: torch.Tensor | None,
+    ) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+        """The tokens (and log-probabilities) a speculative step keeps, ``(rows,)`` per
+        position: the chosen tokens at every position of ``output`` whose draft tokens before
+        it were each the token chosen at the position before, by every unfinished row; the
+        session goes back over the positions of the draft tokens that are not kept."""
+        assert job.speculation is not None
+        drafted = 0 if drafts is None else drafts.shape[1]
+        rows, positions = output.shape[0], drafted + 1
+        hidden = output[:, -positions:].reshape(rows * positions, output.shape[-1])
+        tokens, logprobs = await lineup.choose(job, hidden, chooser)
+        tokens = tokens.view(rows, positions)
+        if logprobs is not None:
+            logprobs = logprobs.view(rows, positions, -1)
+        kept = 0
+        if drafts is not None:
+            open_rows = [i for i, row in enumerate(job.rows) if row.finish_reason is None]
+            agree = (tokens[open_rows, :-1] == drafts[open_rows]).all(dim=0)
+            kept = int(agree.long().cumprod(dim=0).sum())
+            session.position -= drafted - kept
+        job.speculation.add(drafted, kept)
+        self.speculation.add(drafted, kept)
+        return [
+            (tokens[:, i], None if logprobs is None else logprobs[:, i]) for i in range(kept + 1)
+        ]
 
     async def _send_prompt_logprobs(self, job: _Job, output: torch.Tensor) -> bool:
         """Each prompt's tokens with their log-probabilities, from the blocks' ``output`` over
