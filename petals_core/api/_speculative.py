@@ -8,7 +8,8 @@ servers compute every position of the step at once; the endpoint chooses a token
 them (greedy, or drawn from the request's generator after temperature and top-p), keeps the
 leading draft tokens that equal the tokens chosen before them, and the chosen token after the
 last one kept.  The servers' caches drop the positions of the rest (the session's position goes
-back) with the next step.
+back) with the next step.  The LM head runs over the draft tokens' positions only where the
+first draft token is kept: a draft turned down at once costs the endpoint a plain step.
 
 A draft token is kept only where the token chosen at its position, from the model's logits
 given everything before it, is that token, so greedy answers are the tokens of plain greedy
