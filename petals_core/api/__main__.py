@@ -34,6 +34,7 @@ from .._groups import raising_single_error
 from .._http import shutdown_on_signals
 from ._engine import Limits
 from ._serve import ApiConfig, RunningApi, serve_api
+from ._speculative import PROMPT_LOOKUP_NUM_TOKENS, SPECULATIVE_METHODS
 
 __all__ = ["build_parser", "config_from_args", "main"]
 
@@ -122,6 +123,19 @@ def build_parser() -> argparse.ArgumentParser:
         "more: the groups' steps overlap along the chain, for compute-bound servers)",
     )
     parser.add_argument(
+        "--speculative",
+        choices=SPECULATIVE_METHODS,
+        help="draft tokens and check them in one step: prompt_lookup drafts what followed the "
+        "answer's last words earlier in the prompt or answer (greedy answers are unchanged; "
+        "default: no drafts)",
+    )
+    parser.add_argument(
+        "--prompt_lookup_num_tokens",
+        type=_positive,
+        default=PROMPT_LOOKUP_NUM_TOKENS,
+        help="with --speculative prompt_lookup: draft tokens per step, at most",
+    )
+    parser.add_argument(
         "--request_timeout", type=_seconds, help="seconds to wait for a server's answer"
     )
     parser.add_argument(
@@ -165,6 +179,8 @@ def config_from_args(args: argparse.Namespace) -> ApiConfig:
         device=args.device,
         allow_origins=tuple(args.allow_origins),
         decode_groups=args.decode_groups,
+        speculative=args.speculative,
+        prompt_lookup_num_tokens=args.prompt_lookup_num_tokens,
         client_options=options,
     )
 

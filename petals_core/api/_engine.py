@@ -27,6 +27,10 @@ one per new token and row, as it is generated:
 Rows of one request (several prompts, ``n``) are one batch of its session, left-padded as
 ``generate()`` pads them; a row that finished is fed the pad token until the others finish.
 
+With ``speculative="prompt_lookup"`` a decode step also sends draft tokens after each row's
+newest one, and the tokens it keeps go to :meth:`_Job.on_tokens` one position at a time (see
+:mod:`._speculative`).
+
 When the HTTP side goes away (the client disconnected) or the endpoint shuts down, the request
 stops at its next token and its session closes, which frees the servers' caches.
 """
@@ -54,6 +58,12 @@ from ..routing import MissingBlocksError
 from ._detokenize import UNFINISHED, IncrementalText, TokenTexts
 from ._errors import ApiError
 from ._requests import Message, Sampling
+from ._speculative import (
+    PROMPT_LOOKUP_NUM_TOKENS,
+    SpeculationCounts,
+    check_speculative,
+    prompt_lookup,
+)
 
 __all__ = ["GREEDY_BELOW", "Chunk", "Engine", "Limits", "PromptLogprobs", "TokenLogprob", "Usage"]
 
@@ -128,21 +138,26 @@ class Chunk:
 
 @attrs.frozen(kw_only=True)
 class Usage:
-    """The request's last event: tokens read (each prompt once) and generated (all rows)."""
+    """The request's last event: tokens read (each prompt once) and generated (all rows), and
+    when it decoded speculatively, its steps and draft tokens (``usage.speculation``)."""
 
     prompt_tokens: int
     completion_tokens: int
+    speculation: SpeculationCounts | None = None
 
     @property
     def total_tokens(self) -> int:
         return self.prompt_tokens + self.completion_tokens
 
-    def to_json(self) -> dict[str, int]:
-        return {
+    def to_json(self) -> dict[str, Any]:
+        usage: dict[str, Any] = {
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": self.completion_tokens,
             "total_tokens": self.total_tokens,
         }
+        if self.speculation is not None:
+            usage["speculation"] = self.speculation.to_json()
+        return usage
 
 
 Event = Chunk | PromptLogprobs | Usage | ApiError
@@ -187,6 +202,8 @@ class _Job:
         self.left = False
         self._send = send
         self._logprobs: torch.Tensor | None = None
+        #: Its speculative steps, when it decodes speculatively (set by the engine).
+        self.speculation: SpeculationCounts | None = None
         self.rows = [
             _Row(max_new_tokens, engine.decode) for prompt in prompts for _ in range(sampling.n)
         ]
@@ -207,6 +224,7 @@ class _Job:
             Usage(
                 prompt_tokens=sum(len(prompt) for prompt in self.prompts),
                 completion_tokens=sum(len(row.tokens) for row in self.rows),
+                speculation=self.speculation,
             )
         )
 
@@ -340,11 +358,24 @@ class _Chooser:
 
 
 @attrs.define(eq=False)
+class _Drafts:
+    """The draft tokens of a speculative step, checked by the lineup's compute after the
+    step's first position."""
+
+    hidden: torch.Tensor  # (rows, tokens, hidden): the blocks' output at the draft tokens
+    tokens: torch.Tensor  # (rows, tokens)
+    rows: list[int]  # the unfinished rows: each must agree for a draft token to be kept
+    #: The tokens (and log-probabilities) chosen after each draft token kept, in order.
+    chosen: list[tuple[torch.Tensor, torch.Tensor | None]] = attrs.Factory(list)
+
+
+@attrs.define(eq=False)
 class _Entry:
     """A request's rows waiting in the lineup, and what comes back for them."""
 
     hidden: torch.Tensor  # (rows, hidden): the last position's output of the blocks
     chooser: _Chooser
+    drafts: _Drafts | None = None
     done: trio.Event = attrs.Factory(trio.Event)
     tokens: torch.Tensor | None = None
     logprobs: torch.Tensor | None = None
@@ -387,15 +418,20 @@ class _Lineup:
         self.requests = 0
 
     async def choose(
-        self, member: object, hidden: torch.Tensor, chooser: _Chooser
+        self,
+        member: object,
+        hidden: torch.Tensor,
+        chooser: _Chooser,
+        drafts: _Drafts | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The tokens (and log-probabilities) that ``chooser`` picks from ``hidden``'s logits,
-        computed with those of the requests that arrive meanwhile."""
+        computed with those of the requests that arrive meanwhile (and ``drafts`` checked
+        after them)."""
         released = self._released.pop(member, None)
         if released is not None:
             self._steps_s.append(time.monotonic() - released)
         self._members.add(member)
-        entry = _Entry(hidden, chooser)
+        entry = _Entry(hidden, chooser, drafts)
         self._batch[member] = entry
         self._arrived.set()
         if len(self._batch) >= len(self._members):
@@ -478,6 +514,11 @@ class Engine:
     where the servers' compute is the bound and their hosts have cores to spare.
     ``decode_groups`` may be changed at any time; it applies to requests that start after.
 
+    ``speculative="prompt_lookup"`` drafts up to ``prompt_lookup_num_tokens`` tokens per step
+    by prompt lookup (see :mod:`._speculative`); :attr:`speculation` counts the steps and
+    draft tokens of every request. Both may be changed at any time, for requests that start
+    after.
+
     Use :meth:`generate`, an async context manager yielding the request's events."""
 
     def __init__(
@@ -489,7 +530,10 @@ class Engine:
         limits: Limits,
         nursery: trio.Nursery,
         decode_groups: int = 1,
+        speculative: str | None = None,
+        prompt_lookup_num_tokens: int = PROMPT_LOOKUP_NUM_TOKENS,
     ) -> None:
+        check_speculative(speculative, prompt_lookup_num_tokens)
         if isinstance(decode_groups, bool) or not isinstance(decode_groups, int):
             raise TypeError(f"decode_groups must be an integer, got {decode_groups!r}")
         if decode_groups < 1:
@@ -534,10 +578,34 @@ class Engine:
         self._head = model.get_output_embeddings()
         self._device = self._base.local_device  # where the embeddings and the LM head are
         self.decode_groups = decode_groups
+        self._speculative = speculative
+        self._prompt_lookup_num_tokens = prompt_lookup_num_tokens
+        #: Steps and draft tokens of the requests that decoded speculatively, all together.
+        self.speculation = SpeculationCounts()
         self._lineups: list[_Lineup] = []
         self.context_length = int(
             getattr(model.config, "max_position_embeddings", None) or limits.max_request_tokens
         )
+
+    @property
+    def speculative(self) -> str | None:
+        """How requests draft tokens (``"prompt_lookup"``), or None: they do not."""
+        return self._speculative
+
+    @speculative.setter
+    def speculative(self, method: str | None) -> None:
+        check_speculative(method, self._prompt_lookup_num_tokens)
+        self._speculative = method
+
+    @property
+    def prompt_lookup_num_tokens(self) -> int:
+        """Draft tokens a speculative step sends at most."""
+        return self._prompt_lookup_num_tokens
+
+    @prompt_lookup_num_tokens.setter
+    def prompt_lookup_num_tokens(self, count: int) -> None:
+        check_speculative(self._speculative, count)
+        self._prompt_lookup_num_tokens = count
 
     @property
     def decode_batches(self) -> tuple[int, int]:
@@ -733,6 +801,9 @@ class Engine:
         pad = self.pad_token_id
         ids = torch.tensor([[pad] * count + ids for count, ids in zip(pads, rows, strict=True)])
         chooser = _Chooser(job.sampling)
+        draft_tokens = self._prompt_lookup_num_tokens if self._speculative is not None else 0
+        if draft_tokens:
+            job.speculation = SpeculationCounts()
         length = width + job.max_new_tokens + base.pre_seq_len
         lineup = self._lineup()
         lineup.assigned += 1
@@ -741,6 +812,7 @@ class Engine:
                 hidden, deep = self._embed(ids, first=True)
             try:
                 prefill = True
+                drafts: torch.Tensor | None = None  # (rows, tokens) sent after the newest
                 while True:
                     output = await session.step(hidden, prompts=deep, padding=padding)
                     deep = padding = None
@@ -750,20 +822,86 @@ class Engine:
                         if job.max_new_tokens == 0:
                             job.finish_empty()
                             break
+                    if prefill or job.speculation is None:
+                        chosen = [await lineup.choose(job, output[:, -1], chooser)]
+                    else:
+                        chosen = await self._check_drafts(
+                            job, session, lineup, chooser, output, drafts
+                        )
                     prefill = False
-                    tokens, logprobs = await lineup.choose(job, output[:, -1], chooser)
-                    if job.on_tokens(tokens, logprobs):
+                    done = False
+                    for tokens, logprobs in chosen:  # one position at a time
+                        done = job.on_tokens(tokens, logprobs)
+                        if done:
+                            break
+                    if done:
                         break
                     # A row that finished goes on with the pad token, as in generate().
                     following = [
                         pad if row.finish_reason is not None else int(token)
                         for row, token in zip(job.rows, tokens.tolist(), strict=True)
                     ]
+                    step = torch.tensor(following).unsqueeze(1)
+                    drafts = self._draft(job, draft_tokens) if draft_tokens else None
+                    if drafts is not None:
+                        step = torch.cat([step, drafts], dim=1)
                     with torch.no_grad():
-                        hidden, _ = self._embed(torch.tensor(following).unsqueeze(1))
+                        hidden, _ = self._embed(step)
             finally:
                 lineup.leave(job)
                 lineup.assigned -= 1
+
+    def _draft(self, job: _Job, count: int) -> torch.Tensor | None:
+        """Draft tokens ``(rows, tokens)`` to send after each row's newest token, by prompt
+        lookup in the row's prompt and answer: as many as the unfinished row with the fewest
+        has, and fewer than any of them may still generate (finished rows get pad tokens), or
+        None where that is none."""
+        per_prompt = job.sampling.n
+        found: dict[int, list[int]] = {}
+        for index, row in enumerate(job.rows):
+            if row.finish_reason is not None:
+                continue
+            count = min(count, row.limit - len(row.tokens) - 1)
+            if count < 1:
+                return None
+            sequence = [*job.prompts[index // per_prompt], *row.tokens]
+            found[index] = prompt_lookup(sequence, count, end_tokens=self.eos_token_ids)
+            count = min(count, len(found[index]))
+            if count < 1:
+                return None
+        drafts = torch.full((len(job.rows), count), self.pad_token_id, dtype=torch.long)
+        for index, tokens in found.items():
+            drafts[index] = torch.tensor(tokens[:count])
+        return drafts
+
+    async def _check_drafts(
+        self,
+        job: _Job,
+        session: Any,
+        lineup: _Lineup,
+        chooser: _Chooser,
+        output: torch.Tensor,
+        drafts: torch.Tensor | None,
+    ) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+        """The tokens (and log-probabilities) a speculative step keeps, ``(rows,)`` per
+        position: the token chosen at its first position, and after each leading draft token
+        that every unfinished row's token before it equals, the token chosen there; the
+        session goes back over the positions of the draft tokens that are not kept."""
+        assert job.speculation is not None
+        if drafts is None:  # nothing to draft: a plain step
+            job.speculation.add(0, 0)
+            self.speculation.add(0, 0)
+            return [await lineup.choose(job, output[:, -1], chooser)]
+        count = drafts.shape[1]
+        open_rows = [i for i, row in enumerate(job.rows) if row.finish_reason is None]
+        checked = _Drafts(hidden=output[:, -count:], tokens=drafts, rows=open_rows)
+        first = await lineup.choose(job, output[:, -count - 1], chooser, checked)
+        kept = len(checked.chosen)
+        if kept < count:
+            session.position -= count - kept
+        job.speculation.add(count, kept)
+        self.speculation.add(count, kept)
+        return [first, *checked.chosen]
 
     async def _send_prompt_logprobs(self, job: _Job, output: torch.Tensor) -> bool:
         """Each prompt's tokens with their log-probabilities, from the blocks' ``output`` over
@@ -844,9 +982,32 @@ class Engine:
                 rows = entry.hidden.shape[0]
                 try:
                     entry.tokens, entry.logprobs = entry.chooser(logits[start : start + rows])
+                    if entry.drafts is not None:
+                        self._follow_drafts(entry.tokens, entry.drafts, entry.chooser)
                 except Exception as exc:  # this request's own failure (say, NaN logits)
                     entry.error = exc
                 start += rows
+
+    def _follow_drafts(self, tokens: torch.Tensor, drafts: _Drafts, chooser: _Chooser) -> None:
+        """Keep the leading draft tokens that equal the token chosen before each, and choose
+        the token after each one kept (into ``drafts.chosen``).  The LM head runs over the draft
+        tokens' positions only once the first draft token is kept, and then over all of them
+        at once: a draft that is turned down at once costs no more of it than a plain step."""
+        rows = drafts.rows
+        if not bool((tokens[rows] == drafts.tokens[rows, 0]).all()):
+            return
+        count, width = drafts.tokens.shape[1], drafts.hidden.shape[-1]
+        hidden = drafts.hidden.reshape(-1, width)
+        chosen, logprobs = chooser(self._head(self._base.final_norm(hidden)).float())
+        chosen = chosen.reshape(-1, count)
+        if logprobs is not None:
+            logprobs = logprobs.reshape(chosen.shape[0], count, -1)
+        before = tokens
+        for index in range(count):
+            if not bool((before[rows] == drafts.tokens[rows, index]).all()):
+                break
+            before = chosen[:, index]
+            drafts.chosen.append((before, None if logprobs is None else logprobs[:, index]))
 
 
 class _Generation:

@@ -13,6 +13,7 @@ import trio
 from .._http import serve_http
 from ._app import create_app
 from ._engine import Engine, Limits
+from ._speculative import PROMPT_LOOKUP_NUM_TOKENS, check_speculative
 
 __all__ = ["ApiConfig", "RunningApi", "serve_api"]
 
@@ -28,7 +29,8 @@ class ApiConfig:
     ``request_timeout``, ``torch_dtype``, ``local_files_only``, ...); ``device`` is where the
     client's own layers (embeddings, LM head) run, e.g. ``"cuda"``; ``api_key`` makes requests
     carry ``Authorization: Bearer <api_key>``; ``allow_origins`` lets pages of those web origins
-    (or ``"*"``) call it from a browser; ``decode_groups``: see :class:`Engine`."""
+    (or ``"*"``) call it from a browser; ``decode_groups``, ``speculative`` (``"prompt_lookup"``
+    or None) and ``prompt_lookup_num_tokens``: see :class:`Engine`."""
 
     model: str
     initial_peers: tuple[str, ...] = attrs.field(converter=tuple)
@@ -40,7 +42,12 @@ class ApiConfig:
     device: str | None = None
     allow_origins: tuple[str, ...] = attrs.field(default=(), converter=tuple)
     decode_groups: int = 1
+    speculative: str | None = None
+    prompt_lookup_num_tokens: int = PROMPT_LOOKUP_NUM_TOKENS
     client_options: Mapping[str, Any] = attrs.field(factory=dict)
+
+    def __attrs_post_init__(self) -> None:
+        check_speculative(self.speculative, self.prompt_lookup_num_tokens)
 
     @property
     def name(self) -> str:
@@ -93,6 +100,8 @@ async def serve_api(
             limits=config.limits,
             nursery=nursery,
             decode_groups=config.decode_groups,
+            speculative=config.speculative,
+            prompt_lookup_num_tokens=config.prompt_lookup_num_tokens,
         )
         app = create_app(engine, api_key=config.api_key, allow_origins=config.allow_origins)
         urls = await nursery.start(

@@ -37,6 +37,7 @@ class Endpoint:
         self._stop: trio.Event | None = None
         self.swarm: LocalSwarm | None = None
         self.api: RunningApi | None = None
+        self._nursery: trio.Nursery | None = None
         self._thread = threading.Thread(target=self._main, name="test-endpoint", daemon=True)
         self._thread.start()
         if not self._ready.wait(START_TIMEOUT_S):
@@ -61,19 +62,33 @@ class Endpoint:
         args = [fixed_server_args(span) for span in SPANS]
         async with open_local_swarm(self.repo, args) as swarm, trio.open_nursery() as nursery:
             self.swarm = swarm
-            config = ApiConfig(
-                model=self.repo,
-                initial_peers=tuple(swarm.initial_peers),
-                port=0,
-                limits=LIMITS,
-                client_options={"local_files_only": True},
-                **self._options,
-            )
-            self.api = await nursery.start(serve_api, config)
+            self._nursery = nursery
+            self.api = await nursery.start(serve_api, self._config(self._options))
             self._token = trio.lowlevel.current_trio_token()
             self._ready.set()
             await self._stop.wait()
             nursery.cancel_scope.cancel()
+
+    def _config(self, options: dict[str, Any]) -> ApiConfig:
+        assert self.swarm is not None
+        return ApiConfig(
+            model=self.repo,
+            initial_peers=tuple(self.swarm.initial_peers),
+            port=0,
+            limits=LIMITS,
+            client_options={"local_files_only": True},
+            **options,
+        )
+
+    def open_api(self, **options: Any) -> RunningApi:
+        """Another endpoint in front of the same swarm, with these :class:`ApiConfig` options,
+        until :meth:`close`."""
+        return self.run(self._open_api, options)
+
+    async def _open_api(self, options: dict[str, Any]) -> RunningApi:
+        assert self._nursery is not None
+        api: RunningApi = await self._nursery.start(serve_api, self._config(options))
+        return api
 
     def run(self, fn: Callable[..., Awaitable[T]], *args: Any) -> T:
         """``await fn(*args)`` on the endpoint's loop, from a test's thread."""

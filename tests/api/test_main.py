@@ -65,6 +65,11 @@ def test_flags_map_onto_the_config(monkeypatch: pytest.MonkeyPatch) -> None:
     web = _config("m", "--initial_peers", "x", "--allow_origins", "http://a:1", "http://b:2")
     assert web.allow_origins == ("http://a:1", "http://b:2")
     assert dict(on_gpu.client_options) == {"torch_dtype": torch.bfloat16}
+    assert (on_gpu.speculative, on_gpu.prompt_lookup_num_tokens) == (None, 10)
+    drafting = _config("m", "--initial_peers", "x", "--speculative", "prompt_lookup")
+    assert (drafting.speculative, drafting.prompt_lookup_num_tokens) == ("prompt_lookup", 10)
+    fewer = _config("m", "--initial_peers", "x", "--prompt_lookup_num_tokens", "4")
+    assert fewer.prompt_lookup_num_tokens == 4
     monkeypatch.setenv(API_KEY_ENV, "secret")
     assert _config("m", "--initial_peers", "x").api_key == "secret"
 
@@ -77,6 +82,7 @@ def test_flags_map_onto_the_config(monkeypatch: pytest.MonkeyPatch) -> None:
         ["m", "--initial_peers", "x", "--port", "70000"],
         ["m", "--initial_peers", "x", "--decode_groups", "0"],
         ["m", "--initial_peers", "x", "--request_timeout", "-1"],
+        ["m", "--initial_peers", "x", "--prompt_lookup_num_tokens", "0"],
     ],
 )
 def test_bad_flags_exit_2(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
@@ -84,6 +90,17 @@ def test_bad_flags_exit_2(argv: list[str], capsys: pytest.CaptureFixture[str]) -
         main(argv)
     assert exited.value.code == 2
     assert "error:" in capsys.readouterr().err
+
+
+def test_an_unknown_speculative_method_is_named_with_the_known_ones(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main(["m", "--initial_peers", "x", "--speculative", "medusa"])
+    assert exited.value.code == 2
+    error = capsys.readouterr().err
+    assert "--speculative: invalid choice: 'medusa'" in error
+    assert "prompt_lookup" in error
 
 
 def _get(url: str, key: str | None = None) -> tuple[int, Any]:
