@@ -113,6 +113,7 @@ class PeerQuicConnection(QuicConnection):
         self._held_back: dict[int, int] = {}
         self._connection_consumed = 0
         self._data_pending = False
+        self._ping_received = False
         # Ack-eliciting 1-RTT packets received since our last ACK, and when the first arrived.
         self._unacked_eliciting = 0
         self._first_unacked_at = 0.0
@@ -120,11 +121,12 @@ class PeerQuicConnection(QuicConnection):
         self._loss._pacer = self._pacer = _CoarsePacer(
             max_datagram_size=configuration.max_datagram_size, burst_s=pacing_burst_s
         )
+        start = configuration.max_datagram_size
         self._loss._cc = self._cc = congestion_control(
             configuration.congestion_control_algorithm,
-            max_datagram_size=configuration.max_datagram_size,
+            max_datagram_size=datagram_ceiling or start,
+            initial_datagram_size=start,
         )
-        start = configuration.max_datagram_size
         self._mtu = (
             MtuSearch(ceiling=datagram_ceiling, floor=start)
             if datagram_ceiling is not None and datagram_ceiling > start
@@ -244,12 +246,21 @@ class PeerQuicConnection(QuicConnection):
         super().send_stream_data(stream_id, data, end_stream)
         self._data_pending = True
 
+    def _handle_ping_frame(self, context: QuicReceiveContext, frame_type: int, buf: Any) -> None:
+        super()._handle_ping_frame(context, frame_type, buf)
+        self._ping_received = True
+
     def receive_datagram(self, data: bytes, addr: NetworkAddress, now: float) -> None:
+        self._ping_received = False
         super().receive_datagram(data, addr, now)
         space = self._spaces.get(tls.Epoch.ONE_RTT)
         if space is None or space.ack_at is None or not self._unacked_eliciting:
             return
-        if self._unacked_eliciting == 1:
+        if self._ping_received:
+            # A PING asks for an ACK (a path MTU probe, a loss probe, a keepalive) and no
+            # answer will carry it: acknowledge at once.
+            space.ack_at = now
+        elif self._unacked_eliciting == 1:
             space.ack_at = max(space.ack_at, self._first_unacked_at + LONE_ACK_DELAY_S)
         else:
             space.ack_at = min(space.ack_at, max(now, self._second_unacked_at + self._ack_delay))
@@ -328,10 +339,9 @@ class PeerQuicConnection(QuicConnection):
             or self._close_pending
         ):
             return []
-        room = self._cc.congestion_window - self._cc.bytes_in_flight
-        size = min(size, room)
-        if size <= search.floor:
-            return []  # the window has no room for a useful probe now
+        # One probe at a time may exceed the congestion window (as loss probes may): waiting
+        # for room would keep a connection that sends little at 1,200 bytes, and a probe
+        # taking up the room would hold back the data behind it.
         path = self._network_paths[0]
         assert self._version is not None  # set once the handshake began
         builder = QuicPacketBuilder(

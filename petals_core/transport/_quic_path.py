@@ -40,7 +40,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import attrs
-from aioquic.quic.congestion.base import QuicCongestionControl
+from aioquic.quic.congestion.base import K_INITIAL_WINDOW, QuicCongestionControl
 from aioquic.quic.congestion.cubic import CubicCongestionControl
 from aioquic.quic.congestion.reno import RenoCongestionControl
 from aioquic.quic.packet_builder import QuicSentPacket
@@ -228,11 +228,10 @@ class PathCongestionControl(QuicCongestionControl):
         super().on_rtt_measurement(now=now, rtt=rtt)  # type: ignore[safe-super]
 
     def set_datagram_size(self, size: int) -> None:
-        """The connection now sends datagrams of ``size``.  Before the first loss, the window
-        stays the same number of datagrams (the initial window is counted in datagrams)."""
-        old = self._max_datagram_size
-        if size > old and self.ssthresh is None:
-            self.congestion_window = self.congestion_window * size // old
+        """The connection now sends datagrams of ``size``: before the first loss, the window is
+        at least the initial window of that size."""
+        if self.ssthresh is None:
+            self.congestion_window = max(self.congestion_window, K_INITIAL_WINDOW * size)
         self._max_datagram_size = size
 
     def _pause(self, now: float) -> None:
@@ -279,6 +278,15 @@ class _Cubic(PathCongestionControl, CubicCongestionControl):
 _CONTROLLERS: dict[str, type[PathCongestionControl]] = {"reno": _Reno, "cubic": _Cubic}
 
 
-def congestion_control(name: str, *, max_datagram_size: int) -> PathCongestionControl:
-    """A controller by name ("reno" or "cubic"), with the changes of this module."""
-    return _CONTROLLERS[name](max_datagram_size=max_datagram_size)
+def congestion_control(
+    name: str, *, max_datagram_size: int, initial_datagram_size: int
+) -> PathCongestionControl:
+    """A controller by name ("reno" or "cubic"), with the changes of this module, for a
+    connection that starts with datagrams of ``initial_datagram_size`` and may find that the
+    path carries up to ``max_datagram_size``: its initial window is ten of the larger (on a path
+    of 1,452 bytes, RFC 9002's 14,720 bytes at most; on loopback, where nothing queues but the
+    receiver, as aioquic's own), so that a connection does not wait on its window while it
+    probes."""
+    controller = _CONTROLLERS[name](max_datagram_size=initial_datagram_size)
+    controller.congestion_window = K_INITIAL_WINDOW * max(max_datagram_size, initial_datagram_size)
+    return controller
