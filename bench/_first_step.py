@@ -37,8 +37,10 @@ _WORKER_TIMEOUT_S = 300.0
 
 @attrs.frozen(kw_only=True)
 class FirstSteps:
-    """What one tree's worker measured, one entry per round."""
+    """What one tree's worker measured of one kind of session, one entry per round."""
 
+    #: ``from_pretrained`` of the client.
+    made_ms: tuple[float, ...]
     first_ms: tuple[float, ...]
     second_ms: tuple[float, ...]
     #: Per round, the session's own account (``route_ms``, ``open_ms``, ``connect_ms``,
@@ -46,7 +48,7 @@ class FirstSteps:
     parts: tuple[Mapping[str, float], ...] | None
 
     def median(self, name: str) -> float:
-        if name in ("first_ms", "second_ms"):
+        if name in ("made_ms", "first_ms", "second_ms"):
             return statistics.median(getattr(self, name))
         assert self.parts is not None
         return statistics.median(part[name] for part in self.parts)
@@ -131,7 +133,8 @@ def measure_first_steps(
     rounds: int,
     warmup: int = 1,
 ) -> dict[str, FirstSteps]:
-    """Per tree (by name), ``rounds`` first steps, the trees taking turns."""
+    """Per tree (by name) and kind of session (``"<name>, fresh"``: a client's first,
+    ``"<name>, running"``: its second), ``rounds`` first steps, the trees taking turns."""
     config = {
         "folder": folder,
         "server_args": [list(args) for args in server_args],
@@ -155,10 +158,13 @@ def measure_first_steps(
             worker.close()
     measured = {}
     for name, rows in results.items():
-        parts = [row["parts"] for row in rows]
-        measured[name] = FirstSteps(
-            first_ms=tuple(row["first_ms"] for row in rows),
-            second_ms=tuple(row["second_ms"] for row in rows),
-            parts=None if any(part is None for part in parts) else tuple(parts),
-        )
+        for kind in ("fresh", "running"):
+            sessions = [row[kind] for row in rows]
+            parts = [session["parts"] for session in sessions]
+            measured[f"{name}, {kind}"] = FirstSteps(
+                made_ms=tuple(row["made_ms"] for row in rows),
+                first_ms=tuple(session["first_ms"] for session in sessions),
+                second_ms=tuple(session["second_ms"] for session in sessions),
+                parts=None if any(part is None for part in parts) else tuple(parts),
+            )
     return measured

@@ -7,11 +7,13 @@ distributed model.  It starts a swarm of that tree (``folder``: the checkpoint; 
 one list of flags per server), prints ``READY``, and then for each ``go`` line on its standard
 input measures one first step and prints ``RESULT <json>``:
 
-- a client is made afresh (``from_pretrained``: a new node, no connection yet; not timed);
-- timed: the first forward of an inference session, ``prefill`` tokens (the session's route is
-  planned, its servers' sessions opened, the step run), then a second one of one token;
-- ``parts``: where the first step spent its time, as the session says (``first_step``), when
-  the tree's sessions say it.
+- a client is made afresh (``from_pretrained``, timed as ``made_ms``);
+- ``fresh``: its first session: the first forward, ``prefill`` tokens (the client's network part
+  starts, the session's route is planned, its servers' sessions opened, the step run), then a
+  second one of one token, each timed;
+- ``running``: the same for a second session of that client, whose network part now runs;
+- ``parts`` of each: where the first step spent its time, as the session says
+  (``first_step``), when the tree's sessions say it.
 
 Any other line ends it (and its swarm).
 """
@@ -27,26 +29,16 @@ import torch
 import trio
 
 
-def _measure(config: dict[str, Any], initial_peers: list[str]) -> dict[str, Any]:
-    from petals_core.distributed import AutoDistributedModelForCausalLM
-
-    prefill = int(config["prefill"])
-    model = AutoDistributedModelForCausalLM.from_pretrained(
-        config["folder"], initial_peers=initial_peers, request_timeout_s=60.0
-    )
-    try:
-        generator = torch.Generator().manual_seed(3)
-        ids = torch.randint(int(config["vocab"]), (1, prefill + 1), generator=generator)
-        with torch.no_grad(), model.inference_session(max_length=prefill + 4) as session:
-            started = time.perf_counter()
-            model(ids[:, :prefill])
-            first = time.perf_counter() - started
-            started = time.perf_counter()
-            model(ids[:, prefill:])
-            second = time.perf_counter() - started
-            parts = getattr(session, "first_step", None)
-    finally:
-        model.shutdown()
+def _session(model: Any, ids: torch.Tensor, prefill: int) -> dict[str, Any]:
+    """One session: its first forward (``prefill`` tokens) and a second (one token), timed."""
+    with torch.no_grad(), model.inference_session(max_length=prefill + 4) as session:
+        started = time.perf_counter()
+        model(ids[:, :prefill])
+        first = time.perf_counter() - started
+        started = time.perf_counter()
+        model(ids[:, prefill:])
+        second = time.perf_counter() - started
+        parts = getattr(session, "first_step", None)
     result: dict[str, Any] = {"first_ms": first * 1e3, "second_ms": second * 1e3, "parts": None}
     if parts is not None:
         result["parts"] = {
@@ -56,6 +48,26 @@ def _measure(config: dict[str, Any], initial_peers: list[str]) -> dict[str, Any]
             "step_ms": parts.total_s * 1e3,
         }
     return result
+
+
+def _measure(config: dict[str, Any], initial_peers: list[str]) -> dict[str, Any]:
+    """A session on a client made afresh, then another on the same client, now running."""
+    from petals_core.distributed import AutoDistributedModelForCausalLM
+
+    prefill = int(config["prefill"])
+    started = time.perf_counter()
+    model = AutoDistributedModelForCausalLM.from_pretrained(
+        config["folder"], initial_peers=initial_peers, request_timeout_s=60.0
+    )
+    made = time.perf_counter() - started
+    try:
+        generator = torch.Generator().manual_seed(3)
+        ids = torch.randint(int(config["vocab"]), (1, prefill + 1), generator=generator)
+        fresh = _session(model, ids, prefill)
+        running = _session(model, ids, prefill)
+    finally:
+        model.shutdown()
+    return {"made_ms": made * 1e3, "fresh": fresh, "running": running}
 
 
 async def _serve(config: dict[str, Any]) -> None:
