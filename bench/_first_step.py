@@ -9,7 +9,9 @@ client made afresh: planning the route (the client's peer table fills from the s
 connecting to the servers, opening the sessions, and the step itself.  Its *fixed cost* is all
 but the compute: the first step's time less what the same blocks take for the same tokens in
 this process.  The tree measured against is checked out (``git worktree``) into a temporary
-folder, and removed after.
+folder, and removed after.  With a ``link``, each swarm's servers sit behind a delaying relay
+(:class:`~petals_core.testing.DelayRelay`), as in ``bench wan``: there the fixed cost is round
+trips.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import contextlib
 import json
 import os
 import select
+import socket
 import statistics
 import subprocess
 import sys
@@ -28,6 +31,8 @@ from pathlib import Path
 from typing import IO, Any
 
 import attrs
+
+from petals_core.testing import DelayRelay, Pipe
 
 WORKER = Path(__file__).with_name("_first_step_worker.py")
 ROOT = Path(__file__).resolve().parent.parent
@@ -123,6 +128,12 @@ def checkout(ref: str) -> Iterator[Path]:
             )
 
 
+def _free_udp_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
 def measure_first_steps(
     trees: Mapping[str, Path],
     *,
@@ -132,18 +143,25 @@ def measure_first_steps(
     vocab: int,
     rounds: int,
     warmup: int = 1,
+    link: Pipe | None = None,
 ) -> dict[str, FirstSteps]:
     """Per tree (by name) and kind of session (``"<name>, fresh"``: a client's first,
     ``"<name>, running"``: its second), ``rounds`` first steps, the trees taking turns."""
-    config = {
-        "folder": folder,
-        "server_args": [list(args) for args in server_args],
-        "prefill": prefill,
-        "vocab": vocab,
-    }
     workers: dict[str, _Worker] = {}
+    relays = contextlib.ExitStack()
     try:
         for name, tree in trees.items():
+            args = [list(flags) for flags in server_args]
+            if link is not None:
+                # Each server behind a port of a delaying relay of its own swarm's, announced
+                # (as behind port forwarding): every datagram to or between servers crosses
+                # the slow link; the bootstrap node is reached directly.
+                ports = [_free_udp_port() for _ in args]
+                relay = relays.enter_context(DelayRelay(ports))
+                relay.set_link(link)
+                for flags, port, outside in zip(args, ports, relay.ports, strict=True):
+                    flags += ["--port", str(port), "--announce_port", str(outside)]
+            config = {"folder": folder, "server_args": args, "prefill": prefill, "vocab": vocab}
             workers[name] = _Worker(tree, config)
         for worker in workers.values():
             worker.wait_for("READY")
@@ -156,6 +174,7 @@ def measure_first_steps(
     finally:
         for worker in workers.values():
             worker.close()
+        relays.close()
     measured = {}
     for name, rows in results.items():
         for kind in ("fresh", "running"):

@@ -33,12 +33,14 @@ chain sees between its steps), the client's session step, and the whole model fo
 each layer adds.
 
 - first step: the first forward of an inference session (``PREFILL`` tokens) on a client made
-  afresh, by part (route planning, opening the servers' sessions with the longest connection
-  among them, the step itself), beside local transformers' time for the same forward (a fresh
-  ``DynamicCache``), which stands for its compute.  Its fixed cost is the rest.  Each tree runs
-  in a worker process with a swarm of its own (``bench/_first_step.py``); ``--against REF``
-  measures the project at git ``REF`` too, the trees taking turns.  Target with ``--against``
-  (the tree before the change): the fixed cost at most half of the other tree's (medians).
+  afresh, and that of the client's second session, on loopback and over a 50 ms link (servers
+  behind a delaying relay), by part (route planning, sending the openings with the longest
+  connection among them, the step itself), beside local transformers' time for the same
+  forward (a fresh ``DynamicCache``), which stands for its compute.  Its fixed cost is the rest.
+  Each tree runs in a worker process with a swarm of its own (``bench/_first_step.py``);
+  ``--against REF`` measures the project at git ``REF`` too, the trees taking turns.  Target
+  with ``--against`` (the tree before the change): the fixed cost at most half of the other
+  tree's (medians).
 
 Run with ``nox -s bench -- inference`` (``nox -s bench -- inference --against REF``).
 """
@@ -59,7 +61,13 @@ import trio
 from torch import nn
 from transformers import BloomForCausalLM, LlamaForCausalLM, PreTrainedModel
 
-from petals_core.testing import LocalSwarm, open_local_swarm, tiny_bloom_config, tiny_llama_config
+from petals_core.testing import (
+    LocalSwarm,
+    Pipe,
+    open_local_swarm,
+    tiny_bloom_config,
+    tiny_llama_config,
+)
 
 from ._decode import (
     DecodeResults,
@@ -88,6 +96,12 @@ PTUNE_STEPS = 8
 DECODE_TARGET = 1.6
 PTUNE_TARGET = 1.4
 FIRST_STEP_ROUNDS = 6
+#: Links the first step is measured over: loopback, and a 50 ms one-way link (servers behind a
+#: delaying relay, jitter a tenth of the delay, no loss; LLaMA only, fewer rounds).
+FIRST_STEP_LINKS: tuple[tuple[str, Pipe | None, int | None], ...] = (
+    ("loopback", None, None),
+    ("50 ms", Pipe(latency_s=0.0475, jitter_s=0.005), 3),
+)
 #: With ``--against``: our fixed cost of a first step at most this share of the other tree's.
 FIRST_STEP_TARGET = 0.5
 #: Deadline of one family: starting its swarm and measuring it.
@@ -297,30 +311,36 @@ def main(argv: list[str] | None = None) -> None:
         for family in ("llama", "bloom"):
             measured = trio.run(_run_family, family, Path(temp))
             folder = str(Path(temp) / family)
-            with contextlib.ExitStack() as trees:
-                tree_paths = {"this tree": ROOT}
-                if args.against is not None:
-                    tree_paths[args.against] = trees.enter_context(checkout(args.against))
-                steps = measure_first_steps(
-                    tree_paths,
-                    folder=folder,
-                    server_args=[
-                        server_args(span, cache_dir=Path(temp) / "cache") for span in SPANS
-                    ],
-                    prefill=PREFILL,
-                    vocab=VOCAB,
-                    rounds=args.first_step_rounds,
+            local = _local_prefill_ms(folder, args.first_step_rounds)
+            first_records = {}
+            for link_name, link, rounds in FIRST_STEP_LINKS:
+                if link is not None and family != "llama":
+                    continue  # round trips, the same for either family
+                with contextlib.ExitStack() as trees:
+                    tree_paths = {"this tree": ROOT}
+                    if args.against is not None:
+                        tree_paths[args.against] = trees.enter_context(checkout(args.against))
+                    steps = measure_first_steps(
+                        tree_paths,
+                        folder=folder,
+                        server_args=[
+                            server_args(span, cache_dir=Path(temp) / "cache") for span in SPANS
+                        ],
+                        prefill=PREFILL,
+                        vocab=VOCAB,
+                        rounds=rounds or args.first_step_rounds,
+                        link=link,
+                    )
+                first_rows, first_records[link_name] = _first_step_rows(
+                    f"{family}, {link_name}", steps, local, args.against
                 )
-            first_rows, first_record = _first_step_rows(
-                family, steps, _local_prefill_ms(folder, args.first_step_rounds), args.against
-            )
-            print_table(
-                f"inference, {family}: the first forward ({PREFILL} tokens) of a session, by part "
-                "(medians, ms): a client's first session (made afresh: its network part starts "
-                "too), and its second",
-                ["model", "part", *SESSION_KINDS.values()],
-                first_rows,
-            )
+                print_table(
+                    f"inference, {family}, {link_name}: the first forward ({PREFILL} tokens) of a "
+                    "session, by part (medians, ms): a client's first session (made afresh: its "
+                    "network part starts too), and its second",
+                    ["model, link", "part", *SESSION_KINDS.values()],
+                    first_rows,
+                )
             d = measured.decode
             rows += d.ratio_rows(family, decode_target=DECODE_TARGET, prefill_target=None)
             rows += [
@@ -355,7 +375,7 @@ def main(argv: list[str] | None = None) -> None:
                 **d.summary(),
                 "ptune_swarm": measured.ptune_swarm.summary(),
                 "ptune_local": measured.ptune_local.summary(),
-                "first_step": first_record,
+                "first_step": first_records,
             }
     load_after = load_note()
     print_table(

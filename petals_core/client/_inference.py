@@ -83,7 +83,8 @@ class FirstStepTimes:
 
     #: Planning the route: reading the peer table (waiting for it, on a client just started).
     route_s: float
-    #: Opening the sessions on the route's servers, all at once (connecting included).
+    #: Sending the openings of the sessions to the route's servers, all at once (connecting
+    #: included); the servers open them while the step is on its way.
     open_s: float
     #: The longest any one connection to a server of the route took to set up (0.0: all were
     #: open already).
@@ -111,14 +112,29 @@ class _SpanCall:
         self._evidence_bytes = 0
         #: What the step now answered was computed from, as the server received it.
         self._asked: dict[str, torch.Tensor | None] | None = None
+        #: The opening was sent, and the server has not said yet that it took it.
+        self.unconfirmed = False
 
-    async def open(self, manager: RemoteSequenceManager, opening: OpenSession) -> float:
-        """Open the span's session on its server; returns how long connecting took."""
+    async def open(
+        self, manager: RemoteSequenceManager, opening: OpenSession, *, wait: bool = True
+    ) -> float:
+        """Open the span's session on its server; returns how long connecting took.
+
+        With ``wait=False`` only the opening is sent: steps may follow at once (the server
+        reads them after it), and the server's answer to the opening is read before the first
+        step's (:attr:`unconfirmed` until then)."""
         started = trio.current_time()
         connection = await manager.connect(self.state.peer)
         connected = trio.current_time() - started
         self.call = await self.stack.enter_async_context(open_call(connection, INFERENCE))
         await self.call.send(opening.to_wire())
+        self.unconfirmed = True
+        if wait:
+            await self._confirm()
+        return connected
+
+    async def _confirm(self) -> None:
+        assert self.call is not None
         reply = await self.call.receive()
         try:
             SessionReady.from_wire_untrusted(reply)
@@ -126,7 +142,7 @@ class _SpanCall:
             raise ServerError(
                 f"server {self.state.peer} did not open the session: {reply!r}"
             ) from None
-        return connected
+        self.unconfirmed = False
 
     async def send(self, step: Step, compression: str | None) -> None:
         assert self.call is not None
@@ -162,6 +178,8 @@ class _SpanCall:
 
     async def _receive(self) -> StepResult:
         assert self.call is not None
+        if self.unconfirmed:
+            await self._confirm()
         reply = await self.call.receive()
         try:
             return StepResult.from_wire_untrusted(reply)
@@ -434,15 +452,19 @@ class InferenceSession:
             state = core.spans[index]
             follower = await self._follower(state)
             try:
+                span_call = self._calls[state]
                 timeout = self.manager.step_timeout(
                     state.span, tokens=x.shape[0] * x.shape[1], nbytes=x.nbytes
                 )
+                if span_call.unconfirmed:
+                    # The server's answer to the opening comes first, in the time an opening
+                    # may take.
+                    timeout += self.manager.config.request_timeout_s
                 if follower is not None:
                     # Outside the span's step timeout: the follower's pace is not the span's.
                     await self._follow(state, follower, x)
                 with trio.fail_after(timeout):
                     request = core.request(index, x)
-                    span_call = self._calls[state]
                     if request is not None:
                         await span_call.send(request, self.manager.config.compression)
                     else:
@@ -516,7 +538,11 @@ class InferenceSession:
 
     async def _open_spans(self, route: list[RouteSpan], at: int) -> list[SpanState]:
         """Open sessions for ``route``, on all its servers at once, and put them at index ``at``
-        of the chain.  If any fails, all are closed and the first failure is raised."""
+        of the chain.  If any fails, all are closed and the first failure is raised.
+
+        Only the openings are sent: the first step follows without waiting for the servers'
+        answers, which come before the step's (a server that refuses the opening fails that
+        step, as a failing server does)."""
         core = self._core
         opened = core.route_opened(route, at)
         started = trio.current_time()
@@ -532,7 +558,8 @@ class InferenceSession:
             )
             try:
                 with trio.fail_after(self.manager.config.request_timeout_s):
-                    connect_s = max(connect_s, await span_call.open(self.manager, opening))
+                    connected = await span_call.open(self.manager, opening, wait=False)
+                    connect_s = max(connect_s, connected)
             except RETRIABLE as exc:
                 self.manager.on_request_failure(state.peer)
                 failures.append(exc)

@@ -595,7 +595,12 @@ class DHTNode:
             raise PeerUnreachable(
                 f"none of the initial peers answered: {'; '.join(errors) or 'no peers given'}"
             )
-        await self._lookup(self._own, want_value=None)
+        if not self._client_mode:
+            # Kademlia's join: the nodes near our own id learn of us, and we of them.  A
+            # client-mode node is in no one's table and stores nothing, so it skips this (a
+            # round trip or two to peers it may never need); its own lookups teach it the
+            # peers it asks.
+            await self._lookup(self._own, want_value=None)
 
     # -- maintenance -----------------------------------------------------------------------------
 

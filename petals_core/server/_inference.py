@@ -71,11 +71,19 @@ _UNREACHABLE_S: Final = 60.0
 _MAX_UNREACHABLE: Final = 4096
 
 
+#: How long a step's push waits for its stream while it is being opened (the dial starts as the
+#: step arrives, so it runs beside the step's compute): enough for a stream on a connection
+#: already open, next to nothing beside a fresh dial's round trips (meanwhile the client sends
+#: the step on itself).
+_DIAL_WAIT_S: Final = 0.02
+
+
+@attrs.define(eq=False)
 class _Dialling:
-    """A push stream being opened."""
+    """A push stream being opened; ``done`` is set once it is (or could not be)."""
 
+    done: trio.Event = attrs.field(factory=trio.Event)
 
-_DIALLING: Final = _Dialling()
 
 #: What a session's inbox holds: a step as it came and whether it was pushed, None when the
 #: client ended its side, or the exception the client's stream failed with.
@@ -104,7 +112,7 @@ class _Session:
     #: The client's steps and pushed ones, in arrival order: (message, pushed).
     inbox: trio.MemorySendChannel[_InboxItem] | None = None
     #: Push streams to the next servers' sessions, by (peer, session id); None: that push failed
-    #: (not tried again in this session), _DIALLING: being opened.
+    #: (not tried again in this session), a _Dialling: being opened.
     pushes: dict[tuple[str, str], Call | _Dialling | None] = attrs.field(factory=dict)
     exits: contextlib.AsyncExitStack = attrs.field(factory=contextlib.AsyncExitStack)
     #: Where the session's background tasks run (the client reader, push dials).
@@ -121,6 +129,8 @@ class InferenceHandlers:
         #: the next server need it.
         self.connect_peer: Callable[[str], Awaitable[Connection]] | None = None
         self._sessions: dict[str, _Session] = {}
+        #: Set (and replaced) each time a session registers: pushes that came first wait on it.
+        self._registered = trio.Event()
         #: Servers a push could not dial, until when they are not tried again.
         self._unreachable: dict[str, float] = {}
 
@@ -177,6 +187,8 @@ class InferenceHandlers:
             inbox, steps = trio.open_memory_channel[_InboxItem](_INBOX_SIZE)
             session.inbox = inbox
             self._sessions[session_id] = session
+            self._registered.set()
+            self._registered = trio.Event()
             try:
                 with session.scope:
                     session.scope.deadline = trio.current_time() + self.limits.session_timeout_s
@@ -269,6 +281,9 @@ class InferenceHandlers:
                 if plan is None:
                     self._serving.count("stale_pushes")
                     continue
+                if plan.push:
+                    # The push stream opens while the step computes.
+                    self._start_dial(session, (plan.push[0].peer, plan.push[0].session_id))
                 output = await self._step(plan, session, backend, pool)
             except (ValueError, CodecError) as exc:
                 self._serving.count("failures")
@@ -373,9 +388,12 @@ class InferenceHandlers:
     async def _push(self, session: _Session, target: PushTarget, step: Step) -> bool:
         """Hand ``step`` to ``target``, the next server's session; whether it was sent."""
         key = (target.peer, target.session_id)
-        if key not in session.pushes:
-            self._start_dial(session, key)
+        self._start_dial(session, key)
         push_call = session.pushes[key]
+        if isinstance(push_call, _Dialling):
+            with trio.move_on_after(_DIAL_WAIT_S):
+                await push_call.done.wait()
+            push_call = session.pushes[key]
         if not isinstance(push_call, Call):
             return False  # being dialled, or it failed
         with trio.move_on_after(_PUSH_TIMEOUT_S):
@@ -388,6 +406,9 @@ class InferenceHandlers:
         return False
 
     def _start_dial(self, session: _Session, key: tuple[str, str]) -> None:
+        """Start opening the push stream to ``key`` unless it is (being) opened or failed."""
+        if key in session.pushes:
+            return
         peer = key[0]
         if (
             self.connect_peer is None
@@ -396,16 +417,28 @@ class InferenceHandlers:
         ):
             session.pushes[key] = None
             return
-        session.pushes[key] = _DIALLING
-        session.nursery.start_soon(self._dial, session, key, self.connect_peer)
+        dialling = session.pushes[key] = _Dialling()
+        session.nursery.start_soon(self._dial, session, key, self.connect_peer, dialling)
 
     async def _dial(
         self,
         session: _Session,
         key: tuple[str, str],
         connect_peer: Callable[[str], Awaitable[Connection]],
+        dialling: _Dialling,
     ) -> None:
         """Open the push stream to ``key``'s session (in the session's nursery)."""
+        try:
+            await self._dial_once(session, key, connect_peer)
+        finally:
+            dialling.done.set()
+
+    async def _dial_once(
+        self,
+        session: _Session,
+        key: tuple[str, str],
+        connect_peer: Callable[[str], Awaitable[Connection]],
+    ) -> None:
         peer, session_id = key
         with trio.move_on_after(_DIAL_TIMEOUT_S):
             try:
@@ -443,7 +476,11 @@ class InferenceHandlers:
             session_id = OpenPush.from_wire_untrusted(header).session_id
         except CodecError as exc:
             raise ServerError(f"push refused: {exc}") from None
-        session = self._sessions.get(session_id)
+        # A client opens its sessions on all its servers at once and sends the first step
+        # without waiting: the previous server's push may come before the session's opening.
+        with trio.move_on_after(self.limits.early_push_wait_s):
+            while (session := self._sessions.get(session_id)) is None or session.inbox is None:
+                await self._registered.wait()
         if session is None or session.inbox is None:
             raise ServerError(f"unknown session {session_id!r}")
         inbox = session.inbox
