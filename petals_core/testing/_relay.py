@@ -99,14 +99,26 @@ def _say(answer: IO[str], message: object) -> None:
     answer.flush()
 
 
+#: Kernel buffers of the relay's sockets: a window of small datagrams arriving at once must not
+#: overflow them (that would be a bottleneck's queue, which the relay does not model).
+_SOCKET_BUFFER_BYTES = 8 << 20
+
+
+def _socket(host: str) -> socket.socket:
+    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    for option in (socket.SO_RCVBUF, socket.SO_SNDBUF):
+        sock.setsockopt(socket.SOL_SOCKET, option, _SOCKET_BUFFER_BYTES)
+    sock.bind((host, 0))
+    sock.setblocking(False)
+    return sock
+
+
 def _serve(control: IO[str], answer: IO[str], host: str, targets: list[int], seed: int) -> None:
     listeners: dict[socket.socket, Address] = {}  # listening socket -> its target
     outward: dict[tuple[socket.socket, Address], socket.socket] = {}  # (listener, peer) -> socket
     inward: dict[socket.socket, tuple[socket.socket, Address]] = {}  # socket -> (listener, peer)
     for port in targets:
-        listener = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-        listener.bind((host, 0))
-        listener.setblocking(False)
+        listener = _socket(host)
         listeners[listener] = (host, port)
     _say(answer, [listener.getsockname()[1] for listener in listeners])
     link = _Link(Pipe(latency_s=0.0), seed)
@@ -174,9 +186,7 @@ def _serve(control: IO[str], answer: IO[str], host: str, targets: list[int], see
                         key = (ready, peer)
                         out = outward.get(key)
                         if out is None:
-                            out = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-                            out.bind((host, 0))
-                            out.setblocking(False)
+                            out = _socket(host)
                             outward[key] = out
                             inward[out] = key
                         hold(out, listeners[ready], data, arrived)

@@ -26,7 +26,7 @@ in its public API, so this subclass adds them (aioquic is pinned in pyproject; t
   expose how many bytes sit unacknowledged so the caller can wait.  aioquic's pacer releases at
   most 16 datagrams per burst and asks for sub-millisecond timers that the event loop rounds up to
   about a millisecond, which caps throughput at a few tens of MB/s; the pacer here allows a burst
-  that covers the driver's timer granularity, and paces at ``PACING_GAIN`` times window / RTT.
+  that covers the driver's timer granularity, and paces at the rate ``_quic_path`` gives.
 * **What the connection learns of its path** (see ``_quic_path``): congestion controllers that
   keep their window across idle gaps, and the datagram size found by probing, sent here as padded
   PING packets of their own.
@@ -52,8 +52,8 @@ from cryptography import x509
 from ._quic_path import (
     BASE_DATAGRAM_BYTES,
     BLACK_HOLE_TIMEOUTS,
-    PACING_GAIN,
     MtuSearch,
+    PathCongestionControl,
     PathInfo,
     congestion_control,
 )
@@ -64,15 +64,19 @@ __all__ = ["PeerQuicConnection"]
 class _CoarsePacer(QuicPacketPacer):
     """aioquic's token-bucket pacer with a bucket deep enough for a timer tick of ``burst_s``."""
 
-    def __init__(self, *, max_datagram_size: int, burst_s: float) -> None:
+    def __init__(
+        self, *, max_datagram_size: int, burst_s: float, controller: PathCongestionControl
+    ) -> None:
         super().__init__(max_datagram_size=max_datagram_size)
         self._burst_s = burst_s
+        self._controller = controller
 
     def set_datagram_size(self, size: int) -> None:
         self._max_datagram_size = size
 
     def update_rate(self, congestion_window: int, smoothed_rtt: float) -> None:
-        super().update_rate(int(congestion_window * PACING_GAIN), smoothed_rtt)
+        gain = self._controller.pacing_gain()
+        super().update_rate(int(congestion_window * gain), smoothed_rtt)
         if self.packet_time is not None:
             self.bucket_max = max(self.bucket_max, 2 * self._burst_s)
             self.bucket_time = min(self.bucket_time, self.bucket_max)
@@ -118,14 +122,14 @@ class PeerQuicConnection(QuicConnection):
         self._unacked_eliciting = 0
         self._first_unacked_at = 0.0
         self._second_unacked_at = 0.0
-        self._loss._pacer = self._pacer = _CoarsePacer(
-            max_datagram_size=configuration.max_datagram_size, burst_s=pacing_burst_s
-        )
         start = configuration.max_datagram_size
         self._loss._cc = self._cc = congestion_control(
             configuration.congestion_control_algorithm,
             max_datagram_size=datagram_ceiling or start,
             initial_datagram_size=start,
+        )
+        self._loss._pacer = self._pacer = _CoarsePacer(
+            max_datagram_size=start, burst_s=pacing_burst_s, controller=self._cc
         )
         self._mtu = (
             MtuSearch(ceiling=datagram_ceiling, floor=start)

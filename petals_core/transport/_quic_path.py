@@ -5,13 +5,15 @@ a step's tensors (hundreds of kB) leave every few seconds on a connection that i
 
 * **The window survives idle gaps.**  aioquic's CUBIC falls back to its initial window after two
   seconds without an ACK, so every step after a pause slow-starts again and needs several round
-  trips for what one carried before.  Here the window stays; what makes a full window after a pause
-  safe is pacing (RFC 9002 section 7.7): it leaves at ``PACING_GAIN`` times window / RTT, spread
-  over the round trip, not as one burst.  Both controllers also grow their window only while it
-  limits the sender (RFC 9002 section 7.8): a connection that carries small requests for an hour
-  has not learned that the path carries megabytes, and must not believe it.  CUBIC's clock stops
-  while the window does not limit (RFC 9438 section 5.8), so a pause is not mistaken for time spent
-  probing.
+  trips for what one carried before.  Here the window stays; what makes a full window after a
+  pause safe is pacing (RFC 9002 section 7.7): it leaves at ``PACING_GAIN`` times window / RTT
+  (``SLOW_START_PACING_GAIN`` in slow start), spread over the round trip, not as one burst.
+  Both controllers also grow their window only while it limits the sender (RFC 9002 section
+  7.8): a connection that carries small requests for an hour has not learned that the path
+  carries megabytes, and must not believe it.  CUBIC's clock stops while the window does not
+  limit (RFC 9438 section 5.8), so a pause is not mistaken for time spent probing.  Slow start
+  ends at loss only, not at the first rise of the RTT as in aioquic (a swarm's RTTs include a
+  peer's busy event loop, so they rise whenever a server computes).
 * **Random loss is not congestion.**  Links between homes lose a packet here and there that no
   queue overflowed for; halving the window for each (as Reno and CUBIC do) caps a path that
   loses 0.5% of its packets at about 17 packets per round trip, whatever its capacity.  As BBR
@@ -27,8 +29,7 @@ a step's tensors (hundreds of kB) leave every few seconds on a connection that i
   ``PROBE_RESOLUTION`` bytes.  A lost probe says nothing about congestion and leaves the window
   alone.  When the path stops carrying the size in use (``BLACK_HOLE_TIMEOUTS`` probe timeouts in
   a row: nothing sent was acknowledged), the connection falls back to 1,200 bytes and searches
-  again.
-  Probes are only sent with the socket's "don't fragment" flag set (see ``_node``), or the kernel
+  again.  Probes are only sent with the socket's "don't fragment" flag set (see ``_node``), or the kernel
   would fragment them and every size would seem to work.
 
 :class:`MtuSearch` is the search alone; :func:`congestion_control` makes the controllers;
@@ -51,6 +52,7 @@ __all__ = [
     "LOSS_TOLERANCE",
     "PathInfo",
     "PACING_GAIN",
+    "SLOW_START_PACING_GAIN",
     "PROBE_ATTEMPTS",
     "PROBE_RESOLUTION",
     "MtuSearch",
@@ -61,8 +63,11 @@ __all__ = [
 #: The datagram size every QUIC path must carry (RFC 9000 section 14): where the search starts.
 BASE_DATAGRAM_BYTES = 1200
 #: Sends are paced at this many times window / RTT (RFC 9002 section 7.7 suggests 1.25), so that
-#: jitter in the RTT does not leave the window unused.
+#: jitter in the RTT does not leave the window unused; in slow start at ``SLOW_START_PACING_GAIN``
+#: times, so that a window the connection may double is not spread over the whole round trip
+#: (Linux paces TCP at 2x and 1.2x).
 PACING_GAIN = 1.25
+SLOW_START_PACING_GAIN = 2.0
 #: A probe size lost this many times in a row is too large for the path (RFC 8899's MAX_PROBES).
 PROBE_ATTEMPTS = 3
 #: The search stops when what worked and what did not are this close.
@@ -164,12 +169,20 @@ class PathCongestionControl(QuicCongestionControl):
         self._recent_sent = 0.0
         self._recent_lost = 0.0
 
+    @property
+    def in_slow_start(self) -> bool:
+        return self.ssthresh is None or self.congestion_window < self.ssthresh
+
+    def pacing_gain(self) -> float:
+        """How many times window / RTT to pace at now."""
+        return SLOW_START_PACING_GAIN if self.in_slow_start else PACING_GAIN
+
     def window_limited(self) -> bool:
         """Whether the window holds the sender back now: in slow start, when at least half of
         it is in flight (it may double in a round trip); else when another datagram would not
         fit."""
         window = self.congestion_window
-        if self.ssthresh is None or window < self.ssthresh:
+        if self.in_slow_start:
             return 2 * self.bytes_in_flight >= window
         return self.bytes_in_flight + self._max_datagram_size > window
 
@@ -224,8 +237,11 @@ class PathCongestionControl(QuicCongestionControl):
             super().on_persistent_congestion()  # type: ignore[safe-super]
 
     def on_rtt_measurement(self, *, now: float, rtt: float) -> None:
+        # aioquic's controllers also leave slow start at the first rise of the RTT (a crude
+        # HyStart).  On a swarm's paths the RTT includes the peer's event loop, which a
+        # compute step keeps busy, so it rises whenever a server works: slow start would end
+        # long before the window fits a step's tensors.  Loss above the tolerance ends it.
         self._rtt = rtt
-        super().on_rtt_measurement(now=now, rtt=rtt)  # type: ignore[safe-super]
 
     def set_datagram_size(self, size: int) -> None:
         """The connection now sends datagrams of ``size``: before the first loss, the window is
@@ -273,6 +289,10 @@ class _Cubic(PathCongestionControl, CubicCongestionControl):
     def set_datagram_size(self, size: int) -> None:
         super().set_datagram_size(size)
         self.additive_increase_factor = size
+
+    def on_rtt_measurement(self, *, now: float, rtt: float) -> None:
+        super().on_rtt_measurement(now=now, rtt=rtt)
+        self.rtt = rtt  # what CUBIC's window function looks ahead by
 
 
 _CONTROLLERS: dict[str, type[PathCongestionControl]] = {"reno": _Reno, "cubic": _Cubic}
