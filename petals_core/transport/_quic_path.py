@@ -29,8 +29,8 @@ a step's tensors (hundreds of kB) leave every few seconds on a connection that i
   ``PROBE_RESOLUTION`` bytes.  A lost probe says nothing about congestion and leaves the window
   alone.  When the path stops carrying the size in use (``BLACK_HOLE_TIMEOUTS`` probe timeouts in
   a row: nothing sent was acknowledged), the connection falls back to 1,200 bytes and searches
-  again.  Probes are only sent with the socket's "don't fragment" flag set (see ``_node``), or the kernel
-  would fragment them and every size would seem to work.
+  again.  Probes are only sent with the socket's "don't fragment" flag set (see ``_node``), or
+  the kernel would fragment them and every size would seem to work.
 
 :class:`MtuSearch` is the search alone; :func:`congestion_control` makes the controllers;
 ``_quic.PeerQuicConnection`` sends the probes.
