@@ -84,10 +84,16 @@ def tests(session: nox.Session) -> None:
     session.run("pytest", *session.posargs, env=_one_thread(session))
 
 
+#: The linters CI runs, pinned so that a new release cannot fail a change that did not move
+#: (``.pre-commit-config.yaml`` pins the same ruff).
+LINTERS = ("ruff==0.17.6", "mypy==2.4.1")
+
+
 @nox.session
 def lint(session: nox.Session) -> None:
     """ruff (with the async rules) and mypy."""
     _install(session, "dev")
+    session.install(*LINTERS)
     session.run("ruff", "check", "petals_core", "tests", "bench", "noxfile.py")
     session.run("ruff", "format", "--check", "petals_core", "tests", "bench", "noxfile.py")
     session.run("mypy")

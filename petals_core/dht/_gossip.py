@@ -396,6 +396,14 @@ class Gossip:
         return pushes
 
 
+def _frozen_blocks(
+    blocks: Mapping[int, Mapping[str, ServerInfo]],
+) -> Mapping[int, Mapping[str, ServerInfo]]:
+    return types.MappingProxyType(
+        {index: types.MappingProxyType(dict(servers)) for index, servers in blocks.items()}
+    )
+
+
 @attrs.frozen
 class PeerTableSnapshot:
     """The servers of one model at ``now``: ``blocks[block_index][peer_id]`` is the
@@ -406,10 +414,7 @@ class PeerTableSnapshot:
     now: float
     version: int
     blocks: Mapping[int, Mapping[str, ServerInfo]] = attrs.field(
-        converter=lambda blocks: types.MappingProxyType(
-            {index: types.MappingProxyType(dict(servers)) for index, servers in blocks.items()}
-        ),
-        hash=False,
+        converter=_frozen_blocks, hash=False
     )
 
     def servers_for(self, block_index: int) -> Mapping[str, ServerInfo]:

@@ -257,14 +257,16 @@ def rank(entry: Entry) -> tuple[float, bytes, bytes, bytes]:
     return (entry.expiration, entry.value, entry.signer or b"", entry.signature or b"")
 
 
+def _frozen_entries(entries: Mapping[str | None, Entry]) -> Mapping[str | None, Entry]:
+    return types.MappingProxyType(dict(entries))
+
+
 @attrs.frozen
 class StoredValue:
     """What a key holds: ``{None: entry}`` for a single value, ``{subkey: entry, ...}`` for a
     dictionary (never both kinds).  Compares by contents; read-only."""
 
-    entries: Mapping[str | None, Entry] = attrs.field(
-        converter=lambda entries: types.MappingProxyType(dict(entries)), hash=False
-    )
+    entries: Mapping[str | None, Entry] = attrs.field(converter=_frozen_entries, hash=False)
 
     def __attrs_post_init__(self) -> None:
         if not self.entries or (None in self.entries and len(self.entries) > 1):
