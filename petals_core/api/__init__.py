@@ -10,6 +10,10 @@ In a trio program, :func:`serve_api` runs the whole endpoint; :class:`Engine` an
 :func:`create_app` put it together around a model you already hold.
 """
 
+from .._extras import require
+
+require("http", "the OpenAI endpoint (petals_core.api)")
+
 from ._app import MAX_BODY_BYTES as MAX_BODY_BYTES, create_app as create_app
 from ._engine import (
     Chunk as Chunk,

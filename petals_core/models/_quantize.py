@@ -17,6 +17,8 @@ from typing import Literal, get_args
 import torch
 from torch import nn
 
+from .._extras import require
+
 __all__ = ["QuantType", "quantize_block", "quantized_linears"]
 
 QuantType = Literal["none", "int8", "nf4"]
@@ -50,6 +52,7 @@ def quantize_block(block: nn.Module, quant_type: QuantType) -> nn.Module:
     if quant_type == "none":
         return block
 
+    require("quant", "int8 and nf4 quantisation")
     from bitsandbytes.nn import Linear4bit, Linear8bitLt
 
     targets = quantized_linears(block)

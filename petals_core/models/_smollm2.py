@@ -26,6 +26,8 @@ from huggingface_hub import constants, save_torch_state_dict
 from huggingface_hub.file_download import repo_folder_name
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from .._extras import require
+
 __all__ = ["SMOLLM2_REPO_ID", "prepare_smollm2", "smollm2_gguf_path"]
 
 SMOLLM2_REPO_ID = "petals-core/SmolLM2-135M-Instruct"
@@ -123,6 +125,7 @@ def prepare_smollm2(
 
 
 def _write_checkpoint(gguf: Path, folder: Path, *, max_shard_size: int | str) -> None:
+    require("gguf", "converting the SmolLM2 GGUF checkpoint")
     model = AutoModelForCausalLM.from_pretrained(
         gguf.parent, gguf_file=gguf.name, dtype=torch.float32
     )

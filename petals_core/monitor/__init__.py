@@ -14,6 +14,10 @@ fill), follows each one's servers as clients do (DHT reads plus gossip) and ping
 the top layer: nothing else in the package imports it, and importing it loads no torch.
 """
 
+from .._extras import require
+
+require("http", "the monitor (petals_core.monitor)")
+
 from ._app import create_app as create_app, serve_monitor as serve_monitor
 from ._monitor import (
     MonitorConfig as MonitorConfig,

@@ -55,6 +55,7 @@ import torch
 from transformers import PretrainedConfig
 
 from .._errors import ConfigError
+from .._extras import require
 from ..models import (
     Block,
     DecodeGraphs,
@@ -178,6 +179,7 @@ def bitsandbytes_problem(device: torch.device) -> str | None:
     build without kernels for this device fails only when first used.
     """
     try:
+        require("quant", "nf4 quantisation")
         from bitsandbytes.functional import quantize_4bit
 
         quantize_4bit(torch.ones(64, device=device), quant_type="nf4")
