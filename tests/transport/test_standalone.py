@@ -21,7 +21,8 @@ import importlib.util, sys
 import trio
 from petals_core.transport import Handlers, call_unary, open_node, serve_rpc
 
-assert importlib.util.find_spec("torch") is None and importlib.util.find_spec("transformers") is None
+for name in ("torch", "transformers", "numpy"):
+    assert importlib.util.find_spec(name) is None, name
 
 async def echo(stream):
     async with stream:
