@@ -18,6 +18,7 @@ from ._errors import (
     IdentityMismatch as IdentityMismatch,
     InvalidMultiaddr as InvalidMultiaddr,
     LocalProtocolError as LocalProtocolError,
+    MissingBlocksError as MissingBlocksError,
     MissingExtra as MissingExtra,
     NetworkError as NetworkError,
     PeerUnreachable as PeerUnreachable,

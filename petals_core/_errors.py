@@ -8,6 +8,8 @@ translated at the boundary and chained as ``__cause__``; none escapes the public
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 
 class PetalsError(Exception):
     """Root of every error this package raises on purpose."""
@@ -123,6 +125,40 @@ class RemoteError(TransportError):
 
 class AdapterError(ConfigError):
     """An adapter cannot be loaded (not PEFT LoRA, not safetensors, wrong shapes) or is unknown."""
+
+
+class MissingBlocksError(PetalsError):
+    """No usable server holds some of the blocks a route needs; ``blocks`` lists them, and
+    ``servers_seen`` describes the servers of the peer table (when the sequence manager knows
+    them: each one's PeerID, span, and why it is not used if it is not)."""
+
+    def __init__(
+        self,
+        blocks: Sequence[int],
+        start: int,
+        end: int,
+        *,
+        dht_prefix: str | None = None,
+        servers_seen: Sequence[str] | None = None,
+    ) -> None:
+        self.blocks: tuple[int, ...] = tuple(blocks)
+        self.start = start
+        self.end = end
+        self.dht_prefix = dht_prefix
+        self.servers_seen = None if servers_seen is None else tuple(servers_seen)
+        noun = "block" if len(self.blocks) == 1 else "blocks"
+        listed = ", ".join(str(block) for block in self.blocks)
+        message = f"no server holds {noun} {listed} (of [{start}, {end}))"
+        if dht_prefix is not None:
+            message += f" of the model {dht_prefix!r}"
+        if self.servers_seen:
+            message += "; servers seen: " + "; ".join(self.servers_seen)
+        elif self.servers_seen is not None:
+            message += (
+                "; no server of it seen: check that initial_peers name a peer of its swarm and "
+                "that dht_prefix is the one its servers announce"
+            )
+        super().__init__(message)
 
 
 class ServerError(PetalsError):

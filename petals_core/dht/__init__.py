@@ -12,7 +12,7 @@ driver to carry out:
 - push-pull gossip of announcements (digests, fan-out, TTL, de-duplication) and the immutable
   ``PeerTableSnapshot`` that routing reads.
 
-``open_dht_node`` drives them over the QUIC transport with trio: the four RPCs (ping, find_node,
+``open_dht_node`` drives them over the QUIC transport with trio: the RPCs (ping, find_node,
 find_value, store, gossip), bootstrap from initial peers, client mode, store / get, caching
 along lookup paths, hand-off of records to nodes that join nearer their keys, republishing, and
 ``follow(prefix, num_blocks)``: a :class:`Topic` whose snapshot gossip and the DHT both feed.

@@ -63,7 +63,7 @@ from itertools import repeat
 import attrs
 import numpy as np
 
-from .._errors import ConfigError, PetalsError
+from .._errors import ConfigError, MissingBlocksError
 from ..dht import ServerInfo, ServerState
 
 __all__ = [
@@ -79,40 +79,6 @@ __all__ = [
 _INF = math.inf
 # Sources ranked at a boundary for targets that leave the best one out (more: a full scan).
 _RANKED = 8
-
-
-class MissingBlocksError(PetalsError):
-    """No usable server holds some of the blocks a route needs; ``blocks`` lists them, and
-    ``servers_seen`` describes the servers of the peer table (when the sequence manager knows
-    them: each one's PeerID, span, and why it is not used if it is not)."""
-
-    def __init__(
-        self,
-        blocks: Sequence[int],
-        start: int,
-        end: int,
-        *,
-        dht_prefix: str | None = None,
-        servers_seen: Sequence[str] | None = None,
-    ) -> None:
-        self.blocks: tuple[int, ...] = tuple(blocks)
-        self.start = start
-        self.end = end
-        self.dht_prefix = dht_prefix
-        self.servers_seen = None if servers_seen is None else tuple(servers_seen)
-        noun = "block" if len(self.blocks) == 1 else "blocks"
-        listed = ", ".join(str(block) for block in self.blocks)
-        message = f"no server holds {noun} {listed} (of [{start}, {end}))"
-        if dht_prefix is not None:
-            message += f" of the model {dht_prefix!r}"
-        if self.servers_seen:
-            message += "; servers seen: " + "; ".join(self.servers_seen)
-        elif self.servers_seen is not None:
-            message += (
-                "; no server of it seen: check that initial_peers name a peer of its swarm and "
-                "that dht_prefix is the one its servers announce"
-            )
-        super().__init__(message)
 
 
 def _check_int(instance: RouteSpan, attribute: attrs.Attribute[int], value: int) -> None:
