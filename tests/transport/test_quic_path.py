@@ -23,6 +23,7 @@ from petals_core.transport._quic_path import (
 )
 
 from ._pairs import SERVER, Recorder, handshake, make_pair
+from ._programs import ECHO_HANDLER
 
 #: Addresses of hosts on another machine (documentation range, in memory only): the ceiling of
 #: the datagram search is ``TransportConfig.max_datagram_bytes`` (1452) there, not loopback's.
@@ -244,15 +245,14 @@ def test_random_loss_leaves_the_window_and_heavy_loss_shrinks_it() -> None:
 # -- real links in network namespaces ---------------------------------------------------------
 
 #: Echoes each stream back; prints its PeerID, then serves 120 s at most.
-ECHO = """
+ECHO = (
+    """
 import sys, trio
 from petals_core.transport import open_node
 
-async def echo(stream):
-    async with stream:
-        while data := await stream.receive_some():
-            await stream.send_all(data)
-        await stream.send_eof()
+"""
+    + ECHO_HANDLER
+    + """
 
 async def main():
     async with open_node(host="0.0.0.0", port=7100) as node, trio.open_nursery() as nursery:
@@ -262,6 +262,7 @@ async def main():
 
 trio.run(main)
 """
+)
 
 #: Sends a megabyte to the echo server at argv[1] and back; prints the datagram size the
 #: connection settled on, and whether the socket still sends runs of datagrams in one call (a

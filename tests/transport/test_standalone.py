@@ -12,11 +12,14 @@ from pathlib import Path
 
 from packaging.requirements import Requirement
 
+from ._programs import ECHO_HANDLER
+
 ROOT = Path(__file__).resolve().parents[2]
 #: What ``petals_core.transport`` imports besides the standard library.
 TRANSPORT_DEPENDENCIES = ("trio", "aioquic", "cryptography", "cbor2", "attrs", "ifaddr")
 
-PROGRAM = """
+PROGRAM = (
+    """
 import importlib.util, sys
 import trio
 from petals_core.transport import Handlers, call_unary, open_node, serve_rpc
@@ -24,11 +27,9 @@ from petals_core.transport import Handlers, call_unary, open_node, serve_rpc
 for name in ("torch", "transformers", "numpy"):
     assert importlib.util.find_spec(name) is None, name
 
-async def echo(stream):
-    async with stream:
-        while data := await stream.receive_some():
-            await stream.send_all(data)
-        await stream.send_eof()
+"""
+    + ECHO_HANDLER
+    + """
 
 async def main():
     handlers = Handlers()
@@ -58,6 +59,7 @@ async def main():
 
 trio.run(main)
 """
+)
 
 
 def _requirements() -> list[str]:
