@@ -1,8 +1,10 @@
 """Exception groups from trio's nurseries, turned back into the one error a caller expects.
 
-A nursery wraps whatever its tasks or its body raise in an exception group.  Code that documents
-raising a task's own error (a failed chunk of rows, a process that failed to start) unwraps a
-group of one with :func:`raising_single_error`; a context manager that runs a nursery around its
+A nursery wraps whatever its tasks or its body raise in an exception group.  Code that runs
+tasks whose failures its caller handles one by one (a failed chunk of rows, a server that did
+not open a session) runs them with :func:`run_concurrently`, which raises one error however many
+failed; code that only re-raises a task's error to the top unwraps a group of one with
+:func:`raising_single_error`; a context manager that runs a nursery around its
 ``yield`` keeps the block's own error whole with :func:`open_block_nursery`.  No torch here: the
 transport uses it.
 """
@@ -10,11 +12,17 @@ transport uses it.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
 
 import trio
 
-__all__ = ["only_cancellation", "open_block_nursery", "raising_single_error", "single_error"]
+__all__ = [
+    "only_cancellation",
+    "open_block_nursery",
+    "raising_single_error",
+    "run_concurrently",
+    "single_error",
+]
 
 
 def single_error(error: BaseException) -> BaseException:
@@ -72,3 +80,28 @@ async def open_block_nursery() -> AsyncIterator[trio.Nursery]:
             raise
     if raised is not None:
         raise raised
+
+
+async def run_concurrently(calls: Iterable[Callable[[], Awaitable[object]]]) -> None:
+    """Await every call concurrently.  The first to fail cancels the others, and its error is
+    raised itself, not in an exception group, with a note naming each other call that failed
+    too (before its cancellation reached it); a caller's ``except`` for one error type then sees
+    every failure.  Cancellation from outside passes through as trio raises it."""
+    failures: list[Exception] = []
+
+    async with trio.open_nursery() as nursery:
+
+        async def run(call: Callable[[], Awaitable[object]]) -> None:
+            try:
+                await call()
+            except Exception as exc:
+                failures.append(exc)
+                nursery.cancel_scope.cancel()
+
+        for call in calls:
+            nursery.start_soon(run, call)
+    if failures:
+        first = failures[0]
+        for other in failures[1:]:
+            first.add_note(f"at the same time: {type(other).__name__}: {other}")
+        raise first

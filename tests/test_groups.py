@@ -12,6 +12,7 @@ from petals_core._groups import (
     only_cancellation,
     open_block_nursery,
     raising_single_error,
+    run_concurrently,
     single_error,
 )
 
@@ -103,3 +104,52 @@ async def test_open_block_nursery_raises_a_task_error_in_its_group() -> None:
     with pytest.raises(ExceptionGroup) as info:
         await block_waiting_for_a_failing_task()
     assert [type(e) for e in info.value.exceptions] == [KeyError]
+
+
+async def test_run_concurrently_raises_the_first_failure_itself_naming_the_others() -> None:
+    """Two calls fail at once: one error comes out, of its own type, noting the other."""
+    both_running = trio.Event()
+    started = 0
+
+    async def failing(error: Exception) -> None:
+        nonlocal started
+        started += 1
+        if started == 2:
+            # The first is woken, and this one fails before any checkpoint: both fail.
+            both_running.set()
+            raise error
+        await both_running.wait()
+        raise error
+
+    with pytest.raises((KeyError, ValueError)) as caught:
+        await run_concurrently([lambda: failing(KeyError("a")), lambda: failing(ValueError("b"))])
+    assert not isinstance(caught.value, BaseExceptionGroup)
+    other = "ValueError: b" if isinstance(caught.value, KeyError) else "KeyError: 'a'"
+    assert caught.value.__notes__ == [f"at the same time: {other}"]
+
+
+async def test_run_concurrently_cancels_the_others_once_one_fails() -> None:
+    cancelled = trio.Event()
+
+    async def waits() -> None:
+        try:
+            await trio.sleep_forever()
+        finally:
+            cancelled.set()
+
+    with trio.fail_after(10), pytest.raises(OSError, match="down"):
+        await run_concurrently([waits, lambda: _fail(OSError("down"))])
+    assert cancelled.is_set()
+
+
+async def test_run_concurrently_lets_cancellation_from_outside_through() -> None:
+    finished: list[int] = []
+
+    async def slow(i: int) -> None:
+        await trio.sleep(1000)
+        finished.append(i)
+
+    with trio.move_on_after(0.01) as scope:
+        await run_concurrently([lambda: slow(1), lambda: slow(2)])
+    assert scope.cancelled_caught and not finished
+    await run_concurrently([])  # nothing to run: returns

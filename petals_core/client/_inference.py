@@ -20,6 +20,7 @@ banned for the client's own mistake.
 
 from __future__ import annotations
 
+import functools
 import logging
 from contextlib import AsyncExitStack
 from typing import Any, Literal
@@ -37,6 +38,7 @@ from .._errors import (
     TransportError,
     WrongAnswer,
 )
+from .._groups import run_concurrently
 from ..dht import MAX_EVIDENCE_BYTES, ServerInfo
 from ..protocol import (
     INFERENCE,
@@ -538,7 +540,8 @@ class InferenceSession:
 
     async def _open_spans(self, route: list[RouteSpan], at: int) -> list[SpanState]:
         """Open sessions for ``route``, on all its servers at once, and put them at index ``at``
-        of the chain.  If any fails, all are closed and the first failure is raised.
+        of the chain.  If any fails, all are closed and the first failure is raised (naming the
+        others that failed with it).
 
         Only the openings are sent: the first step follows without waiting for the servers'
         answers, which come before the step's (a server that refuses the opening fails that
@@ -546,7 +549,6 @@ class InferenceSession:
         core = self._core
         opened = core.route_opened(route, at)
         started = trio.current_time()
-        failures: list[Exception] = []
         connect_s = 0.0
 
         async def open_span(state: SpanState, span_call: _SpanCall) -> None:
@@ -560,24 +562,21 @@ class InferenceSession:
                 with trio.fail_after(self.manager.config.request_timeout_s):
                     connected = await span_call.open(self.manager, opening, wait=False)
                     connect_s = max(connect_s, connected)
-            except RETRIABLE as exc:
+            except RETRIABLE:
                 self.manager.on_request_failure(state.peer)
-                failures.append(exc)
-            except Exception as exc:  # raised below, by itself rather than in a group
-                failures.append(exc)
+                raise
 
         try:
-            async with trio.open_nursery() as nursery:
-                for state in opened:
-                    span_call = self._calls[state] = _SpanCall(
-                        state, self.receipts, keep_evidence=self._keep_evidence
-                    )
-                    nursery.start_soon(open_span, state, span_call)
+            calls = []
+            for state in opened:
+                span_call = self._calls[state] = _SpanCall(
+                    state, self.receipts, keep_evidence=self._keep_evidence
+                )
+                calls.append(functools.partial(open_span, state, span_call))
+            await run_concurrently(calls)
             if self.first_step is None:
                 self._setup["open"] += trio.current_time() - started
                 self._setup["connect"] = max(self._setup["connect"], connect_s)
-            if failures:
-                raise failures[0]
         except BaseException:
             core.route_abandoned(opened)
             for state in opened:

@@ -26,7 +26,7 @@ import torch
 import trio
 
 from .._errors import CodecError, PetalsError, ReceiptError
-from .._groups import raising_single_error
+from .._groups import run_concurrently
 from ..dht import ServerInfo
 from ..protocol import (
     BACKWARD,
@@ -578,15 +578,12 @@ async def _backward_chunk(
 
 async def _run_chunks(run: Any, chunks: list[slice]) -> None:
     """``run(i, rows)`` for every chunk, concurrently.  A failure raises the chunk's own error
-    (e.g. :class:`MissingBlocksError`, :class:`PetalsError`), not an exception group, unless
-    several chunks failed."""
+    (e.g. :class:`MissingBlocksError`, :class:`PetalsError`), never an exception group: when
+    several chunks fail at once, the first one's, naming the others in its notes."""
     if len(chunks) == 1:
         await run(0, chunks[0])
         return
-    with raising_single_error():
-        async with trio.open_nursery() as nursery:
-            for i, rows in enumerate(chunks):
-                nursery.start_soon(run, i, rows)
+    await run_concurrently(functools.partial(run, i, rows) for i, rows in enumerate(chunks))
 
 
 def _row_chunks(hidden: torch.Tensor, max_chunk_tokens: int) -> list[slice]:

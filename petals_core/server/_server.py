@@ -25,12 +25,13 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import os
 import random
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any, Final, Literal, get_args
@@ -41,7 +42,7 @@ import trio
 
 from .. import __version__
 from .._errors import ConfigError, PeerUnreachable, TransportError
-from .._groups import raising_single_error
+from .._groups import run_concurrently
 from ..dht import (
     DHTNode,
     ModelInfo,
@@ -417,15 +418,19 @@ class Server:
         period stores it again).  While not leaving, the model's entry in the registry is stored
         along with it, with the same expiration."""
         expiration = time.time() + self.config.effective_expiration_s
+        calls: list[Callable[[], Awaitable[object]]] = [
+            functools.partial(
+                self.dht.announce, self.dht_prefix, self.info(), expiration=expiration
+            )
+        ]
+        if self.state is not ServerState.OFFLINE:
+            calls.append(functools.partial(self._register_model, expiration))
         with trio.move_on_after(timeout_s):
             try:
-                with raising_single_error():
-                    async with trio.open_nursery() as nursery:
-                        if self.state is not ServerState.OFFLINE:
-                            nursery.start_soon(self._register_model, expiration)
-                        await self.dht.announce(self.dht_prefix, self.info(), expiration=expiration)
+                await run_concurrently(calls)
             except TransportError as exc:
-                logger.warning("announcing failed: %s", exc)
+                notes = getattr(exc, "__notes__", [])
+                logger.warning("announcing failed: %s", "; ".join([str(exc), *notes]))
         self._announcements += 1
         self._announced.set()
         self._announced = trio.Event()
