@@ -27,8 +27,13 @@ BENCHMARKS = {
     "api": "bench.api",
     "trust": "bench.trust",
 }
-# Run only when named: needs a CUDA GPU.
-ON_DEMAND = {"kernels_cuda": "bench.kernels_cuda", "gpu": "bench.gpu"}
+# Run only when named: the first two need a CUDA GPU.
+ON_DEMAND = {
+    "kernels_cuda": "bench.kernels_cuda",
+    "gpu": "bench.gpu",
+    # Whole benchmarks of this tree beside another tree's (``compare --against REF``).
+    "compare": "bench.compare",
+}
 
 
 def main() -> None:
