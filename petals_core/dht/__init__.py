@@ -1,6 +1,6 @@
 """The peer table: Kademlia and gossip over the QUIC transport.
 
-So far the sans-IO cores, each taking ``now`` (and a ``random.Random``) and returning actions for a
+The sans-IO cores, each taking ``now`` (and a ``random.Random``) and returning actions for a
 driver to carry out:
 
 - the routing table: 160-bit node IDs derived from PeerIDs and record keys, the XOR metric, one

@@ -3,6 +3,12 @@
 Dispatch picks a Triton kernel for CUDA tensors (when no backward is needed), torch's fused
 attention or the reference otherwise.  Triton is imported only when a CUDA tensor needs it.
 ``linear`` sends products of one or two fp32 rows on CPU to numpy's OpenBLAS (see ``_cpu_blas``).
+
+Its modules: ``_dispatch`` (the choice per call), ``_reference`` (the torch references),
+``_triton_attention``, ``_triton_rotary``, ``_triton_norm`` (the kernels), ``_rows`` and
+``_triton_rows`` (row-table kernels for decode graphs), ``_launch`` (every wrapper plans its
+launches before running them), ``_variants`` (the launches of the served models' shapes, which a
+test compiles for sm_80 and sm_90 without a GPU), ``_limits``, ``_cpu_blas``.
 """
 
 from ._cpu_blas import (

@@ -1,7 +1,20 @@
 """Model families (BLOOM, Falcon, LLaMA, Mixtral): blocks with our KV cache, configs,
 shard-selective loading.
 
-This package knows nothing of the network; the server and client build on it.
+This package knows nothing of the network; the server and client build on it.  Its modules:
+
+- ``llama``, ``bloom``, ``falcon``, ``mixtral``: one block module per family, with transformers'
+  parameter names and one forward, whatever :class:`AttentionCache` it attends through;
+- ``_cache``: ``AttentionCache`` (``KVCache`` per session, ``CacheBatch`` of several sessions,
+  ``Uncached`` for training) and the position encodings (rotary, ALiBi);
+- ``_families``: the block class of each ``model_type``; ``_config``: the ``Distributed*Config``
+  classes and the ``dht_prefix`` rules;
+- ``_loading`` (only the shards a span needs), ``_hub`` (a repo at one commit), ``_disk`` (the
+  cache under a disk budget), ``_smollm2`` (the packaged GGUF as a checkpoint);
+- ``_quantize`` (bitsandbytes int8 / nf4), ``_lora`` and ``_lora_loading`` (PEFT adapters);
+- ``_batched`` and ``_span_steps``: several sessions' steps through one forward;
+- ``_cpu_decode`` (with ``_numpy_ops``): fp32 CPU decode steps in numpy;
+- ``_decode_graphs``: CUDA graphs of a span's decode step, captured per bucket and replayed.
 """
 
 from ._cache import KVCache as KVCache

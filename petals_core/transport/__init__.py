@@ -21,6 +21,23 @@ A client::
         connection = await node.connect("/ip4/10.0.0.2/udp/31337/quic-v1/p2p/Qm...")
         with trio.fail_after(5):
             reply = await call_unary(connection, "echo", {"x": torch.ones(3)})
+
+Its modules, bottom up (docs/how-it-works.md says how each works):
+
+- ``_identity``: the Ed25519 identity file, PeerIDs, self-signed certificates carrying the key;
+- ``_multiaddr``: ``/ip4|ip6|dns*/<host>/udp/<port>/quic-v1[/p2p/<PeerID>]``, relayed
+  addresses (``.../p2p/<relay>/p2p-circuit/p2p/<peer>``), a wildcard listener's addresses;
+- ``_codec`` (with ``_codec_format``, ``_codec_tensors``, ``_codec_writer``, ``_codec_checks``):
+  length-prefixed CBOR with a tensor tag, compression, and the ``*_untrusted`` decoders;
+- ``_quic`` and ``_quic_path``: the only modules that reach into aioquic (client certificates,
+  flow control that follows the application, congestion control kept across idle gaps, pacing,
+  path MTU discovery);
+- ``_endpoint`` (events in ``_endpoint_events``): sans-IO, many connections behind one socket;
+- ``_udp``: the socket, with segmentation and receive offload where Linux allows;
+- ``_node``: the trio edge (one socket, one pump task), ``connect_any``;
+- ``_relay_wire``, ``_relay``, ``_punch``: relayed datagrams, relay reservations and circuits,
+  hole punching;
+- ``_connection`` (a peer and its streams), ``_rpc`` (unary and streaming calls), ``_config``.
 """
 
 from .._errors import (
