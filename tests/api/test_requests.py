@@ -6,8 +6,14 @@ from typing import Any
 
 import pytest
 
-from petals_core.api import ApiError, Message, parse_chat_untrusted, parse_completion_untrusted
-from petals_core.api._engine import Limits, _stop_prefix_start
+from petals_core.api import (
+    ApiError,
+    Limits,
+    Message,
+    parse_chat_untrusted,
+    parse_completion_untrusted,
+)
+from petals_core.api._engine import _stop_prefix_start
 
 CHAT: dict[str, Any] = {"model": "m", "messages": [{"role": "user", "content": "Hi"}]}
 
