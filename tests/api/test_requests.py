@@ -13,7 +13,7 @@ from petals_core.api import (
     parse_chat_untrusted,
     parse_completion_untrusted,
 )
-from petals_core.api._engine import _stop_prefix_start
+from petals_core.api._job import stop_prefix_start as _stop_prefix_start
 
 CHAT: dict[str, Any] = {"model": "m", "messages": [{"role": "user", "content": "Hi"}]}
 
