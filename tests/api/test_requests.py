@@ -13,7 +13,6 @@ from petals_core.api import (
     parse_chat_untrusted,
     parse_completion_untrusted,
 )
-from petals_core.api._job import stop_prefix_start as _stop_prefix_start
 
 CHAT: dict[str, Any] = {"model": "m", "messages": [{"role": "user", "content": "Hi"}]}
 
@@ -153,13 +152,6 @@ def test_completion_refusals(body: dict[str, Any], param: str, match: str) -> No
 def test_non_objects_are_refused() -> None:
     for body in (None, [], "x", 3):
         _refused(parse_chat_untrusted, body, None, "JSON object")
-
-
-def test_what_may_start_a_stop_sequence_is_held_back() -> None:
-    assert _stop_prefix_start("Hello wor", ["world"]) == 6
-    assert _stop_prefix_start("Hello", ["world"]) == 5
-    assert _stop_prefix_start("abc", []) == 3
-    assert _stop_prefix_start("x<|e", ["<|end|>", "e"]) == 1
 
 
 def test_limits_are_checked() -> None:
