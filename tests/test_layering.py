@@ -236,6 +236,7 @@ def test_the_library_reads_no_private_module_state() -> None:
 SANS_IO = (
     "petals_core.protocol",
     "petals_core.client._session_core",
+    "petals_core.api._job",
     "petals_core.server._session_state",
     "petals_core.routing._planning",
     "petals_core.routing._block_selection",

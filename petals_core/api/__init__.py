@@ -15,14 +15,14 @@ from .._extras import require
 require("http", "the OpenAI endpoint (petals_core.api)")
 
 from ._app import MAX_BODY_BYTES as MAX_BODY_BYTES, create_app as create_app
-from ._engine import (
+from ._engine import Engine as Engine
+from ._errors import ApiError as ApiError
+from ._records import (
     Chunk as Chunk,
-    Engine as Engine,
     Limits as Limits,
     TokenLogprob as TokenLogprob,
     Usage as Usage,
 )
-from ._errors import ApiError as ApiError
 from ._requests import (
     ChatRequest as ChatRequest,
     CompletionRequest as CompletionRequest,

@@ -32,7 +32,7 @@ from .._cli import configure_logging
 from .._errors import PetalsError
 from .._groups import raising_single_error
 from .._http import shutdown_on_signals
-from ._engine import Limits
+from ._records import Limits
 from ._serve import ApiConfig, RunningApi, serve_api
 from ._speculative import PROMPT_LOOKUP_NUM_TOKENS, SPECULATIVE_METHODS
 

@@ -28,8 +28,9 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from ._detokenize import text_bytes
-from ._engine import Chunk, Engine, Event, PromptLogprobs, TokenLogprob, Usage
+from ._engine import Engine
 from ._errors import ApiError
+from ._records import Chunk, Event, PromptLogprobs, TokenLogprob, Usage
 from ._requests import (
     ChatRequest,
     CompletionRequest,

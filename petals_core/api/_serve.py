@@ -12,7 +12,8 @@ import trio
 
 from .._http import serve_http
 from ._app import create_app
-from ._engine import Engine, Limits
+from ._engine import Engine
+from ._records import Limits
 from ._speculative import PROMPT_LOOKUP_NUM_TOKENS, check_speculative
 
 __all__ = ["ApiConfig", "RunningApi", "serve_api"]

@@ -500,26 +500,17 @@ def test_a_stop_sequence_is_never_sent_in_part(endpoint: Any) -> None:
     """Text that may begin a stop sequence is held back, also while its last character is
     still incomplete (a character spread over several tokens)."""
     from petals_core.api import Sampling
-    from petals_core.api._engine import _Job
 
     engine = endpoint.api.engine
     stop = "x\U0001f600"  # x, then an emoji that takes several tokens
     tokens = engine.encode_prompt("ab" + stop + "cd")
-
-    async def feed() -> list[Any]:
-        send, receive = trio.open_memory_channel[Any](100)
-        sampling = Sampling(max_tokens=64, stop=(stop,))
-        job = _Job(engine, [[1]], sampling, 64, send)
-        for token in tokens:
-            if job.on_tokens(torch.tensor([token])):
-                break
-        job.emit(None)  # the end of the chunks
-        events = []
-        while (event := receive.receive_nowait()) is not None:
-            events.append(event)
-        return events
-
-    chunks = endpoint.run(feed)
+    job = engine.job([[1]], Sampling(max_tokens=64, stop=(stop,)), 64)
+    chunks = []
+    for token in tokens:
+        emitted, done = job.on_tokens(torch.tensor([token]))
+        chunks += emitted
+        if done:
+            break
     assert "".join(chunk.text for chunk in chunks) == "ab"
     assert chunks[-1].finish_reason == "stop"
 

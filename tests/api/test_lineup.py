@@ -12,9 +12,10 @@ import trio
 import trio.testing
 
 from petals_core.api import Sampling
-from petals_core.api._engine import _Chooser, _Entry, _Lineup
+from petals_core.api._lineup import Entry, Lineup
+from petals_core.api._sampling import Chooser
 
-GREEDY = _Chooser(Sampling(max_tokens=1, temperature=0.0))
+GREEDY = Chooser(Sampling(max_tokens=1, temperature=0.0))
 
 
 class _Head:
@@ -23,7 +24,7 @@ class _Head:
     def __init__(self) -> None:
         self.batches: list[int] = []
 
-    def __call__(self, entries: list[_Entry]) -> None:
+    def __call__(self, entries: list[Entry]) -> None:
         self.batches.append(len(entries))
         for entry in entries:
             entry.tokens = entry.hidden[:, 0].long()
@@ -43,7 +44,7 @@ async def test_requests_arriving_together_go_in_one_batch_and_get_their_own_rows
     head = _Head()
     got: dict[int, int] = {}
     async with trio.open_nursery() as nursery:
-        lineup = _Lineup(head, nursery, run_sync=_inline)
+        lineup = Lineup(head, nursery, run_sync=_inline)
 
         async def request(value: int) -> None:
             tokens, logprobs = await lineup.choose(value, _hidden(value), GREEDY)
@@ -64,7 +65,7 @@ async def test_a_late_request_holds_the_others_up_for_about_one_step(
 ) -> None:
     head = _Head()
     async with trio.open_nursery() as nursery:
-        lineup = _Lineup(head, nursery, run_sync=_inline)
+        lineup = Lineup(head, nursery, run_sync=_inline)
         late_released = trio.Event()
 
         async def steady() -> None:
@@ -97,7 +98,7 @@ async def test_a_request_that_leaves_completes_the_batch_at_once(
 ) -> None:
     head = _Head()
     async with trio.open_nursery() as nursery:
-        lineup = _Lineup(head, nursery, run_sync=_inline)
+        lineup = Lineup(head, nursery, run_sync=_inline)
         await lineup.choose("a", _hidden(1), GREEDY)  # alone: at once
         lineup._steps_s.extend([100.0] * 8)  # the usual step is long: the hold would be too
         lineup._members.add("b")  # b decodes, and is still in its step
@@ -117,7 +118,7 @@ async def test_a_request_that_leaves_completes_the_batch_at_once(
 async def test_a_request_whose_choice_fails_fails_alone(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
-    def head(entries: list[_Entry]) -> None:
+    def head(entries: list[Entry]) -> None:
         for entry in entries:
             if entry.hidden[0, 0] < 0:
                 entry.error = ValueError("bad logits")
@@ -126,7 +127,7 @@ async def test_a_request_whose_choice_fails_fails_alone(
 
     outcomes: dict[str, object] = {}
     async with trio.open_nursery() as nursery:
-        lineup = _Lineup(head, nursery, run_sync=_inline)
+        lineup = Lineup(head, nursery, run_sync=_inline)
 
         async def request(name: str, value: int) -> None:
             try:

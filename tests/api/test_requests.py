@@ -6,8 +6,13 @@ from typing import Any
 
 import pytest
 
-from petals_core.api import ApiError, Message, parse_chat_untrusted, parse_completion_untrusted
-from petals_core.api._engine import Limits, _stop_prefix_start
+from petals_core.api import (
+    ApiError,
+    Limits,
+    Message,
+    parse_chat_untrusted,
+    parse_completion_untrusted,
+)
 
 CHAT: dict[str, Any] = {"model": "m", "messages": [{"role": "user", "content": "Hi"}]}
 
@@ -147,13 +152,6 @@ def test_completion_refusals(body: dict[str, Any], param: str, match: str) -> No
 def test_non_objects_are_refused() -> None:
     for body in (None, [], "x", 3):
         _refused(parse_chat_untrusted, body, None, "JSON object")
-
-
-def test_what_may_start_a_stop_sequence_is_held_back() -> None:
-    assert _stop_prefix_start("Hello wor", ["world"]) == 6
-    assert _stop_prefix_start("Hello", ["world"]) == 5
-    assert _stop_prefix_start("abc", []) == 3
-    assert _stop_prefix_start("x<|e", ["<|end|>", "e"]) == 1
 
 
 def test_limits_are_checked() -> None:
