@@ -305,8 +305,7 @@ def _timings(prefill_ms: list[float], decode_ms: list[float]) -> dict[str, Any]:
 async def _concurrency(setup: SwarmSetup, peers: list[str], config: Any) -> list[dict[str, Any]]:
     """Sessions stepping at once through the bf16 swarm: total tokens per second.  Each level
     first runs its steps untimed (captures, allocations, batching settle), then timed."""
-    from petals_core.client import RemoteSequential
-    from petals_core.routing import RemoteSequenceManager, SequenceManagerConfig
+    from petals_core.client import RemoteSequenceManager, RemoteSequential, SequenceManagerConfig
 
     manager = RemoteSequenceManager(
         SequenceManagerConfig(initial_peers=tuple(peers), dht_prefix=f"{setup.family}-bf16"),

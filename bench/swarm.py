@@ -250,7 +250,7 @@ def main() -> None:
 
 
 def _report_checks(checks: dict[str, Any]) -> None:
-    from petals_core.routing import SequenceManagerConfig
+    from petals_core.client import SequenceManagerConfig
 
     share = SequenceManagerConfig().verify_share
     none, sample, every = checks["none"], checks["sample"], checks["all"]

@@ -133,7 +133,7 @@ def honest_disagreement(
 
 def caught_after(trials: int, lie_rate: float) -> tuple[list[int], list[int]]:
     """Per simulated liar: answers until its first checked lie, and lies unchecked before it."""
-    from petals_core.routing import RemoteSequenceManager, SequenceManagerConfig
+    from petals_core.client import RemoteSequenceManager, SequenceManagerConfig
 
     answers_until, passed = [], []
     rng = random.Random(7)

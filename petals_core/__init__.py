@@ -71,8 +71,16 @@ _LAZY = {
         ),
         "models",
     ),
-    **dict.fromkeys(("ClientConfig", "RemoteSequenceManager", "SequenceManagerConfig"), "routing"),
-    **dict.fromkeys(("InferenceSession", "RemoteSequential"), "client"),
+    **dict.fromkeys(
+        (
+            "ClientConfig",
+            "InferenceSession",
+            "RemoteSequenceManager",
+            "RemoteSequential",
+            "SequenceManagerConfig",
+        ),
+        "client",
+    ),
 }
 
 

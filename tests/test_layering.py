@@ -40,6 +40,9 @@ TOP = ("petals_core.api", "petals_core.monitor", "petals_core._http")
 PACKAGE = Path(__file__).resolve().parents[1] / "petals_core"
 #: Third-party modules that torch and transformers do not import.
 NOT_IN_MODEL_STACK = ("aioquic",)
+#: The part of the model stack below transformers (which loads trio), and what it does not import.
+TORCH_STACK = ("numpy", "torch", "safetensors.torch", "huggingface_hub")
+NOT_IN_TORCH_STACK = ("aioquic", "trio", "transformers")
 
 
 def _imported_after(module: str, watched: tuple[str, ...]) -> list[str]:
@@ -53,10 +56,13 @@ def _imported_after(module: str, watched: tuple[str, ...]) -> list[str]:
 
 
 def _run_checks(watched: tuple[str, ...], modules: list[str]) -> dict[str, list[str]]:
-    # The third-party model stack is preloaded where no module it may load is watched (the
-    # driver fails if it loaded one anyway).
-    ours = all(_within(name, ("petals_core", *NOT_IN_MODEL_STACK)) for name in watched)
-    preload = MODEL_STACK if ours else ()
+    # The third-party model stack, or its torch part, is preloaded where no module it may load is
+    # watched (the driver fails if it loaded one anyway).
+    preload: tuple[str, ...] = ()
+    for stack, absent in ((MODEL_STACK, NOT_IN_MODEL_STACK), (TORCH_STACK, NOT_IN_TORCH_STACK)):
+        if all(_within(name, ("petals_core", *absent)) for name in watched):
+            preload = stack
+            break
     snippets = {
         module: f"import sys, {module}\n"
         f"print(','.join(m for m in {watched!r} if m in sys.modules))\n"
@@ -115,10 +121,49 @@ LOWER_LAYERS = (
     "petals_core.monitor",
 )
 DISTRIBUTED = ("petals_core.distributed",)
+#: Modules that only keep state and decide: fed events, they answer with what to send.
+SANS_IO = (
+    "petals_core.protocol",
+    "petals_core.client._session_core",
+    "petals_core.api._job",
+    "petals_core.server._session_state",
+    "petals_core.routing",
+    "petals_core.dht._routing",
+    "petals_core.dht._lookup",
+    "petals_core.dht._gossip",
+    "petals_core.dht._record_store",
+    "petals_core.transport._codec",
+)
+#: What a sans-IO module must not import: an event loop, a clock, sockets or threads.
+IO = ("trio", "anyio", "asyncio", "time", "socket", "threading", "select", "selectors")
+#: What importing a sans-IO module must not load, through every import on the way (package
+#: ``__init__`` files included): the event loop and the QUIC stack.
+LOOP_AND_NETWORK = ("trio", "aioquic")
+
+
+def _module_files(module: str) -> list[Path]:
+    path = PACKAGE.joinpath(*module.split(".")[1:])
+    return sorted(path.rglob("*.py")) if path.is_dir() else [path.with_suffix(".py")]
+
+
+def _modules_in(module: str) -> list[str]:
+    """``module``, and each module of it if it is a package."""
+    found = []
+    for path in _module_files(module):
+        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+        found.append(".".join(parts[:-1] if parts[-1] == "__init__" else parts))
+    return found
+
+
+SANS_IO_MODULES = tuple(name for module in SANS_IO for name in _modules_in(module))
+#: What importing routing must not load: the server's choice of blocks loads no client.
+ROUTING_LOADS_NEITHER = ("petals_core.client", "petals_core.server")
 _CHECKS = (
     *((module, HEAVY) for module in TORCHLESS),
     *((module, NETWORK) for module in MODEL_CODE),
     *((module, DISTRIBUTED) for module in LOWER_LAYERS),
+    *((module, LOOP_AND_NETWORK) for module in SANS_IO_MODULES),
+    ("petals_core.routing", ROUTING_LOADS_NEITHER),
 )
 
 
@@ -232,28 +277,44 @@ def test_the_library_reads_no_private_module_state() -> None:
     assert found == []
 
 
-#: Modules that only keep state and decide: fed events, they answer with what to send.
-SANS_IO = (
-    "petals_core.protocol",
-    "petals_core.client._session_core",
-    "petals_core.api._job",
-    "petals_core.server._session_state",
-    "petals_core.routing._planning",
-    "petals_core.routing._block_selection",
-    "petals_core.routing._spans",
-    "petals_core.dht._routing",
-    "petals_core.dht._lookup",
-    "petals_core.dht._gossip",
-    "petals_core.dht._record_store",
-    "petals_core.transport._codec",
+@pytest.mark.parametrize("module", SANS_IO_MODULES)
+def test_sans_io_modules_load_no_event_loop_and_no_network(module: str) -> None:
+    assert _imported_after(module, LOOP_AND_NETWORK) == []
+
+
+#: What routing reads of the DHT: the servers' announcements and the table of them.
+ROUTING_READS_OF_THE_DHT = (
+    "petals_core.dht",
+    "petals_core.dht.PeerTableSnapshot",
+    "petals_core.dht.ServerInfo",
+    "petals_core.dht.ServerState",
 )
-#: What a sans-IO module must not import: an event loop, a clock, sockets or threads.
-IO = ("trio", "anyio", "asyncio", "time", "socket", "threading", "select", "selectors")
 
 
-def _module_files(module: str) -> list[Path]:
-    path = PACKAGE.joinpath(*module.split(".")[1:])
-    return sorted(path.rglob("*.py")) if path.is_dir() else [path.with_suffix(".py")]
+def test_routing_imports_no_event_loop_no_network_and_neither_side() -> None:
+    """Routing decides over announcements: no trio, no DHT node, no transport, and neither the
+    client (whose sequence manager drives its planners) nor the server (whose block choice
+    does)."""
+    forbidden = (
+        "trio",
+        "petals_core.dht",
+        "petals_core.transport",
+        "petals_core.client",
+        "petals_core.server",
+    )
+    offending = {
+        path: sorted(
+            name
+            for name in names
+            if _within(name, forbidden) and name not in ROUTING_READS_OF_THE_DHT
+        )
+        for path, names in _imports_in("petals_core.routing").items()
+    }
+    assert {path: names for path, names in offending.items() if names} == {}
+
+
+def test_routing_loads_neither_the_client_nor_the_server() -> None:
+    assert _imported_after("petals_core.routing", ROUTING_LOADS_NEITHER) == []
 
 
 @pytest.mark.parametrize("module", SANS_IO)

@@ -66,7 +66,7 @@ def test_unknown_root_names_still_fail() -> None:
 
 def test_client_config_takes_petals_field_names() -> None:
     from petals_core import ClientConfig
-    from petals_core.routing import SequenceManagerConfig
+    from petals_core.client import SequenceManagerConfig
 
     config = ClientConfig(initial_peers=["/ip4/127.0.0.1/udp/1/quic-v1"], request_timeout=30)
     assert isinstance(config, SequenceManagerConfig)

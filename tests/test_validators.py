@@ -17,8 +17,8 @@ from petals_core._validators import (
     positive,
     positive_or_none,
 )
+from petals_core.client import SequenceManagerConfig
 from petals_core.demo import DemoConfig
-from petals_core.routing import SequenceManagerConfig
 from petals_core.server import ServingLimits
 from petals_core.transport import CodecLimits, TransportConfig
 

@@ -1,5 +1,9 @@
 """The client: routes requests through servers and survives their failures.
 
+- :class:`RemoteSequenceManager`: which servers a client's requests go through: the model's peer
+  table read by a client-mode DHT node, pings and bans, and routes from the planners of
+  :mod:`petals_core.routing`; configured by :class:`SequenceManagerConfig` (or
+  :class:`ClientConfig`, which also takes Petals' field names).
 - :class:`InferenceSession` (async): a session over a chain of servers; a failed server is
   banned, its blocks routed anew and its history replayed, so the outputs are the same as
   without the failure.
@@ -9,14 +13,34 @@
 - Fraud reports: a client publishes the signed answers of servers it caught, and judges others'
   (:func:`judge_listed`, run by :func:`run_manager` beside the sequence manager); its
   :class:`ReportBook` (:func:`book_of`) holds its :class:`Verdict` s.
+
+Each name is imported on first use: the sans-IO state of a session (``_session_core``) imports
+without trio.
 """
 
-from ._bridge import Bridge as Bridge, bridge as bridge
-from ._inference import FirstStepTimes as FirstStepTimes, InferenceSession as InferenceSession
-from ._remote_sequential import (
-    RemoteSequential as RemoteSequential,
-    SyncInferenceSession as SyncInferenceSession,
-)
-from ._report_judge import judge_listed as judge_listed, run_manager as run_manager
-from ._reports import ReportBook as ReportBook, Verdict as Verdict, book_of as book_of
-from ._sequential import remote_backward as remote_backward, remote_forward as remote_forward
+from typing import TYPE_CHECKING
+
+from .._lazy import lazy_exports
+
+if TYPE_CHECKING:
+    from ._bridge import Bridge as Bridge, bridge as bridge
+    from ._client_config import (
+        PETALS_MANAGER_NAMES as PETALS_MANAGER_NAMES,
+        ClientConfig as ClientConfig,
+        with_our_names as with_our_names,
+    )
+    from ._inference import FirstStepTimes as FirstStepTimes, InferenceSession as InferenceSession
+    from ._remote_sequential import (
+        RemoteSequential as RemoteSequential,
+        SyncInferenceSession as SyncInferenceSession,
+    )
+    from ._report_judge import judge_listed as judge_listed, run_manager as run_manager
+    from ._reports import ReportBook as ReportBook, Verdict as Verdict, book_of as book_of
+    from ._sequence_manager import (
+        RemoteSequenceManager as RemoteSequenceManager,
+        SequenceManagerConfig as SequenceManagerConfig,
+        SequenceManagerState as SequenceManagerState,
+    )
+    from ._sequential import remote_backward as remote_backward, remote_forward as remote_forward
+else:
+    __getattr__, __dir__, __all__ = lazy_exports(__name__)

@@ -53,7 +53,7 @@ from ..protocol import (
     StepResult,
     digest_tensors,
 )
-from ..routing import MissingBlocksError, RemoteSequenceManager, RouteSpan
+from ..routing import MissingBlocksError, RouteSpan
 from ..transport import Call, as_received, compress_floats, open_call
 from ._checks import (
     check_receipt,
@@ -65,6 +65,7 @@ from ._checks import (
 )
 from ._placement import like, to_wire
 from ._reports import book_of
+from ._sequence_manager import RemoteSequenceManager
 from ._session_core import SessionCore, SpanState
 
 __all__ = ["FirstStepTimes", "InferenceSession"]

@@ -17,11 +17,11 @@ import torch
 import trio
 from torch import nn
 
-from ..routing import RemoteSequenceManager
 from ._bridge import bridge
 from ._inference import InferenceSession
 from ._placement import like, to_wire
 from ._report_judge import run_manager
+from ._sequence_manager import RemoteSequenceManager
 from ._sequential import DEFAULT_MAX_CHUNK_TOKENS, Saved, remote_backward, remote_forward
 
 __all__ = ["RemoteSequential", "SyncInferenceSession"]

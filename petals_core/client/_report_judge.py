@@ -30,7 +30,7 @@ import trio
 from .._errors import PetalsError, ReportRefused, TransportError
 from ..dht import Listing, ServerInfo, fetch_listings
 from ..protocol import BackwardRequest, FraudReport, OpenSession, Signature, Step
-from ..routing import MissingBlocksError, RemoteSequenceManager, RouteSpan
+from ..routing import MissingBlocksError, RouteSpan
 from ._checks import compare, hops_allowance, tolerance
 from ._inference import RETRIABLE, _SpanCall, other_route
 from ._reports import (
@@ -42,6 +42,7 @@ from ._reports import (
     fetch_report,
     publish,
 )
+from ._sequence_manager import RemoteSequenceManager
 from ._sequential import _backward_elsewhere, _recompute
 from ._session_core import SpanState
 

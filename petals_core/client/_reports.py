@@ -33,9 +33,9 @@ from ..dht import (
     store_listings,
 )
 from ..protocol import FraudReport
-from ..routing import RemoteSequenceManager
 from ..transport import CodecLimits, PeerID, decode_message_untrusted, encode_message
 from ._checks import CLOCK_SKEW_S
+from ._sequence_manager import RemoteSequenceManager
 
 __all__ = [
     "REPORT_TTL_S",

@@ -40,12 +40,13 @@ from ..protocol import (
     receive_tensors,
     send_tensors,
 )
-from ..routing import MissingBlocksError, RemoteSequenceManager, RouteSpan
+from ..routing import MissingBlocksError, RouteSpan
 from ..transport import as_received, compress_floats, open_call
 from ._checks import check_receipt, compare, hops_allowance, majority, tolerance
 from ._inference import RETRIABLE, other_route
 from ._placement import like, to_wire
 from ._reports import book_of
+from ._sequence_manager import RemoteSequenceManager
 
 __all__ = ["remote_backward", "remote_forward"]
 

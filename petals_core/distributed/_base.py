@@ -46,8 +46,7 @@ from transformers.modeling_outputs import BaseModelOutputWithPast
 
 from .._errors import ConfigError
 from .._hf_compat import cache_kwargs
-from ..client import RemoteSequential
-from ..routing import RemoteSequenceManager, SequenceManagerConfig
+from ..client import RemoteSequenceManager, RemoteSequential, SequenceManagerConfig
 from ._cache import RemoteCache
 from ._pretrained import FromPretrainedMixin, TuningMode, tuning_settings
 from ._session import RemoteInferenceSession

@@ -22,7 +22,7 @@ from transformers.utils import ModelOutput
 from .. import kernels
 from .._errors import ConfigError
 from .._hf_compat import CACHE_ARG, cache_kwargs
-from ..routing import SequenceManagerConfig
+from ..client import SequenceManagerConfig
 from ._base import DistributedModelMixin
 from ._cache import RemoteCache
 from ._pretrained import FromPretrainedMixin

@@ -4,7 +4,7 @@ Keyword arguments are sorted into four groups:
 
 - Hub access (``cache_dir``, ``revision``, ``token``, ``local_files_only``): for the config and
   the weights alike;
-- :class:`~petals_core.routing.SequenceManagerConfig` fields (``initial_peers``,
+- :class:`~petals_core.client.SequenceManagerConfig` fields (``initial_peers``,
   ``request_timeout_s``, ...; the times also under Petals' names without the unit,
   ``request_timeout``, ``ban_timeout``, ...: see :data:`PETALS_MANAGER_NAMES`), ``dht_prefix``
   (settled by :class:`~petals_core.models.AutoDistributedConfig`: given, stored, or derived from
@@ -30,8 +30,8 @@ import torch
 from transformers.initialization import no_init_weights
 
 from .._errors import CheckpointError, ConfigError
+from ..client import PETALS_MANAGER_NAMES, SequenceManagerConfig, with_our_names
 from ..models import AutoDistributedConfig, DistributedConfig, client_state_dict, original_repo
-from ..routing import PETALS_MANAGER_NAMES, SequenceManagerConfig, with_our_names
 
 __all__ = [
     "PETALS_MANAGER_NAMES",
@@ -228,7 +228,7 @@ class FromPretrainedMixin:
 
         ``initial_peers=...``, ``torch_dtype=...``, ``tuning_mode=None | "ptune" |
         "deep_ptune"``, ``pre_seq_len=...``, ``dht_prefix=...``, any
-        :class:`~petals_core.routing.SequenceManagerConfig` field (its times also under Petals'
+        :class:`~petals_core.client.SequenceManagerConfig` field (its times also under Petals'
         names: ``request_timeout`` for ``request_timeout_s``, ...), ``cache_dir``, ``revision``,
         ``token``, ``local_files_only``; other keyword arguments override config attributes.
         Raises :class:`~petals_core.ConfigError` for a checkpoint of another family or a bad

@@ -51,8 +51,7 @@ from ..transport import Multiaddr, call_unary, client_listen_host
 from ._state import SwarmState, build_state
 
 if TYPE_CHECKING:
-    from ..client import Verdict
-    from ..routing import RemoteSequenceManager
+    from ..client import RemoteSequenceManager, Verdict
 
 __all__ = ["MonitorConfig", "SwarmMonitor", "open_monitor"]
 
@@ -271,8 +270,7 @@ class SwarmMonitor:
 
     async def _judge(self, prefix: str, topic: Topic) -> None:
         # Judging recomputes answers: the client's machinery, and torch, load only now.
-        from ..client import judge_listed
-        from ..routing import RemoteSequenceManager, SequenceManagerConfig
+        from ..client import RemoteSequenceManager, SequenceManagerConfig, judge_listed
 
         judge = self._judges.get(prefix)
         if judge is None:

@@ -2,7 +2,8 @@
 when a running one should move.
 
 Pure functions over :class:`ServerSpan` (built from the DHT's ``PeerTableSnapshot``), with no
-I/O and no torch: the server's rebalancing loop and the client's route planning drive them.
+I/O and no torch: the server's rebalancing loop and the client's sequence manager
+(:class:`petals_core.client.RemoteSequenceManager`) drive them.
 """
 
 from ._block_selection import (
@@ -10,11 +11,6 @@ from ._block_selection import (
     choose_best_blocks as choose_best_blocks,
     choose_best_start as choose_best_start,
     should_choose_other_blocks as should_choose_other_blocks,
-)
-from ._client_config import (
-    PETALS_MANAGER_NAMES as PETALS_MANAGER_NAMES,
-    ClientConfig as ClientConfig,
-    with_our_names as with_our_names,
 )
 from ._planning import (
     MissingBlocksError as MissingBlocksError,
@@ -24,11 +20,6 @@ from ._planning import (
     make_route_min_latency as make_route_min_latency,
     route_cost as route_cost,
     usable_servers as usable_servers,
-)
-from ._sequence_manager import (
-    RemoteSequenceManager as RemoteSequenceManager,
-    SequenceManagerConfig as SequenceManagerConfig,
-    SequenceManagerState as SequenceManagerState,
 )
 from ._spans import (
     ServerSpan as ServerSpan,

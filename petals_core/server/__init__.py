@@ -15,37 +15,47 @@ Run it as ``python -m petals_core.server MODEL [options]``.  Its parts:
   :class:`BlockBudget`);
 - :func:`get_server_throughput`: the throughput a server announces, measured once per device,
   dtype and quantisation and cached on disk.
+
+Each name is imported on first use: the sans-IO state of a session (``_session_state``) imports
+without trio.
 """
 
-from ._backend import BlockBackend as BlockBackend
-from ._defaults import BlockBudget as BlockBudget, ServingDefaults as ServingDefaults
-from ._handler import (
-    BlockServer as BlockServer,
-    BlockServerStatistics as BlockServerStatistics,
-    ServingLimits as ServingLimits,
-)
-from ._memory_cache import (
-    CacheGrant as CacheGrant,
-    MemoryCache as MemoryCache,
-    MemoryCacheStatistics as MemoryCacheStatistics,
-)
-from ._server import (
-    SMOLLM2 as SMOLLM2,
-    Server as Server,
-    ServerConfig as ServerConfig,
-    open_server as open_server,
-)
-from ._task_pool import (
-    Priority as Priority,
-    TaskPool as TaskPool,
-    TaskPoolStatistics as TaskPoolStatistics,
-    open_task_pool as open_task_pool,
-)
-from ._throughput import (
-    DEFAULT_NETWORK_BANDWIDTH_BITS_PER_S as DEFAULT_NETWORK_BANDWIDTH_BITS_PER_S,
-    ComputeMeasure as ComputeMeasure,
-    ThroughputInfo as ThroughputInfo,
-    get_server_throughput as get_server_throughput,
-    measure_compute_rps as measure_compute_rps,
-    throughput_cache_key as throughput_cache_key,
-)
+from typing import TYPE_CHECKING
+
+from .._lazy import lazy_exports
+
+if TYPE_CHECKING:
+    from ._backend import BlockBackend as BlockBackend
+    from ._defaults import BlockBudget as BlockBudget, ServingDefaults as ServingDefaults
+    from ._handler import (
+        BlockServer as BlockServer,
+        BlockServerStatistics as BlockServerStatistics,
+        ServingLimits as ServingLimits,
+    )
+    from ._memory_cache import (
+        CacheGrant as CacheGrant,
+        MemoryCache as MemoryCache,
+        MemoryCacheStatistics as MemoryCacheStatistics,
+    )
+    from ._server import (
+        SMOLLM2 as SMOLLM2,
+        Server as Server,
+        ServerConfig as ServerConfig,
+        open_server as open_server,
+    )
+    from ._task_pool import (
+        Priority as Priority,
+        TaskPool as TaskPool,
+        TaskPoolStatistics as TaskPoolStatistics,
+        open_task_pool as open_task_pool,
+    )
+    from ._throughput import (
+        DEFAULT_NETWORK_BANDWIDTH_BITS_PER_S as DEFAULT_NETWORK_BANDWIDTH_BITS_PER_S,
+        ComputeMeasure as ComputeMeasure,
+        ThroughputInfo as ThroughputInfo,
+        get_server_throughput as get_server_throughput,
+        measure_compute_rps as measure_compute_rps,
+        throughput_cache_key as throughput_cache_key,
+    )
+else:
+    __getattr__, __dir__, __all__ = lazy_exports(__name__)

@@ -12,7 +12,6 @@ from petals_core.api import Chunk, Sampling
 from petals_core.api._detokenize import TokenTexts
 from petals_core.api._job import Job, stop_prefix_start
 
-from .._fresh import run_fresh
 from .test_detokenize import TOKENIZERS
 
 #: LLaMA-2's kind of tokenizer: a character a token, ``</s>`` the end token.
@@ -199,22 +198,3 @@ def test_drafts_follow_each_row_and_stay_within_max_tokens() -> None:
     drafts = job.draft(10)
     # Row 1 has 2 of its 6 tokens: a step may keep its drafts and one token more.
     assert drafts is not None and drafts.tolist() == [[PAD] * 3, [13, 10, 11]]
-
-
-def test_the_request_state_loads_no_event_loop() -> None:
-    """Only the module and what it imports: the package's ``__init__`` (the HTTP endpoint, which
-    loads trio) is left unrun."""
-    code = (
-        "import importlib.util, sys\n"
-        "from pathlib import Path\n"
-        "import petals_core\n"
-        "folder = Path(petals_core.__file__).parent / 'api'\n"
-        "spec = importlib.util.spec_from_file_location(\n"
-        "    'petals_core.api', folder / '__init__.py', submodule_search_locations=[str(folder)]\n"
-        ")\n"
-        "sys.modules['petals_core.api'] = importlib.util.module_from_spec(spec)\n"
-        "import petals_core.api._job\n"
-        "print(','.join(m for m in ('trio', 'anyio') if m in sys.modules))\n"
-    )
-    fresh = run_fresh({"job": code}, preload=("torch",), absent=("trio", "anyio"))["job"]
-    assert fresh.check().strip() == ""

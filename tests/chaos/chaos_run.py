@@ -59,9 +59,9 @@ from transformers import (
 )
 
 from petals_core import PetalsError
+from petals_core.client import RemoteSequenceManager
 from petals_core.dht import PeerTableSnapshot
 from petals_core.distributed import AutoDistributedModelForCausalLM
-from petals_core.routing import RemoteSequenceManager
 from petals_core.testing import (
     LocalSwarm,
     SwarmProcess,

@@ -28,8 +28,14 @@ import attrs
 import torch
 import trio
 
-from petals_core.client import InferenceSession, RemoteSequential, remote_backward, remote_forward
-from petals_core.routing import RemoteSequenceManager, SequenceManagerConfig
+from petals_core.client import (
+    InferenceSession,
+    RemoteSequenceManager,
+    RemoteSequential,
+    SequenceManagerConfig,
+    remote_backward,
+    remote_forward,
+)
 from petals_core.server import Server
 from petals_core.transport import Connection, Multiaddr, Node, open_node
 

@@ -17,9 +17,9 @@ import torch
 import trio
 from transformers import LlamaForCausalLM
 
+from petals_core.client import RemoteSequenceManager, SequenceManagerConfig
 from petals_core.dht import PeerTableSnapshot
 from petals_core.models import LlamaBlock
-from petals_core.routing import RemoteSequenceManager, SequenceManagerConfig
 from petals_core.server import Server, ServerConfig, ServingLimits, open_server
 from petals_core.testing import LocalSwarm, SwarmProcess, fixed_server_args
 

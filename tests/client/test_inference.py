@@ -17,8 +17,14 @@ import torch
 import trio
 
 from petals_core import PetalsError
-from petals_core.client import InferenceSession, RemoteSequential, remote_backward, remote_forward
-from petals_core.routing import MissingBlocksError, RemoteSequenceManager
+from petals_core.client import (
+    InferenceSession,
+    RemoteSequenceManager,
+    RemoteSequential,
+    remote_backward,
+    remote_forward,
+)
+from petals_core.routing import MissingBlocksError
 from petals_core.server import ServingLimits
 from petals_core.testing import open_local_swarm
 

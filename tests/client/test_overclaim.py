@@ -13,8 +13,8 @@ import torch
 import trio
 
 from petals_core.client import RemoteSequential, remote_forward
+from petals_core.client._sequence_manager import OVERCLAIM_FACTOR
 from petals_core.routing import make_route_max_throughput
-from petals_core.routing._sequence_manager import OVERCLAIM_FACTOR
 
 from ._swarm_helpers import (
     DEADLINE_S,

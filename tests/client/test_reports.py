@@ -14,7 +14,12 @@ import torch
 import trio
 
 from petals_core import ReportRefused
-from petals_core.client import InferenceSession, RemoteSequential, remote_forward
+from petals_core.client import (
+    InferenceSession,
+    RemoteSequenceManager,
+    RemoteSequential,
+    remote_forward,
+)
 from petals_core.client._report_judge import judge_listed
 from petals_core.client._reports import (
     REPORT_TTL_S,
@@ -33,7 +38,7 @@ from petals_core.protocol import (
     StepEvidence,
     digest_tensors,
 )
-from petals_core.routing import RemoteSequenceManager, RouteSpan
+from petals_core.routing import RouteSpan
 from petals_core.testing import make_liar
 from petals_core.transport import Identity, encode_message
 

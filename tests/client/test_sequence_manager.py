@@ -16,14 +16,14 @@ import trio
 from hypothesis import given, strategies as st
 
 from petals_core import ConfigError
-from petals_core.client import RemoteSequential, remote_forward
-from petals_core.dht import PeerTableSnapshot
-from petals_core.routing import (
-    MissingBlocksError,
+from petals_core.client import (
     RemoteSequenceManager,
-    RouteSpan,
+    RemoteSequential,
     SequenceManagerConfig,
+    remote_forward,
 )
+from petals_core.dht import PeerTableSnapshot
+from petals_core.routing import MissingBlocksError, RouteSpan
 
 from ..routing._servers import server
 from ._swarm_helpers import (

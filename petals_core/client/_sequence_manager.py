@@ -3,7 +3,8 @@
 A :class:`RemoteSequenceManager` covers blocks ``[start, end)`` of one model.  It reads the model's
 peer table (a client-mode DHT node following the model's topic: DHT reads plus gossip), keeps
 round-trip times to servers and a ban list, and plans routes with the pure planners of
-``_planning``: min-latency for inference, throughput-weighted sampling for forward/backward.
+:mod:`petals_core.routing`: min-latency for inference, throughput-weighted sampling for
+forward/backward.
 
 Configuration and state are apart on purpose:
 
@@ -34,14 +35,14 @@ import trio
 from .._errors import ConfigError, PeerUnreachable, TransportError
 from .._validators import compression_scheme, positive
 from ..dht import DHTNode, PeerTableSnapshot, ServerInfo, ServerState, Topic, open_dht_node
-from ..transport import Connection, Multiaddr, call_unary, client_listen_host
-from ._planning import (
+from ..routing import (
     MissingBlocksError,
     RouteSpan,
     make_route_max_throughput,
     make_route_min_latency,
     usable_servers,
 )
+from ..transport import Connection, Multiaddr, call_unary, client_listen_host
 
 __all__ = ["RemoteSequenceManager", "SequenceManagerConfig", "SequenceManagerState"]
 
