@@ -8,6 +8,14 @@ batch. A client that disconnects stops its generation, which frees the servers' 
 
 In a trio program, :func:`serve_api` runs the whole endpoint; :class:`Engine` and
 :func:`create_app` put it together around a model you already hold.
+
+Its modules: ``_requests`` (bodies read into checked records), ``_records`` (limits and what a
+request yields), ``_tokenizing`` (prompts and chats to tokens), ``_job`` (a request's state,
+I/O-free: tokens in, chunks out; stop sequences, ``max_tokens``, logprobs), ``_sampling``
+(choosing tokens: greedy, seeded temperature and top-p, drafts kept), ``_lineup`` (decode steps
+lined up across requests), ``_engine`` (a session and a task per request), ``_detokenize``,
+``_speculative`` (prompt lookup), ``_app`` (routes, JSON and server-sent events, OpenAI-shaped
+errors), ``_serve`` (model, swarm client and HTTP in one trio program).
 """
 
 from typing import TYPE_CHECKING
