@@ -18,6 +18,7 @@ Run it as ``python -m petals_core.server MODEL [options]``.  Its parts:
 """
 
 from ._backend import BlockBackend as BlockBackend
+from ._config import ServerConfig as ServerConfig
 from ._defaults import BlockBudget as BlockBudget, ServingDefaults as ServingDefaults
 from ._handler import (
     BlockServer as BlockServer,
@@ -29,12 +30,7 @@ from ._memory_cache import (
     MemoryCache as MemoryCache,
     MemoryCacheStatistics as MemoryCacheStatistics,
 )
-from ._server import (
-    SMOLLM2 as SMOLLM2,
-    Server as Server,
-    ServerConfig as ServerConfig,
-    open_server as open_server,
-)
+from ._server import Server as Server, open_server as open_server
 from ._task_pool import (
     Priority as Priority,
     TaskPool as TaskPool,
