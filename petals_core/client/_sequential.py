@@ -43,9 +43,10 @@ from ..protocol import (
 from ..routing import MissingBlocksError, RemoteSequenceManager, RouteSpan
 from ..transport import as_received, compress_floats, open_call
 from ._checks import check_receipt, compare, hops_allowance, majority, tolerance
-from ._inference import RETRIABLE, other_route
 from ._placement import like, to_wire
 from ._reports import book_of
+from ._second_opinions import other_route
+from ._span_call import RETRIABLE
 
 __all__ = ["remote_backward", "remote_forward"]
 
