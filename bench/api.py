@@ -247,7 +247,7 @@ class _Setup:
 
 
 def _smollm2_setup(repo: str) -> _Setup:
-    from petals_core.server import SMOLLM2
+    from petals_core.demo import SMOLLM2
 
     return _Setup(server_model=SMOLLM2, spans=SPANS)
 

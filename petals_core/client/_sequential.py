@@ -43,10 +43,11 @@ from ..protocol import (
 from ..routing import MissingBlocksError, RouteSpan
 from ..transport import as_received, compress_floats, open_call
 from ._checks import check_receipt, compare, hops_allowance, majority, tolerance
-from ._inference import RETRIABLE, other_route
 from ._placement import like, to_wire
 from ._reports import book_of
+from ._second_opinions import other_route
 from ._sequence_manager import RemoteSequenceManager
+from ._span_call import RETRIABLE
 
 __all__ = ["remote_backward", "remote_forward"]
 

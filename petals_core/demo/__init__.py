@@ -27,4 +27,5 @@ from ._config import (
     short_peer_id as short_peer_id,
     split_blocks as split_blocks,
 )
+from ._model import resolve_alias as resolve_alias
 from ._run import main as main, run_demo as run_demo

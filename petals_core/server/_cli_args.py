@@ -10,11 +10,14 @@ import re
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar, get_args
 
+import attrs
+
 from .._cli import Refused, one_address
 from .._errors import InvalidMultiaddr
+from ..demo import SMOLLM2, resolve_alias
 from ..models import CpuDecodeChoice, QuantType
+from ._config import ServerConfig
 from ._handler import ServingLimits
-from ._server import SMOLLM2, ServerConfig
 
 __all__ = ["PETALS_ONLY_FLAGS", "build_parser", "config_from_args", "parse_args", "parse_nbytes"]
 
@@ -535,10 +538,11 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
     """The :class:`ServerConfig` the flags describe; raises :class:`ConfigError` if they clash.
 
     ``--throughput dry_run`` joins no swarm, so it needs neither ``--new_swarm`` nor
-    ``--initial_peers``.
+    ``--initial_peers``.  MODEL ``smollm2`` is the packaged SmolLM2-135M-Instruct, prepared in
+    the cache here (see :func:`~petals_core.demo.resolve_alias`) and loaded from there only.
     """
     new_swarm = args.new_swarm or (args.throughput == "dry_run" and not args.initial_peers)
-    return ServerConfig(
+    config = ServerConfig(
         model=args.model,
         num_blocks=args.num_blocks,
         block_indices=args.block_indices,
@@ -582,3 +586,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         token=args.token,
         revision=args.revision,
     )
+    prepared = resolve_alias(config.model, config.cache_dir)
+    if prepared is None:
+        return config
+    return attrs.evolve(config, model=prepared, local_files_only=True)

@@ -68,7 +68,7 @@ from ..models import (
 )
 
 if TYPE_CHECKING:
-    from ._server import ServerConfig
+    from ._config import ServerConfig
 
 __all__ = [
     "BlockBudget",

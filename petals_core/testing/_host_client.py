@@ -24,8 +24,8 @@ from typing import Any
 import attrs
 import trio
 
+from .._local_swarm import SwarmProcess
 from ._nat import Host
-from ._swarm import SwarmProcess
 
 __all__ = ["HostClient", "open_host_client", "read_lines"]
 

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import socket
 from collections.abc import AsyncIterator
-from contextlib import AsyncExitStack, asynccontextmanager
+from contextlib import asynccontextmanager
 
 import pytest
 import trio
 
-from petals_core._errors import ConfigError, PeerUnreachable
+from petals_core._errors import PeerUnreachable
 from petals_core.dht import NodeID
 from petals_core.dht._node import DHTNode, open_dht_node
 from petals_core.transport import (
@@ -132,53 +132,6 @@ async def test_malformed_requests_are_refused_and_the_node_keeps_serving() -> No
             observed = str(raw.listen_multiaddr.with_peer_id(None))
             assert reply == {"peer_id": str(dht.peer_id), "observed": observed}
             assert len(dht.routing_table) == 0
-
-
-async def test_refresh_teaches_an_early_client_the_peers_that_joined_after_it() -> None:
-    # Client-mode nodes are never queried, so only their own lookups teach them about peers: the
-    # one that refreshes learns the nodes that joined after it, the one that does not stays put.
-    with trio.fail_after(DEADLINE_S):
-        async with AsyncExitStack() as stack:
-            first = await stack.enter_async_context(open_dht_node(request_timeout_s=2))
-            entry = [str(first.listen_multiaddr)]
-            refreshing = await stack.enter_async_context(
-                open_dht_node(initial_peers=entry, client_mode=True, refresh_interval_s=0.2)
-            )
-            idle = await stack.enter_async_context(
-                open_dht_node(initial_peers=entry, client_mode=True, refresh_interval_s=None)
-            )
-            assert len(refreshing.routing_table) == len(idle.routing_table) == 1
-            later = [
-                await stack.enter_async_context(
-                    open_dht_node(initial_peers=entry, request_timeout_s=2)
-                )
-                for _ in range(4)
-            ]
-            await refreshing.wait_refresh_rounds(3)
-            for node in later:
-                assert NodeID.from_peer_id(node.peer_id) in refreshing.routing_table
-            assert len(idle.routing_table) == 1
-            assert refreshing.statistics().refresh_rounds >= 3
-            with pytest.raises(RuntimeError, match="disabled"):
-                await idle.wait_refresh_rounds()
-
-
-async def test_expired_records_are_swept_without_being_asked_for() -> None:
-    clock = FakeClock()
-    with trio.fail_after(DEADLINE_S):
-        async with open_dht_node(clock=clock, expire_interval_s=0.05) as dht:
-            await dht.store("soon.gone", b"v", clock.now + 10)
-            assert dht.statistics().records.keys == 1
-            clock.now += 20
-            await dht.wait_expire_rounds(1)
-            assert dht.statistics().records.keys == 0
-            assert dht.statistics().expire_rounds >= 1
-
-
-async def test_maintenance_intervals_must_be_positive() -> None:
-    with pytest.raises(ConfigError, match="refresh_interval_s"):
-        async with open_dht_node(refresh_interval_s=0):
-            pytest.fail("should not start")
 
 
 async def test_a_node_behind_port_forwarding_is_known_by_the_address_it_announces() -> None:

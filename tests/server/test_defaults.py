@@ -19,6 +19,7 @@ from transformers.models.falcon.modeling_falcon import FalconDecoderLayer
 
 from petals_core import ConfigError
 from petals_core.models import DecodeGraphsConfig, QuantType, new_block, quantize_block
+from petals_core.server._config import ServerConfig
 from petals_core.server._defaults import (
     autograd_reserve_nbytes,
     bitsandbytes_problem,
@@ -36,7 +37,6 @@ from petals_core.server._defaults import (
     resolve_quant_type,
 )
 from petals_core.server._handler import ServingLimits
-from petals_core.server._server import ServerConfig
 from petals_core.testing import (
     falcon_7b_config,
     mixtral_8x7b_config,

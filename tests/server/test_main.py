@@ -24,7 +24,7 @@ from petals_core.dht import open_dht_node
 from petals_core.models import default_dht_prefix
 from petals_core.protocol import INFO
 from petals_core.server.__main__ import build_parser, config_from_args, main, parse_nbytes
-from petals_core.server._server import ServerConfig
+from petals_core.server._config import ServerConfig
 from petals_core.transport import Multiaddr, call_unary, open_node
 
 from ..models.conftest import TinyCheckpoint

@@ -1,4 +1,4 @@
-"""What a server loads for the MODEL it is given, and whether peers can reach it."""
+"""Whether peers can reach a server."""
 
 from __future__ import annotations
 
@@ -10,26 +10,9 @@ import trio
 
 from petals_core import PeerUnreachable
 from petals_core.dht import Reachability
-from petals_core.server import ServerConfig
 from petals_core.server._cli_args import config_from_args, parse_args
-from petals_core.server._server import resolve_model
 
 from ..client._swarm_helpers import DEADLINE_S, Model, in_process_swarm
-
-
-@pytest.mark.parametrize(
-    ("model", "loaded"),
-    [
-        # Petals' converted BLOOM repos hold no weights any more: their originals do.
-        ("bigscience/bloom-petals", "bigscience/bloom"),
-        ("bigscience/bloomz-7b1-petals", "bigscience/bloomz-7b1"),
-        ("bigscience/bloom-7b1", "bigscience/bloom-7b1"),
-        ("meta-llama/Llama-2-70b-hf", "meta-llama/Llama-2-70b-hf"),
-    ],
-)
-def test_the_repo_loaded_for_a_model_name(model: str, loaded: str) -> None:
-    config = ServerConfig(model=model, new_swarm=True)
-    assert resolve_model(config) == (loaded, config)
 
 
 async def test_a_server_learns_that_peers_can_dial_it_and_announces_so(

@@ -14,7 +14,7 @@ from transformers import LlamaForCausalLM
 
 from petals_core.testing import open_local_swarm
 
-from ..models.conftest import _save, tiny_llama_config
+from .models.conftest import _save, tiny_llama_config
 
 #: Deadline of a whole swarm's life here; starting a process takes seconds on a busy machine.
 DEADLINE_S = 120.0

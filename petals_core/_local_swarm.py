@@ -1,10 +1,13 @@
-"""A swarm of real processes on loopback: one bootstrap DHT node and servers, for tests, the demo
-and benchmarks.
+"""A swarm of real processes on loopback: one bootstrap DHT node and servers, for the demo, tests
+and benchmarks (``petals_core.testing`` offers it to them).
 
 Each process is started with the package's own commands (``python -m petals_core.dht`` and
 ``python -m petals_core.server``) with one torch thread, and is ready once it prints the line
 naming its address.  Everything started is stopped when the block ends, also on errors and
 cancellation: SIGTERM, then SIGKILL for whatever has not exited within ``stop_timeout_s``.
+
+A process may also run elsewhere than on loopback: at a :class:`Placement`, e.g. a host of a
+``petals_core.testing.Topology`` (inside its network namespace).
 """
 
 from __future__ import annotations
@@ -15,18 +18,27 @@ import subprocess
 import sys
 from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
-from typing import Final
+from typing import Final, Protocol
 
 import attrs
 import trio
 
-from .._groups import raising_single_error
-from ._nat import Host
+from ._groups import raising_single_error
 
-__all__ = ["LocalSwarm", "SwarmProcess", "fixed_server_args", "open_local_swarm"]
+__all__ = ["LocalSwarm", "Placement", "SwarmProcess", "fixed_server_args", "open_local_swarm"]
 
 DHT_READY: Final = "DHT node listening on "
 SERVER_READY: Final = "Server listening on "
+
+
+class Placement(Protocol):
+    """Where a process runs instead of loopback: the address it listens on there, and the
+    command that runs ``argv`` there."""
+
+    @property
+    def address(self) -> str: ...
+
+    def command(self, *argv: str) -> list[str]: ...
 
 
 def fixed_server_args(span: tuple[int, int], **flags: object) -> list[str]:
@@ -113,10 +125,11 @@ class LocalSwarm:
         return [self.bootstrap.address] + [node.address for node in self.bootstraps]
 
     async def add_server(
-        self, model: str, args: Sequence[str] = (), *, host: Host | None = None
+        self, model: str, args: Sequence[str] = (), *, host: Placement | None = None
     ) -> SwarmProcess:
         """Start one more server (``--initial_peers`` the bootstrap nodes), on loopback, or
-        inside ``host`` (a host of a :class:`~petals_core.testing.Topology`) at its address."""
+        at ``host`` (e.g. a host of a ``petals_core.testing.Topology``), listening on its
+        address."""
         command = [
             sys.executable,
             "-m",
@@ -136,7 +149,7 @@ class LocalSwarm:
         self.servers.append(server)
         return server
 
-    async def add_bootstrap(self, *, host: Host | None = None) -> SwarmProcess:
+    async def add_bootstrap(self, *, host: Placement | None = None) -> SwarmProcess:
         """Start one more DHT node, joined to the first (servers started after it list it in
         their ``--initial_peers``, and may use it as a relay)."""
         command = [*_dht_command(host), "--initial_peers", self.bootstrap.address]
@@ -147,7 +160,7 @@ class LocalSwarm:
         return node
 
 
-def _dht_command(host: Host | None) -> list[str]:
+def _dht_command(host: Placement | None) -> list[str]:
     command = [sys.executable, "-m", "petals_core.dht", "--host"]
     if host is None:
         return [*command, "127.0.0.1"]
@@ -161,14 +174,14 @@ async def open_local_swarm(
     *,
     env: Mapping[str, str] | None = None,
     stop_timeout_s: float = 20.0,
-    bootstrap_host: Host | None = None,
+    bootstrap_host: Placement | None = None,
 ) -> AsyncIterator[LocalSwarm]:
     """A bootstrap node and one server per entry of ``server_args`` (extra flags each, e.g.
     ``["--block_indices", "0:3", "--throughput", "1"]``), started one after the other.
 
     A process that exits before it is ready raises ``RuntimeError`` with the end of its output;
     bound the whole with a trio deadline (a server that hangs while loading is waited for).
-    ``bootstrap_host`` runs the bootstrap node inside that host of a topology (see ``_nat``).
+    ``bootstrap_host`` runs the bootstrap node there (e.g. inside a host of a topology).
     """
     full_env = {
         **os.environ,

@@ -1,0 +1,78 @@
+"""Other servers' view of a span's answers, for checking them: a route over the span's blocks
+that avoids its server (:func:`other_route`), their answer to a step (:class:`Opinion`), and a
+session on one of them that follows the span's session step by step (:class:`Follower`)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import attrs
+import torch
+
+from ..dht import ServerInfo
+from ..protocol import Signature, Step
+from ..routing import MissingBlocksError, RouteSpan
+from ._sequence_manager import RemoteSequenceManager
+from ._span_call import SpanCall
+
+__all__ = ["Follower", "Opinion", "other_route"]
+
+
+async def other_route(
+    manager: RemoteSequenceManager,
+    span: RouteSpan,
+    exclude: set[str],
+    like: ServerInfo | None,
+    *,
+    wait: bool,
+    whole_only: bool = False,
+) -> list[RouteSpan]:
+    """A route over ``span``'s blocks through servers not in ``exclude`` (of ``like``'s dtype and
+    quantisation): one server holding them all if there is one, which leaves the others free to
+    decide a disagreement, else (unless ``whole_only``) a chain of several."""
+    if whole_only:
+        return await manager.make_sequence(
+            span.start,
+            span.end,
+            mode="max_throughput",
+            exclude=exclude,
+            like=like,
+            wait=wait,
+            whole=True,
+        )
+    try:
+        return await other_route(manager, span, exclude, like, wait=False, whole_only=True)
+    except MissingBlocksError:
+        return await manager.make_sequence(
+            span.start, span.end, mode="max_throughput", exclude=exclude, like=like, wait=wait
+        )
+
+
+@attrs.frozen
+class Opinion:
+    """Other servers' answer to a step: its last positions, the signature of the last server's
+    answer, who computed it, and what compression between them (or of a larger answer than
+    the part compared) may have changed in it."""
+
+    answer: torch.Tensor
+    signature: Signature | None
+    checkers: set[str]
+    allowance: float
+
+
+@attrs.define(eq=False)
+class Follower:
+    """A session on another server holding a span's blocks, fed the span's inputs step by step
+    to check its answers (``until``: ``"first"``, until the span's server has its first answers
+    checked; ``"session"``: for the whole session)."""
+
+    call: SpanCall
+    until: Literal["first", "session"]
+    opened_now: bool = True
+    #: The step sent for the step now running, and how many positions of its answer are ours.
+    sent: Step | None = None
+    tokens: int = 0
+
+    @property
+    def peer(self) -> str:
+        return self.call.state.peer
