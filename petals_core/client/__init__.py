@@ -16,6 +16,15 @@
 
 Each name is imported on first use: the sans-IO state of a session (``_session_core``) imports
 without trio.
+
+Its modules: ``_client_config`` and ``_sequence_manager`` (routes, pings, bans, which answers
+to check), ``_session_core`` (a session's state, I/O-free: positions, histories, step ids,
+replays), ``_inference`` (the trio driver around it: failover), ``_span_call`` (one span's
+stream on its server), ``_second_opinions`` (other servers' view of an answer: routes over the
+same blocks, followers), ``_checks`` (receipts checked, answers compared), ``_sequential``
+(forward / backward), ``_remote_sequential`` (the module), ``_bridge`` (sync -> trio),
+``_placement`` (CPU copies for the wire, results back on the caller's device), ``_reports`` and
+``_report_judge`` (fraud reports published, read and judged).
 """
 
 from typing import TYPE_CHECKING

@@ -22,6 +22,10 @@ and store their evidence under the model's prefix (``_fraud``).  Every node answ
 ``dht.dial_back`` (``_reachability``) and ``dht.speed_test`` (``_speed_test``: how fast bytes
 move between a peer and us, :func:`measure_bandwidth`).
 
+The trio side: ``_node`` (requests, lookups, bootstrap), ``_maintenance`` (expiry, bucket
+refresh, republishing, hand-off), ``_peer_table`` (announcements read and written, followed
+models), ``_topic``, ``_serving`` (the RPCs answered), ``_messages`` (what they carry).
+
 Importing it imports no torch, and each name is imported on first use: the sans-IO cores, and
 the records and snapshot that routing reads, import without trio or aioquic.
 """

@@ -18,6 +18,14 @@ Run it as ``python -m petals_core.server MODEL [options]``.  Its parts:
 
 Each name is imported on first use: the sans-IO state of a session (``_session_state``) imports
 without trio.
+
+Its modules: ``_config`` (``ServerConfig`` and its checks), ``_server`` (the life in the swarm:
+announce, serve, rebalance, leave), ``__main__`` and ``_cli_args`` (the command line),
+``_defaults``, ``_throughput``, ``_bandwidth``, ``_reach`` (whether peers can dial us; relays
+held when they cannot), ``_backend`` (blocks, blocking compute), ``_handler`` (the RPCs wired),
+``_inference`` (sessions and pushes; their state in the I/O-free ``_session_state``),
+``_training`` (forward / backward), ``_serving`` (what they share), ``_task_pool``,
+``_memory_cache``.
 """
 
 from typing import TYPE_CHECKING
