@@ -1,16 +1,15 @@
-"""Package re-exports resolved on first use (PEP 562).
+"""Package re-exports resolved on first use (PEP 562), listed in a stub.
 
 A package whose modules are used apart (sans-IO cores beside the trio code that drives them)
-lists its public names as imports under ``if TYPE_CHECKING:``, which type checkers and readers
-see, and resolves them at run time with :func:`lazy_exports`::
+lists its public names in ``__init__.pyi``, as ``from ._module import Name as Name`` statements
+and nothing else, which type checkers and readers see; its ``__init__.py`` resolves them at run
+time::
 
-    if TYPE_CHECKING:
-        from ._node import DHTNode as DHTNode
-    else:
-        __getattr__, __dir__, __all__ = lazy_exports(__name__)
+    __getattr__, __dir__, __all__ = lazy_exports(__name__)
 
 Importing one module of the package then loads that module and what it imports, never its
-siblings; ``package.DHTNode`` imports ``package._node`` on first access.
+siblings; ``package.DHTNode`` imports ``package._node`` on first access.  (The same convention
+as scientific Python's ``lazy_loader`` stubs.)
 """
 
 from __future__ import annotations
@@ -18,28 +17,29 @@ from __future__ import annotations
 import ast
 import importlib
 import importlib.util
-import inspect
 import sys
 from collections.abc import Callable
+from pathlib import Path
 
 __all__ = ["exported_names", "lazy_exports"]
 
 
 def exported_names(package: str) -> dict[str, tuple[str, str]]:
-    """Each name that ``package``'s ``__init__`` imports under ``if TYPE_CHECKING:``, with the
-    module it comes from and its name there."""
+    """Each name that ``package``'s ``__init__.pyi`` imports, with the module it comes from and
+    its name there."""
+    init = sys.modules[package].__file__
+    if init is None:
+        raise TypeError(f"{package} has no __init__ file, so no stub beside it")
+    stub = Path(init).with_suffix(".pyi")
     found: dict[str, tuple[str, str]] = {}
-    for node in ast.parse(inspect.getsource(sys.modules[package])).body:
-        if not (isinstance(node, ast.If) and ast.unparse(node.test) == "TYPE_CHECKING"):
-            continue
-        for statement in node.body:
-            if not isinstance(statement, ast.ImportFrom):
-                raise TypeError(f"{package}: only `from ... import` goes under TYPE_CHECKING")
-            origin = importlib.util.resolve_name(
-                "." * statement.level + (statement.module or ""), package
-            )
-            for alias in statement.names:
-                found[alias.asname or alias.name] = (origin, alias.name)
+    for statement in ast.parse(stub.read_text(), str(stub)).body:
+        if not isinstance(statement, ast.ImportFrom):
+            raise TypeError(f"{stub}: only `from ... import` statements go in the stub")
+        origin = importlib.util.resolve_name(
+            "." * statement.level + (statement.module or ""), package
+        )
+        for alias in statement.names:
+            found[alias.asname or alias.name] = (origin, alias.name)
     return found
 
 

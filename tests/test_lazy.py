@@ -6,7 +6,6 @@ from __future__ import annotations
 import importlib
 import re
 import sys
-import textwrap
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -54,19 +53,10 @@ def toy_package(tmp_path: Path) -> Iterator[Path]:
     root.mkdir()
     (root / "_a.py").write_text("class A:\n    pass\n")
     (root / "__init__.py").write_text(
-        textwrap.dedent(
-            """
-            from typing import TYPE_CHECKING
-
-            from petals_core._lazy import lazy_exports
-
-            if TYPE_CHECKING:
-                from ._a import A as A
-            else:
-                __getattr__, __dir__, __all__ = lazy_exports(__name__)
-            """
-        )
+        "from petals_core._lazy import lazy_exports\n\n"
+        "__getattr__, __dir__, __all__ = lazy_exports(__name__)\n"
     )
+    (root / "__init__.pyi").write_text("from ._a import A as A\n")
     sys.path.insert(0, str(tmp_path))
     try:
         yield root
@@ -89,8 +79,8 @@ def test_a_name_loads_its_module_on_first_access(toy_package: Path) -> None:
     assert namespace["A"] is a
 
 
-def test_only_imports_from_modules_go_under_type_checking(toy_package: Path) -> None:
-    init = toy_package / "__init__.py"
-    init.write_text(init.read_text().replace("from ._a import A as A", "import toy._a"))
-    with pytest.raises(TypeError, match=re.escape("only `from ... import` goes under")):
+def test_only_imports_from_modules_go_in_the_stub(toy_package: Path) -> None:
+    stub = toy_package / "__init__.pyi"
+    stub.write_text(stub.read_text() + "import toy._a\n")
+    with pytest.raises(TypeError, match=re.escape("only `from ... import` statements go in")):
         importlib.import_module("toy")

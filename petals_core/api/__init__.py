@@ -18,31 +18,9 @@ lined up across requests), ``_engine`` (a session and a task per request), ``_de
 errors), ``_serve`` (model, swarm client and HTTP in one trio program).
 """
 
-from typing import TYPE_CHECKING
-
 from .._extras import require
 from .._lazy import lazy_exports
 
 require("http", "the OpenAI endpoint (petals_core.api)")
 
-if TYPE_CHECKING:
-    from ._app import MAX_BODY_BYTES as MAX_BODY_BYTES, create_app as create_app
-    from ._engine import Engine as Engine
-    from ._errors import ApiError as ApiError
-    from ._records import (
-        Chunk as Chunk,
-        Limits as Limits,
-        TokenLogprob as TokenLogprob,
-        Usage as Usage,
-    )
-    from ._requests import (
-        ChatRequest as ChatRequest,
-        CompletionRequest as CompletionRequest,
-        Message as Message,
-        Sampling as Sampling,
-        parse_chat_untrusted as parse_chat_untrusted,
-        parse_completion_untrusted as parse_completion_untrusted,
-    )
-    from ._serve import ApiConfig as ApiConfig, RunningApi as RunningApi, serve_api as serve_api
-else:
-    __getattr__, __dir__, __all__ = lazy_exports(__name__)
+__getattr__, __dir__, __all__ = lazy_exports(__name__)
