@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 from typing import Any
 
 import pytest
@@ -47,6 +46,7 @@ from petals_core.testing import (
     tinyllama_1b_config,
 )
 
+from .._cuda import needs_cuda
 from ..models.conftest import tiny_bloom_config, tiny_llama_config
 
 CPU = torch.device("cpu")
@@ -577,11 +577,7 @@ def test_defaults_on_this_machine(caplog: pytest.LogCaptureFixture) -> None:
     ]
 
 
-@pytest.mark.cuda
-@pytest.mark.skipif(
-    not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1",
-    reason="needs a CUDA GPU and compiled Triton kernels (run by python -m bench gpu)",
-)
+@needs_cuda
 def test_what_serving_holds_besides_blocks_is_measured_on_the_gpu_and_freed() -> None:
     """One TinyLlama block, a 2048-token prefill, and decode graphs captured up to 2048
     positions: something (workspaces, the graphs' pool), less than a few GiB, and what stays
