@@ -123,6 +123,13 @@ def _in_range(
     return value
 
 
+def _given(body: Mapping[str, Any], name: str) -> Any:
+    """``body[name]``, which must be there."""
+    if name not in body:
+        raise ApiError.bad_request(f"{name} must be given", param=name)
+    return body[name]
+
+
 def _boolean(body: Mapping[str, Any], name: str) -> bool:
     value = body.get(name)
     if value is None:
@@ -283,9 +290,7 @@ def parse_completion_untrusted(body: Any) -> CompletionRequest:
     body = _object(body)
     _check_known(body, _COMPLETION)
     model = _model(body)
-    if "prompt" not in body:
-        raise ApiError.bad_request("prompt must be given", param="prompt")
-    prompts = _prompts(body["prompt"])
+    prompts = _prompts(_given(body, "prompt"))
     _neutral(body, "suffix", lambda value: value == "")
     n = _integer(body, "n", low=1, high=MAX_N) or 1
     _neutral(body, "best_of", lambda value: value == n)
@@ -412,9 +417,7 @@ def parse_chat_untrusted(body: Any) -> ChatRequest:
     body = _object(body)
     _check_known(body, _CHAT)
     model = _model(body)
-    if "messages" not in body:
-        raise ApiError.bad_request("messages must be given", param="messages")
-    messages = _messages(body["messages"])
+    messages = _messages(_given(body, "messages"))
     for name in ("tools", "functions"):
         _neutral(body, name, lambda value: isinstance(value, list) and not value)
     for name in ("tool_choice", "function_call"):
