@@ -30,14 +30,11 @@ from typing import Any
 import torch
 from torch import nn
 from transformers import (
-    BloomConfig,
     BloomModel,
     DynamicCache,
-    FalconConfig,
     FalconModel,
     LlamaConfig,
     LlamaModel,
-    MixtralConfig,
     MixtralModel,
 )
 
@@ -129,36 +126,25 @@ def _measure_span(config: LlamaConfig) -> dict[str, float]:
         )
 
 
-def _llama_pair(config: LlamaConfig, dtype: torch.dtype) -> tuple[nn.Module, nn.Module]:
-    hf = LlamaModel(config).eval().to(dtype)
-    hf.norm = nn.Identity()
-    ours = LlamaBlock(config).eval().to(dtype)
-    ours.load_state_dict(hf.layers[0].state_dict())
-    return hf, ours
+#: Per family: transformers' base model, our block, the model's norms around its layers
+#: (replaced by identities: the model is one layer, compared with one block), where its layers are,
+#: and how a layer's state dict becomes a block's.
+_FAMILIES: dict[str, tuple[type[nn.Module], type[nn.Module], tuple[str, ...], str, Any]] = {
+    "llama": (LlamaModel, LlamaBlock, ("norm",), "layers", dict),
+    "bloom": (BloomModel, BloomBlock, ("word_embeddings_layernorm", "ln_f"), "h", dict),
+    "falcon": (FalconModel, FalconBlock, ("ln_f",), "h", dict),
+    "mixtral": (MixtralModel, MixtralBlock, ("norm",), "layers", state_from_transformers),
+}
 
 
-def _bloom_pair(config: BloomConfig, dtype: torch.dtype) -> tuple[nn.Module, nn.Module]:
-    hf = BloomModel(config).eval().to(dtype)
-    hf.word_embeddings_layernorm = nn.Identity()
-    hf.ln_f = nn.Identity()
-    ours = BloomBlock(config).eval().to(dtype)
-    ours.load_state_dict(hf.h[0].state_dict())
-    return hf, ours
-
-
-def _falcon_pair(config: FalconConfig, dtype: torch.dtype) -> tuple[nn.Module, nn.Module]:
-    hf = FalconModel(config).eval().to(dtype)
-    hf.ln_f = nn.Identity()
-    ours = FalconBlock(config).eval().to(dtype)
-    ours.load_state_dict(hf.h[0].state_dict())
-    return hf, ours
-
-
-def _mixtral_pair(config: MixtralConfig, dtype: torch.dtype) -> tuple[nn.Module, nn.Module]:
-    hf = MixtralModel(config).eval().to(dtype)
-    hf.norm = nn.Identity()
-    ours = MixtralBlock(config).eval().to(dtype)
-    ours.load_state_dict(state_from_transformers(hf.layers[0].state_dict()))
+def _pair(config: Any, dtype: torch.dtype) -> tuple[nn.Module, nn.Module]:
+    """transformers' one-layer model of ``config`` and our block with its layer's weights."""
+    model_class, block_class, norms, layers, convert = _FAMILIES[config.model_type]
+    hf = model_class(config).eval().to(dtype)
+    for norm in norms:
+        setattr(hf, norm, nn.Identity())
+    ours = block_class(config).eval().to(dtype)
+    ours.load_state_dict(convert(getattr(hf, layers)[0].state_dict()))
     return hf, ours
 
 
@@ -237,14 +223,14 @@ def _shapes() -> list[tuple[str, Callable[[torch.dtype], tuple[nn.Module, nn.Mod
         num_key_value_heads=2,
     )
     return [
-        ("llama tiny (64)", lambda dtype: _llama_pair(tiny_llama, dtype), 64),
-        ("llama SmolLM2-135M (576)", lambda dtype: _llama_pair(smollm2, dtype), 576),
-        ("bloom tiny (64)", lambda dtype: _bloom_pair(tiny_bloom, dtype), 64),
-        ("bloom-560m (1024)", lambda dtype: _bloom_pair(bloom_560m, dtype), 1024),
-        ("falcon tiny (64)", lambda dtype: _falcon_pair(tiny_falcon, dtype), 64),
-        ("falcon 7B layout (1024)", lambda dtype: _falcon_pair(falcon_7b_layout, dtype), 1024),
-        ("mixtral tiny (64)", lambda dtype: _mixtral_pair(tiny_mixtral, dtype), 64),
-        ("mixtral 8 experts (512)", lambda dtype: _mixtral_pair(mixtral_512, dtype), 512),
+        ("llama tiny (64)", lambda dtype: _pair(tiny_llama, dtype), 64),
+        ("llama SmolLM2-135M (576)", lambda dtype: _pair(smollm2, dtype), 576),
+        ("bloom tiny (64)", lambda dtype: _pair(tiny_bloom, dtype), 64),
+        ("bloom-560m (1024)", lambda dtype: _pair(bloom_560m, dtype), 1024),
+        ("falcon tiny (64)", lambda dtype: _pair(tiny_falcon, dtype), 64),
+        ("falcon 7B layout (1024)", lambda dtype: _pair(falcon_7b_layout, dtype), 1024),
+        ("mixtral tiny (64)", lambda dtype: _pair(tiny_mixtral, dtype), 64),
+        ("mixtral 8 experts (512)", lambda dtype: _pair(mixtral_512, dtype), 512),
     ]
 
 

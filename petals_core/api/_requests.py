@@ -94,27 +94,40 @@ def _is_number(value: Any) -> bool:
 
 
 def _integer(body: Mapping[str, Any], name: str, *, low: int, high: int) -> int | None:
-    value = body.get(name)
-    if value is None:
-        return None
-    if not _is_int(value) or not low <= value <= high:
-        raise ApiError.bad_request(
-            f"{name} must be an integer from {low} to {high}, got {value!r}", param=name
-        )
-    return int(value)
+    value = _in_range(body, name, "an integer", _is_int, low, high)
+    return None if value is None else int(value)
 
 
 def _number(
     body: Mapping[str, Any], name: str, *, low: float, high: float, default: float
 ) -> float:
+    value = _in_range(body, name, "a number", _is_number, low, high)
+    return default if value is None else float(value)
+
+
+def _in_range(
+    body: Mapping[str, Any],
+    name: str,
+    kind: str,
+    valid: Callable[[Any], bool],
+    low: float,
+    high: float,
+) -> Any:
+    """``body[name]``, None when it is absent; refused unless it is ``valid`` (``kind``) and
+    from ``low`` to ``high``."""
     value = body.get(name)
-    if value is None:
-        return default
-    if not _is_number(value) or not low <= value <= high:
+    if value is not None and (not valid(value) or not low <= value <= high):
         raise ApiError.bad_request(
-            f"{name} must be a number from {low} to {high}, got {value!r}", param=name
+            f"{name} must be {kind} from {low} to {high}, got {value!r}", param=name
         )
-    return float(value)
+    return value
+
+
+def _given(body: Mapping[str, Any], name: str) -> Any:
+    """``body[name]``, which must be there."""
+    if name not in body:
+        raise ApiError.bad_request(f"{name} must be given", param=name)
+    return body[name]
 
 
 def _boolean(body: Mapping[str, Any], name: str) -> bool:
@@ -277,9 +290,7 @@ def parse_completion_untrusted(body: Any) -> CompletionRequest:
     body = _object(body)
     _check_known(body, _COMPLETION)
     model = _model(body)
-    if "prompt" not in body:
-        raise ApiError.bad_request("prompt must be given", param="prompt")
-    prompts = _prompts(body["prompt"])
+    prompts = _prompts(_given(body, "prompt"))
     _neutral(body, "suffix", lambda value: value == "")
     n = _integer(body, "n", low=1, high=MAX_N) or 1
     _neutral(body, "best_of", lambda value: value == n)
@@ -406,9 +417,7 @@ def parse_chat_untrusted(body: Any) -> ChatRequest:
     body = _object(body)
     _check_known(body, _CHAT)
     model = _model(body)
-    if "messages" not in body:
-        raise ApiError.bad_request("messages must be given", param="messages")
-    messages = _messages(body["messages"])
+    messages = _messages(_given(body, "messages"))
     for name in ("tools", "functions"):
         _neutral(body, name, lambda value: isinstance(value, list) and not value)
     for name in ("tool_choice", "function_call"):

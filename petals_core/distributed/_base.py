@@ -37,7 +37,7 @@ import itertools
 import types
 from collections.abc import Iterator, Mapping
 from contextvars import ContextVar
-from typing import Any
+from typing import Any, ClassVar
 
 import attrs
 import torch
@@ -129,13 +129,18 @@ def _check_position_ids(
 class DistributedModelMixin(FromPretrainedMixin, nn.Module):
     """The base model: embeddings, trainable prompts, remote blocks, final norm.
 
-    A family class pairs it with transformers' ``*PreTrainedModel`` and defines
-    :meth:`init_layers` (its local layers and the remote blocks, under transformers' names),
-    :attr:`remote_blocks`, :meth:`get_input_embeddings` and :meth:`final_norm`, and
+    A family class pairs it with transformers' ``*PreTrainedModel`` and its config class, defines
+    :meth:`init_layers` (its local layers and the remote blocks, under transformers' names), names
+    three of them (:attr:`embeddings_name`, :attr:`blocks_name`, :attr:`norm_name`), and defines
     :meth:`prepare_hidden` where something runs between the embeddings and the first block.
     """
 
     config: Any
+    config_class: type[Any]
+    #: transformers' names of the family's input embeddings, blocks (remote here) and final norm.
+    embeddings_name: ClassVar[str]
+    blocks_name: ClassVar[str]
+    norm_name: ClassVar[str]
     prompt_embeddings: nn.Embedding
     intermediate_prompt_embeddings: nn.Embedding
     _serial: int
@@ -159,17 +164,20 @@ class DistributedModelMixin(FromPretrainedMixin, nn.Module):
 
     @property
     def remote_blocks(self) -> RemoteSequential:
-        raise NotImplementedError
+        blocks: RemoteSequential = getattr(self, self.blocks_name)
+        return blocks
 
     def get_input_embeddings(self) -> nn.Embedding:
-        raise NotImplementedError
+        embeddings: nn.Embedding = getattr(self, self.embeddings_name)
+        return embeddings
 
     def prepare_hidden(self, embeddings: torch.Tensor) -> torch.Tensor:
         """What runs between the embeddings (prompts prepended) and the first block."""
         return embeddings
 
     def final_norm(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError
+        normed: torch.Tensor = getattr(self, self.norm_name)(hidden_states)
+        return normed
 
     # -- construction ----------------------------------------------------------------------------
 

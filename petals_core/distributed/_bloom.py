@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from transformers import GenerationMixin
 from transformers.models.bloom.modeling_bloom import BloomPreTrainedModel
 
 from ..client import RemoteSequential
 from ..models import DistributedBloomConfig
 from ._base import DistributedModelMixin
-from ._heads import DistributedCausalLMMixin, DistributedSequenceClassificationMixin
+from ._heads import family_heads
 
 __all__ = [
     "DistributedBloomForCausalLM",
@@ -31,6 +30,7 @@ class DistributedBloomModel(  # type: ignore[misc]  # from_pretrained takes keyw
     """``BloomModel`` with its blocks on servers: ``(B, T)`` ids -> ``(B, T, hidden)``."""
 
     config_class = DistributedBloomConfig
+    embeddings_name, blocks_name, norm_name = "word_embeddings", "h", "ln_f"
 
     def init_layers(self, config: DistributedBloomConfig, blocks: RemoteSequential) -> None:
         hidden, eps = config.hidden_size, config.layer_norm_epsilon
@@ -39,33 +39,10 @@ class DistributedBloomModel(  # type: ignore[misc]  # from_pretrained takes keyw
         self.h = blocks
         self.ln_f = nn.LayerNorm(hidden, eps=eps)
 
-    @property
-    def remote_blocks(self) -> RemoteSequential:
-        return self.h
-
-    def get_input_embeddings(self) -> nn.Embedding:
-        return self.word_embeddings
-
     def prepare_hidden(self, embeddings: torch.Tensor) -> torch.Tensor:
         return self.word_embeddings_layernorm(embeddings)
 
-    def final_norm(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return self.ln_f(hidden_states)
 
-
-class DistributedBloomForCausalLM(  # type: ignore[misc]  # from_pretrained takes keywords
-    DistributedCausalLMMixin, BloomPreTrainedModel, GenerationMixin
-):
-    """``BloomForCausalLM`` over a swarm; ``generate()`` runs as an inference session."""
-
-    config_class = DistributedBloomConfig
-    base_model_class = DistributedBloomModel
-
-
-class DistributedBloomForSequenceClassification(  # type: ignore[misc]  # from_pretrained takes keywords
-    DistributedSequenceClassificationMixin, BloomPreTrainedModel
-):
-    """``BloomForSequenceClassification`` over a swarm; the ``score`` head is local."""
-
-    config_class = DistributedBloomConfig
-    base_model_class = DistributedBloomModel
+DistributedBloomForCausalLM, DistributedBloomForSequenceClassification = family_heads(
+    "Bloom", BloomPreTrainedModel, DistributedBloomModel
+)

@@ -7,15 +7,13 @@ Positions are the servers' (rotary embeddings or ALiBi, in the blocks).
 
 from __future__ import annotations
 
-import torch
 from torch import nn
-from transformers import GenerationMixin
 from transformers.models.falcon.modeling_falcon import FalconPreTrainedModel
 
 from ..client import RemoteSequential
 from ..models import DistributedFalconConfig
 from ._base import DistributedModelMixin
-from ._heads import DistributedCausalLMMixin, DistributedSequenceClassificationMixin
+from ._heads import family_heads
 
 __all__ = [
     "DistributedFalconForCausalLM",
@@ -30,6 +28,7 @@ class DistributedFalconModel(  # type: ignore[misc]  # from_pretrained takes key
     """``FalconModel`` with its blocks on servers: ``(B, T)`` ids -> ``(B, T, hidden)``."""
 
     config_class = DistributedFalconConfig
+    embeddings_name, blocks_name, norm_name = "word_embeddings", "h", "ln_f"
 
     def init_layers(self, config: DistributedFalconConfig, blocks: RemoteSequential) -> None:
         self.word_embeddings = nn.Embedding(config.vocab_size, config.hidden_size)
@@ -37,30 +36,7 @@ class DistributedFalconModel(  # type: ignore[misc]  # from_pretrained takes key
         eps = 1e-5 if config.layer_norm_epsilon is None else config.layer_norm_epsilon
         self.ln_f = nn.LayerNorm(config.hidden_size, eps=eps)
 
-    @property
-    def remote_blocks(self) -> RemoteSequential:
-        return self.h
 
-    def get_input_embeddings(self) -> nn.Embedding:
-        return self.word_embeddings
-
-    def final_norm(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return self.ln_f(hidden_states)
-
-
-class DistributedFalconForCausalLM(  # type: ignore[misc]  # from_pretrained takes keywords
-    DistributedCausalLMMixin, FalconPreTrainedModel, GenerationMixin
-):
-    """``FalconForCausalLM`` over a swarm; ``generate()`` runs as an inference session."""
-
-    config_class = DistributedFalconConfig
-    base_model_class = DistributedFalconModel
-
-
-class DistributedFalconForSequenceClassification(  # type: ignore[misc]  # from_pretrained takes keywords
-    DistributedSequenceClassificationMixin, FalconPreTrainedModel
-):
-    """``FalconForSequenceClassification`` over a swarm; the ``score`` head is local."""
-
-    config_class = DistributedFalconConfig
-    base_model_class = DistributedFalconModel
+DistributedFalconForCausalLM, DistributedFalconForSequenceClassification = family_heads(
+    "Falcon", FalconPreTrainedModel, DistributedFalconModel
+)

@@ -7,15 +7,13 @@ embeddings and the first block.
 
 from __future__ import annotations
 
-import torch
 from torch import nn
-from transformers import GenerationMixin
 from transformers.models.llama.modeling_llama import LlamaPreTrainedModel, LlamaRMSNorm
 
 from ..client import RemoteSequential
 from ..models import DistributedLlamaConfig
 from ._base import DistributedModelMixin
-from ._heads import DistributedCausalLMMixin, DistributedSequenceClassificationMixin
+from ._heads import family_heads
 
 __all__ = [
     "LlamaLayers",
@@ -28,22 +26,14 @@ __all__ = [
 class LlamaLayers:
     """The local layers of LLaMA's architecture (Mixtral's too), for a distributed base model."""
 
+    embeddings_name, blocks_name, norm_name = "embed_tokens", "layers", "norm"
+
     def init_layers(self, config: DistributedLlamaConfig, blocks: RemoteSequential) -> None:
         self.padding_idx = config.pad_token_id
         self.vocab_size = config.vocab_size
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, self.padding_idx)
         self.layers = blocks
         self.norm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-
-    @property
-    def remote_blocks(self) -> RemoteSequential:
-        return self.layers
-
-    def get_input_embeddings(self) -> nn.Embedding:
-        return self.embed_tokens
-
-    def final_norm(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return self.norm(hidden_states)
 
 
 class DistributedLlamaModel(  # type: ignore[misc]  # from_pretrained takes keywords
@@ -54,19 +44,6 @@ class DistributedLlamaModel(  # type: ignore[misc]  # from_pretrained takes keyw
     config_class = DistributedLlamaConfig
 
 
-class DistributedLlamaForCausalLM(  # type: ignore[misc]  # from_pretrained takes keywords
-    DistributedCausalLMMixin, LlamaPreTrainedModel, GenerationMixin
-):
-    """``LlamaForCausalLM`` over a swarm; ``generate()`` runs as an inference session."""
-
-    config_class = DistributedLlamaConfig
-    base_model_class = DistributedLlamaModel
-
-
-class DistributedLlamaForSequenceClassification(  # type: ignore[misc]  # from_pretrained takes keywords
-    DistributedSequenceClassificationMixin, LlamaPreTrainedModel
-):
-    """``LlamaForSequenceClassification`` over a swarm; the ``score`` head is local."""
-
-    config_class = DistributedLlamaConfig
-    base_model_class = DistributedLlamaModel
+DistributedLlamaForCausalLM, DistributedLlamaForSequenceClassification = family_heads(
+    "Llama", LlamaPreTrainedModel, DistributedLlamaModel
+)

@@ -10,13 +10,16 @@ without a GPU, exactly as a wrapper would launch it.
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import Any, ParamSpec, TypeVar
 
 import attrs
 import torch
 
-__all__ = ["Launch", "Target"]
+__all__ = ["Launch", "Target", "launcher"]
+
+_P = ParamSpec("_P")
+_T = TypeVar("_T")
 
 
 @attrs.frozen(kw_only=True)
@@ -69,3 +72,20 @@ class Launch:
     @property
     def name(self) -> str:
         return str(self.kernel.__name__)
+
+
+def launcher(plan: Callable[_P, tuple[_T, list[Launch]]]) -> Callable[_P, _T]:
+    """The wrapper of ``plan_NAME``, named ``NAME``: it takes the plan's arguments, runs the
+    launches the plan returns in order and returns the plan's output, which they write."""
+
+    def run(*args: _P.args, **kwargs: _P.kwargs) -> _T:
+        out, launches = plan(*args, **kwargs)
+        for launch in launches:
+            launch()
+        return out
+
+    run.__name__ = plan.__name__.removeprefix("plan_")
+    run.__qualname__ = plan.__qualname__.removeprefix("plan_")
+    run.__module__ = plan.__module__
+    run.__doc__ = f"Runs what :func:`{plan.__name__}` plans; returns its output."
+    return run

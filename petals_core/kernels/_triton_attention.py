@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._launch import Launch, Target
+from ._launch import Launch, Target, launcher
 from ._limits import MAX_DECODE_ROWS, MAX_DECODE_TOKENS
 from ._reference import check_attention_shapes
 
@@ -411,52 +411,27 @@ def _prefill_kernel(
     )
 
 
-def decode_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    *,
-    query_offset: int,
-    scale: float | None = None,
-    alibi_slopes: torch.Tensor | None = None,
-    block_n: int | None = None,
-    num_splits: int | None = None,
-) -> torch.Tensor:
-    """Flash-decoding: the keys cut into ``num_splits`` ranges attended in parallel, then merged.
-
-    q: (B, n_head, T, head_dim), T <= 16; k, v: (B, n_kv_head, S, head_dim), any strides with the
-    last one 1 (a cache prefix view).  See :func:`attention_reference` for the semantics.
-    ``block_n`` (keys per tile) and ``num_splits`` default to a choice for the device.
-    """
-    out, launches = plan_decode_attention(
-        q,
-        k,
-        v,
-        query_offset=query_offset,
-        scale=scale,
-        alibi_slopes=alibi_slopes,
-        block_n=block_n,
-        num_splits=num_splits,
-        target=Target.of(q.device),
-    )
-    for launch in launches:
-        launch()
-    return out
-
-
 def plan_decode_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
     *,
     query_offset: int,
-    target: Target,
     scale: float | None = None,
     alibi_slopes: torch.Tensor | None = None,
     block_n: int | None = None,
     num_splits: int | None = None,
+    target: Target | None = None,
 ) -> tuple[torch.Tensor, list[Launch]]:
-    """:func:`decode_attention`'s output (allocated, not yet written) and its launches."""
+    """Flash-decoding: the keys cut into ``num_splits`` ranges attended in parallel, then merged.
+
+    q: (B, n_head, T, head_dim), T <= 16; k, v: (B, n_kv_head, S, head_dim), any strides with the
+    last one 1 (a cache prefix view).  See :func:`attention_reference` for the semantics.
+    ``block_n`` (keys per tile) and ``num_splits`` default to a choice for ``target`` (by
+    default q's device).  Returns the output (allocated, not yet written) and the launches that
+    write it (:func:`decode_attention` runs them).
+    """
+    target = Target.of(q.device) if target is None else target
     batch, n_head, new_tokens, head_dim = q.shape
     n_kv_head = k.shape[1]
     slopes = _check(q, k, v, query_offset, alibi_slopes)
@@ -469,94 +444,66 @@ def plan_decode_attention(
     length = query_offset + new_tokens  # keys past the last query are never seen
     split_size, num_splits = _splits(target, batch * n_kv_head, length, block_n, num_splits)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    partial_acc, partial_max, partial_sum = _partials(out, num_splits)
+    partials = _partials(out, num_splits)
     args = (
-        q, k, v, out, partial_acc, partial_max, partial_sum, slopes,
+        q, k, v, out, *partials, slopes,
         n_head, n_kv_head, new_tokens, query_offset, head_dim, split_size, num_splits,
         _qk_scale(scale, head_dim),
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
     )  # fmt: skip
-    launch = _decode_launch(
-        _decode_kernel,
-        (batch * n_kv_head, num_splits),
-        args,
-        alibi=alibi_slopes is not None,
-        rows=rows,
-        head_dim=head_dim,
-        dtype=q.dtype,
-        block_n=block_n,
-        target=target,
-    )
-    launches = [launch]
-    if num_splits > 1:
-        launches.append(_plan_combine(partial_acc, partial_max, partial_sum, out, num_splits))
+    launches = _decode_launches(
+        _decode_kernel, (batch * n_kv_head, num_splits), args, partials, out,
+        alibi=alibi_slopes is not None, rows=rows, block_n=block_n, target=target,
+    )  # fmt: skip
     return out, launches
 
 
-def _decode_launch(
+def _decode_launches(
     kernel: object,
     grid: tuple[int, int],
     args: tuple[object, ...],
+    partials: tuple[torch.Tensor, ...],
+    out: torch.Tensor,
     *,
     alibi: bool,
     rows: int,
-    head_dim: int,
-    dtype: torch.dtype,
     block_n: int,
     target: Target,
-) -> Launch:
-    """A launch of a decode kernel (this module's or the row tables'): ``rows`` query rows per
-    program, keys ``block_n`` at a time."""
-    block_r = _block_r(rows)
-    dot_dtype, precision = _dot_config(dtype, target)
-    return Launch(
+) -> list[Launch]:
+    """The launch of a decode kernel (this module's or the row tables') over ``grid``
+    (programs, splits): ``rows`` query rows per program, keys ``block_n`` at a time; then, with
+    more than one split, the merge of the splits' ``partials`` into ``out`` (B, n_head, T,
+    head_dim)."""
+    head_dim, dtype, num_splits = out.shape[-1], out.dtype, grid[1]
+    launch = Launch(
         kernel=kernel,
         grid=grid,
         args=args,
-        constexprs={
-            "HAS_ALIBI": alibi,
-            "BLOCK_R": block_r,
-            "BLOCK_N": block_n,
-            "BLOCK_D": _block_d(head_dim),
-            "DOT_DTYPE": dot_dtype,
-            "PRECISION": precision,
-        },
+        constexprs=_constexprs(
+            alibi, head_dim, dtype, target, BLOCK_R=_block_r(rows), BLOCK_N=block_n
+        ),
         # With 4 warps, 16 rows of head_dim 128 spill 344 bytes a thread; with 8, none.
         num_warps=8,
         num_stages=_decode_tiles(dtype, head_dim)[1],
     )
+    if num_splits == 1:
+        return [launch]
+    return [launch, _plan_combine(partials, out, num_splits)]
 
 
-def prefill_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    *,
-    query_offset: int,
-    scale: float | None = None,
-    alibi_slopes: torch.Tensor | None = None,
-    block_m: int | None = None,
-    block_n: int | None = None,
-) -> torch.Tensor:
-    """Flash-attention tiles: BLOCK_M queries of one head against BLOCK_N keys at a time.
-
-    q: (B, n_head, T, head_dim), any T; k, v: (B, n_kv_head, S, head_dim), any strides with the
-    last one 1.  See :func:`attention_reference` for the semantics.
-    """
-    out, launches = plan_prefill_attention(
-        q,
-        k,
-        v,
-        query_offset=query_offset,
-        scale=scale,
-        alibi_slopes=alibi_slopes,
-        block_m=block_m,
-        block_n=block_n,
-        target=Target.of(q.device),
-    )
-    for launch in launches:
-        launch()
-    return out
+def _constexprs(
+    alibi: bool, head_dim: int, dtype: torch.dtype, target: Target, **blocks: int
+) -> dict[str, object]:
+    """An attention kernel's constexprs: its tiles' sizes ``blocks`` (``BLOCK_N``, ...) and
+    what follows from ALiBi, the head size, the dtype and the target."""
+    dot_dtype, precision = _dot_config(dtype, target)
+    return {
+        "HAS_ALIBI": alibi,
+        **blocks,
+        "BLOCK_D": _block_d(head_dim),
+        "DOT_DTYPE": dot_dtype,
+        "PRECISION": precision,
+    }
 
 
 def plan_prefill_attention(
@@ -565,13 +512,20 @@ def plan_prefill_attention(
     v: torch.Tensor,
     *,
     query_offset: int,
-    target: Target,
     scale: float | None = None,
     alibi_slopes: torch.Tensor | None = None,
     block_m: int | None = None,
     block_n: int | None = None,
+    target: Target | None = None,
 ) -> tuple[torch.Tensor, list[Launch]]:
-    """:func:`prefill_attention`'s output (allocated, not yet written) and its launch."""
+    """Flash-attention tiles: BLOCK_M queries of one head against BLOCK_N keys at a time.
+
+    q: (B, n_head, T, head_dim), any T; k, v: (B, n_kv_head, S, head_dim), any strides with the
+    last one 1.  See :func:`attention_reference` for the semantics.  Returns the output
+    (allocated, not yet written) and the launch that writes it, for ``target`` (by default q's
+    device; :func:`prefill_attention` runs it).
+    """
+    target = Target.of(q.device) if target is None else target
     batch, n_head, new_tokens, head_dim = q.shape
     slopes = _check(q, k, v, query_offset, alibi_slopes)
     if q.numel() == 0:
@@ -580,7 +534,6 @@ def plan_prefill_attention(
     block_m = block_m or default_block_m
     block_n = block_n or default_block_n
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    dot_dtype, precision = _dot_config(q.dtype, target)
     args = (
         q, k, v, out, slopes,
         n_head, k.shape[1], new_tokens, query_offset, head_dim, _qk_scale(scale, head_dim),
@@ -590,18 +543,17 @@ def plan_prefill_attention(
         kernel=_prefill_kernel,
         grid=(triton.cdiv(new_tokens, block_m), batch * n_head),
         args=args,
-        constexprs={
-            "HAS_ALIBI": alibi_slopes is not None,
-            "BLOCK_M": block_m,
-            "BLOCK_N": block_n,
-            "BLOCK_D": _block_d(head_dim),
-            "DOT_DTYPE": dot_dtype,
-            "PRECISION": precision,
-        },
+        constexprs=_constexprs(
+            alibi_slopes is not None, head_dim, q.dtype, target, BLOCK_M=block_m, BLOCK_N=block_n
+        ),
         num_warps=num_warps,
         num_stages=num_stages,
     )
     return out, [launch]
+
+
+decode_attention = launcher(plan_decode_attention)
+prefill_attention = launcher(plan_prefill_attention)
 
 
 def _check(
@@ -667,17 +619,12 @@ def _placeholder(device: torch.device) -> torch.Tensor:
         return torch.empty(1, dtype=torch.float32, device=device)
 
 
-def _plan_combine(
-    partial_acc: torch.Tensor,
-    partial_max: torch.Tensor,
-    partial_sum: torch.Tensor,
-    out: torch.Tensor,
-    num_splits: int,
-) -> Launch:
-    """Merge the splits' partials into ``out`` (B, n_head, T, head_dim)."""
+def _plan_combine(partials: tuple[torch.Tensor, ...], out: torch.Tensor, num_splits: int) -> Launch:
+    """Merge the splits' partials (accumulators, maxima, sums) into ``out`` (B, n_head, T,
+    head_dim)."""
     batch, n_head, new_tokens, head_dim = out.shape
     args = (
-        partial_acc, partial_max, partial_sum, out,
+        *partials, out,
         n_head, new_tokens, head_dim, num_splits,
         *out.stride()[:3],
     )  # fmt: skip

@@ -7,7 +7,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._launch import Launch
+from ._launch import Launch, launcher
 
 __all__ = ["plan_rms_norm", "rms_norm"]
 
@@ -60,24 +60,15 @@ def _rms_norm_kernel(
             _scale_and_store(X, W, Out, start + cols, start + cols < n_cols, rstd)
 
 
-def rms_norm(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, *, block: int | None = None
-) -> torch.Tensor:
-    """x: (..., hidden), the last dimension contiguous; weight: (hidden,).
-
-    Returns x's shape in ``promote_types(x.dtype, weight.dtype)``, as the reference.
-    ``block`` (elements a step, a power of two) defaults to the whole row up to 8192.
-    """
-    out, launches = plan_rms_norm(x, weight, eps, block=block)
-    for launch in launches:
-        launch()
-    return out
-
-
 def plan_rms_norm(
     x: torch.Tensor, weight: torch.Tensor, eps: float, *, block: int | None = None
 ) -> tuple[torch.Tensor, list[Launch]]:
-    """:func:`rms_norm`'s output (allocated, not yet written) and its launch."""
+    """x: (..., hidden), the last dimension contiguous; weight: (hidden,).
+
+    The output, x's shape in ``promote_types(x.dtype, weight.dtype)`` as the reference's
+    (allocated, not yet written), and the launch that writes it (:func:`rms_norm` runs it).
+    ``block`` (elements a step, a power of two) defaults to the whole row up to 8192.
+    """
     hidden = x.shape[-1]
     assert weight.shape == (hidden,), f"weight must be ({hidden},), got {tuple(weight.shape)}"
     assert x.dtype in (torch.float16, torch.bfloat16, torch.float32), f"unsupported {x.dtype}"
@@ -97,3 +88,6 @@ def plan_rms_norm(
         num_warps=min(max(block // 256, 1), 16),
     )
     return out.view(x.shape), [launch]
+
+
+rms_norm = launcher(plan_rms_norm)

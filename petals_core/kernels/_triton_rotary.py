@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._launch import Launch
+from ._launch import Launch, launcher
 from ._reference import check_cache_room
 
 __all__ = ["plan_rotary", "plan_rotary_append", "rotary", "rotary_append"]
@@ -141,48 +141,18 @@ def _rotary_kernel(
         tl.store(values + half, tl.load(v + half, mask=mask, other=0.0).to(dtype), mask=mask)
 
 
-def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: (B, heads, T, head_dim), any strides with the last one 1; cos, sin: (B or 1, T, head_dim).
-
-    Returns a new contiguous tensor in ``promote_types(x.dtype, cos.dtype)``, as the reference.
-    """
-    out, launches = plan_rotary(x, cos, sin)
-    for launch in launches:
-        launch()
-    return out
-
-
 def plan_rotary(
     x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
 ) -> tuple[torch.Tensor, list[Launch]]:
-    """:func:`rotary`'s output (allocated, not yet written) and its launch."""
+    """x: (B, heads, T, head_dim), any strides with the last one 1; cos, sin: (B or 1, T, head_dim).
+
+    The output, a new contiguous tensor in ``promote_types(x.dtype, cos.dtype)`` as the
+    reference's (allocated, not yet written), and the launch that writes it (:func:`rotary`
+    runs it).
+    """
     cos, sin = _check(x, cos, sin)
     out = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, cos.dtype), device=x.device)
     return out, _plan(x, out, None, cos, sin, start=0)
-
-
-def rotary_append(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    *,
-    keys: torch.Tensor,
-    values: torch.Tensor,
-    start: int,
-) -> torch.Tensor:
-    """Rotate q and k; write the rotated k and v into ``keys/values[:, :, start:start+T]``.
-
-    q: (B, n_head, T, head_dim); k, v: (B, n_kv_head, T, head_dim); cos, sin: (B or 1, T,
-    head_dim); keys, values: the cache, (B, n_kv_head, max_length, head_dim), written in place
-    (cast to its dtype).  All with the last stride 1.  Returns the rotated q, contiguous, in
-    ``promote_types(q.dtype, cos.dtype)``.
-    """
-    out, launches = plan_rotary_append(q, k, v, cos, sin, keys=keys, values=values, start=start)
-    for launch in launches:
-        launch()
-    return out
 
 
 def plan_rotary_append(
@@ -196,7 +166,14 @@ def plan_rotary_append(
     values: torch.Tensor,
     start: int,
 ) -> tuple[torch.Tensor, list[Launch]]:
-    """:func:`rotary_append`'s rotated queries (allocated, not yet written) and its launch."""
+    """Rotate q and k; write the rotated k and v into ``keys/values[:, :, start:start+T]``.
+
+    q: (B, n_head, T, head_dim); k, v: (B, n_kv_head, T, head_dim); cos, sin: (B or 1, T,
+    head_dim); keys, values: the cache, (B, n_kv_head, max_length, head_dim), written in place
+    (cast to its dtype).  All with the last stride 1.  Returns the rotated q, contiguous, in
+    ``promote_types(q.dtype, cos.dtype)`` (allocated, not yet written), and the launch that
+    does it all (:func:`rotary_append` runs it).
+    """
     cos, sin = _check(q, cos, sin)
     new_tokens, head_dim = k.shape[2:]
     check_cache_room(start, new_tokens, keys.shape[2])
@@ -207,6 +184,10 @@ def plan_rotary_append(
     assert k.device == v.device == keys.device == values.device == q.device
     out = torch.empty(q.shape, dtype=torch.promote_types(q.dtype, cos.dtype), device=q.device)
     return out, _plan(q, out, (k, v, keys, values), cos, sin, start=start)
+
+
+rotary = launcher(plan_rotary)
+rotary_append = launcher(plan_rotary_append)
 
 
 def _check(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:

@@ -10,15 +10,14 @@ import torch
 import triton
 import triton.language as tl
 
-from ._launch import Launch, Target
+from ._launch import Launch, Target, launcher
 from ._rows import RowTables
 from ._triton_attention import (
     MAX_DECODE_ROWS,
-    _decode_launch,
+    _decode_launches,
     _decode_split,
     _decode_tiles,
     _partials,
-    _plan_combine,
     _qk_scale,
     _splits,
 )
@@ -238,29 +237,6 @@ def _rows_decode_kernel(
     )
 
 
-def rows_append(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    tables: RowTables,
-    *,
-    cos: torch.Tensor | None = None,
-    sin: torch.Tensor | None = None,
-) -> torch.Tensor | None:
-    """Write each row's new key and value into its cache at its position; with ``cos``/``sin``
-    tables, rotate the keys first and return the rotated queries.
-
-    q: (R, n_head, head_dim); k, v: (R, n_kv_head, head_dim); any strides with the last one 1.
-    cos, sin: (positions, head_dim) in the activations' dtype: row r uses line ``positions[r]``
-    (HF LLaMA's halves layout).  Without them, nothing is rotated and None is returned (q is
-    not read).  The caches must be in k's dtype, on k's device.
-    """
-    q_out, launches = plan_rows_append(q, k, v, tables, cos=cos, sin=sin)
-    for launch in launches:
-        launch()
-    return q_out
-
-
 def plan_rows_append(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -270,8 +246,16 @@ def plan_rows_append(
     cos: torch.Tensor | None = None,
     sin: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor | None, list[Launch]]:
-    """:func:`rows_append`'s rotated queries (allocated, not yet written; None without
-    rotation) and its launch."""
+    """Write each row's new key and value into its cache at its position; with ``cos``/``sin``
+    tables, rotate the keys first and return the rotated queries.
+
+    q: (R, n_head, head_dim); k, v: (R, n_kv_head, head_dim); any strides with the last one 1.
+    cos, sin: (positions, head_dim) in the activations' dtype: row r uses line ``positions[r]``
+    (HF LLaMA's halves layout).  Without them, nothing is rotated and the queries returned are
+    None (q is not read).  The caches must be in k's dtype, on k's device.  Returns the rotated
+    queries (allocated, not yet written) and the launch that does it all (:func:`rows_append`
+    runs it).
+    """
     rows, n_kv_head, head_dim = k.shape
     assert v.shape == k.shape and v.dtype == k.dtype, "k, v: (R, n_kv_head, head_dim)"
     assert q.dim() == 3 and q.shape[0] == rows and q.shape[2] == head_dim
@@ -307,53 +291,28 @@ def plan_rows_append(
     return (q_out if rotary else None), [launch]
 
 
-def rows_decode_attention(
-    q: torch.Tensor,
-    n_kv_head: int,
-    tables: RowTables,
-    *,
-    max_length: int,
-    scale: float | None = None,
-    alibi_slopes: torch.Tensor | None = None,
-    block_n: int | None = None,
-    num_splits: int | None = None,
-) -> torch.Tensor:
-    """Each row's query (its last position) over its cache's keys ``0 .. positions[r]``.
-
-    q: (R, n_head, head_dim), the last stride 1.  ``max_length`` bounds the rows' lengths for
-    the split of the key range into ``num_splits`` parallel parts (a row longer than that is
-    still attended in full, by its last split).  alibi_slopes: (n_head,) float32 on q's device.
-    Returns (R, n_head, head_dim) in q's dtype.
-    """
-    out, launches = plan_rows_decode_attention(
-        q,
-        n_kv_head,
-        tables,
-        max_length=max_length,
-        scale=scale,
-        alibi_slopes=alibi_slopes,
-        block_n=block_n,
-        num_splits=num_splits,
-        target=Target.of(q.device),
-    )
-    for launch in launches:
-        launch()
-    return out
-
-
 def plan_rows_decode_attention(
     q: torch.Tensor,
     n_kv_head: int,
     tables: RowTables,
     *,
     max_length: int,
-    target: Target,
     scale: float | None = None,
     alibi_slopes: torch.Tensor | None = None,
     block_n: int | None = None,
     num_splits: int | None = None,
+    target: Target | None = None,
 ) -> tuple[torch.Tensor, list[Launch]]:
-    """:func:`rows_decode_attention`'s output (allocated, not yet written) and its launches."""
+    """Each row's query (its last position) over its cache's keys ``0 .. positions[r]``.
+
+    q: (R, n_head, head_dim), the last stride 1.  ``max_length`` bounds the rows' lengths for
+    the split of the key range into ``num_splits`` parallel parts (a row longer than that is
+    still attended in full, by its last split), for ``target`` (by default q's device).
+    alibi_slopes: (n_head,) float32 on q's device.  Returns the output, (R, n_head, head_dim) in
+    q's dtype (allocated, not yet written), and the launches that write it
+    (:func:`rows_decode_attention` runs them).
+    """
+    target = Target.of(q.device) if target is None else target
     rows, n_head, head_dim = q.shape
     assert rows == tables.rows, f"{rows} query rows for tables of {tables.rows} rows"
     assert n_head % n_kv_head == 0, f"{n_head} heads cannot share {n_kv_head} kv heads"
@@ -370,28 +329,22 @@ def plan_rows_decode_attention(
         return out, []
     block_n = block_n or _decode_tiles(q.dtype, head_dim)[0]
     split_size, num_splits = _splits(target, rows * n_kv_head, max_length, block_n, num_splits)
-    partial_acc, partial_max, partial_sum = _partials(out, num_splits)
+    partials = _partials(out, num_splits)
     args = (
-        q, out, partial_acc, partial_max, partial_sum,
+        q, out, *partials,
         q if alibi_slopes is None else alibi_slopes,
         tables.key_ptrs, tables.value_ptrs, tables.head_strides, tables.positions,
         n_head, n_kv_head, head_dim, split_size, num_splits, _qk_scale(scale, head_dim),
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
     )  # fmt: skip
-    launch = _decode_launch(
-        _rows_decode_kernel,
-        (rows * n_kv_head, num_splits),
-        args,
-        alibi=alibi_slopes is not None,
-        rows=group,
-        head_dim=head_dim,
-        dtype=q.dtype,
-        block_n=block_n,
-        target=target,
-    )
-    launches = [launch]
-    if num_splits > 1:
-        # Each row as a batch of one token.
-        row_out = out.view(rows, n_head, 1, head_dim)
-        launches.append(_plan_combine(partial_acc, partial_max, partial_sum, row_out, num_splits))
+    # The merge sees each row as a batch of one token.
+    launches = _decode_launches(
+        _rows_decode_kernel, (rows * n_kv_head, num_splits), args, partials,
+        out.view(rows, n_head, 1, head_dim),
+        alibi=alibi_slopes is not None, rows=group, block_n=block_n, target=target,
+    )  # fmt: skip
     return out, launches
+
+
+rows_append = launcher(plan_rows_append)
+rows_decode_attention = launcher(plan_rows_decode_attention)

@@ -124,7 +124,7 @@ class DistributedConfig(PreTrainedConfig):
         ``dht_prefix`` given here wins; else the one stored in ``config.json``; else
         :func:`default_dht_prefix`. Other keyword arguments override config attributes, as in
         transformers. Raises :class:`~petals_core.ConfigError` if the checkpoint is of another
-        family than this class.
+        family than this class (on :class:`DistributedConfig` itself, of no supported family).
         """
         return cast(
             Self,
@@ -169,42 +169,22 @@ _CONFIG_CLASSES: dict[str, type[DistributedConfig]] = {
 
 
 class AutoDistributedConfig:
-    """Chooses the distributed config class from the checkpoint's ``model_type``."""
+    """Chooses the distributed config class from the checkpoint's ``model_type``.
+
+    ``AutoDistributedConfig.from_pretrained`` is :meth:`DistributedConfig.from_pretrained` of
+    the common base, which loads any supported family.  It raises
+    :class:`~petals_core.ConfigError` (a ``ValueError``) naming the model type when it is not one
+    of ``"bloom"``, ``"falcon"``, ``"llama"``, ``"mixtral"``.
+    """
 
     def __init__(self) -> None:
         raise TypeError("use AutoDistributedConfig.from_pretrained(...)")
 
-    @classmethod
-    def from_pretrained(
-        cls,
-        model_name_or_path: str | os.PathLike[str],
-        *,
-        revision: str | None = None,
-        token: str | bool | None = None,
-        dht_prefix: str | None = None,
-        cache_dir: str | os.PathLike[str] | None = None,
-        local_files_only: bool = False,
-        **kwargs: Any,
-    ) -> DistributedConfig:
-        """Like :meth:`DistributedConfig.from_pretrained`, for any supported family.
-
-        Raises :class:`~petals_core.ConfigError` (a ``ValueError``) naming the model type when it is
-        not one of ``"bloom"``, ``"falcon"``, ``"llama"``, ``"mixtral"``.
-        """
-        return _load_config(
-            None,
-            model_name_or_path,
-            revision=revision,
-            token=token,
-            dht_prefix=dht_prefix,
-            cache_dir=cache_dir,
-            local_files_only=local_files_only,
-            kwargs=kwargs,
-        )
+    from_pretrained = DistributedConfig.from_pretrained
 
 
 def _load_config(
-    expected: type[DistributedConfig] | None,
+    expected: type[DistributedConfig],
     model_name_or_path: str | os.PathLike[str],
     *,
     revision: str | None,
@@ -236,7 +216,7 @@ def _load_config(
             f"{os.fspath(model_name_or_path)!r} has model_type {model_type!r}, which petals_core "
             f"does not serve; supported model types: {', '.join(sorted(_CONFIG_CLASSES))}"
         )
-    if expected is not None and not issubclass(config_class, expected):
+    if not issubclass(config_class, expected):  # never for the common base
         raise ConfigError(
             f"{os.fspath(model_name_or_path)!r} has model_type {model_type!r}, not "
             f"{expected.model_type!r}: load it with {config_class.__name__} "

@@ -129,9 +129,7 @@ def _unsupported_reason(blocks: Sequence[nn.Module]) -> str | None:
         )
     first = blocks[0]
     assert isinstance(first, GraphBlock)
-    weight = (
-        first.first_norm.weight if isinstance(first, FalconBlock) else first.input_layernorm.weight
-    )
+    weight = first.norm_weight
     if weight.device.type == "cuda" and weight.dtype not in kernels.CUDA_ATTENTION_DTYPES:
         return f"the row kernels take fp16 and bf16 on GPUs, not {weight.dtype}"
     if isinstance(first, FalconBlock | LlamaBlock):
@@ -226,11 +224,7 @@ class DecodeGraphs:
         self.blocks = cast(list[GraphBlock], list(blocks))
         self.config = config or DecodeGraphsConfig()
         first = self.blocks[0]
-        weight = (
-            first.first_norm.weight
-            if isinstance(first, FalconBlock)
-            else first.input_layernorm.weight
-        )
+        weight = first.norm_weight
         self.device = weight.device
         self.dtype = weight.dtype
         self.capture = self.device.type == "cuda" if capture is None else capture

@@ -50,19 +50,21 @@ def _mixtral(settings: dict[str, Any], overrides: dict[str, Any]) -> MixtralConf
     return MixtralConfig(**{**settings, **overrides})
 
 
+#: What the tiny LLaMA and the tiny Mixtral share: their sizes and grouped-query attention.
+_TINY_GROUPED = {
+    "hidden_size": 64,
+    "num_hidden_layers": 6,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 256,
+    "max_position_embeddings": 128,
+}
+
+
 def tiny_llama_config(**overrides: Any) -> LlamaConfig:
     """A tiny LLaMA: hidden size 64, 4 attention heads over 2 key/value heads (grouped-query),
     MLP width 128, 6 blocks, a vocabulary of 256, 128 positions."""
-    settings = {
-        "hidden_size": 64,
-        "intermediate_size": 128,
-        "num_hidden_layers": 6,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "vocab_size": 256,
-        "max_position_embeddings": 128,
-    }
-    return _llama(settings, overrides)
+    return _llama({**_TINY_GROUPED, "intermediate_size": 128}, overrides)
 
 
 def tiny_bloom_config(**overrides: Any) -> BloomConfig:
@@ -93,15 +95,10 @@ def tiny_mixtral_config(**overrides: Any) -> MixtralConfig:
     width 96 of which each token uses 2, 6 blocks, a vocabulary of 256, 128 positions, pad token
     0."""
     settings = {
-        "hidden_size": 64,
+        **_TINY_GROUPED,
         "intermediate_size": 96,
-        "num_hidden_layers": 6,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
         "num_local_experts": 8,
         "num_experts_per_tok": 2,
-        "vocab_size": 256,
-        "max_position_embeddings": 128,
         "pad_token_id": 0,
     }
     return _mixtral(settings, overrides)

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 import torch
@@ -24,6 +24,9 @@ from petals_core.server import Server, ServerConfig, ServingLimits, open_server
 from petals_core.testing import LocalSwarm, SwarmProcess, fixed_server_args
 
 from ..models.conftest import TinyCheckpoint, _save, tiny_llama_config
+
+if TYPE_CHECKING:
+    from petals_core.client import RemoteSequential
 
 #: Deadline of every wait in these tests; far above what any of them takes.
 DEADLINE_S = 60.0
@@ -173,15 +176,27 @@ async def add_liar_and_two_honest(
 
 
 @asynccontextmanager
+async def sequential_over(
+    servers: Sequence[Server], **manager_fields: Any
+) -> AsyncIterator[RemoteSequential]:
+    """A :class:`RemoteSequential` over the swarm of ``servers`` (its manager of its own, see
+    :func:`manager_for`, given ``manager_fields``), once its peer table shows them all."""
+    from petals_core.client import RemoteSequential
+
+    async with RemoteSequential(manager_for(servers, **manager_fields)) as sequential:
+        await wait_for_servers(sequential.sequence_manager, len(servers))
+        yield sequential
+
+
+@asynccontextmanager
 async def checking_client(
     servers: Sequence[Server], x: torch.Tensor
 ) -> AsyncIterator[RemoteSequenceManager]:
     """A client checking every answer that has sent ``x`` through the swarm of ``servers`` (a
     liar on its route is caught, and its report filed), running until the block ends."""
-    from petals_core.client import RemoteSequential, remote_forward
+    from petals_core.client import remote_forward
 
-    async with RemoteSequential(manager_for(servers, verify="all")) as checking:
-        await wait_for_servers(checking.sequence_manager, len(servers))
+    async with sequential_over(servers, verify="all") as checking:
         await remote_forward(checking.sequence_manager, x)
         yield checking.sequence_manager
 

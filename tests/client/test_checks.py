@@ -39,6 +39,7 @@ from ._swarm_helpers import (
     assert_close,
     in_process_swarm,
     manager_for,
+    sequential_over,
     wait_for_servers,
 )
 from .test_inference import Reference
@@ -83,10 +84,10 @@ async def _train_beside_a_liar(
     assert expected_prompt_grad is not None
     async with in_process_swarm(model, tmp_path, []) as swarm:
         liar = await add_liar_and_two_honest(swarm, lies)
-        manager = manager_for(list(swarm.servers.values()), max_retries=3, **fields)
         with trio.fail_after(DEADLINE_S):
-            async with RemoteSequential(manager) as seq:
-                await wait_for_servers(seq.sequence_manager, 3)
+            async with sequential_over(
+                list(swarm.servers.values()), max_retries=3, **fields
+            ) as seq:
                 for _ in range(rounds):
                     output, saved = await remote_forward(seq.sequence_manager, x, prompts)
                     assert_close(output, expected)
@@ -117,10 +118,8 @@ async def test_with_checks_off_the_liar_goes_unnoticed(model: Model, tmp_path: P
         liar = await swarm.add((0, N_BLOCKS), throughput=1000.0)
         honest = await swarm.add((0, N_BLOCKS))
         make_liar(liar)
-        manager = manager_for(list(swarm.servers.values()), verify="none")
         with trio.fail_after(DEADLINE_S):
-            async with RemoteSequential(manager) as seq:
-                await wait_for_servers(seq.sequence_manager, 2)
+            async with sequential_over(list(swarm.servers.values()), verify="none") as seq:
                 seq.sequence_manager.on_request_failure(str(honest.dht.peer_id))  # route: liar
                 output, _ = await remote_forward(seq.sequence_manager, x)
                 assert disagreement(output, expected) > max(TOLERANCE.values())
@@ -136,12 +135,10 @@ async def test_two_servers_that_disagree_with_no_third_fail_clearly(
         liar = await swarm.add((0, N_BLOCKS), throughput=1000.0)
         await swarm.add((0, N_BLOCKS))
         make_liar(liar)
-        manager = manager_for(
-            list(swarm.servers.values()), verify="all", missing_blocks_timeout_s=1.0
-        )
         with trio.fail_after(DEADLINE_S):
-            async with RemoteSequential(manager) as seq:
-                await wait_for_servers(seq.sequence_manager, 2)
+            async with sequential_over(
+                list(swarm.servers.values()), verify="all", missing_blocks_timeout_s=1.0
+            ) as seq:
                 with pytest.raises(PetalsError, match="no third server could decide"):
                     await remote_forward(seq.sequence_manager, x)
                 assert not seq.sequence_manager.state.caught  # nobody is blamed without a majority
@@ -153,10 +150,8 @@ async def test_honest_answers_are_checked_and_counted(model: Model, tmp_path: Pa
     x = torch.randn(2, 3, HIDDEN)
     expected = model.forward(x).detach()
     async with in_process_swarm(model, tmp_path, [(0, 3), (3, 6), (0, 6)]) as swarm:
-        manager = manager_for(list(swarm.servers.values()), verify="all")
         with trio.fail_after(DEADLINE_S):
-            async with RemoteSequential(manager) as seq:
-                await wait_for_servers(seq.sequence_manager, 3)
+            async with sequential_over(list(swarm.servers.values()), verify="all") as seq:
                 for _ in range(4):
                     output, _ = await remote_forward(seq.sequence_manager, x)
                     assert_close(output, expected)
@@ -222,10 +217,8 @@ async def test_a_lying_server_in_a_session_is_caught_and_the_outputs_stay_exact(
         await swarm.add((0, N_BLOCKS))
         make_liar(liar)
         liar_id = str(liar.dht.peer_id)
-        manager = manager_for(list(swarm.servers.values()), max_retries=3)
         with trio.fail_after(DEADLINE_S):
-            async with RemoteSequential(manager) as seq:
-                await wait_for_servers(seq.sequence_manager, 4)
+            async with sequential_over(list(swarm.servers.values()), max_retries=3) as seq:
                 torch.manual_seed(10)
                 reference = Reference(model)
                 async with InferenceSession(seq.sequence_manager, 16) as session:
@@ -242,10 +235,8 @@ async def test_a_checked_session_is_followed_step_by_step_by_another_server(
     computing each step once (no replays), and every answer is compared with its; rollback and
     beam reordering reach it too, and every output equals the local blocks'."""
     async with in_process_swarm(model, tmp_path, [(0, N_BLOCKS), (0, N_BLOCKS)]) as swarm:
-        manager = manager_for(list(swarm.servers.values()), verify="all")
         with trio.fail_after(DEADLINE_S):
-            async with RemoteSequential(manager) as seq:
-                await wait_for_servers(seq.sequence_manager, 2)
+            async with sequential_over(list(swarm.servers.values()), verify="all") as seq:
                 torch.manual_seed(11)
                 reference = Reference(model)
                 async with InferenceSession(seq.sequence_manager, 16) as session:
@@ -299,10 +290,8 @@ async def test_every_answer_checked_catches_an_occasional_liar_at_its_first_lie(
     at random; it is caught at its first lie, and every output equals the local blocks'."""
     async with in_process_swarm(model, tmp_path, [(0, N_BLOCKS)] * 3) as swarm:
         servers = list(swarm.servers.values())
-        manager = manager_for(servers, verify="all")
         with trio.fail_after(DEADLINE_S):
-            async with RemoteSequential(manager) as seq:
-                await wait_for_servers(seq.sequence_manager, 3)
+            async with sequential_over(servers, verify="all") as seq:
                 torch.manual_seed(16)
                 reference = Reference(model)
                 async with InferenceSession(seq.sequence_manager, 16) as session:
@@ -330,8 +319,7 @@ async def test_a_padded_batch_is_checked_step_by_step_with_its_padding(
         servers = list(swarm.servers.values())
         with trio.fail_after(DEADLINE_S):
             for verify in ("none", "all"):
-                async with RemoteSequential(manager_for(servers, verify=verify)) as seq:
-                    await wait_for_servers(seq.sequence_manager, 2)
+                async with sequential_over(servers, verify=verify) as seq:
                     async with InferenceSession(seq.sequence_manager, 16) as session:
                         outputs[verify] = [
                             await session.step(x, padding=padding if i == 0 else None)
@@ -359,10 +347,8 @@ async def test_a_server_that_compresses_its_answers_is_compared_like_with_like(
         )
         for _ in range(2):
             await swarm.add((0, N_BLOCKS))
-        manager = manager_for(list(swarm.servers.values()), verify="all")
         with trio.fail_after(DEADLINE_S):
-            async with RemoteSequential(manager) as seq:
-                await wait_for_servers(seq.sequence_manager, 3)
+            async with sequential_over(list(swarm.servers.values()), verify="all") as seq:
                 for _ in range(2):
                     _, saved = await remote_forward(seq.sequence_manager, x, keep_for_backward=True)
                     await remote_backward(seq.sequence_manager, grad, saved)

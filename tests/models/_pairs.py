@@ -20,40 +20,52 @@ from ._steps import twin_cache
 
 class BlockPair:
     """transformers' base model ``hf`` (without its final norm), its decoder layers ``layers``
-    and our ``blocks``, one per layer, loaded from them (see :meth:`mirror`)."""
+    and our ``blocks``, one per layer, loaded from them, all holding the same random weights.
 
+    A family's pair names its classes: ``model_class`` (transformers' base model), whose layers
+    are its attribute ``layers_name`` and whose final norm is ``final_norm``; ``block_class``
+    (ours); ``is_norm(name)``, which of the model's parameters are a norm's; and ``convert``, the
+    map from a layer's state dict to a block's, where their names or layouts differ."""
+
+    model_class: Callable[[PretrainedConfig], nn.Module]
+    block_class: Callable[[PretrainedConfig, int], nn.Module]
+    layers_name: str
+    final_norm: str
     config: PretrainedConfig
     hf: nn.Module
     layers: nn.ModuleList
     blocks: list[Any]
 
-    def mirror(
-        self,
-        *,
-        final_norm: str,
-        layers: nn.ModuleList,
-        make_block: Callable[[int], nn.Module],
-        is_norm: Callable[[str], bool],
-        convert: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] = dict,
-    ) -> None:
-        """Push ``hf``'s weights far from their near-identity init (so that every part of a block
-        shows in outputs), drop its final norm (attribute ``final_norm``: compare the last layer's
-        output) and build a block per layer with the layer's weights.  ``is_norm(name)`` tells a
-        norm's parameters: weights around 1, biases around 0; the rest N(0, 0.15).  ``convert``
-        maps a layer's state dict to a block's, where their names or layouts differ."""
+    def __init__(self, config: PretrainedConfig, seed: int = 0) -> None:
+        """Push ``hf``'s weights (drawn after ``manual_seed(seed)``) far from their
+        near-identity init, so that every part of a block shows in outputs: a norm's weights
+        around 1, its biases around 0, the rest N(0, 0.15); drop its final norm (compare the last
+        layer's output) and build a block per layer with the layer's weights."""
+        torch.manual_seed(seed)
+        self.config = config
+        self.hf = self.model_class(config).eval()
         with torch.no_grad():
             for name, param in self.hf.named_parameters():
-                if is_norm(name):
+                if self.is_norm(name):
                     param.copy_(
                         (1 if name.endswith("weight") else 0) + 0.2 * torch.randn_like(param)
                     )
                 else:
                     param.normal_(0, 0.15)
-        setattr(self.hf, final_norm, nn.Identity())
+        setattr(self.hf, self.final_norm, nn.Identity())
+        layers = getattr(self.hf, self.layers_name)
         self.layers = layers
-        self.blocks = [make_block(i).eval() for i in range(len(layers))]
+        self.blocks = [self.block_class(config, i).eval() for i in range(len(layers))]
         for block, layer in zip(self.blocks, layers, strict=True):
-            block.load_state_dict(convert(layer.state_dict()))
+            block.load_state_dict(self.convert(layer.state_dict()))
+
+    @staticmethod
+    def is_norm(name: str) -> bool:
+        return "layernorm" in name
+
+    @staticmethod
+    def convert(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return state
 
     def inputs(self, batch: int, length: int, seed: int = 1) -> torch.Tensor:
         generator = torch.Generator().manual_seed(seed)
@@ -78,6 +90,11 @@ class Reordered(NamedTuple):
     ours: torch.Tensor  # our blocks' decode steps after the reorder
     hf: torch.Tensor  # transformers' decode steps after reordering its cache
     fresh: torch.Tensor  # our blocks on the surviving rows' sequences from scratch, decoded part
+
+    def assert_close(self) -> None:
+        """Ours equal to transformers' and to the fresh run, to float32 rounding at their scale."""
+        assert_close_to_scale(self.ours, self.hf)
+        assert_close_to_scale(self.ours, self.fresh)
 
 
 def reorder_and_decode(
@@ -109,6 +126,13 @@ class Resumed(NamedTuple):
     hf_fresh: torch.Tensor  # the same through transformers
     hf_cropped: torch.Tensor  # transformers' cache cropped to ``keep``, then the resent chunk
     chunk: int
+
+    def assert_close(self) -> None:
+        """The resent tokens equal to every other way of computing them, to float32 rounding at
+        their scale."""
+        assert_close_to_scale(self.resumed, self.hf_fresh)
+        assert_close_to_scale(self.resumed, self.fresh)
+        assert_close_to_scale(self.resumed[:, : self.chunk], self.hf_cropped)
 
 
 def roll_back_and_resume(
@@ -174,6 +198,27 @@ def assert_close_to_scale(
     scale = max(1.0, theirs.abs().max().item())
     diff = (ours.float() - theirs.float()).abs().max().item()
     assert diff <= atol * scale, f"{what}: max abs diff {diff:.3g} at scale {scale:.3g}"
+
+
+def bfloat16_pieces(pair: BlockPair, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` of 12 positions through a bf16 copy of our blocks in pieces (a prefill of 8, a
+    token, a chunk of 3) through caches, and through the float32 blocks at once: (bf16 outputs
+    as float32, float32 outputs)."""
+    blocks = [pair.block_class(pair.config, i).to(torch.bfloat16) for i in range(len(pair.blocks))]
+    for ours, block in zip(blocks, pair.blocks, strict=True):
+        ours.load_state_dict(block.state_dict())
+    caches = [block.allocate_cache(x.shape[0], 12) for block in blocks]
+    with torch.no_grad():
+        exact = pair.run(x)
+        outputs = []
+        for start, end in [(0, 8), (8, 9), (9, 12)]:
+            y = x.bfloat16()[:, start:end]
+            for block, cache in zip(blocks, caches, strict=True):
+                y = block(y, cache=cache)
+            outputs.append(y)
+    got = torch.cat(outputs, dim=1).float()
+    assert got.isfinite().all()
+    return got, exact
 
 
 def check_prefill_chunk_and_decode(pair: BlockPair) -> None:

@@ -294,14 +294,6 @@ def test_position_without_a_cache_changes_nothing() -> None:
         assert_matches(ours(x, position=7), ours(x))
 
 
-def test_cache_path_records_no_graph() -> None:
-    _, ours = make_pair(make_config())
-    cache = ours.allocate_cache(1, 4)
-    y = ours(inputs(1, 2).requires_grad_(True), cache=cache)
-    assert not y.requires_grad
-    assert not cache.keys.requires_grad
-
-
 def test_a_block_built_on_meta_and_given_weights_equals_one_built_with_them() -> None:
     """How a server builds its blocks: on "meta" (no memory, no random weights), then assigned
     the checkpoint's tensors; the ALiBi slopes are computed for real either way."""

@@ -6,8 +6,6 @@ the CPU parity tests): ``python -m bench gpu`` runs this file with compiled kern
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
@@ -24,19 +22,22 @@ from petals_core.models import (
 from petals_core.models._quantize import quantize_block
 from petals_core.testing import tiny_falcon_config, tiny_mixtral_config
 
+from .._cuda import CUDA_MARKS
 from ._steps import eager_steps, twin
 from .conftest import tiny_bloom_config, tiny_llama_config
 
-pytestmark = [
-    pytest.mark.cuda,
-    pytest.mark.skipif(
-        not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1",
-        reason="needs a CUDA GPU and compiled Triton kernels (run by python -m bench gpu)",
-    ),
-]
+pytestmark = CUDA_MARKS
 
 HIDDEN, HEADS, KV_HEADS = 512, 8, 2  # head_dim 64
 SPAN = 4
+#: The LLaMA and Mixtral blocks' shape: grouped-query attention, positions up to 4096.
+GROUPED = dict(
+    hidden_size=HIDDEN,
+    intermediate_size=2 * HIDDEN,
+    num_attention_heads=HEADS,
+    num_key_value_heads=KV_HEADS,
+    max_position_embeddings=4096,
+)
 
 
 def _blocks(family: str, dtype: torch.dtype) -> list[Block]:
@@ -44,23 +45,9 @@ def _blocks(family: str, dtype: torch.dtype) -> list[Block]:
     blocks: list[Block] = []
     for index in range(SPAN):
         if family == "llama":
-            config = tiny_llama_config(
-                hidden_size=HIDDEN,
-                intermediate_size=2 * HIDDEN,
-                num_attention_heads=HEADS,
-                num_key_value_heads=KV_HEADS,
-                max_position_embeddings=4096,
-            )
-            block: Block = LlamaBlock(config, index)
+            block: Block = LlamaBlock(tiny_llama_config(**GROUPED), index)
         elif family == "mixtral":  # 8 experts, 2 per token: in a graph, each on every row
-            mixtral = tiny_mixtral_config(
-                hidden_size=HIDDEN,
-                intermediate_size=2 * HIDDEN,
-                num_attention_heads=HEADS,
-                num_key_value_heads=KV_HEADS,
-                max_position_embeddings=4096,
-            )
-            block = MixtralBlock(mixtral, index)
+            block = MixtralBlock(tiny_mixtral_config(**GROUPED), index)
         elif family == "falcon":  # Falcon-40B's layout: 8 heads in 2 groups, two LayerNorms
             falcon = tiny_falcon_config(
                 hidden_size=HIDDEN, num_attention_heads=HEADS, num_kv_heads=KV_HEADS

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from petals_core import CheckpointError
-from petals_core.models._config import AutoDistributedConfig
+from petals_core.models._config import AutoDistributedConfig, DistributedConfig
 from petals_core.models._disk import (
     KEEP_FREE,
     LOCK_FILE,
@@ -62,6 +62,17 @@ def _age(cache: Path, repo_id: str, filenames: set[str], seconds: float) -> None
             os.utime(blob, (blob.stat().st_atime - seconds, blob.stat().st_mtime))
 
 
+def _first_blocks_cached(
+    hub: Hub, tiny_llama: TinyCheckpoint
+) -> tuple[DistributedConfig, set[str]]:
+    """Serve ``tiny_llama`` as REPO and load its first two blocks: its config, and the weight
+    files that are cached then."""
+    hub.server.serve(REPO, tiny_llama.folder)
+    config = AutoDistributedConfig.from_pretrained(REPO, cache_dir=hub.cache_dir)
+    load_blocks(REPO, range(0, 2), config=config, cache_dir=hub.cache_dir)
+    return config, _cached_weights(hub.cache_dir, REPO)
+
+
 def test_a_load_deletes_the_least_recently_used_shards_it_does_not_need(
     hub: Hub, tiny_llama: TinyCheckpoint, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -108,10 +119,7 @@ def test_a_load_deletes_the_least_recently_used_shards_it_does_not_need(
 def test_a_budget_the_load_cannot_fit_fails_clearly_and_keeps_its_shards(
     hub: Hub, tiny_llama: TinyCheckpoint
 ) -> None:
-    hub.server.serve(REPO, tiny_llama.folder)
-    config = AutoDistributedConfig.from_pretrained(REPO, cache_dir=hub.cache_dir)
-    load_blocks(REPO, range(0, 2), config=config, cache_dir=hub.cache_dir)
-    before = _cached_weights(hub.cache_dir, REPO)
+    config, before = _first_blocks_cached(hub, tiny_llama)
     with pytest.raises(CheckpointError, match="--max_disk_space") as caught:
         load_blocks(REPO, range(0, 6), config=config, cache_dir=hub.cache_dir, max_disk_space=1)
     assert "do not fit the budget, even if every other cached weight file" in str(caught.value)
@@ -150,10 +158,7 @@ def test_the_disk_keeps_its_share_free_whatever_the_budget() -> None:
 def test_a_disk_too_full_for_the_load_fails_clearly_and_deletes_nothing(
     hub: Hub, tiny_llama: TinyCheckpoint
 ) -> None:
-    hub.server.serve(REPO, tiny_llama.folder)
-    config = AutoDistributedConfig.from_pretrained(REPO, cache_dir=hub.cache_dir)
-    load_blocks(REPO, range(0, 2), config=config, cache_dir=hub.cache_dir)
-    before = _cached_weights(hub.cache_dir, REPO)
+    _, before = _first_blocks_cached(hub, tiny_llama)
     free = shutil.disk_usage(hub.cache_dir).free
     assert KEEP_FREE == 2**30
     with (

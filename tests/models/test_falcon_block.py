@@ -24,6 +24,7 @@ from petals_core.models import FalconBlock
 from ._pairs import (
     BlockPair,
     assert_close_to_scale,
+    bfloat16_pieces,
     check_forward_many,
     check_left_padded_batch,
     check_prefill_chunk_and_decode,
@@ -72,16 +73,12 @@ CONFIGS = {
 class Pair(BlockPair):
     """transformers' FalconModel and a chain of our blocks holding the same random weights."""
 
-    def __init__(self, config: FalconConfig, seed: int = 0) -> None:
-        torch.manual_seed(seed)
-        self.config = config
-        self.hf = FalconModel(config).eval()
-        self.mirror(
-            final_norm="ln_f",
-            layers=self.hf.h,
-            make_block=lambda i: FalconBlock(config, i),
-            is_norm=lambda name: ".ln_" in name or "layernorm" in name,
-        )
+    model_class, block_class = FalconModel, FalconBlock
+    layers_name, final_norm = "h", "ln_f"
+
+    @staticmethod
+    def is_norm(name: str) -> bool:
+        return ".ln_" in name or "layernorm" in name
 
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))
@@ -181,8 +178,7 @@ def test_one_layer_equals_transformers_layer_with_eager_attention(name: str) -> 
 def test_batch_of_three_reordered_by_hypo_ids(name: str) -> None:
     pair = Pair(CONFIGS[name])
     got = reorder_and_decode(pair, pair.inputs(3, 14), torch.tensor([2, 0, 0]), prefill=9)
-    assert_close_to_scale(got.ours, got.hf)
-    assert_close_to_scale(got.ours, got.fresh)
+    got.assert_close()
 
 
 @pytest.mark.parametrize("name", ["new-1ln", "alibi"])
@@ -190,9 +186,7 @@ def test_rollback_then_continue_equals_a_fresh_run(name: str) -> None:
     pair = Pair(CONFIGS[name])
     x, continuation = pair.inputs(2, 12), pair.inputs(2, 6, seed=2)
     got = roll_back_and_resume(pair, x, continuation, prefill=9, keep=6)
-    assert_close_to_scale(got.resumed, got.hf_fresh)
-    assert_close_to_scale(got.resumed, got.fresh)
-    assert_close_to_scale(got.resumed[:, : got.chunk], got.hf_cropped)
+    got.assert_close()
 
 
 @pytest.mark.parametrize("name", ["7b", "alibi"])
@@ -237,22 +231,7 @@ def test_builds_on_the_meta_device_with_real_alibi_slopes() -> None:
 
 def test_bfloat16_runs_close_to_float32() -> None:
     pair = Pair(CONFIGS["new-2ln"])
-    x = pair.inputs(2, 12)
-    blocks = [FalconBlock(pair.config, i).to(torch.bfloat16) for i in range(2)]
-    for ours, block in zip(blocks, pair.blocks, strict=True):
-        ours.load_state_dict(block.state_dict())
-    caches = [block.allocate_cache(2, 12) for block in blocks]
-    with torch.no_grad():
-        exact = pair.run(x)
-        h = x.bfloat16()
-        outputs = []
-        for start, end in [(0, 8), (8, 9), (9, 12)]:
-            y = h[:, start:end]
-            for block, cache in zip(blocks, caches, strict=True):
-                y = block(y, cache=cache)
-            outputs.append(y)
-    got = torch.cat(outputs, dim=1).float()
-    assert got.isfinite().all()
+    got, exact = bfloat16_pieces(pair, pair.inputs(2, 12))
     assert (got - exact).abs().max().item() <= 5e-2 * exact.abs().max().item()
 
 
@@ -277,11 +256,3 @@ def test_misuse_raises_and_leaves_the_cache_alone() -> None:
         assert cache.length == 3
         block(torch.randn(2, 3, HIDDEN), cache=cache, position=3)  # exactly full is fine
     assert cache.length == 6
-
-
-def test_cache_path_records_no_graph() -> None:
-    block = FalconBlock(CONFIGS["alibi"])
-    cache = block.allocate_cache(1, 4)
-    y = block(torch.randn(1, 2, HIDDEN, requires_grad=True), cache=cache)
-    assert not y.requires_grad
-    assert not cache.keys.requires_grad

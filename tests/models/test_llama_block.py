@@ -73,16 +73,12 @@ CONFIGS = {
 class Pair(BlockPair):
     """transformers' LlamaModel and a chain of our blocks holding the same random weights."""
 
-    def __init__(self, config: LlamaConfig, seed: int = 0) -> None:
-        torch.manual_seed(seed)
-        self.config = config
-        self.hf = LlamaModel(config).eval()
-        self.mirror(
-            final_norm="norm",
-            layers=self.hf.layers,
-            make_block=lambda i: LlamaBlock(config, i),
-            is_norm=lambda name: name.endswith("norm.weight"),
-        )
+    model_class, block_class = LlamaModel, LlamaBlock
+    layers_name, final_norm = "layers", "norm"
+
+    @staticmethod
+    def is_norm(name: str) -> bool:
+        return name.endswith("norm.weight")
 
 
 def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:

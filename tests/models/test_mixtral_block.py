@@ -12,10 +12,12 @@ from transformers import MixtralConfig, MixtralModel
 
 from petals_core.models import MixtralBlock
 from petals_core.models.mixtral import state_from_transformers as from_transformers
+from petals_core.testing import tiny_mixtral_config
 
 from ._pairs import (
     BlockPair,
     assert_close_to_scale,
+    bfloat16_pieces,
     check_forward_many,
     check_left_padded_batch,
     check_prefill_chunk_and_decode,
@@ -31,18 +33,8 @@ ATOL = 1e-5
 
 
 def _config(**overrides: Any) -> MixtralConfig:
-    settings: dict[str, Any] = dict(
-        hidden_size=HIDDEN,
-        intermediate_size=96,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        num_hidden_layers=2,
-        num_local_experts=8,
-        num_experts_per_tok=2,
-        vocab_size=16,
-        max_position_embeddings=64,
-    )
-    return MixtralConfig(**{**settings, **overrides})
+    settings: dict[str, Any] = dict(num_hidden_layers=2, vocab_size=16, max_position_embeddings=64)
+    return tiny_mixtral_config(**{**settings, **overrides})
 
 
 CONFIGS = {
@@ -56,17 +48,9 @@ CONFIGS = {
 class Pair(BlockPair):
     """transformers' MixtralModel and a chain of our blocks holding the same random weights."""
 
-    def __init__(self, config: MixtralConfig, seed: int = 0) -> None:
-        torch.manual_seed(seed)
-        self.config = config
-        self.hf = MixtralModel(config).eval()
-        self.mirror(
-            final_norm="norm",
-            layers=self.hf.layers,
-            make_block=lambda i: MixtralBlock(config, i),
-            is_norm=lambda name: "layernorm" in name,
-            convert=from_transformers,
-        )
+    model_class, block_class = MixtralModel, MixtralBlock
+    layers_name, final_norm = "layers", "norm"
+    convert = staticmethod(from_transformers)
 
 
 def test_parameter_names_are_the_original_checkpoints(tmp_path: Any) -> None:
@@ -107,17 +91,14 @@ def test_prefill_chunk_and_decode_match_transformers(name: str) -> None:
 def test_batch_of_three_reordered_by_hypo_ids() -> None:
     pair = Pair(CONFIGS["8x2"])
     got = reorder_and_decode(pair, pair.inputs(3, 14), torch.tensor([2, 0, 0]), prefill=9)
-    assert_close_to_scale(got.ours, got.hf)
-    assert_close_to_scale(got.ours, got.fresh)
+    got.assert_close()
 
 
 def test_rollback_then_continue_equals_a_fresh_run() -> None:
     pair = Pair(CONFIGS["4x3"])
     x, continuation = pair.inputs(2, 12), pair.inputs(2, 6, seed=2)
     got = roll_back_and_resume(pair, x, continuation, prefill=9, keep=6)
-    assert_close_to_scale(got.resumed, got.hf_fresh)
-    assert_close_to_scale(got.resumed, got.fresh)
-    assert_close_to_scale(got.resumed[:, : got.chunk], got.hf_cropped)
+    got.assert_close()
 
 
 def test_left_padded_batch_matches_transformers_with_a_mask() -> None:
@@ -192,21 +173,7 @@ def test_the_static_path_of_a_decode_graph_equals_the_eager_one(dtype: torch.dty
 
 def test_bfloat16_runs_close_to_float32() -> None:
     pair = Pair(CONFIGS["8x2"])
-    x = pair.inputs(2, 12)
-    blocks = [MixtralBlock(pair.config, i).to(torch.bfloat16) for i in range(2)]
-    for ours, block in zip(blocks, pair.blocks, strict=True):
-        ours.load_state_dict(block.state_dict())
-    caches = [block.allocate_cache(2, 12) for block in blocks]
-    with torch.no_grad():
-        exact = pair.run(x)
-        outputs = []
-        for start, end in [(0, 8), (8, 9), (9, 12)]:
-            y = x.bfloat16()[:, start:end]
-            for block, cache in zip(blocks, caches, strict=True):
-                y = block(y, cache=cache)
-            outputs.append(y)
-    got = torch.cat(outputs, dim=1).float()
-    assert got.isfinite().all()
+    got, exact = bfloat16_pieces(pair, pair.inputs(2, 12))
     # A token near a tie between two experts may switch experts in bf16: compare most tokens.
     close = (got - exact).abs().amax(-1) <= 5e-2 * exact.abs().max()
     assert close.float().mean() >= 0.9
@@ -226,14 +193,6 @@ def test_bad_configs_and_positions_past_the_window_are_refused() -> None:
         with pytest.raises(ValueError, match="past the sliding window of 8"):
             block(torch.randn(1, 9, HIDDEN))
     assert cache.length == 8
-
-
-def test_cache_path_records_no_graph() -> None:
-    block = MixtralBlock(CONFIGS["8x2"])
-    cache = block.allocate_cache(1, 4)
-    y = block(torch.randn(1, 2, HIDDEN, requires_grad=True), cache=cache)
-    assert not y.requires_grad
-    assert not cache.keys.requires_grad
 
 
 def test_bad_inputs_get_the_blocks_errors() -> None:

@@ -7,13 +7,12 @@ Skipped without CUDA and under Triton's interpreter; ``python -m bench gpu`` run
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
 from petals_core.models._quantize import quantize_block
 
+from .._cuda import CUDA_MARKS
 from .test_quantize import (
     BLOCK_BOUND,
     LINEAR_BOUND,
@@ -24,13 +23,7 @@ from .test_quantize import (
     relative_error,
 )
 
-pytestmark = [
-    pytest.mark.cuda,
-    pytest.mark.skipif(
-        not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1",
-        reason="needs a CUDA GPU and compiled Triton kernels (run by python -m bench gpu)",
-    ),
-]
+pytestmark = CUDA_MARKS
 
 QUANT_TYPES = ["int8", "nf4"]
 

@@ -75,6 +75,15 @@ async def connect(server: Server) -> AsyncIterator[Connection]:
         yield await node.connect(server.multiaddrs[0])
 
 
+@asynccontextmanager
+async def serve_and_connect(
+    checkpoint: TinyCheckpoint, cache_dir: Path, **serving: Any
+) -> AsyncIterator[tuple[Server, Connection]]:
+    """A server (:func:`serve`, given ``serving``) and a client connected to it."""
+    async with serve(checkpoint, cache_dir, **serving) as server, connect(server) as connection:
+        yield server, connection
+
+
 async def info(connection: Connection) -> InfoReply:
     return InfoReply.from_wire_untrusted(
         await call_unary(connection, INFO, InfoRequest().to_wire())
@@ -143,6 +152,26 @@ async def session(
         opened = Session(call)
         yield opened
         await opened.close()
+
+
+@asynccontextmanager
+async def served_session(
+    checkpoint: TinyCheckpoint,
+    cache_dir: Path,
+    *,
+    blocks: tuple[int, int],
+    served: tuple[int, int] | None = None,
+    limits: ServingLimits | None = None,
+    **opening: Any,
+) -> AsyncIterator[Session]:
+    """A :func:`session` of ``blocks`` (``opening`` says the rest) on a server of its own, of
+    blocks ``served`` (by default ``blocks``) of ``checkpoint`` under ``limits``."""
+    serving = {"blocks": served or blocks, "limits": limits}
+    async with (
+        serve_and_connect(checkpoint, cache_dir, **serving) as (_, connection),
+        session(connection, blocks=blocks, **{"session_id": "served", **opening}) as opened,
+    ):
+        yield opened
 
 
 # -- forward / backward ----------------------------------------------------------------------------

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 from typing import Any
 
 import pytest
@@ -21,6 +20,7 @@ from petals_core import ConfigError
 from petals_core.models import DecodeGraphsConfig, QuantType, new_block, quantize_block
 from petals_core.server._config import ServerConfig
 from petals_core.server._defaults import (
+    ServingDefaults,
     autograd_reserve_nbytes,
     bitsandbytes_problem,
     block_nbytes,
@@ -38,12 +38,15 @@ from petals_core.server._defaults import (
 )
 from petals_core.server._handler import ServingLimits
 from petals_core.testing import (
+    bloom_560m_config,
     falcon_7b_config,
     mixtral_8x7b_config,
     tiny_falcon_config,
     tiny_mixtral_config,
+    tinyllama_1b_config,
 )
 
+from .._cuda import needs_cuda
 from ..models.conftest import tiny_bloom_config, tiny_llama_config
 
 CPU = torch.device("cpu")
@@ -52,33 +55,15 @@ GIB = 2**30
 LOGGER = "petals_core.server"
 
 
-def tinyllama_1b() -> LlamaConfig:
-    """TinyLlama-1.1B: 1,100,048,384 parameters, 22 blocks of 44,044,288."""
-    return LlamaConfig(
-        hidden_size=2048,
-        intermediate_size=5632,
-        num_attention_heads=32,
-        num_key_value_heads=4,
-        num_hidden_layers=22,
-        vocab_size=32000,
-    )
-
-
 def llama2_70b() -> LlamaConfig:
-    """Llama-2-70B: 68,976,648,192 parameters, 80 blocks."""
-    return LlamaConfig(
+    """Llama-2-70B: 68,976,648,192 parameters, 80 blocks (TinyLlama's vocabulary)."""
+    return tinyllama_1b_config(
         hidden_size=8192,
         intermediate_size=28672,
         num_attention_heads=64,
         num_key_value_heads=8,
         num_hidden_layers=80,
-        vocab_size=32000,
     )
-
-
-def bloom_560m() -> BloomConfig:
-    """bloom-560m: 559,214,592 parameters, 24 blocks."""
-    return BloomConfig(hidden_size=1024, n_head=16, n_layer=24, vocab_size=250880)
 
 
 def bloom_176b() -> BloomConfig:
@@ -87,14 +72,14 @@ def bloom_176b() -> BloomConfig:
 
 
 def falcon_40b() -> FalconConfig:
-    """Falcon-40B: 60 blocks of the new decoder architecture, 128 heads over 8 key/value heads."""
-    return FalconConfig(
+    """Falcon-40B: 60 blocks of the new decoder architecture, 128 heads over 8 key/value heads
+    (Falcon-7B's vocabulary)."""
+    return falcon_7b_config(
         hidden_size=8192,
         num_attention_heads=128,
         num_kv_heads=8,
         new_decoder_architecture=True,
         num_hidden_layers=60,
-        vocab_size=65024,
     )
 
 
@@ -113,9 +98,9 @@ PARAMETERS_PER_BLOCK = {
     "mixtral_8x7b": _per_block(46_702_792_704, 2 * 32000 * 4096 + 4096, 32),
 }
 MODELS = {
-    "tinyllama_1b": tinyllama_1b,
+    "tinyllama_1b": tinyllama_1b_config,
     "llama2_70b": llama2_70b,
-    "bloom_560m": bloom_560m,
+    "bloom_560m": bloom_560m_config,
     "bloom_176b": bloom_176b,
     "mixtral_8x7b": mixtral_8x7b_config,
 }
@@ -242,7 +227,7 @@ def test_cache_bytes_per_token_are_what_a_block_allocates(
 def test_cache_bytes_per_token_of_real_shapes() -> None:
     # Keys and values: 2 x kv heads x head_dim x itemsize.
     assert cache_nbytes_per_token(llama2_70b(), dtype=torch.bfloat16) == 2 * 8 * 128 * 2
-    assert cache_nbytes_per_token(tinyllama_1b(), dtype=torch.float32) == 2 * 4 * 64 * 4
+    assert cache_nbytes_per_token(tinyllama_1b_config(), dtype=torch.float32) == 2 * 4 * 64 * 4
     assert cache_nbytes_per_token(bloom_176b(), dtype=torch.bfloat16) == 2 * 14336 * 2
     # Falcon caches each key/value head once: 1 for 7B (multi-query), 8 for 40B.
     assert cache_nbytes_per_token(falcon_7b_config(), dtype=torch.bfloat16) == 2 * 1 * 64 * 2
@@ -253,7 +238,7 @@ def test_cache_bytes_per_token_of_real_shapes() -> None:
 def test_autograd_reserve_is_two_gib_at_bloom_176b_and_proportional() -> None:
     assert autograd_reserve_nbytes(bloom_176b()) == 2 * GIB
     assert autograd_reserve_nbytes(llama2_70b()) == math.ceil(2 * GIB * 8192 / 14336)
-    assert autograd_reserve_nbytes(tinyllama_1b()) == math.ceil(2 * GIB * 2048 / 14336)
+    assert autograd_reserve_nbytes(tinyllama_1b_config()) == math.ceil(2 * GIB * 2048 / 14336)
 
 
 def test_other_model_types_cannot_be_sized() -> None:
@@ -305,13 +290,8 @@ def test_the_blocks_chosen_fit_and_one_more_would_not(
 def test_worked_examples() -> None:
     """Llama-2-70B, nf4, bfloat16, 16384 tokens: a 24 GB card with 23 GiB free holds 44 blocks
     of 0.43 GiB weights + 64 MiB cache, after a reserve of 8192 / 14336 x 2 GiB."""
-    budget = plan_num_blocks(
-        llama2_70b(),
-        dtype=torch.bfloat16,
-        quant_type="nf4",
-        attn_cache_tokens=16384,
-        free_nbytes=23 * GIB,
-    )
+    worked: dict[str, Any] = dict(dtype=torch.bfloat16, quant_type="nf4", attn_cache_tokens=16384)
+    budget = plan_num_blocks(llama2_70b(), free_nbytes=23 * GIB, **worked)
     assert budget.weights_nbytes_per_block == 459_136_369
     assert budget.cache_nbytes_per_block == 64 * 2**20
     assert budget.reserve_nbytes == 1_227_133_514
@@ -324,24 +304,16 @@ def test_worked_examples() -> None:
     # What serving was measured to hold, and a LoRA adapter of rank 16 on every projection.
     served = plan_num_blocks(
         llama2_70b(),
-        dtype=torch.bfloat16,
-        quant_type="nf4",
-        attn_cache_tokens=16384,
         free_nbytes=23 * GIB,
         overhead_nbytes=2 * GIB,
         adapters_nbytes_per_block=30 * 2**20,
+        **worked,
     )
     assert (served.num_blocks, served.fitting_blocks) == (38, 38)  # 19.86 GiB / 531.87 MiB
     assert "- 2.00 GiB measured for activations" in served.reason
     assert "+ 30.00 MiB of adapters per block" in served.reason
     # TinyLlama on an H200: every block, with room to spare.
-    small = plan_num_blocks(
-        tinyllama_1b(),
-        dtype=torch.bfloat16,
-        quant_type="nf4",
-        attn_cache_tokens=16384,
-        free_nbytes=139 * GIB,
-    )
+    small = plan_num_blocks(tinyllama_1b_config(), free_nbytes=139 * GIB, **worked)
     assert small.num_blocks == 22 < small.fitting_blocks
     assert small.reason.endswith(f"{small.fitting_blocks} fit, the model has 22")
 
@@ -457,19 +429,32 @@ def test_server_config_quant_type_is_checked() -> None:
 # -- all together, and the log -------------------------------------------------------------------
 
 
+def _on_cuda(
+    model: PretrainedConfig,
+    free_nbytes: int | None = None,
+    *,
+    bitsandbytes_problem: str | None = None,
+    **config: Any,
+) -> ServingDefaults:
+    """The defaults of a server of ``model`` (``config``: its settings) on a CUDA machine with
+    ``free_nbytes`` of device memory free (None: not measured) and bitsandbytes working unless
+    there is a ``bitsandbytes_problem``."""
+    return plan_defaults(
+        _server_config(**config),
+        model,
+        cuda_available=True,
+        free_nbytes=free_nbytes,
+        bitsandbytes_problem=bitsandbytes_problem,
+    )
+
+
 def _messages(caplog: pytest.LogCaptureFixture) -> list[tuple[int, str]]:
     return [(r.levelno, r.getMessage()) for r in caplog.records if r.name == LOGGER]
 
 
 def test_defaults_on_cuda_are_logged_with_the_arithmetic(caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level(logging.INFO, logger=LOGGER):
-        defaults = plan_defaults(
-            _server_config(),
-            llama2_70b(),
-            cuda_available=True,
-            free_nbytes=23 * GIB,
-            bitsandbytes_problem=None,
-        )
+        defaults = _on_cuda(llama2_70b(), 23 * GIB)
     assert (defaults.device, defaults.dtype, defaults.quant_type) == (CUDA, torch.bfloat16, "nf4")
     # Grouped-query attention: 32768 tokens of cache per block (128 MiB for Llama-2-70B's 8
     # key/value heads), sessions of up to 8192; 21.86 GiB / 565.87 MiB per block.
@@ -505,22 +490,13 @@ def test_models_without_grouped_query_attention_get_smaller_caches_and_sessions(
     assert default_inference_max_length(bloom_176b()) == 2048
     assert default_attn_cache_tokens(llama2_70b()) == 32768
     assert default_inference_max_length(llama2_70b()) == 8192
-    bloom = plan_defaults(
-        _server_config(num_blocks=2),
-        bloom_176b(),
-        cuda_available=True,
-        free_nbytes=None,
-        bitsandbytes_problem=None,
-    )
+    bloom = _on_cuda(bloom_176b(), num_blocks=2)
     assert (bloom.attn_cache_tokens, bloom.inference_max_length) == (8192, 2048)
-    asked = plan_defaults(
-        _server_config(
-            num_blocks=2, attn_cache_tokens=100, limits=ServingLimits(inference_max_length=300)
-        ),
+    asked = _on_cuda(
         bloom_176b(),
-        cuda_available=True,
-        free_nbytes=None,
-        bitsandbytes_problem=None,
+        num_blocks=2,
+        attn_cache_tokens=100,
+        limits=ServingLimits(inference_max_length=300),
     )
     assert (asked.attn_cache_tokens, asked.inference_max_length) == (100, 300)
 
@@ -529,13 +505,7 @@ def test_without_bitsandbytes_cuda_serves_unquantised_blocks_and_warns(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     with caplog.at_level(logging.INFO, logger=LOGGER):
-        defaults = plan_defaults(
-            _server_config(),
-            llama2_70b(),
-            cuda_available=True,
-            free_nbytes=79 * GIB,
-            bitsandbytes_problem="ImportError: no kernels",
-        )
+        defaults = _on_cuda(llama2_70b(), 79 * GIB, bitsandbytes_problem="ImportError: no kernels")
     assert defaults.quant_type == "none"
     assert defaults.budget is not None
     assert defaults.budget.weights_nbytes_per_block == block_nbytes(
@@ -550,11 +520,8 @@ def test_without_bitsandbytes_cuda_serves_unquantised_blocks_and_warns(
 def test_what_is_asked_for_is_served_and_no_memory_is_needed(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    config = _server_config(num_blocks=8, torch_dtype="float16", quant_type="int8")
     with caplog.at_level(logging.INFO, logger=LOGGER):
-        defaults = plan_defaults(
-            config, llama2_70b(), cuda_available=True, free_nbytes=None, bitsandbytes_problem=None
-        )
+        defaults = _on_cuda(llama2_70b(), num_blocks=8, torch_dtype="float16", quant_type="int8")
     assert (defaults.dtype, defaults.quant_type, defaults.num_blocks) == (torch.float16, "int8", 8)
     assert defaults.budget is None
     assert _messages(caplog)[1:] == [
@@ -567,42 +534,18 @@ def test_what_is_asked_for_is_served_and_no_memory_is_needed(
         (logging.INFO, "sessions of up to 8192 tokens: the default for grouped-query attention"),
         (logging.INFO, "8 blocks: asked for"),
     ]
-    too_many = plan_defaults(
-        _server_config(num_blocks=100),
-        llama2_70b(),
-        cuda_available=True,
-        free_nbytes=None,
-        bitsandbytes_problem=None,
-    )
+    too_many = _on_cuda(llama2_70b(), num_blocks=100)
     assert too_many.num_blocks == 80
     assert too_many.num_blocks_reason == "asked for 100, the model has 80"
-    span = plan_defaults(
-        _server_config(block_indices=(10, 14)),
-        llama2_70b(),
-        cuda_available=True,
-        free_nbytes=None,
-        bitsandbytes_problem=None,
-    )
+    span = _on_cuda(llama2_70b(), block_indices=(10, 14))
     assert (span.num_blocks, span.num_blocks_reason) == (4, "asked for blocks 10:14")
     with pytest.raises(ConfigError, match="--block_indices 78:81 goes beyond the model's 80"):
-        plan_defaults(
-            _server_config(block_indices=(78, 81)),
-            llama2_70b(),
-            cuda_available=True,
-            free_nbytes=None,
-            bitsandbytes_problem=None,
-        )
+        _on_cuda(llama2_70b(), block_indices=(78, 81))
 
 
 def test_not_even_one_block_on_cuda_is_a_config_error() -> None:
     with pytest.raises(ConfigError, match="not even one block fits"):
-        plan_defaults(
-            _server_config(),
-            bloom_176b(),
-            cuda_available=True,
-            free_nbytes=3 * GIB,
-            bitsandbytes_problem=None,
-        )
+        _on_cuda(bloom_176b(), 3 * GIB)
 
 
 def test_defaults_on_this_machine(caplog: pytest.LogCaptureFixture) -> None:
@@ -634,18 +577,14 @@ def test_defaults_on_this_machine(caplog: pytest.LogCaptureFixture) -> None:
     ]
 
 
-@pytest.mark.cuda
-@pytest.mark.skipif(
-    not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1",
-    reason="needs a CUDA GPU and compiled Triton kernels (run by python -m bench gpu)",
-)
+@needs_cuda
 def test_what_serving_holds_besides_blocks_is_measured_on_the_gpu_and_freed() -> None:
     """One TinyLlama block, a 2048-token prefill, and decode graphs captured up to 2048
     positions: something (workspaces, the graphs' pool), less than a few GiB, and what stays
     held afterwards (compiled kernels, the matmul library's workspace) is part of it."""
     free_before, _ = torch.cuda.mem_get_info(CUDA)
     overhead = measure_overhead(
-        tinyllama_1b(),
+        tinyllama_1b_config(),
         device=CUDA,
         dtype=torch.bfloat16,
         quant_type="none",

@@ -16,7 +16,7 @@ from petals_core.server import ServingLimits
 from petals_core.transport import Connection, open_call, open_node
 
 from ..models.conftest import TinyCheckpoint
-from ._client import connect, info, serve, session
+from ._client import info, serve_and_connect, session
 
 DEADLINE_S = 30.0
 
@@ -26,10 +26,7 @@ async def test_a_peer_holds_at_most_its_share_of_sessions(
 ) -> None:
     limits = ServingLimits(max_sessions_per_peer=3)
     with trio.fail_after(DEADLINE_S):
-        async with (
-            serve(server_llama, cache_dir, limits=limits) as server,
-            connect(server) as greedy,
-        ):
+        async with serve_and_connect(server_llama, cache_dir, limits=limits) as (server, greedy):
             async with AsyncExitStack() as stack:
                 for i in range(3):
                     await stack.enter_async_context(
@@ -55,20 +52,17 @@ async def test_an_idle_client_loses_its_session_and_the_cache_comes_back(
 ) -> None:
     limits = ServingLimits(step_timeout_s=0.5)
     with trio.fail_after(DEADLINE_S):
-        async with (
-            serve(server_llama, cache_dir, limits=limits) as server,
-            connect(server) as connection,
-        ):
-            baseline = (await info(connection)).cache_tokens_left
-            async with open_call(connection, INFERENCE) as call:
+        async with serve_and_connect(server_llama, cache_dir, limits=limits) as (server, client):
+            baseline = (await info(client)).cache_tokens_left
+            async with open_call(client, INFERENCE) as call:
                 await call.send({"session_id": "idle", "blocks": [0, 6], "max_length": 32})
                 assert await call.receive() == {"ready": True, "position": 0}
-                assert (await info(connection)).cache_tokens_left == baseline - 32 * 6
+                assert (await info(client)).cache_tokens_left == baseline - 32 * 6
                 # Send nothing: the server gives up on us with a clear reason.
                 with pytest.raises(RemoteError, match="step timeout") as ended:
                     await call.receive()
                 assert ended.value.remote_type == "ServerError"
-            assert (await info(connection)).cache_tokens_left == baseline
+            assert (await info(client)).cache_tokens_left == baseline
             assert server.block_server.open_sessions == 0
 
 
@@ -77,11 +71,8 @@ async def test_a_client_that_never_opens_its_session_is_dropped(
 ) -> None:
     limits = ServingLimits(step_timeout_s=0.5)
     with trio.fail_after(DEADLINE_S):
-        async with (
-            serve(server_llama, cache_dir, limits=limits) as server,
-            connect(server) as connection,
-        ):
-            async with open_call(connection, INFERENCE) as call:
+        async with serve_and_connect(server_llama, cache_dir, limits=limits) as (server, client):
+            async with open_call(client, INFERENCE) as call:
                 with pytest.raises(RemoteError, match="no session request"):
                     await call.receive()
             assert server.block_server.open_sessions == 0
@@ -91,7 +82,7 @@ async def test_many_abandoned_streams_leave_the_server_serving(
     server_llama: TinyCheckpoint, cache_dir: Path
 ) -> None:
     with trio.fail_after(DEADLINE_S):
-        async with serve(server_llama, cache_dir) as server, connect(server) as connection:
+        async with serve_and_connect(server_llama, cache_dir) as (_, connection):
             baseline = (await info(connection)).cache_tokens_left
             for round_ in range(3):
                 async with trio.open_nursery() as nursery:

@@ -33,6 +33,8 @@ from ._client import (
     run_local,
     run_local_cached,
     serve,
+    serve_and_connect,
+    served_session,
     session,
 )
 from .fuzz_rpc import RawCall
@@ -50,13 +52,9 @@ async def test_session_over_a_sub_span_equals_local_blocks(
     expected = run_local(local_blocks(server_llama, 2, 5), hidden)
     outputs = []
     with trio.fail_after(DEADLINE_S):
-        async with (
-            serve(server_llama, cache_dir, blocks=(0, 6)) as server,
-            connect(server) as connection,
-            session(
-                connection, blocks=(2, 5), max_length=16, batch_size=2, session_id="sub-span"
-            ) as opened,
-        ):
+        async with served_session(
+            server_llama, cache_dir, served=(0, 6), blocks=(2, 5), max_length=16, batch_size=2
+        ) as opened:
             outputs.append(await opened.step(hidden[:, :5]))
             assert opened.position == 5
             outputs.append(await opened.step(hidden[:, 5:8]))
@@ -78,15 +76,10 @@ async def test_chunked_prefill_equals_unchunked(
     hidden = torch.randn(2, 14, HIDDEN)
     expected = run_local(local_blocks(server_llama, 1, 4), hidden)
     with trio.fail_after(DEADLINE_S):
-        async with (
-            serve(
-                server_llama, cache_dir, blocks=(1, 4), limits=ServingLimits(max_batch_tokens=4)
-            ) as server,
-            connect(server) as connection,
-            session(
-                connection, blocks=(1, 4), max_length=14, batch_size=2, session_id="chunked"
-            ) as opened,
-        ):
+        limits = ServingLimits(max_batch_tokens=4)
+        async with served_session(
+            server_llama, cache_dir, blocks=(1, 4), max_length=14, batch_size=2, limits=limits
+        ) as opened:
             prefill = await opened.step(hidden[:, :13])
             assert opened.position == 13
             last = await opened.step(hidden[:, 13:])
@@ -104,11 +97,7 @@ async def test_start_from_position_rolls_back(
     new_sequence = torch.cat([first[:, :3], resent], dim=1)  # (1, 8, hidden)
     expected = run_local(local_blocks(server_llama, 0, 3), new_sequence)
     with trio.fail_after(DEADLINE_S):
-        async with (
-            serve(server_llama, cache_dir, blocks=(0, 3)) as server,
-            connect(server) as connection,
-            session(connection, blocks=(0, 3), max_length=8, session_id="rollback") as opened,
-        ):
+        async with served_session(server_llama, cache_dir, blocks=(0, 3), max_length=8) as opened:
             head = await opened.step(first)
             assert opened.position == 6
             rolled = await opened.step(resent[:, :4], start_from_position=3)
@@ -135,11 +124,9 @@ async def test_hypo_ids_reorder_the_cache_rows(
         expected.append(run_local_cached(blocks, hidden[:, t : t + 1], caches))
     outputs = []
     with trio.fail_after(DEADLINE_S):
-        async with (
-            serve(server_llama, cache_dir, blocks=(0, 6)) as server,
-            connect(server) as connection,
-            session(connection, blocks=(2, 5), max_length=8, batch_size=3, session_id="beam") as b,
-        ):
+        async with served_session(
+            server_llama, cache_dir, served=(0, 6), blocks=(2, 5), max_length=8, batch_size=3
+        ) as b:
             outputs.append(await b.step(hidden[:, :5]))
             for t, hypo_ids in enumerate(reorders, start=5):
                 outputs.append(await b.step(hidden[:, t : t + 1], hypo_ids=hypo_ids))
@@ -159,13 +146,9 @@ async def test_deep_prompts_are_added_before_each_block(
     prompts = torch.randn(3, 1, 3, HIDDEN)  # (blocks, 1, P, hidden)
     expected = run_local(local_blocks(server_llama, 1, 4), hidden, prompts=prompts)
     with trio.fail_after(DEADLINE_S):
-        async with (
-            serve(server_llama, cache_dir, blocks=(1, 4)) as server,
-            connect(server) as connection,
-            session(
-                connection, blocks=(1, 4), max_length=8, batch_size=2, session_id="prompts"
-            ) as opened,
-        ):
+        async with served_session(
+            server_llama, cache_dir, blocks=(1, 4), max_length=8, batch_size=2
+        ) as opened:
             outputs = [await opened.step(hidden[:, :5], prompts=prompts)]
             for t in range(5, 8):
                 outputs.append(await opened.step(hidden[:, t : t + 1]))
@@ -181,10 +164,7 @@ async def test_a_malformed_frame_mid_session_is_reported_and_the_server_goes_on(
     torch.manual_seed(24)
     hidden = torch.randn(1, 3, HIDDEN)
     with trio.fail_after(DEADLINE_S):
-        async with (
-            serve(server_llama, cache_dir, blocks=(0, 6)) as server,
-            connect(server) as connection,
-        ):
+        async with serve_and_connect(server_llama, cache_dir) as (_, connection):
             call = await RawCall.open(connection, INFERENCE)
             await call.send({"session_id": "garbled", "blocks": [0, 2], "max_length": 8})
             assert (await call.receive() or {}).get("ready") is True
@@ -264,10 +244,9 @@ async def test_session_holds_its_cache_until_it_closes(
     server_llama: TinyCheckpoint, cache_dir: Path
 ) -> None:
     with trio.fail_after(DEADLINE_S):
-        async with (
-            serve(server_llama, cache_dir, blocks=(0, 6), attn_cache_tokens=1000) as server,
-            connect(server) as connection,
-        ):
+        async with serve_and_connect(
+            server_llama, cache_dir, blocks=(0, 6), attn_cache_tokens=1000
+        ) as (server, connection):
             described = await info(connection)
             # A CPU server: no device memory to report, and decode steps run eagerly.
             assert described.device == "cpu"
@@ -296,10 +275,9 @@ async def test_allocation_beyond_the_budget_fails_at_once(
     """48 tokens in all (8 per block): a session of 6 blocks x 10 positions can never fit, so it
     is refused without waiting out its (long) alloc_timeout."""
     with trio.fail_after(DEADLINE_S):
-        async with (
-            serve(server_llama, cache_dir, blocks=(0, 6), attn_cache_tokens=8) as server,
-            connect(server) as connection,
-        ):
+        async with serve_and_connect(
+            server_llama, cache_dir, blocks=(0, 6), attn_cache_tokens=8
+        ) as (server, connection):
             opening = {"session_id": "big", "blocks": [0, 6], "max_length": 10}
             with pytest.raises(RemoteError) as caught:
                 await open_raw_session(connection, {**opening, "alloc_timeout": 3600.0})
@@ -312,10 +290,9 @@ async def test_allocation_without_waiting_fails_when_the_cache_is_full(
     server_llama: TinyCheckpoint, cache_dir: Path
 ) -> None:
     with trio.fail_after(DEADLINE_S):
-        async with (
-            serve(server_llama, cache_dir, blocks=(0, 6), attn_cache_tokens=8) as server,
-            connect(server) as connection,
-        ):
+        async with serve_and_connect(
+            server_llama, cache_dir, blocks=(0, 6), attn_cache_tokens=8
+        ) as (server, connection):
             async with session(connection, blocks=(0, 4), max_length=10, session_id="fills"):
                 assert server.block_server.cache_tokens_left == 8
                 opening = {"session_id": "late", "blocks": [0, 3], "max_length": 3}

@@ -13,8 +13,6 @@ Differences from transformers, on purpose:
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -22,8 +20,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ...kernels import alibi_slopes
-from .._batched import check_many_inputs, join_tokens, split_tokens
-from .._cache import AttentionCache, CacheBatch, KVCache, PositionEncoding, attention_cache
+from .._block_base import CachedBlock
+from .._cache import AttentionCache, PositionEncoding
 
 if TYPE_CHECKING:
     from transformers import BloomConfig
@@ -71,7 +69,7 @@ class BloomMLP(nn.Module):
         return self.dense_4h_to_h(bloom_gelu(self.dense_h_to_4h(x)))
 
 
-class BloomBlock(nn.Module):
+class BloomBlock(CachedBlock):
     """LayerNorm -> ALiBi self-attention -> residual -> LayerNorm -> GELU MLP -> residual."""
 
     def __init__(self, config: BloomConfig, layer_idx: int = 0) -> None:
@@ -90,89 +88,22 @@ class BloomBlock(nn.Module):
         self.self_attention = BloomAttention(config)
         self.post_attention_layernorm = nn.LayerNorm(config.hidden_size, eps=eps)
         self.mlp = BloomMLP(config)
+        self.cache_heads = (self.n_head, self.head_dim)
         # Not a buffer: ``block.to(torch.bfloat16)`` must not round the slopes.  On the CPU
         # whatever the default device: a block built on "meta" gets real slopes.
         with torch.device("cpu"):
             self.positions = PositionEncoding(slopes=alibi_slopes(config.n_head))
 
-    def forward(
-        self,
-        hidden_states: torch.Tensor,
-        *,
-        cache: AttentionCache | None = None,
-        position: int | None = None,
-    ) -> torch.Tensor:
-        """Run ``(B, T, hidden)`` states of positions ``position .. position + T - 1``.
+    @property
+    def norm_weight(self) -> torch.Tensor:
+        return self.input_layernorm.weight
 
-        With a :class:`KVCache`, their keys and values are appended to it and the queries attend
-        over everything it holds; ``position`` defaults to ``cache.length`` and must equal it
-        (roll the cache back to resend from earlier).  The cache outlives the call, so that path
-        records no autograd graph.  Without a cache the T tokens attend causally among
-        themselves, with autograd; ``position`` is accepted for symmetry with rotary families and
-        changes nothing, since ALiBi depends only on distances.  Any other
-        :class:`AttentionCache` (several sessions joined, a decode graph's row tables) works as a
-        cache does.
-        """
-        attend = attention_cache(
-            hidden_states,
-            cache,
-            position,
-            hidden_size=self.hidden_size,
-            weight=self.input_layernorm.weight,
-        )
-        with contextlib.nullcontext() if cache is None else torch.no_grad():
-            x = hidden_states
-            normed = self.input_layernorm(x)  # (B, T, hidden)
-            residual = normed if self.residual_after_norm else x
-            x = residual + self.self_attention(normed, attend, self.positions)
-            normed = self.post_attention_layernorm(x)
-            residual = normed if self.residual_after_norm else x
-            return residual + self.mlp(normed)
-
-    def forward_many(
-        self, hidden_states: Sequence[torch.Tensor], caches: Sequence[KVCache]
-    ) -> list[torch.Tensor]:
-        """Run several sessions' steps through this block at once.
-
-        ``hidden_states[i]`` is ``(B_i, T_i, hidden)`` for the session whose cache for this block
-        is ``caches[i]`` (``B_i`` rows, its own length, i.e. position); each cache is appended at
-        its own length.  Returns what ``self(hidden_states[i], cache=caches[i])`` would return for
-        each ``i``: the items' tokens, joined, go through :meth:`forward` once (one matmul per
-        layer instead of one per session), attending through a :class:`CacheBatch`.
-
-        Every item is checked before any cache is written: if one is refused, no cache changes.
-        Runs without autograd, like the single-step cache path.
-        """
-        check_many_inputs(
-            hidden_states,
-            caches,
-            hidden_size=self.hidden_size,
-            weight=self.input_layernorm.weight,
-            kv_heads=self.n_head,
-            head_dim=self.head_dim,
-        )
-        if not hidden_states:
-            return []
-        shapes = [(states.shape[0], states.shape[1]) for states in hidden_states]
-        x = self(join_tokens(hidden_states), cache=CacheBatch(caches, shapes))
-        return split_tokens(x, hidden_states)
-
-    def allocate_cache(
-        self,
-        batch: int,
-        max_length: int,
-        *,
-        dtype: torch.dtype | None = None,
-        device: torch.device | str | None = None,
-    ) -> KVCache:
-        """A cache for ``batch`` rows of up to ``max_length`` positions, by default in the
-        dtype and on the device of the block's (never quantised) LayerNorm."""
-        reference = self.input_layernorm.weight
-        return KVCache.allocate(
-            batch=batch,
-            kv_heads=self.n_head,
-            max_length=max_length,
-            head_dim=self.head_dim,
-            dtype=reference.dtype if dtype is None else dtype,
-            device=reference.device if device is None else device,
-        )
+    def layer(self, x: torch.Tensor, attend: AttentionCache) -> torch.Tensor:
+        """``position`` is accepted by :meth:`forward` for symmetry with rotary families and
+        changes nothing here, since ALiBi depends only on distances."""
+        normed = self.input_layernorm(x)  # (B, T, hidden)
+        residual = normed if self.residual_after_norm else x
+        x = residual + self.self_attention(normed, attend, self.positions)
+        normed = self.post_attention_layernorm(x)
+        residual = normed if self.residual_after_norm else x
+        return residual + self.mlp(normed)

@@ -31,9 +31,7 @@ Positions are rotary (:class:`~petals_core.models.llama.LlamaRotary`, the same a
 
 from __future__ import annotations
 
-import contextlib
 import math
-from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -41,8 +39,8 @@ from torch import nn
 from transformers.activations import ACT2FN
 
 from ... import kernels
-from .._batched import check_many_inputs, join_tokens, split_tokens
-from .._cache import AttentionCache, CacheBatch, KVCache, PositionEncoding, attention_cache
+from .._block_base import CachedBlock
+from .._cache import AttentionCache, PositionEncoding
 from ..llama._block import LlamaRotary
 
 if TYPE_CHECKING:
@@ -118,7 +116,7 @@ class FalconMLP(nn.Module):
         return self.dense_4h_to_h(self.act(self.dense_h_to_4h(x)))
 
 
-class FalconBlock(nn.Module):
+class FalconBlock(CachedBlock):
     """A Falcon decoder layer; ``state_dict()`` keys are transformers' ``FalconDecoderLayer`` keys.
 
     Parallel layouts compute ``x + (mlp(norm(x)) + attn(norm(x)))``, the sequential one
@@ -147,6 +145,7 @@ class FalconBlock(nn.Module):
         # Registered in transformers' order, so that state_dict() lists its keys in its order.
         self.self_attention = FalconAttention(config)
         self.mlp = FalconMLP(config)
+        self.cache_heads = (self.self_attention.n_kv_head, self.self_attention.head_dim)
         if not self.parallel:
             self.post_attention_layernorm = nn.LayerNorm(config.hidden_size, eps=eps)
             self.input_layernorm = nn.LayerNorm(config.hidden_size, eps=eps)
@@ -173,91 +172,24 @@ class FalconBlock(nn.Module):
         and device)."""
         return self.ln_attn if self.two_norms else self.input_layernorm
 
-    def forward(
-        self,
-        hidden_states: torch.Tensor,
-        *,
-        cache: AttentionCache | None = None,
-        position: int | None = None,
-    ) -> torch.Tensor:
-        """Run ``T`` new positions: ``(B, T, hidden)`` in, ``(B, T, hidden)`` out.
+    @property
+    def norm_weight(self) -> torch.Tensor:
+        return self.first_norm.weight
 
-        With a :class:`KVCache`, the new keys/values are appended to it and the queries attend
-        over everything it holds; ``position`` (the absolute position of the first new token)
-        defaults to ``cache.length`` and must equal it (roll the cache back to resend from
-        earlier).  Without a cache, the ``T`` tokens attend causally among themselves from
-        ``position`` (default 0): rotary angles and ALiBi terms are those of positions
-        ``position .. position + T - 1`` (Falcon's rounded ALiBi is not quite shift-invariant).
-        That path is for training and supports autograd; the cache path runs without (a graph
-        kept through the cache would grow for a whole session).  Any other
-        :class:`AttentionCache` (several sessions joined, a decode graph's row tables) works as a
-        cache does.
-        """
-        attend = attention_cache(
-            hidden_states,
-            cache,
-            position,
-            hidden_size=self.hidden_size,
-            weight=self.first_norm.weight,
-        )
-        with contextlib.nullcontext() if cache is None else torch.no_grad():
-            attention = self.self_attention
-            x = hidden_states
-            if self.two_norms:
-                attention_out = attention(self.ln_attn(x), attend, self.positions)
-                mlp_in = self.ln_mlp(x)
-            else:
-                mlp_in = self.input_layernorm(x)
-                attention_out = attention(mlp_in, attend, self.positions)
-            if not self.parallel:
-                x = x + attention_out
-                return x + self.mlp(self.post_attention_layernorm(x))
-            return x + (self.mlp(mlp_in) + attention_out)
-
-    def forward_many(
-        self, hidden_states: Sequence[torch.Tensor], caches: Sequence[KVCache]
-    ) -> list[torch.Tensor]:
-        """``[self(h, cache=c) for h, c in zip(hidden_states, caches)]``, in fewer, larger matmuls.
-
-        Item ``i``, ``(B_i, T_i, hidden)``, is one session's step at its cache's length.  The
-        items' tokens, joined, go through :meth:`forward` once, attending through a
-        :class:`CacheBatch`.  All items are checked before any cache is written (a refused batch
-        changes no cache), and nothing records autograd.
-        """
-        attn = self.self_attention
-        check_many_inputs(
-            hidden_states,
-            caches,
-            hidden_size=self.hidden_size,
-            weight=self.first_norm.weight,
-            kv_heads=attn.n_kv_head,
-            head_dim=attn.head_dim,
-        )
-        if not hidden_states:
-            return []
-        shapes = [(states.shape[0], states.shape[1]) for states in hidden_states]
-        x = self(join_tokens(hidden_states), cache=CacheBatch(caches, shapes))
-        return split_tokens(x, hidden_states)
-
-    def allocate_cache(
-        self,
-        batch: int,
-        max_length: int,
-        *,
-        dtype: torch.dtype | None = None,
-        device: torch.device | str | None = None,
-    ) -> KVCache:
-        """A cache for ``batch`` rows of up to ``max_length`` positions, by default in the
-        dtype and on the device of the block's (never quantised) first LayerNorm."""
-        reference = self.first_norm.weight
-        return KVCache.allocate(
-            batch=batch,
-            kv_heads=self.self_attention.n_kv_head,
-            max_length=max_length,
-            head_dim=self.self_attention.head_dim,
-            dtype=reference.dtype if dtype is None else dtype,
-            device=reference.device if device is None else device,
-        )
+    def layer(self, x: torch.Tensor, attend: AttentionCache) -> torch.Tensor:
+        """Rotary angles and ALiBi terms are those of the positions :meth:`forward` is given
+        (Falcon's rounded ALiBi is not quite shift-invariant), with or without a cache."""
+        attention = self.self_attention
+        if self.two_norms:
+            attention_out = attention(self.ln_attn(x), attend, self.positions)
+            mlp_in = self.ln_mlp(x)
+        else:
+            mlp_in = self.input_layernorm(x)
+            attention_out = attention(mlp_in, attend, self.positions)
+        if not self.parallel:
+            x = x + attention_out
+            return x + self.mlp(self.post_attention_layernorm(x))
+        return x + (self.mlp(mlp_in) + attention_out)
 
     def _key_bias(
         self,

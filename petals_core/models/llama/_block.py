@@ -11,8 +11,7 @@ The block holds no per-session state: one instance serves every session, each br
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -23,8 +22,8 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from ... import kernels
-from .._batched import check_many_inputs, join_tokens, split_tokens
-from .._cache import AttentionCache, CacheBatch, KVCache, PositionEncoding, attention_cache
+from .._block_base import CachedBlock
+from .._cache import AttentionCache, PositionEncoding
 
 __all__ = ["LlamaAttention", "LlamaBlock", "LlamaMLP", "LlamaRMSNorm", "LlamaRotary"]
 
@@ -190,7 +189,7 @@ class LlamaMLP(nn.Module):
         return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
 
 
-class LlamaBlock(nn.Module):
+class LlamaBlock(CachedBlock):
     """A LLaMA decoder layer; ``state_dict()`` keys are transformers' ``LlamaDecoderLayer`` keys."""
 
     def __init__(self, config: LlamaConfig, layer_idx: int = 0) -> None:
@@ -206,6 +205,7 @@ class LlamaBlock(nn.Module):
         self.hidden_size: int = config.hidden_size
         self.rotary = LlamaRotary(config)
         self.positions = PositionEncoding(rotary=self.rotary)
+        self.cache_heads = (self.self_attn.n_kv_head, self.self_attn.head_dim)
 
     def init_feed_forward(self, config: PretrainedConfig) -> None:
         """Build the part after attention (a family with another one overrides this and
@@ -217,82 +217,11 @@ class LlamaBlock(nn.Module):
         ``static``: without waiting for the device (see :attr:`AttentionCache.static`)."""
         return self.mlp(x)
 
-    def allocate_cache(
-        self,
-        batch: int,
-        max_length: int,
-        *,
-        dtype: torch.dtype | None = None,
-        device: torch.device | str | None = None,
-    ) -> KVCache:
-        """An empty cache for a session of ``batch`` rows; dtype and device follow the block's
-        (never quantised) RMSNorm weight."""
-        weight = self.input_layernorm.weight
-        return KVCache.allocate(
-            batch=batch,
-            kv_heads=self.self_attn.n_kv_head,
-            max_length=max_length,
-            head_dim=self.self_attn.head_dim,
-            dtype=weight.dtype if dtype is None else dtype,
-            device=weight.device if device is None else device,
-        )
+    @property
+    def norm_weight(self) -> torch.Tensor:
+        return self.input_layernorm.weight
 
-    def forward(
-        self,
-        hidden_states: torch.Tensor,
-        *,
-        cache: AttentionCache | None = None,
-        position: int | None = None,
-    ) -> torch.Tensor:
-        """Run ``T`` new positions: ``(B, T, hidden)`` in, ``(B, T, hidden)`` out.
-
-        With a :class:`KVCache`, the new keys/values are appended to it and the queries attend
-        over everything it holds; ``position`` (the absolute position of the first new token)
-        defaults to ``cache.length`` and must equal it (roll the cache back to resend from
-        earlier). Without a cache, the ``T`` tokens attend causally among themselves from
-        ``position`` (default 0); this is the path for training and supports autograd. Any other
-        :class:`AttentionCache` (several sessions joined, a decode graph's row tables) works the
-        same way. Steps through a cache run without autograd (a graph kept through the cache
-        would grow for a whole session).
-        """
-        attend = attention_cache(
-            hidden_states,
-            cache,
-            position,
-            hidden_size=self.hidden_size,
-            weight=self.input_layernorm.weight,
-        )
-        with contextlib.nullcontext() if cache is None else torch.no_grad():
-            x = hidden_states
-            x = x + self.self_attn(self.input_layernorm(x), attend, self.positions)
-            x = x + self.feed_forward(self.post_attention_layernorm(x), static=attend.static)
-            return x
-
-    def forward_many(
-        self, hidden_states: Sequence[torch.Tensor], caches: Sequence[KVCache]
-    ) -> list[torch.Tensor]:
-        """Run several sessions' steps through this block at once.
-
-        ``hidden_states[i]`` is ``(B_i, T_i, hidden)`` for the session whose cache for this block
-        is ``caches[i]`` (``B_i`` rows, its own length, i.e. position); each cache is appended at
-        its own length.  Returns what ``self(hidden_states[i], cache=caches[i])`` would return for
-        each ``i``: the items' tokens, joined, go through :meth:`forward` once (one matmul per
-        projection instead of one per session), attending through a :class:`CacheBatch`.
-
-        Every item is checked before any cache is written: if one is refused, no cache changes.
-        Runs without autograd, like the single-step cache path.
-        """
-        attn = self.self_attn
-        check_many_inputs(
-            hidden_states,
-            caches,
-            hidden_size=self.hidden_size,
-            weight=self.input_layernorm.weight,
-            kv_heads=attn.n_kv_head,
-            head_dim=attn.head_dim,
-        )
-        if not hidden_states:
-            return []
-        shapes = [(states.shape[0], states.shape[1]) for states in hidden_states]
-        x = self(join_tokens(hidden_states), cache=CacheBatch(caches, shapes))
-        return split_tokens(x, hidden_states)
+    def layer(self, x: torch.Tensor, attend: AttentionCache) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), attend, self.positions)
+        x = x + self.feed_forward(self.post_attention_layernorm(x), static=attend.static)
+        return x

@@ -155,22 +155,17 @@ class MixtralBlock(LlamaBlock):
                 "positions, which this block does not implement"
             )
 
-    def forward(
-        self,
-        hidden_states: torch.Tensor,
-        *,
-        cache: AttentionCache | None = None,
-        position: int | None = None,
-    ) -> torch.Tensor:
-        """As :meth:`LlamaBlock.forward` (positions past the sliding window refused; a
-        :class:`CacheBatch` has had its items checked by :meth:`forward_many`)."""
+    def check_positions(
+        self, hidden_states: torch.Tensor, cache: AttentionCache | None, position: int | None
+    ) -> None:
+        """Positions past the sliding window are refused (a :class:`CacheBatch` has had its
+        items checked by :meth:`forward_many`)."""
         if (
             self.sliding_window is not None
             and _is_step(hidden_states)
             and (cache is None or isinstance(cache, KVCache))
         ):
             self._check_window(step_position(cache, position) + hidden_states.shape[1])
-        return super().forward(hidden_states, cache=cache, position=position)
 
     def forward_many(
         self, hidden_states: Sequence[torch.Tensor], caches: Sequence[KVCache]
