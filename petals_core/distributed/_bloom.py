@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from transformers import GenerationMixin
 from transformers.models.bloom.modeling_bloom import BloomPreTrainedModel
 
 from ..client import RemoteSequential
 from ..models import DistributedBloomConfig
 from ._base import DistributedModelMixin
-from ._heads import family_heads
+from ._heads import DistributedCausalLMMixin, DistributedSequenceClassificationMixin
 
 __all__ = [
     "DistributedBloomForCausalLM",
@@ -43,6 +44,19 @@ class DistributedBloomModel(  # type: ignore[misc]  # from_pretrained takes keyw
         return self.word_embeddings_layernorm(embeddings)
 
 
-DistributedBloomForCausalLM, DistributedBloomForSequenceClassification = family_heads(
-    "Bloom", BloomPreTrainedModel, DistributedBloomModel
-)
+class DistributedBloomForCausalLM(  # type: ignore[misc]  # from_pretrained takes keywords
+    DistributedCausalLMMixin, BloomPreTrainedModel, GenerationMixin
+):
+    """``BloomForCausalLM`` over a swarm; ``generate()`` runs as an inference session."""
+
+    config_class = DistributedBloomConfig
+    base_model_class = DistributedBloomModel
+
+
+class DistributedBloomForSequenceClassification(  # type: ignore[misc]  # from_pretrained takes keywords
+    DistributedSequenceClassificationMixin, BloomPreTrainedModel
+):
+    """``BloomForSequenceClassification`` over a swarm; the ``score`` head is local."""
+
+    config_class = DistributedBloomConfig
+    base_model_class = DistributedBloomModel

@@ -8,12 +8,13 @@ Positions are the servers' (rotary embeddings or ALiBi, in the blocks).
 from __future__ import annotations
 
 from torch import nn
+from transformers import GenerationMixin
 from transformers.models.falcon.modeling_falcon import FalconPreTrainedModel
 
 from ..client import RemoteSequential
 from ..models import DistributedFalconConfig
 from ._base import DistributedModelMixin
-from ._heads import family_heads
+from ._heads import DistributedCausalLMMixin, DistributedSequenceClassificationMixin
 
 __all__ = [
     "DistributedFalconForCausalLM",
@@ -37,6 +38,19 @@ class DistributedFalconModel(  # type: ignore[misc]  # from_pretrained takes key
         self.ln_f = nn.LayerNorm(config.hidden_size, eps=eps)
 
 
-DistributedFalconForCausalLM, DistributedFalconForSequenceClassification = family_heads(
-    "Falcon", FalconPreTrainedModel, DistributedFalconModel
-)
+class DistributedFalconForCausalLM(  # type: ignore[misc]  # from_pretrained takes keywords
+    DistributedCausalLMMixin, FalconPreTrainedModel, GenerationMixin
+):
+    """``FalconForCausalLM`` over a swarm; ``generate()`` runs as an inference session."""
+
+    config_class = DistributedFalconConfig
+    base_model_class = DistributedFalconModel
+
+
+class DistributedFalconForSequenceClassification(  # type: ignore[misc]  # from_pretrained takes keywords
+    DistributedSequenceClassificationMixin, FalconPreTrainedModel
+):
+    """``FalconForSequenceClassification`` over a swarm; the ``score`` head is local."""
+
+    config_class = DistributedFalconConfig
+    base_model_class = DistributedFalconModel

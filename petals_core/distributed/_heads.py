@@ -10,14 +10,12 @@ the ``score`` head over the last non-pad token.
 from __future__ import annotations
 
 import contextlib
-import types
 from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any, ClassVar, cast
 
 import attrs
 import torch
 from torch import nn
-from transformers import GenerationMixin
 from transformers.modeling_outputs import CausalLMOutputWithPast, SequenceClassifierOutputWithPast
 from transformers.utils import ModelOutput
 
@@ -41,8 +39,6 @@ __all__ = [
     "DistributedHeadMixin",
     "DistributedSequenceClassificationMixin",
     "HeadInputs",
-    "family_class",
-    "family_heads",
 ]
 
 #: Where ``generate()`` (in this thread or task) keeps the session it opened for the call.
@@ -473,43 +469,3 @@ class DistributedSequenceClassificationMixin(DistributedHeadMixin):
                 logits=logits, labels=inputs.labels, pooled_logits=pooled, config=self.config
             )
         return SequenceClassifierOutputWithPast(loss=loss, logits=pooled, **cache_kwargs(cache))
-
-
-def family_class(
-    name: str, bases: tuple[type, ...], *, module: str, doc: str, **attributes: Any
-) -> type[Any]:
-    """The class ``name`` of ``bases`` with class ``attributes``, as a ``class`` statement in
-    ``module`` makes it (its ``__module__``, ``__qualname__`` and docstring; pickling finds it
-    there)."""
-    namespace = {"__module__": module, "__qualname__": name, "__doc__": doc, **attributes}
-    return types.new_class(name, bases, exec_body=lambda body: body.update(namespace))
-
-
-def family_heads(
-    family: str, pretrained_class: type, base_model_class: type[DistributedModelMixin]
-) -> tuple[type[DistributedCausalLMMixin], type[DistributedSequenceClassificationMixin]]:
-    """A family's causal LM and classifier over a swarm, named as Petals names them
-    (``Distributed{family}ForCausalLM``, ``Distributed{family}ForSequenceClassification``) and
-    living in the module of ``base_model_class``: the heads of this module over the family's
-    distributed base model, built with transformers' ``pretrained_class`` of the family
-    (``LlamaPreTrainedModel``) and the base model's config class."""
-    attributes: dict[str, Any] = {
-        "config_class": base_model_class.config_class,
-        "base_model_class": base_model_class,
-    }
-    module = base_model_class.__module__
-    causal_lm = family_class(
-        f"Distributed{family}ForCausalLM",
-        (DistributedCausalLMMixin, pretrained_class, GenerationMixin),
-        module=module,
-        doc=f"``{family}ForCausalLM`` over a swarm; ``generate()`` runs as an inference session.",
-        **attributes,
-    )
-    classifier = family_class(
-        f"Distributed{family}ForSequenceClassification",
-        (DistributedSequenceClassificationMixin, pretrained_class),
-        module=module,
-        doc=f"``{family}ForSequenceClassification`` over a swarm; the ``score`` head is local.",
-        **attributes,
-    )
-    return causal_lm, classifier

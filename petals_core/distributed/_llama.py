@@ -8,12 +8,13 @@ embeddings and the first block.
 from __future__ import annotations
 
 from torch import nn
+from transformers import GenerationMixin
 from transformers.models.llama.modeling_llama import LlamaPreTrainedModel, LlamaRMSNorm
 
 from ..client import RemoteSequential
 from ..models import DistributedLlamaConfig
 from ._base import DistributedModelMixin
-from ._heads import family_heads
+from ._heads import DistributedCausalLMMixin, DistributedSequenceClassificationMixin
 
 __all__ = [
     "LlamaLayers",
@@ -44,6 +45,19 @@ class DistributedLlamaModel(  # type: ignore[misc]  # from_pretrained takes keyw
     config_class = DistributedLlamaConfig
 
 
-DistributedLlamaForCausalLM, DistributedLlamaForSequenceClassification = family_heads(
-    "Llama", LlamaPreTrainedModel, DistributedLlamaModel
-)
+class DistributedLlamaForCausalLM(  # type: ignore[misc]  # from_pretrained takes keywords
+    DistributedCausalLMMixin, LlamaPreTrainedModel, GenerationMixin
+):
+    """``LlamaForCausalLM`` over a swarm; ``generate()`` runs as an inference session."""
+
+    config_class = DistributedLlamaConfig
+    base_model_class = DistributedLlamaModel
+
+
+class DistributedLlamaForSequenceClassification(  # type: ignore[misc]  # from_pretrained takes keywords
+    DistributedSequenceClassificationMixin, LlamaPreTrainedModel
+):
+    """``LlamaForSequenceClassification`` over a swarm; the ``score`` head is local."""
+
+    config_class = DistributedLlamaConfig
+    base_model_class = DistributedLlamaModel

@@ -3,11 +3,12 @@ RMSNorm) around ``model.layers`` (remote, with the experts).  The client never h
 
 from __future__ import annotations
 
+from transformers import GenerationMixin
 from transformers.models.mixtral.modeling_mixtral import MixtralPreTrainedModel
 
 from ..models import DistributedMixtralConfig
 from ._base import DistributedModelMixin
-from ._heads import family_heads
+from ._heads import DistributedCausalLMMixin, DistributedSequenceClassificationMixin
 from ._llama import LlamaLayers
 
 __all__ = [
@@ -25,6 +26,19 @@ class DistributedMixtralModel(  # type: ignore[misc]  # from_pretrained takes ke
     config_class = DistributedMixtralConfig
 
 
-DistributedMixtralForCausalLM, DistributedMixtralForSequenceClassification = family_heads(
-    "Mixtral", MixtralPreTrainedModel, DistributedMixtralModel
-)
+class DistributedMixtralForCausalLM(  # type: ignore[misc]  # from_pretrained takes keywords
+    DistributedCausalLMMixin, MixtralPreTrainedModel, GenerationMixin
+):
+    """``MixtralForCausalLM`` over a swarm; ``generate()`` runs as an inference session."""
+
+    config_class = DistributedMixtralConfig
+    base_model_class = DistributedMixtralModel
+
+
+class DistributedMixtralForSequenceClassification(  # type: ignore[misc]  # from_pretrained takes keywords
+    DistributedSequenceClassificationMixin, MixtralPreTrainedModel
+):
+    """``MixtralForSequenceClassification`` over a swarm; the ``score`` head is local."""
+
+    config_class = DistributedMixtralConfig
+    base_model_class = DistributedMixtralModel

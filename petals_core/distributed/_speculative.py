@@ -20,7 +20,6 @@ from .._errors import ConfigError
 from ._auto import _AutoDistributed
 from ._bloom import DistributedBloomForCausalLM
 from ._falcon import DistributedFalconForCausalLM
-from ._heads import family_class
 from ._llama import DistributedLlamaForCausalLM
 from ._mixtral import DistributedMixtralForCausalLM
 
@@ -92,25 +91,28 @@ class SpeculativeGenerationMixin:
             config.num_assistant_tokens, config.num_assistant_tokens_schedule = saved
 
 
-def _speculative(causal_lm: type[Any], doc: str) -> type[Any]:
-    """``causal_lm`` drafting with a small local model, named as Petals names it."""
-    name = causal_lm.__name__.replace("ForCausalLM", "ForSpeculativeGeneration")
-    return family_class(name, (SpeculativeGenerationMixin, causal_lm), module=__name__, doc=doc)
+class DistributedLlamaForSpeculativeGeneration(  # type: ignore[misc]  # keywords only
+    SpeculativeGenerationMixin, DistributedLlamaForCausalLM
+):
+    """LLaMA, drafting with a small local model (Petals' class of the same name)."""
 
 
-DistributedLlamaForSpeculativeGeneration = _speculative(
-    DistributedLlamaForCausalLM,
-    "LLaMA, drafting with a small local model (Petals' class of the same name).",
-)
-DistributedBloomForSpeculativeGeneration = _speculative(
-    DistributedBloomForCausalLM, "BLOOM, drafting with a small local model."
-)
-DistributedFalconForSpeculativeGeneration = _speculative(
-    DistributedFalconForCausalLM, "Falcon, drafting with a small local model."
-)
-DistributedMixtralForSpeculativeGeneration = _speculative(
-    DistributedMixtralForCausalLM, "Mixtral, drafting with a small local model."
-)
+class DistributedBloomForSpeculativeGeneration(  # type: ignore[misc]  # keywords only
+    SpeculativeGenerationMixin, DistributedBloomForCausalLM
+):
+    """BLOOM, drafting with a small local model."""
+
+
+class DistributedFalconForSpeculativeGeneration(  # type: ignore[misc]  # keywords only
+    SpeculativeGenerationMixin, DistributedFalconForCausalLM
+):
+    """Falcon, drafting with a small local model."""
+
+
+class DistributedMixtralForSpeculativeGeneration(  # type: ignore[misc]  # keywords only
+    SpeculativeGenerationMixin, DistributedMixtralForCausalLM
+):
+    """Mixtral, drafting with a small local model."""
 
 
 class AutoDistributedSpeculativeModel(_AutoDistributed):
