@@ -148,6 +148,8 @@ class SequenceManagerState:
     snapshot: PeerTableSnapshot | None = None
     #: Round-trip times from this client, seconds.
     pings: dict[str, float] = attrs.field(factory=dict)
+    #: Servers being pinged now.
+    pinging: set[str] = attrs.field(factory=set)
     bans: dict[str, _Ban] = attrs.field(factory=dict)
     dht: DHTNode | None = None
     topic: Topic | None = None
@@ -168,6 +170,8 @@ class SequenceManagerState:
     #: Tasks that run beside the network part once it has started (the client's report
     #: watcher), cancelled when it stops.
     services: list[Callable[[], Awaitable[None]]] = attrs.field(factory=list)
+    #: Where background work of the network part runs (pings of new servers), while it runs.
+    nursery: trio.Nursery | None = None
     #: Run when the network part stops, before the DHT node closes (each bounded by
     #: :data:`STOP_HOOK_S`): what must reach the swarm before the client leaves.
     on_stop: list[Callable[[], Awaitable[None]]] = attrs.field(factory=list)
@@ -267,6 +271,7 @@ class RemoteSequenceManager:
         task_status.started()
         try:
             async with trio.open_nursery() as nursery:
+                state.nursery = nursery
                 for service in state.services:
                     nursery.start_soon(service)
                 await state.stop.wait()
@@ -276,6 +281,7 @@ class RemoteSequenceManager:
                 nursery.cancel_scope.cancel()
         finally:
             state.loop_token = None
+            state.nursery = None
 
     def close(self) -> None:
         """Stop the network part (the task running :meth:`run` returns)."""
@@ -412,9 +418,10 @@ class RemoteSequenceManager:
                     dht_prefix=self.config.dht_prefix,
                     servers_seen=self._servers_seen(),
                 ) from None
-        if mode == "min_latency":
-            # Measure the servers of this route for next time (routes improve as pings arrive).
-            await self._ping_unknown({span.peer_id for span in route})
+        if mode == "min_latency" and self.state.nursery is not None:
+            # Measure the servers of this route for next time (routes improve as pings arrive),
+            # beside the route's use: its first step need not wait for them.
+            self.state.nursery.start_soon(self._ping_unknown, {span.peer_id for span in route})
         if self.config.show_route is True or (
             self.config.show_route == "inference" and mode == "min_latency"
         ):
@@ -427,12 +434,18 @@ class RemoteSequenceManager:
         return route
 
     async def _ping_unknown(self, peers: set[str]) -> None:
-        unknown = [peer for peer in peers if peer not in self.state.pings][: self.config.max_pinged]
+        state = self.state
+        unknown = [peer for peer in peers if peer not in state.pings and peer not in state.pinging]
+        unknown = unknown[: self.config.max_pinged]
         if not unknown:
             return
-        async with trio.open_nursery() as nursery:
-            for peer in unknown:
-                nursery.start_soon(self._ping, peer)
+        state.pinging.update(unknown)
+        try:
+            async with trio.open_nursery() as nursery:
+                for peer in unknown:
+                    nursery.start_soon(self._ping, peer)
+        finally:
+            state.pinging.difference_update(unknown)
 
     async def _ping(self, peer: str) -> None:
         with trio.move_on_after(self.config.ping_timeout_s):

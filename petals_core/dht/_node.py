@@ -241,14 +241,25 @@ class DHTNode:
                 nursery.start_soon(store_at, contact)
         return accepted
 
-    async def get(self, key: str, *, latest: bool = False) -> StoredValue | None:
+    async def get(
+        self,
+        key: str,
+        *,
+        latest: bool = False,
+        on_records: Callable[[Sequence[Record]], None] | None = None,
+    ) -> StoredValue | None:
         """What the network (and our own store) holds for ``key``, merged, or None.
 
         ``latest=False`` stops at the first node that has the key; ``latest=True`` asks all the
         ``k`` nearest nodes and merges everything (the newest entry of every subkey).
+        ``on_records`` is handed the records under ``key`` of each node's reply as it arrives
+        (unchecked: its receiver checks them), before the lookup ends.
         """
         result = await self._lookup(
-            NodeID.from_key(key), want_value=key, stop_after_values=None if latest else 1
+            NodeID.from_key(key),
+            want_value=key,
+            stop_after_values=None if latest else 1,
+            on_records=on_records,
         )
         now = self._clock()
         if result.value is not None and result.without_value:
@@ -263,14 +274,20 @@ class DHTNode:
         live = {s: e for s, e in found.entries.items() if e.expiration > now}
         return StoredValue(live) if live else None
 
-    async def _fetch_records(self, prefix: str, blocks: Iterable[int]) -> list[Record]:
+    async def _fetch_records(
+        self,
+        prefix: str,
+        blocks: Iterable[int],
+        *,
+        on_records: Callable[[Sequence[Record]], None] | None = None,
+    ) -> list[Record]:
         """The records held under ``f"{prefix}.{block}"`` for each of ``blocks``, looked up
-        concurrently with ``get(latest=True)``."""
+        concurrently with ``get(latest=True)``; ``on_records`` as for :meth:`get`."""
         records: list[Record] = []
 
         async def get_block(block: int) -> None:
             key = f"{prefix}.{block}"
-            value = await self.get(key, latest=True)
+            value = await self.get(key, latest=True, on_records=on_records)
             if value is not None:
                 records.extend(value.records(key))
 
@@ -332,7 +349,12 @@ class DHTNode:
     # -- lookups ---------------------------------------------------------------------------------
 
     async def _lookup(
-        self, target: NodeID, *, want_value: str | None, stop_after_values: int | None = None
+        self,
+        target: NodeID,
+        *,
+        want_value: str | None,
+        stop_after_values: int | None = None,
+        on_records: Callable[[Sequence[Record]], None] | None = None,
     ) -> LookupResult:
         self._table.mark_bucket_used(target, self._clock())
         lookup = Lookup(
@@ -368,13 +390,19 @@ class DHTNode:
                 wait_until = trio.current_time() + max(0.0, deadline - self._clock())
                 with trio.move_on_at(wait_until):
                     contact, reply = await receive.receive()
-                    launch(self._feed(lookup, contact, reply))
+                    launch(self._feed(lookup, contact, reply, on_records))
                     continue
                 launch(lookup.on_timeout(self._clock()))
             nursery.cancel_scope.cancel()
         return lookup.result()
 
-    def _feed(self, lookup: Lookup, contact: Contact, reply: dict[str, Any] | None) -> list[Any]:
+    def _feed(
+        self,
+        lookup: Lookup,
+        contact: Contact,
+        reply: dict[str, Any] | None,
+        on_records: Callable[[Sequence[Record]], None] | None = None,
+    ) -> list[Any]:
         now = self._clock()
         if reply is None:
             return lookup.on_failure(contact.node_id, now)
@@ -388,6 +416,10 @@ class DHTNode:
         except CodecError:
             self._table.failed(contact.node_id, now)
             return lookup.on_failure(contact.node_id, now)
+        if records and on_records is not None:
+            under_key = [record for record in records if record.key == lookup.want_value]
+            if under_key:
+                on_records(under_key)
         return lookup.on_reply(contact.node_id, contacts, records, now)
 
     # -- requests --------------------------------------------------------------------------------

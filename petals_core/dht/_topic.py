@@ -191,7 +191,11 @@ class Topic:
             self._limited_read_at = now
         self._reading = reading = trio.Event()
         try:
-            records = await self._dht._fetch_records(self.prefix, range(self.num_blocks))
+            # What each node answers counts at once: a route can be planned from the first
+            # answers while the read goes on to the rest of the nodes nearest each block.
+            records = await self._dht._fetch_records(
+                self.prefix, range(self.num_blocks), on_records=self._take
+            )
         except Exception:
             logger.warning("reading the servers of %r failed", self.prefix, exc_info=True)
         else:
@@ -208,12 +212,17 @@ class Topic:
         return pushes
 
     def add_records(self, records: Sequence[Record]) -> None:
-        """Records read from the DHT (whose signatures the store checks once more)."""
+        """Records of a whole read of the topic from the DHT (whose signatures the store checks
+        once more)."""
+        self._take(records)
+        self._refreshes += 1
+
+    def _take(self, records: Sequence[Record]) -> None:
+        """Records from the DHT, of a whole read or of one node's answer during one."""
         now = self._clock()
         changed = False
         for record in records:
             changed |= self._store.store(record, now).accepted
-        self._refreshes += 1
         if changed:
             self._mark_changed()
         else:

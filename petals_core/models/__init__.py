@@ -14,7 +14,8 @@ This package knows nothing of the network; the server and client build on it.  I
 - ``_quantize`` (bitsandbytes int8 / nf4), ``_lora`` and ``_lora_loading`` (PEFT adapters);
 - ``_batched`` and ``_span_steps``: several sessions' steps through one forward;
 - ``_cpu_decode`` (with ``_numpy_ops``): fp32 CPU decode steps in numpy;
-- ``_decode_graphs``: CUDA graphs of a span's decode step, captured per bucket and replayed.
+- ``_decode_graphs``: CUDA graphs of a span's decode step, captured per bucket and replayed,
+  the blocks attending through ``_row_caches`` (each row's cache found by pointer).
 """
 
 from ._cache import KVCache as KVCache

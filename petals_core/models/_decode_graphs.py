@@ -54,9 +54,18 @@ from torch import nn
 
 from .. import kernels
 from .._errors import ConfigError
-from ._cache import KVCache, PositionEncoding
+from ._cache import KVCache
 from ._families import Block
 from ._lora import active_adapter
+from ._row_caches import (
+    FIRST_POINTER,
+    HEAD_STRIDES,
+    POSITIONS,
+    RotaryTables,
+    RowCaches,
+    bucket,
+    row_tables,
+)
 from .bloom import BloomBlock
 from .falcon import FalconBlock
 from .llama import LlamaBlock
@@ -69,10 +78,8 @@ log = logging.getLogger(__name__)
 #: The blocks whose decode steps are captured.
 GraphBlock = LlamaBlock | BloomBlock | FalconBlock | MixtralBlock
 
-#: Rows of the tables before the per-block pointers: positions, then head strides.
-_POSITIONS, _HEAD_STRIDES, _FIRST_POINTER = 0, 1, 2
 #: Smallest rotary table (positions); it grows by doubling.
-_MIN_ROTARY_POSITIONS = 4096
+_MIN_ROTARYPOSITIONS = 4096
 
 
 def _positive(instance: object, attribute: attrs.Attribute[int], value: int) -> None:
@@ -247,7 +254,7 @@ class DecodeGraphs:
             self._x = torch.zeros((rows, 1, self.hidden_size), dtype=self.dtype, device=self.device)
         # Padding rows append at position 0 of this one-position cache and attend to it alone.
         self._scratch = first.allocate_cache(1, 1)
-        self._angles = _RotaryTables()  # rotary blocks only
+        self._angles = RotaryTables()  # rotary blocks only
         self._graphs: OrderedDict[tuple[Any, ...], _Graph] = OrderedDict()
         self._sessions: weakref.WeakKeyDictionary[KVCache, _Session] = weakref.WeakKeyDictionary()
         self._pool: Any = None
@@ -519,13 +526,13 @@ class DecodeGraphs:
         staging, tables = self._tables_for(bucket_rows)
         if self._staged is not None:
             self._staged.synchronize()  # the last copy out of a staging buffer is done
-        first, last = _FIRST_POINTER + 2 * start, _FIRST_POINTER + 2 * end
+        first, last = FIRST_POINTER + 2 * start, FIRST_POINTER + 2 * end
         column = 0
         for index in group:
             session = sessions[index]
             span = slice(column, column + session.batch)
-            staging[_POSITIONS, span] = caches[index][0].length
-            staging[_HEAD_STRIDES, span] = session.head_stride
+            staging[POSITIONS, span] = caches[index][0].length
+            staging[HEAD_STRIDES, span] = session.head_stride
             staging[first:last, span] = session.pointers
             column += session.batch
         if column < bucket_rows:
@@ -541,7 +548,7 @@ class DecodeGraphs:
         starts 16 bytes from the last, as the kernels compiled for one bucket expect of all."""
         known = self._tables.get(bucket_rows)
         if known is None:
-            shape = (_FIRST_POINTER + 2 * len(self.blocks), bucket_rows + bucket_rows % 2)
+            shape = (FIRST_POINTER + 2 * len(self.blocks), bucket_rows + bucket_rows % 2)
             pin = self.device.type == "cuda"
             with torch.inference_mode(False):  # written in place from any mode
                 known = (
@@ -555,10 +562,10 @@ class DecodeGraphs:
         scratch = self._scratch
         span = slice(first_column, last_column)
         staging, _ = self._tables_for(last_column)
-        staging[_POSITIONS, span] = 0
-        staging[_HEAD_STRIDES, span] = scratch.keys.stride(1)
+        staging[POSITIONS, span] = 0
+        staging[HEAD_STRIDES, span] = scratch.keys.stride(1)
         for block in range(start, end):
-            row = _FIRST_POINTER + 2 * block
+            row = FIRST_POINTER + 2 * block
             staging[row, span] = scratch.keys.data_ptr()
             staging[row + 1, span] = scratch.values.data_ptr()
         self._x[first_column:last_column].zero_()
@@ -572,7 +579,7 @@ class DecodeGraphs:
             return
         if self._angles.cos is not None and self._angles.cos.shape[0] >= positions:
             return
-        size = max(_MIN_ROTARY_POSITIONS, 1 << (positions - 1).bit_length())
+        size = max(_MIN_ROTARYPOSITIONS, 1 << (positions - 1).bit_length())
         with torch.inference_mode():
             cos, sin = rotary(0, size, device=self.device, dtype=self.dtype)
         self._angles.cos, self._angles.sin = cos[0].contiguous(), sin[0].contiguous()
@@ -640,7 +647,7 @@ class DecodeGraphs:
         _, device_tables = self._tables_for(bucket_rows)
         views = [
             RowCaches(
-                _row_tables(device_tables[:, :bucket_rows], block), bucket_length, self._angles
+                row_tables(device_tables[:, :bucket_rows], block), bucket_length, self._angles
             )
             for block in range(start, end)
         ]
@@ -654,67 +661,3 @@ class DecodeGraphs:
                 return y
 
         return run
-
-
-class _RotaryTables:
-    """cos and sin of every position a step may reach, ``(positions, head_dim)`` each in the
-    blocks' dtype on their device; they grow with the longest session (None before)."""
-
-    __slots__ = ("cos", "sin")
-
-    def __init__(self) -> None:
-        self.cos: torch.Tensor | None = None
-        self.sin: torch.Tensor | None = None
-
-
-class RowCaches:
-    """The :class:`~petals_core.models.AttentionCache` of one block in a decode graph's step: one
-    new token per row, each row's cache found through the row tables (its position, its slabs
-    of keys and values), rotary angles read by position from shared tables.  Attention splits
-    each row's keys as for ``length_bucket`` positions."""
-
-    static = True
-
-    def __init__(
-        self, tables: kernels.RowTables, length_bucket: int, angles: _RotaryTables
-    ) -> None:
-        self.tables = tables
-        self.length_bucket = length_bucket
-        self.angles = angles
-
-    def attend(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: PositionEncoding
-    ) -> torch.Tensor:
-        rows, new, heads, head_dim = q.shape  # (R, 1, n_head, head_dim)
-        q, k, v = q[:, 0], k[:, 0], v[:, 0]  # (R, heads, head_dim)
-        if positions.rotary is not None:
-            cos, sin = self.angles.cos, self.angles.sin
-            assert cos is not None and sin is not None
-            rotated = kernels.rows_append(q, k, v, self.tables, cos=cos, sin=sin)
-            assert rotated is not None
-            q = rotated
-        else:
-            kernels.rows_append(q, k, v, self.tables)
-        y = kernels.rows_decode_attention(
-            q,
-            k.shape[1],
-            self.tables,
-            max_length=self.length_bucket,
-            alibi_slopes=positions.slopes_on(q.device),
-        )
-        return y.view(rows, new, heads * head_dim)
-
-
-def _row_tables(tables: torch.Tensor, block: int) -> kernels.RowTables:
-    pointer = _FIRST_POINTER + 2 * block
-    return kernels.RowTables(
-        positions=tables[_POSITIONS],
-        head_strides=tables[_HEAD_STRIDES],
-        key_ptrs=tables[pointer],
-        value_ptrs=tables[pointer + 1],
-    )
-
-
-def bucket(value: int, minimum: int = 1) -> int:
-    """The power of two at or above ``value`` (and ``minimum``)."""
-    return max(minimum, 1 << (max(value, 1) - 1).bit_length())

@@ -28,6 +28,7 @@ from petals_core.routing import MissingBlocksError
 from petals_core.server import ServingLimits
 from petals_core.testing import open_local_swarm
 
+from ..dht._swarm import wait_until
 from ._swarm_helpers import (
     DEADLINE_S,
     HIDDEN,
@@ -357,6 +358,9 @@ async def test_compressed_steps_travel_in_fewer_bytes_and_stay_close(
             with trio.fail_after(DEADLINE_S):
                 async with RemoteSequential(manager) as seq:
                     await wait_for_servers(manager, 2)
+                    # The servers pinged first (for routes), so that only the step is counted.
+                    await manager.make_sequence()
+                    await wait_until(lambda state=manager.state: len(state.pings) == 2)
                     async with seq.open_inference_session(max_length=40) as session:
                         assert manager.state.dht is not None
                         node = manager.state.dht.node

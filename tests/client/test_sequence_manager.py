@@ -25,6 +25,7 @@ from petals_core.client import (
 from petals_core.dht import PeerTableSnapshot
 from petals_core.routing import MissingBlocksError, RouteSpan
 
+from ..dht._swarm import wait_until
 from ..routing._servers import server
 from ._swarm_helpers import (
     DEADLINE_S,
@@ -202,6 +203,23 @@ async def test_missing_block_is_named_after_missing_blocks_timeout(
                 assert missing.value.blocks == (3, 4)
                 assert not manager.state.bans  # nobody failed: nobody is banned
         assert attrs.asdict(manager.config) == settings
+
+
+async def test_a_route_is_used_while_its_new_servers_are_pinged(
+    model: Model, tmp_path: Path
+) -> None:
+    """The pings that measure a route's servers for later routes run beside the route's use:
+    the route comes back before its new server has answered a ping."""
+    async with in_process_swarm(model, tmp_path, [(0, 6)]) as swarm:
+        manager = manager_for(list(swarm.servers.values()))
+        (server,) = swarm.servers
+        with trio.fail_after(DEADLINE_S):
+            async with RemoteSequential(manager):
+                route = await manager.make_sequence(mode="min_latency")
+                assert [span.peer_id for span in route] == [server]
+                assert server not in manager.state.pings
+                await wait_until(lambda: server in manager.state.pings)
+                assert not manager.state.pinging
 
 
 @pytest.mark.parametrize(

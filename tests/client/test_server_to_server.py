@@ -26,6 +26,7 @@ from petals_core.server import Server, ServingLimits
 from petals_core.testing import DelayRelay, Pipe
 from petals_core.transport import Call, Connection, Multiaddr, open_call, open_node
 
+from ..dht._swarm import wait_until
 from ._swarm_helpers import (
     DEADLINE_S,
     HIDDEN,
@@ -38,8 +39,10 @@ from ._swarm_helpers import (
 
 
 async def servers_know_each_other(servers: list[Server]) -> None:
-    """Wait until every server's peer table has every other server's address."""
+    """Wait until every server's peer table has every other server's address, and its first
+    whole read of the DHT is over (the table fills as nodes answer, before the read ends)."""
     for server in servers:
+        await wait_until(lambda topic=server.topic: topic.refreshes >= 1)
         for other in servers:
             peer = str(other.dht.peer_id)
             while other is not server and server.topic.address_of(peer) is None:
@@ -163,8 +166,9 @@ async def test_a_server_missing_from_the_peer_table_is_looked_up_in_the_dht(
     model: Model, tmp_path: Path
 ) -> None:
     """A server dials the next one even when its peer table has not heard of it yet (a client
-    can be quicker than gossip): it reads the DHT."""
-    async with in_process_swarm(model, tmp_path, [(0, 3), (3, 6)]) as swarm:
+    can be quicker than gossip): it reads the DHT.  (Its periodic reads are far apart, so that
+    the reads counted are the lookups'.)"""
+    async with in_process_swarm(model, tmp_path, [(0, 3), (3, 6)], update_period_s=600) as swarm:
         first, second = swarm.servers.values()
         with trio.fail_after(DEADLINE_S):
             await servers_know_each_other([first, second])

@@ -14,6 +14,7 @@ from petals_core._errors import ConfigError
 from petals_core.dht import NodeID, ServerState, xor_distance
 from petals_core.dht._node import DHTNode, open_dht_node
 from petals_core.dht._records import Record, ServerInfo, encode_record
+from petals_core.dht._serving import DHTService
 from petals_core.transport import Identity, RemoteError, call_unary, open_node
 
 from ._swarm import holds, nodes, wait_until
@@ -47,7 +48,8 @@ async def test_gossip_brings_a_new_server_to_a_client_long_before_the_next_dht_r
             )
             watched = client.follow(PREFIX, BLOCKS, update_period_s=NEVER_S, gossip_interval_s=0.2)
             first = await watched.wait_snapshot(lambda s: len(s.peer_ids) == 2)
-            assert watched.refreshes == 1
+            # The table fills as nodes answer; the read ends once all the nearest have.
+            await wait_until(lambda: watched.refreshes == 1)
             assert watched.gossip.peers == {str(s1.peer_id), str(s2.peer_id)}
 
             # S3 reads the table (learning S1 and S2), then announces: pushed to them at once,
@@ -72,6 +74,45 @@ async def test_gossip_brings_a_new_server_to_a_client_long_before_the_next_dht_r
             for server in (s1, s2):
                 table = server.follow(PREFIX, BLOCKS)
                 await table.wait_snapshot(lambda s: str(s3.peer_id) not in s.peer_ids)
+
+
+async def test_the_table_fills_from_the_first_answers_while_a_read_waits_on_a_slow_node(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A route can be planned as soon as one node has answered for each block: a node slow to
+    answer holds up the end of the DHT read, not what the others' answers brought."""
+    slow: set[int] = set()
+    answer = trio.Event()
+    find_value = DHTService._find_value
+
+    async def slow_find_value(self: DHTService, request: dict[str, Any], call: Any) -> Any:
+        if id(self) in slow:
+            await answer.wait()
+        return await find_value(self, request, call)
+
+    monkeypatch.setattr(DHTService, "_find_value", slow_find_value)
+    with trio.fail_after(DEADLINE_S):
+        async with nodes(3) as (swarm, stack):
+            server, laggard = swarm[1], swarm[2]
+            info = announced(server, 0, BLOCKS)
+            await server.announce(PREFIX, info, expiration=time.time() + 600)
+            for block in range(BLOCKS):
+                for holder in (swarm[0], laggard):
+                    assert await holds(server, holder, f"{PREFIX}.{block}")
+            slow.add(id(laggard._service))
+            client = await stack.enter_async_context(
+                open_dht_node(
+                    initial_peers=[str(swarm[0].listen_multiaddr)],
+                    client_mode=True,
+                    request_timeout_s=DEADLINE_S,
+                )
+            )
+            watched = client.follow(PREFIX, BLOCKS, update_period_s=NEVER_S)
+            snapshot = await watched.wait_snapshot(lambda s: str(server.peer_id) in s.peer_ids)
+            assert all(str(server.peer_id) in snapshot.servers_for(b) for b in range(BLOCKS))
+            assert watched.refreshes == 0  # the read still waits on the slow node
+            answer.set()
+            await wait_until(lambda: watched.refreshes == 1)
 
 
 async def test_a_refresh_on_demand_reads_what_gossip_has_not_brought() -> None:

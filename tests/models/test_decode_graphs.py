@@ -22,11 +22,8 @@ import torch
 
 from petals_core import ConfigError
 from petals_core.models import BloomBlock, FalconBlock, KVCache, LlamaBlock, MixtralBlock
-from petals_core.models._decode_graphs import (
-    DecodeGraphs,
-    DecodeGraphsConfig,
-    bucket,
-)
+from petals_core.models._decode_graphs import DecodeGraphs, DecodeGraphsConfig
+from petals_core.models._row_caches import bucket
 from petals_core.testing import tiny_falcon_config, tiny_mixtral_config
 
 from ._steps import eager_steps, perturbed, twin
