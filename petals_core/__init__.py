@@ -33,65 +33,11 @@ from ._errors import (
     TransportError as TransportError,
     WrongAnswer as WrongAnswer,
 )
+from ._lazy import lazy_exports
 
 __version__ = "0.1.0"
 
-# Petals' root names. They import torch or the network: each loads on first access, so that
-# ``import petals_core`` stays light (tests/test_layering.py).
-_LAZY = {
-    **dict.fromkeys(
-        (
-            "AutoDistributedModel",
-            "AutoDistributedModelForCausalLM",
-            "AutoDistributedModelForSequenceClassification",
-            "AutoDistributedSpeculativeModel",
-            "DistributedLlamaForSpeculativeGeneration",
-            "DistributedBloomForCausalLM",
-            "DistributedBloomForSequenceClassification",
-            "DistributedBloomModel",
-            "DistributedFalconForCausalLM",
-            "DistributedFalconForSequenceClassification",
-            "DistributedFalconModel",
-            "DistributedLlamaForCausalLM",
-            "DistributedLlamaForSequenceClassification",
-            "DistributedLlamaModel",
-            "DistributedMixtralForCausalLM",
-            "DistributedMixtralForSequenceClassification",
-            "DistributedMixtralModel",
-        ),
-        "distributed",
-    ),
-    **dict.fromkeys(
-        (
-            "AutoDistributedConfig",
-            "DistributedBloomConfig",
-            "DistributedFalconConfig",
-            "DistributedLlamaConfig",
-            "DistributedMixtralConfig",
-        ),
-        "models",
-    ),
-    **dict.fromkeys(
-        (
-            "ClientConfig",
-            "InferenceSession",
-            "RemoteSequenceManager",
-            "RemoteSequential",
-            "SequenceManagerConfig",
-        ),
-        "client",
-    ),
-}
-
-
-def __getattr__(name: str) -> object:
-    package = _LAZY.get(name)
-    if package is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    import importlib
-
-    return getattr(importlib.import_module(f"{__name__}.{package}"), name)
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *_LAZY})
+# Petals' root names from the subpackages (listed in __init__.pyi) import torch or the
+# network: each loads on first access, so that ``import petals_core`` stays light
+# (tests/test_layering.py).
+__getattr__, __dir__, __all__ = lazy_exports(__name__)

@@ -2,8 +2,8 @@
 
 A package whose modules are used apart (sans-IO cores beside the trio code that drives them)
 lists its public names in ``__init__.pyi``, as ``from ._module import Name as Name`` statements
-and nothing else, which type checkers and readers see; its ``__init__.py`` resolves them at run
-time::
+(and annotations of names it defines itself, such as ``__version__: str``), which type checkers
+and readers see; its ``__init__.py`` resolves them at run time::
 
     __getattr__, __dir__, __all__ = lazy_exports(__name__)
 
@@ -33,6 +33,8 @@ def exported_names(package: str) -> dict[str, tuple[str, str]]:
     stub = Path(init).with_suffix(".pyi")
     found: dict[str, tuple[str, str]] = {}
     for statement in ast.parse(stub.read_text(), str(stub)).body:
+        if isinstance(statement, ast.AnnAssign):
+            continue  # a name the package defines itself (``__version__: str``)
         if not isinstance(statement, ast.ImportFrom):
             raise TypeError(f"{stub}: only `from ... import` statements go in the stub")
         origin = importlib.util.resolve_name(
