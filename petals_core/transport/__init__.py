@@ -34,6 +34,7 @@ Its modules, bottom up (docs/how-it-works.md says how each works):
   flow control that follows the application, congestion control kept across idle gaps, pacing,
   path MTU discovery);
 - ``_endpoint`` (events in ``_endpoint_events``): sans-IO, many connections behind one socket;
+- ``_repair``: repair datagrams on lossy paths (a lost datagram rebuilt without a round trip);
 - ``_udp``: the socket, with segmentation and receive offload where Linux allows;
 - ``_node``: the trio edge (one socket, one pump task), ``connect_any``;
 - ``_relay_wire``, ``_relay``, ``_punch``: relayed datagrams, relay reservations and circuits,

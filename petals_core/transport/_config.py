@@ -7,6 +7,7 @@ from attrs import validators as v
 
 from .._validators import at_least, in_range, one_of, positive, positive_or_none
 from ._codec_format import CodecLimits
+from ._repair import MAX_GROUP
 
 __all__ = ["ALPN", "TransportConfig"]
 
@@ -79,5 +80,9 @@ class TransportConfig:
     #: How long ``Node.connect_any`` tries to punch a hole to a peer it reached through a relay
     #: before it settles for the relay; None: it never tries.
     hole_punch_timeout_s: float | None = attrs.field(default=2.0, validator=positive_or_none)
+    #: On a path that lost datagrams lately, each run of up to this many datagrams is followed by
+    #: a repair from which the receiver rebuilds any one of them that is lost, without waiting a
+    #: round trip for QUIC to send it again (see ``_repair``); 0: never.
+    repair_group: int = attrs.field(default=16, validator=in_range(0, MAX_GROUP))
     #: "reno" or "cubic".
     congestion_control: str = attrs.field(default="cubic", validator=one_of(("reno", "cubic")))

@@ -48,6 +48,7 @@ from ._identity import Identity, PeerID, check_certificate_identity
 from ._quic import PeerQuicConnection
 from ._quic_path import BASE_DATAGRAM_BYTES, PathInfo
 from ._relay_wire import RELAY_HEADER, split_virtual
+from ._repair import REPAIR, RepairDecoder, RepairEncoder
 
 __all__ = [
     "ConnectionLost",
@@ -68,6 +69,8 @@ APP_REFUSED = 0x1011
 APP_PROTOCOL = 0x1012
 
 _CID_BYTES = 8
+# A connection keeps this many repair groups' worth of received datagrams for repairs.
+_REPAIR_WINDOW = 4
 # Unsendable bytes a stream may queue beyond the peer's window for it (see send_room).
 _STREAM_SEND_SLACK = 32 << 10
 # TLS alert "no_application_protocol" arrives as a CRYPTO_ERROR of 0x100 + 120.
@@ -109,6 +112,10 @@ class _Conn:
     open_streams: dict[int, int] = attrs.Factory(dict)
     # Peer-opened streams the application let go of while aioquic still tracks them.
     released: set[int] = attrs.Factory(set)
+    # Repairs (see ``_repair``): made while the path loses datagrams; taken while the peer
+    # sends them.
+    repair_out: RepairEncoder | None = None
+    repair_in: RepairDecoder | None = None
 
 
 class Endpoint:
@@ -124,6 +131,9 @@ class Endpoint:
         self._dirty: set[_Conn] = set()
         self._stray_datagrams: list[tuple[bytes, Address]] = []
         self._timer_hint: float | None = None
+        #: Repair datagrams sent, and datagrams rebuilt from the peers' repairs.
+        self.repairs_sent = 0
+        self.datagrams_rebuilt = 0
 
     # -- configuration --------------------------------------------------------------------------
 
@@ -263,12 +273,19 @@ class Endpoint:
     # -- input ----------------------------------------------------------------------------------
 
     def receive_datagram(self, data: bytes, address: Address, now: float) -> None:
-        """Feed one UDP payload that arrived from ``address``."""
+        """Feed one UDP payload that arrived from ``address``: a QUIC datagram, or a repair."""
         if data and not data[0] & 0x80:
-            # Short header: the destination connection ID follows the first byte.
+            # Short header (or a repair): the destination connection ID follows the first byte.
             conn = self._by_cid.get(data[1 : 1 + _CID_BYTES])
             if conn is None:
                 return
+            if data[0] == REPAIR:
+                self._receive_repair(conn, data, address, now)
+                return
+            if conn.repair_in is not None:
+                conn.repair_in.record(data)
+                if conn.repair_in.idle:
+                    conn.repair_in = None
         else:
             try:
                 header = pull_quic_header(Buffer(data=data), host_cid_length=_CID_BYTES)
@@ -290,6 +307,20 @@ class Endpoint:
         conn.last_activity = conn.last_received = now
         conn.probing_since = None
         self._after(conn, now)
+
+    def _receive_repair(self, conn: _Conn, data: bytes, address: Address, now: float) -> None:
+        decoder = conn.repair_in
+        if decoder is None:
+            # From now on the datagrams that arrive are kept for the repairs that follow them
+            # (this one's came before: it can rebuild nothing).
+            conn.repair_in = RepairDecoder(
+                window=_REPAIR_WINDOW * max(self.config.repair_group, 1), cid_bytes=_CID_BYTES
+            )
+            return
+        rebuilt = decoder.receive(data)
+        if rebuilt is not None:
+            self.datagrams_rebuilt += 1
+            self.receive_datagram(rebuilt, address, now)
 
     def _accept(self, data: bytes, header: object, address: Address, now: float) -> _Conn | None:
         packet_type = getattr(header, "packet_type", None)
@@ -380,12 +411,27 @@ class Endpoint:
         for conn in ordered:
             sent = conn.quic.datagrams_to_send(now=now)
             if sent:
+                if conn.quic.losing and self.config.repair_group:
+                    sent = self._with_repairs(conn, sent)
                 out.extend(sent)
             self._drain_quic_events(conn, now)
             at = _refresh_timer(conn)
             if at is not None and (self._timer_hint is None or at < self._timer_hint):
                 self._timer_hint = at
         return out
+
+    def _with_repairs(
+        self, conn: _Conn, sent: list[tuple[bytes, Address]]
+    ) -> list[tuple[bytes, Address]]:
+        encoder = conn.repair_out
+        if encoder is None:
+            encoder = conn.repair_out = RepairEncoder(
+                group=self.config.repair_group, cid_bytes=_CID_BYTES
+            )
+        before = encoder.sent
+        sent = encoder.interleave(sent, limit=conn.quic.datagram_bytes)
+        self.repairs_sent += encoder.sent - before
+        return sent
 
     def take_timer_hint(self) -> float | None:
         """The soonest timer among connections touched since the last call (for a driver that

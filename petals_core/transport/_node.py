@@ -39,6 +39,7 @@ from ._multiaddr import Multiaddr, as_multiaddr
 from ._punch import punch_hole
 from ._relay import RelayLimits, RelayTable, open_relayed_channel
 from ._relay_wire import PUNCH, PUNCH_PROBE, RELAY_HEADER, RELAYED, split_virtual, virtual_address
+from ._repair import REPAIR
 from ._udp import DatagramSocket, forbid_fragmentation
 
 __all__ = ["Node", "NodeStatistics", "open_node"]
@@ -77,6 +78,10 @@ class NodeStatistics:
     receive_offload: bool
     #: Hole-punching probes that arrived (and were dropped, as they are meant to be).
     punches_received: int = 0
+    #: Repair datagrams sent on lossy paths, and datagrams rebuilt from peers' repairs (see
+    #: ``_repair``).
+    repairs_sent: int = 0
+    datagrams_rebuilt: int = 0
 
 
 class Node:
@@ -136,6 +141,8 @@ class Node:
             segmentation_offload=udp.segmentation,
             receive_offload=udp.coalescing,
             punches_received=self._punches_received,
+            repairs_sent=self._endpoint.repairs_sent,
+            datagrams_rebuilt=self._endpoint.datagrams_rebuilt,
         )
 
     @property
@@ -420,6 +427,8 @@ class Node:
                 )
         elif data[0] == PUNCH:
             self._punches_received += 1
+        elif data[0] == REPAIR:
+            self._endpoint.receive_datagram(data, address, now)
 
     async def _sender(self) -> None:
         while True:

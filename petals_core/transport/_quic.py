@@ -320,7 +320,18 @@ class PeerQuicConnection(QuicConnection):
             datagram_search_done=self._mtu is None or self._mtu.done,
             rtt_s=float(self._loss._rtt_smoothed),
             congestion_window_bytes=self._cc.congestion_window,
+            losing=self._cc.losing,
         )
+
+    @property
+    def losing(self) -> bool:
+        """Whether the path lost packets lately (see ``PathCongestionControl.losing``)."""
+        return self._cc.losing
+
+    @property
+    def datagram_bytes(self) -> int:
+        """The largest datagram this connection sends now (path MTU probes aside)."""
+        return self._max_datagram_size
 
     def _probe_path(self, now: float) -> list[tuple[bytes, Any]]:
         """A padded PING of the next size to try, when one is due and the window has room."""

@@ -92,6 +92,8 @@ class PathInfo:
     rtt_s: float
     #: Congestion window (bytes in flight allowed).
     congestion_window_bytes: int
+    #: Whether packets (other than path MTU probes) were lost lately.
+    losing: bool = False
 
 
 @attrs.define
@@ -172,6 +174,12 @@ class PathCongestionControl(QuicCongestionControl):
     @property
     def in_slow_start(self) -> bool:
         return self.ssthresh is None or self.congestion_window < self.ssthresh
+
+    @property
+    def losing(self) -> bool:
+        """Whether packets other than path MTU probes were lost lately (within about the last
+        ``LOSS_WINDOW_PACKETS`` to four times as many sent)."""
+        return self._recent_lost >= 0.5
 
     def pacing_gain(self) -> float:
         """How many times window / RTT to pace at now."""

@@ -7,6 +7,8 @@ so a datagram whose first byte is below 0x40 cannot be QUIC: those are ours.
   relay reads only the header; the QUIC datagram inside stays encrypted end to end.
 - ``0x01`` + anything: a hole-punching probe.  It exists to open the sender's NAT towards the
   receiver; the receiver drops it.
+- ``0x02`` + a connection id + ...: a repair for a connection's datagrams (see ``_repair``),
+  directly or inside a relayed datagram.
 
 A connection through a relay has a *virtual address* in place of its peer's socket address: the
 relay's address with the channel in the host, e.g. ``("relay-0000002a@198.51.100.7", 4001)``.
