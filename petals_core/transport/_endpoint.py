@@ -411,7 +411,7 @@ class Endpoint:
         for conn in ordered:
             sent = conn.quic.datagrams_to_send(now=now)
             if sent:
-                if conn.quic.losing and self.config.repair_group:
+                if self.config.repair_group and (conn.quic.losing or conn.repair_out):
                     sent = self._with_repairs(conn, sent)
                 out.extend(sent)
             self._drain_quic_events(conn, now)
@@ -428,8 +428,15 @@ class Endpoint:
             encoder = conn.repair_out = RepairEncoder(
                 group=self.config.repair_group, cid_bytes=_CID_BYTES
             )
+        elif not conn.quic.losing:
+            # The path stopped losing datagrams.
+            encoder.discard()
+            conn.repair_out = None
+            return sent
         before = encoder.sent
-        sent = encoder.interleave(sent, limit=conn.quic.datagram_bytes)
+        sent = encoder.interleave(
+            sent, limit=conn.quic.datagram_bytes, last=not conn.quic.sending()
+        )
         self.repairs_sent += encoder.sent - before
         return sent
 

@@ -412,6 +412,15 @@ class PeerQuicConnection(QuicConnection):
             return slack
         return int(stream.max_stream_data_remote + slack - stream.sender._buffer_stop)
 
+    def sending(self) -> bool:
+        """Whether stream data (new, or lost and to be sent again) waits to leave: the datagrams
+        just collected are not the last of what is queued."""
+        for stream in self._streams.values():
+            sender = stream.sender
+            if sender._reset_error_code is None and (len(sender._pending) or sender._pending_eof):
+                return True
+        return False
+
     def send_buffered(self) -> int:
         """Bytes queued on this connection's streams that the peer has not acknowledged yet.
 

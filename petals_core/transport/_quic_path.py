@@ -78,6 +78,9 @@ BLACK_HOLE_TIMEOUTS = 3
 LOSS_TOLERANCE = 0.02
 #: "Lately": about the last this many to twice this many packets sent.
 LOSS_WINDOW_PACKETS = 256
+#: A path that lost a packet counts as losing until this many more were sent without a loss.
+#: Long, because the repairs sent on a losing path (see ``_repair``) hide most of its losses.
+LOSING_PACKETS = 16384
 
 
 @attrs.frozen(kw_only=True)
@@ -92,7 +95,7 @@ class PathInfo:
     rtt_s: float
     #: Congestion window (bytes in flight allowed).
     congestion_window_bytes: int
-    #: Whether packets (other than path MTU probes) were lost lately.
+    #: Whether a packet (other than a path MTU probe) was lost lately (see ``LOSING_PACKETS``).
     losing: bool = False
 
 
@@ -170,6 +173,8 @@ class PathCongestionControl(QuicCongestionControl):
         # Packets sent and lost lately (both halved now and then: a sliding count).
         self._recent_sent = 0.0
         self._recent_lost = 0.0
+        # Packets sent since the last loss (None: none lost yet).
+        self._sent_since_loss: int | None = None
 
     @property
     def in_slow_start(self) -> bool:
@@ -177,9 +182,9 @@ class PathCongestionControl(QuicCongestionControl):
 
     @property
     def losing(self) -> bool:
-        """Whether packets other than path MTU probes were lost lately (within about the last
-        ``LOSS_WINDOW_PACKETS`` to four times as many sent)."""
-        return self._recent_lost >= 0.5
+        """Whether a packet other than a path MTU probe was lost within the last
+        ``LOSING_PACKETS`` sent."""
+        return self._sent_since_loss is not None and self._sent_since_loss < LOSING_PACKETS
 
     def pacing_gain(self) -> float:
         """How many times window / RTT to pace at now."""
@@ -201,6 +206,8 @@ class PathCongestionControl(QuicCongestionControl):
         if self.window_limited() and packet.sent_time is not None:
             self._limited_at = packet.sent_time
         self._recent_sent += 1
+        if self._sent_since_loss is not None:
+            self._sent_since_loss += 1
         if self._recent_sent >= 2 * LOSS_WINDOW_PACKETS:
             self._recent_sent /= 2
             self._recent_lost /= 2
@@ -228,6 +235,7 @@ class PathCongestionControl(QuicCongestionControl):
         if not ordinary:
             return
         self._recent_lost += len(ordinary)
+        self._sent_since_loss = 0
         if self._recent_lost > LOSS_TOLERANCE * max(self._recent_sent, LOSS_WINDOW_PACKETS):
             super().on_packets_lost(now=now, packets=ordinary)  # type: ignore[safe-super]
         else:

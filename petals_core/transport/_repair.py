@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import struct
 from collections import deque
-from typing import Final, TypeVar
+from typing import Any, Final, TypeVar
 
 __all__ = ["REPAIR", "RepairDecoder", "RepairEncoder"]
 
@@ -76,32 +76,42 @@ class RepairEncoder:
         self.group = group
         self.cid_bytes = cid_bytes
         self._serial = 0
+        self._run: list[bytes] = []
+        self._run_address: Any = None
         #: Repair datagrams produced (pieces).
         self.sent = 0
 
-    def interleave(self, datagrams: list[tuple[bytes, A]], limit: int) -> list[tuple[bytes, A]]:
-        """``datagrams`` (payload, address) with a repair after each run of up to ``group``
+    def interleave(
+        self, datagrams: list[tuple[bytes, A]], limit: int, *, last: bool
+    ) -> list[tuple[bytes, A]]:
+        """``datagrams`` (payload, address) with a repair after each run of ``group``
         protectable ones: 1-RTT datagrams of at most ``limit`` bytes (larger ones are path MTU
-        probes, which may well be lost) to one address."""
+        probes, which may well be lost) to one address.  A run goes on across calls (a paced
+        sender hands over a few datagrams at a time) until it is full, or until a call says these
+        are the ``last`` for now: then the run so far gets its repair."""
         out: list[tuple[bytes, A]] = []
-        run: list[bytes] = []
-        run_address: A | None = None
         for data, address in datagrams:
             if not (_is_short_header(data) and len(data) <= limit):
                 out.append((data, address))
                 continue
-            if run and address != run_address:
-                out += [(piece, run_address) for piece in self._repair(run)]  # type: ignore[misc]
-                run = []
+            if self._run and address != self._run_address:
+                out += self._close()
             out.append((data, address))
-            run.append(data)
-            run_address = address
-            if len(run) == self.group:
-                out += [(piece, address) for piece in self._repair(run)]
-                run = []
-        if run:
-            out += [(piece, run_address) for piece in self._repair(run)]  # type: ignore[misc]
+            self._run.append(data)
+            self._run_address = address
+            if len(self._run) == self.group:
+                out += self._close()
+        if last and self._run:
+            out += self._close()
         return out
+
+    def discard(self) -> None:
+        """Forget the run so far (no repair for it)."""
+        self._run = []
+
+    def _close(self) -> list[tuple[bytes, Any]]:
+        run, self._run = self._run, []
+        return [(piece, self._run_address) for piece in self._repair(run)]
 
     def _repair(self, run: list[bytes]) -> list[bytes]:
         longest = max(map(len, run))

@@ -63,7 +63,7 @@ def test_any_one_lost_datagram_of_a_run_is_rebuilt_exactly(
     run = _run(seed, sizes)
     lost %= len(run)
     encoder = RepairEncoder(group=16, cid_bytes=CID)
-    out = encoder.interleave([(data, TO) for data in run], limit=16384)
+    out = encoder.interleave([(data, TO) for data in run], limit=16384, last=True)
     # The datagrams leave as they were, in order, the repair after them.
     assert [data for data, _ in out if data[0] != REPAIR] == run
     pieces = _repairs(out)
@@ -82,7 +82,7 @@ def test_runs_are_cut_at_the_group_size_and_at_a_change_of_address() -> None:
     run = _run(1, [1452] * 40)
     other = ("198.51.100.9", 4000)
     batch = [(data, TO) for data in run[:35]] + [(data, other) for data in run[35:]]
-    out = RepairEncoder(group=16, cid_bytes=CID).interleave(batch, limit=1452)
+    out = RepairEncoder(group=16, cid_bytes=CID).interleave(batch, limit=1452, last=True)
     # Repairs follow datagrams 16, 32 and 35 (to TO), and 40 (to the other address); each is
     # two halves (1452 bytes do not fit a 1,200-byte repair).
     positions = [i for i, (data, _) in enumerate(out) if data[0] == REPAIR]
@@ -92,13 +92,34 @@ def test_runs_are_cut_at_the_group_size_and_at_a_change_of_address() -> None:
     assert [out[i][1] for i in positions] == [TO] * 6 + [other] * 2
 
 
+def test_a_run_goes_on_across_calls_until_the_last_datagrams_for_now() -> None:
+    run = _run(12, [1452] * 20)
+    encoder = RepairEncoder(group=16, cid_bytes=CID)
+    out = []
+    for start in range(0, 20, 3):  # a paced sender hands over three at a time
+        out += encoder.interleave(
+            [(data, TO) for data in run[start : start + 3]], limit=1452, last=start + 3 >= 20
+        )
+    positions = [i for i, (data, _) in enumerate(out) if data[0] == REPAIR]
+    assert positions == [16, 17, 22, 23]  # after the 16th datagram, and after the last
+    assert [data for data, _ in out if data[0] != REPAIR] == run
+    for lost in (3, 17):
+        received = run[:lost] + run[lost + 1 :]
+        _, rebuilt = _decode(received, [out[i][0] for i in positions])
+        assert rebuilt == run[lost]
+    # A discarded run gets no repair.
+    assert not _repairs(encoder.interleave([(run[0], TO)], limit=1452, last=False))
+    encoder.discard()
+    assert not _repairs(encoder.interleave([], limit=1452, last=True))
+
+
 def test_long_headers_and_path_probes_pass_unprotected() -> None:
     rng = random.Random(2)
     handshake = bytes([0xC0]) + rng.randbytes(1199)
     probe = _datagram(rng, 1400)
     data = _datagram(rng, 1200)
     out = RepairEncoder(group=16, cid_bytes=CID).interleave(
-        [(handshake, TO), (probe, TO), (data, TO)], limit=1300
+        [(handshake, TO), (probe, TO), (data, TO)], limit=1300, last=True
     )
     assert [d for d, _ in out[:3]] == [handshake, probe, data]
     # The repair covers the one datagram it may: losing it, the receiver rebuilds it.
@@ -109,7 +130,7 @@ def test_long_headers_and_path_probes_pass_unprotected() -> None:
 def test_two_losses_in_a_run_are_left_to_quic() -> None:
     run = _run(3, [1000] * 8)
     pieces = _repairs(
-        RepairEncoder(group=16, cid_bytes=CID).interleave([(d, TO) for d in run], 1452)
+        RepairEncoder(group=16, cid_bytes=CID).interleave([(d, TO) for d in run], 1452, last=True)
     )
     decoder, rebuilt = _decode(run[2:], pieces)
     assert rebuilt is None and decoder.useless == 1
@@ -120,7 +141,7 @@ def test_two_losses_in_a_run_are_left_to_quic() -> None:
 def test_a_datagram_pushed_out_of_the_window_is_missing() -> None:
     run = _run(4, [1000] * 4)
     pieces = _repairs(
-        RepairEncoder(group=16, cid_bytes=CID).interleave([(d, TO) for d in run], 1452)
+        RepairEncoder(group=16, cid_bytes=CID).interleave([(d, TO) for d in run], 1452, last=True)
     )
     decoder = RepairDecoder(window=8, cid_bytes=CID)
     for data in run[1:] + _run(5, [500] * 8):  # eight later datagrams push the run out
@@ -135,7 +156,7 @@ def _tampered(piece: bytes, at: int) -> bytes:
 def test_hostile_repairs_rebuild_nothing_and_raise_nothing() -> None:
     run = _run(6, [1452] * 6)
     pieces = _repairs(
-        RepairEncoder(group=16, cid_bytes=CID).interleave([(d, TO) for d in run], 1452)
+        RepairEncoder(group=16, cid_bytes=CID).interleave([(d, TO) for d in run], 1452, last=True)
     )
     assert len(pieces) == 2
     received = run[1:]
@@ -287,7 +308,9 @@ class _Forged(Recorder):
             self.seen.append(data)
             run = self.seen[-3:]
             encoder = RepairEncoder(group=16, cid_bytes=CID)
-            *pieces, last = _repairs(encoder.interleave([(d, address) for d in run], 1452))
+            *pieces, last = _repairs(
+                encoder.interleave([(d, address) for d in run], 1452, last=True)
+            )
             kind = len(self.seen) % 3
             if kind == 0:
                 last = _tampered(last, len(last) - 9)
