@@ -9,7 +9,8 @@ table (``bench/results/summary.json``) that both trees report under the same nam
 median over rounds of each tree's own figure, and this tree's over the other's.
 
 Target (a refactoring's): no headline number more than ``--within`` (5%) worse than the other
-tree's: times (ms) and overheads (x) at most 1.05 of theirs, rates (tok/s) at least 0.95.  Rows
+tree's: times (ms) and overheads (x) at most 1.05 of theirs, rates (tok/s), and ratios whose own
+target is a floor (speed-ups, ">= 2x"), at least 0.95.  Rows
 that only one tree reports are listed apart.  The table goes to ``bench/results/compare.json``.
 """
 
@@ -69,9 +70,14 @@ def _run(tree: Path, name: str, results: Path) -> dict[Key, dict[str, Any]]:
     return {(row["benchmark"], row["what"]): row for row in rows}
 
 
-def _worse(ours: float, theirs: float, unit: str) -> float:
+def _higher_is_better(unit: str, target: str | None) -> bool:
+    """Rates, and rows whose own target is a floor (">= 2x"), are better higher."""
+    return unit in _HIGHER_IS_BETTER or unit.endswith("/s") or (target or "").startswith(">")
+
+
+def _worse(ours: float, theirs: float, unit: str, target: str | None = None) -> float:
     """How much worse ours is than theirs, as a factor (above 1: worse)."""
-    if unit in _HIGHER_IS_BETTER or unit.endswith("/s"):
+    if _higher_is_better(unit, target):
         return theirs / ours if ours else float("inf")
     return ours / theirs if theirs else float("inf")
 
@@ -102,7 +108,7 @@ def compare(
         unit = runs["ours"][0][key]["unit"]
         ours = statistics.median(run[key]["ours"] for run in runs["ours"])
         theirs = statistics.median(run[key]["ours"] for run in runs["theirs"])
-        worse = _worse(ours, theirs, unit)
+        worse = _worse(ours, theirs, unit, runs["ours"][0][key].get("target"))
         rows.append(
             {
                 "benchmark": key[0],

@@ -447,6 +447,7 @@ def main() -> None:
         f"tokens/s at {slowest.link.name}, a truncated draft model vs plain, a chat question",
         natural / drafted,
         unit="x",
+        target=">= 1.5x with a trained draft model (not judged: none here)",
     )
     summarize(
         "wan",

@@ -14,6 +14,9 @@ def test_times_and_rates_are_judged_in_their_own_direction() -> None:
     assert compare._worse(2.0, 2.5, "x") == pytest.approx(0.8)
     assert compare._worse(90.0, 100.0, "tok/s") == pytest.approx(100 / 90)
     assert compare._worse(0.0, 100.0, "tok/s") == float("inf")
+    # A speed-up (its row's target a floor) is worse when smaller.
+    assert compare._worse(3.0, 3.3, "x", ">= 2x") == pytest.approx(1.1)
+    assert compare._worse(0.7, 0.66, "x", "<= 1.1x") == pytest.approx(0.7 / 0.66)
 
 
 def test_a_benchmark_runs_in_both_trees_and_its_rows_are_paired(tmp_path: Path) -> None:
