@@ -72,6 +72,12 @@ def _system_parts(session: nox.Session) -> None:
     )
 
 
+#: The suite runs in two processes (pytest-xdist), each taking whole test files, so that a file's
+#: fixtures (its swarm) start once; much of a test's time is spent waiting on other processes
+#: and the network, so two workers fit two cores.  ``nox -s tests -- -n 0`` runs in one.
+TEST_WORKERS = ("-n", "2", "--dist", "loadfile")
+
+
 @nox.session
 def tests(session: nox.Session) -> None:
     """Run the test suite (extra pytest arguments pass through).  In CI (``CI=true``) the
@@ -82,7 +88,7 @@ def tests(session: nox.Session) -> None:
     if _in_ci():
         _system_parts(session)
         session.install("selenium")
-    session.run("pytest", *session.posargs, env=_one_thread(session))
+    session.run("pytest", *TEST_WORKERS, *session.posargs, env=_one_thread(session))
 
 
 #: The linters CI runs, pinned so that a new release cannot fail a change that did not move

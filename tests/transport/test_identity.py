@@ -116,7 +116,7 @@ def test_peer_id_matches_only_its_key() -> None:
 
 def _libp2p_style_ed25519_peer_id() -> str:
     # libp2p prints Ed25519 PeerIDs as the identity multihash of a protobuf-wrapped key: 12D3KooW...
-    raw = Identity.generate().public_key_bytes
+    raw = Identity.from_private_bytes(bytes(range(32))).public_key_bytes
     return _b58encode(b"\x00\x24\x08\x01\x12\x20" + raw)
 
 
