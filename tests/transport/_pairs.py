@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import random
 
 from petals_core.testing import MemoryNetwork, Pipe
@@ -17,6 +18,10 @@ from petals_core.transport._identity import Identity
 
 CLIENT = ("127.0.0.1", 1000)
 SERVER = ("127.0.0.1", 2000)
+#: Hosts on other machines (documentation range, in memory only): connections between them search
+#: datagram sizes up to ``TransportConfig.max_datagram_bytes``, not up to loopback's.
+FAR_CLIENT = ("192.0.2.1", 1000)
+FAR_SERVER = ("192.0.2.2", 2000)
 
 
 class Recorder:
@@ -77,17 +82,48 @@ class Recorder:
 
 
 def make_pair(
-    config: TransportConfig | None = None, *, pipe: Pipe | None = None, seed: int = 0
+    config: TransportConfig | None = None,
+    *,
+    pipe: Pipe | None = None,
+    seed: int = 0,
+    far: bool = False,
+    server_type: type[Recorder] = Recorder,
 ) -> tuple[MemoryNetwork, Recorder, Recorder]:
+    """A client and a server in memory, on loopback or (``far``) on two other hosts."""
     config = config or TransportConfig(keepalive_interval_s=None)
     net = MemoryNetwork(random.Random(seed), default=pipe or Pipe())
-    client, server = Recorder(config), Recorder(config)
-    net.attach(CLIENT, client)
-    net.attach(SERVER, server)
+    client, server = Recorder(config), server_type(config)
+    net.attach(FAR_CLIENT if far else CLIENT, client)
+    net.attach(FAR_SERVER if far else SERVER, server)
     return net, client, server
 
 
-def handshake(net: MemoryNetwork, client: Recorder, server: Recorder) -> int:
-    handle = client.endpoint.connect(SERVER, server.identity.peer_id, net.now)
+def handshake(
+    net: MemoryNetwork, client: Recorder, server: Recorder, address: tuple[str, int] = SERVER
+) -> int:
+    handle = client.endpoint.connect(address, server.identity.peer_id, net.now)
     assert net.run_until(lambda: handle in client.ready and len(server.ready) == 1)
     return handle
+
+
+def transfer(
+    net: MemoryNetwork,
+    client: Recorder,
+    server: Recorder,
+    handle: int,
+    size: int,
+    *,
+    seed: int | None = None,
+) -> float:
+    """Send ``size`` random bytes (of ``seed``, by default ``size``) on a new stream and wait
+    until the server has them all, intact; how long it took (virtual seconds)."""
+    data = random.Random(size if seed is None else seed).randbytes(size)
+    stream_id = client.endpoint.open_stream(handle)
+    start = net.now
+    client.endpoint.send_stream_data(handle, stream_id, data, net.now, end_stream=True)
+    (server_handle,) = server.ready
+    key = (server_handle, stream_id)
+    assert net.run_until(lambda: key in server.finished, max_time_s=120)
+    took = net.now - start
+    assert hashlib.sha256(server.received[key]).digest() == hashlib.sha256(data).digest()
+    return took

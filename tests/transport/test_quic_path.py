@@ -5,9 +5,7 @@ with a virtual clock, the search on its own, and real sockets across real links 
 
 from __future__ import annotations
 
-import hashlib
 import json
-import random
 import subprocess
 import sys
 
@@ -22,14 +20,8 @@ from petals_core.transport._quic_path import (
     MtuSearch,
 )
 
-from ._pairs import SERVER, Recorder, handshake, make_pair
+from ._pairs import FAR_SERVER, Recorder, handshake, make_pair, transfer
 from ._programs import ECHO_HANDLER
-
-#: Addresses of hosts on another machine (documentation range, in memory only): the ceiling of
-#: the datagram search is ``TransportConfig.max_datagram_bytes`` (1452) there, not loopback's.
-FAR_CLIENT = ("192.0.2.1", 1000)
-FAR_SERVER = ("192.0.2.2", 2000)
-
 
 # -- the search on its own ---------------------------------------------------------------------
 
@@ -81,39 +73,6 @@ def test_a_size_is_given_up_only_after_several_losses() -> None:
 # -- pairs of endpoints in memory ------------------------------------------------------------
 
 
-def _far_pair(
-    config: TransportConfig | None = None, pipe: Pipe | None = None
-) -> tuple[MemoryNetwork, Recorder, Recorder]:
-    config = config or TransportConfig(keepalive_interval_s=None)
-    net = MemoryNetwork(random.Random(0), default=pipe or Pipe())
-    client, server = Recorder(config), Recorder(config)
-    net.attach(FAR_CLIENT, client)
-    net.attach(FAR_SERVER, server)
-    return net, client, server
-
-
-def _connect(net: MemoryNetwork, client: Recorder, server: Recorder, address=SERVER) -> int:
-    if address == SERVER:
-        return handshake(net, client, server)
-    handle = client.endpoint.connect(address, server.identity.peer_id, net.now)
-    assert net.run_until(lambda: handle in client.ready and len(server.ready) == 1)
-    return handle
-
-
-def _transfer(net: MemoryNetwork, client: Recorder, server: Recorder, handle: int, size: int):
-    """Send ``size`` bytes on a new stream and wait until the server has them all; returns
-    how long it took (virtual seconds)."""
-    data = random.Random(size).randbytes(size)
-    stream_id = client.endpoint.open_stream(handle)
-    start = net.now
-    client.endpoint.send_stream_data(handle, stream_id, data, net.now, end_stream=True)
-    (server_handle,) = server.ready
-    key = (server_handle, stream_id)
-    assert net.run_until(lambda: key in server.finished, max_time_s=120)
-    assert hashlib.sha256(server.received[key]).digest() == hashlib.sha256(data).digest()
-    return net.now - start
-
-
 def _path(recorder: Recorder, handle: int | None = None) -> PathInfo:
     if handle is None:
         (handle,) = recorder.ready
@@ -131,18 +90,18 @@ def _settle(net: MemoryNetwork, *recorders: Recorder) -> None:
 
 def test_loopback_connections_grow_to_the_loopback_ceiling() -> None:
     net, client, server = make_pair()
-    handle = _connect(net, client, server)
+    handle = handshake(net, client, server)
     _settle(net, client, server)
     assert _path(client, handle).datagram_bytes == 16384
     assert _path(server).datagram_bytes == 16384
 
 
 def test_connections_to_other_hosts_grow_to_the_ceiling_for_them() -> None:
-    net, client, server = _far_pair()
-    handle = _connect(net, client, server, FAR_SERVER)
+    net, client, server = make_pair(far=True)
+    handle = handshake(net, client, server, FAR_SERVER)
     _settle(net, client, server)
     assert _path(client, handle).datagram_bytes == 1452
-    _transfer(net, client, server, handle, 100_000)
+    transfer(net, client, server, handle, 100_000)
     # Nothing was sent larger than the ceiling.
     assert (
         max(map(len, (d for d, _ in client.endpoint.datagrams_to_send(net.now))), default=0) <= 1452
@@ -151,44 +110,44 @@ def test_connections_to_other_hosts_grow_to_the_ceiling_for_them() -> None:
 
 def test_a_path_of_a_smaller_mtu_is_found_and_carries_data() -> None:
     net, client, server = make_pair(pipe=Pipe(max_payload=1400))
-    handle = _connect(net, client, server)
-    _transfer(net, client, server, handle, 300_000)
+    handle = handshake(net, client, server)
+    transfer(net, client, server, handle, 300_000)
     _settle(net, client, server)
     for info in (_path(client, handle), _path(server)):
         assert 1400 - PROBE_RESOLUTION < info.datagram_bytes <= 1400
     # The probes lost on the way were no congestion: the window never shrank below its start.
     assert _path(client, handle).congestion_window_bytes >= 10 * BASE_DATAGRAM_BYTES
-    _transfer(net, client, server, handle, 300_000)
+    transfer(net, client, server, handle, 300_000)
 
 
 def test_without_discovery_the_ceiling_is_used_from_the_start() -> None:
     config = TransportConfig(keepalive_interval_s=None, path_mtu_discovery=False)
-    net, client, server = _far_pair(config)
-    handle = _connect(net, client, server, FAR_SERVER)
+    net, client, server = make_pair(config, far=True)
+    handle = handshake(net, client, server, FAR_SERVER)
     info = _path(client, handle)
     assert info.datagram_bytes == 1452 and info.datagram_search_done
 
 
 def test_a_path_that_shrinks_is_noticed_and_searched_again() -> None:
     net, client, server = make_pair(pipe=Pipe(latency_s=0.005))
-    handle = _connect(net, client, server)
+    handle = handshake(net, client, server)
     _settle(net, client, server)
     assert _path(client, handle).datagram_bytes == 16384
     # The route changes: from now on only datagrams of 1300 bytes pass, either way.
     net.default = Pipe(latency_s=0.005, max_payload=1300)
-    _transfer(net, client, server, handle, 200_000)
+    transfer(net, client, server, handle, 200_000)
     _settle(net, client, server)
     assert 1300 - PROBE_RESOLUTION < _path(client, handle).datagram_bytes <= 1300
-    _transfer(net, client, server, handle, 200_000)
+    transfer(net, client, server, handle, 200_000)
 
 
 def test_the_window_survives_an_idle_gap() -> None:
     rtt = 0.1
-    net, client, server = _far_pair(pipe=Pipe(latency_s=rtt / 2))
-    handle = _connect(net, client, server, FAR_SERVER)
+    net, client, server = make_pair(far=True, pipe=Pipe(latency_s=rtt / 2))
+    handle = handshake(net, client, server, FAR_SERVER)
     _settle(net, client, server)
     size = 400_000
-    first = _transfer(net, client, server, handle, size)
+    first = transfer(net, client, server, handle, size)
     assert first > 3 * rtt  # slow start: round trip after round trip
     assert not net.run_until(lambda: False, max_time_s=1)  # the last ACKs arrive
     window = _path(client, handle).congestion_window_bytes
@@ -196,15 +155,15 @@ def test_the_window_survives_an_idle_gap() -> None:
     # Ten seconds of silence (aioquic's own CUBIC starts over after two).
     assert not net.run_until(lambda: False, max_time_s=10)
     assert _path(client, handle).congestion_window_bytes == window
-    again = _transfer(net, client, server, handle, size)
+    again = transfer(net, client, server, handle, size)
     # One paced window (at 1.25 x window / RTT) and the one-way delay, not slow start again.
     assert again < rtt * (size / window / 1.25 + 0.5) + 0.02
     assert again < first / 2
 
 
 def test_the_window_does_not_grow_while_it_does_not_limit() -> None:
-    net, client, server = _far_pair(pipe=Pipe(latency_s=0.01))
-    handle = _connect(net, client, server, FAR_SERVER)
+    net, client, server = make_pair(far=True, pipe=Pipe(latency_s=0.01))
+    handle = handshake(net, client, server, FAR_SERVER)
     _settle(net, client, server)
     start = _path(client, handle).congestion_window_bytes
     stream_id = client.endpoint.open_stream(handle)
@@ -219,17 +178,17 @@ def test_the_window_does_not_grow_while_it_does_not_limit() -> None:
 
 def test_random_loss_leaves_the_window_and_heavy_loss_shrinks_it() -> None:
     rtt = 0.1
-    net, client, server = _far_pair(pipe=Pipe(latency_s=rtt / 2, loss=0.005))
-    handle = _connect(net, client, server, FAR_SERVER)
+    net, client, server = make_pair(far=True, pipe=Pipe(latency_s=rtt / 2, loss=0.005))
+    handle = handshake(net, client, server, FAR_SERVER)
     _settle(net, client, server)
     size = 300_000
     for _ in range(3):  # slow start, then the window it reached
-        _transfer(net, client, server, handle, size)
+        transfer(net, client, server, handle, size)
         net.run_until(lambda: False, max_time_s=1)
     window = _path(client, handle).congestion_window_bytes
     took = []
     for _ in range(10):
-        took.append(_transfer(net, client, server, handle, size))
+        took.append(transfer(net, client, server, handle, size))
         net.run_until(lambda: False, max_time_s=1)
     assert net.dropped > 10
     # A lost datagram costs its transfer a round trip to send it again, no more: the window
@@ -238,7 +197,7 @@ def test_random_loss_leaves_the_window_and_heavy_loss_shrinks_it() -> None:
     assert max(took) < 2.5 * rtt
     # A fifth of everything lost: that is congestion, and the window shrinks.
     net.default = Pipe(latency_s=rtt / 2, loss=0.2)
-    _transfer(net, client, server, handle, size)
+    transfer(net, client, server, handle, size)
     assert _path(client, handle).congestion_window_bytes < window / 2
 
 

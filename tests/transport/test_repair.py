@@ -4,7 +4,6 @@ where a lost datagram no longer costs its transfer a round trip."""
 
 from __future__ import annotations
 
-import hashlib
 import random
 
 import pytest
@@ -20,7 +19,7 @@ from petals_core.transport._repair import (
     RepairEncoder,
 )
 
-from ._pairs import Recorder
+from ._pairs import FAR_CLIENT, FAR_SERVER, Recorder, handshake, make_pair, transfer
 
 CID = 8
 TO = ("192.0.2.2", 2000)
@@ -209,8 +208,6 @@ def test_the_group_size_is_checked() -> None:
 
 # -- two endpoints on a lossy path --------------------------------------------------------------
 
-FAR_CLIENT = ("192.0.2.1", 1000)
-FAR_SERVER = ("192.0.2.2", 2000)
 RTT = 0.1
 SIZE = 300_000
 
@@ -220,28 +217,15 @@ def _connected(
 ) -> tuple[MemoryNetwork, Recorder, Recorder, int]:
     """Two endpoints on hosts ``RTT`` apart, connected."""
     config = TransportConfig(keepalive_interval_s=None, repair_group=repair_group)
-    net = MemoryNetwork(random.Random(0), default=Pipe(latency_s=RTT / 2))
-    client, server = Recorder(config), server_type(config)
-    net.attach(FAR_CLIENT, client)
-    net.attach(FAR_SERVER, server)
-    handle = client.endpoint.connect(FAR_SERVER, server.identity.peer_id, net.now)
-    assert net.run_until(lambda: handle in client.ready and len(server.ready) == 1)
-    return net, client, server, handle
+    pipe = Pipe(latency_s=RTT / 2)
+    net, client, server = make_pair(config, pipe=pipe, far=True, server_type=server_type)
+    return net, client, server, handshake(net, client, server, FAR_SERVER)
 
 
 def _transfer(
     net: MemoryNetwork, client: Recorder, server: Recorder, handle: int, seed: int
 ) -> float:
-    """Send ``SIZE`` random bytes on a new stream; how long until the server had them all."""
-    data = random.Random(seed).randbytes(SIZE)
-    stream_id = client.endpoint.open_stream(handle)
-    start = net.now
-    client.endpoint.send_stream_data(handle, stream_id, data, net.now, end_stream=True)
-    (server_handle,) = server.ready
-    key = (server_handle, stream_id)
-    assert net.run_until(lambda: key in server.finished, max_time_s=60)
-    took = net.now - start
-    assert hashlib.sha256(server.received[key]).digest() == hashlib.sha256(data).digest()
+    took = transfer(net, client, server, handle, SIZE, seed=seed)
     assert not net.run_until(lambda: False, max_time_s=1)  # the last ACKs arrive
     return took
 
