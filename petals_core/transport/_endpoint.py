@@ -48,7 +48,7 @@ from ._identity import Identity, PeerID, check_certificate_identity
 from ._quic import PeerQuicConnection
 from ._quic_path import BASE_DATAGRAM_BYTES, PathInfo
 from ._relay_wire import RELAY_HEADER, split_virtual
-from ._repair import REPAIR, RepairDecoder, RepairEncoder
+from ._repair import REPAIR, WINDOW_RUNS, RepairDecoder, RepairEncoder
 
 __all__ = [
     "ConnectionLost",
@@ -69,8 +69,6 @@ APP_REFUSED = 0x1011
 APP_PROTOCOL = 0x1012
 
 _CID_BYTES = 8
-# A connection keeps this many repair groups' worth of received datagrams for repairs.
-_REPAIR_WINDOW = 4
 # Unsendable bytes a stream may queue beyond the peer's window for it (see send_room).
 _STREAM_SEND_SLACK = 32 << 10
 # TLS alert "no_application_protocol" arrives as a CRYPTO_ERROR of 0x100 + 120.
@@ -314,7 +312,9 @@ class Endpoint:
             # From now on the datagrams that arrive are kept for the repairs that follow them
             # (this one's came before: it can rebuild nothing).
             conn.repair_in = RepairDecoder(
-                window=_REPAIR_WINDOW * max(self.config.repair_group, 1), cid_bytes=_CID_BYTES
+                window=WINDOW_RUNS * max(self.config.repair_group, 1),
+                cid_bytes=_CID_BYTES,
+                max_bytes=self._datagram_ceiling(conn.address),
             )
             return
         rebuilt = decoder.receive(data)

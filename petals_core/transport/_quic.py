@@ -413,11 +413,22 @@ class PeerQuicConnection(QuicConnection):
         return int(stream.max_stream_data_remote + slack - stream.sender._buffer_stop)
 
     def sending(self) -> bool:
-        """Whether stream data (new, or lost and to be sent again) waits to leave: the datagrams
-        just collected are not the last of what is queued."""
+        """Whether stream data (new, or lost and to be sent again) waits to leave and may: the
+        datagrams just collected are not the last for now.  Data that the peer's flow control
+        holds back does not count: it may wait for as long as the peer does not read."""
+        connection_room = self._remote_max_data - self._remote_max_data_used
         for stream in self._streams.values():
             sender = stream.sender
-            if sender._reset_error_code is None and (len(sender._pending) or sender._pending_eof):
+            if sender._reset_error_code is not None:
+                continue
+            if sender._pending_eof:
+                return True
+            if not len(sender._pending):
+                continue
+            # As aioquic's own limit for the next frame: resends are never held back.
+            start = sender._pending[0].start
+            limit = min(sender.highest_offset + connection_room, stream.max_stream_data_remote)
+            if start < sender.highest_offset or start < limit:
                 return True
         return False
 

@@ -183,8 +183,16 @@ class PathCongestionControl(QuicCongestionControl):
     @property
     def losing(self) -> bool:
         """Whether a packet other than a path MTU probe was lost within the last
-        ``LOSING_PACKETS`` sent."""
-        return self._sent_since_loss is not None and self._sent_since_loss < LOSING_PACKETS
+        ``LOSING_PACKETS`` sent, at random: losses of more than ``LOSS_TOLERANCE`` of the
+        packets sent lately are congestion, which sending more would make worse."""
+        return (
+            self._sent_since_loss is not None
+            and self._sent_since_loss < LOSING_PACKETS
+            and not self._congested()
+        )
+
+    def _congested(self) -> bool:
+        return self._recent_lost > LOSS_TOLERANCE * max(self._recent_sent, LOSS_WINDOW_PACKETS)
 
     def pacing_gain(self) -> float:
         """How many times window / RTT to pace at now."""
@@ -236,7 +244,7 @@ class PathCongestionControl(QuicCongestionControl):
             return
         self._recent_lost += len(ordinary)
         self._sent_since_loss = 0
-        if self._recent_lost > LOSS_TOLERANCE * max(self._recent_sent, LOSS_WINDOW_PACKETS):
+        if self._congested():
             super().on_packets_lost(now=now, packets=ordinary)  # type: ignore[safe-super]
         else:
             # Lost at random: sent again (by the connection), the window stays.

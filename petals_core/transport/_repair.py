@@ -28,6 +28,7 @@ I/O free: the endpoint feeds datagrams in and sends what comes out.
 
 from __future__ import annotations
 
+import random
 import struct
 from collections import deque
 from typing import Any, Final, TypeVar
@@ -46,6 +47,8 @@ MIN_PROTECTED_BYTES = 200
 MAX_GROUP = 64
 #: A decoder that saw this many times its window of datagrams without a repair is idle.
 IDLE_WINDOWS = 8
+#: A decoder keeps the datagrams of this many of the runs its peer sends (at least).
+WINDOW_RUNS = 4
 _FIELDS = struct.Struct("!HBBHH")
 A = TypeVar("A")
 
@@ -75,7 +78,8 @@ class RepairEncoder:
             raise ValueError(f"a repair covers 1 to {MAX_GROUP} datagrams, not {group}")
         self.group = group
         self.cid_bytes = cid_bytes
-        self._serial = 0
+        # A fresh encoder's first serial is unlikely to meet an old encoder's unmatched half.
+        self._serial = random.randrange(1 << 16)
         self._run: list[bytes] = []
         self._run_address: Any = None
         #: Repair datagrams produced (pieces).
@@ -104,6 +108,11 @@ class RepairEncoder:
         if last and self._run:
             out += self._close()
         return out
+
+    @property
+    def pending(self) -> int:
+        """Datagrams of the run so far, still without a repair."""
+        return len(self._run)
 
     def discard(self) -> None:
         """Forget the run so far (no repair for it)."""
@@ -140,13 +149,16 @@ class RepairEncoder:
 class RepairDecoder:
     """Rebuilds one connection's lost datagrams from the repairs that follow them.
 
-    Keeps the last ``window`` 1-RTT datagrams received (by id) and the pieces of a few repairs
-    still incomplete.
+    Keeps the last ``window`` 1-RTT datagrams received (by id; more once the peer's runs turn out
+    longer, up to ``WINDOW_RUNS`` of the longest runs there are) of at most ``max_bytes`` each,
+    and the pieces of a few repairs still incomplete.  What it rebuilds is a 1-RTT datagram of
+    the repair's connection, never another repair.
     """
 
-    def __init__(self, *, window: int, cid_bytes: int) -> None:
+    def __init__(self, *, window: int, cid_bytes: int, max_bytes: int = 65535) -> None:
         self.window = window
         self.cid_bytes = cid_bytes
+        self.max_bytes = max_bytes
         self._kept: dict[bytes, bytes] = {}
         self._order: deque[bytes] = deque()
         self._pieces: dict[int, dict[int, bytes]] = {}
@@ -165,7 +177,7 @@ class RepairDecoder:
 
     def record(self, data: bytes) -> None:
         """A datagram that arrived (or was rebuilt)."""
-        if not _is_short_header(data):
+        if not _is_short_header(data) or len(data) > self.max_bytes:
             return
         self.since_repair += 1
         key = data[-ID_BYTES:]
@@ -186,9 +198,15 @@ class RepairDecoder:
         serial, index_count, size, lengths, longest = _FIELDS.unpack_from(piece, start)
         index, count = index_count >> 4, index_count & 0xF
         body_at = start + _FIELDS.size + ID_BYTES * size
-        if not (1 <= count <= 2 and index < count and 1 <= size <= MAX_GROUP):
+        if not (
+            1 <= count <= 2
+            and index < count
+            and 1 <= size <= MAX_GROUP
+            and longest <= self.max_bytes
+        ):
             self.malformed += 1
             return None
+        self.window = max(self.window, WINDOW_RUNS * size)
         share = -(-longest // count)
         expected = min(share, longest - index * share)
         if len(piece) != body_at + expected:
@@ -237,7 +255,12 @@ class RepairDecoder:
             self.malformed += 1
             return None
         rebuilt = value.to_bytes(length, "little")
-        if rebuilt[-ID_BYTES:] != missing[0]:
+        cid = piece[1 : 1 + self.cid_bytes]
+        if (
+            rebuilt[-ID_BYTES:] != missing[0]
+            or not _is_short_header(rebuilt)
+            or rebuilt[1 : 1 + self.cid_bytes] != cid
+        ):
             self.malformed += 1
             return None
         self.rebuilt += 1

@@ -195,10 +195,13 @@ def test_random_loss_leaves_the_window_and_heavy_loss_shrinks_it() -> None:
     # (enough for the whole transfer) stays.
     assert _path(client, handle).congestion_window_bytes == window
     assert max(took) < 2.5 * rtt
-    # A fifth of everything lost: that is congestion, and the window shrinks.
+    assert _path(client, handle).losing  # repairs follow the client's runs
+    # A fifth of everything lost: that is congestion, and the window shrinks; repairs, which
+    # the window does not count, stop.
     net.default = Pipe(latency_s=rtt / 2, loss=0.2)
     transfer(net, client, server, handle, size)
     assert _path(client, handle).congestion_window_bytes < window / 2
+    assert not _path(client, handle).losing
 
 
 # -- real links in network namespaces ---------------------------------------------------------

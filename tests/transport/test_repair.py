@@ -5,6 +5,8 @@ where a lost datagram no longer costs its transfer a round trip."""
 from __future__ import annotations
 
 import random
+import struct
+from collections.abc import Callable
 
 import pytest
 from hypothesis import given, strategies as st
@@ -184,6 +186,39 @@ def test_hostile_repairs_rebuild_nothing_and_raise_nothing() -> None:
     assert rebuilt is not None and rebuilt != run[0]
 
 
+def test_only_a_datagram_of_the_repairs_own_connection_is_rebuilt() -> None:
+    rng = random.Random(13)
+    kept = _datagram(rng, 600)
+    for lost in (
+        bytes([REPAIR]) + b"C" * CID + rng.randbytes(500),  # a repair inside a repair
+        bytes([0x41]) + b"D" * CID + rng.randbytes(500),  # another connection's datagram
+    ):
+        # Built as a forger would: the encoder itself covers 1-RTT datagrams only.
+        (forged,) = RepairEncoder(group=16, cid_bytes=CID)._repair([kept, lost])
+        decoder, rebuilt = _decode([kept], [forged])
+        assert rebuilt is None and decoder.malformed == 1
+
+
+def test_the_decoder_keeps_what_the_peers_runs_need_and_no_more() -> None:
+    decoder = RepairDecoder(window=4, cid_bytes=CID, max_bytes=1452)
+    run = _run(14, [1452] * 40)
+    for data in run:
+        decoder.record(data)
+    encoder = RepairEncoder(group=40, cid_bytes=CID)
+    pieces = _repairs(encoder.interleave([(d, TO) for d in run], 1452, last=True))
+    assert decoder.receive(pieces[0]) is None and decoder.receive(pieces[1]) is None
+    assert decoder.useless == 1  # four kept: the run was lost to it
+    assert decoder.window == 160  # four of the peer's runs from now on
+    for data in run[1:]:
+        decoder.record(data)
+    again = _repairs(encoder.interleave([(d, TO) for d in run], 1452, last=True))
+    assert decoder.receive(again[0]) is None and decoder.receive(again[1]) == run[0]
+    # A repair for datagrams larger than the path carries is refused before any work.
+    big = _run(15, [4000])
+    halves = RepairEncoder(group=16, cid_bytes=CID)._repair(big)
+    assert decoder.receive(halves[0]) is None and decoder.malformed == 1
+
+
 @given(st.binary(max_size=3000))
 def test_any_bytes_as_a_repair_raise_nothing(junk: bytes) -> None:
     decoder = RepairDecoder(window=16, cid_bytes=CID)
@@ -313,3 +348,74 @@ def test_forged_repairs_cost_a_connection_nothing() -> None:
     # arrive: QUIC dropped the first (unauthentic) and the copies of the second.
     assert isinstance(server, _Forged)
     assert len(server.seen) > 100 and server.endpoint.datagrams_rebuilt > len(server.seen) / 2
+
+
+def _capture(net: MemoryNetwork, drop: Callable[[int, bytes], bool] | None = None) -> list[bytes]:
+    """What the client sends the server from now on (the datagrams ``drop`` picks are lost)."""
+    sent: list[bytes] = []
+
+    def take(index: int, data: bytes) -> bool:
+        sent.append(data)
+        return drop is not None and drop(index, data)
+
+    net.set_pipe(FAR_CLIENT, FAR_SERVER, Pipe(latency_s=RTT / 2, drop=take))
+    return sent
+
+
+def test_a_repair_nested_in_repairs_is_refused_at_once() -> None:
+    """A forged repair whose "lost datagram" is another repair, hundreds deep: refused at the
+    first level (a repair rebuilds only a 1-RTT datagram), with no recursion."""
+    net, client, server, handle = _connected()
+    sent = _capture(net)
+    _transfer(net, client, server, handle, seed=2)
+    cid = next(data for data in sent if data[0] & 0xC0 == 0x40)[1 : 1 + CID]
+    tail = b"XXXX"
+
+    def wrap(inner: bytes, serial: int) -> bytes:
+        header = struct.pack("!HBBHH", serial, 1, 1, len(inner), len(inner))
+        return bytes([REPAIR]) + cid + header + tail + inner
+
+    data = bytes([0x40]) + cid + bytes(20) + tail
+    for level in range(600):
+        data = wrap(data, level)
+    first = wrap(bytes([0x40]) + cid + b"y" * 30 + tail, 9999)  # the decoder starts here
+    server.endpoint.receive_datagram(first, FAR_CLIENT, net.now)
+    server.endpoint.receive_datagram(data, FAR_CLIENT, net.now)
+    assert server.endpoint.datagrams_rebuilt == 0
+    _transfer(net, client, server, handle, seed=3)  # and the connection serves on
+
+
+class _NotReading(Recorder):
+    def __init__(self, config: TransportConfig) -> None:
+        super().__init__(config, consume=False)
+
+
+def test_a_run_held_back_by_flow_control_gets_its_repair_at_once() -> None:
+    net, client, server, handle = _connected(server_type=_NotReading)
+    big = [0]
+
+    def drop_the_fifth(index: int, data: bytes) -> bool:
+        big[0] += len(data) >= 1000 and data[0] != REPAIR
+        return big[0] == 5 and len(data) >= 1000 and data[0] != REPAIR
+
+    sent = _capture(net, drop_the_fifth)
+    _transfer(net, client, server, handle, seed=4)  # a loss: the path is losing
+    del sent[:]
+    stream_id = client.endpoint.open_stream(handle)
+    window = client.endpoint.config.stream_window_bytes
+    client.endpoint.send_stream_data(handle, stream_id, bytes(window + 100_000), net.now)
+    assert not net.run_until(lambda: False, max_time_s=5)
+    # The server reads nothing: what its window let through went out, and every run of it got
+    # its repair then, though more data waits to be sent.
+    data = [d for d in sent if d[0] & 0xC0 == 0x40 and len(d) >= 1000]
+    covered = {
+        piece[at : at + 4]
+        for piece in sent
+        if piece[0] == REPAIR
+        for at in range(1 + CID + 8, 1 + CID + 8 + 4 * piece[1 + CID + 3], 4)
+    }
+    assert len(data) > 2000
+    assert [d for d in data if d[-4:] not in covered] == []
+    # What the peer's window holds back is not "more to come" for the run (it may wait forever).
+    quic = client.endpoint._live(handle).quic
+    assert quic.send_buffered() == 100_000 and not quic.sending()
