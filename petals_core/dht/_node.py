@@ -75,6 +75,9 @@ __all__ = ["DHTNode", "DHTStatistics", "open_dht_node"]
 
 logger = logging.getLogger(__name__)
 
+#: Handed the records under the key of each node's reply to a lookup as it arrives (unchecked).
+OnRecords = Callable[[Sequence[Record]], None]
+
 
 @attrs.frozen(kw_only=True)
 class DHTStatistics:
@@ -246,7 +249,7 @@ class DHTNode:
         key: str,
         *,
         latest: bool = False,
-        on_records: Callable[[Sequence[Record]], None] | None = None,
+        on_records: OnRecords | None = None,
     ) -> StoredValue | None:
         """What the network (and our own store) holds for ``key``, merged, or None.
 
@@ -279,7 +282,7 @@ class DHTNode:
         prefix: str,
         blocks: Iterable[int],
         *,
-        on_records: Callable[[Sequence[Record]], None] | None = None,
+        on_records: OnRecords | None = None,
     ) -> list[Record]:
         """The records held under ``f"{prefix}.{block}"`` for each of ``blocks``, looked up
         concurrently with ``get(latest=True)``; ``on_records`` as for :meth:`get`."""
@@ -354,7 +357,7 @@ class DHTNode:
         *,
         want_value: str | None,
         stop_after_values: int | None = None,
-        on_records: Callable[[Sequence[Record]], None] | None = None,
+        on_records: OnRecords | None = None,
     ) -> LookupResult:
         self._table.mark_bucket_used(target, self._clock())
         lookup = Lookup(
@@ -401,7 +404,7 @@ class DHTNode:
         lookup: Lookup,
         contact: Contact,
         reply: dict[str, Any] | None,
-        on_records: Callable[[Sequence[Record]], None] | None = None,
+        on_records: OnRecords | None = None,
     ) -> list[Any]:
         now = self._clock()
         if reply is None:

@@ -411,7 +411,7 @@ class Endpoint:
         for conn in ordered:
             sent = conn.quic.datagrams_to_send(now=now)
             if sent:
-                if self.config.repair_group and (conn.quic.losing or conn.repair_out):
+                if self.config.repair_group:
                     sent = self._with_repairs(conn, sent)
                 out.extend(sent)
             self._drain_quic_events(conn, now)
@@ -423,16 +423,14 @@ class Endpoint:
     def _with_repairs(
         self, conn: _Conn, sent: list[tuple[bytes, Address]]
     ) -> list[tuple[bytes, Address]]:
+        if not conn.quic.losing:
+            conn.repair_out = None  # and its run so far, if the path just stopped losing
+            return sent
         encoder = conn.repair_out
         if encoder is None:
             encoder = conn.repair_out = RepairEncoder(
                 group=self.config.repair_group, cid_bytes=_CID_BYTES
             )
-        elif not conn.quic.losing:
-            # The path stopped losing datagrams.
-            encoder.discard()
-            conn.repair_out = None
-            return sent
         before = encoder.sent
         sent = encoder.interleave(
             sent, limit=conn.quic.datagram_bytes, last=not conn.quic.sending()

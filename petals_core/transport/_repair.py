@@ -109,15 +109,6 @@ class RepairEncoder:
             out += self._close()
         return out
 
-    @property
-    def pending(self) -> int:
-        """Datagrams of the run so far, still without a repair."""
-        return len(self._run)
-
-    def discard(self) -> None:
-        """Forget the run so far (no repair for it)."""
-        self._run = []
-
     def _close(self) -> list[tuple[bytes, Any]]:
         run, self._run = self._run, []
         return [(piece, self._run_address) for piece in self._repair(run)]
@@ -224,26 +215,22 @@ class RepairDecoder:
         if len(heads) != 1:
             self.malformed += 1
             return None
-        return self._rebuild(piece, pieces, start, size, lengths, longest, body_at, count)
+        return self._rebuild([pieces[i] for i in range(count)], body_at, lengths, longest)
 
     def _rebuild(
-        self,
-        piece: bytes,
-        pieces: dict[int, bytes],
-        start: int,
-        size: int,
-        lengths: int,
-        longest: int,
-        body_at: int,
-        count: int,
+        self, pieces: list[bytes], body_at: int, lengths: int, longest: int
     ) -> bytes | None:
-        ids = [piece[at : at + ID_BYTES] for at in range(start + _FIELDS.size, body_at, ID_BYTES)]
+        """The datagram that the complete repair ``pieces`` (in order) rebuilds, if exactly one
+        of its run is missing."""
+        start = 1 + self.cid_bytes
+        head = pieces[0]
+        ids = [head[at : at + ID_BYTES] for at in range(start + _FIELDS.size, body_at, ID_BYTES)]
         present = [self._kept[i] for i in ids if i in self._kept]
         missing = [i for i in ids if i not in self._kept]
         if len(missing) != 1:
             self.useless += 1
             return None
-        parity = b"".join(pieces[index][body_at:] for index in range(count))
+        parity = b"".join(piece[body_at:] for piece in pieces)
         if any(len(data) > longest for data in present):
             self.malformed += 1
             return None
@@ -255,11 +242,10 @@ class RepairDecoder:
             self.malformed += 1
             return None
         rebuilt = value.to_bytes(length, "little")
-        cid = piece[1 : 1 + self.cid_bytes]
         if (
             rebuilt[-ID_BYTES:] != missing[0]
             or not _is_short_header(rebuilt)
-            or rebuilt[1 : 1 + self.cid_bytes] != cid
+            or rebuilt[1:start] != head[1:start]
         ):
             self.malformed += 1
             return None

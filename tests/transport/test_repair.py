@@ -108,10 +108,6 @@ def test_a_run_goes_on_across_calls_until_the_last_datagrams_for_now() -> None:
         received = run[:lost] + run[lost + 1 :]
         _, rebuilt = _decode(received, [out[i][0] for i in positions])
         assert rebuilt == run[lost]
-    # A discarded run gets no repair.
-    assert not _repairs(encoder.interleave([(run[0], TO)], limit=1452, last=False))
-    encoder.discard()
-    assert not _repairs(encoder.interleave([], limit=1452, last=True))
 
 
 def test_long_headers_and_path_probes_pass_unprotected() -> None:
