@@ -2,12 +2,15 @@
 
 A report passes :func:`~petals_core.client._reports.check_report` when the accused did give its
 answer to its question.  Whether that answer is wrong, no report can say on its own: the client
-asks the question again of a server other than the accused (of its dtype and quantisation).  If
-that server's answer agrees with the accused's, the report is about a correct answer and is
-refused.  If not, a third server decides: the report is upheld only if the third agrees with the
-second and not with the accused, so one lying server cannot frame an honest one by filing a
-report and confirming it.  Where too few servers hold the blocks, the report waits for the next
-round.  An upheld report bans the accused as a caught server is banned
+asks the question again of a server other than the accused, computing in the dtype and
+quantisation the accused signed.  If that server's answer agrees with the accused's, the report
+is about a correct answer and is refused.  If not, a third server decides: the report is upheld
+only if the third agrees with the second and not with the accused, so one lying server cannot
+frame an honest one by filing a report and confirming it.  The servers asked are drawn by a
+keyed hash of this client's (:meth:`ReportBook.checkers_rank`), never by what servers announce:
+servers that claim much throughput are not asked more, and listing reports about a server again
+draws the same ones.  Where too few servers hold the blocks, the report waits for the next round.
+An upheld report bans the accused as a caught server is banned
 (:meth:`RemoteSequenceManager.on_caught`).
 
 The watcher (:func:`watch_reports`, run with the manager's network part by :func:`run_manager`)
@@ -20,7 +23,7 @@ from __future__ import annotations
 import functools
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Final
 
 import attrs
@@ -28,7 +31,7 @@ import torch
 import trio
 
 from .._errors import PetalsError, ReportRefused, TransportError
-from ..dht import Listing, ServerInfo, fetch_listings
+from ..dht import Listing, ListingKey, ServerInfo, fetch_listings
 from ..protocol import BackwardRequest, FraudReport, OpenSession, Signature, Step
 from ..routing import MissingBlocksError, RouteSpan
 from ._checks import compare, hops_allowance, tolerance
@@ -55,6 +58,9 @@ logger = logging.getLogger(__name__)
 CHECKS_PER_ROUND: Final = 4
 #: Rounds a report may stay undecided (too few servers could recompute it) before it is refused.
 MAX_UNDECIDED: Final = 3
+#: How soon a round follows one that left new reports for it: a flood of listings is judged
+#: at most :data:`CHECKS_PER_ROUND` a second.
+_NEXT_ROUND_S: Final = 1.0
 
 
 @attrs.frozen
@@ -66,6 +72,18 @@ class _Answer:
     signature: Signature | None
     checkers: set[str]
     allowance: float = 0.0
+
+
+class _Undecided(Exception):
+    """Why a report cannot be decided now (too few servers, its evidence not found)."""
+
+
+def _too_few(report: FraudReport, like: ServerInfo) -> str:
+    start, end = report.blocks
+    return (
+        f"no server but the accused that holds blocks {start}:{end} in {like.torch_dtype} "
+        f"({like.quant_type} quantisation) could recompute it"
+    )
 
 
 def _off(
@@ -84,9 +102,11 @@ async def _ask(
     report: FraudReport,
     exclude: set[str],
     like: ServerInfo,
-) -> _Answer | None:
-    """The report's question answered by servers not in ``exclude`` (of the accused's dtype and
-    quantisation), and who answered; None where none can now."""
+    rank: Callable[[str], bytes],
+) -> _Answer:
+    """The report's question answered by servers not in ``exclude`` (of the dtype and
+    quantisation the accused signed; the first in ``rank`` that hold the blocks), and who
+    answered; :class:`_Undecided` where none can now."""
     start, end = report.blocks
     # The evidence travels as it is: compressing it again would change the question.
     sub = RemoteSequenceManager(
@@ -98,7 +118,7 @@ async def _ask(
     span = RouteSpan(start=start, end=end, peer_id=report.accused)
     try:
         if report.kind == "step":
-            return await _replay_session(sub, span, report, exclude, like)
+            return await _replay_session(sub, span, report, exclude, like, rank)
         if report.kind == "forward":
             output, _, evidence = await _recompute(
                 sub,
@@ -108,6 +128,7 @@ async def _ask(
                 False,
                 exclude,
                 like,
+                rank=rank,
             )
             signatures = [answer.signature for answer in evidence]
             return _Answer(
@@ -123,12 +144,13 @@ async def _ask(
             grad_outputs=report.asked["grad_outputs"],
             prompts=report.asked.get("prompts"),
         )
-        found = await _backward_elsewhere(sub, span, request, exclude, like)
-    except (MissingBlocksError, *RETRIABLE) as exc:
-        logger.info("could not judge a report against %s now: %r", report.accused, exc)
-        return None
+        found = await _backward_elsewhere(sub, span, request, exclude, like, rank=rank)
+    except MissingBlocksError:
+        raise _Undecided(_too_few(report, like)) from None
+    except RETRIABLE as exc:
+        raise _Undecided(f"a server recomputing it failed: {exc!r}") from None
     if found is None:
-        return None
+        raise _Undecided(_too_few(report, like))
     reply, answer = found
     tensors = {name: t for name, t in reply.tensors().items() if t is not None}
     return _Answer(tensors, answer.signature, {answer.accused})
@@ -140,21 +162,17 @@ async def _replay_session(
     report: FraudReport,
     exclude: set[str],
     like: ServerInfo,
-) -> _Answer | None:
+    rank: Callable[[str], bytes],
+) -> _Answer:
     """A step report's session replayed step by step on one other server holding all its
-    blocks (opened with the same padding): its answer to the last step; None where there is no
-    such server."""
+    blocks (opened with the same padding; each step given ``request_timeout_s``): its answer to
+    the last step; :class:`_Undecided` where there is no such server."""
     try:
         route = await other_route(
-            manager,
-            span,
-            exclude,
-            like,
-            wait=False,
-            whole_only=True,
+            manager, span, exclude, like, wait=False, whole_only=True, rank=rank
         )
     except MissingBlocksError:
-        return None
+        raise _Undecided(_too_few(report, like)) from None
     state = SpanState(route[0])
     call = SpanCall(state, [])
     steps = [*((step.position, step.asked) for step in report.steps)]
@@ -184,10 +202,12 @@ async def _replay_session(
         ]
     except (ValueError, PetalsError) as exc:
         raise ReportRefused(f"malformed: a step cannot be sent again: {exc}") from None
+    timeout = manager.config.request_timeout_s
     try:
-        with trio.fail_after(manager.config.request_timeout_s):
+        with trio.fail_after(timeout):
             await call.open(manager, opening)
-            for step in messages:
+        for step in messages:
+            with trio.fail_after(timeout):
                 await call.send(step, manager.config.compression)
                 result = await call.result(manager)
     finally:
@@ -196,21 +216,27 @@ async def _replay_session(
     return _Answer({"hidden_states": result.hidden_states}, result.receipt, {state.peer})
 
 
-async def judge(manager: RemoteSequenceManager, report: FraudReport) -> str | None:
-    """Whether ``report``'s answer is wrong, asking other servers (see the module): the reason
-    to uphold it, :class:`ReportRefused` if it is about a correct answer, None if too few servers
-    can tell now."""
+async def judge(
+    manager: RemoteSequenceManager,
+    report: FraudReport,
+    rank: Callable[[str], bytes] | None = None,
+) -> str:
+    """Whether ``report``'s answer is wrong, asking other servers (see the module; ``rank``:
+    the order in which to draw them, default :meth:`ReportBook.checkers_rank`): the reason to
+    uphold it; :class:`ReportRefused` if it is about a correct answer; :class:`_Undecided` if
+    too few servers can tell now."""
     start, end = report.blocks
     if end > manager.num_blocks:
         raise ReportRefused(f"the report names blocks {start}:{end} of a {manager.num_blocks}")
-    # Read once: checkers are of the accused's dtype and quantisation as it announced them now.
-    like = manager.server_info(report.accused)
-    if like is None:
-        return None  # gone meanwhile: judged if it comes back
+    announced = manager.server_info(report.accused)
+    if announced is None:
+        raise _Undecided(f"{report.accused} is not in the peer table")
+    # Checkers compute in the dtype and quantisation the accused signed, whatever it runs now.
+    signed = report.signature
+    like = attrs.evolve(announced, torch_dtype=signed.torch_dtype, quant_type=signed.quant_type)
+    rank = book_of(manager).checkers_rank(report.accused) if rank is None else rank
     bound = tolerance(like)
-    second = await _ask(manager, report, {report.accused}, like)
-    if second is None:
-        return None
+    second = await _ask(manager, report, {report.accused}, like, rank)
     checkers = second.checkers
     off = _off(report.answered, report.signature, second.tensors, second.signature)
     if off <= bound + second.allowance:
@@ -218,9 +244,7 @@ async def judge(manager: RemoteSequenceManager, report: FraudReport) -> str | No
             f"about a correct answer: {', '.join(sorted(checkers))} computed the same "
             f"(relative difference {off:.3g}, bound {bound + second.allowance:.3g})"
         )
-    third = await _ask(manager, report, {report.accused} | checkers, like)
-    if third is None:
-        return None
+    third = await _ask(manager, report, {report.accused} | checkers, like, rank)
     both = bound + second.allowance + third.allowance
     if _off(third.tensors, third.signature, report.answered, report.signature) <= both:
         raise ReportRefused(
@@ -228,7 +252,7 @@ async def judge(manager: RemoteSequenceManager, report: FraudReport) -> str | No
             f"{', '.join(sorted(checkers))} did not"
         )
     if _off(third.tensors, third.signature, second.tensors, second.signature) > both:
-        return None  # three different answers: nothing decides
+        raise _Undecided("three servers computed three different answers")
     return (
         f"blocks {start}:{end} off by {off:.3g} (bound {bound:.3g}) against "
         f"{', '.join(sorted(checkers | third.checkers))}"
@@ -238,24 +262,29 @@ async def judge(manager: RemoteSequenceManager, report: FraudReport) -> str | No
 async def judge_listed(manager: RemoteSequenceManager) -> int:
     """One round: read the model's reports and try up to :data:`CHECKS_PER_ROUND` new ones
     about servers in the peer table; how many were decided (``ReportBook.more``: whether others
-    wait for the next round).  Those about servers not in the table are left for later
-    (``ReportBook.waiting``); one no server could decide is tried again in later rounds, and
-    refused after :data:`MAX_UNDECIDED`."""
+    wait for the next round).  Each listing is judged by its :attr:`~Listing.key`, so a listing
+    that names a report wrongly is refused on its own, never in the right one's place.  Those
+    about servers not in the table are left for later (``ReportBook.waiting``); one no server
+    could decide is tried again in later rounds, and refused after :data:`MAX_UNDECIDED`.  A
+    verdict lasts as long as its report counts (from the time the accused signed), a refusal
+    :data:`REPORT_TTL_S` from now: nothing a listing says makes either shorter or longer."""
     dht, prefix = manager.state.dht, manager.config.dht_prefix
     assert dht is not None and prefix is not None
     book = book_of(manager)
     now = time.time()
     book.forget_expired(now)
-    by_digest: dict[bytes, list[Listing]] = {}
+    by_key: dict[ListingKey, list[Listing]] = {}
     for listing in await fetch_listings(dht, prefix):
-        by_digest.setdefault(listing.digest, []).append(listing)
+        by_key.setdefault(listing.key, []).append(listing)
+    # A report no longer listed before it was decided is forgotten with its tries.
+    book.undecided = {key: tries for key, tries in book.undecided.items() if key in by_key}
     tried = decided = 0
     book.waiting, book.more = set(), False
-    for digest, listings in by_digest.items():
+    for key, listings in by_key.items():
         reporters = frozenset(listing.reporter for listing in listings)
-        known = book.verdicts.get(digest)
+        known = book.verdicts.get(key)
         if known is not None:
-            book.verdicts[digest] = attrs.evolve(known, reporters=known.reporters | reporters)
+            book.verdicts[key] = attrs.evolve(known, reporters=known.reporters | reporters)
             continue
         accused = listings[0].accused
         if manager.server_info(accused) is None:
@@ -267,32 +296,31 @@ async def judge_listed(manager: RemoteSequenceManager) -> int:
             book.more = True
             continue
         tried += 1
-        expires = listings[0].issued + REPORT_TTL_S
-        verdict = await _try(manager, prefix, listings[0], reporters, expires)
-        if verdict is None:
-            tries = book.undecided[digest] = book.undecided.get(digest, 0) + 1
+        outcome = await _try(manager, prefix, listings[0], reporters, now)
+        if isinstance(outcome, _Undecided):
+            tries = book.undecided[key] = book.undecided.get(key, 0) + 1
             if tries < MAX_UNDECIDED:
                 continue
-            verdict = Verdict(
+            outcome = Verdict(
                 accused=accused,
                 reporters=reporters,
                 upheld=False,
-                reason=f"undecided in {tries} rounds: too few servers could recompute it",
-                expires=expires,
+                reason=f"undecided in {tries} rounds: {outcome}",
+                expires=now + REPORT_TTL_S,
             )
-        book.verdicts[digest] = verdict
-        book.undecided.pop(digest, None)
+        book.verdicts[key] = outcome
+        book.undecided.pop(key, None)
         decided += 1
-        if verdict.upheld:
+        if outcome.upheld:
             manager.on_caught(
-                accused, f"reported by {', '.join(sorted(reporters))}: {verdict.reason}"
+                accused, f"reported by {', '.join(sorted(reporters))}: {outcome.reason}"
             )
         else:
             logger.info(
                 "refused a report against %s by %s: %s",
                 accused,
                 ", ".join(sorted(reporters)),
-                verdict.reason,
+                outcome.reason,
             )
     return decided
 
@@ -302,14 +330,14 @@ async def _try(
     prefix: str,
     listing: Listing,
     reporters: frozenset[str],
-    expires: float,
-) -> Verdict | None:
-    """The verdict on ``listing``'s report, or None where it cannot be decided now (its evidence
-    not found, too few servers, the DHT failing)."""
+    now: float,
+) -> Verdict | _Undecided:
+    """The verdict on ``listing``'s report, or why it cannot be decided now (its evidence not
+    found, too few servers, the DHT failing)."""
     dht = manager.state.dht
     assert dht is not None
 
-    def verdict(upheld: bool, reason: str) -> Verdict:
+    def verdict(upheld: bool, reason: str, expires: float = now + REPORT_TTL_S) -> Verdict:
         return Verdict(
             accused=listing.accused,
             reporters=reporters,
@@ -321,19 +349,24 @@ async def _try(
     try:
         report = await fetch_report(dht, prefix, listing)
         if report is None:
-            return None
-        check_report(report, model=prefix, now=time.time())
+            return _Undecided("its evidence is not (all) in the DHT")
+        # Checking a session's chain hashes every step: off the event loop.
+        await trio.to_thread.run_sync(
+            functools.partial(check_report, report, model=prefix, now=now)
+        )
         reason = await judge(manager, report)
     except ReportRefused as exc:
         return verdict(False, str(exc))
+    except _Undecided as exc:
+        return exc
     except PetalsError as exc:
         logger.info("could not judge a report against %s now: %r", listing.accused, exc)
-        return None
+        return _Undecided(f"judging it failed: {exc}")
     except Exception as exc:
         # Whatever else a report makes go wrong, it is the report's fault: never the client's.
         logger.warning("a report against %s could not be judged", listing.accused, exc_info=True)
         return verdict(False, f"malformed: {type(exc).__name__}: {exc}")
-    return None if reason is None else verdict(True, reason)
+    return verdict(True, reason, expires=report.signature.issued + REPORT_TTL_S)
 
 
 async def _publish_outbox(manager: RemoteSequenceManager, book: ReportBook) -> None:
@@ -364,6 +397,7 @@ async def watch_reports(manager: RemoteSequenceManager) -> None:
         except PetalsError as exc:
             logger.info("reading fraud reports failed: %r", exc)
         if book.more:
+            await trio.sleep(min(_NEXT_ROUND_S, manager.config.reports_period_s))
             continue
         with trio.move_on_after(manager.config.reports_period_s):
             await _next_reason(manager, book)

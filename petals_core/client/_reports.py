@@ -16,7 +16,10 @@ missing, altered, malformed, forged, about another model, expired or dated in th
 
 from __future__ import annotations
 
+import hashlib
 import math
+import secrets
+from collections.abc import Callable
 from typing import Final
 
 import attrs
@@ -28,11 +31,12 @@ from ..dht import (
     MAX_LISTED,
     DHTNode,
     Listing,
+    ListingKey,
     fetch_evidence,
     store_evidence,
     store_listings,
 )
-from ..protocol import FraudReport
+from ..protocol import FraudReport, Receipt
 from ..transport import CodecLimits, PeerID, decode_message_untrusted, encode_message
 from ._checks import CLOCK_SKEW_S
 from ._sequence_manager import RemoteSequenceManager
@@ -103,7 +107,7 @@ def check_report(report: FraudReport, *, model: str, now: float) -> None:
             f"forged: {report.accused}'s signature does not cover this question and answer"
         )
     if report.kind == "step":
-        _check_steps(report)
+        _check_steps(report, receipt)
     age = now - report.signature.issued
     if age < -CLOCK_SKEW_S:
         raise ReportRefused(f"the answer is dated {-age:.0f} s in the future")
@@ -114,8 +118,9 @@ def check_report(report: FraudReport, *, model: str, now: float) -> None:
         )
 
 
-def _check_steps(report: FraudReport) -> None:
-    """A step report's steps make one session on the accused's server, each signed by it."""
+def _check_steps(report: FraudReport, receipt: Receipt) -> None:
+    """A step report's steps make one session on the accused's server, each signed by it
+    (``receipt``: the report's own)."""
     assert report.position is not None
     batch = report.asked["hidden_states"].shape[0]
     cache = 0  # positions the server's cache holds before each step
@@ -130,13 +135,14 @@ def _check_steps(report: FraudReport) -> None:
                 "before it in one session"
             )
         cache = position
-    for receipt, signature in report.step_receipts():
-        if signature.signer != report.signature.signer or not receipt.verify(signature):
+    steps = report.step_receipts()
+    for step, signature in steps:
+        if signature.signer != report.signature.signer or not step.verify(signature):
             raise ReportRefused(
                 f"forged: {report.accused}'s signature does not cover the step to position "
-                f"{receipt.step} of the session"
+                f"{step.step} of the session"
             )
-    if not report.chained():
+    if not report.chained([*(step for step, _ in steps), receipt]):
         raise ReportRefused(
             "forged: the steps are not the session's whole chain of receipts (one is missing, "
             "added or out of order)"
@@ -159,18 +165,21 @@ class Verdict:
 @attrs.define(eq=False)
 class ReportBook:
     """A client's reports: those to publish, those it published, and its verdicts on everyone's
-    (by the digest of the evidence)."""
+    (by :attr:`Listing.key`: the evidence and whom it is listed against)."""
 
     outbox: list[FraudReport] = attrs.field(factory=list)
     #: Servers that listed reports accuse but the peer table does not show (yet): judged when
     #: they appear.
     waiting: set[str] = attrs.field(factory=set)
-    #: Per report, the rounds that could not decide it (too few servers answered).
-    undecided: dict[bytes, int] = attrs.field(factory=dict)
+    #: Per listed report, the rounds that could not decide it (too few servers answered).
+    undecided: dict[ListingKey, int] = attrs.field(factory=dict)
     #: Whether the last round left new reports for the next one.
     more: bool = False
     published: dict[bytes, Listing] = attrs.field(factory=dict)
-    verdicts: dict[bytes, Verdict] = attrs.field(factory=dict)
+    verdicts: dict[ListingKey, Verdict] = attrs.field(factory=dict)
+    #: This client's key for drawing the servers that recompute reported answers
+    #: (:meth:`checkers_rank`): nobody else can tell which servers it will ask.
+    _secret: bytes = attrs.field(factory=lambda: secrets.token_bytes(16))
     #: Set when there is something to publish.
     wake: trio.Event = attrs.field(factory=trio.Event)
     #: Whether the manager runs the book's watcher, and publishes what is left when it stops.
@@ -194,9 +203,15 @@ class ReportBook:
 
     def forget_expired(self, now: float) -> None:
         """Drop the verdicts on reports that no longer count."""
-        for digest in [d for d, verdict in self.verdicts.items() if verdict.expires <= now]:
-            del self.verdicts[digest]
-            self.undecided.pop(digest, None)
+        for key in [k for k, verdict in self.verdicts.items() if verdict.expires <= now]:
+            del self.verdicts[key]
+
+    def checkers_rank(self, accused: str) -> Callable[[str], bytes]:
+        """The order in which this client asks servers to recompute answers of ``accused``'s
+        (see ``RemoteSequenceManager.make_sequence``): a keyed hash, the same for every report
+        about that server, so that listing reports again draws no other servers."""
+        prefix = accused.encode() + b"\0"
+        return lambda peer: hashlib.blake2b(prefix + peer.encode(), key=self._secret).digest()
 
 
 def book_of(manager: RemoteSequenceManager) -> ReportBook:
@@ -221,15 +236,17 @@ async def publish(
         raise ReportRefused("expired: the answer is older than reports last")
     digest = await store_evidence(dht, prefix, data, expiration)
     reporter = str(dht.peer_id)
-    book.verdicts[digest] = Verdict(
+    listing = Listing(
+        reporter=reporter, accused=report.accused, digest=digest, size=len(data), issued=issued
+    )
+    book.verdicts[listing.key] = Verdict(
         accused=report.accused,
         reporters=frozenset({reporter}),
         upheld=True,
         reason="caught by this client",
+        expires=issued + REPORT_TTL_S,
     )
-    book.published[digest] = Listing(
-        reporter=reporter, accused=report.accused, digest=digest, size=len(data), issued=issued
-    )
+    book.published[digest] = listing
     live = sorted(
         (listing for listing in book.published.values() if listing.issued + REPORT_TTL_S > now),
         key=lambda listing: listing.issued,
@@ -248,7 +265,7 @@ async def fetch_report(dht: DHTNode, prefix: str, listing: Listing) -> FraudRepo
     data = await fetch_evidence(dht, prefix, listing)
     if data is None:
         return None
-    report = decode_report(data)
+    report = await trio.to_thread.run_sync(decode_report, data)
     if report.accused != listing.accused:
         raise ReportRefused(
             f"the evidence is about {report.accused}, but listed against {listing.accused}"

@@ -4,6 +4,8 @@ session on one of them that follows the span's session step by step (:class:`Fol
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from typing import Literal
 
 import attrs
@@ -26,26 +28,28 @@ async def other_route(
     *,
     wait: bool,
     whole_only: bool = False,
+    rank: Callable[[str], bytes] | None = None,
 ) -> list[RouteSpan]:
     """A route over ``span``'s blocks through servers not in ``exclude`` (of ``like``'s dtype and
     quantisation): one server holding them all if there is one, which leaves the others free to
-    decide a disagreement, else (unless ``whole_only``) a chain of several."""
+    decide a disagreement, else (unless ``whole_only``) a chain of several.  The servers are
+    drawn impartially (``rank``: see :meth:`RemoteSequenceManager.make_sequence`): a checker
+    chosen by the throughput servers announce could be any server that claims enough."""
+    route = functools.partial(
+        manager.make_sequence,
+        span.start,
+        span.end,
+        mode="impartial",
+        exclude=exclude,
+        like=like,
+        rank=rank,
+    )
     if whole_only:
-        return await manager.make_sequence(
-            span.start,
-            span.end,
-            mode="max_throughput",
-            exclude=exclude,
-            like=like,
-            wait=wait,
-            whole=True,
-        )
+        return await route(wait=wait, whole=True)
     try:
-        return await other_route(manager, span, exclude, like, wait=False, whole_only=True)
+        return await route(wait=False, whole=True)
     except MissingBlocksError:
-        return await manager.make_sequence(
-            span.start, span.end, mode="max_throughput", exclude=exclude, like=like, wait=wait
-        )
+        return await route(wait=wait)
 
 
 @attrs.frozen

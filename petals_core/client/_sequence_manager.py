@@ -38,6 +38,7 @@ from ..dht import DHTNode, PeerTableSnapshot, ServerInfo, ServerState, Topic, op
 from ..routing import (
     MissingBlocksError,
     RouteSpan,
+    make_route_impartial,
     make_route_max_throughput,
     make_route_min_latency,
     usable_servers,
@@ -360,12 +361,13 @@ class RemoteSequenceManager:
         start: int | None = None,
         end: int | None = None,
         *,
-        mode: Literal["min_latency", "max_throughput"] = "min_latency",
+        mode: Literal["min_latency", "max_throughput", "impartial"] = "min_latency",
         cache_tokens_needed: int = 0,
         exclude: Collection[str] = (),
         like: ServerInfo | None = None,
         wait: bool = True,
         whole: bool = False,
+        rank: Callable[[str], bytes] | None = None,
     ) -> list[RouteSpan]:
         """A route over ``[start, end)`` (default: this manager's blocks).
 
@@ -373,7 +375,9 @@ class RemoteSequenceManager:
         table holds servers for every block; then raises :class:`MissingBlocksError` naming the
         blocks nobody serves and the servers seen.  ``exclude``: servers not to use; ``like``:
         only servers of its dtype and quantisation; ``whole``: only servers holding every block
-        of the range (a route of one span).
+        of the range (a route of one span).  ``mode="impartial"`` (for checking answers): each
+        block's server first in ``rank`` (default: a fresh random draw), whatever servers
+        announce (:func:`~petals_core.routing.make_route_impartial`).
         """
         start = self.block_indices.start if start is None else start
         end = self.block_indices.stop if end is None else end
@@ -397,6 +401,14 @@ class RemoteSequenceManager:
                     end,
                     client_pings=self.state.pings,
                     cache_tokens_needed=cache_tokens_needed,
+                )
+            if mode == "impartial":
+                drawn: dict[str, bytes] = {}
+                return make_route_impartial(
+                    servers,
+                    start,
+                    end,
+                    rank=rank or (lambda peer: drawn.setdefault(peer, self._rng.randbytes(8))),
                 )
             return make_route_max_throughput(servers, start, end, rng=self._rng)
 

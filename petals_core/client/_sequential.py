@@ -263,11 +263,13 @@ async def _recompute(
     like: ServerInfo | None,
     *,
     wait: bool = False,
+    rank: Callable[[str], bytes] | None = None,
 ) -> tuple[torch.Tensor, Saved, list[FraudReport]]:
     """``span``'s blocks on ``hidden`` through other servers (not ``exclude``; of ``like``'s
-    dtype and quantisation), unchecked, and the evidence of each one's answer; waiting for such
-    servers (up to the manager's ``missing_blocks_timeout_s``) only if ``wait``."""
-    route = await other_route(manager, span, exclude, like, wait=wait)
+    dtype and quantisation; drawn as :func:`other_route` draws them), unchecked, and the
+    evidence of each one's answer; waiting for such servers (up to the manager's
+    ``missing_blocks_timeout_s``) only if ``wait``."""
+    route = await other_route(manager, span, exclude, like, wait=wait, rank=rank)
     saved: Saved = []
     evidence: list[FraudReport] = []
     x = hidden
@@ -457,12 +459,16 @@ async def _backward_elsewhere(
     like: ServerInfo | None,
     *,
     wait: bool = False,
+    rank: Callable[[str], bytes] | None = None,
 ) -> tuple[BackwardReply, FraudReport] | None:
     """``request`` answered by one other server holding all of ``span``'s blocks (not
-    ``exclude``; of ``like``'s dtype and quantisation), recomputing its forward, and the evidence
-    of its answer; None if there is none or it fails."""
+    ``exclude``; of ``like``'s dtype and quantisation; drawn as :func:`other_route` draws them),
+    recomputing its forward, and the evidence of its answer; None if there is none or it
+    fails."""
     try:
-        route = await other_route(manager, span, exclude, like, wait=wait, whole_only=True)
+        route = await other_route(
+            manager, span, exclude, like, wait=wait, whole_only=True, rank=rank
+        )
     except MissingBlocksError:
         return None
     try:

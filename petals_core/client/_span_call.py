@@ -151,6 +151,8 @@ class SpanCall:
             step=result.position,
             previous=signature.previous,
             compression=signature.compression,
+            torch_dtype=signature.torch_dtype,
+            quant_type=signature.quant_type,
             issued=signature.issued,
             asked=signature.asked,
             answered=digest_tensors({"hidden_states": result.hidden_states}),

@@ -4,6 +4,7 @@ from ._fraud import (
     MAX_EVIDENCE_BYTES as MAX_EVIDENCE_BYTES,
     MAX_LISTED as MAX_LISTED,
     Listing as Listing,
+    ListingKey as ListingKey,
     fetch_evidence as fetch_evidence,
     fetch_listings as fetch_listings,
     index_key as index_key,

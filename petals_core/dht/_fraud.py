@@ -32,6 +32,7 @@ __all__ = [
     "MAX_EVIDENCE_BYTES",
     "MAX_LISTED",
     "Listing",
+    "ListingKey",
     "fetch_evidence",
     "fetch_listings",
     "index_key",
@@ -66,6 +67,10 @@ def chunk_key(prefix: str, digest: bytes, index: int) -> str:
     return f"{prefix}.fraud.{digest.hex()}.{index}"
 
 
+ListingKey = tuple[bytes, str, int]
+"""A listed report as readers judge it (:attr:`Listing.key`): digest, accused, size."""
+
+
 @attrs.frozen(kw_only=True)
 class Listing:
     """One report as its reporter lists it."""
@@ -75,6 +80,13 @@ class Listing:
     digest: bytes
     size: int
     issued: int
+
+    @property
+    def key(self) -> ListingKey:
+        """What a reader judges a listing by: the evidence (digest and size) and whom it is
+        listed against.  Listings of one report by several reporters share it; a listing that
+        names the evidence wrongly has a key of its own, so it cannot stand for the right one."""
+        return self.digest, self.accused, self.size
 
     def to_wire(self) -> dict[str, Any]:
         return {

@@ -40,6 +40,7 @@ from .._groups import open_block_nursery
 from .._validators import positive
 from ..dht import (
     DHTNode,
+    ListingKey,
     ModelInfo,
     PeerTableSnapshot,
     Topic,
@@ -262,7 +263,7 @@ class SwarmMonitor:
                     continue
                 judged = self._verdicts().get(prefix, {})
                 peers = topic.snapshot().peer_ids
-                if any(x.digest not in judged and x.accused in peers for x in listings):
+                if any(x.key not in judged and x.accused in peers for x in listings):
                     await self._judge(prefix, topic)
         finally:
             self._judging = False
@@ -289,12 +290,14 @@ class SwarmMonitor:
         except PetalsError as exc:
             logger.info("judging the reports of %s failed: %r", prefix, exc)
 
-    def _verdicts(self) -> dict[str, dict[bytes, Verdict]]:
-        """Per model judged so far, the verdicts by the digest of their evidence."""
-        verdicts: dict[str, dict[bytes, Verdict]] = {}
+    def _verdicts(self) -> dict[str, dict[ListingKey, Verdict]]:
+        """Per model, the verdicts on reports that still count, by their listings' keys."""
+        verdicts: dict[str, dict[ListingKey, Verdict]] = {}
+        now = self._clock()
         for prefix, judge in self._judges.items():
             book = judge.state.reports
             if book is not None:
+                book.forget_expired(now)
                 verdicts[prefix] = book.verdicts
         return verdicts
 

@@ -3,13 +3,14 @@
 Every answer of a forward, a backward and an inference step carries a signature by the server's
 identity key (the Ed25519 key its PeerID names) over a :class:`Receipt`: the kind of answer, the
 model (its DHT prefix), the blocks and adapter, the session, its left padding and the step where
-there is one, the time it was issued (Unix seconds, on the server's clock), and sha2-256 digests of
-the tensors asked and answered (:func:`digest_tensors`). On the wire a reply carries only the
-signer's public key, the time and the signature (:class:`Signature`): the client knows the rest,
-since it asked and it received, so it rebuilds the receipt and checks the signature
+there is one, the dtype and quantisation the server computed in, the time it was issued (Unix
+seconds, on the server's clock), and sha2-256 digests of the tensors asked and answered
+(:func:`digest_tensors`). On the wire a reply carries only the signer's public key, the time, the
+dtype and quantisation and the signature (:class:`Signature`): the client knows the rest, since
+it asked and it received, so it rebuilds the receipt and checks the signature
 (:meth:`Receipt.verify`) and that the key is the server's (its PeerID names it). A receipt that
-checks is evidence anyone can verify that this server gave this answer to this question: a fraud
-report is one, with its tensors.
+checks is evidence anyone can verify that this server gave this answer to this question, computed
+in that dtype: a fraud report is one, with its tensors.
 
 Digests are over the tensors as the receiver decodes them: a sender that compresses (lossy schemes)
 digests its tensors after the same round trip (``petals_core.transport.as_received``), so both
@@ -49,8 +50,10 @@ COMPRESSIONS: Final = ("float16", "blockwise8")
 FIRST_STEP: Final = bytes(32)
 _KEY_BYTES: Final = 32
 _SIGNATURE_BYTES: Final = 64
+#: The longest dtype or quantisation name a receipt carries.
+_MAX_NAME: Final = 32
 #: What the signed bytes begin with: a signature over a receipt means nothing else.
-_DOMAIN: Final = "petals_core receipt v1"
+_DOMAIN: Final = "petals_core receipt v2"
 
 ReceiptKind = Literal["forward", "backward", "step"]
 KINDS: Final = ("forward", "backward", "step")
@@ -92,12 +95,18 @@ class Signature:
     #: How the answer travelled (the server's compression: None, ``"float16"``,
     #: ``"blockwise8"``): what a comparison of answers must allow for.
     compression: str | None = None
+    #: What the server computed in (as it announces them, e.g. ``"bfloat16"`` and ``"none"``):
+    #: what a check of the answer, even long after, compares it with.
+    torch_dtype: str
+    quant_type: str
 
     def to_wire(self) -> dict[str, Any]:
         wire: dict[str, Any] = {
             "signer": self.signer,
             "signature": self.signature,
             "issued": self.issued,
+            "torch_dtype": self.torch_dtype,
+            "quant_type": self.quant_type,
         }
         if self.asked is not None:
             wire["asked"] = self.asked
@@ -129,6 +138,11 @@ class Signature:
         compression = value.get("compression")
         if compression is not None and compression not in COMPRESSIONS:
             raise CodecError(f"a receipt's compression is one of {COMPRESSIONS}")
+        torch_dtype, quant_type = value.get("torch_dtype"), value.get("quant_type")
+        if not _is_name(torch_dtype) or not _is_name(quant_type):
+            raise CodecError(
+                f"a receipt names its dtype and quantisation, each in 1 to {_MAX_NAME} characters"
+            )
         return cls(
             signer=signer,
             signature=signature,
@@ -136,6 +150,8 @@ class Signature:
             asked=asked,
             previous=previous,
             compression=compression,
+            torch_dtype=torch_dtype,
+            quant_type=quant_type,
         )
 
 
@@ -149,6 +165,10 @@ def as_signature(value: object) -> Signature | None:
 
 def _is_time(value: object) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**63
+
+
+def _is_name(value: object) -> TypeGuard[str]:
+    return isinstance(value, str) and 0 < len(value) <= _MAX_NAME and value.isprintable()
 
 
 def _check_digest(name: str, value: bytes) -> None:
@@ -172,6 +192,9 @@ class Receipt:
     previous: bytes | None = None
     #: How the answer travelled (see :class:`Signature`).
     compression: str | None = None
+    #: What the server computed in (see :class:`Signature`).
+    torch_dtype: str
+    quant_type: str
     issued: int
     asked: bytes
     answered: bytes
@@ -187,6 +210,10 @@ class Receipt:
             _check_digest("previous", self.previous)
         if self.compression is not None and self.compression not in COMPRESSIONS:
             raise ValueError(f"a receipt's compression is one of {COMPRESSIONS}")
+        if not _is_name(self.torch_dtype) or not _is_name(self.quant_type):
+            raise ValueError(
+                f"a receipt names its dtype and quantisation, each in 1 to {_MAX_NAME} characters"
+            )
 
     def signed_bytes(self) -> bytes:
         return cbor2.dumps(
@@ -201,6 +228,8 @@ class Receipt:
                 self.step,
                 self.previous,
                 self.compression,
+                self.torch_dtype,
+                self.quant_type,
                 self.issued,
                 self.asked,
                 self.answered,
@@ -217,6 +246,8 @@ class Receipt:
             asked=self.asked if with_asked else None,
             previous=self.previous,
             compression=self.compression,
+            torch_dtype=self.torch_dtype,
+            quant_type=self.quant_type,
         )
 
     def digest(self) -> bytes:

@@ -19,7 +19,7 @@ can be left out or put in another order without breaking it.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, Final
 
 import attrs
@@ -200,11 +200,14 @@ class FraudReport:
             for step in self.steps
         ]
 
-    def chained(self) -> bool:
-        """Whether a step report's receipts make one unbroken chain from its session's first
-        step to the reported one (each names the digest of the one before it)."""
+    def chained(self, receipts: Sequence[Receipt] | None = None) -> bool:
+        """Whether a step report's receipts (``receipts``, if the caller has them: its steps'
+        and its own, in order) make one unbroken chain from its session's first step to the
+        reported one (each names the digest of the one before it)."""
+        if receipts is None:
+            receipts = [*(receipt for receipt, _ in self.step_receipts()), self.receipt]
         expected = FIRST_STEP
-        for receipt, _ in [*self.step_receipts(), (self.receipt, self.signature)]:
+        for receipt in receipts:
             if receipt.previous != expected:
                 return False
             expected = receipt.digest()
@@ -227,6 +230,8 @@ class FraudReport:
             step=position,
             previous=signature.previous,
             compression=signature.compression,
+            torch_dtype=signature.torch_dtype,
+            quant_type=signature.quant_type,
             issued=signature.issued,
             asked=digest_tensors(asked),
             answered=answered,

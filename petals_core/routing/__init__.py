@@ -16,6 +16,7 @@ from ._planning import (
     MissingBlocksError as MissingBlocksError,
     RouteSpan as RouteSpan,
     make_route_greedy as make_route_greedy,
+    make_route_impartial as make_route_impartial,
     make_route_max_throughput as make_route_max_throughput,
     make_route_min_latency as make_route_min_latency,
     route_cost as route_cost,

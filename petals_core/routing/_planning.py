@@ -56,7 +56,7 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from itertools import repeat
 
 import attrs
@@ -69,6 +69,7 @@ __all__ = [
     "MissingBlocksError",
     "RouteSpan",
     "make_route_greedy",
+    "make_route_impartial",
     "make_route_max_throughput",
     "make_route_min_latency",
     "route_cost",
@@ -581,36 +582,36 @@ def make_route_max_throughput(
     the last is picked once in 1501.  Raises :class:`MissingBlocksError` if no online server
     holds some block.
     """
-    _check_range(start, end)
-    candidates = _candidates(servers, start, end)
-    route: list[RouteSpan] = []
-    block = start
-    while block < end:
-        holding = [
-            (peer_id, info)
-            for peer_id, info in candidates
-            if info.start_block <= block < info.end_block
-        ]
+
+    def pick(holding: list[tuple[str, ServerInfo]]) -> tuple[str, ServerInfo]:
         total = math.fsum(info.throughput for _, info in holding)
-        if total > 0:
-            point = rng.random() * total
-            chosen = next(
-                (
-                    (peer_id, info)
-                    for peer_id, info in holding
-                    if info.throughput > 0 and (point := point - info.throughput) < 0
-                ),
-                None,
-            )
-            if chosen is None:  # rounding left ``point`` a hair above 0: the last one it is
-                chosen = [pair for pair in holding if pair[1].throughput > 0][-1]
-        else:
-            chosen = holding[rng.randrange(len(holding))]
-        peer_id, info = chosen
-        stop = min(info.end_block, end)
-        route.append(RouteSpan(peer_id=peer_id, start=block, end=stop))
-        block = stop
-    return route
+        if total <= 0:
+            return holding[rng.randrange(len(holding))]
+        point = rng.random() * total
+        for peer_id, info in holding:
+            if info.throughput > 0 and (point := point - info.throughput) < 0:
+                return peer_id, info
+        # Rounding left ``point`` a hair above 0: the last one it is.
+        return [pair for pair in holding if pair[1].throughput > 0][-1]
+
+    return _route_by(servers, start, end, pick)
+
+
+def make_route_impartial(
+    servers: Mapping[str, ServerInfo], start: int, end: int, *, rank: Callable[[str], bytes]
+) -> list[RouteSpan]:
+    """A route through online ``servers`` for blocks ``[start, end)`` that nothing a server
+    announces can draw to itself (for checking other servers' answers, where a route chosen by
+    announced throughput would let servers that claim a lot be the checkers).
+
+    At each block, of the servers holding it, the one that comes first in the caller's ``rank``
+    (a PeerID's key: a random draw, or a keyed hash that others cannot predict), run to the end
+    of its span (or ``end``).  Raises :class:`MissingBlocksError` if no online server holds some
+    block.
+    """
+    return _route_by(
+        servers, start, end, lambda holding: min(holding, key=lambda pair: rank(pair[0]))
+    )
 
 
 def make_route_greedy(servers: Mapping[str, ServerInfo], start: int, end: int) -> list[RouteSpan]:
@@ -621,18 +622,36 @@ def make_route_greedy(servers: Mapping[str, ServerInfo], start: int, end: int) -
     steps: any route's k-th span ends no later than the greedy one's.)  Raises
     :class:`MissingBlocksError` if no online server holds some block.
     """
+
+    def pick(holding: list[tuple[str, ServerInfo]]) -> tuple[str, ServerInfo]:
+        return min(
+            holding,
+            key=lambda pair: (-min(pair[1].end_block, end), -pair[1].throughput, pair[0]),
+        )
+
+    return _route_by(servers, start, end, pick)
+
+
+def _route_by(
+    servers: Mapping[str, ServerInfo],
+    start: int,
+    end: int,
+    pick: Callable[[list[tuple[str, ServerInfo]]], tuple[str, ServerInfo]],
+) -> list[RouteSpan]:
+    """From ``start``, the server ``pick`` chooses of those holding the current block, run to
+    the end of its span (or ``end``), and on from there; :class:`MissingBlocksError` if no
+    online server holds some block."""
     _check_range(start, end)
     candidates = _candidates(servers, start, end)
     route: list[RouteSpan] = []
     block = start
     while block < end:
-        peer_id, info = min(
-            (
+        peer_id, info = pick(
+            [
                 (peer_id, info)
                 for peer_id, info in candidates
                 if info.start_block <= block < info.end_block
-            ),
-            key=lambda pair: (-min(pair[1].end_block, end), -pair[1].throughput, pair[0]),
+            ]
         )
         stop = min(info.end_block, end)
         route.append(RouteSpan(peer_id=peer_id, start=block, end=stop))

@@ -150,9 +150,10 @@ class BlockServer:
 
     # -- life cycle ------------------------------------------------------------------------------
 
-    def sign_as(self, identity: Identity, model: str) -> None:
-        """Sign every answer's receipt with ``identity``, naming ``model`` (its DHT prefix)."""
-        self._serving.sign_as(identity, model)
+    def sign_as(self, identity: Identity, model: str, *, torch_dtype: str, quant_type: str) -> None:
+        """Sign every answer's receipt with ``identity``, naming ``model`` (its DHT prefix) and
+        the dtype and quantisation the blocks compute in (as the server announces them)."""
+        self._serving.sign_as(identity, model, torch_dtype=torch_dtype, quant_type=quant_type)
 
     def attach(self, backend: BlockBackend, pool: TaskPool, cache: MemoryCache) -> None:
         self._serving.attach(backend, pool, cache)

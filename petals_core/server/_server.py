@@ -231,6 +231,11 @@ class Server:
         while self._announcements < target:
             await self._announced.wait()
 
+    @property
+    def dtype_name(self) -> str:
+        """The blocks' dtype as announced (``"bfloat16"``)."""
+        return str(self.dtype).removeprefix("torch.")
+
     def info(self) -> ServerInfo:
         assert self.blocks is not None
         throughput = self.throughput
@@ -251,7 +256,7 @@ class Server:
             start_block=self.blocks.start,
             end_block=self.blocks.stop,
             version=__version__,
-            torch_dtype=str(self.dtype).removeprefix("torch."),
+            torch_dtype=self.dtype_name,
             quant_type=self.quant_type,
             public_name=self.config.public_name,
             adapters=tuple(sorted(backend.adapters)) if backend is not None else (),
@@ -554,8 +559,13 @@ async def open_server(
             return await node.connect_any(addresses)
 
         block_server.connect_peer = connect_peer
-        block_server.sign_as(node.identity, model_config.dht_prefix or model)
         server = Server(config, model_config, model, dht, topic, block_server, defaults, rng)
+        block_server.sign_as(
+            node.identity,
+            model_config.dht_prefix or model,
+            torch_dtype=server.dtype_name,
+            quant_type=server.quant_type,
+        )
         if config.check_reachability and config.initial_peers:
             server.reach = Reach(
                 dht=dht,

@@ -53,6 +53,7 @@ class Serving:
         #: Who signs the receipts of answers, and the model they name (see :meth:`sign_as`).
         self.signer: Identity | None = None
         self.model = ""
+        self.torch_dtype = self.quant_type = ""
         self.counts = dict.fromkeys(COUNTERS, 0)
         #: Set (and dropped) at the next count; made by a waiter.
         self._counted: trio.Event | None = None
@@ -73,8 +74,9 @@ class Serving:
         assert self.pool is not None and self.cache is not None
         return self.backend, self.pool, self.cache
 
-    def sign_as(self, identity: Identity, model: str) -> None:
+    def sign_as(self, identity: Identity, model: str, *, torch_dtype: str, quant_type: str) -> None:
         self.signer, self.model = identity, model
+        self.torch_dtype, self.quant_type = torch_dtype, quant_type
 
     async def receipt(
         self,
@@ -130,6 +132,8 @@ class Serving:
             step=step,
             previous=previous,
             compression=scheme,
+            torch_dtype=self.torch_dtype,
+            quant_type=self.quant_type,
             issued=int(time.time()),
             asked=asked_digest,
             answered=answered_digest,

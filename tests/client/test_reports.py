@@ -20,9 +20,10 @@ from petals_core.client import (
     RemoteSequential,
     remote_forward,
 )
-from petals_core.client._report_judge import judge_listed
+from petals_core.client._report_judge import CHECKS_PER_ROUND, MAX_UNDECIDED, judge_listed
 from petals_core.client._reports import (
     REPORT_TTL_S,
+    ReportBook,
     book_of,
     check_report,
     decode_report,
@@ -68,6 +69,8 @@ def _signed(
         kind="forward",
         model=model,
         blocks=(0, 2),
+        torch_dtype="float32",
+        quant_type="none",
         issued=int(time.time()) if issued is None else issued,
         asked=digest_tensors(asked),
         answered=digest_tensors(answered),
@@ -189,6 +192,8 @@ def _session(
             padding=padding,
             step=start + tokens,
             previous=previous,
+            torch_dtype="float32",
+            quant_type="none",
             issued=issued,
             asked=digest_tensors(asked),
             answered=digest_tensors(answered),
@@ -437,14 +442,16 @@ async def test_hostile_reports_are_refused_and_frame_no_honest_server(
 
                 await _wait_verdicts(judging.sequence_manager, 5)
                 verdicts = book_of(judging.sequence_manager).verdicts
-                reasons = {digest: v.reason for digest, v in verdicts.items()}
+                reasons = {digest: v.reason for (digest, _, _), v in verdicts.items()}
                 assert not any(v.upheld for v in verdicts.values())
-                assert len(verdicts[listings[0].digest].reporters) == 2  # judged once
+                assert len(verdicts[listings[0].key].reporters) == 2  # judged once
                 assert reasons[listings[0].digest].startswith("about a correct answer")
                 assert "signature does not cover" in reasons[listings[1].digest]
                 assert "forged: the answer is signed by" in reasons[listings[2].digest]
                 assert reasons[b"\x01" * 32].startswith("oversized")
-                assert reasons[b"\x02" * 32].startswith("undecided in 3 rounds")  # not found
+                assert reasons[b"\x02" * 32] == (
+                    "undecided in 3 rounds: its evidence is not (all) in the DHT"
+                )
                 assert not judging.sequence_manager.state.caught
                 output, _ = await remote_forward(judging.sequence_manager, x)
                 assert_close(output, expected)
@@ -453,3 +460,190 @@ async def test_hostile_reports_are_refused_and_frame_no_honest_server(
 def test_a_listing_names_who_is_accused_and_what_evidence() -> None:
     listing = Listing(reporter="r", accused="a", digest=b"\x00" * 32, size=5, issued=7)
     assert listing.to_wire() == {"accused": "a", "digest": b"\x00" * 32, "size": 5, "issued": 7}
+
+
+async def test_the_servers_asked_to_judge_are_the_judges_draw_not_the_loudest(
+    model: Model, tmp_path: Path
+) -> None:
+    """Two colluding servers announce a high throughput and answer the reported questions alike
+    but wrongly, to frame an honest server with reports about its correct answers.  A judge draws
+    the servers it asks by its own keyed rank, whatever they announce (here a judge whose rank
+    puts the third honest server first): both reports are refused, and the honest server stays
+    in use."""
+    torch.manual_seed(3)
+    async with in_process_swarm(model, tmp_path, []) as swarm:
+        victim = await swarm.add((0, N_BLOCKS))
+        honest = await swarm.add((0, N_BLOCKS))
+        colluders = [await swarm.add((0, N_BLOCKS), throughput=1000.0) for _ in range(2)]
+        servers = list(swarm.servers.values())
+        victim_id, honest_id = str(victim.dht.peer_id), str(honest.dht.peer_id)
+        others = [peer for peer in swarm.servers if peer != victim_id]
+        book = next(
+            book
+            for book in (ReportBook() for _ in range(200))
+            if min(others, key=book.checkers_rank(victim_id)) == honest_id
+        )
+        judge = manager_for(servers, verify="none")
+        judge.state.reports = book
+        with trio.fail_after(DEADLINE_S):
+            async with (
+                RemoteSequential(manager_for(servers, verify="none")) as framer,
+                RemoteSequential(judge) as judging,
+            ):
+                await wait_for_servers(framer.sequence_manager, 4)
+                await wait_for_servers(judging.sequence_manager, 4)
+                manager = framer.sequence_manager
+                span = RouteSpan(start=0, end=N_BLOCKS, peer_id=victim_id)
+                correct = [
+                    (await _forward_span(manager, span, torch.randn(1, 3, HIDDEN), None, False))[2]
+                    for _ in range(2)
+                ]
+                for colluder in colluders:
+                    make_liar(colluder, lies=("forward",))
+                prefix, dht = manager.config.dht_prefix, manager.state.dht
+                assert prefix is not None and dht is not None
+                for report in correct:
+                    await publish(dht, prefix, book_of(manager), report, now=time.time())
+                await _wait_verdicts(judging.sequence_manager, 2)
+                for verdict in book.verdicts.values():
+                    assert not verdict.upheld
+                    assert verdict.reason.startswith(
+                        f"about a correct answer: {honest_id} computed the same"
+                    )
+                assert victim_id not in judging.sequence_manager.state.caught
+
+
+async def test_a_listing_that_names_a_report_wrongly_does_not_stand_for_it(
+    model: Model, tmp_path: Path
+) -> None:
+    """A stranger lists a genuine report's evidence against an honest server and dated far
+    ahead, and again with a wrong size: each such listing is refused on its own, remembered no
+    longer than a report counts, and the genuine report is upheld (before, whichever listing the
+    DHT gave first stood for the evidence, and its refusal lasted 146 billion years)."""
+    torch.manual_seed(5)
+    x = torch.randn(1, 2, HIDDEN)
+    async with in_process_swarm(model, tmp_path, []) as swarm:
+        liar_id = await add_liar_and_two_honest(swarm)
+        servers = list(swarm.servers.values())
+        honest = [peer for peer in swarm.servers if peer != liar_id]
+        with trio.fail_after(DEADLINE_S):
+            async with checking_client(servers, x) as checking:
+                reporter = book_of(checking)
+                await reporter.wait_published(1)
+                (genuine,) = reporter.published.values()
+                prefix = checking.config.dht_prefix
+                assert prefix is not None
+                async with (
+                    RemoteSequential(manager_for(servers, verify="none")) as stranger,
+                    RemoteSequential(manager_for(servers, verify="none")) as judging,
+                ):
+                    for client in (stranger, judging):
+                        await wait_for_servers(client.sequence_manager, 3)
+                    dht = stranger.sequence_manager.state.dht
+                    assert dht is not None
+                    wrong = [
+                        attrs.evolve(genuine, accused=honest[0], issued=2**62),
+                        attrs.evolve(genuine, size=genuine.size + 1),
+                    ]
+                    await dht.store(
+                        index_key(prefix),
+                        encode_message({"reports": [listing.to_wire() for listing in wrong]}),
+                        time.time() + 600,
+                        signed=True,
+                    )
+                    assert len(await fetch_listings(dht, prefix)) == 3
+                    verdicts = book_of(judging.sequence_manager).verdicts
+                    while genuine.key not in verdicts or wrong[0].key not in verdicts:
+                        await judge_listed(judging.sequence_manager)
+                    assert verdicts[genuine.key].upheld
+                    assert liar_id in judging.sequence_manager.state.caught
+                    assert verdicts[wrong[0].key].reason == (
+                        f"the evidence is about {liar_id}, but listed against {honest[0]}"
+                    )
+                    # Judged before the liar was banned, or not at all after.
+                    if wrong[1].key in verdicts:
+                        assert "does not match its digest" in verdicts[wrong[1].key].reason
+                    assert not any(peer in judging.sequence_manager.state.caught for peer in honest)
+                    latest = time.time() + REPORT_TTL_S
+                    assert all(verdict.expires <= latest for verdict in verdicts.values())
+
+
+async def test_listings_dated_1970_are_judged_once_not_in_a_loop(
+    model: Model, tmp_path: Path
+) -> None:
+    """Listings of evidence that is not there, dated at 0: refused after the rounds a report may
+    stay undecided, and remembered for as long as a report counts from now (before, their
+    verdicts expired at once and were judged again, round after round without a pause)."""
+    async with in_process_swarm(model, tmp_path, [(0, N_BLOCKS)]) as swarm:
+        servers = list(swarm.servers.values())
+        (victim,) = swarm.servers
+        with trio.fail_after(DEADLINE_S):
+            async with (
+                RemoteSequential(manager_for(servers, verify="none")) as stranger,
+                RemoteSequential(manager_for(servers, verify="none")) as judging,
+            ):
+                for client in (stranger, judging):
+                    await wait_for_servers(client.sequence_manager, 1)
+                manager = stranger.sequence_manager
+                prefix, dht = manager.config.dht_prefix, manager.state.dht
+                assert prefix is not None and dht is not None
+                fakes = [
+                    Listing(reporter="", accused=victim, digest=bytes([i]) * 32, size=100, issued=0)
+                    for i in range(CHECKS_PER_ROUND + 1)
+                ]
+                await dht.store(
+                    index_key(prefix),
+                    encode_message({"reports": [fake.to_wire() for fake in fakes]}),
+                    time.time() + 600,
+                    signed=True,
+                )
+                await _wait_verdicts(judging.sequence_manager, len(fakes))
+                book = book_of(judging.sequence_manager)
+                soonest = time.time() + REPORT_TTL_S - 600
+                for verdict in book.verdicts.values():
+                    assert verdict.reason == (
+                        f"undecided in {MAX_UNDECIDED} rounds: its evidence is not (all) in the DHT"
+                    )
+                    assert verdict.expires > soonest
+                assert await judge_listed(judging.sequence_manager) == 0
+                assert len(book.verdicts) == len(fakes) and not book.undecided
+
+
+async def test_an_answer_is_judged_in_the_dtype_its_server_signed(
+    model: Model, tmp_path: Path
+) -> None:
+    """An honest server's bfloat16 answer, reported after the server restarted in float32 with
+    the same key: the judge asks a server computing in bfloat16, as the receipt says, and
+    refuses the report as about a correct answer (judged by float32 servers against float32's
+    bound, it had the honest server banned)."""
+    torch.manual_seed(4)
+    x = torch.randn(1, 3, HIDDEN)
+    key = str(tmp_path / "victim.key")
+    async with in_process_swarm(model, tmp_path, [(0, N_BLOCKS)] * 2) as swarm:
+        await swarm.add((0, N_BLOCKS), torch_dtype="bfloat16")
+        victim = await swarm.add((0, N_BLOCKS), torch_dtype="bfloat16", identity_path=key)
+        victim_id = str(victim.dht.peer_id)
+        with trio.fail_after(DEADLINE_S):
+            async with RemoteSequential(
+                manager_for(list(swarm.servers.values()), verify="none")
+            ) as framer:
+                manager = framer.sequence_manager
+                await wait_for_servers(manager, 4)
+                span = RouteSpan(start=0, end=N_BLOCKS, peer_id=victim_id)
+                _, _, answer = await _forward_span(manager, span, x, None, False)
+                assert answer.signature.torch_dtype == "bfloat16"
+                await swarm.leave(victim_id)
+                again = await swarm.add((0, N_BLOCKS), torch_dtype="float32", identity_path=key)
+                assert str(again.dht.peer_id) == victim_id
+                prefix, dht = manager.config.dht_prefix, manager.state.dht
+                assert prefix is not None and dht is not None
+                await publish(dht, prefix, book_of(manager), answer, now=time.time())
+                async with RemoteSequential(
+                    manager_for(list(swarm.servers.values()), verify="none")
+                ) as judging:
+                    await wait_for_servers(judging.sequence_manager, 4)
+                    await _wait_verdicts(judging.sequence_manager, 1)
+                    (verdict,) = book_of(judging.sequence_manager).verdicts.values()
+                    assert not verdict.upheld
+                    assert verdict.reason.startswith("about a correct answer")
+                    assert victim_id not in judging.sequence_manager.state.caught

@@ -24,6 +24,8 @@ def _receipt(**changes: object) -> Receipt:
         "model": "llama-hf",
         "blocks": (3, 6),
         "adapter": None,
+        "torch_dtype": "float32",
+        "quant_type": "none",
         "issued": ISSUED,
         "asked": digest_tensors({"hidden_states": torch.ones(1, 2, 4)}),
         "answered": digest_tensors({"hidden_states": torch.zeros(1, 2, 4)}),
@@ -51,6 +53,8 @@ def test_a_signed_receipt_checks_against_its_signer() -> None:
         {"issued": ISSUED - 1},
         {"padding": (0, 2)},
         {"previous": bytes(32)},
+        {"torch_dtype": "bfloat16"},
+        {"quant_type": "nf4"},
         {"asked": digest_tensors({"hidden_states": torch.ones(1, 2, 4) * 2})},
         {"answered": digest_tensors({"hidden_states": torch.ones(1, 2, 4)})},
     ],
@@ -68,9 +72,7 @@ def test_a_signature_by_another_key_or_none_is_refused() -> None:
     with pytest.raises(ReceiptError, match="another peer's key"):
         check_receipt(receipt, receipt.sign(other), server.peer_id)
     # Another peer's signature presented with the server's key does not verify either.
-    forged = Signature(
-        signer=server.public_key_bytes, signature=receipt.sign(other).signature, issued=ISSUED
-    )
+    forged = attrs.evolve(receipt.sign(server), signature=receipt.sign(other).signature)
     with pytest.raises(ReceiptError, match="not signed over"):
         check_receipt(receipt, forged, server.peer_id)
     with pytest.raises(ReceiptError, match="without a receipt"):
@@ -124,6 +126,8 @@ def test_replies_carry_the_signature_and_refuse_a_malformed_one() -> None:
         "signer": signature.signer,
         "signature": signature.signature,
         "issued": ISSUED,
+        "torch_dtype": "float32",
+        "quant_type": "none",
     }
     assert ForwardReply.from_wire_untrusted(meta, tensors) == reply
     assert ForwardReply.from_wire_untrusted({}, tensors).receipt is None
@@ -138,6 +142,9 @@ def test_replies_carry_the_signature_and_refuse_a_malformed_one() -> None:
             {"signer": b"x" * 32, "signature": b"y" * 64, "issued": 1, "previous": b"z"},
             "previous digest must be 32 bytes",
         ),
+        ({**meta["receipt"], "torch_dtype": None}, "names its dtype and quantisation"),
+        ({**meta["receipt"], "quant_type": "x" * 33}, "names its dtype and quantisation"),
+        ({**meta["receipt"], "torch_dtype": "float\n32"}, "names its dtype and quantisation"),
     ]:
         with pytest.raises(CodecError, match=reason):
             ForwardReply.from_wire_untrusted({"receipt": bad}, tensors)
@@ -150,6 +157,8 @@ def test_receipts_refuse_what_they_cannot_mean() -> None:
         _receipt(asked=b"short")
     with pytest.raises(ValueError, match="issued time"):
         _receipt(issued=1.5)
+    with pytest.raises(ValueError, match="names its dtype and quantisation"):
+        _receipt(torch_dtype="")
     assert attrs.evolve(_receipt(), step=3).step == 3
 
 

@@ -7,6 +7,7 @@ blocks named."""
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import math
 import random
@@ -24,6 +25,7 @@ from petals_core.routing import (
     MissingBlocksError,
     RouteSpan,
     make_route_greedy,
+    make_route_impartial,
     make_route_max_throughput,
     make_route_min_latency,
     route_cost,
@@ -185,6 +187,9 @@ def test_routes_cover_the_blocks_through_usable_servers_only(
             usable, start, end, rng=random.Random(seed)
         ),
         "greedy": lambda: make_route_greedy(usable, start, end),
+        "impartial": lambda: make_route_impartial(
+            usable, start, end, rank=lambda peer: hashlib.sha256(f"{seed}{peer}".encode()).digest()
+        ),
     }
     for name, plan in planners.items():
         if missing:
@@ -483,6 +488,36 @@ def test_max_throughput_runs_each_server_to_the_end_of_its_span() -> None:
     )
 
 
+# --- impartial ----------------------------------------------------------------------------------
+
+
+@PROPERTIES
+@given(seeds, st.lists(st.floats(0.0, 1e6), min_size=12, max_size=12))
+def test_impartial_routes_follow_the_rank_whatever_servers_announce(
+    seed: int, throughputs: list[float]
+) -> None:
+    """Checkers are drawn by the caller's rank alone: announcing more throughput (or anything
+    else but the blocks held) draws no more checks."""
+    swarm, start, end, _ = random_case(random.Random(seed), servers=(3, 12), blocks=(3, 12))
+    if uncovered(swarm, start, end):
+        return
+    keys = {peer: random.Random(f"{seed}{peer}").randbytes(8) for peer in swarm}
+    route = make_route_impartial(swarm, start, end, rank=keys.__getitem__)
+    check_route(route, swarm, start, end)
+    for span in route:
+        holders = [
+            peer
+            for peer, info in swarm.items()
+            if info.state is ONLINE and info.start_block <= span.start < info.end_block
+        ]
+        assert span.peer_id == min(holders, key=keys.__getitem__)
+    claimed = {
+        peer: attrs.evolve(info, throughput=throughput)
+        for (peer, info), throughput in zip(swarm.items(), throughputs, strict=False)
+    }
+    assert make_route_impartial(claimed, start, end, rank=keys.__getitem__) == route
+
+
 # --- greedy, errors -----------------------------------------------------------------------------
 
 
@@ -509,6 +544,7 @@ def test_missing_blocks_are_named() -> None:
         lambda: make_route_min_latency(swarm, 0, 6, client_pings={}),
         lambda: make_route_max_throughput(swarm, 0, 6, rng=random.Random(0)),
         lambda: make_route_greedy(swarm, 0, 6),
+        lambda: make_route_impartial(swarm, 0, 6, rank=str.encode),
     ):
         with pytest.raises(
             MissingBlocksError, match=r"no server holds blocks 3, 4 \(of \[0, 6\)\)"
