@@ -134,12 +134,24 @@ def check_receipt(
     peer_id: str | PeerID,
     *,
     now: float | None = None,
+    announced: ServerInfo | None = None,
 ) -> None:
     """Raise :class:`ReceiptError` unless ``signature`` is by ``peer_id``'s key, over
-    ``receipt``, dated within :data:`CLOCK_SKEW_S` of ``now`` (default: this machine's clock).
-    A receipt dated far away could not be reported while it matters (reports expire)."""
+    ``receipt``, dated within :data:`CLOCK_SKEW_S` of ``now`` (default: this machine's clock),
+    and names the dtype and quantisation the server ``announced`` (if given: checks compare it
+    with servers of those, and judges of a report recompute in what it signed).  A receipt
+    dated far away could not be reported while it matters (reports expire)."""
     if signature is None:
         raise ReceiptError(f"server {peer_id} answered a {receipt.kind} without a receipt")
+    if announced is not None and (signature.torch_dtype, signature.quant_type) != (
+        announced.torch_dtype,
+        announced.quant_type,
+    ):
+        raise ReceiptError(
+            f"server {peer_id} signed its {receipt.kind} as computed in {signature.torch_dtype} "
+            f"({signature.quant_type} quantisation) but announces {announced.torch_dtype} "
+            f"({announced.quant_type})"
+        )
     now = time.time() if now is None else now
     if abs(receipt.issued - now) > CLOCK_SKEW_S:
         raise ReceiptError(

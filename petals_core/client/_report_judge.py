@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import time
 from collections.abc import Callable, Mapping
 from typing import Final
@@ -34,7 +35,7 @@ from .._errors import PetalsError, ReportRefused, TransportError
 from ..dht import Listing, ListingKey, ServerInfo, fetch_listings
 from ..protocol import BackwardRequest, FraudReport, OpenSession, Signature, Step
 from ..routing import MissingBlocksError, RouteSpan
-from ._checks import compare, hops_allowance, tolerance
+from ._checks import TOLERANCE, compare, hops_allowance, tolerance
 from ._reports import (
     REPORT_TTL_S,
     ReportBook,
@@ -46,7 +47,7 @@ from ._reports import (
 )
 from ._second_opinions import other_route
 from ._sequence_manager import RemoteSequenceManager
-from ._sequential import _backward_elsewhere, _recompute
+from ._sequential import _backward_span, _forward_span
 from ._session_core import SpanState
 from ._span_call import RETRIABLE, SpanCall
 
@@ -56,8 +57,11 @@ logger = logging.getLogger(__name__)
 
 #: New reports a client judges per round (each costs the swarm two recomputations).
 CHECKS_PER_ROUND: Final = 4
-#: Rounds a report may stay undecided (too few servers could recompute it) before it is refused.
+#: Tries, one per ``reports_period_s``, that may leave a report undecided (too few servers could
+#: recompute it, its evidence not found) before it is refused.
 MAX_UNDECIDED: Final = 3
+#: Servers drawn in turn for one opinion on a report when those drawn before fail.
+_TRIES: Final = 3
 #: How soon a round follows one that left new reports for it: a flood of listings is judged
 #: at most :data:`CHECKS_PER_ROUND` a second.
 _NEXT_ROUND_S: Final = 1.0
@@ -105,8 +109,8 @@ async def _ask(
     rank: Callable[[str], bytes],
 ) -> _Answer:
     """The report's question answered by servers not in ``exclude`` (of the dtype and
-    quantisation the accused signed; the first in ``rank`` that hold the blocks), and who
-    answered; :class:`_Undecided` where none can now."""
+    quantisation the accused signed, drawn by ``rank``; those drawn that fail are passed over,
+    up to :data:`_TRIES` draws), and who answered; :class:`_Undecided` where none can now."""
     start, end = report.blocks
     # The evidence travels as it is: compressing it again would change the question.
     sub = RemoteSequenceManager(
@@ -116,64 +120,60 @@ async def _ask(
         state=manager.state,
     )
     span = RouteSpan(start=start, end=end, peer_id=report.accused)
-    try:
-        if report.kind == "step":
-            return await _replay_session(sub, span, report, exclude, like, rank)
-        if report.kind == "forward":
-            output, _, evidence = await _recompute(
-                sub,
-                span,
-                report.asked["hidden_states"],
-                report.asked.get("prompts"),
-                False,
-                exclude,
-                like,
-                rank=rank,
+    # A step's session is replayed on one server, a backward asked of one: both need all blocks.
+    whole = report.kind != "forward"
+    failure: Exception | None = None
+    for _ in range(_TRIES):
+        try:
+            route = await other_route(
+                sub, span, exclude, like, wait=False, whole_only=whole, rank=rank
             )
-            signatures = [answer.signature for answer in evidence]
-            return _Answer(
-                {"hidden_states": output},
-                signatures[-1],
-                {answer.accused for answer in evidence},
-                hops_allowance(signatures),
-            )
-        request = BackwardRequest(
-            blocks=(start, end),
-            active_adapter=report.adapter,
-            hidden_states=report.asked["hidden_states"],
-            grad_outputs=report.asked["grad_outputs"],
-            prompts=report.asked.get("prompts"),
-        )
-        found = await _backward_elsewhere(sub, span, request, exclude, like, rank=rank)
-    except MissingBlocksError:
-        raise _Undecided(_too_few(report, like)) from None
-    except RETRIABLE as exc:
-        raise _Undecided(f"a server recomputing it failed: {exc!r}") from None
-    if found is None:
-        raise _Undecided(_too_few(report, like))
-    reply, answer = found
+        except MissingBlocksError:
+            break
+        try:
+            return await _answer(sub, route, report)
+        except RETRIABLE as exc:
+            logger.info("a server recomputing a report against %s failed: %r", span.peer_id, exc)
+            failure = exc
+            exclude = exclude | {hop.peer_id for hop in route}
+    if failure is not None:
+        raise _Undecided(f"the servers drawn to recompute it failed ({failure!r})")
+    raise _Undecided(_too_few(report, like))
+
+
+async def _answer(
+    manager: RemoteSequenceManager, route: list[RouteSpan], report: FraudReport
+) -> _Answer:
+    """The answer of ``route``'s servers to the report's question."""
+    if report.kind == "step":
+        return await _replay_session(manager, route[0], report)
+    asked = report.asked
+    if report.kind == "forward":
+        x, evidence = asked["hidden_states"], []
+        for hop in route:
+            x, _, answer = await _forward_span(manager, hop, x, asked.get("prompts"), False)
+            evidence.append(answer)
+        signatures = [answer.signature for answer in evidence]
+        checkers = {answer.accused for answer in evidence}
+        return _Answer({"hidden_states": x}, signatures[-1], checkers, hops_allowance(signatures))
+    request = BackwardRequest(
+        blocks=report.blocks,
+        active_adapter=report.adapter,
+        hidden_states=asked["hidden_states"],
+        grad_outputs=asked["grad_outputs"],
+        prompts=asked.get("prompts"),
+    )
+    reply, answer = await _backward_span(manager, route[0], request)
     tensors = {name: t for name, t in reply.tensors().items() if t is not None}
     return _Answer(tensors, answer.signature, {answer.accused})
 
 
 async def _replay_session(
-    manager: RemoteSequenceManager,
-    span: RouteSpan,
-    report: FraudReport,
-    exclude: set[str],
-    like: ServerInfo,
-    rank: Callable[[str], bytes],
+    manager: RemoteSequenceManager, span: RouteSpan, report: FraudReport
 ) -> _Answer:
-    """A step report's session replayed step by step on one other server holding all its
-    blocks (opened with the same padding; each step given ``request_timeout_s``): its answer to
-    the last step; :class:`_Undecided` where there is no such server."""
-    try:
-        route = await other_route(
-            manager, span, exclude, like, wait=False, whole_only=True, rank=rank
-        )
-    except MissingBlocksError:
-        raise _Undecided(_too_few(report, like)) from None
-    state = SpanState(route[0])
+    """A step report's session replayed step by step on ``span``'s server (opened with the same
+    padding; each step given ``request_timeout_s``): its answer to the last step."""
+    state = SpanState(span)
     call = SpanCall(state, [])
     steps = [*((step.position, step.asked) for step in report.steps)]
     steps.append((report.position or 0, report.asked))
@@ -233,6 +233,10 @@ async def judge(
         raise _Undecided(f"{report.accused} is not in the peer table")
     # Checkers compute in the dtype and quantisation the accused signed, whatever it runs now.
     signed = report.signature
+    if signed.torch_dtype not in TOLERANCE:
+        raise ReportRefused(
+            f"the answer is signed as computed in {signed.torch_dtype!r}, a dtype no check knows"
+        )
     like = attrs.evolve(announced, torch_dtype=signed.torch_dtype, quant_type=signed.quant_type)
     rank = book_of(manager).checkers_rank(report.accused) if rank is None else rank
     bound = tolerance(like)
@@ -265,7 +269,8 @@ async def judge_listed(manager: RemoteSequenceManager) -> int:
     wait for the next round).  Each listing is judged by its :attr:`~Listing.key`, so a listing
     that names a report wrongly is refused on its own, never in the right one's place.  Those
     about servers not in the table are left for later (``ReportBook.waiting``); one no server
-    could decide is tried again in later rounds, and refused after :data:`MAX_UNDECIDED`.  A
+    could decide is tried again once each ``reports_period_s``, and refused after
+    :data:`MAX_UNDECIDED` tries.  A
     verdict lasts as long as its report counts (from the time the accused signed), a refusal
     :data:`REPORT_TTL_S` from now: nothing a listing says makes either shorter or longer."""
     dht, prefix = manager.state.dht, manager.config.dht_prefix
@@ -292,20 +297,24 @@ async def judge_listed(manager: RemoteSequenceManager) -> int:
             continue
         if accused in manager.state.caught:
             continue
+        tries, last = book.undecided.get(key, (0, -math.inf))
+        if now - last < manager.config.reports_period_s:
+            continue  # undecided this period: tried again in the next
         if tried >= CHECKS_PER_ROUND:
             book.more = True
             continue
         tried += 1
         outcome = await _try(manager, prefix, listings[0], reporters, now)
         if isinstance(outcome, _Undecided):
-            tries = book.undecided[key] = book.undecided.get(key, 0) + 1
+            tries += 1
+            book.undecided[key] = (tries, now)
             if tries < MAX_UNDECIDED:
                 continue
             outcome = Verdict(
                 accused=accused,
                 reporters=reporters,
                 upheld=False,
-                reason=f"undecided in {tries} rounds: {outcome}",
+                reason=f"undecided in {tries} tries: {outcome}",
                 expires=now + REPORT_TTL_S,
             )
         book.verdicts[key] = outcome
@@ -352,7 +361,7 @@ async def _try(
             return _Undecided("its evidence is not (all) in the DHT")
         # Checking a session's chain hashes every step: off the event loop.
         await trio.to_thread.run_sync(
-            functools.partial(check_report, report, model=prefix, now=now)
+            functools.partial(check_report, report, model=prefix, now=time.time())
         )
         reason = await judge(manager, report)
     except ReportRefused as exc:

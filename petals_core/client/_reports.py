@@ -171,8 +171,9 @@ class ReportBook:
     #: Servers that listed reports accuse but the peer table does not show (yet): judged when
     #: they appear.
     waiting: set[str] = attrs.field(factory=set)
-    #: Per listed report, the rounds that could not decide it (too few servers answered).
-    undecided: dict[ListingKey, int] = attrs.field(factory=dict)
+    #: Per listed report, the tries that could not decide it (too few servers answered), and
+    #: when the last was (Unix seconds).
+    undecided: dict[ListingKey, tuple[int, float]] = attrs.field(factory=dict)
     #: Whether the last round left new reports for the next one.
     more: bool = False
     published: dict[bytes, Listing] = attrs.field(factory=dict)

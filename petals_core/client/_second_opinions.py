@@ -4,7 +4,6 @@ session on one of them that follows the span's session step by step (:class:`Fol
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from typing import Literal
 
@@ -13,7 +12,7 @@ import torch
 
 from ..dht import ServerInfo
 from ..protocol import Signature, Step
-from ..routing import MissingBlocksError, RouteSpan
+from ..routing import RouteSpan
 from ._sequence_manager import RemoteSequenceManager
 from ._span_call import SpanCall
 
@@ -31,25 +30,20 @@ async def other_route(
     rank: Callable[[str], bytes] | None = None,
 ) -> list[RouteSpan]:
     """A route over ``span``'s blocks through servers not in ``exclude`` (of ``like``'s dtype and
-    quantisation): one server holding them all if there is one, which leaves the others free to
-    decide a disagreement, else (unless ``whole_only``) a chain of several.  The servers are
-    drawn impartially (``rank``: see :meth:`RemoteSequenceManager.make_sequence`): a checker
-    chosen by the throughput servers announce could be any server that claims enough."""
-    route = functools.partial(
-        manager.make_sequence,
+    quantisation; only servers holding them all if ``whole_only``), drawn impartially (``rank``:
+    see :meth:`RemoteSequenceManager.make_sequence`): from the first block, the first in rank
+    of the servers holding it, to the end of its span, and on from there.  A checker drawn by
+    the throughput servers announce could be any server that claims enough."""
+    return await manager.make_sequence(
         span.start,
         span.end,
         mode="impartial",
         exclude=exclude,
         like=like,
+        wait=wait,
+        whole=whole_only,
         rank=rank,
     )
-    if whole_only:
-        return await route(wait=wait, whole=True)
-    try:
-        return await route(wait=False, whole=True)
-    except MissingBlocksError:
-        return await route(wait=wait)
 
 
 @attrs.frozen

@@ -126,7 +126,9 @@ def _check_receipt(
         asked=asked,
         answered={name: tensor for name, tensor in answered.items() if tensor is not None},
     )
-    check_receipt(report.receipt, signature, span.peer_id)
+    check_receipt(
+        report.receipt, signature, span.peer_id, announced=manager.server_info(span.peer_id)
+    )
     return report
 
 
@@ -263,13 +265,12 @@ async def _recompute(
     like: ServerInfo | None,
     *,
     wait: bool = False,
-    rank: Callable[[str], bytes] | None = None,
 ) -> tuple[torch.Tensor, Saved, list[FraudReport]]:
     """``span``'s blocks on ``hidden`` through other servers (not ``exclude``; of ``like``'s
     dtype and quantisation; drawn as :func:`other_route` draws them), unchecked, and the
     evidence of each one's answer; waiting for such servers (up to the manager's
     ``missing_blocks_timeout_s``) only if ``wait``."""
-    route = await other_route(manager, span, exclude, like, wait=wait, rank=rank)
+    route = await other_route(manager, span, exclude, like, wait=wait)
     saved: Saved = []
     evidence: list[FraudReport] = []
     x = hidden
@@ -459,16 +460,13 @@ async def _backward_elsewhere(
     like: ServerInfo | None,
     *,
     wait: bool = False,
-    rank: Callable[[str], bytes] | None = None,
 ) -> tuple[BackwardReply, FraudReport] | None:
     """``request`` answered by one other server holding all of ``span``'s blocks (not
     ``exclude``; of ``like``'s dtype and quantisation; drawn as :func:`other_route` draws them),
     recomputing its forward, and the evidence of its answer; None if there is none or it
     fails."""
     try:
-        route = await other_route(
-            manager, span, exclude, like, wait=wait, whole_only=True, rank=rank
-        )
+        route = await other_route(manager, span, exclude, like, wait=wait, whole_only=True)
     except MissingBlocksError:
         return None
     try:

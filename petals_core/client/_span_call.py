@@ -157,7 +157,9 @@ class SpanCall:
             asked=signature.asked,
             answered=digest_tensors({"hidden_states": result.hidden_states}),
         )
-        check_receipt(receipt, signature, self.state.peer)
+        check_receipt(
+            receipt, signature, self.state.peer, announced=manager.server_info(self.state.peer)
+        )
         self.receipts.append(
             SignedReceipt(peer=self.state.peer, receipt=receipt, signature=signature)
         )

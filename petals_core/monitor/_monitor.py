@@ -293,7 +293,7 @@ class SwarmMonitor:
     def _verdicts(self) -> dict[str, dict[ListingKey, Verdict]]:
         """Per model, the verdicts on reports that still count, by their listings' keys."""
         verdicts: dict[str, dict[ListingKey, Verdict]] = {}
-        now = self._clock()
+        now = time.time()  # the clock verdicts are dated by
         for prefix, judge in self._judges.items():
             book = judge.state.reports
             if book is not None:

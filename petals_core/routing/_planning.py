@@ -2,14 +2,16 @@
 
 A route is a list of :class:`RouteSpan`: consecutive spans, each on a server that announced a span
 containing it, together covering ``[start, end)`` exactly, and no two neighbours on the same
-server (a server that runs two consecutive spans runs one).  Three planners, after Petals'
-``RemoteSequenceManager`` (``petals/client/routing/sequence_manager.py``):
+server (a server that runs two consecutive spans runs one).  Three planners after Petals'
+``RemoteSequenceManager`` (``petals/client/routing/sequence_manager.py``), and one for checks:
 
 - :func:`make_route_min_latency`, for inference: the route of least :func:`route_cost` (below),
   exactly (not Petals' heuristic of staying on a server to the end of its span).
 - :func:`make_route_max_throughput`, for forward and backward passes: a random walk that picks
   servers in proportion to their throughput, so load spreads over the swarm as it can take it.
 - :func:`make_route_greedy`: the fewest spans (hops), deterministically.
+- :func:`make_route_impartial`, for servers that check others' answers: each block's server is
+  the first in the caller's rank, whatever servers announce.
 
 **The latency model** (:func:`route_cost`), in seconds, for one inference step:
 

@@ -47,6 +47,7 @@ from ._swarm_helpers import (
     DEADLINE_S,
     HIDDEN,
     N_BLOCKS,
+    InProcessSwarm,
     Model,
     add_liar_and_two_honest,
     assert_close,
@@ -398,7 +399,9 @@ async def test_hostile_reports_are_refused_and_frame_no_honest_server(
             async with (
                 RemoteSequential(manager_for(servers, verify="none")) as framer,
                 RemoteSequential(manager_for(servers, verify="none")) as accomplice,
-                RemoteSequential(manager_for(servers, verify="none")) as judging,
+                RemoteSequential(
+                    manager_for(servers, verify="none", reports_period_s=0.05)
+                ) as judging,
             ):
                 for client in (framer, accomplice, judging):
                     await wait_for_servers(client.sequence_manager, 3)
@@ -450,7 +453,7 @@ async def test_hostile_reports_are_refused_and_frame_no_honest_server(
                 assert "forged: the answer is signed by" in reasons[listings[2].digest]
                 assert reasons[b"\x01" * 32].startswith("oversized")
                 assert reasons[b"\x02" * 32] == (
-                    "undecided in 3 rounds: its evidence is not (all) in the DHT"
+                    "undecided in 3 tries: its evidence is not (all) in the DHT"
                 )
                 assert not judging.sequence_manager.state.caught
                 output, _ = await remote_forward(judging.sequence_manager, x)
@@ -460,6 +463,20 @@ async def test_hostile_reports_are_refused_and_frame_no_honest_server(
 def test_a_listing_names_who_is_accused_and_what_evidence() -> None:
     listing = Listing(reporter="r", accused="a", digest=b"\x00" * 32, size=5, issued=7)
     assert listing.to_wire() == {"accused": "a", "digest": b"\x00" * 32, "size": 5, "issued": 7}
+
+
+def _judge_drawing_first(swarm: InProcessSwarm, accused: str, first: str) -> RemoteSequenceManager:
+    """A client checking nothing whose draw of judges for reports about ``accused`` puts
+    ``first`` first of the swarm's other servers (a judge's key is its own secret: here one is
+    picked that pins down the draw)."""
+    others = [peer for peer in swarm.servers if peer != accused]
+    judge = manager_for(list(swarm.servers.values()), verify="none")
+    judge.state.reports = next(
+        book
+        for book in (ReportBook() for _ in range(200))
+        if min(others, key=book.checkers_rank(accused)) == first
+    )
+    return judge
 
 
 async def test_the_servers_asked_to_judge_are_the_judges_draw_not_the_loudest(
@@ -477,14 +494,8 @@ async def test_the_servers_asked_to_judge_are_the_judges_draw_not_the_loudest(
         colluders = [await swarm.add((0, N_BLOCKS), throughput=1000.0) for _ in range(2)]
         servers = list(swarm.servers.values())
         victim_id, honest_id = str(victim.dht.peer_id), str(honest.dht.peer_id)
-        others = [peer for peer in swarm.servers if peer != victim_id]
-        book = next(
-            book
-            for book in (ReportBook() for _ in range(200))
-            if min(others, key=book.checkers_rank(victim_id)) == honest_id
-        )
-        judge = manager_for(servers, verify="none")
-        judge.state.reports = book
+        judge = _judge_drawing_first(swarm, victim_id, honest_id)
+        book = book_of(judge)
         with trio.fail_after(DEADLINE_S):
             async with (
                 RemoteSequential(manager_for(servers, verify="none")) as framer,
@@ -580,7 +591,9 @@ async def test_listings_dated_1970_are_judged_once_not_in_a_loop(
         with trio.fail_after(DEADLINE_S):
             async with (
                 RemoteSequential(manager_for(servers, verify="none")) as stranger,
-                RemoteSequential(manager_for(servers, verify="none")) as judging,
+                RemoteSequential(
+                    manager_for(servers, verify="none", reports_period_s=0.05)
+                ) as judging,
             ):
                 for client in (stranger, judging):
                     await wait_for_servers(client.sequence_manager, 1)
@@ -602,7 +615,7 @@ async def test_listings_dated_1970_are_judged_once_not_in_a_loop(
                 soonest = time.time() + REPORT_TTL_S - 600
                 for verdict in book.verdicts.values():
                     assert verdict.reason == (
-                        f"undecided in {MAX_UNDECIDED} rounds: its evidence is not (all) in the DHT"
+                        f"undecided in {MAX_UNDECIDED} tries: its evidence is not (all) in the DHT"
                     )
                     assert verdict.expires > soonest
                 assert await judge_listed(judging.sequence_manager) == 0
@@ -647,3 +660,36 @@ async def test_an_answer_is_judged_in_the_dtype_its_server_signed(
                     assert not verdict.upheld
                     assert verdict.reason.startswith("about a correct answer")
                     assert victim_id not in judging.sequence_manager.state.caught
+
+
+async def test_a_judge_passes_over_a_drawn_server_that_fails(model: Model, tmp_path: Path) -> None:
+    """The server first in a judge's draw fails every forward (a test double): the judge asks
+    the next ones in its draw and upholds the report in the same round, instead of leaving it
+    undecided until it is refused."""
+    torch.manual_seed(16)
+    x = torch.randn(1, 2, HIDDEN)
+    async with in_process_swarm(model, tmp_path, []) as swarm:
+        liar_id = await add_liar_and_two_honest(swarm)
+        broken = await swarm.add((0, N_BLOCKS))
+        broken_id = str(broken.dht.peer_id)
+        servers = list(swarm.servers.values())
+        judge = _judge_drawing_first(swarm, liar_id, broken_id)
+        book = book_of(judge)
+        with trio.fail_after(DEADLINE_S):
+            async with checking_client(servers, x) as checking:
+                await book_of(checking).wait_published(1)
+                backend = broken.backend
+                assert backend is not None
+
+                def failing(*args: object, **kwargs: object) -> None:
+                    raise RuntimeError("this server's device fails")
+
+                backend.forward_block = failing  # type: ignore[method-assign,assignment]
+                async with RemoteSequential(judge) as judging:
+                    await wait_for_servers(judging.sequence_manager, 4)
+                    while not book.verdicts:
+                        await judge_listed(judging.sequence_manager)
+                    (verdict,) = book.verdicts.values()
+                    assert verdict.upheld and broken_id not in verdict.reason
+                    assert liar_id in judging.sequence_manager.state.caught
+                    assert not book.undecided

@@ -14,6 +14,8 @@ from petals_core.client._checks import CLOCK_SKEW_S, check_receipt
 from petals_core.protocol import ForwardReply, Receipt, Signature, StepResult, digest_tensors
 from petals_core.transport import Identity, as_received
 
+from ..routing._servers import server as announcement
+
 #: When the receipts of these tests were issued.
 ISSUED = int(time.time())
 
@@ -186,3 +188,20 @@ def test_a_step_receipt_names_the_one_before_it() -> None:
     assert Signature.from_wire_untrusted(signature.to_wire()) == signature
     check_receipt(second, signature, server.peer_id)
     assert first.digest() != _receipt(kind="step", session="s", step=2).digest()
+
+
+def test_a_receipt_must_name_the_dtype_its_server_announces() -> None:
+    """Checks compare a server with servers of the dtype it announces, and judges of a report
+    recompute in the dtype it signed: the two must be the same."""
+    server = Identity.generate()
+    receipt = _receipt()
+    announced = announcement(3, 6)  # float32, no quantisation
+    check_receipt(receipt, receipt.sign(server), server.peer_id, announced=announced)
+    for other in ({"torch_dtype": "bfloat16"}, {"quant_type": "nf4"}):
+        with pytest.raises(ReceiptError, match="signed its forward as computed in float32"):
+            check_receipt(
+                receipt,
+                receipt.sign(server),
+                server.peer_id,
+                announced=attrs.evolve(announced, **other),
+            )
