@@ -120,13 +120,16 @@ async def _ask(
         state=manager.state,
     )
     span = RouteSpan(start=start, end=end, peer_id=report.accused)
-    # A step's session is replayed on one server, a backward asked of one: both need all blocks.
+    # A step's session is replayed on one server, a backward asked of one: both need all
+    # blocks.  A forward goes to whoever comes first in the draw, even where that makes a
+    # chain: preferring servers that hold the whole span would let announcing wide spans
+    # make a server a judge.
     whole = report.kind != "forward"
     failure: Exception | None = None
     for _ in range(_TRIES):
         try:
             route = await other_route(
-                sub, span, exclude, like, wait=False, whole_only=whole, rank=rank
+                sub, span, exclude, like, wait=False, whole_only=whole, whole_first=False, rank=rank
             )
         except MissingBlocksError:
             break

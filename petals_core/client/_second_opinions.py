@@ -4,6 +4,7 @@ session on one of them that follows the span's session step by step (:class:`Fol
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Literal
 
@@ -12,7 +13,7 @@ import torch
 
 from ..dht import ServerInfo
 from ..protocol import Signature, Step
-from ..routing import RouteSpan
+from ..routing import MissingBlocksError, RouteSpan
 from ._sequence_manager import RemoteSequenceManager
 from ._span_call import SpanCall
 
@@ -27,23 +28,33 @@ async def other_route(
     *,
     wait: bool,
     whole_only: bool = False,
+    whole_first: bool = True,
     rank: Callable[[str], bytes] | None = None,
 ) -> list[RouteSpan]:
     """A route over ``span``'s blocks through servers not in ``exclude`` (of ``like``'s dtype and
-    quantisation; only servers holding them all if ``whole_only``), drawn impartially (``rank``:
-    see :meth:`RemoteSequenceManager.make_sequence`): from the first block, the first in rank
-    of the servers holding it, to the end of its span, and on from there.  A checker drawn by
-    the throughput servers announce could be any server that claims enough."""
-    return await manager.make_sequence(
+    quantisation), drawn impartially (``rank``: see :meth:`RemoteSequenceManager.make_sequence`):
+    from the first block, the first in rank of the servers holding it, to the end of its span,
+    and on from there.  A checker drawn by the throughput servers announce could be any server
+    that claims enough.  ``whole_only``: only servers holding every block of the span;
+    ``whole_first``: one of those if there is one, so that the others stay free to decide a
+    disagreement (a chain of several servers leaves fewer), else a chain."""
+    route = functools.partial(
+        manager.make_sequence,
         span.start,
         span.end,
         mode="impartial",
         exclude=exclude,
         like=like,
-        wait=wait,
-        whole=whole_only,
         rank=rank,
     )
+    if whole_only:
+        return await route(wait=wait, whole=True)
+    if whole_first:
+        try:
+            return await route(wait=False, whole=True)
+        except MissingBlocksError:
+            pass
+    return await route(wait=wait)
 
 
 @attrs.frozen
