@@ -78,18 +78,6 @@ class Serving:
         self.signer, self.model = identity, model
         self.torch_dtype, self.quant_type = torch_dtype, quant_type
 
-    async def receipt(
-        self,
-        kind: ReceiptKind,
-        blocks: tuple[int, int],
-        adapter: str | None,
-        asked: Mapping[str, torch.Tensor | None],
-        answered: Mapping[str, torch.Tensor | None],
-    ) -> Signature | None:
-        """The signature of a forward's or backward's receipt (None until :meth:`sign_as`)."""
-        signed = await self.signed(kind, blocks, adapter, asked, answered)
-        return None if signed is None else signed[1]
-
     async def signed(
         self,
         kind: ReceiptKind,

@@ -145,14 +145,14 @@ class TrainingHandlers:
                 )[-1]
             self._serving.count("forwards")
             output = output.to(hidden.dtype)
-            receipt = await self._serving.receipt(
+            signed = await self._serving.signed(
                 "forward",
                 (start, end),
                 adapter,
                 request.to_wire()[1],
                 {"hidden_states": output},
             )
-            reply = ForwardReply(hidden_states=output, kept=token, receipt=receipt)
+            reply = ForwardReply(hidden_states=output, kept=token, receipt=signed and signed[1])
             await send_tensors(call.send, *reply.to_wire(), encode_part=self._encode_part)
 
     def _keep(self, kept: _Kept) -> str:
@@ -206,14 +206,14 @@ class TrainingHandlers:
                 if grad_prompts is None or prompts is None
                 else grad_prompts.to(prompts.dtype),
             )
-            receipt = await self._serving.receipt(
+            signed = await self._serving.signed(
                 "backward",
                 (start, end),
                 request.active_adapter,
                 request.to_wire()[1],
                 reply.tensors(),
             )
-            reply = attrs.evolve(reply, receipt=receipt)
+            reply = attrs.evolve(reply, receipt=signed and signed[1])
             await send_tensors(call.send, *reply.to_wire(), encode_part=self._encode_part)
 
     def _take_kept(self, token: str | None, peer: str) -> _Kept | None:
