@@ -12,26 +12,38 @@ Two questions go to peers:
   in replies from where the caller sent to, so a dial from the socket the caller just talked
   to would pass where a stranger's would not.  A peer dials back only the IP address the
   request came from (nobody can aim it at a third host), at most ``_DIAL_BACK_AT_ONCE`` at a
-  time, once per address, within its request timeout.
+  time and ``_DIAL_BACK_PER_HOST`` for one host, within its request timeout; when all are
+  taken it answers "busy", and the caller asks another peer.
 
-:func:`check_reachability` asks both and sums up: ``public`` (a peer reached us),
-``cone`` or ``symmetric`` (no peer could, and the mappings peers saw say which NAT), or
-``unknown`` (no peer answered).  With only one peer's view, a NAT counts as cone: hole
-punching is then tried, and falls back to a relay when it fails.
+:func:`check_reachability` asks both and sums up: ``public`` (a peer reached us; a peer the
+caller does not trust must be confirmed by another), ``cone`` or ``symmetric`` (no peer could,
+and the mappings peers saw say which NAT: a mapping two peers saw alike outvotes a third), or
+``unknown`` (no peer answered).  With only one peer's view, a NAT counts as cone: hole punching
+is then tried, and falls back to a relay when it fails.  Only a mapping two peers agree on (or
+the only one seen) is offered for hole punching.
 """
 
 from __future__ import annotations
 
+import collections
 import enum
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from typing import Any, Final
 
 import attrs
 import trio
 
 from .._errors import CodecError, ConfigError, TransportError
-from ..transport import Connection, Multiaddr, Node, ServerCall, call_unary, open_node
+from ..transport import (
+    Connection,
+    Multiaddr,
+    Node,
+    PeerID,
+    ServerCall,
+    call_unary,
+    open_node,
+)
 from ._messages import caller_address_untrusted
 
 __all__ = [
@@ -46,8 +58,10 @@ logger = logging.getLogger(__name__)
 
 #: The RPC a DHT node serves for others' reachability checks.
 DIAL_BACK = "dht.dial_back"
-#: Dial-backs a node runs at once for others (each holds a socket for up to its timeout).
-_DIAL_BACK_AT_ONCE: Final = 4
+#: Dial-backs a node runs at once for others (each holds a socket for up to its timeout), and
+#: for one host (a check asks for each of its addresses at once).
+_DIAL_BACK_AT_ONCE: Final = 16
+_DIAL_BACK_PER_HOST: Final = 4
 #: Peers asked where they see us.
 _OBSERVERS: Final = 3
 
@@ -75,6 +89,9 @@ class DialBack:
     _limiter: trio.CapacityLimiter = attrs.field(
         factory=lambda: trio.CapacityLimiter(_DIAL_BACK_AT_ONCE)
     )
+    #: Dial-backs running per host: at most :data:`_DIAL_BACK_PER_HOST`, so that one host
+    #: cannot take them all.
+    _hosts: collections.Counter[str] = attrs.field(factory=collections.Counter)
 
     async def __call__(self, request: dict[str, Any], call: ServerCall) -> dict[str, Any]:
         address = caller_address_untrusted(request, call.peer_id, "")
@@ -88,18 +105,29 @@ class DialBack:
                 f"only the address the request came from ({remote_host}) is dialled back, "
                 f"not {address.host}"
             )
-        if self._limiter.borrowed_tokens >= self._limiter.total_tokens:
-            return {"reachable": False, "error": "busy with other dial-backs; ask again later"}
-        async with self._limiter:
-            with trio.move_on_after(self.timeout_s):
-                try:
-                    host = _fresh_host(address)
-                    async with open_node(host=host, config=self.node.config) as fresh:
-                        connection = await fresh.connect(address.with_peer_id(call.peer_id))
-                        await connection.aclose()
-                        return {"reachable": True}
-                except TransportError as exc:
-                    return {"reachable": False, "error": f"{type(exc).__name__}: {exc}"}
+        if self._hosts[remote_host] >= _DIAL_BACK_PER_HOST or (
+            self._limiter.borrowed_tokens >= self._limiter.total_tokens
+        ):
+            return {"busy": True, "error": "busy with other dial-backs; ask again later"}
+        self._hosts[remote_host] += 1
+        try:
+            async with self._limiter:
+                return await self._dial(address, call.peer_id)
+        finally:
+            self._hosts[remote_host] -= 1
+            if not self._hosts[remote_host]:
+                del self._hosts[remote_host]
+
+    async def _dial(self, address: Multiaddr, peer_id: PeerID) -> dict[str, Any]:
+        with trio.move_on_after(self.timeout_s):
+            try:
+                host = _fresh_host(address)
+                async with open_node(host=host, config=self.node.config) as fresh:
+                    connection = await fresh.connect(address.with_peer_id(peer_id))
+                    await connection.aclose()
+                    return {"reachable": True}
+            except TransportError as exc:
+                return {"reachable": False, "error": f"{type(exc).__name__}: {exc}"}
         return {"reachable": False, "error": f"no answer within {self.timeout_s:g} s"}
 
 
@@ -123,12 +151,13 @@ class ReachabilityReport:
 
     @property
     def public_addresses(self) -> list[Multiaddr]:
-        """The distinct addresses peers saw us at that are not loopback."""
-        seen: list[Multiaddr] = []
-        for _, address in self.observed:
-            if not address.is_loopback and address not in seen:
-                seen.append(address)
-        return seen
+        """The addresses peers saw us at that are not loopback and that two peers agree on
+        (or the one peer's, where only one said): one peer alone could name any address, and
+        have peers punching holes towards a host of its choice."""
+        seen = [address for _, address in self.observed if not address.is_loopback]
+        if len(self.observed) > 1:
+            seen = [address for address in seen if seen.count(address) > 1]
+        return _unique(seen)
 
 
 async def observe(node: Node, peer: Multiaddr, *, timeout_s: float) -> Multiaddr | None:
@@ -149,12 +178,22 @@ async def observe(node: Node, peer: Multiaddr, *, timeout_s: float) -> Multiaddr
 
 
 async def check_reachability(
-    node: Node, addresses: Sequence[Multiaddr], via: Sequence[str], *, timeout_s: float
+    node: Node,
+    addresses: Sequence[Multiaddr],
+    via: Sequence[str],
+    *,
+    timeout_s: float,
+    trusted: Collection[str] | None = None,
 ) -> ReachabilityReport:
     """Ask peers (``via``, multiaddrs) where they see us and whether they can dial us back at
     ``addresses`` and at what they saw; see the module.  Loopback addresses are checked only by
-    a loopback peer, and others only by others (a peer elsewhere cannot reach our loopback)."""
+    a loopback peer, and others only by others (a peer elsewhere cannot reach our loopback).
+
+    The first peer that answers the dial-backs decides, but a peer not in ``trusted`` (default:
+    every peer is) decides that we are public only if another peer finds us reachable too: a
+    stranger saying so falsely would have us drop our relays and be reached by nobody."""
     peers = direct_peers(via)
+    vouching = set(peers if trusted is None else direct_peers(trusted))
     observed: list[tuple[str, Multiaddr]] = []
 
     async def ask(peer: Multiaddr) -> None:
@@ -168,6 +207,7 @@ async def check_reachability(
     if not observed:
         return ReachabilityReport(reachability=Reachability.UNKNOWN)
     answered = [p for p in peers if any(str(p) == seen_by for seen_by, _ in observed)]
+    unconfirmed: ReachabilityReport | None = None
     # Ask in the order given (initial peers first), not in the order they answered.
     for peer in answered:
         # Every address any peer saw is checked by one peer: a peer that lies about where it
@@ -181,12 +221,24 @@ async def check_reachability(
         if found is None:
             continue
         reachable, unreachable = found
-        return ReachabilityReport(
+        report = ReachabilityReport(
             reachability=Reachability.PUBLIC if reachable else _nat_kind(observed),
             reachable=tuple(reachable),
             unreachable=tuple(unreachable),
             observed=tuple(observed),
             via=str(peer),
+        )
+        if unconfirmed is not None:
+            return report  # a stranger found us reachable: this peer confirms it, or not
+        if reachable and peer not in vouching:
+            unconfirmed = report
+            continue
+        return report
+    if unconfirmed is not None:
+        logger.info(
+            "only %s, a peer this node does not know, could dial it back: taken as not "
+            "reachable until another peer confirms",
+            unconfirmed.via,
         )
     return ReachabilityReport(reachability=_nat_kind(observed), observed=tuple(observed))
 
@@ -198,14 +250,18 @@ async def _dial_backs(
     did not with why (in ``wanted``'s order); None if ``peer`` itself failed us."""
     reachable: list[Multiaddr] = []
     unreachable: list[tuple[Multiaddr, str]] = []
+    busy = False
 
     async def dial_back(connection: Connection, address: Multiaddr) -> None:
+        nonlocal busy
         try:
             reply = await call_unary(connection, DIAL_BACK, {"address": str(address)})
         except TransportError as exc:
             unreachable.append((address, str(exc)))
             return
-        if reply.get("reachable") is True:
+        if reply.get("busy") is True:
+            busy = True  # it did not try: that tells nothing of us
+        elif reply.get("reachable") is True:
             reachable.append(address)
         else:
             unreachable.append((address, str(reply.get("error"))))
@@ -218,6 +274,9 @@ async def _dial_backs(
                     nursery.start_soon(dial_back, connection, address)
     except (TransportError, trio.TooSlowError) as exc:
         logger.debug("dial-back through %s failed: %r", peer, exc)
+        return None
+    if busy:
+        logger.debug("%s is busy with other dial-backs", peer)
         return None
     reachable.sort(key=wanted.index)
     unreachable.sort(key=lambda item: wanted.index(item[0]))
@@ -239,13 +298,15 @@ def direct_peers(via: Iterable[str]) -> list[Multiaddr]:
 
 def _nat_kind(observed: Sequence[tuple[str, Multiaddr]]) -> Reachability:
     """Cone or symmetric, from where peers saw us: a mapping that differs between peers on the
-    same public address is symmetric."""
-    by_host: dict[str, set[int]] = {}
+    same public address is symmetric, unless two peers saw the same one (then the one that
+    differs is a peer's mistake or lie, and hole punching is worth trying)."""
+    by_host: dict[str, list[int]] = {}
     for _, address in observed:
         if not address.is_loopback:
-            by_host.setdefault(address.host, set()).add(address.port)
-    if any(len(ports) > 1 for ports in by_host.values()):
-        return Reachability.SYMMETRIC
+            by_host.setdefault(address.host, []).append(address.port)
+    for ports in by_host.values():
+        if len(set(ports)) > 1 and all(ports.count(port) == 1 for port in ports):
+            return Reachability.SYMMETRIC
     return Reachability.CONE
 
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Final
 
 import attrs
@@ -58,7 +58,7 @@ class _Held:
             report is not None
             and seen is not None
             and not seen.is_loopback
-            and seen.host not in {a.host for a in report.public_addresses}
+            and seen.host not in {address.host for _, address in report.observed}
         ):
             # The relay sees us at a public address no peer saw at the last check: the network
             # changed (another uplink, a new lease).  Check again now.
@@ -78,6 +78,8 @@ class Reach:
     peers: Callable[[], list[str]]
     relay_candidates: Callable[[], list[Multiaddr]]
     on_change: Callable[[], None]
+    #: Peers whose word alone says we are public (the initial peers); others' must agree.
+    trusted: Sequence[str] | None = None
     #: Hold relay reservations when peers cannot dial us (``--use_auto_relay``).
     auto_relay: bool = True
     #: Relay for others when we are public (``--use_relay``).
@@ -134,7 +136,7 @@ class Reach:
         """Ask peers now; log what they found, and act on it."""
         listen = [address.with_peer_id(None) for address in self.listen()]
         report = await check_reachability(
-            self.dht.node, listen, self.peers(), timeout_s=self.timeout_s
+            self.dht.node, listen, self.peers(), timeout_s=self.timeout_s, trusted=self.trusted
         )
         _log(report, auto_relay=self.auto_relay, previous=self.report, port=listen[0].port)
         self.report = report
@@ -183,13 +185,22 @@ class Reach:
             if relay is None:
                 await trio.sleep(_RELAY_SEARCH_S)
                 continue
+            retry_at = self._retry_after.get(relay, -math.inf)
+            if retry_at > trio.current_time():
+                # Every candidate failed lately: look again when the one that failed longest
+                # ago may be asked (a relay that refuses at once must not be asked in a loop).
+                await trio.sleep_until(retry_at)
+                continue
             self._in_use.add(relay)
+            began = trio.current_time()
             try:
                 await hold_reservation(self.dht.node, relay, task_status=_Held(self, relay))
             except TransportError as exc:
                 logger.warning("relay %s: %s; turning to another", relay, exc)
-                self._retry_after[relay] = trio.current_time() + _RELAY_RETRY_S
             finally:
+                # One that failed, or ended soon: another relay first, this one again later.
+                if trio.current_time() - began < _RELAY_RETRY_S:
+                    self._retry_after[relay] = trio.current_time() + _RELAY_RETRY_S
                 self._in_use.discard(relay)
                 assert relay.peer_id is not None
                 if self.reservations.pop(relay.peer_id, None) is not None:

@@ -573,6 +573,7 @@ async def open_server(
                 peers=server.reachability_peers,
                 relay_candidates=server.relay_candidates,
                 on_change=server.reach_changed,
+                trusted=config.initial_peers,
                 auto_relay=config.auto_relay,
                 relay=config.relay,
                 timeout_s=_REACHABILITY_TIMEOUT_S,

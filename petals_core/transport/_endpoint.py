@@ -218,12 +218,17 @@ class Endpoint:
         self._after(conn, now)
         return conn.handle
 
-    def peer_address(self, handle: int) -> Address | None:
+    def peer_address(self, handle: int, *, validated: bool = False) -> Address | None:
         """Where the connection ``handle`` sends to now (its peer may have moved since the
-        handshake: a NAT's new mapping); None for a connection that is gone."""
+        handshake: a NAT's new mapping), or (``validated``) where the peer last proved it
+        receives, for sending more than QUIC would to an unproven address; None for a
+        connection that is gone."""
         conn = self._by_handle.get(handle)
         if conn is None or conn.lost:
             return None
+        if validated:
+            address = conn.quic.validated_peer_address()
+            return None if address is None else (str(address[0]), int(address[1]))
         address = conn.quic.get_peer_address()
         return conn.address if address is None else (str(address[0]), int(address[1]))
 

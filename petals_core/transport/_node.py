@@ -10,6 +10,7 @@ are refused otherwise.
 from __future__ import annotations
 
 import errno
+import functools
 import logging
 import math
 import socket
@@ -154,7 +155,10 @@ class Node:
         """Forward relayed datagrams for others within ``limits`` (the first call's limits
         stay); the table of reservations and circuits, for ``RelayService`` to fill."""
         if self.relay is None:
-            self.relay = RelayTable(limits, self._endpoint.peer_address)
+            # A relay sends without QUIC's limit on unproven addresses: to proven ones only.
+            self.relay = RelayTable(
+                limits, functools.partial(self._endpoint.peer_address, validated=True)
+            )
         return self.relay
 
     @contextmanager

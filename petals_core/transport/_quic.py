@@ -312,6 +312,12 @@ class PeerQuicConnection(QuicConnection):
             datagrams += self._probe_path(now)
         return datagrams
 
+    def validated_peer_address(self) -> NetworkAddress | None:
+        """The peer's address on the most recent path it proved it receives on (RFC 9000 8.2):
+        until then QUIC sends on a new path at most three times what came from there, and
+        whatever else forwards to the peer must not send more."""
+        return next((path.addr for path in self._network_paths if path.is_validated), None)
+
     # -- path MTU --------------------------------------------------------------------------------
 
     def path_info(self) -> PathInfo:

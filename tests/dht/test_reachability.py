@@ -78,6 +78,26 @@ def test_where_peers_see_us_tells_the_kind_of_nat() -> None:
     # Two public addresses (two uplinks) with one port each: not symmetric.
     assert _nat_kind([("a", one), ("b", Multiaddr("192.0.2.9", 4711))]) is Reachability.CONE
     assert _nat_kind([("a", one)]) is Reachability.CONE
+    # Two peers agree, a third names another port (a mistake, or a lie to keep us from
+    # punching holes): cone.
+    other = Multiaddr("198.51.100.20", 4711)
+    assert _nat_kind([*same, ("c", other)]) is Reachability.CONE
+    assert _nat_kind([("a", one), ("b", other), ("c", Multiaddr("198.51.100.20", 5000))]) is (
+        Reachability.SYMMETRIC
+    )
+
+
+def test_an_address_one_peer_alone_names_is_not_announced() -> None:
+    """Where several peers said where they see us, only an address two of them agree on is
+    announced for hole punching: one peer alone could have peers aim at a host of its choice."""
+    mine, forged = Multiaddr("198.51.100.20", 4000), Multiaddr("192.0.2.99", 4242)
+
+    def report(*observed: tuple[str, Multiaddr]) -> ReachabilityReport:
+        return ReachabilityReport(reachability=Reachability.CONE, observed=observed)
+
+    assert report(("a", mine)).public_addresses == [mine]
+    assert report(("a", mine), ("b", forged)).public_addresses == []
+    assert report(("a", mine), ("b", forged), ("c", mine)).public_addresses == [mine]
 
 
 async def test_a_peer_that_lies_about_where_it_sees_us_is_found_out() -> None:
@@ -111,4 +131,68 @@ async def test_a_peer_that_lies_about_where_it_sees_us_is_found_out() -> None:
             # What the liar said is on record, and confirmed by nobody.
             assert (str(liar.listen_multiaddr), forged) in report.observed
             assert forged not in report.reachable
+            nursery.cancel_scope.cancel()
+
+
+def _lying_helper(*, busy: bool = False) -> Handlers:
+    """A peer that answers pings, and every dial-back with "reachable" (or "busy") unseen."""
+    handlers = Handlers()
+
+    @handlers.unary("dht.ping")
+    async def ping(request: dict, call: ServerCall) -> dict:
+        return {"peer_id": str(call.peer_id), "observed": str(Multiaddr("198.51.100.99", 4242))}
+
+    @handlers.unary("dht.dial_back")
+    async def dial_back(request: dict, call: ServerCall) -> dict:
+        return {"busy": True} if busy else {"reachable": True}
+
+    return handlers
+
+
+async def test_a_stranger_alone_cannot_make_us_public(silent_port: int) -> None:
+    """A peer that is not one of ours says it dialled us back where nobody can: without another
+    peer confirming, we are not public (we would drop our relays and be reached by nobody).
+    One of ours that does reach us confirms it; one of ours is believed alone."""
+    with trio.fail_after(DEADLINE_S):
+        async with (
+            open_node() as stranger,
+            open_dht_node(host="127.0.0.1", request_timeout_s=2) as honest,
+            open_dht_node(host="127.0.0.1") as checking,
+            trio.open_nursery() as nursery,
+        ):
+            await nursery.start(serve_rpc, stranger, _lying_helper())
+            unreachable = [Multiaddr("127.0.0.1", silent_port)]
+            mine = [checking.listen_multiaddr.with_peer_id(None)]
+            liar, ours = str(stranger.listen_multiaddr), str(honest.listen_multiaddr)
+
+            alone = await check_reachability(
+                checking.node, unreachable, [liar], timeout_s=2, trusted=[ours]
+            )
+            assert alone.reachability is Reachability.CONE and not alone.reachable
+            confirmed = await check_reachability(
+                checking.node, mine, [liar, ours], timeout_s=2, trusted=[ours]
+            )
+            assert confirmed.reachability is Reachability.PUBLIC and confirmed.via == ours
+            believed = await check_reachability(
+                checking.node, unreachable, [liar], timeout_s=2, trusted=[liar]
+            )
+            assert believed.reachability is Reachability.PUBLIC
+            nursery.cancel_scope.cancel()
+
+
+async def test_a_peer_too_busy_to_dial_back_tells_nothing() -> None:
+    """A peer whose dial-backs are all taken (by someone holding them, say) answers "busy":
+    the next peer is asked, and we are not taken to be behind a NAT."""
+    with trio.fail_after(DEADLINE_S):
+        async with (
+            open_node() as busy,
+            open_dht_node(host="127.0.0.1", request_timeout_s=2) as honest,
+            open_dht_node(host="127.0.0.1") as checking,
+            trio.open_nursery() as nursery,
+        ):
+            await nursery.start(serve_rpc, busy, _lying_helper(busy=True))
+            mine = checking.listen_multiaddr.with_peer_id(None)
+            via = [str(busy.listen_multiaddr), str(honest.listen_multiaddr)]
+            report = await check_reachability(checking.node, [mine], via, timeout_s=2)
+            assert report.reachability is Reachability.PUBLIC and report.via == via[1]
             nursery.cancel_scope.cancel()

@@ -6,7 +6,9 @@ host exercise the protocol and the relay's bookkeeping.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import socket
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -32,8 +34,10 @@ from petals_core.transport import (
     open_node,
     serve_rpc,
 )
-from petals_core.transport._relay import RelayTable
+from petals_core.transport._relay import RelayTable, open_relayed_channel
 from petals_core.transport._relay_wire import RELAY_HEADER, RELAYED
+
+from ..dht._swarm import wait_until
 
 DEADLINE_S = 60
 
@@ -223,3 +227,42 @@ def test_the_table_forwards_only_between_a_circuits_two_ends() -> None:
     table.connection_lost(2)
     assert table.forward(datagram, addresses[1], 1.5) is None
     assert table.statistics().circuits == 0 and table.statistics().reservations == 0
+
+
+async def test_a_relay_forwards_only_to_where_its_peer_proved_it_receives() -> None:
+    """One datagram of a dialer's relay connection arrives from another host's address (what
+    one spoofed datagram does): QUIC moves the connection there, unproven.  The relay keeps
+    forwarding the circuit to the address the dialer proved, not to the spoofed one (QUIC itself
+    sends an unproven address at most three times what came from it; a relay forwarding a
+    circuit there would aim the other end's traffic at any host)."""
+    victim = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    victim.bind(("127.0.0.1", 0))
+    victim.setblocking(False)
+    with victim, trio.fail_after(DEADLINE_S):
+        async with relayed() as trio_:
+            relay, dialer = trio_.relay, trio_.dialer
+            connection, virtual, _ = await open_relayed_channel(dialer, trio_.reservation.address)
+            channel = int(virtual[0][6:14], 16)
+            relay_address = relay.listen_multiaddr.socket_address
+            # The dialer's datagrams from now leave from the victim's socket (a spoofer's).
+            dialer._udp.send = lambda outbox: outbox.clear()  # type: ignore[method-assign]
+            quic = dialer._endpoint._by_handle[connection._handle].quic
+            quic.send_ping(7)
+            for data, _ in quic.datagrams_to_send(now=trio.current_time()):
+                victim.sendto(data, relay_address)
+            (on_relay,) = [c for c in relay.connections if c.peer_id == dialer.peer_id]
+            await wait_until(lambda: on_relay.current_address == victim.getsockname())
+            # The peer's end of the circuit sends 300 datagrams towards the dialer.
+            payload = RELAY_HEADER.pack(RELAYED, channel) + b"x" * 1300
+            before = trio_.service.table.statistics().datagrams_relayed
+            for _ in range(300):
+                trio_.peer._udp.sock.sendto(payload, relay_address)
+            await wait_until(
+                lambda: trio_.service.table.statistics().datagrams_relayed >= before + 300
+            )
+            relayed_to_victim = 0
+            with contextlib.suppress(BlockingIOError):
+                while True:
+                    data = victim.recv(65536)
+                    relayed_to_victim += data[:1] == b"\x00"
+            assert relayed_to_victim == 0
