@@ -258,45 +258,47 @@ class Engine(Tokenizing):
         length = ids.shape[1] + job.max_new_tokens + base.pre_seq_len
         lineup = self._lineup()
         lineup.assigned += 1
-        async with base.remote_blocks.open_inference_session(length) as session:
-            with torch.no_grad():
-                hidden, deep = self._embed(ids, first=True)
-            try:
-                prefill = True
-                drafts: torch.Tensor | None = None  # (rows, tokens) sent after the newest
-                while True:
-                    output = await session.step(hidden, prompts=deep, padding=padding)
-                    deep = padding = None
-                    if prefill and job.prompt_logprobs:
-                        if not await self._send_prompt_logprobs(request, output):
-                            break
-                        if job.max_new_tokens == 0:
-                            request.emit_all(job.finish_empty())
-                            break
-                    if prefill or job.speculation is None:
-                        chosen = [await lineup.choose(job, output[:, -1], chooser)]
-                    else:
-                        chosen = await self._check_drafts(
-                            job, session, lineup, chooser, output, drafts
-                        )
-                    prefill = False
-                    done = False
-                    for tokens, logprobs in chosen:  # one position at a time
-                        chunks, done = job.on_tokens(tokens, logprobs)
-                        request.emit_all(chunks)
+        try:
+            async with base.remote_blocks.open_inference_session(length) as session:
+                with torch.no_grad():
+                    hidden, deep = self._embed(ids, first=True)
+                try:
+                    prefill = True
+                    drafts: torch.Tensor | None = None  # (rows, tokens) sent after the newest
+                    while True:
+                        output = await session.step(hidden, prompts=deep, padding=padding)
+                        deep = padding = None
+                        if prefill and job.prompt_logprobs:
+                            if not await self._send_prompt_logprobs(request, output):
+                                break
+                            if job.max_new_tokens == 0:
+                                request.emit_all(job.finish_empty())
+                                break
+                        if prefill or job.speculation is None:
+                            chosen = [await lineup.choose(job, output[:, -1], chooser)]
+                        else:
+                            chosen = await self._check_drafts(
+                                job, session, lineup, chooser, output, drafts
+                            )
+                        prefill = False
+                        done = False
+                        for tokens, logprobs in chosen:  # one position at a time
+                            chunks, done = job.on_tokens(tokens, logprobs)
+                            request.emit_all(chunks)
+                            if done:
+                                break
                         if done:
                             break
-                    if done:
-                        break
-                    step = job.following(tokens)
-                    drafts = job.draft(draft_tokens) if draft_tokens else None
-                    if drafts is not None:
-                        step = torch.cat([step, drafts], dim=1)
-                    with torch.no_grad():
-                        hidden, _ = self._embed(step)
-            finally:
-                lineup.leave(job)
-                lineup.assigned -= 1
+                        step = job.following(tokens)
+                        drafts = job.draft(draft_tokens) if draft_tokens else None
+                        if drafts is not None:
+                            step = torch.cat([step, drafts], dim=1)
+                        with torch.no_grad():
+                            hidden, _ = self._embed(step)
+                finally:
+                    lineup.leave(job)
+        finally:
+            lineup.assigned -= 1
 
     async def _check_drafts(
         self,

@@ -167,7 +167,7 @@ class Job:
         if row.finish_reason is None:
             # Hold back an unfinished character and what may become a stop sequence.
             whole = text.rstrip(UNFINISHED)
-            end = min(len(whole), stop_prefix_start(whole, stops))
+            end = min(len(whole), stop_prefix_start(whole, stops, since=row.sent))
         new_text = text[row.sent : max(end, row.sent)]
         if not new_text and not row.pending and row.finish_reason is None:
             return None
@@ -215,11 +215,12 @@ class Job:
         return drafts
 
 
-def stop_prefix_start(text: str, stops: Sequence[str]) -> int:
-    """Where the longest end of ``text`` that begins some stop sequence starts (or its end)."""
+def stop_prefix_start(text: str, stops: Sequence[str], *, since: int = 0) -> int:
+    """Where the longest end of ``text`` that begins some stop sequence starts (or its end);
+    only ends after ``since`` count (what was sent cannot be held back)."""
     start = len(text)
     for stop in stops:
-        for size in range(min(len(stop) - 1, len(text)), 0, -1):
+        for size in range(min(len(stop) - 1, len(text) - since), 0, -1):
             if text.endswith(stop[:size]):
                 start = min(start, len(text) - size)
                 break

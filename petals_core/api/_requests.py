@@ -19,6 +19,7 @@ from ._errors import ApiError
 
 __all__ = [
     "MAX_STOP",
+    "MAX_STOP_CHARS",
     "ChatRequest",
     "CompletionRequest",
     "Message",
@@ -29,6 +30,8 @@ __all__ = [
 
 #: OpenAI's limits: up to 4 stop sequences, 5 top logprobs for completions and 20 for chat.
 MAX_STOP: Final = 4
+#: The longest stop sequence (each step looks for every one at the end of each choice's text).
+MAX_STOP_CHARS: Final = 1024
 MAX_COMPLETION_LOGPROBS: Final = 5
 MAX_CHAT_LOGPROBS: Final = 20
 #: Upper bound of ``n`` before the endpoint's own (smaller) limit applies.
@@ -157,10 +160,11 @@ def _stop(body: Mapping[str, Any]) -> tuple[str, ...]:
     if (
         not isinstance(stops, list)
         or not 0 <= len(stops) <= MAX_STOP
-        or not all(isinstance(s, str) and s for s in stops)
+        or not all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_CHARS for s in stops)
     ):
         raise ApiError.bad_request(
-            f"stop must be a non-empty string or a list of up to {MAX_STOP} of them",
+            f"stop must be a string of 1 to {MAX_STOP_CHARS} characters or a list of up to "
+            f"{MAX_STOP} of them",
             param="stop",
         )
     return tuple(stops)
@@ -293,7 +297,7 @@ def parse_completion_untrusted(body: Any) -> CompletionRequest:
     prompts = _prompts(_given(body, "prompt"))
     _neutral(body, "suffix", lambda value: value == "")
     n = _integer(body, "n", low=1, high=MAX_N) or 1
-    _neutral(body, "best_of", lambda value: value == n)
+    _neutral(body, "best_of", lambda value: _is_int(value) and value == n)
     stream = _boolean(body, "stream")
     max_tokens = _integer(body, "max_tokens", low=0, high=2**31 - 1)
     sampling = _sampling(
@@ -404,7 +408,7 @@ def _messages(value: Any) -> tuple[Message, ...]:
             )
         name = message.get("name")
         if name is not None and not isinstance(name, str):
-            raise ApiError.bad_request(f"messages[{index}].name must be a string")
+            raise ApiError.bad_request(f"messages[{index}].name must be a string", param="messages")
         content = message.get("content")
         if content is None and role == "assistant":  # an answer that was all refusal or tools
             content = ""

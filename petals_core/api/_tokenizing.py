@@ -69,19 +69,20 @@ class Tokenizing:
         request may hold is refused before tokenizing: no token stands for more characters
         than the longest in the vocabulary, and a normalizer (that may merge characters before
         the vocabulary sees them) is given a factor of 4."""
-        limit = self.max_request_tokens
-        if len(text) > self._longest_token * limit:
-            raise ApiError(
-                400,
-                f"This endpoint's maximum context length is {limit} tokens. However, the "
-                f"prompt's {len(text)} characters are more tokens than that. Please reduce the "
-                "prompt.",
-                param=param,
-                code="context_length_exceeded",
-            )
+        if len(text) > self._longest_token * self.max_request_tokens:
+            raise self._too_long(f"the prompt's {len(text)} characters are", param=param)
         with self._encoder_lock:
             ids = self._encoder.encode(text, add_special_tokens=add_special_tokens)
         return [int(i) for i in ids]
+
+    def _too_long(self, what: str, *, param: str) -> ApiError:
+        return ApiError(
+            400,
+            f"This endpoint's maximum context length is {self.max_request_tokens} tokens. "
+            f"However, {what} more tokens than that. Please reduce the prompt.",
+            param=param,
+            code="context_length_exceeded",
+        )
 
     def encode_prompt(self, prompt: str | Sequence[int]) -> list[int]:
         """A completion prompt's token ids (token ids are checked against the vocabulary), in a
@@ -110,6 +111,13 @@ class Tokenizing:
                 f"{self.name}'s tokenizer has no chat template: use /v1/completions",
                 param="messages",
             )
+        # Each message is a token at least, and no token stands for more characters than the
+        # longest: a chat surely too long is refused before its template is rendered.
+        characters = sum(len(m.content) for m in messages)
+        if len(messages) > self.max_request_tokens:
+            raise self._too_long(f"the {len(messages)} messages are", param="messages")
+        if characters > self._longest_token * self.max_request_tokens:
+            raise self._too_long(f"the messages' {characters} characters are", param="messages")
         chat = [{"role": m.role, "content": m.content} for m in messages]
         try:  # rendering the template reads the tokenizer and changes nothing: no lock
             text = self._encoder.apply_chat_template(

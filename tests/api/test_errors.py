@@ -109,6 +109,13 @@ def test_a_prompt_far_over_the_context_is_refused_before_tokenizing(endpoint: An
                     "messages": [{"role": "user", "content": huge}],
                 },
             ),
+            (  # each message is a token at least: refused before the template is rendered
+                "/v1/chat/completions",
+                {
+                    "model": endpoint.repo,
+                    "messages": [{"role": "user", "content": ""}] * (LIMITS.max_request_tokens + 1),
+                },
+            ),
         ):
             status, answer = _post(endpoint.url, path, json.dumps(body).encode())
             error = _error(status, answer, 400)

@@ -59,6 +59,10 @@ def test_what_may_start_a_stop_sequence_is_held_back() -> None:
     assert stop_prefix_start("Hello", ["world"]) == 5
     assert stop_prefix_start("abc", []) == 3
     assert stop_prefix_start("x<|e", ["<|end|>", "e"]) == 1
+    # What was sent is not held back, nor looked through again.
+    assert stop_prefix_start("Hello wor", ["world"], since=7) == 9
+    assert stop_prefix_start("Hello wor", ["world"], since=9) == 9
+    assert stop_prefix_start("Hello wor", ["world"], since=6) == 6
 
 
 def test_a_stop_sequence_over_several_tokens_is_cut_and_never_sent_in_part() -> None:

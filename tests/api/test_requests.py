@@ -13,6 +13,7 @@ from petals_core.api import (
     parse_chat_untrusted,
     parse_completion_untrusted,
 )
+from petals_core.api._requests import MAX_STOP_CHARS
 
 CHAT: dict[str, Any] = {"model": "m", "messages": [{"role": "user", "content": "Hi"}]}
 
@@ -105,7 +106,7 @@ def test_completion_defaults_and_prompt_forms() -> None:
         ({**CHAT, "top_logprobs": 2}, "top_logprobs", "needs logprobs"),
         ({**CHAT, "stream_options": {"include_usage": True}}, "stream_options", "only allowed"),
         ({**CHAT, "stop": ["a", "b", "c", "d", "e"]}, "stop", "up to 4"),
-        ({**CHAT, "stop": [""]}, "stop", "non-empty"),
+        ({**CHAT, "stop": [""]}, "stop", "1 to 1024 characters"),
         ({**CHAT, "seed": 2**70}, "seed", "64-bit"),
         ({**CHAT, "max_tokens": -1}, "max_tokens", "from 1"),
         ({**CHAT, "max_tokens": 0}, "max_tokens", "from 1"),
@@ -124,6 +125,12 @@ def test_completion_defaults_and_prompt_forms() -> None:
             "only text parts",
         ),
         ({**CHAT, "messages": [{"role": "tool", "content": "x"}]}, "messages", "role must be"),
+        (
+            {**CHAT, "messages": [{"role": "user", "content": "x", "name": 3}]},
+            "messages",
+            "name must be a string",
+        ),
+        ({**CHAT, "stop": "x" * (MAX_STOP_CHARS + 1)}, "stop", "1 to 1024 characters"),
         ({**CHAT, "model": 3}, "model", "model must be given"),
     ],
 )
@@ -141,6 +148,7 @@ def test_chat_refusals(body: dict[str, Any], param: str, match: str) -> None:
         ({"model": "m", "prompt": [-1]}, "prompt", "prompt must be"),
         ({"model": "m", "prompt": "x", "logprobs": 6}, "logprobs", "from 0 to 5"),
         ({"model": "m", "prompt": "x", "best_of": 3}, "best_of", "not supported"),
+        ({"model": "m", "prompt": "x", "best_of": 1.0}, "best_of", "not supported"),
         ({"model": "m", "prompt": "x", "suffix": "y"}, "suffix", "not supported"),
         ({"model": "m", "prompt": "x", "messages": []}, "messages", "Unrecognized"),
     ],
