@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
 import pytest
 import trio
 
 from petals_core import RemoteError
 from petals_core.dht import Reachability, ReachabilityReport, check_reachability
-from petals_core.dht._node import open_dht_node
+from petals_core.dht._node import DHTNode, open_dht_node
 from petals_core.dht._reachability import _nat_kind
 from petals_core.transport import (
     Handlers,
     Identity,
     Multiaddr,
+    Node,
     ServerCall,
     call_unary,
     open_node,
@@ -20,6 +24,8 @@ from petals_core.transport import (
 )
 
 DEADLINE_S = 60
+#: Where a lying peer says it sees us.
+FORGED = Multiaddr("198.51.100.99", 4242)
 
 
 async def test_a_peer_dials_announced_addresses_back(silent_port: int) -> None:
@@ -104,43 +110,26 @@ async def test_a_peer_that_lies_about_where_it_sees_us_is_found_out() -> None:
     """A peer says it sees us at an address that is not ours, and that it can dial us anywhere:
     the honest peer is asked first to dial back, and the forged address is not called
     reachable."""
-    forged = Multiaddr("198.51.100.99", 4242)
-    liar_handlers = Handlers()
-
-    @liar_handlers.unary("dht.ping")
-    async def ping(request: dict, call: ServerCall) -> dict:
-        return {"peer_id": "whatever", "observed": str(forged)}
-
-    @liar_handlers.unary("dht.dial_back")
-    async def dial_back(request: dict, call: ServerCall) -> dict:
-        return {"reachable": True}
-
     with trio.fail_after(DEADLINE_S):
-        async with (
-            open_dht_node(host="127.0.0.1", request_timeout_s=2) as honest,
-            open_node() as liar,
-            open_dht_node(host="127.0.0.1") as checking,
-            trio.open_nursery() as nursery,
-        ):
-            await nursery.start(serve_rpc, liar, liar_handlers)
+        async with _beside_a_helper(_lying_helper()) as (liar, honest, checking):
             mine = checking.listen_multiaddr.with_peer_id(None)
             via = [str(honest.listen_multiaddr), str(liar.listen_multiaddr)]
             report = await check_reachability(checking.node, [mine], via, timeout_s=2)
             assert report.reachability is Reachability.PUBLIC
             assert report.reachable == (mine,) and report.via == via[0]
             # What the liar said is on record, and confirmed by nobody.
-            assert (str(liar.listen_multiaddr), forged) in report.observed
-            assert forged not in report.reachable
-            nursery.cancel_scope.cancel()
+            assert (str(liar.listen_multiaddr), FORGED) in report.observed
+            assert FORGED not in report.reachable
 
 
 def _lying_helper(*, busy: bool = False) -> Handlers:
-    """A peer that answers pings, and every dial-back with "reachable" (or "busy") unseen."""
+    """A peer that says it sees us at :data:`FORGED`, and answers every dial-back with
+    "reachable" (or "busy") without trying."""
     handlers = Handlers()
 
     @handlers.unary("dht.ping")
     async def ping(request: dict, call: ServerCall) -> dict:
-        return {"peer_id": str(call.peer_id), "observed": str(Multiaddr("198.51.100.99", 4242))}
+        return {"peer_id": str(call.peer_id), "observed": str(FORGED)}
 
     @handlers.unary("dht.dial_back")
     async def dial_back(request: dict, call: ServerCall) -> dict:
@@ -149,18 +138,28 @@ def _lying_helper(*, busy: bool = False) -> Handlers:
     return handlers
 
 
+@asynccontextmanager
+async def _beside_a_helper(
+    handlers: Handlers,
+) -> AsyncIterator[tuple[Node, DHTNode, DHTNode]]:
+    """A peer serving ``handlers``, an honest DHT node, and the node whose reach is checked."""
+    async with (
+        open_node() as helper,
+        open_dht_node(host="127.0.0.1", request_timeout_s=2) as honest,
+        open_dht_node(host="127.0.0.1") as checking,
+        trio.open_nursery() as nursery,
+    ):
+        await nursery.start(serve_rpc, helper, handlers)
+        yield helper, honest, checking
+        nursery.cancel_scope.cancel()
+
+
 async def test_a_stranger_alone_cannot_make_us_public(silent_port: int) -> None:
     """A peer that is not one of ours says it dialled us back where nobody can: without another
     peer confirming, we are not public (we would drop our relays and be reached by nobody).
     One of ours that does reach us confirms it; one of ours is believed alone."""
     with trio.fail_after(DEADLINE_S):
-        async with (
-            open_node() as stranger,
-            open_dht_node(host="127.0.0.1", request_timeout_s=2) as honest,
-            open_dht_node(host="127.0.0.1") as checking,
-            trio.open_nursery() as nursery,
-        ):
-            await nursery.start(serve_rpc, stranger, _lying_helper())
+        async with _beside_a_helper(_lying_helper()) as (stranger, honest, checking):
             unreachable = [Multiaddr("127.0.0.1", silent_port)]
             mine = [checking.listen_multiaddr.with_peer_id(None)]
             liar, ours = str(stranger.listen_multiaddr), str(honest.listen_multiaddr)
@@ -177,22 +176,14 @@ async def test_a_stranger_alone_cannot_make_us_public(silent_port: int) -> None:
                 checking.node, unreachable, [liar], timeout_s=2, trusted=[liar]
             )
             assert believed.reachability is Reachability.PUBLIC
-            nursery.cancel_scope.cancel()
 
 
 async def test_a_peer_too_busy_to_dial_back_tells_nothing() -> None:
     """A peer whose dial-backs are all taken (by someone holding them, say) answers "busy":
     the next peer is asked, and we are not taken to be behind a NAT."""
     with trio.fail_after(DEADLINE_S):
-        async with (
-            open_node() as busy,
-            open_dht_node(host="127.0.0.1", request_timeout_s=2) as honest,
-            open_dht_node(host="127.0.0.1") as checking,
-            trio.open_nursery() as nursery,
-        ):
-            await nursery.start(serve_rpc, busy, _lying_helper(busy=True))
+        async with _beside_a_helper(_lying_helper(busy=True)) as (busy, honest, checking):
             mine = checking.listen_multiaddr.with_peer_id(None)
             via = [str(busy.listen_multiaddr), str(honest.listen_multiaddr)]
             report = await check_reachability(checking.node, [mine], via, timeout_s=2)
             assert report.reachability is Reachability.PUBLIC and report.via == via[1]
-            nursery.cancel_scope.cancel()
