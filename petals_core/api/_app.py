@@ -42,9 +42,6 @@ __all__ = ["MAX_BODY_BYTES", "create_app"]
 
 #: Request bodies above this size are refused (413) before they are parsed.
 MAX_BODY_BYTES: Final = 4 * 1024 * 1024
-#: Larger bodies are parsed in a worker thread (a few MB of JSON hold the event loop for a
-#: noticeable time).
-_PARSE_INLINE_BYTES: Final = 64 * 1024
 CREATED: Final = int(time.time())
 
 
@@ -129,11 +126,8 @@ class _Api:
             if size > MAX_BODY_BYTES:
                 raise ApiError(413, f"The request body is larger than {MAX_BODY_BYTES} bytes.")
             parts.append(part)
-        body = b"".join(parts)
         try:
-            if len(body) <= _PARSE_INLINE_BYTES:
-                return json.loads(body)
-            return await trio.to_thread.run_sync(json.loads, body)
+            return json.loads(b"".join(parts))
         except (ValueError, RecursionError):
             raise ApiError(
                 400,

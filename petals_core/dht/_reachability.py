@@ -18,15 +18,17 @@ Two questions go to peers:
 :func:`check_reachability` asks both and sums up: ``public`` (a peer reached us; a peer the
 caller does not trust must be confirmed by another), ``cone`` or ``symmetric`` (no peer could,
 and the mappings peers saw say which NAT: a mapping two peers saw alike outvotes a third), or
-``unknown`` (no peer answered).  With only one peer's view, a NAT counts as cone: hole punching
-is then tried, and falls back to a relay when it fails.  Only a mapping two peers agree on (or
-the only one seen) is offered for hole punching.
+``unknown`` (no peer answered, or none tried to dial back).  With only one peer's view, a NAT
+counts as cone: hole punching is then tried, and falls back to a relay when it fails.  Where
+several peers saw us from one scope, only a mapping two of them agree on is offered for hole
+punching.
 """
 
 from __future__ import annotations
 
 import collections
 import enum
+import ipaddress
 import logging
 from collections.abc import Collection, Iterable, Sequence
 from typing import Any, Final
@@ -151,13 +153,18 @@ class ReachabilityReport:
 
     @property
     def public_addresses(self) -> list[Multiaddr]:
-        """The addresses peers saw us at that are not loopback and that two peers agree on
-        (or the one peer's, where only one said): one peer alone could name any address, and
-        have peers punching holes towards a host of its choice."""
+        """The addresses peers saw us at that are not loopback: where several peers saw us in
+        one scope (over the Internet, on a LAN; by address family), those two of them agree
+        on; else the one peer's.  One peer alone could name any address, and have peers punch
+        holes towards a host of its choice."""
         seen = [address for _, address in self.observed if not address.is_loopback]
-        if len(self.observed) > 1:
-            seen = [address for address in seen if seen.count(address) > 1]
-        return _unique(seen)
+        agreed = [
+            address
+            for address in seen
+            if seen.count(address) > 1
+            or sum(_scope(other) == _scope(address) for other in seen) == 1
+        ]
+        return _unique(agreed)
 
 
 async def observe(node: Node, peer: Multiaddr, *, timeout_s: float) -> Multiaddr | None:
@@ -193,7 +200,7 @@ async def check_reachability(
     every peer is) decides that we are public only if another peer finds us reachable too: a
     stranger saying so falsely would have us drop our relays and be reached by nobody."""
     peers = direct_peers(via)
-    vouching = set(peers if trusted is None else direct_peers(trusted))
+    vouching = {p.with_peer_id(None) for p in (peers if trusted is None else direct_peers(trusted))}
     observed: list[tuple[str, Multiaddr]] = []
 
     async def ask(peer: Multiaddr) -> None:
@@ -208,6 +215,7 @@ async def check_reachability(
         return ReachabilityReport(reachability=Reachability.UNKNOWN)
     answered = [p for p in peers if any(str(p) == seen_by for seen_by, _ in observed)]
     unconfirmed: ReachabilityReport | None = None
+    judged = False  # whether any peer tried to dial us back
     # Ask in the order given (initial peers first), not in the order they answered.
     for peer in answered:
         # Every address any peer saw is checked by one peer: a peer that lies about where it
@@ -220,6 +228,7 @@ async def check_reachability(
         found = await _dial_backs(node, peer, wanted, timeout_s=timeout_s)
         if found is None:
             continue
+        judged = True
         reachable, unreachable = found
         report = ReachabilityReport(
             reachability=Reachability.PUBLIC if reachable else _nat_kind(observed),
@@ -230,7 +239,7 @@ async def check_reachability(
         )
         if unconfirmed is not None:
             return report  # a stranger found us reachable: this peer confirms it, or not
-        if reachable and peer not in vouching:
+        if reachable and peer.with_peer_id(None) not in vouching:
             unconfirmed = report
             continue
         return report
@@ -240,6 +249,10 @@ async def check_reachability(
             "reachable until another peer confirms",
             unconfirmed.via,
         )
+    elif not judged:
+        # Peers said where they see us, but none tried to dial us back (busy, or gone): that
+        # tells nothing of whether we are behind a NAT.
+        return ReachabilityReport(reachability=Reachability.UNKNOWN, observed=tuple(observed))
     return ReachabilityReport(reachability=_nat_kind(observed), observed=tuple(observed))
 
 
@@ -308,6 +321,29 @@ def _nat_kind(observed: Sequence[tuple[str, Multiaddr]]) -> Reachability:
         if len(set(ports)) > 1 and all(ports.count(port) == 1 for port in ports):
             return Reachability.SYMMETRIC
     return Reachability.CONE
+
+
+#: Networks that are one site's own (RFC 1918, unique-local, link-local): seen from there, a
+#: node's address is not what the Internet sees.
+_LOCAL_NETWORKS: Final = tuple(
+    ipaddress.ip_network(network)
+    for network in (
+        "10.0.0.0/8",
+        "172.16.0.0/12",
+        "192.168.0.0/16",
+        "169.254.0.0/16",
+        "fc00::/7",
+        "fe80::/10",
+    )
+)
+
+
+def _scope(address: Multiaddr) -> tuple[int | None, bool]:
+    """Where an observer saw us from: the address family, and whether on a local network."""
+    if address.dns is not None:
+        return address.family, False
+    ip = ipaddress.ip_address(address.host)
+    return address.family, any(ip in network for network in _LOCAL_NETWORKS)
 
 
 def _unique(addresses: Any) -> list[Multiaddr]:

@@ -36,6 +36,8 @@ logger = logging.getLogger("petals_core.server")
 
 #: A relay that failed is not tried again for this long (unless no other is left).
 _RELAY_RETRY_S: Final = 30.0
+#: How soon a server that no peer could tell whether it is reachable asks again.
+_UNKNOWN_RECHECK_S: Final = 30.0
 #: How often a server that found no relay to use looks again.
 _RELAY_SEARCH_S: Final = 5.0
 
@@ -124,8 +126,11 @@ class Reach:
             nursery.start_soon(self._relays_forever)
             while True:
                 self._recheck = trio.Event()
-                await self.check()
-                with trio.move_on_after(self.recheck_interval_s):
+                report = await self.check()
+                interval = self.recheck_interval_s
+                if report.reachability is Reachability.UNKNOWN:
+                    interval = min(interval, _UNKNOWN_RECHECK_S)  # peers may answer soon
+                with trio.move_on_after(interval):
                     await self._recheck.wait()
 
     def recheck_soon(self) -> None:
@@ -197,14 +202,21 @@ class Reach:
                 await hold_reservation(self.dht.node, relay, task_status=_Held(self, relay))
             except TransportError as exc:
                 logger.warning("relay %s: %s; turning to another", relay, exc)
-            finally:
-                # One that failed, or ended soon: another relay first, this one again later.
-                if trio.current_time() - began < _RELAY_RETRY_S:
-                    self._retry_after[relay] = trio.current_time() + _RELAY_RETRY_S
+                self._retry_later(relay, began)
+            else:
+                self._retry_later(relay, began)
+            finally:  # (a reservation given up on purpose, by cancellation, costs nothing)
                 self._in_use.discard(relay)
                 assert relay.peer_id is not None
                 if self.reservations.pop(relay.peer_id, None) is not None:
                     self._changed()
+
+    def _retry_later(self, relay: Multiaddr, began: float) -> None:
+        """``relay`` failed, or its reservation ended soon: another relay first, this one again
+        after :data:`_RELAY_RETRY_S`."""
+        now = trio.current_time()
+        if now - began < _RELAY_RETRY_S:
+            self._retry_after[relay] = now + _RELAY_RETRY_S
 
     def _pick_relay(self) -> Multiaddr | None:
         """The first candidate not in use, not us, and not failed lately (or failed longest

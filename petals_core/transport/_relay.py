@@ -132,8 +132,9 @@ class RelayTable:
     """A relay's reservations and circuits, and the forwarding of datagrams (no I/O).
 
     Connections are known by their handles; ``address_of(handle)`` gives the address a
-    connection's peer sends from now (None once it is gone), so a peer whose NAT moves it to
-    another port keeps its circuits.
+    connection's peer last proved it receives at (None once it is gone): a peer whose NAT moves
+    it to another port keeps its circuits once QUIC has validated the new path, and one
+    datagram from elsewhere redirects nothing.
     """
 
     def __init__(self, limits: RelayLimits, address_of: Callable[[int], Address | None]) -> None:

@@ -104,6 +104,11 @@ def test_an_address_one_peer_alone_names_is_not_announced() -> None:
     assert report(("a", mine)).public_addresses == [mine]
     assert report(("a", mine), ("b", forged)).public_addresses == []
     assert report(("a", mine), ("b", forged), ("c", mine)).public_addresses == [mine]
+    # Peers on loopback or on our LAN see us from elsewhere: the one Internet view stands.
+    lan, local = Multiaddr("192.168.1.5", 4000), Multiaddr("127.0.0.1", 4000)
+    assert report(("a", local), ("b", mine)).public_addresses == [mine]
+    assert report(("a", lan), ("b", mine)).public_addresses == [lan, mine]
+    assert report(("a", lan), ("b", mine), ("c", forged)).public_addresses == [lan]
 
 
 async def test_a_peer_that_lies_about_where_it_sees_us_is_found_out() -> None:
@@ -180,10 +185,14 @@ async def test_a_stranger_alone_cannot_make_us_public(silent_port: int) -> None:
 
 async def test_a_peer_too_busy_to_dial_back_tells_nothing() -> None:
     """A peer whose dial-backs are all taken (by someone holding them, say) answers "busy":
-    the next peer is asked, and we are not taken to be behind a NAT."""
+    the next peer is asked, and we are not taken to be behind a NAT, even where no other
+    peer answers."""
     with trio.fail_after(DEADLINE_S):
         async with _beside_a_helper(_lying_helper(busy=True)) as (busy, honest, checking):
             mine = checking.listen_multiaddr.with_peer_id(None)
             via = [str(busy.listen_multiaddr), str(honest.listen_multiaddr)]
             report = await check_reachability(checking.node, [mine], via, timeout_s=2)
             assert report.reachability is Reachability.PUBLIC and report.via == via[1]
+            # Busy and nobody else: that tells nothing either way.
+            alone = await check_reachability(checking.node, [mine], via[:1], timeout_s=2)
+            assert alone.reachability is Reachability.UNKNOWN
