@@ -102,7 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--max_queued_requests",
         type=_non_negative,
         default=defaults.max_queued_requests,
-        help="requests waiting for a turn; more are answered 429",
+        help="requests waiting for a turn (or for the tokenizer); more are answered 429",
     )
     parser.add_argument(
         "--max_request_tokens",

@@ -10,6 +10,7 @@ began is sent as an event of that shape, then the stream ends.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import secrets
@@ -171,7 +172,7 @@ class _Api:
 
         if parsed.echo or any(isinstance(prompt, str) for prompt in parsed.prompts):
             # A long prompt takes a while to tokenize: not on the event loop, which serves all.
-            prompts, echo = await trio.to_thread.run_sync(encode, limiter=engine.encode_limiter)
+            prompts, echo = await engine.tokenize(encode)
         else:  # token ids are only checked: no need to wait for the tokenizer
             prompts, echo = encode()
         shape = _CompletionShape(parsed, len(prompts), echo, engine)
@@ -183,8 +184,8 @@ class _Api:
         parsed = parse_chat_untrusted(await self._body(request))
         self._check_model(parsed.model)
         self.engine.check_rows(1, parsed.sampling)
-        prompt = await trio.to_thread.run_sync(
-            self.engine.encode_chat, parsed.messages, limiter=self.engine.encode_limiter
+        prompt = await self.engine.tokenize(
+            functools.partial(self.engine.encode_chat, parsed.messages)
         )
         return await self._answer(request, _ChatShape(parsed, self.engine), [prompt], "messages")
 

@@ -22,7 +22,7 @@ import contextlib
 import logging
 import math
 from collections.abc import AsyncIterator, Callable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import trio
@@ -39,6 +39,8 @@ from ._speculative import PROMPT_LOOKUP_NUM_TOKENS, SpeculationCounts, check_spe
 from ._tokenizing import Tokenizing
 
 __all__ = ["Engine"]
+
+T = TypeVar("T")
 
 logger = logging.getLogger(__name__)
 
@@ -110,6 +112,8 @@ class Engine(Tokenizing):
         self._nursery = nursery
         self._slots = trio.Semaphore(limits.max_concurrent_requests)
         self._waiting = 0
+        #: Requests waiting for the tokenizer or in it (:meth:`tokenize`).
+        self._tokenizing = 0
         #: Requests generating now, and the most that ever did at once.
         self.running = 0
         self.peak_running = 0
@@ -178,13 +182,27 @@ class Engine(Tokenizing):
         Raises :class:`ApiError` at once for a request over the limits, or 429 when too many
         wait. Leaving the block early cancels the generation."""
         max_new_tokens = self.plan(prompts, sampling, prompt_param=prompt_param)
-        if self._waiting >= self.limits.max_queued_requests + self.limits.max_concurrent_requests:
+        self._check_queue(self._waiting)
+        return _Generation(self, prompts, sampling, max_new_tokens, prompt_logprobs)
+
+    def _check_queue(self, waiting: int) -> None:
+        """429 when ``waiting`` requests already wait (for a turn, or for the tokenizer)."""
+        if waiting >= self.limits.max_queued_requests + self.limits.max_concurrent_requests:
             raise ApiError(
                 429,
                 "Too many requests are waiting; try again shortly.",
                 code="too_many_requests",
             )
-        return _Generation(self, prompts, sampling, max_new_tokens, prompt_logprobs)
+
+    async def tokenize(self, encode: Callable[[], T]) -> T:
+        """``encode()`` in the tokenizer's worker thread (see :class:`Tokenizing`), counted with
+        the requests waiting for a turn: 429 when too many wait already."""
+        self._check_queue(self._waiting + self._tokenizing)
+        self._tokenizing += 1
+        try:
+            return await trio.to_thread.run_sync(encode, limiter=self.encode_limiter)
+        finally:
+            self._tokenizing -= 1
 
     async def _run(self, request: _Request, send: trio.MemorySendChannel[Event]) -> None:
         job = request.job

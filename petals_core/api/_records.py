@@ -17,9 +17,9 @@ __all__ = ["Chunk", "Event", "Limits", "PromptLogprobs", "TokenLogprob", "Usage"
 
 @attrs.frozen(kw_only=True)
 class Limits:
-    """What one endpoint accepts: requests generating at once (more wait, up to
-    ``max_queued_requests``; beyond, 429), tokens of one row (prompt plus completion), and rows
-    of one request (prompts times ``n``)."""
+    """What one endpoint accepts: requests generating at once (more wait, for a turn or for the
+    tokenizer, up to ``max_queued_requests``; beyond, 429), tokens of one row (prompt plus
+    completion), and rows of one request (prompts times ``n``)."""
 
     max_concurrent_requests: int = 8
     max_queued_requests: int = 64

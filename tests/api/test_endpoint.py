@@ -474,6 +474,30 @@ def test_requests_beyond_the_queue_are_refused_with_429(endpoint: Any) -> None:
             assert engine.interrupted == 1
         return received
 
+    async def waiting_for_the_tokenizer() -> ApiError:
+        """Requests waiting for the tokenizer count as waiting: with one turn and no queue, a
+        second request while the first is tokenized gets 429 before it is tokenized."""
+        async with trio.open_nursery() as nursery:
+            engine = small_engine(nursery, 0)
+            held, release = trio.Event(), threading.Event()
+
+            def slow() -> list[int]:
+                trio.from_thread.run_sync(held.set)
+                release.wait()
+                return prompt
+
+            nursery.start_soon(engine.tokenize, slow)
+            await held.wait()
+            try:
+                with pytest.raises(ApiError) as refused:
+                    await engine.tokenize(lambda: prompt)
+            finally:
+                release.set()
+        return refused.value
+
+    refused = endpoint.run(waiting_for_the_tokenizer)
+    assert refused.status == 429 and refused.code == "too_many_requests"
+
     events = endpoint.run(one_left_the_queue)
     assert sum(isinstance(event, Usage) for event in events) == 2
     assert isinstance(received[-1], Usage) and received[-1].completion_tokens >= 1
