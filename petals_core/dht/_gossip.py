@@ -145,6 +145,7 @@ class Gossip:
         *,
         prefix: str,
         rng: random.Random,
+        num_blocks: int | None = None,
         fanout: int = 3,
         interval_s: float = 1.0,
         push_ttl: int = 8,
@@ -173,6 +174,7 @@ class Gossip:
         self._own_peer = own_peer
         self._store = store
         self._topic = f"{prefix}."
+        self._num_blocks = num_blocks
         self._rng = rng
         self._fanout = fanout
         self._interval_s = float(interval_s)
@@ -307,7 +309,7 @@ class Gossip:
         self._counts["pushes_received"] += 1
         new: list[Record] = []
         for record in records[: self._max_push_records]:
-            if not isinstance(record, Record) or not record.key.startswith(self._topic):
+            if not isinstance(record, Record) or not self.is_announcement(record):
                 self._counts["refusals"] += 1
                 continue
             stored = self._store.get(record.key, now)
@@ -342,13 +344,29 @@ class Gossip:
             self._counts["messages_dropped"] += 1
         return admitted
 
+    def is_announcement(self, record: Record) -> bool:
+        """Whether ``record`` is what the topic holds: a server's announcement for one block
+        (key ``{prefix}.{block}``, block below ``num_blocks`` if known), signed by the server
+        (its PeerID the subkey).  Nothing else may fill the topic's store."""
+        return record.signer is not None and self._is_block_key(record.key)
+
+    def _is_block_key(self, key: str) -> bool:
+        block = key.removeprefix(self._topic)
+        return (
+            key.startswith(self._topic)
+            and block.isascii()
+            and block.isdigit()
+            and (block == "0" or not block.startswith("0"))
+            and (self._num_blocks is None or int(block) < self._num_blocks)
+        )
+
     def _in_topic(self, entry: object) -> bool:
         """Whether ``entry`` is a well-formed digest entry in our topic (a driver may hand us
         whatever a peer sent)."""
         return (
             isinstance(entry, DigestEntry)
             and isinstance(entry.key, str)
-            and entry.key.startswith(self._topic)
+            and self._is_block_key(entry.key)
             and (entry.subkey is None or isinstance(entry.subkey, str))
             and isinstance(entry.expiration, int | float)
             and not isinstance(entry.expiration, bool)

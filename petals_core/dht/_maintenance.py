@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Awaitable, Callable, Sequence
+from typing import Final
 
 import attrs
 import trio
@@ -25,6 +26,9 @@ from ._routing import Contact, NodeID, RoutingTable
 __all__ = ["Maintenance"]
 
 logger = logging.getLogger(__name__)
+
+#: Keys :meth:`Maintenance.hand_off` goes through between checkpoints.
+_KEYS_PER_CHECKPOINT: Final = 256
 
 
 @attrs.define(kw_only=True, eq=False)
@@ -77,7 +81,9 @@ class Maintenance:
         """A node joined our table: give it the records it is now among the nearest for."""
         now = self._clock()
         records: list[Record] = []
-        for key in self._records.keys(now):
+        for index, key in enumerate(self._records.keys(now)):
+            if index % _KEYS_PER_CHECKPOINT == 0:
+                await trio.lowlevel.checkpoint()  # a full store takes seconds to go through
             nearest = self._table.closest(NodeID.from_key(key), self._replicas)
             if any(c.node_id == contact.node_id for c in nearest):
                 held = self._records.get(key, now)

@@ -106,6 +106,7 @@ class PeerTable:
             store,
             prefix=prefix,
             rng=self._rng,
+            num_blocks=num_blocks,
             fanout=fanout,
             interval_s=gossip_interval_s,
         )

@@ -22,7 +22,9 @@ limits are exact.  The rules, all here:
 - **Limits.**  A value larger than ``max_value_bytes`` is refused.  Each peer that sends us
   records (``from_peer``) may hold at most ``max_records_per_peer`` entries and
   ``max_bytes_per_peer`` bytes here; our own stores (``from_peer=None``) are not counted.  A key
-  holds at most ``max_subkeys_per_key`` entries and the store ``max_records`` entries and
+  holds at most ``max_subkeys_per_key`` entries: when full, a new subkey is refused, unless it
+  is signed and an unsigned entry can give way (the soonest to expire); entries signed by their
+  peers are never pushed out by newcomers.  The store holds at most ``max_records`` entries and
   ``max_total_bytes`` bytes: when full, the soonest-expiring entries give way, but only to a
   record that expires strictly later than each of them.
 
@@ -178,13 +180,17 @@ class RecordStore:
             elif None in held:  # a dictionary entry replaces a single value
                 displaced.append(held[None])
             elif len(held) >= self._max_subkeys_per_key:
-                soonest = min(held.values(), key=lambda entry: rank(entry.entry))
-                if soonest.entry.expiration >= new.expiration:
+                # A full key takes a new subkey only in place of an unsigned entry, and only a
+                # signed one: entries signed by their peers are never pushed out by newcomers
+                # (who could otherwise sign up a thousand keys, expiring later, and take the
+                # key from every server announced under it).
+                unsigned = [entry for entry in held.values() if entry.entry.signer is None]
+                if new.signer is None or not unsigned:
                     return StoreResult(
                         StoreRefusal.KEY_FULL,
-                        f"key {record.key!r} holds {len(held)} subkeys, none expiring sooner",
+                        f"key {record.key!r} holds {len(held)} subkeys, its most",
                     )
-                displaced.append(soonest)
+                displaced.append(min(unsigned, key=lambda entry: rank(entry.entry)))
 
         footprint = _footprint(record)
         if from_peer is not None:

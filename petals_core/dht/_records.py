@@ -373,6 +373,9 @@ _MAX_PINGS: Final = 256
 
 _MAX_ADDRESSES: Final = 8
 
+#: The most throughput or requests per second an announcement may claim: far beyond any
+#: device, and small enough that sums over every server of a block stay finite.
+MAX_RATE: Final = 1e9
 _MAX_BLOCKS: Final = 2**32
 
 _MAX_TOKENS: Final = 2**63
@@ -417,8 +420,8 @@ def _check_name(field: str, value: object, *, optional: bool = False) -> None:
 def _check_rate(field: str, value: object, *, optional: bool = False) -> None:
     if optional and value is None:
         return
-    if not isinstance(value, float) or not 0 <= value < math.inf:
-        raise LocalProtocolError(f"{field} is a finite number >= 0, not {value!r}")
+    if not isinstance(value, float) or not 0 <= value <= MAX_RATE:
+        raise LocalProtocolError(f"{field} is a number from 0 to {MAX_RATE:g}, not {value!r}")
 
 
 def _check_count(field: str, value: object, low: int, high: int, *, optional: bool = False) -> None:

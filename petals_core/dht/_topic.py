@@ -222,7 +222,8 @@ class Topic:
         now = self._clock()
         changed = False
         for record in records:
-            changed |= self._store.store(record, now).accepted
+            if self._gossip.is_announcement(record):
+                changed |= self._store.store(record, now).accepted
         if changed:
             self._mark_changed()
         else:

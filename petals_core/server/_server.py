@@ -493,7 +493,7 @@ class Server:
                 move = should_choose_other_blocks(
                     own, spans, self.num_blocks_total, cfg.balance_quality
                 )
-            except ConfigError as exc:
+            except (ConfigError, ArithmeticError) as exc:
                 logger.debug("cannot judge the balance: %s", exc)
                 continue
             if move:

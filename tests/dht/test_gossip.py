@@ -312,6 +312,26 @@ def test_records_outside_the_topic_are_refused() -> None:
     assert node.on_want("p", [DigestEntry("other-model.0", None, NOW + 60)], NOW) == []
 
 
+def test_only_signed_announcements_of_the_models_blocks_enter_the_topic() -> None:
+    """Under the topic's prefix only ``{prefix}.{block}`` keys, signed by their server, are
+    held: junk keys or unsigned entries would fill the store (whose full keys push nobody out)
+    and make every digest costly."""
+    node = gossip(num_blocks=4)
+    node.add_peer("p")
+    junk = [
+        Record.signed(ALICE, f"{PREFIX}.junk", b"x", NOW + 60),
+        Record.signed(ALICE, f"{PREFIX}.4", b"x", NOW + 60),  # past the model's blocks
+        Record.signed(ALICE, f"{PREFIX}.01", b"x", NOW + 60),
+        Record(f"{PREFIX}.0", "not-a-peer", b"x", NOW + 60),  # unsigned
+    ]
+    assert node.on_push("p", tuple(junk), NOW, ttl=3) == []
+    assert node.statistics().refusals == len(junk)
+    entries = [DigestEntry(f"{PREFIX}.junk", None, NOW + 60)]
+    assert node.on_digest("p", entries, NOW) == []
+    assert node.on_push("p", (announce(ALICE),), NOW, ttl=0) == []
+    assert node.statistics().refusals == len(junk)  # the announcement itself was taken
+
+
 def test_expired_records_leave_digests_and_are_not_pushed() -> None:
     node = gossip()
     node.add_peer("p")

@@ -274,13 +274,22 @@ def test_a_store_full_of_bytes_evicts_as_many_entries_as_needed() -> None:
     assert store.statistics().stored_bytes == 4 * footprint
 
 
-def test_a_full_key_makes_room_only_for_newer_entries() -> None:
+def test_a_full_key_makes_room_only_for_a_signed_entry_in_place_of_an_unsigned_one() -> None:
+    """Newcomers never push out entries signed by their peers, however long they last (one
+    could sign up a thousand PeerIDs and take the key from every server announced under it);
+    a signed entry takes the place of an unsigned one, the soonest to expire."""
     store = RecordStore(max_subkeys_per_key=2)
     accept(store, unsigned(subkey="a", ttl=10))
     accept(store, unsigned(subkey="b", ttl=20))
-    assert refusal(store, unsigned(subkey="c", ttl=10)) is StoreRefusal.KEY_FULL
-    accept(store, unsigned(subkey="c", ttl=15))
-    assert set(value_at(store, "k") or {}) == {"b", "c"}
+    assert refusal(store, unsigned(subkey="c", ttl=30)) is StoreRefusal.KEY_FULL
+    accept(store, signed(ALICE, ttl=5))
+    assert set(value_at(store, "k") or {}) == {"b", str(ALICE.peer_id)}
+    accept(store, signed(BOB, ttl=5))
+    assert refusal(store, signed(CAROL, ttl=3600)) is StoreRefusal.KEY_FULL
+    assert refusal(store, unsigned(subkey="c", ttl=3600)) is StoreRefusal.KEY_FULL
+    # An entry's own peer may still replace it.
+    accept(store, signed(ALICE, value=b"new", ttl=6))
+    assert set(value_at(store, "k") or {}) == {str(ALICE.peer_id), str(BOB.peer_id)}
 
 
 @pytest.mark.parametrize(
@@ -539,6 +548,16 @@ INFO = ServerInfo(
     cache_tokens_left=2**40,
     next_pings={str(BOB.peer_id): 0.01, str(CAROL.peer_id): 0.25},
 )
+
+
+def test_announced_rates_are_bounded() -> None:
+    """Throughput and request rates are at most MAX_RATE: two announcements of the largest
+    float made every sum over a block's servers overflow, which took down every server choosing
+    its blocks and every client planning a forward pass."""
+    for field in ("throughput", "inference_rps", "forward_rps"):
+        with pytest.raises(LocalProtocolError, match=f"{field} is a number from 0 to 1e"):
+            attrs.evolve(INFO, **{field: 1.7e308}).to_bytes()
+    assert ServerInfo.from_bytes_untrusted(attrs.evolve(INFO, throughput=1e9).to_bytes())
 
 
 def test_server_info_round_trips() -> None:
