@@ -50,6 +50,8 @@ from ._record_store import (
     RecordStoreStatistics as RecordStoreStatistics,
 )
 from ._records import (
+    MAX_ANNOUNCEMENT_S as MAX_ANNOUNCEMENT_S,
+    MAX_RATE as MAX_RATE,
     Entry as Entry,
     Record as Record,
     ServerInfo as ServerInfo,

@@ -18,7 +18,7 @@ import trio
 from .._errors import ConfigError
 from ._gossip import Gossip, PeerTableSnapshot, build_snapshot
 from ._record_store import RecordStore
-from ._records import Record, ServerInfo
+from ._records import MAX_ANNOUNCEMENT_S, Record, ServerInfo
 from ._topic import Topic
 
 if TYPE_CHECKING:
@@ -100,7 +100,8 @@ class PeerTable:
         ]:
             if not 0 < value < math.inf:
                 raise ConfigError(f"{name} must be positive, got {value}")
-        store = RecordStore()
+        # Announcements only (see Gossip.is_announcement), none lasting beyond an hour.
+        store = RecordStore(max_expiration_s=MAX_ANNOUNCEMENT_S)
         gossip = Gossip(
             str(self._dht.peer_id),
             store,

@@ -25,8 +25,8 @@ limits are exact.  The rules, all here:
   holds at most ``max_subkeys_per_key`` entries: when full, a new subkey is refused, unless it
   is signed and an unsigned entry can give way (the soonest to expire); entries signed by their
   peers are never pushed out by newcomers.  The store holds at most ``max_records`` entries and
-  ``max_total_bytes`` bytes: when full, the soonest-expiring entries give way, but only to a
-  record that expires strictly later than each of them.
+  ``max_total_bytes`` bytes: when full, the soonest-expiring unsigned entries give way, but only
+  to a record that expires strictly later than each of them; signed ones never do.
 
 Checks run cheapest first, signatures before anything that compares with what is stored.  Quotas
 bound what one PeerID can take, not what many can: minting PeerIDs is cheap, and the store-wide
@@ -280,6 +280,7 @@ class RecordStore:
         records = self._records + 1 - len(displaced)
         stored = self._bytes + footprint - sum(held.footprint for held in displaced)
         popped: list[tuple[float, int, str, str | None]] = []
+        kept: list[tuple[float, int, str, str | None]] = []  # signed: never pushed out
         victims: list[_Held] = []
         while (records > self._max_records or stored > self._max_total_bytes) and self._heap:
             if self._heap[0][0] >= expiration:
@@ -288,12 +289,17 @@ class RecordStore:
             held = self._current(item)
             if held is None:
                 continue  # stale: nothing to put back
+            if held.entry.signer is not None and not any(held is d for d in displaced):
+                kept.append(item)
+                continue
             popped.append(item)
             if any(held is other for other in displaced):
                 continue  # already leaving
             victims.append(held)
             records -= 1
             stored -= held.footprint
+        for item in kept:
+            heapq.heappush(self._heap, item)
         if records > self._max_records or stored > self._max_total_bytes:
             for item in popped:
                 heapq.heappush(self._heap, item)

@@ -36,6 +36,8 @@ from ..transport import (
 
 __all__ = [
     "DEFAULT_MAX_VALUE_BYTES",
+    "MAX_ANNOUNCEMENT_S",
+    "MAX_RATE",
     "Entry",
     "Record",
     "ServerInfo",
@@ -376,6 +378,9 @@ _MAX_ADDRESSES: Final = 8
 #: The most throughput or requests per second an announcement may claim: far beyond any
 #: device, and small enough that sums over every server of a block stay finite.
 MAX_RATE: Final = 1e9
+#: The longest a server's announcement may last: peer tables keep none longer, so a flood of
+#: made-up announcements holds a block's key for an hour at most.
+MAX_ANNOUNCEMENT_S: Final = 3600.0
 _MAX_BLOCKS: Final = 2**32
 
 _MAX_TOKENS: Final = 2**63

@@ -3,13 +3,13 @@ of its fields, and the model config it loads for it."""
 
 from __future__ import annotations
 
-import math
 from typing import Literal, get_args
 
 import attrs
 import torch
 
 from .._errors import ConfigError
+from ..dht import MAX_ANNOUNCEMENT_S, MAX_RATE
 from ..models import (
     AutoDistributedConfig,
     CpuDecodeChoice,
@@ -121,8 +121,16 @@ class ServerConfig:
         for name in ("update_period_s", "mean_balance_check_period_s"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name} must be positive")
-        if isinstance(self.throughput, float | int) and not (0 <= self.throughput < math.inf):
-            raise ConfigError(f"throughput must be a number >= 0, got {self.throughput}")
+        if isinstance(self.throughput, float | int) and not (0 <= self.throughput <= MAX_RATE):
+            raise ConfigError(
+                f"throughput must be a number from 0 to {MAX_RATE:g}, got {self.throughput}"
+            )
+        if not 0 < self.effective_expiration_s <= MAX_ANNOUNCEMENT_S:
+            raise ConfigError(
+                f"announcements must last from 0 to {MAX_ANNOUNCEMENT_S:g} s (peers keep them "
+                f"no longer): expiration_s is {self.expiration_s}, update_period_s "
+                f"{self.update_period_s}"
+            )
 
     @property
     def effective_expiration_s(self) -> float:

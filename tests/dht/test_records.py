@@ -261,6 +261,20 @@ def test_a_full_store_evicts_the_soonest_expiring_for_newer_records_only() -> No
     assert sorted(store.keys(NOW + 16)) == ["k0", "k2", "later"]
 
 
+def test_a_full_store_pushes_out_no_signed_entry() -> None:
+    """Entries signed by their peers never give way to newcomers, however long those last (a
+    flood of fresh PeerIDs with large values would otherwise push every announcement out);
+    unsigned ones do, to a later-expiring record."""
+    store = RecordStore(max_records=2)
+    accept(store, signed(ALICE, key="a", ttl=10))
+    accept(store, unsigned(key="u", ttl=5))
+    accept(store, signed(BOB, key="b", ttl=3600))  # in place of the unsigned entry
+    assert sorted(store.keys(NOW)) == ["a", "b"]
+    assert refusal(store, signed(CAROL, key="c", ttl=3600)) is StoreRefusal.STORE_FULL
+    assert refusal(store, unsigned(key="v", ttl=3600)) is StoreRefusal.STORE_FULL
+    assert sorted(store.keys(NOW)) == ["a", "b"]
+
+
 def test_a_store_full_of_bytes_evicts_as_many_entries_as_needed() -> None:
     footprint = len("k0") + 100
     store = RecordStore(max_total_bytes=4 * footprint)

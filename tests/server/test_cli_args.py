@@ -155,3 +155,16 @@ def test_a_forwarded_port_is_announced() -> None:
     assert config_from_args(parse_args(flags)).announce_port == 31337
     with pytest.raises(ConfigError, match=r"announce_port must be 1\.\.65535"):
         ServerConfig(model="m", new_swarm=True, announce_port=0)
+
+
+def test_announcements_peers_would_refuse_are_refused_at_start() -> None:
+    """A throughput beyond what an announcement may claim, or announcements lasting longer
+    than peer tables keep them, are refused when the server is configured, not when it first
+    announces."""
+    with pytest.raises(ConfigError, match="throughput must be a number from 0 to 1e"):
+        ServerConfig(model="m", new_swarm=True, throughput=2e9)
+    with pytest.raises(ConfigError, match="announcements must last from 0 to 3600 s"):
+        ServerConfig(model="m", new_swarm=True, expiration_s=7200.0)
+    with pytest.raises(ConfigError, match="announcements must last from 0 to 3600 s"):
+        ServerConfig(model="m", new_swarm=True, update_period_s=3000.0)
+    assert ServerConfig(model="m", new_swarm=True, throughput=1e9).throughput == 1e9
