@@ -70,11 +70,14 @@ RELAY_CONNECT = "relay.connect"
 class RelayLimits:
     """How much a relay does for others.  Bytes per second None: no bound."""
 
-    #: Peers that may hold a reservation at once.
+    #: Peers that may hold a reservation at once, in all and from one host (PeerIDs cost
+    #: nothing: one host could otherwise take them all).
     max_reservations: int = attrs.field(default=64, validator=positive)
-    #: Circuits open at once, in all and per dialer.
+    max_reservations_per_host: int = attrs.field(default=8, validator=positive)
+    #: Circuits open at once, in all, per dialer and per dialing host.
     max_circuits: int = attrs.field(default=256, validator=positive)
     max_circuits_per_peer: int = attrs.field(default=16, validator=positive)
+    max_circuits_per_host: int = attrs.field(default=32, validator=positive)
     #: Bytes forwarded per second on one circuit (both ways together), and in all.
     circuit_bytes_per_s: float | None = attrs.field(default=32 << 20, validator=positive_or_none)
     total_bytes_per_s: float | None = attrs.field(default=128 << 20, validator=positive_or_none)
@@ -171,6 +174,10 @@ class RelayTable:
             raise RelayRefused(
                 f"this relay holds {self.limits.max_reservations} reservations, its most"
             )
+        host = self._host_of(handle)
+        held = sum(self._host_of(h) == host for p, h in self._reservations.items() if p != peer_id)
+        if host is not None and held >= self.limits.max_reservations_per_host:
+            raise RelayRefused(f"{host} holds {held} reservations here, the most one host may hold")
         if old is not None and old != handle:
             self._close_circuits(lambda c: c.target == peer_id)
         self._reservations[peer_id] = handle
@@ -197,6 +204,12 @@ class RelayTable:
             raise RelayRefused(
                 f"{dialer} has {limits.max_circuits_per_peer} circuits open here, the most a peer "
                 "may have"
+            )
+        host = self._host_of(dialer_handle)
+        from_host = sum(self._host_of(c.dialer_handle) == host for c in self._circuits.values())
+        if host is not None and from_host >= limits.max_circuits_per_host:
+            raise RelayRefused(
+                f"{host} has {from_host} circuits open here, the most one host may have"
             )
         channel = 0
         while channel == 0 or channel in self._circuits:
@@ -248,6 +261,10 @@ class RelayTable:
         self._relayed += 1
         self._relayed_bytes += size
         return destination
+
+    def _host_of(self, handle: int) -> str | None:
+        address = self._address_of(handle)
+        return None if address is None else address[0]
 
     def _close_circuits(self, which: Callable[[_Circuit], bool]) -> None:
         for channel in [ch for ch, c in self._circuits.items() if which(c)]:

@@ -266,3 +266,25 @@ async def test_a_relay_forwards_only_to_where_its_peer_proved_it_receives() -> N
                     data = victim.recv(65536)
                     relayed_to_victim += data[:1] == b"\x00"
             assert relayed_to_victim == 0
+
+
+def test_one_host_cannot_take_every_reservation_or_circuit() -> None:
+    """PeerIDs cost nothing: one host, under as many of them as it likes, may hold only its share
+    of reservations and dial only its share of circuits; other hosts are served as before."""
+    limits = RelayLimits(max_reservations_per_host=2, max_circuits_per_host=3)
+    addresses = {handle: ("198.51.100.2", 4000 + handle) for handle in range(1, 10)}
+    addresses[10] = ("203.0.113.5", 4000)
+    table = RelayTable(limits, addresses.get)
+    peers = [Identity.generate().peer_id for _ in range(10)]
+    table.reserve(peers[0], 1)
+    table.reserve(peers[1], 2)
+    table.reserve(peers[0], 1)  # renewing its own is no new reservation
+    with pytest.raises(RelayRefused, match=r"198\.51\.100\.2 holds 2 reservations here"):
+        table.reserve(peers[2], 3)
+    table.reserve(peers[9], 10)  # another host
+    for index, handle in enumerate((4, 5, 6)):
+        table.open_circuit(peers[3 + index], handle, peers[9], now=0.0)
+    with pytest.raises(RelayRefused, match=r"198\.51\.100\.2 has 3 circuits open here"):
+        table.open_circuit(peers[8], 7, peers[9], now=0.0)
+    table.open_circuit(peers[9], 10, peers[0], now=0.0)  # another host dials on
+    assert table.statistics().circuits == 4 and table.statistics().reservations == 3
