@@ -321,20 +321,35 @@ def test_store_limits_are_validated(limits: dict[str, Any]) -> None:
 
 
 class StoreInvariants(RuleBasedStateMachine):
-    """Random stores, reads and sweeps: the books always balance and no limit is ever passed."""
+    """Random stores (unsigned, and signed by three peers), reads and sweeps: the books always
+    balance, no limit is ever passed, and an entry signed by its peer leaves only by expiring or
+    by its peer's newer one."""
 
     def __init__(self) -> None:
         super().__init__()
         self.store = RecordStore(
             max_records=6,
-            max_total_bytes=120,
+            max_total_bytes=600,
             max_records_per_peer=3,
-            max_bytes_per_peer=60,
+            max_bytes_per_peer=300,
             max_subkeys_per_key=3,
             max_value_bytes=30,
             max_expiration_s=50,
         )
         self.now = NOW
+        #: (key, subkey) -> expiration of each signed entry the store took.
+        self.signed: dict[tuple[str, str], float] = {}
+
+    def _put(self, record: Record, peer: str | None) -> bool:
+        before = self.store.get(record.key, self.now)
+        result = self.store.store(record, self.now, from_peer=peer)
+        after = self.store.get(record.key, self.now)
+        if result.accepted:
+            assert after is not None
+            assert after.entries[record.subkey] == record.entry
+        else:
+            assert after == before  # a refusal changes nothing under the key
+        return result.accepted
 
     @rule(
         key=st.sampled_from(["a", "b", "c"]),
@@ -344,20 +359,32 @@ class StoreInvariants(RuleBasedStateMachine):
         peer=st.sampled_from([None, "p", "q"]),
     )
     def put(self, key: str, subkey: str | None, size: int, ttl: int, peer: str | None) -> None:
-        before = self.store.get(key, self.now)
-        record = Record(key, subkey, bytes(size), self.now + ttl)
-        result = self.store.store(record, self.now, from_peer=peer)
-        after = self.store.get(key, self.now)
-        if result.accepted:
-            assert after is not None
-            assert after.entries[subkey] == record.entry
-        else:
-            assert after == before  # a refusal changes nothing under the key
+        self._put(Record(key, subkey, bytes(size), self.now + ttl), peer)
+
+    @rule(
+        key=st.sampled_from(["a", "b", "c"]),
+        who=st.sampled_from([ALICE, BOB, CAROL]),
+        size=st.integers(0, 35),
+        ttl=st.integers(-2, 52),
+        peer=st.sampled_from([None, "p", "q"]),
+    )
+    def put_signed(self, key: str, who: Identity, size: int, ttl: int, peer: str | None) -> None:
+        record = Record.signed(who, key, bytes(size), self.now + ttl)
+        if self._put(record, peer):
+            assert record.subkey is not None
+            self.signed[(key, record.subkey)] = record.expiration
 
     @rule(step=st.integers(0, 20))
     def tick(self, step: int) -> None:
         self.now += step
         self.store.expire(self.now)
+        self.signed = {at: until for at, until in self.signed.items() if until > self.now}
+
+    @invariant()
+    def signed_entries_stay(self) -> None:
+        for (key, subkey), until in self.signed.items():
+            value = self.store.get(key, self.now)
+            assert value is not None and value.entries[subkey].expiration == until
 
     @invariant()
     def books_balance(self) -> None:
@@ -369,11 +396,18 @@ class StoreInvariants(RuleBasedStateMachine):
             assert len(value.entries) <= 3
             records += value.records(key)
         assert stats.records == len(records) <= 6
-        footprints = [len(r.key) + len(r.subkey or "") + len(r.value) for r in records]
-        assert stats.stored_bytes == sum(footprints) <= 120
+        footprints = [
+            len(r.key)
+            + len(r.subkey or "")
+            + len(r.value)
+            + len(r.signer or b"")
+            + len(r.signature or b"")
+            for r in records
+        ]
+        assert stats.stored_bytes == sum(footprints) <= 600
         assert all(record.expiration > self.now for record in records)
         usage = self.store._usage
-        assert all(0 < use.records <= 3 and use.bytes <= 60 for use in usage.values())
+        assert all(0 < use.records <= 3 and use.bytes <= 300 for use in usage.values())
         assert stats.peers == len(usage)
 
 
