@@ -45,9 +45,8 @@ from ._reports import (
     fetch_report,
     publish,
 )
-from ._second_opinions import other_route
 from ._sequence_manager import RemoteSequenceManager
-from ._sequential import _backward_span, _forward_span
+from ._sequential import _backward_span, _forward_along
 from ._session_core import SpanState
 from ._span_call import RETRIABLE, SpanCall
 
@@ -128,8 +127,15 @@ async def _ask(
     failure: Exception | None = None
     for _ in range(_TRIES):
         try:
-            route = await other_route(
-                sub, span, exclude, like, wait=False, whole_only=whole, whole_first=False, rank=rank
+            route = await sub.make_sequence(
+                start,
+                end,
+                mode="impartial",
+                exclude=exclude,
+                like=like,
+                wait=False,
+                whole=whole,
+                rank=rank,
             )
         except MissingBlocksError:
             break
@@ -152,10 +158,9 @@ async def _answer(
         return await _replay_session(manager, route[0], report)
     asked = report.asked
     if report.kind == "forward":
-        x, evidence = asked["hidden_states"], []
-        for hop in route:
-            x, _, answer = await _forward_span(manager, hop, x, asked.get("prompts"), False)
-            evidence.append(answer)
+        x, _, evidence = await _forward_along(
+            manager, route, asked["hidden_states"], asked.get("prompts"), False
+        )
         signatures = [answer.signature for answer in evidence]
         checkers = {answer.accused for answer in evidence}
         return _Answer({"hidden_states": x}, signatures[-1], checkers, hops_allowance(signatures))
@@ -219,15 +224,10 @@ async def _replay_session(
     return _Answer({"hidden_states": result.hidden_states}, result.receipt, {state.peer})
 
 
-async def judge(
-    manager: RemoteSequenceManager,
-    report: FraudReport,
-    rank: Callable[[str], bytes] | None = None,
-) -> str:
-    """Whether ``report``'s answer is wrong, asking other servers (see the module; ``rank``:
-    the order in which to draw them, default :meth:`ReportBook.checkers_rank`): the reason to
-    uphold it; :class:`ReportRefused` if it is about a correct answer; :class:`_Undecided` if
-    too few servers can tell now."""
+async def judge(manager: RemoteSequenceManager, report: FraudReport) -> str:
+    """Whether ``report``'s answer is wrong, asking other servers (see the module; drawn by
+    :meth:`ReportBook.checkers_rank`): the reason to uphold it; :class:`ReportRefused` if it is
+    about a correct answer; :class:`_Undecided` if too few servers can tell now."""
     start, end = report.blocks
     if end > manager.num_blocks:
         raise ReportRefused(f"the report names blocks {start}:{end} of a {manager.num_blocks}")
@@ -241,7 +241,7 @@ async def judge(
             f"the answer is signed as computed in {signed.torch_dtype!r}, a dtype no check knows"
         )
     like = attrs.evolve(announced, torch_dtype=signed.torch_dtype, quant_type=signed.quant_type)
-    rank = book_of(manager).checkers_rank(report.accused) if rank is None else rank
+    rank = book_of(manager).checkers_rank(report.accused)
     bound = tolerance(like)
     second = await _ask(manager, report, {report.accused}, like, rank)
     checkers = second.checkers

@@ -5,7 +5,6 @@ session on one of them that follows the span's session step by step (:class:`Fol
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
 from typing import Literal
 
 import attrs
@@ -28,16 +27,13 @@ async def other_route(
     *,
     wait: bool,
     whole_only: bool = False,
-    whole_first: bool = True,
-    rank: Callable[[str], bytes] | None = None,
 ) -> list[RouteSpan]:
     """A route over ``span``'s blocks through servers not in ``exclude`` (of ``like``'s dtype and
-    quantisation), drawn impartially (``rank``: see :meth:`RemoteSequenceManager.make_sequence`):
-    from the first block, the first in rank of the servers holding it, to the end of its span,
-    and on from there.  A checker drawn by the throughput servers announce could be any server
-    that claims enough.  ``whole_only``: only servers holding every block of the span;
-    ``whole_first``: one of those if there is one, so that the others stay free to decide a
-    disagreement (a chain of several servers leaves fewer), else a chain."""
+    quantisation), drawn impartially (``mode="impartial"`` of
+    :meth:`RemoteSequenceManager.make_sequence`: a checker drawn by the throughput servers
+    announce could be any server that claims enough): one server holding every block if there is
+    one, so that the others stay free to decide a disagreement (a chain of several servers leaves
+    fewer), else (unless ``whole_only``) a chain."""
     route = functools.partial(
         manager.make_sequence,
         span.start,
@@ -45,16 +41,13 @@ async def other_route(
         mode="impartial",
         exclude=exclude,
         like=like,
-        rank=rank,
     )
     if whole_only:
         return await route(wait=wait, whole=True)
-    if whole_first:
-        try:
-            return await route(wait=False, whole=True)
-        except MissingBlocksError:
-            pass
-    return await route(wait=wait)
+    try:
+        return await route(wait=False, whole=True)
+    except MissingBlocksError:
+        return await route(wait=wait)
 
 
 @attrs.frozen

@@ -271,6 +271,18 @@ async def _recompute(
     evidence of each one's answer; waiting for such servers (up to the manager's
     ``missing_blocks_timeout_s``) only if ``wait``."""
     route = await other_route(manager, span, exclude, like, wait=wait)
+    return await _forward_along(manager, route, hidden, prompts, keep)
+
+
+async def _forward_along(
+    manager: RemoteSequenceManager,
+    route: list[RouteSpan],
+    hidden: torch.Tensor,
+    prompts: torch.Tensor | None,
+    keep: bool,
+) -> tuple[torch.Tensor, Saved, list[FraudReport]]:
+    """``hidden`` through ``route``'s servers in turn, unchecked: the output, what to keep for
+    the backward, and the evidence of each one's answer."""
     saved: Saved = []
     evidence: list[FraudReport] = []
     x = hidden

@@ -11,7 +11,7 @@ import torch
 import trio
 
 from .._errors import CodecError, ReceiptError, RemoteError, ServerError, TransportError
-from ..dht import MAX_EVIDENCE_BYTES
+from ..dht import MAX_EVIDENCE_BYTES, ServerInfo
 from ..protocol import (
     INFERENCE,
     FraudReport,
@@ -59,6 +59,8 @@ class SpanCall:
         self._asked: dict[str, torch.Tensor | None] | None = None
         #: The opening was sent, and the server has not said yet that it took it.
         self.unconfirmed = False
+        #: The server's announcement when its first answer came (what receipts must name).
+        self._announced: ServerInfo | None = None
 
     async def open(
         self, manager: RemoteSequenceManager, opening: OpenSession, *, wait: bool = True
@@ -157,9 +159,9 @@ class SpanCall:
             asked=signature.asked,
             answered=digest_tensors({"hidden_states": result.hidden_states}),
         )
-        check_receipt(
-            receipt, signature, self.state.peer, announced=manager.server_info(self.state.peer)
-        )
+        if self._announced is None:  # once: reading the peer table costs a walk over it
+            self._announced = manager.server_info(self.state.peer)
+        check_receipt(receipt, signature, self.state.peer, announced=self._announced)
         self.receipts.append(
             SignedReceipt(peer=self.state.peer, receipt=receipt, signature=signature)
         )

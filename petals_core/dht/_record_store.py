@@ -136,6 +136,8 @@ class RecordStore:
         # (expiration, sequence, key, subkey) of every entry, soonest first; an item whose
         # sequence no longer matches the held entry is stale and skipped when it surfaces.
         self._heap: list[tuple[float, int, str, str | None]] = []
+        # The same for unsigned entries only: those a newcomer may push out (see _make_room).
+        self._evictable: list[tuple[float, int, str, str | None]] = []
         self._sequence = 0
 
     def store(self, record: Record, now: float, *, from_peer: str | None = None) -> StoreResult:
@@ -280,29 +282,24 @@ class RecordStore:
         records = self._records + 1 - len(displaced)
         stored = self._bytes + footprint - sum(held.footprint for held in displaced)
         popped: list[tuple[float, int, str, str | None]] = []
-        kept: list[tuple[float, int, str, str | None]] = []  # signed: never pushed out
         victims: list[_Held] = []
-        while (records > self._max_records or stored > self._max_total_bytes) and self._heap:
-            if self._heap[0][0] >= expiration:
+        heap = self._evictable  # signed entries are never pushed out
+        while (records > self._max_records or stored > self._max_total_bytes) and heap:
+            if heap[0][0] >= expiration:
                 break
-            item = heapq.heappop(self._heap)
+            item = heapq.heappop(heap)
             held = self._current(item)
             if held is None:
                 continue  # stale: nothing to put back
-            if held.entry.signer is not None and not any(held is d for d in displaced):
-                kept.append(item)
-                continue
             popped.append(item)
             if any(held is other for other in displaced):
                 continue  # already leaving
             victims.append(held)
             records -= 1
             stored -= held.footprint
-        for item in kept:
-            heapq.heappush(self._heap, item)
         if records > self._max_records or stored > self._max_total_bytes:
             for item in popped:
-                heapq.heappush(self._heap, item)
+                heapq.heappush(heap, item)
             return None
         return victims
 
@@ -315,7 +312,10 @@ class RecordStore:
         self._sequence += 1
         held = _Held(record.key, record.subkey, record.entry, from_peer, footprint, self._sequence)
         self._keys.setdefault(record.key, {})[record.subkey] = held
-        heapq.heappush(self._heap, (record.expiration, self._sequence, record.key, record.subkey))
+        item = (record.expiration, self._sequence, record.key, record.subkey)
+        heapq.heappush(self._heap, item)
+        if record.signer is None:
+            heapq.heappush(self._evictable, item)
         self._records += 1
         self._bytes += footprint
         if from_peer is not None:
@@ -323,9 +323,10 @@ class RecordStore:
             usage.records += 1
             usage.bytes += footprint
         # Replaced entries leave stale heap items behind; rebuild before they outnumber the live.
-        if len(self._heap) > 2 * self._records + 64:
-            self._heap = [item for item in self._heap if self._current(item) is not None]
-            heapq.heapify(self._heap)
+        for heap in (self._heap, self._evictable):
+            if len(heap) > 2 * self._records + 64:
+                heap[:] = [item for item in heap if self._current(item) is not None]
+                heapq.heapify(heap)
 
     def _remove(self, held: _Held) -> None:
         entries = self._keys[held.key]

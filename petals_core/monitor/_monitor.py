@@ -297,8 +297,7 @@ class SwarmMonitor:
         for prefix, judge in self._judges.items():
             book = judge.state.reports
             if book is not None:
-                book.forget_expired(now)
-                verdicts[prefix] = book.verdicts
+                verdicts[prefix] = {k: v for k, v in book.verdicts.items() if v.expires > now}
         return verdicts
 
     def _publish(self) -> None:

@@ -202,14 +202,13 @@ class Reach:
                 await hold_reservation(self.dht.node, relay, task_status=_Held(self, relay))
             except TransportError as exc:
                 logger.warning("relay %s: %s; turning to another", relay, exc)
-                self._retry_later(relay, began)
-            else:
-                self._retry_later(relay, began)
-            finally:  # (a reservation given up on purpose, by cancellation, costs nothing)
+            finally:
                 self._in_use.discard(relay)
                 assert relay.peer_id is not None
                 if self.reservations.pop(relay.peer_id, None) is not None:
                     self._changed()
+            # Not reached when cancelled: a reservation given up on purpose costs nothing.
+            self._retry_later(relay, began)
 
     def _retry_later(self, relay: Multiaddr, began: float) -> None:
         """``relay`` failed, or its reservation ended soon: another relay first, this one again

@@ -197,12 +197,12 @@ class RepairDecoder:
         ):
             self.malformed += 1
             return None
-        self.window = max(self.window, WINDOW_RUNS * size)
         share = -(-longest // count)
         expected = min(share, longest - index * share)
         if len(piece) != body_at + expected:
             self.malformed += 1
             return None
+        self.window = max(self.window, WINDOW_RUNS * size)
         pieces = self._pieces.setdefault(serial, {})
         pieces[index] = piece
         if len(pieces) < count:
