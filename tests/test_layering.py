@@ -287,6 +287,33 @@ def test_the_library_reads_no_private_module_state() -> None:
     assert found == []
 
 
+def test_only_the_quic_modules_reach_into_aioquic() -> None:
+    """aioquic's private state is read and patched in ``transport._quic`` and ``_quic_path``
+    alone (the contract ``tests/transport`` holds); everything else asks them."""
+    private = re.compile(r"\bquic\._[a-z]")
+    allowed = {"transport/_quic.py", "transport/_quic_path.py"}
+    found = [
+        f"{path.relative_to(PACKAGE)}:{number}"
+        for path in sorted(PACKAGE.rglob("*.py"))
+        if path.relative_to(PACKAGE).as_posix() not in allowed
+        for number, line in enumerate(path.read_text().splitlines(), 1)
+        if private.search(line)
+    ]
+    assert found == []
+
+
+#: A module longer than this does several jobs: split it by concern.
+MAX_MODULE_LINES = 700
+
+
+def test_no_module_does_several_jobs() -> None:
+    lengths = {
+        path.relative_to(PACKAGE).as_posix(): len(path.read_text().splitlines())
+        for path in sorted(PACKAGE.rglob("*.py"))
+    }
+    assert {path: n for path, n in lengths.items() if n > MAX_MODULE_LINES} == {}
+
+
 @pytest.mark.parametrize("module", SANS_IO_MODULES)
 def test_sans_io_modules_load_no_event_loop_and_no_network(module: str) -> None:
     assert _imported_after(module, LOOP_AND_NETWORK) == []

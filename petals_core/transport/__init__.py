@@ -33,7 +33,8 @@ Its modules, bottom up (docs/how-it-works.md says how each works):
 - ``_quic`` and ``_quic_path``: the only modules that reach into aioquic (client certificates,
   flow control that follows the application, congestion control kept across idle gaps, pacing,
   path MTU discovery);
-- ``_endpoint`` (events in ``_endpoint_events``): sans-IO, many connections behind one socket;
+- ``_endpoint`` (events in ``_endpoint_events``, one connection's state, close codes and end
+  in ``_endpoint_conn``): sans-IO, many connections behind one socket;
 - ``_repair``: repair datagrams on lossy paths (a lost datagram rebuilt without a round trip);
 - ``_udp``: the socket, with segmentation and receive offload where Linux allows;
 - ``_node``: the trio edge (one socket, one pump task), ``connect_any``;

@@ -12,7 +12,8 @@ from typing import TYPE_CHECKING
 import trio
 
 from .._errors import ClosedResourceError, StreamReset, TransportError
-from ._endpoint import APP_CANCELLED, Address
+from ._endpoint_conn import APP_CANCELLED
+from ._endpoint_events import Address
 from ._identity import PeerID
 from ._multiaddr import Multiaddr
 from ._quic_path import PathInfo

@@ -11,16 +11,13 @@ key, and, when the dialer named a PeerID, only if the key hashes to it.
 
 from __future__ import annotations
 
-import ipaddress
 from collections import deque
 from collections.abc import Iterator
 
-import attrs
 from aioquic.buffer import Buffer
 from aioquic.quic import events as qe
 from aioquic.quic.configuration import QuicConfiguration
 from aioquic.quic.packet import (
-    QuicErrorCode,
     QuicPacketType,
     encode_quic_version_negotiation,
     pull_quic_header,
@@ -30,11 +27,22 @@ from .._errors import (
     ConnectionClosed,
     ConnectTimeout,
     IdentityMismatch,
-    RemoteProtocolError,
     StreamReset as StreamResetError,
     TransportError,
 )
 from ._config import ALPN, TransportConfig
+from ._endpoint_conn import (
+    APP_CANCELLED,
+    APP_CLOSED,
+    APP_IDENTITY,
+    Conn,
+    format_address,
+    is_loopback,
+    locally_initiated,
+    no_data_pending,
+    refresh_timer,
+    termination_error,
+)
 from ._endpoint_events import (
     Address,
     ConnectionLost,
@@ -60,60 +68,9 @@ __all__ = [
     "StreamReset",
 ]
 
-# Application error codes on the wire (QUIC leaves their meaning to us), kept clear of the
-# transport's own codes (0x0-0x10, 0x100-0x1ff) so that a misfiled close cannot be misread.
-APP_CLOSED = 0x0
-APP_IDENTITY = 0x1001
-APP_CANCELLED = 0x1010
-APP_REFUSED = 0x1011
-APP_PROTOCOL = 0x1012
-
 _CID_BYTES = 8
 # Unsendable bytes a stream may queue beyond the peer's window for it (see send_room).
 _STREAM_SEND_SLACK = 32 << 10
-# TLS alert "no_application_protocol" arrives as a CRYPTO_ERROR of 0x100 + 120.
-_NO_ALPN = 0x100 + 120
-
-
-def is_loopback(host: str) -> bool:
-    try:
-        address = ipaddress.ip_address(host)
-    except ValueError:
-        return False
-    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
-        address = address.ipv4_mapped
-    return address.is_loopback
-
-
-@attrs.define(eq=False)
-class _Conn:
-    handle: int
-    quic: PeerQuicConnection
-    address: Address
-    is_client: bool
-    expected_peer_id: PeerID | None
-    connect_deadline: float | None
-    peer_id: PeerID | None = None
-    ready: bool = False
-    lost: bool = False
-    last_activity: float = 0.0
-    keepalive_at: float | None = None
-    #: When the last datagram from the peer arrived.
-    last_received: float = 0.0
-    #: While calls are open and the peer is silent: when probing began, and the next probe.
-    probing_since: float | None = None
-    probe_at: float | None = None
-    # The soonest of aioquic's timer, the keep-alive and the connect deadline, as of the last
-    # time this connection's output was collected (aioquic's get_timer is not cheap).
-    timer_at: float | None = None
-    # Streams the application holds: stream_id -> bytes delivered but not consumed yet.
-    open_streams: dict[int, int] = attrs.Factory(dict)
-    # Peer-opened streams the application let go of while aioquic still tracks them.
-    released: set[int] = attrs.Factory(set)
-    # Repairs (see ``_repair``): made while the path loses datagrams; taken while the peer
-    # sends them.
-    repair_out: RepairEncoder | None = None
-    repair_in: RepairDecoder | None = None
 
 
 class Endpoint:
@@ -122,11 +79,11 @@ class Endpoint:
     def __init__(self, identity: Identity, config: TransportConfig) -> None:
         self.identity = identity
         self.config = config
-        self._by_cid: dict[bytes, _Conn] = {}
-        self._by_handle: dict[int, _Conn] = {}
+        self._by_cid: dict[bytes, Conn] = {}
+        self._by_handle: dict[int, Conn] = {}
         self._next_handle = 1
         self._events: deque[EndpointEvent] = deque()
-        self._dirty: set[_Conn] = set()
+        self._dirty: set[Conn] = set()
         self._stray_datagrams: list[tuple[bytes, Address]] = []
         self._timer_hint: float | None = None
         #: Repair datagrams sent, and datagrams rebuilt from the peers' repairs.
@@ -174,10 +131,10 @@ class Endpoint:
         is_client: bool,
         expected: PeerID | None,
         now: float,
-    ) -> _Conn:
+    ) -> Conn:
         handle = self._next_handle
         self._next_handle += 1
-        conn = _Conn(
+        conn = Conn(
             handle=handle,
             quic=quic,
             address=address,
@@ -252,7 +209,7 @@ class Endpoint:
             ConnectionLost(
                 handle,
                 ConnectionClosed(
-                    f"we closed the connection to {_format(conn.address)}{detail}",
+                    f"we closed the connection to {format_address(conn.address)}{detail}",
                     error_code=error_code,
                 ),
             )
@@ -311,7 +268,7 @@ class Endpoint:
         conn.probing_since = None
         self._after(conn, now)
 
-    def _receive_repair(self, conn: _Conn, data: bytes, address: Address, now: float) -> None:
+    def _receive_repair(self, conn: Conn, data: bytes, address: Address, now: float) -> None:
         decoder = conn.repair_in
         if decoder is None:
             # From now on the datagrams that arrive are kept for the repairs that follow them
@@ -327,7 +284,7 @@ class Endpoint:
             self.datagrams_rebuilt += 1
             self.receive_datagram(rebuilt, address, now)
 
-    def _accept(self, data: bytes, header: object, address: Address, now: float) -> _Conn | None:
+    def _accept(self, data: bytes, header: object, address: Address, now: float) -> Conn | None:
         packet_type = getattr(header, "packet_type", None)
         version = getattr(header, "version", None)
         supported = QuicConfiguration().supported_versions
@@ -363,7 +320,7 @@ class Endpoint:
     def next_timer(self) -> float | None:
         """When :meth:`handle_timers` must run next (None: no timer pending)."""
         for conn in self._dirty:
-            _refresh_timer(conn)
+            refresh_timer(conn)
         best: float | None = None
         for conn in self._by_handle.values():
             at = conn.timer_at
@@ -388,7 +345,7 @@ class Endpoint:
                 self._fail(
                     conn,
                     ConnectTimeout(
-                        f"no handshake with {_format(conn.address)} within "
+                        f"no handshake with {format_address(conn.address)} within "
                         f"{self.config.connect_timeout_s:g} s"
                     ),
                     now,
@@ -412,7 +369,7 @@ class Endpoint:
         self._stray_datagrams = []
         dirty, self._dirty = self._dirty, set()
         # Data first: a step's packet should not wait behind another peer's lone ACK.
-        ordered = sorted(dirty, key=_no_data_pending) if len(dirty) > 1 else dirty
+        ordered = sorted(dirty, key=no_data_pending) if len(dirty) > 1 else dirty
         for conn in ordered:
             sent = conn.quic.datagrams_to_send(now=now)
             if sent:
@@ -420,13 +377,13 @@ class Endpoint:
                     sent = self._with_repairs(conn, sent)
                 out.extend(sent)
             self._drain_quic_events(conn, now)
-            at = _refresh_timer(conn)
+            at = refresh_timer(conn)
             if at is not None and (self._timer_hint is None or at < self._timer_hint):
                 self._timer_hint = at
         return out
 
     def _with_repairs(
-        self, conn: _Conn, sent: list[tuple[bytes, Address]]
+        self, conn: Conn, sent: list[tuple[bytes, Address]]
     ) -> list[tuple[bytes, Address]]:
         if not conn.quic.losing:
             conn.repair_out = None  # and its run so far, if the path just stopped losing
@@ -524,7 +481,7 @@ class Endpoint:
         conn = self._by_handle.get(handle)
         if conn is None or conn.lost:
             return
-        stream = conn.quic._streams.get(stream_id)
+        stream = conn.quic.stream(stream_id)
         if stream is not None and not stream.sender.is_finished:
             conn.quic.reset_stream(stream_id, error_code)
         conn.open_streams.setdefault(stream_id, 0)
@@ -544,18 +501,18 @@ class Endpoint:
         unread = conn.open_streams.pop(stream_id, None)
         if unread is None or conn.lost:
             return
-        stream = conn.quic._streams.get(stream_id)
+        stream = conn.quic.stream(stream_id)
         # Something to send now: a STOP_SENDING, a connection window update, or (for a stream
         # the peer opened, once finished both ways) the MAX_STREAMS that lets it open another.
         due = conn.quic.forget_stream(stream_id, unread)
         if stream is not None and not stream.receiver.is_finished:
             conn.quic.stop_stream(stream_id, error_code)
             due = True
-        if not _locally_initiated(conn, stream_id):
+        if not locally_initiated(conn, stream_id):
             # Late frames for it must not look like a new call; aioquic forgets the ID itself
             # once both directions are finished, and then so do we.
             conn.released.add(stream_id)
-            conn.released.intersection_update(conn.quic._streams)
+            conn.released.intersection_update(conn.quic.stream_ids())
             due = due or stream is None or stream.is_finished
         if due:
             self._after(conn, now)
@@ -573,22 +530,22 @@ class Endpoint:
 
     # -- internals ------------------------------------------------------------------------------
 
-    def _live(self, handle: int) -> _Conn:
+    def _live(self, handle: int) -> Conn:
         conn = self._by_handle.get(handle)
         if conn is None or conn.lost:
             raise ConnectionClosed("the connection is closed")
         return conn
 
-    def _after(self, conn: _Conn, now: float) -> None:
+    def _after(self, conn: Conn, now: float) -> None:
         """Collect what an operation on ``conn`` produced and schedule its output."""
         self._dirty.add(conn)
         self._drain_quic_events(conn, now)
-        closing = conn.quic._close_event
+        closing = conn.quic.close_event()
         if closing is not None and not conn.lost:
             # The peer (or aioquic) ended the connection: say so now, not after the drain period.
             conn.lost = True
             conn.keepalive_at = conn.connect_deadline = None
-            self._events.append(ConnectionLost(conn.handle, _termination_error(conn, closing)))
+            self._events.append(ConnectionLost(conn.handle, termination_error(conn, closing)))
         interval = self.config.keepalive_interval_s
         if conn.ready and interval is not None and not conn.lost:
             conn.keepalive_at = conn.last_activity + interval
@@ -596,14 +553,14 @@ class Endpoint:
 
     # -- a silent peer --------------------------------------------------------------------------
 
-    def _schedule_probe(self, conn: _Conn) -> None:
+    def _schedule_probe(self, conn: Conn) -> None:
         silence = self.config.peer_silence_s
         if silence is None or conn.lost or not conn.ready or not conn.open_streams:
             conn.probe_at = conn.probing_since = None
         elif conn.probing_since is None:
             conn.probe_at = conn.last_received + silence
 
-    def _probe(self, conn: _Conn, now: float) -> None:
+    def _probe(self, conn: Conn, now: float) -> None:
         """The peer said nothing for ``peer_silence_s`` while calls are open: PING it a few
         times; if none of that draws an answer within the grace period, it is gone."""
         silence = self.config.peer_silence_s
@@ -617,7 +574,7 @@ class Endpoint:
             self._fail(
                 conn,
                 ConnectionClosed(
-                    f"{_format(conn.address)} stopped answering: nothing for "
+                    f"{format_address(conn.address)} stopped answering: nothing for "
                     f"{now - conn.last_received:.1f} s while calls were open, PINGs unanswered"
                 ),
                 now,
@@ -626,7 +583,7 @@ class Endpoint:
         conn.quic.send_ping(0)
         conn.probe_at = min(now + grace / 3, conn.probing_since + grace)
 
-    def _drain_quic_events(self, conn: _Conn, now: float) -> None:
+    def _drain_quic_events(self, conn: Conn, now: float) -> None:
         quic = conn.quic
         while (event := quic.next_event()) is not None:
             if isinstance(event, qe.StreamDataReceived):
@@ -651,10 +608,10 @@ class Endpoint:
             elif isinstance(event, qe.ConnectionTerminated):
                 self._on_terminated(conn, event)
 
-    def _on_stream_data(self, conn: _Conn, event: qe.StreamDataReceived, now: float) -> None:
+    def _on_stream_data(self, conn: Conn, event: qe.StreamDataReceived, now: float) -> None:
         sid = event.stream_id
         held = conn.open_streams.get(sid)
-        if held is None and (_locally_initiated(conn, sid) or sid in conn.released):
+        if held is None and (locally_initiated(conn, sid) or sid in conn.released):
             # A late packet for a stream we already let go: credit it back at once.
             if event.data:
                 conn.quic.consume(sid, len(event.data))
@@ -663,7 +620,7 @@ class Endpoint:
         conn.open_streams[sid] = (held or 0) + len(event.data)
         self._events.append(StreamData(conn.handle, sid, event.data, event.end_stream))
 
-    def _on_handshake(self, conn: _Conn, now: float) -> None:
+    def _on_handshake(self, conn: Conn, now: float) -> None:
         cert = conn.quic.peer_certificate()
         if cert is None:
             self._fail(conn, IdentityMismatch("the peer presented no certificate"), now)
@@ -679,7 +636,7 @@ class Endpoint:
             ConnectionReady(conn.handle, conn.peer_id, conn.address, conn.is_client)
         )
 
-    def _fail(self, conn: _Conn, error: TransportError, now: float) -> None:
+    def _fail(self, conn: Conn, error: TransportError, now: float) -> None:
         """Report ``conn`` lost with ``error`` at once and close it on the wire."""
         if conn.lost:
             return
@@ -691,60 +648,14 @@ class Endpoint:
         self._dirty.add(conn)
         self._events.append(ConnectionLost(conn.handle, error))
 
-    def _on_terminated(self, conn: _Conn, event: qe.ConnectionTerminated) -> None:
+    def _on_terminated(self, conn: Conn, event: qe.ConnectionTerminated) -> None:
         if not conn.lost:
             conn.lost = True
-            self._events.append(ConnectionLost(conn.handle, _termination_error(conn, event)))
+            self._events.append(ConnectionLost(conn.handle, termination_error(conn, event)))
         self._forget(conn)
 
-    def _forget(self, conn: _Conn) -> None:
+    def _forget(self, conn: Conn) -> None:
         self._by_handle.pop(conn.handle, None)
         for cid in [cid for cid, c in self._by_cid.items() if c is conn]:
             del self._by_cid[cid]
         self._dirty.discard(conn)
-
-
-def _no_data_pending(conn: _Conn) -> bool:
-    return not conn.quic.data_pending
-
-
-def _refresh_timer(conn: _Conn) -> float | None:
-    best = conn.quic.get_timer()
-    for at in (conn.keepalive_at, conn.connect_deadline, conn.probe_at):
-        if at is not None and (best is None or at < best):
-            best = at
-    conn.timer_at = best
-    return best
-
-
-def _locally_initiated(conn: _Conn, stream_id: int) -> bool:
-    return (stream_id & 1 == 0) == conn.is_client
-
-
-def _format(address: Address) -> str:
-    host, port = address
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-
-
-def _termination_error(conn: _Conn, event: qe.ConnectionTerminated) -> TransportError:
-    code = event.error_code
-    reason = event.reason_phrase or ""
-    where = _format(conn.address)
-    detail = f": {reason}" if reason else ""
-    if event.frame_type is None:
-        # An application close (CONNECTION_CLOSE 0x1d): the codes are ours.
-        if code == APP_IDENTITY:
-            return IdentityMismatch(f"{where} refused our identity{detail}")
-        return ConnectionClosed(f"{where} closed the connection{detail}", error_code=code)
-    if code == QuicErrorCode.INTERNAL_ERROR and reason == "Idle timeout":
-        # aioquic's own idle timer; before the handshake it means nobody answered.
-        if not conn.ready:
-            return ConnectTimeout(f"no handshake with {where}")
-        return ConnectionClosed(f"connection to {where} timed out while idle", error_code=code)
-    if code == _NO_ALPN:
-        return RemoteProtocolError(
-            f"{where} does not speak {ALPN} (another protocol or major version)"
-        )
-    return ConnectionClosed(
-        f"connection to {where} closed (code {code:#x}){detail}", error_code=code
-    )

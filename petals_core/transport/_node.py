@@ -26,7 +26,6 @@ from .._groups import open_block_nursery
 from ._config import TransportConfig
 from ._connection import Connection, Stream, peer_initiated
 from ._endpoint import (
-    APP_REFUSED,
     Address,
     ConnectionLost,
     ConnectionReady,
@@ -35,6 +34,7 @@ from ._endpoint import (
     StreamData,
     StreamReset as StreamResetEvent,
 )
+from ._endpoint_conn import APP_REFUSED
 from ._identity import Identity, PeerID
 from ._multiaddr import Multiaddr, as_multiaddr
 from ._punch import punch_hole

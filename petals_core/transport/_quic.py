@@ -34,9 +34,11 @@ in its public API, so this subclass adds them (aioquic is pinned in pyproject; t
 
 from __future__ import annotations
 
+from collections.abc import KeysView
 from typing import Any
 
 from aioquic import tls
+from aioquic.quic import events as qe
 from aioquic.quic.configuration import QuicConfiguration
 from aioquic.quic.connection import (
     NetworkAddress,
@@ -47,6 +49,7 @@ from aioquic.quic.connection import (
 from aioquic.quic.packet import QuicFrameType, QuicPacketType
 from aioquic.quic.packet_builder import QuicDeliveryState, QuicPacketBuilder
 from aioquic.quic.recovery import QuicPacketPacer
+from aioquic.quic.stream import QuicStream
 from cryptography import x509
 
 from ._quic_path import (
@@ -209,6 +212,20 @@ class PeerQuicConnection(QuicConnection):
         fatal STREAM_LIMIT_ERROR; so streams are only opened within the limit.
         """
         return self.get_next_available_stream_id() // 4 < self._remote_max_streams_bidi
+
+    def stream(self, stream_id: int) -> QuicStream | None:
+        """aioquic's state of ``stream_id``; None for a stream it never had or already forgot
+        (finished both ways)."""
+        return self._streams.get(stream_id)
+
+    def stream_ids(self) -> KeysView[int]:
+        """The streams aioquic still tracks."""
+        return self._streams.keys()
+
+    def close_event(self) -> qe.ConnectionTerminated | None:
+        """How the connection ended, as soon as it did (aioquic's own event comes only after the
+        drain period); None while it is open."""
+        return self._close_event
 
     def credit_undelivered(self, stream_id: int) -> None:
         """The peer reset ``stream_id``: bytes counted against the connection that will never be

@@ -30,7 +30,7 @@ from .._errors import (
 from ._codec import FrameDecoder, decode_message_untrusted, encode_frame
 from ._codec_format import CodecLimits
 from ._connection import Connection, Stream
-from ._endpoint import APP_CANCELLED, APP_PROTOCOL
+from ._endpoint_conn import APP_CANCELLED, APP_PROTOCOL
 from ._identity import PeerID
 
 if TYPE_CHECKING:
