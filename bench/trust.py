@@ -46,6 +46,7 @@ from typing import Any
 import torch
 import trio
 
+from ._client import sequence_manager, wait_for_servers, wait_until
 from ._report import percentile, print_table, summarize, summarize_ratio, write_json
 
 BLOCKS = 2
@@ -289,11 +290,11 @@ def _ptune(folder: Path, peers: tuple[str, ...], prefix: str, servers: int) -> d
         update_period_s=1.0,
     )
     try:
-        manager = _manager(model)
+        manager = sequence_manager(model)
         ids = torch.tensor([[5, 17, 33, 2, 9, 41, 7, 12], [3, 8, 21, 40, 6, 1, 30, 11]])
         with torch.no_grad():
             model(ids)  # the client joins the swarm
-        _wait_for(manager, servers)
+        wait_for_servers(manager, servers, 30, banned=True)
         trained = [p for p in model.parameters() if p.requires_grad]
         optimizer = torch.optim.Adam(trained, lr=1e-2)
         losses = []
@@ -319,23 +320,29 @@ def _banned_from_report(
     ids = torch.tensor([[5, 17, 33, 2, 9, 41, 7, 12]])
     reporter = _model(folder, peers, prefix, "all")
     try:
-        manager = _manager(reporter)
+        manager = sequence_manager(reporter)
         with torch.no_grad():
             reporter(ids)  # the client joins the swarm
-            _wait_for(manager, 4)
+            wait_for_servers(manager, 4, 30, banned=True)
             reporter(ids)
         if liar not in manager.state.caught:
             raise RuntimeError("the liar was not on the reporter's route")
-        _poll(lambda: bool(book_of(manager).published), "the report was not published")
+        wait_until(
+            lambda: bool(book_of(manager).published),
+            "the report was not published",
+            REPORT_DEADLINE_S,
+        )
     finally:
         reporter.shutdown()
     model = _model(folder, peers, prefix, "none")
     try:
-        manager = _manager(model)
+        manager = sequence_manager(model)
         began = time.monotonic()
         with torch.no_grad():
             model(ids)  # the client joins the swarm
-        _poll(lambda: liar in manager.state.caught, "no report banned the liar")
+        wait_until(
+            lambda: liar in manager.state.caught, "no report banned the liar", REPORT_DEADLINE_S
+        )
         seconds = time.monotonic() - began
         with torch.no_grad():
             out = model.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False)
@@ -344,38 +351,16 @@ def _banned_from_report(
         model.shutdown()
 
 
-def _poll(condition: Any, failure: str) -> None:
-    deadline = time.monotonic() + REPORT_DEADLINE_S
-    while not condition():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{failure} within {REPORT_DEADLINE_S:.0f} s")
-        time.sleep(0.05)
-
-
-def _wait_for(manager: Any, servers: int) -> None:
-    deadline = time.monotonic() + 30
-    while len(manager.servers()) + len(manager.state.caught) < servers:
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"the client did not see {servers} servers within 30 s")
-        time.sleep(0.05)
-
-
-def _manager(model: Any) -> Any:
-    from petals_core.client import RemoteSequential
-
-    return next(m for m in model.modules() if isinstance(m, RemoteSequential)).sequence_manager
-
-
 def _generate(
     folder: Path, peers: tuple[str, ...], prefix: str, verify: str, servers: int
 ) -> dict[str, Any]:
     model = _model(folder, peers, prefix, verify)
     try:
-        manager = _manager(model)
+        manager = sequence_manager(model)
         ids = torch.tensor([[5, 17, 33, 2, 9, 41, 7, 12]])
         with torch.no_grad():
             model(ids)  # the client joins the swarm
-            _wait_for(manager, servers)
+            wait_for_servers(manager, servers, 30, banned=True)
             out = model.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False)
             logits = model(out).logits
         return {"tokens": out.tolist(), "logits": logits, "caught": list(manager.state.caught)}
