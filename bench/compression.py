@@ -24,6 +24,7 @@ from transformers import LlamaForCausalLM
 
 from petals_core.testing import LocalSwarm, open_local_swarm, tiny_llama_config
 
+from ._client import sequence_manager
 from ._decode import quiet_transformers, server_args
 from ._report import print_table, summarize, write_json
 
@@ -64,7 +65,7 @@ class _Meter:
         self.ms: list[float] = []
 
     def _total(self) -> int:
-        dht = self._model.distributed_base.remote_blocks.sequence_manager.state.dht
+        dht = sequence_manager(self._model).state.dht
         stats = dht.node.statistics()
         return int(stats.bytes_sent + stats.bytes_received)
 

@@ -42,6 +42,7 @@ import trio
 
 from petals_core.testing import LocalSwarm
 
+from ._client import sequence_manager, wait_for_servers
 from ._cpu import sched_totals, schedstat_available
 from ._decode import (
     DecodeResults,
@@ -106,7 +107,6 @@ def _measure_checks(repo: str, initial_peers: list[str], swarm: LocalSwarm) -> d
     import torch
     from transformers import AutoConfig
 
-    from petals_core.client import RemoteSequential
     from petals_core.distributed import AutoDistributedModelForCausalLM
 
     vocab = AutoConfig.from_pretrained(repo, local_files_only=True).vocab_size
@@ -134,15 +134,9 @@ def _measure_checks(repo: str, initial_peers: list[str], swarm: LocalSwarm) -> d
 
     try:
         for verify, model in models.items():
-            manager = next(
-                m for m in model.modules() if isinstance(m, RemoteSequential)
-            ).sequence_manager
+            manager = sequence_manager(model)
             generate(verify)  # joins the swarm
-            deadline = time.monotonic() + 60
-            while len(manager.servers()) < len(pids):
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"the client did not see {len(pids)} servers in 60 s")
-                time.sleep(0.05)
+            wait_for_servers(manager, len(pids), 60)
             for _ in range(CHECK_WARMUP):
                 generate(verify)
         for index in range(CHECK_ROUNDS):
