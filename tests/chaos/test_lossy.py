@@ -46,7 +46,9 @@ from ..client._swarm_helpers import (
     Model,
     assert_close,
     in_process_swarm,
+    local_grads,
     manager_for,
+    training_inputs,
     wait_for_servers,
 )
 
@@ -248,10 +250,7 @@ async def test_session_of_20_steps_through_lossy_relays_equals_direct(
 async def test_forward_and_backward_through_lossy_relays_equal_direct(
     model: Model, tmp_path: Path
 ) -> None:
-    torch.manual_seed(6)
-    x = torch.randn(3, 8, HIDDEN)
-    prompts = torch.randn(N_BLOCKS, 1, 2, HIDDEN) * 0.5
-    grad_output = torch.randn(3, 8, HIDDEN)
+    x, prompts, grad_output = training_inputs(6, rows=3, length=8)
     results = {}
     with trio.fail_after(3 * DEADLINE_S):
         async with lossy_swarm(model, tmp_path, seed=6) as (_, direct, relayed, relays):
@@ -268,11 +267,8 @@ async def test_forward_and_backward_through_lossy_relays_equal_direct(
         assert ours is not None and theirs is not None
         assert_close(ours, theirs)
     # And both equal the blocks run locally.
-    local_x = x.clone().requires_grad_(True)
-    local_prompts = prompts.clone().requires_grad_(True)
-    local = model.forward(local_x, local_prompts)
-    local.backward(grad_output)
-    assert local_x.grad is not None and local_prompts.grad is not None
-    assert_close(output, local.detach())
-    assert_close(grad_input, local_x.grad)
-    assert_close(grad_prompts, local_prompts.grad)
+    local, local_grad, local_prompt_grad = local_grads(model, x, grad_output, prompts)
+    assert local_prompt_grad is not None
+    assert_close(output, local)
+    assert_close(grad_input, local_grad)
+    assert_close(grad_prompts, local_prompt_grad)

@@ -205,6 +205,34 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor) -> None:
     torch.testing.assert_close(actual, expected, atol=ATOL, rtol=0)
 
 
+def training_inputs(
+    seed: int, rows: int, length: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Drawn after seeding torch with ``seed``: hidden states ``(rows, length, HIDDEN)``, deep
+    prompts of two positions for every block (one row, shared by all) and an output gradient."""
+    torch.manual_seed(seed)
+    x = torch.randn(rows, length, HIDDEN)
+    prompts = torch.randn(N_BLOCKS, 1, 2, HIDDEN) * 0.5
+    grad_output = torch.randn(rows, length, HIDDEN)
+    return x, prompts, grad_output
+
+
+def local_grads(
+    model: Model,
+    x: torch.Tensor,
+    grad_output: torch.Tensor,
+    prompts: torch.Tensor | None = None,
+    blocks: range | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Output, input gradient and prompt gradient of the local blocks."""
+    x = x.clone().requires_grad_(True)
+    p = None if prompts is None else prompts.clone().requires_grad_(True)
+    output = model.forward(x, p, blocks)
+    output.backward(grad_output)
+    assert x.grad is not None
+    return output.detach(), x.grad, None if p is None else p.grad
+
+
 def manager_for(
     servers: Sequence[Server] | None = None,
     *,

@@ -38,12 +38,13 @@ from ._swarm_helpers import (
     add_liar_and_two_honest,
     assert_close,
     in_process_swarm,
+    local_grads,
     manager_for,
     sequential_over,
+    training_inputs,
     wait_for_servers,
 )
 from .test_inference import Reference
-from .test_sequential import local_grads
 
 #: How much the liar changes its outputs: a fifth of their scale.
 LIE = 0.2
@@ -76,10 +77,7 @@ async def _train_beside_a_liar(
     """Three servers hold every block; the liar announces the highest speed, so routes prefer
     it.  ``rounds`` forwards and backwards with deep prompts, each equal to local autograd.
     Returns the servers caught, the liar's PeerID and the servers the last forward saved."""
-    torch.manual_seed(5)
-    x = torch.randn(2, 5, HIDDEN)
-    prompts = torch.randn(N_BLOCKS, 1, 2, HIDDEN) * 0.5
-    grad_output = torch.randn(2, 5, HIDDEN)
+    x, prompts, grad_output = training_inputs(5, rows=2, length=5)
     expected, expected_grad, expected_prompt_grad = local_grads(model, x, grad_output, prompts)
     assert expected_prompt_grad is not None
     async with in_process_swarm(model, tmp_path, []) as swarm:

@@ -24,7 +24,7 @@ from petals_core.distributed import (
 
 from .._served_swarm import ServedModel
 from ..distributed._causal_lm import load_prompt_tuned, no_eos, random_ids
-from ._swarm_helpers import HIDDEN, N_BLOCKS, manager_for
+from ._swarm_helpers import HIDDEN, N_BLOCKS, manager_for, training_inputs
 
 #: Outputs in float32 on another device, or in float64 (sent as float32), equal the CPU's up to
 #: this.
@@ -105,10 +105,7 @@ def _forward_backward(
 def test_remote_sequential_answers_on_the_device_and_in_the_dtype_of_its_inputs(
     sequential: RemoteSequential, device: str, dtype: torch.dtype
 ) -> None:
-    torch.manual_seed(1)
-    x = torch.randn(2, 5, HIDDEN)
-    prompts = torch.randn(N_BLOCKS, 1, 2, HIDDEN) * 0.5
-    grad_output = torch.randn(2, 5, HIDDEN)
+    x, prompts, grad_output = training_inputs(1, rows=2, length=5)
     expected = _forward_backward(sequential, x, prompts, grad_output)
 
     # The prompts stay in float32 on the CPU: each gradient follows its own input.

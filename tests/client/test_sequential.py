@@ -16,38 +16,20 @@ from petals_core.client import RemoteSequential, remote_backward, remote_forward
 from ._swarm_helpers import (
     DEADLINE_S,
     HIDDEN,
-    N_BLOCKS,
     Model,
     assert_close,
     in_process_swarm,
+    local_grads,
     manager_for,
+    training_inputs,
     wait_for_servers,
 )
-
-
-def local_grads(
-    model: Model,
-    x: torch.Tensor,
-    grad_output: torch.Tensor,
-    prompts: torch.Tensor | None = None,
-    blocks: range | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Output, input gradient and prompt gradient of the local blocks."""
-    x = x.clone().requires_grad_(True)
-    p = None if prompts is None else prompts.clone().requires_grad_(True)
-    output = model.forward(x, p, blocks)
-    output.backward(grad_output)
-    assert x.grad is not None
-    return output.detach(), x.grad, None if p is None else p.grad
 
 
 async def test_forward_backward_equal_local_autograd(model: Model, tmp_path: Path) -> None:
     """Async core and the sync module (from a worker thread, through the bridge) over two
     servers, with deep prompts; halves ``seq[:3]`` then ``seq[3:]`` reproduce the whole."""
-    torch.manual_seed(4)
-    x = torch.randn(3, 5, HIDDEN)
-    prompts = torch.randn(N_BLOCKS, 1, 2, HIDDEN) * 0.5
-    grad_output = torch.randn(3, 5, HIDDEN)
+    x, prompts, grad_output = training_inputs(4, rows=3, length=5)
     expected, expected_grad, expected_prompt_grad = local_grads(model, x, grad_output, prompts)
     assert expected_prompt_grad is not None
     async with in_process_swarm(model, tmp_path, [(0, 3), (3, 6)]) as swarm:
