@@ -11,7 +11,6 @@ test asks for one.
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Iterator
 from contextlib import AsyncExitStack, contextmanager
 from pathlib import Path
@@ -26,6 +25,7 @@ from transformers import BloomForCausalLM, FalconForCausalLM, LlamaForCausalLM, 
 from petals_core.server import ServerConfig, open_server
 from petals_core.testing import tiny_falcon_config, tiny_mixtral_config
 
+from ._trio_thread import TrioThread
 from .models.conftest import (
     SHARD_SIZE,
     TinyCheckpoint,
@@ -50,42 +50,26 @@ class ServedModel:
         return self.checkpoint.folder
 
 
-class InProcessSwarm:
+class InProcessSwarm(TrioThread):
     """Servers for several checkpoints, in a trio program on a daemon thread."""
 
     def __init__(self, checkpoints: dict[str, TinyCheckpoint], cache_dir: Path) -> None:
+        super().__init__(
+            "the test swarm", thread_name="test-swarm", start_timeout_s=START_TIMEOUT_S
+        )
         self._checkpoints = checkpoints
         self._cache_dir = cache_dir
-        self._ready = threading.Event()
-        self._token: trio.lowlevel.TrioToken | None = None
-        self._stop: trio.Event | None = None
-        self._error: BaseException | None = None
         self._started: trio.Event | None = None
         self.served: dict[str, ServedModel] = {}
-        self._thread = threading.Thread(target=self._run, name="test-swarm", daemon=True)
 
     def __enter__(self) -> InProcessSwarm:
-        self._thread.start()
-        if not self._ready.wait(START_TIMEOUT_S):
-            raise TimeoutError("the test swarm did not start")
-        if self._error is not None:
-            raise RuntimeError("the test swarm failed to start") from self._error
+        self.start()
         return self
 
     def __exit__(self, *exc_info: Any) -> None:
-        if self._token is not None and self._stop is not None:
-            trio.from_thread.run_sync(self._stop.set, trio_token=self._token)
-        self._thread.join(START_TIMEOUT_S)
+        self.stop()
 
-    def _run(self) -> None:
-        try:
-            trio.run(self._main)
-        except BaseException as error:
-            self._error = error
-            self._ready.set()
-
-    async def _main(self) -> None:
-        self._stop = trio.Event()
+    async def _program(self) -> None:
         self._started = trio.Event()
         async with trio.open_nursery() as nursery:
             # Each swarm in its own task, so that they start and stop concurrently.
@@ -94,8 +78,7 @@ class InProcessSwarm:
             while len(self.served) < len(self._checkpoints):
                 await self._started.wait()
                 self._started = trio.Event()
-            self._token = trio.lowlevel.current_trio_token()
-            self._ready.set()
+            self._serving()
 
     async def _serve(self, name: str, checkpoint: TinyCheckpoint) -> None:
         common: dict[str, Any] = {

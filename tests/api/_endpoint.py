@@ -7,9 +7,7 @@ run coroutines on its loop with :meth:`Endpoint.run` (asking the servers what th
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Awaitable, Callable
-from typing import Any, TypeVar
+from typing import Any
 
 import trio
 
@@ -18,54 +16,41 @@ from petals_core.protocol import INFO, InfoReply, InfoRequest
 from petals_core.testing import LocalSwarm, fixed_server_args, open_local_swarm
 from petals_core.transport import call_unary, open_node
 
-T = TypeVar("T")
+from .._trio_thread import TrioThread
+
 START_TIMEOUT_S = 300.0
 SPANS = ((0, 15), (15, 30))
 #: Small enough that a test can go over it, large enough for every chat prompt here.
 LIMITS = Limits(max_concurrent_requests=4, max_request_tokens=512, max_rows=4)
 
 
-class Endpoint:
+class Endpoint(TrioThread):
     """The swarm and the endpoint (``url``, ``engine``), until :meth:`close`."""
 
     def __init__(self, repo: str, **options: Any) -> None:
+        super().__init__(
+            "the endpoint", thread_name="test-endpoint", start_timeout_s=START_TIMEOUT_S
+        )
         self.repo = repo
         self._options = options
-        self._ready = threading.Event()
-        self._error: BaseException | None = None
-        self._token: trio.lowlevel.TrioToken | None = None
-        self._stop: trio.Event | None = None
         self.swarm: LocalSwarm | None = None
         self.api: RunningApi | None = None
         self._nursery: trio.Nursery | None = None
-        self._thread = threading.Thread(target=self._main, name="test-endpoint", daemon=True)
-        self._thread.start()
-        if not self._ready.wait(START_TIMEOUT_S):
-            raise TimeoutError("the endpoint did not start")
-        if self._error is not None:
-            raise RuntimeError("the endpoint failed to start") from self._error
+        self.start()
 
     @property
     def url(self) -> str:
         assert self.api is not None
         return self.api.urls[0]
 
-    def _main(self) -> None:
-        try:
-            trio.run(self._serve)
-        except BaseException as error:
-            self._error = error
-            self._ready.set()
-
-    async def _serve(self) -> None:
-        self._stop = trio.Event()
+    async def _program(self) -> None:
+        assert self._stop is not None
         args = [fixed_server_args(span) for span in SPANS]
         async with open_local_swarm(self.repo, args) as swarm, trio.open_nursery() as nursery:
             self.swarm = swarm
             self._nursery = nursery
             self.api = await nursery.start(serve_api, self._config(self._options))
-            self._token = trio.lowlevel.current_trio_token()
-            self._ready.set()
+            self._serving()
             await self._stop.wait()
             nursery.cancel_scope.cancel()
 
@@ -90,11 +75,6 @@ class Endpoint:
         api: RunningApi = await self._nursery.start(serve_api, self._config(options))
         return api
 
-    def run(self, fn: Callable[..., Awaitable[T]], *args: Any) -> T:
-        """``await fn(*args)`` on the endpoint's loop, from a test's thread."""
-        assert self._token is not None
-        return trio.from_thread.run(fn, *args, trio_token=self._token)
-
     def server_infos(self) -> list[InfoReply]:
         """What each server process says it holds now."""
         return self.run(self._server_infos)
@@ -110,6 +90,4 @@ class Endpoint:
         return replies
 
     def close(self) -> None:
-        if self._token is not None and self._stop is not None:
-            trio.from_thread.run_sync(self._stop.set, trio_token=self._token)
-        self._thread.join(START_TIMEOUT_S)
+        self.stop()
