@@ -45,6 +45,7 @@ from .chaos_run import (
     Result,
     classify_error,
     compare_steps,
+    compare_tokens,
     finetune_step,
     generate_with_fault,
     load_client,
@@ -267,8 +268,7 @@ async def _soak(config: SoakConfig, work_dir: Path) -> SoakReport:
                             fault=fault,
                             step=step,
                         )
-                        equal = torch.equal(output, references[index])
-                        result, message = ("equal", "") if equal else ("mismatch", "")
+                        result, message = compare_tokens(output, references[index])
                 except Exception as error:
                     result, message = classify_error(error)
                     errors[type(error).__name__] += 1
