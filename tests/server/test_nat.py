@@ -28,6 +28,7 @@ from petals_core.testing import (
 )
 
 from ..client._swarm_helpers import PROCESS_PREFIX, Model, peer_id_of, process_server_args
+from ..distributed._causal_lm import random_ids
 
 DEADLINE_S = 240
 
@@ -83,7 +84,7 @@ async def test_cone_nats_on_both_sides_a_punched_hole_carries_the_session(
     boot = topology.public("boot")
     home = topology.behind_nat("home", "cone")
     away = topology.behind_nat("away", "cone")
-    prompt = torch.randint(4, 256, (1, 96), generator=torch.Generator().manual_seed(0))
+    prompt = random_ids(1, 96, seed=0)
     expected = reference(model, prompt, 8)
     with trio.fail_after(DEADLINE_S):
         async with open_local_swarm(model.folder, [], bootstrap_host=boot) as swarm:
@@ -117,7 +118,7 @@ async def test_a_symmetric_nat_is_served_through_a_relay_that_fails_over(
     spare = topology.public("spare")
     cgnat = topology.behind_nat("cgnat", "symmetric")
     away = topology.behind_nat("away", "cone")
-    prompt = torch.randint(4, 256, (1, 16), generator=torch.Generator().manual_seed(1))
+    prompt = random_ids(1, 16, seed=1)
     expected = reference(model, prompt, 24)
     with trio.fail_after(DEADLINE_S):
         async with open_local_swarm(model.folder, [], bootstrap_host=boot) as swarm:
@@ -166,7 +167,7 @@ async def test_servers_behind_two_nats_push_to_each_other_and_outlive_expired_ma
     away = topology.behind_nat("away", "cone")
     for name in ("home", "cgnat"):
         topology.routers[name].set_udp_timeout(3)
-    prompt = torch.randint(4, 256, (2, 12), generator=torch.Generator().manual_seed(2))
+    prompt = random_ids(2, 12, seed=2)
     expected = reference(model, prompt, 6)
     with trio.fail_after(DEADLINE_S):
         async with open_local_swarm(model.folder, [], bootstrap_host=boot) as swarm:
@@ -195,7 +196,7 @@ async def test_a_forwarded_port_is_found_and_announced_without_relays(
     office = topology.public("office")
     port = 31400
     topology.forward_port("home", port)
-    prompt = torch.randint(4, 256, (1, 8), generator=torch.Generator().manual_seed(3))
+    prompt = random_ids(1, 8, seed=3)
     expected = reference(model, prompt, 4)
     wan = topology.routers["home"].wan_address
     with trio.fail_after(DEADLINE_S):
