@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import time
 from pathlib import Path
+from typing import Any
 
 import attrs
 import pytest
@@ -36,6 +37,7 @@ from petals_core.protocol import (
     FIRST_STEP,
     FraudReport,
     Receipt,
+    Signature,
     StepEvidence,
     digest_tensors,
 )
@@ -76,15 +78,29 @@ def _signed(
         asked=digest_tensors(asked),
         answered=digest_tensors(answered),
     )
+    return _report(server, receipt, receipt.sign(server), asked, answered)
+
+
+def _report(
+    server: Identity,
+    receipt: Receipt,
+    signature: Signature,
+    asked: dict[str, torch.Tensor],
+    answered: dict[str, torch.Tensor],
+    **session: Any,
+) -> FraudReport:
+    """The report against ``server`` of the answer its ``receipt`` signed, with the receipt's
+    kind, model, blocks and adapter."""
     return FraudReport(
         accused=str(server.peer_id),
-        kind="forward",
-        model=model,
-        blocks=(0, 2),
-        adapter=None,
-        signature=receipt.sign(server),
+        kind=receipt.kind,
+        model=receipt.model,
+        blocks=receipt.blocks,
+        adapter=receipt.adapter,
+        signature=signature,
         asked=asked,
         answered=answered,
+        **session,
     )
 
 
@@ -206,15 +222,12 @@ def _session(
         for r, sig, asked, _ in signed[:-1]
     )
     receipt, signature, asked, answered = signed[-1]
-    return FraudReport(
-        accused=str(server.peer_id),
-        kind="step",
-        model=MODEL,
-        blocks=(0, 2),
-        adapter=None,
-        signature=signature,
-        asked=asked,
-        answered=answered,
+    return _report(
+        server,
+        receipt,
+        signature,
+        asked,
+        answered,
         session="s1",
         padding=padding,
         position=receipt.step,
