@@ -108,6 +108,7 @@ class DHTNode:
         alpha: int,
         replicas: int,
         request_timeout_s: float,
+        lookup_timeout_s: float,
         clock: Callable[[], float],
         rng: random.Random,
         announce: Multiaddr | None = None,
@@ -126,6 +127,7 @@ class DHTNode:
         self._alpha = alpha
         self._replicas = replicas
         self._request_timeout_s = request_timeout_s
+        self._lookup_timeout_s = lookup_timeout_s
         self._clock = clock
         self._own = NodeID.from_peer_id(node.peer_id)
         self._table = RoutingTable(self._own, k=k, rng=rng)
@@ -366,6 +368,7 @@ class DHTNode:
             k=self._k,
             alpha=self._alpha,
             query_timeout_s=self._request_timeout_s,
+            lookup_timeout_s=self._lookup_timeout_s,
             want_value=want_value,
             stop_after_values=stop_after_values if want_value is not None else None,
             own=self._own,
@@ -532,6 +535,7 @@ async def open_dht_node(
     alpha: int = 3,
     replicas: int = 5,
     request_timeout_s: float = 5.0,
+    lookup_timeout_s: float = 30.0,
     transport_config: TransportConfig | None = None,
     clock: Callable[[], float] = time.time,
     rng: random.Random | None = None,
@@ -551,7 +555,9 @@ async def open_dht_node(
     other nodes' routing tables.  ``clock`` is the wall clock of record expirations (see the
     module docstring).  Buckets unused for ``refresh_interval_s`` are refreshed and expired
     records swept every ``expire_interval_s``, and every record held is republished to the
-    nodes nearest its key every ``republish_interval_s``; None turns any of them off.
+    nodes nearest its key every ``republish_interval_s``; None turns any of them off.  A lookup
+    (of a key or a node) ends after ``lookup_timeout_s`` with what it found by then, each request
+    after ``request_timeout_s``.
 
     To run other services on the same transport node (a server does), open the node yourself
     and pass it as ``node`` (it is then left open), with their ``handlers``: the DHT node serves
@@ -570,8 +576,12 @@ async def open_dht_node(
     """
     if replicas < 1:
         raise ConfigError(f"replicas must be at least 1, got {replicas}")
-    if not request_timeout_s > 0:
-        raise ConfigError(f"request_timeout_s must be positive, got {request_timeout_s}")
+    for name, timeout in [
+        ("request_timeout_s", request_timeout_s),
+        ("lookup_timeout_s", lookup_timeout_s),
+    ]:
+        if not timeout > 0:
+            raise ConfigError(f"{name} must be positive, got {timeout}")
     for name, interval in [
         ("refresh_interval_s", refresh_interval_s),
         ("expire_interval_s", expire_interval_s),
@@ -596,6 +606,7 @@ async def open_dht_node(
                     alpha=alpha,
                     replicas=replicas,
                     request_timeout_s=request_timeout_s,
+                    lookup_timeout_s=lookup_timeout_s,
                     clock=clock,
                     rng=rng if rng is not None else random.Random(),
                     announce=announce,

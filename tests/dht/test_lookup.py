@@ -448,6 +448,8 @@ def test_find_value_with_no_value_anywhere(world: World) -> None:
         {"query_timeout_s": math.nan},
         {"stop_after_values": 1},
         {"want_value": "key", "stop_after_values": 0},
+        {"lookup_timeout_s": 0.0},
+        {"lookup_timeout_s": math.nan},
     ],
 )
 def test_invalid_configuration_is_refused(kwargs: dict[str, object]) -> None:
@@ -480,3 +482,74 @@ def test_a_timed_out_query_is_asked_again_when_allowed(max_attempts: int) -> Non
     assert lookup.done
     assert [c.node_id for c in lookup.result().contacts] == [contact.node_id]
     assert lookup.result().messages == 2
+
+
+def _slow_sybils(target: NodeID, initial: list[Contact], rng: random.Random) -> list[Contact]:
+    """Identities nearer ``target`` than any of ``initial``, farthest first: what an attacker
+    who ground keys for a known key (a block's) hands out a few at a time, each batch nearer
+    than the last."""
+    nearest = min(xor_distance(c.node_id, target) for c in initial)
+    drawn = [make_contact(rng, index) for index in range(20_000)]
+    ground = [c for c in drawn if xor_distance(c.node_id, target) < nearest]
+    return sorted(ground, key=lambda c: xor_distance(c.node_id, target), reverse=True)
+
+
+def _answer_slowly(lookup: Lookup, start: float, sybils: list[Contact]) -> float:
+    """Drive ``lookup`` against nodes that each answer just before their query times out, naming
+    the next ``K`` of ``sybils``; returns the time it ended."""
+    pool = iter(sybils)
+    in_flight = [(start + 0.9 * TIMEOUT_S, query) for query in lookup.start(start)]
+    now = start
+    while not lookup.done and in_flight:
+        in_flight.sort(key=lambda item: item[0])
+        answer_at, query = in_flight[0]
+        deadline = lookup.next_deadline()
+        assert deadline is not None
+        if deadline < answer_at:
+            now = deadline
+            sent = lookup.on_timeout(now)
+        else:
+            now = answer_at
+            in_flight.pop(0)
+            named = list(itertools.islice(pool, K))
+            sent = lookup.on_reply(query.contact.node_id, named, None, now)
+        in_flight += [(now + 0.9 * TIMEOUT_S, query) for query in sent]
+    return now
+
+
+def test_slow_sybils_keep_a_lookup_going_only_until_its_time_runs_out() -> None:
+    rng = random.Random(21)
+    target = NodeID.random(rng)
+    initial = [make_contact(rng, index) for index in range(K)]
+    sybils = _slow_sybils(target, initial, random.Random(22))
+    unbounded = Lookup(target, initial, k=K, alpha=3, query_timeout_s=TIMEOUT_S)
+    # Without a deadline it goes on for as long as the attacker has nearer identities.
+    assert _answer_slowly(unbounded, 0.0, sybils) > 50 * TIMEOUT_S
+    assert not unbounded.statistics().out_of_time
+    bounded = Lookup(
+        target, initial, k=K, alpha=3, query_timeout_s=TIMEOUT_S, lookup_timeout_s=5 * TIMEOUT_S
+    )
+    assert _answer_slowly(bounded, 100.0, sybils) == pytest.approx(100.0 + 5 * TIMEOUT_S)
+    assert bounded.done and bounded.statistics().out_of_time
+    assert bounded.next_deadline() is None
+    # It returns the nodes that answered by then, nearest first.
+    result = bounded.result()
+    assert 0 < len(result.contacts) <= K
+    distances = [xor_distance(c.node_id, target) for c in result.contacts]
+    assert distances == sorted(distances)
+
+
+def test_the_lookup_deadline_comes_before_a_later_query_timeout() -> None:
+    rng = random.Random(23)
+    contact = make_contact(rng, 0)
+    lookup = Lookup(
+        NodeID.random(rng), [contact], k=1, alpha=1, query_timeout_s=5.0, lookup_timeout_s=2.0
+    )
+    lookup.start(10.0)
+    assert lookup.next_deadline() == 12.0
+    assert lookup.on_timeout(11.9) == [] and not lookup.done
+    assert lookup.on_timeout(12.0) == []
+    assert lookup.done and lookup.statistics().out_of_time
+    # A reply that comes after the end is ignored.
+    assert lookup.on_reply(contact.node_id, [], None, 12.5) == []
+    assert lookup.result().contacts == ()

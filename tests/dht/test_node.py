@@ -9,16 +9,19 @@ from contextlib import asynccontextmanager
 import pytest
 import trio
 
-from petals_core._errors import PeerUnreachable
+from petals_core._errors import ConfigError, PeerUnreachable
 from petals_core.dht import NodeID
 from petals_core.dht._node import DHTNode, open_dht_node
 from petals_core.transport import (
+    Handlers,
     Identity,
     Multiaddr,
     RemoteError,
+    ServerCall,
     TransportConfig,
     call_unary,
     open_node,
+    serve_rpc,
 )
 
 from ._swarm import FakeClock, swarm as shared_swarm
@@ -185,3 +188,43 @@ async def test_unfollow_stops_a_topic_and_following_again_starts_afresh() -> Non
             again = nodes[0].follow("model", 6)  # another count is no conflict now
             assert again is not topic and again.num_blocks == 6
             assert nodes[0].follow("model", 6) is again
+
+
+async def test_a_lookup_through_a_peer_that_never_answers_it_ends_at_the_lookup_deadline() -> None:
+    """A peer that answers pings but holds every lookup query open (its requests time out only
+    after ten minutes here) costs a lookup its ``lookup_timeout_s``, not the request timeout."""
+    held = trio.Event()
+    handlers = Handlers()
+
+    @handlers.unary("dht.ping")
+    async def ping(request: dict, call: ServerCall) -> dict:
+        return {"peer_id": str(call.connection.peer_id)}
+
+    async def hold(request: dict, call: ServerCall) -> dict:
+        held.set()
+        await trio.Event().wait()  # never answers
+        raise AssertionError("unreachable")
+
+    handlers.add_unary("dht.find_node", hold)
+    handlers.add_unary("dht.find_value", hold)
+    with trio.fail_after(DEADLINE_S):
+        async with open_node() as staller, trio.open_nursery() as nursery:
+            await nursery.start(serve_rpc, staller, handlers)
+            async with open_dht_node(
+                initial_peers=[str(staller.listen_multiaddr)],
+                client_mode=True,
+                request_timeout_s=600,
+                lookup_timeout_s=1,
+            ) as dht:
+                started = trio.current_time()
+                assert await dht.get("model.block.0") is None
+                assert held.is_set()
+                assert trio.current_time() - started < DEADLINE_S / 2
+            nursery.cancel_scope.cancel()
+
+
+@pytest.mark.parametrize("seconds", [0.0, -1.0, float("nan")])
+async def test_a_lookup_timeout_that_is_not_positive_is_refused(seconds: float) -> None:
+    with pytest.raises(ConfigError, match="lookup_timeout_s"):
+        async with open_dht_node(lookup_timeout_s=seconds):
+            pytest.fail("the node should not have opened")
