@@ -400,6 +400,16 @@ class DHTNode:
                     continue
                 launch(lookup.on_timeout(self._clock()))
             nursery.cancel_scope.cancel()
+        statistics = lookup.statistics()
+        if statistics.out_of_time:
+            logger.warning(
+                "a lookup of %s ran out of time (%g s) after %d queries, %d answered, %d failed",
+                want_value if want_value is not None else f"node {target}",
+                self._lookup_timeout_s,
+                statistics.messages,
+                statistics.replied,
+                statistics.failed,
+            )
         return lookup.result()
 
     def _feed(
