@@ -275,10 +275,16 @@ async def judge_listed(manager: RemoteSequenceManager) -> int:
     could decide is tried again once each ``reports_period_s``, and refused after
     :data:`MAX_UNDECIDED` tries.  A
     verdict lasts as long as its report counts (from the time the accused signed), a refusal
-    :data:`REPORT_TTL_S` from now: nothing a listing says makes either shorter or longer."""
+    :data:`REPORT_TTL_S` from now: nothing a listing says makes either shorter or longer.
+    Rounds on one book (the watcher's, a caller's) run one at a time."""
+    book = book_of(manager)
+    async with book.judging:
+        return await _judge_round(manager, book)
+
+
+async def _judge_round(manager: RemoteSequenceManager, book: ReportBook) -> int:
     dht, prefix = manager.state.dht, manager.config.dht_prefix
     assert dht is not None and prefix is not None
-    book = book_of(manager)
     now = time.time()
     book.forget_expired(now)
     by_key: dict[ListingKey, list[Listing]] = {}

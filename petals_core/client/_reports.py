@@ -187,6 +187,10 @@ class ReportBook:
     watched: bool = False
     #: Set (and replaced) each time a report is published.
     _published_now: trio.Event = attrs.field(factory=trio.Event)
+    #: Held by a round of judging (``judge_listed``): two rounds at once (the watcher's and a
+    #: caller's) would try the same listing, and the one left undecided would undo the other's
+    #: verdict.
+    judging: trio.Lock = attrs.field(factory=trio.Lock)
 
     def report(self, report: FraudReport) -> None:
         """File ``report`` for publication (by the book's watcher)."""

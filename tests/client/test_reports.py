@@ -13,12 +13,14 @@ import attrs
 import pytest
 import torch
 import trio
+import trio.testing
 
 from petals_core import ReportRefused
 from petals_core.client import (
     InferenceSession,
     RemoteSequenceManager,
     RemoteSequential,
+    _report_judge,
     remote_forward,
 )
 from petals_core.client._report_judge import CHECKS_PER_ROUND, MAX_UNDECIDED, judge_listed
@@ -706,3 +708,26 @@ async def test_a_judge_passes_over_a_drawn_server_that_fails(model: Model, tmp_p
                     assert verdict.upheld and broken_id not in verdict.reason
                     assert liar_id in judging.sequence_manager.state.caught
                     assert not book.undecided
+
+
+async def test_rounds_of_judging_never_overlap(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The watcher's round and a caller's share the book one after the other: two at once would
+    try the same listing, and the one left undecided would undo the other's verdict."""
+    manager = manager_for(initial_peers=["/ip4/127.0.0.1/udp/9/quic-v1"], dht_prefix="model")
+    inside = most = rounds = 0
+
+    async def one_round(manager: Any, book: ReportBook) -> int:
+        nonlocal inside, most, rounds
+        inside += 1
+        most = max(most, inside)
+        await trio.testing.wait_all_tasks_blocked()  # the other round gets every chance to start
+        inside -= 1
+        rounds += 1
+        return 0
+
+    monkeypatch.setattr(_report_judge, "_judge_round", one_round)
+    with trio.fail_after(DEADLINE_S):
+        async with trio.open_nursery() as nursery:
+            for _ in range(3):
+                nursery.start_soon(judge_listed, manager)
+    assert (rounds, most) == (3, 1)
