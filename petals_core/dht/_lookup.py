@@ -15,9 +15,9 @@ returns, feeds back what happened (``on_reply``, ``on_failure``) and calls ``on_
   value (if set); otherwise it runs to the end, since a dictionary is merged from many nodes.
 - **Timeouts.**  A query unanswered ``query_timeout_s`` after it was sent counts as failed.  Its
   late reply, like any reply from a node we did not query, a second reply, or anything after the
-  lookup is done, is ignored.  With ``lookup_timeout_s``, the whole lookup ends that long after
-  it started, with what it found by then: nodes that answer slowly, each with nearer nodes that
-  answer slowly too, cannot keep it going.
+  lookup is done, is ignored.  The driver bounds the whole lookup with its own clock and calls
+  ``give_up`` when that runs out: the lookup ends with what it found by then.  Nodes that answer
+  slowly, each naming nearer nodes that answer slowly too, could otherwise keep it going.
 - **Distrust.**  A contact whose ``node_id`` is not ``NodeID.from_peer_id(peer_id)`` is dropped,
   so no node can plant a peer at a position of its choosing; so is a contact for ``own``.
 - **Hops.**  Querying a contact we started with is hop 1; querying one that a hop-``h`` reply
@@ -82,7 +82,7 @@ class LookupStatistics:
     #: FIND_VALUE: replies that carried the value.
     value_replies: int
     done: bool
-    #: Whether it ended because its ``lookup_timeout_s`` ran out.
+    #: Whether it ended because the driver gave up on it (:meth:`Lookup.give_up`).
     out_of_time: bool
 
 
@@ -133,7 +133,6 @@ class Lookup:
         own: NodeID | None = None,
         lookup_id: int = 0,
         max_attempts: int = 1,
-        lookup_timeout_s: float | None = None,
     ) -> None:
         if not isinstance(target, NodeID):
             raise TypeError(f"target must be a NodeID, got {type(target).__name__}")
@@ -142,8 +141,6 @@ class Lookup:
         _positive("max_attempts", max_attempts, 1)
         if not query_timeout_s > 0:
             raise ConfigError(f"query_timeout_s must be positive, got {query_timeout_s}")
-        if lookup_timeout_s is not None and not lookup_timeout_s > 0:
-            raise ConfigError(f"lookup_timeout_s must be positive or None, got {lookup_timeout_s}")
         if stop_after_values is not None:
             if want_value is None:
                 raise ConfigError("stop_after_values applies to FIND_VALUE lookups only")
@@ -152,8 +149,6 @@ class Lookup:
         self._k = k
         self._alpha = alpha
         self._query_timeout_s = query_timeout_s
-        self._lookup_timeout_s = lookup_timeout_s
-        self._ends_at: float | None = None
         self._out_of_time = False
         self._want_value = want_value
         self._stop_after_values = stop_after_values
@@ -194,8 +189,6 @@ class Lookup:
         if self._started:
             raise RuntimeError("this lookup has already started")
         self._started = True
-        if self._lookup_timeout_s is not None:
-            self._ends_at = now + self._lookup_timeout_s
         return self._advance(now)
 
     def on_reply(
@@ -235,10 +228,9 @@ class Lookup:
         return self._advance(now)
 
     def on_timeout(self, now: float) -> list[Query]:
-        """Fail the queries sent ``query_timeout_s`` or more before ``now``, or end the lookup
-        once its ``lookup_timeout_s`` ran out; call it when ``next_deadline()`` has passed
-        (calling it early does nothing)."""
-        if self._done or self._ran_out(now):
+        """Fail the queries sent ``query_timeout_s`` or more before ``now``; call it when
+        ``next_deadline()`` has passed (calling it early does nothing)."""
+        if self._done:
             return []
         expired = [
             candidate
@@ -258,17 +250,23 @@ class Lookup:
         return self._advance(now)
 
     def next_deadline(self) -> float | None:
-        """When the oldest query in flight times out or the lookup runs out of time, whichever
-        comes first; None if no query is in flight (or the lookup is done)."""
+        """When the oldest query in flight times out, or None if none is (or the lookup is done)."""
         if self._done or not self._in_flight:
             return None
-        oldest = min(
-            candidate.sent_at
-            for candidate in self._candidates.values()
-            if candidate.state is _State.IN_FLIGHT
+        return (
+            min(
+                candidate.sent_at
+                for candidate in self._candidates.values()
+                if candidate.state is _State.IN_FLIGHT
+            )
+            + self._query_timeout_s
         )
-        deadline = oldest + self._query_timeout_s
-        return deadline if self._ends_at is None else min(deadline, self._ends_at)
+
+    def give_up(self) -> None:
+        """End the lookup now (the driver's time for it ran out): :meth:`result` is what it
+        found so far, and whatever comes later is ignored."""
+        if not self._done:
+            self._done = self._out_of_time = True
 
     def result(self) -> LookupResult:
         """What the lookup has found so far: final once ``done``."""
@@ -339,17 +337,10 @@ class Lookup:
         self._in_flight -= 1
         self._failed += 1
 
-    def _ran_out(self, now: float) -> bool:
-        """End the lookup if its time ran out by ``now``; whether it did."""
-        if self._ends_at is None or now < self._ends_at:
-            return False
-        self._done = self._out_of_time = True
-        return True
-
     def _advance(self, now: float) -> list[Query]:
         """Fill the free query slots from the window of the ``k`` nearest live candidates, or
-        finish when that window holds only nodes that replied (or the time ran out)."""
-        if self._done or self._ran_out(now):
+        finish when that window holds only nodes that replied."""
+        if self._done:
             return []
         queries: list[Query] = []
         window = 0

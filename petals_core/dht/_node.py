@@ -32,7 +32,7 @@ import random
 import time
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
-from typing import Any
+from typing import Any, Final
 
 import attrs
 import trio
@@ -74,6 +74,10 @@ from ._topic import Topic
 __all__ = ["DHTNode", "DHTStatistics", "open_dht_node"]
 
 logger = logging.getLogger(__name__)
+
+#: The default bound of a whole lookup: this long, or this many request timeouts if longer.
+LOOKUP_TIMEOUT_S: Final = 30.0
+LOOKUP_ROUNDS: Final = 6
 
 #: Handed the records under the key of each node's reply to a lookup as it arrives (unchecked).
 OnRecords = Callable[[Sequence[Record]], None]
@@ -368,7 +372,6 @@ class DHTNode:
             k=self._k,
             alpha=self._alpha,
             query_timeout_s=self._request_timeout_s,
-            lookup_timeout_s=self._lookup_timeout_s,
             want_value=want_value,
             stop_after_values=stop_after_values if want_value is not None else None,
             own=self._own,
@@ -389,27 +392,32 @@ class DHTNode:
                 send.send_nowait((contact, reply))
 
             launch(lookup.start(self._clock()))
-            while not lookup.done:
-                deadline = lookup.next_deadline()
-                if deadline is None:
-                    break  # nothing in flight and nothing left to ask
-                wait_until = trio.current_time() + max(0.0, deadline - self._clock())
-                with trio.move_on_at(wait_until):
-                    contact, reply = await receive.receive()
-                    launch(self._feed(lookup, contact, reply, on_records))
-                    continue
-                launch(lookup.on_timeout(self._clock()))
+            # On trio's clock, which no change of the wall clock moves.
+            with trio.move_on_after(self._lookup_timeout_s) as budget:
+                while not lookup.done:
+                    deadline = lookup.next_deadline()
+                    if deadline is None:
+                        break  # nothing in flight and nothing left to ask
+                    wait_until = trio.current_time() + max(0.0, deadline - self._clock())
+                    with trio.move_on_at(wait_until):
+                        contact, reply = await receive.receive()
+                        launch(self._feed(lookup, contact, reply, on_records))
+                        continue
+                    launch(lookup.on_timeout(self._clock()))
+            if budget.cancelled_caught:
+                lookup.give_up()
+                statistics = lookup.statistics()
+                logger.warning(
+                    "a lookup of %s ran out of time (%g s): %d queries, %d answered, %d failed, "
+                    "%d unanswered",
+                    want_value if want_value is not None else f"node {target}",
+                    self._lookup_timeout_s,
+                    statistics.messages,
+                    statistics.replied,
+                    statistics.failed,
+                    statistics.in_flight,
+                )
             nursery.cancel_scope.cancel()
-        statistics = lookup.statistics()
-        if statistics.out_of_time:
-            logger.warning(
-                "a lookup of %s ran out of time (%g s) after %d queries, %d answered, %d failed",
-                want_value if want_value is not None else f"node {target}",
-                self._lookup_timeout_s,
-                statistics.messages,
-                statistics.replied,
-                statistics.failed,
-            )
         return lookup.result()
 
     def _feed(
@@ -545,7 +553,7 @@ async def open_dht_node(
     alpha: int = 3,
     replicas: int = 5,
     request_timeout_s: float = 5.0,
-    lookup_timeout_s: float = 30.0,
+    lookup_timeout_s: float | None = None,
     transport_config: TransportConfig | None = None,
     clock: Callable[[], float] = time.time,
     rng: random.Random | None = None,
@@ -565,9 +573,10 @@ async def open_dht_node(
     other nodes' routing tables.  ``clock`` is the wall clock of record expirations (see the
     module docstring).  Buckets unused for ``refresh_interval_s`` are refreshed and expired
     records swept every ``expire_interval_s``, and every record held is republished to the
-    nodes nearest its key every ``republish_interval_s``; None turns any of them off.  A lookup
-    (of a key or a node) ends after ``lookup_timeout_s`` with what it found by then, each request
-    after ``request_timeout_s``.
+    nodes nearest its key every ``republish_interval_s``; None turns any of them off.  A request
+    unanswered after ``request_timeout_s`` fails; a lookup (of a key or a node) ends after
+    ``lookup_timeout_s`` with what it found by then (None: 30 s, or six request timeouts if that
+    is longer).
 
     To run other services on the same transport node (a server does), open the node yourself
     and pass it as ``node`` (it is then left open), with their ``handlers``: the DHT node serves
@@ -586,6 +595,8 @@ async def open_dht_node(
     """
     if replicas < 1:
         raise ConfigError(f"replicas must be at least 1, got {replicas}")
+    if lookup_timeout_s is None:
+        lookup_timeout_s = max(LOOKUP_TIMEOUT_S, LOOKUP_ROUNDS * request_timeout_s)
     for name, timeout in [
         ("request_timeout_s", request_timeout_s),
         ("lookup_timeout_s", lookup_timeout_s),
