@@ -36,9 +36,18 @@ class TrioThread:
             raise RuntimeError(f"{self._what} failed to start") from self._error
 
     def stop(self) -> None:
+        """Stop the program and wait for its thread; raise what ended it early, if anything did
+        (a program that failed while tests used it must not pass for a clean stop)."""
         if self._token is not None and self._stop is not None:
-            trio.from_thread.run_sync(self._stop.set, trio_token=self._token)
+            try:
+                trio.from_thread.run_sync(self._stop.set, trio_token=self._token)
+            except trio.RunFinishedError:
+                pass  # it already ended: its error, if any, is raised below
         self._thread.join(self._start_timeout_s)
+        if self._thread.is_alive():
+            raise TimeoutError(f"{self._what} did not stop")
+        if self._error is not None:
+            raise RuntimeError(f"{self._what} failed") from self._error
 
     def run(self, fn: Callable[..., Awaitable[T]], *args: Any) -> T:
         """``await fn(*args)`` on the program's loop, from a test's thread."""
