@@ -2,7 +2,8 @@
 loss and reordering; virtual time), a swarm of real processes on loopback
 (:func:`open_local_swarm`), a UDP relay that makes loopback as slow as a WAN
 (:class:`DelayRelay`), hosts behind real NATs in network namespaces (:func:`open_topology`)
-with clients run inside them (:func:`open_host_client`), a lying server for tests of the
+with clients and other programs run inside them (:func:`open_host_client`,
+:func:`open_host_program`), a lying server for tests of the
 client's checks (:func:`make_liar`), and model configs for tests and
 benchmarks (tiny ones, and real models' shapes).
 """
@@ -24,7 +25,11 @@ from ._configs import (
     tiny_mixtral_config as tiny_mixtral_config,
     tinyllama_1b_config as tinyllama_1b_config,
 )
-from ._host_client import HostClient as HostClient, open_host_client as open_host_client
+from ._host_client import (
+    HostClient as HostClient,
+    open_host_client as open_host_client,
+    open_host_program as open_host_program,
+)
 from ._liar import make_liar as make_liar
 from ._nat import (
     Host as Host,

@@ -2,7 +2,7 @@
 
 :func:`open_host_client` starts a Petals-style generating client there
 (``python -m petals_core.demo._remote_client``: the distributed models sit above this package)
-and drives it (:class:`HostClient`).
+and drives it (:class:`HostClient`); :func:`open_host_program` starts any Python program there.
 
 ``python -m petals_core.testing._host_client '<json>'``: ``tries`` connections, each from a
 fresh node (a new socket: a new mapping in our NAT), to the server ``peer`` of the swarm of
@@ -27,7 +27,7 @@ import trio
 from .._local_swarm import SwarmProcess
 from ._nat import Host
 
-__all__ = ["HostClient", "open_host_client", "read_lines"]
+__all__ = ["HostClient", "open_host_client", "open_host_program", "read_lines"]
 
 
 @attrs.define(eq=False)
@@ -57,18 +57,27 @@ class HostClient:
 async def open_host_client(host: Host, settings: dict[str, Any]) -> AsyncIterator[HostClient]:
     """A generating client inside ``host`` (``settings``: see ``petals_core.demo._remote_client``),
     killed when the block ends."""
-    command = host.command(
-        sys.executable, "-m", "petals_core.demo._remote_client", json.dumps(settings)
-    )
+    argv = ["-m", "petals_core.demo._remote_client", json.dumps(settings)]
+    async with open_host_program(host, "client", argv) as process:
+        yield HostClient(process)
+
+
+@asynccontextmanager
+async def open_host_program(host: Host, name: str, argv: list[str]) -> AsyncIterator[SwarmProcess]:
+    """``python argv...`` inside ``host``, once it printed a line with ``READY``; killed when
+    the block ends.  Its output lines (stderr too) are collected as they come."""
     process = await trio.lowlevel.open_process(
-        command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+        host.command(sys.executable, *argv),
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
     )
-    started = SwarmProcess("client", process, "", [])
+    started = SwarmProcess(name, process, "", [])
     async with trio.open_nursery() as nursery:
         nursery.start_soon(read_lines, started)
         try:
             await started.wait_output("READY")
-            yield HostClient(started)
+            yield started
         finally:
             process.kill()
             with trio.CancelScope(shield=True):

@@ -38,7 +38,7 @@ from ._endpoint_conn import APP_REFUSED
 from ._identity import Identity, PeerID
 from ._multiaddr import Multiaddr, as_multiaddr
 from ._punch import punch_hole
-from ._relay import RelayLimits, RelayTable, open_relayed_channel
+from ._relay import CircuitDialers, RelayLimits, RelayTable, open_relayed_channel
 from ._relay_wire import PUNCH, PUNCH_PROBE, RELAY_HEADER, RELAYED, split_virtual, virtual_address
 from ._repair import REPAIR
 from ._udp import DatagramSocket, forbid_fragmentation
@@ -112,6 +112,8 @@ class Node:
         # Relays we take relayed datagrams from (those we hold reservations with or dial
         # through): their socket address -> their PeerID and how many uses hold it.
         self._relays: dict[Address, tuple[PeerID, int]] = {}
+        #: Who opened the circuits to us through those relays, as they told us.
+        self.circuit_dialers = CircuitDialers()
         # Peers that connect_any is dialling now.
         self._dialing: dict[PeerID, trio.Event] = {}
         # Peers a hole could not be punched to, and until when not to try again.
@@ -295,16 +297,14 @@ class Node:
         meanwhile wait for this one."""
         relay_address = None
         if maddr.is_relayed:
-            relay_connection, sockaddr, observed = await open_relayed_channel(self, maddr)
+            relay_connection, sockaddr = await open_relayed_channel(self, maddr)
             relay_address = relay_connection.current_address
             self._trust_relay(relay_address, relay_connection.peer_id)
         else:
             sockaddr = await _resolve(maddr, prefer=self.listen_multiaddr.family)
-            observed = None
         handle = self._endpoint.connect(sockaddr, maddr.peer_id, trio.current_time())
         connection = Connection(self, handle, sockaddr, we_dialed=True)
         connection._relay_address = relay_address
-        connection._observed = observed
         self._connections[handle] = connection
         if maddr.peer_id is not None:
             connection.peer_id = maddr.peer_id
@@ -540,6 +540,7 @@ class Node:
             if connection is not None:
                 if connection._relay_address is not None:
                     self._untrust_relay(connection._relay_address)
+                self.circuit_dialers.forget(connection.address)
                 if self._by_peer.get(connection.peer_id) is connection:
                     del self._by_peer[connection.peer_id]
                 connection._on_lost(event.error)

@@ -7,10 +7,12 @@ to send.  The peer then announces a relayed address (the relay's, then
 ``/p2p-circuit/p2p/<its PeerID>``).
 
 A dialer asks the relay for a *circuit* to that peer (``relay.connect``) and gets a channel
-number.  From then on the dialer and the peer exchange QUIC datagrams through the relay, each
-prefixed with the channel (see ``_relay_wire``): the relay forwards between the two addresses its
-own connections to them use, and only those.  The QUIC connection inside is end to end: the relay
-sees ciphertext, and the dialer checks the peer's key as on any connection.
+number.  The relay tells the peer, on its reservation call, who opened the circuit and from which
+address (:class:`CircuitDialers` keeps that for hole punching, see ``_punch``).  From then on the
+dialer and the peer exchange QUIC datagrams through the relay, each prefixed with the channel
+(see ``_relay_wire``): the relay forwards between the two addresses its own connections to them
+use, and only those.  The QUIC connection inside is end to end: the relay sees ciphertext, and
+the dialer checks the peer's key as on any connection.
 
 Bounds (:class:`RelayLimits`): reservations, circuits (in all and per dialer) and bytes per
 second (per circuit and in all).  A reservation or circuit beyond them is refused with
@@ -21,10 +23,11 @@ relay, or after ``circuit_idle_s`` without a datagram.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import secrets
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Final
 
 import attrs
 import trio
@@ -49,6 +52,7 @@ if TYPE_CHECKING:
     from ._node import Node
 
 __all__ = [
+    "CircuitDialers",
     "RELAY_CONNECT",
     "RELAY_RESERVE",
     "RelayLimits",
@@ -64,6 +68,8 @@ logger = logging.getLogger(__name__)
 
 RELAY_RESERVE = "relay.reserve"
 RELAY_CONNECT = "relay.connect"
+#: Circuits whose dialers a peer remembers (the oldest are forgotten first).
+_MAX_CIRCUITS_KEPT: Final = 1024
 
 
 @attrs.frozen(kw_only=True)
@@ -286,6 +292,10 @@ class RelayService:
     table: RelayTable
     #: Whether new reservations are taken (a node others cannot dial relays for nobody).
     accepting: bool = True
+    # Where to tell each reservation's holder of a new circuit to it.
+    _notices: dict[PeerID, trio.MemorySendChannel[dict[str, Any]]] = attrs.field(
+        factory=dict, init=False
+    )
 
     @classmethod
     def on(cls, node: Node, limits: RelayLimits | None = None) -> RelayService:
@@ -303,15 +313,23 @@ class RelayService:
         if not self.accepting:
             raise RelayRefused("this node cannot be dialled directly, so it relays for nobody")
         self.table.reserve(call.peer_id, connection._handle)
+        notices, pending = trio.open_memory_channel[dict[str, Any]](self.table.limits.max_circuits)
+        self._notices[call.peer_id] = notices
         try:
             await call.send({"reserved": True, "observed": str(_observed(connection))})
-            # Held until the peer ends the call or its connection ends.
-            while True:
-                await call.receive()
-        except CallEnded:
-            pass
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(_send_all, call, pending)
+                # Held until the peer ends the call or its connection ends.
+                try:
+                    while True:
+                        await call.receive()
+                except CallEnded:
+                    pass
+                nursery.cancel_scope.cancel()
         finally:
             self.table.release(call.peer_id, connection._handle)
+            if self._notices.get(call.peer_id) is notices:
+                del self._notices[call.peer_id]
 
     async def _connect(self, request: dict[str, Any], call: ServerCall) -> dict[str, Any]:
         connection = _direct_caller(call)
@@ -325,7 +343,20 @@ class RelayService:
         channel = self.table.open_circuit(
             call.peer_id, connection._handle, target, trio.current_time()
         )
-        return {"channel": channel, "observed": str(_observed(connection))}
+        observed = str(_observed(connection))
+        notices = self._notices.get(target)
+        if notices is not None:
+            # Sent before the dialer learns the channel: it arrives ahead of the dialer's
+            # handshake, which only then begins.  A peer that does not read them loses them.
+            notice = {"circuit": channel, "dialer": str(call.peer_id), "observed": observed}
+            with contextlib.suppress(trio.WouldBlock):
+                notices.send_nowait(notice)
+        return {"channel": channel}
+
+
+async def _send_all(call: ServerCall, pending: trio.MemoryReceiveChannel[dict[str, Any]]) -> None:
+    async for message in pending:
+        await call.send(message)
 
 
 def _observed(connection: Connection) -> Multiaddr:
@@ -338,6 +369,36 @@ class Reservation:
 
     address: Multiaddr
     observed: Multiaddr | None
+
+
+class CircuitDialers:
+    """Who opened each circuit to us through the relays we hold reservations with, as those
+    relays told us: a relayed connection's virtual address -> the dialer's PeerID and its
+    address as the relay saw it (the newest :data:`_MAX_CIRCUITS_KEPT`)."""
+
+    def __init__(self) -> None:
+        self._dialers: dict[Address, tuple[PeerID, Address]] = {}
+        self._changed = trio.Event()
+
+    def record(self, relay: Address, channel: int, dialer: PeerID, observed: Address) -> None:
+        address = virtual_address(relay, channel)
+        self._dialers.pop(address, None)
+        self._dialers[address] = (dialer, observed)
+        while len(self._dialers) > _MAX_CIRCUITS_KEPT:
+            del self._dialers[next(iter(self._dialers))]
+        self._changed.set()
+        self._changed = trio.Event()
+
+    def forget(self, address: Address) -> None:
+        self._dialers.pop(address, None)
+
+    async def wait_for(self, address: Address, timeout_s: float) -> tuple[PeerID, Address] | None:
+        """The dialer of the relayed connection at ``address`` and where its relay saw it,
+        once known; None if its relay has not said within ``timeout_s``."""
+        with trio.move_on_after(timeout_s):
+            while address not in self._dialers:
+                await self._changed.wait()
+        return self._dialers.get(address)
 
 
 def _refused(exc: RemoteError, relay: Multiaddr) -> PeerUnreachable:
@@ -385,9 +446,8 @@ async def hold_reservation(
                     Reservation(relay.relayed(node.peer_id), _observed_untrusted(reply))
                 )
                 try:
-                    await call.receive()
-                except CallEnded:
-                    pass
+                    async for notice in call:
+                        _record_circuit_untrusted(node, connection.current_address, notice)
                 except RemoteError:
                     raise
                 except TransportError as exc:
@@ -397,11 +457,25 @@ async def hold_reservation(
         raise _refused(exc, relay) from None
 
 
-async def open_relayed_channel(
-    node: Node, address: Multiaddr
-) -> tuple[Connection, Address, Multiaddr | None]:
+def _record_circuit_untrusted(node: Node, relay: Address, notice: dict[str, Any]) -> None:
+    """Keep what a relay said of a new circuit to us; a notice that makes no sense is dropped
+    (the circuit then gets no punched hole)."""
+    channel, dialer, observed = (notice.get(k) for k in ("circuit", "dialer", "observed"))
+    if not isinstance(channel, int) or isinstance(channel, bool) or not 0 < channel < 1 << 32:
+        return
+    try:
+        peer_id = PeerID.from_string(dialer) if isinstance(dialer, str) else None
+        address = Multiaddr.parse(observed) if isinstance(observed, str) else None
+    except ConfigError:
+        return
+    if peer_id is None or address is None or address.dns is not None or address.is_relayed:
+        return
+    node.circuit_dialers.record(relay, channel, peer_id, address.socket_address)
+
+
+async def open_relayed_channel(node: Node, address: Multiaddr) -> tuple[Connection, Address]:
     """Ask the relay of the relayed ``address`` for a circuit to its peer: our connection to
-    the relay, the virtual address to dial, and our address as the relay sees it."""
+    the relay, and the virtual address to dial."""
     relay = address.relay_multiaddr
     connection = await node.connect(relay)
     try:
@@ -416,4 +490,4 @@ async def open_relayed_channel(
     if not isinstance(channel, int) or isinstance(channel, bool) or not 0 < channel < 1 << 32:
         raise PeerUnreachable(f"relay {relay} answered no channel: {reply!r:.200}")
     virtual = virtual_address(connection.current_address, channel)
-    return connection, virtual, _observed_untrusted(reply)
+    return connection, virtual

@@ -16,13 +16,16 @@ import attrs
 import pytest
 import trio
 
+from petals_core import RemoteError
 from petals_core.transport import (
+    Connection,
     Handlers,
     Identity,
     IdentityMismatch,
     Multiaddr,
     Node,
     PeerUnreachable,
+    PunchService,
     RelayLimits,
     RelayRefused,
     RelayService,
@@ -34,8 +37,9 @@ from petals_core.transport import (
     open_node,
     serve_rpc,
 )
-from petals_core.transport._relay import RelayTable, open_relayed_channel
-from petals_core.transport._relay_wire import RELAY_HEADER, RELAYED
+from petals_core.transport._punch import NAT_PUNCH
+from petals_core.transport._relay import CircuitDialers, RelayTable, open_relayed_channel
+from petals_core.transport._relay_wire import RELAY_HEADER, RELAYED, virtual_address
 
 from ..dht._swarm import wait_until
 
@@ -68,7 +72,8 @@ class Trio:
 
 @asynccontextmanager
 async def relayed(limits: RelayLimits | None = None) -> AsyncIterator[Trio]:
-    """A relay, a peer holding a reservation there (serving echo and reverse), and a dialer."""
+    """A relay, a peer holding a reservation there (serving echo, reverse and ``nat.punch``),
+    and a dialer."""
     async with (
         open_node() as relay,
         open_node() as peer,
@@ -77,7 +82,9 @@ async def relayed(limits: RelayLimits | None = None) -> AsyncIterator[Trio]:
     ):
         service = RelayService.on(relay, limits)
         await nursery.start(serve_rpc, relay, service.handlers())
-        await nursery.start(serve_rpc, peer, _peer_handlers())
+        handlers = _peer_handlers()
+        handlers.include(PunchService(peer).handlers())
+        await nursery.start(serve_rpc, peer, handlers)
         reservation = await nursery.start(hold_reservation, peer, relay.listen_multiaddr)
         try:
             yield Trio(relay, service, peer, reservation, dialer)
@@ -120,6 +127,67 @@ async def test_a_peer_is_reached_through_its_relay_end_to_end() -> None:
             assert stats.bytes_relayed > 2 * 20 * 100_000
             # Nothing was dropped on the way.
             assert stats.datagrams_dropped == 0
+
+
+async def test_the_relay_names_each_circuits_dialer_and_the_peer_punches_only_there() -> None:
+    """The relay tells the peer who opened a circuit and from where; ``nat.punch`` aims at that
+    address whatever the caller names (here the relay saw loopback, where no hole is punched,
+    so the peer refuses rather than probe the stranger's address the caller asks for)."""
+    with trio.fail_after(DEADLINE_S):
+        async with relayed() as t:
+            connection = await t.dialer.connect(t.reservation.address)
+            await wait_until(lambda: _connections_to(t.peer, t.dialer) != [])
+            (at_peer,) = _connections_to(t.peer, t.dialer)
+            dialer = await t.peer.circuit_dialers.wait_for(at_peer.address, DEADLINE_S)
+            assert dialer == (t.dialer.peer_id, t.dialer.listen_multiaddr.socket_address)
+            elsewhere = str(Multiaddr("198.51.100.7", 4001))
+            reply = await _ask_punch(connection, {"addresses": [elsewhere]})
+            assert reply == {"punching": False, "reason": "no hole to punch to a loopback address"}
+            # A circuit the relay said nothing of gets no punch.
+            t.peer.circuit_dialers.forget(at_peer.address)
+            reply = await _ask_punch(connection, {})
+            assert reply["reason"] == "the relay did not say where it sees the caller"
+            # Asked directly, not through a relay: refused.
+            async with open_node() as neighbour:
+                direct = await neighbour.connect(t.peer.listen_multiaddr)
+                with pytest.raises(RemoteError, match=r"nat\.punch is asked through a relay"):
+                    await _ask_punch(direct, {})
+
+
+def _connections_to(node: Node, peer: Node) -> list[Connection]:
+    return [c for c in node.connections if c.peer_id == peer.peer_id]
+
+
+async def _ask_punch(connection: Connection, request: dict[str, object]) -> dict[str, object]:
+    async with open_call(connection, NAT_PUNCH) as call:
+        await call.send(request)
+        return await call.receive()
+
+
+async def test_circuit_dialers_keep_the_newest_and_wait_for_the_relays_word(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    dialers = CircuitDialers()
+    relay, dialer = ("198.51.100.1", 4001), Identity.generate().peer_id
+    for channel in range(1, 1026):
+        dialers.record(relay, channel, dialer, ("192.0.2.5", channel))
+    first, last = (virtual_address(relay, channel) for channel in (1, 1025))
+    # The oldest of 1025 is forgotten; the others are known at once.
+    assert await dialers.wait_for(first, 5.0) is None
+    assert await dialers.wait_for(last, 0.0) == (dialer, ("192.0.2.5", 1025))
+    # One not yet named is waited for until the relay names it.
+    async with trio.open_nursery() as nursery:
+        began = trio.current_time()
+
+        async def name_it_later() -> None:
+            await trio.sleep(1.0)
+            dialers.record(relay, 1, dialer, ("192.0.2.5", 9))
+
+        nursery.start_soon(name_it_later)
+        assert await dialers.wait_for(first, 5.0) == (dialer, ("192.0.2.5", 9))
+        assert trio.current_time() - began == pytest.approx(1.0)
+    dialers.forget(first)
+    assert await dialers.wait_for(first, 0.0) is None
 
 
 async def test_the_relay_cannot_impersonate_the_peer() -> None:
@@ -241,7 +309,7 @@ async def test_a_relay_forwards_only_to_where_its_peer_proved_it_receives() -> N
     with victim, trio.fail_after(DEADLINE_S):
         async with relayed() as trio_:
             relay, dialer = trio_.relay, trio_.dialer
-            connection, virtual, _ = await open_relayed_channel(dialer, trio_.reservation.address)
+            connection, virtual = await open_relayed_channel(dialer, trio_.reservation.address)
             channel = int(virtual[0][6:14], 16)
             relay_address = relay.listen_multiaddr.socket_address
             # The dialer's datagrams from now leave from the victim's socket (a spoofer's).
