@@ -72,6 +72,7 @@ from ._routing import (
     RoutingTable as RoutingTable,
     RoutingTableStatistics as RoutingTableStatistics,
     bucket_index as bucket_index,
+    host_of as host_of,
     xor_distance as xor_distance,
 )
 from ._speed_test import (

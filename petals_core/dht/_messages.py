@@ -90,15 +90,28 @@ def caller_contact_untrusted(
     request: dict[str, Any], peer_id: PeerID, remote_host: str | None, now: float
 ) -> Contact | None:
     """The caller of ``request`` (``peer_id``, as its connection proved, calling from
-    ``remote_host``; None when it came through a relay) as a contact for the routing table;
-    None for a client-mode caller, which serves nothing."""
+    ``remote_host``; None when it came through a relay) as a contact for the routing table.
+
+    None for a client-mode caller, which serves nothing, and for a caller whose address is not
+    the host its request came from: it is served, but not handed to others as a contact (else
+    one caller could have every node that learns of it dial a host of its choice).  A caller
+    listening on every interface, or naming a DNS name, is noted at the host its request came
+    from, with the port it names."""
     if request.get("client") is True:
         return None
     maddr = caller_address_untrusted(request, peer_id, "or 'client': true")
-    if maddr.dns is None and ipaddress.ip_address(maddr.host).is_unspecified:
-        if remote_host is None:
-            return None
-        # A node listening on every interface (0.0.0.0 / ::) cannot know which of its
-        # addresses we reach it by: the one its request came from, with its port.
+    if remote_host is None or maddr.is_relayed:
+        return None
+    if maddr.dns is not None or ipaddress.ip_address(maddr.host).is_unspecified:
         maddr = Multiaddr.from_socket_address(remote_host, maddr.port)
+    elif _unmapped(maddr.host) != _unmapped(remote_host):
+        return None
     return Contact.from_peer_id(peer_id, str(maddr.with_peer_id(peer_id)), last_seen=now)
+
+
+def _unmapped(host: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address:
+    """``host`` as an IP address, an IPv4-mapped IPv6 one (``::ffff:a.b.c.d``) as IPv4."""
+    address = ipaddress.ip_address(host)
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        return address.ipv4_mapped
+    return address

@@ -22,6 +22,12 @@ The rules, all here:
   The ping is settled by ``ping_result``, by ``failed`` or by hearing from that node.
 - A node that failed (a query timed out, a ping went unanswered) leaves the table at once, and the
   freshest replacement of its bucket takes its place.  So a bucket with room has an empty cache.
+- One host (an IPv4 address, an IPv6 /64) holds at most ``max_per_host_per_bucket`` places in a
+  bucket and ``max_per_host`` in the table, replacement caches included: PeerIDs cost nothing,
+  and one host under many of them could otherwise fill the buckets near a key and answer every
+  lookup for it.  A newcomer beyond that is not noted.  Loopback and LAN addresses (RFC 1918,
+  IPv6 unique-local and link-local) are not bounded: a swarm on one machine or one LAN is its
+  operator's.
 - Our own ID is never added.
 
 Nothing here reads a clock, draws global randomness or does I/O: ``now`` and a ``random.Random``
@@ -30,9 +36,12 @@ come in, a ``PingOldest`` action comes out, and the driver carries it out.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import heapq
+import ipaddress
 import random
+from collections import Counter
 from collections.abc import Collection, Iterator
 from typing import TYPE_CHECKING, Final
 
@@ -52,12 +61,40 @@ __all__ = [
     "RoutingTable",
     "RoutingTableStatistics",
     "bucket_index",
+    "host_of",
     "xor_distance",
 ]
 
 NODE_ID_BITS: Final = 160
 _NODE_ID_BYTES: Final = NODE_ID_BITS // 8
 _NODE_ID_LIMIT: Final = 1 << NODE_ID_BITS
+
+
+#: Networks whose contacts are not bounded per host (see the module).
+_LAN: Final = tuple(
+    ipaddress.ip_network(n)
+    for n in ("10.0.0.0/8", "172.16.0.0/12", "192.168.0.0/16", "fc00::/7", "fe80::/10")
+)
+
+
+@functools.lru_cache(maxsize=4096)
+def host_of(address: str) -> str | None:
+    """The host a contact's multiaddr names, for the per-host bounds: an IPv4 address or an
+    IPv6 /64; None for loopback, LAN and DNS addresses, which are not bounded."""
+    parts = address.split("/")
+    if len(parts) < 3 or parts[1] not in ("ip4", "ip6"):
+        return None
+    try:
+        ip = ipaddress.ip_address(parts[2])
+    except ValueError:
+        return None
+    if ip.is_loopback or any(ip in lan for lan in _LAN if lan.version == ip.version):
+        return None
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    if ip.version == 6:
+        return str(ipaddress.ip_network(f"{ip}/64", strict=False))
+    return str(ip)
 
 
 def _check_node_id_value(instance: NodeID, attribute: attrs.Attribute[int], value: int) -> None:
@@ -175,6 +212,8 @@ class RoutingTableStatistics:
     #: Per bucket, indexed by bucket number (0 nearest).
     contacts_per_bucket: tuple[int, ...]
     replacements_per_bucket: tuple[int, ...]
+    #: Newcomers not noted because their host held its share already.
+    crowded_out: int = 0
 
 
 class _Bucket:
@@ -204,7 +243,8 @@ class RoutingTable:
     """The k-buckets of the node ``own``: who we know, closest first for any target.
 
     ``k`` contacts per bucket; ``replacement_cache_size`` newcomers wait per full bucket (default
-    ``k``).  ``rng`` draws the random IDs that bucket refreshes look up.
+    ``k``); one host holds at most ``max_per_host_per_bucket`` places in a bucket and
+    ``max_per_host`` in the table.  ``rng`` draws the random IDs that bucket refreshes look up.
     """
 
     def __init__(
@@ -213,6 +253,8 @@ class RoutingTable:
         *,
         k: int = 20,
         replacement_cache_size: int | None = None,
+        max_per_host_per_bucket: int = 2,
+        max_per_host: int = 10,
         rng: random.Random,
     ) -> None:
         if not isinstance(own, NodeID):
@@ -225,12 +267,22 @@ class RoutingTable:
             raise ConfigError(
                 f"replacement_cache_size must be at least 0, got {replacement_cache_size}"
             )
+        if not 1 <= max_per_host_per_bucket <= max_per_host:
+            raise ConfigError(
+                "a host's places are at least 1 per bucket and no fewer in the table than in a "
+                f"bucket, got {max_per_host_per_bucket} per bucket and {max_per_host} in all"
+            )
         self._own = own
         self._k = k
         self._replacement_cache_size = replacement_cache_size
+        self._max_per_host_per_bucket = max_per_host_per_bucket
+        self._max_per_host = max_per_host
         self._rng = rng
         self._buckets = [_Bucket() for _ in range(NODE_ID_BITS)]
         self._count = 0
+        # Places per bounded host, contacts and replacements together.
+        self._hosts: Counter[str] = Counter()
+        self._crowded_out = 0
 
     @property
     def own(self) -> NodeID:
@@ -255,20 +307,29 @@ class RoutingTable:
             return None
         bucket = self._bucket_of(node_id)
         seen = attrs.evolve(contact, last_seen=now)
-        if node_id in bucket.contacts:
-            del bucket.contacts[node_id]
+        known = bucket.contacts.pop(node_id, None)
+        if known is not None:
+            if not self._move(known, seen, bucket):
+                # Its new host holds its share: it stays where we knew it.
+                seen = attrs.evolve(known, last_seen=now)
             bucket.contacts[node_id] = seen
             if bucket.pinging == node_id:
                 bucket.pinging = None
             return None
+        waiting = bucket.replacements.pop(node_id, None)
+        if waiting is not None:
+            self._place(waiting, -1)
+        if not self._has_room(seen, bucket):
+            self._crowded_out += 1
+            return None
+        self._place(seen, 1)
         if len(bucket.contacts) < self._k:
             bucket.contacts[node_id] = seen
             self._count += 1
             return None
-        bucket.replacements.pop(node_id, None)
         bucket.replacements[node_id] = seen
         while len(bucket.replacements) > self._replacement_cache_size:
-            del bucket.replacements[next(iter(bucket.replacements))]
+            self._place(bucket.replacements.pop(next(iter(bucket.replacements))), -1)
         if bucket.pinging is not None:
             return None
         oldest = next(iter(bucket.contacts.values()))
@@ -286,9 +347,13 @@ class RoutingTable:
         bucket = self._bucket_of(node_id)
         if bucket.pinging == node_id:
             bucket.pinging = None
-        bucket.replacements.pop(node_id, None)
-        if bucket.contacts.pop(node_id, None) is None:
+        waiting = bucket.replacements.pop(node_id, None)
+        if waiting is not None:
+            self._place(waiting, -1)
+        gone = bucket.contacts.pop(node_id, None)
+        if gone is None:
             return
+        self._place(gone, -1)
         self._count -= 1
         if bucket.replacements:
             _, freshest = bucket.replacements.popitem()
@@ -389,7 +454,38 @@ class RoutingTable:
             pings_outstanding=sum(1 for b in self._buckets if b.pinging is not None),
             contacts_per_bucket=tuple(len(b.contacts) for b in self._buckets),
             replacements_per_bucket=tuple(len(b.replacements) for b in self._buckets),
+            crowded_out=self._crowded_out,
         )
+
+    def _has_room(self, contact: Contact, bucket: _Bucket) -> bool:
+        """Whether ``contact``'s host may take one more place in ``bucket``."""
+        host = host_of(contact.address)
+        if host is None:
+            return True
+        if self._hosts[host] >= self._max_per_host:
+            return False
+        held = [*bucket.contacts.values(), *bucket.replacements.values()]
+        return sum(host_of(c.address) == host for c in held) < self._max_per_host_per_bucket
+
+    def _place(self, contact: Contact, change: int) -> None:
+        """Count a place ``contact``'s host takes (``change`` 1) or leaves (-1)."""
+        host = host_of(contact.address)
+        if host is not None:
+            self._hosts[host] += change
+            if self._hosts[host] <= 0:
+                del self._hosts[host]
+
+    def _move(self, known: Contact, seen: Contact, bucket: _Bucket) -> bool:
+        """Move a known contact (out of ``bucket`` for now) to the host of ``seen``, if that host
+        has room; False (nothing changed) if not."""
+        if host_of(known.address) == host_of(seen.address):
+            return True
+        self._place(known, -1)
+        if self._has_room(seen, bucket):
+            self._place(seen, 1)
+            return True
+        self._place(known, 1)
+        return False
 
     def _bucket_of(self, node_id: NodeID) -> _Bucket:
         return self._buckets[bucket_index(self._own, node_id)]

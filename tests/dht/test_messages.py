@@ -88,6 +88,30 @@ def test_the_caller_is_noted_where_it_listens() -> None:
     assert caller_contact_untrusted({"client": True}, PEER, "10.0.0.2", 3.0) is None
 
 
+def test_a_caller_is_noted_only_at_the_host_its_request_came_from() -> None:
+    """A caller naming another host than the one it calls from is served but not noted: else
+    every node that learns of it would dial a host of its choice."""
+
+    def noted(address: str, remote_host: str | None) -> str | None:
+        contact = caller_contact_untrusted({"address": address}, PEER, remote_host, 0.0)
+        return None if contact is None else contact.address.removesuffix(f"/p2p/{PEER}")
+
+    assert noted("/ip4/192.0.2.9/udp/4001/quic-v1", "10.0.0.2") is None
+    # Through a relay, where it calls from is unknown; a relayed address is not dialled by
+    # others as a DHT contact either (nodes behind NATs are DHT clients).
+    assert noted("/ip4/10.0.0.2/udp/4001/quic-v1", None) is None
+    relayed = f"/ip4/10.0.0.2/udp/4001/quic-v1/p2p/{OTHER}/p2p-circuit/p2p/{PEER}"
+    assert noted(relayed, "10.0.0.2") is None
+    # A DNS name is noted at the host the request came from, with its port.
+    assert noted("/dns4/peer.example/udp/4001/quic-v1", "192.0.2.7") == (
+        "/ip4/192.0.2.7/udp/4001/quic-v1"
+    )
+    # An IPv4 caller seen by a dual-stack socket as ::ffff:a.b.c.d is the same host.
+    assert noted("/ip4/192.0.2.7/udp/4001/quic-v1", "::ffff:192.0.2.7") == (
+        "/ip4/192.0.2.7/udp/4001/quic-v1"
+    )
+
+
 @pytest.mark.parametrize(
     "request_",
     [

@@ -6,6 +6,7 @@ import hashlib
 import random
 import subprocess
 import sys
+from collections import Counter
 
 import attrs
 import pytest
@@ -27,6 +28,7 @@ from petals_core.dht import (
     PingOldest,
     RoutingTable,
     bucket_index,
+    host_of,
     xor_distance,
 )
 from petals_core.transport import Identity, PeerID
@@ -36,10 +38,12 @@ id_values = st.integers(min_value=0, max_value=(1 << NODE_ID_BITS) - 1)
 node_ids = id_values.map(NodeID)
 
 
-def contact(node_id: NodeID, *, port: int = 4000, last_seen: float = 0.0) -> Contact:
+def contact(
+    node_id: NodeID, *, port: int = 4000, last_seen: float = 0.0, host: str = "10.0.0.1"
+) -> Contact:
     """A contact at a chosen ID (real contacts derive it from the PeerID; tests need to aim)."""
     peer_id = PeerID.from_public_key(node_id.value.to_bytes(32, "big"))
-    return Contact(node_id, peer_id, f"/ip4/10.0.0.1/udp/{port}/quic-v1", last_seen)
+    return Contact(node_id, peer_id, f"/ip4/{host}/udp/{port}/quic-v1", last_seen)
 
 
 def at_distance(own: NodeID, distance: int) -> NodeID:
@@ -387,7 +391,88 @@ def test_empty_buckets_need_no_refresh() -> None:
     assert table().buckets_needing_refresh(now=1e9, interval=1.0) == []
 
 
+def test_one_host_holds_its_share_under_any_number_of_peer_ids() -> None:
+    """PeerIDs cost nothing: 300 of one host's take 2 places a bucket and 10 in all; other
+    hosts are noted as before, and a place its contact leaves can be taken again."""
+    t = RoutingTable(OWN, rng=random.Random(0))
+    rng = random.Random(1)
+    sybils = [contact(NodeID.random(rng), host="198.51.100.7") for _ in range(300)]
+    for sybil in sybils:
+        t.observe(sybil, 1.0)
+    held = [c for c in t if host_of(c.address) == "198.51.100.7"]
+    assert len(held) == 10
+    assert max(Counter(bucket_index(OWN, c.node_id) for c in held).values()) <= 2
+    assert t.statistics().crowded_out == 290
+    others = [contact(NodeID.random(rng), host=f"203.0.113.{i}") for i in range(1, 21)]
+    for other in others:
+        t.observe(other, 2.0)
+    assert all(c.node_id in t for c in others)
+    # One of the host's contacts fails: the host may take that place again.
+    t.failed(held[0].node_id, 3.0)
+    newcomer = next(
+        c
+        for c in sybils
+        if bucket_index(OWN, c.node_id) == bucket_index(OWN, held[0].node_id) and c.node_id not in t
+    )
+    t.observe(newcomer, 4.0)
+    assert newcomer.node_id in t
+
+
+def test_loopback_and_lan_hosts_are_not_bounded() -> None:
+    # Buckets large enough for all: what bounds here would be the per-host share alone.
+    t = RoutingTable(OWN, k=100, rng=random.Random(0))
+    rng = random.Random(2)
+    for host in ("127.0.0.1", "10.1.2.3", "192.168.0.9"):
+        peers = [contact(NodeID.random(rng), host=host) for _ in range(30)]
+        for peer in peers:
+            t.observe(peer, 1.0)
+        assert sum(c.node_id in t for c in peers) == 30
+    assert t.statistics().crowded_out == 0
+
+
+def test_a_known_contact_moving_to_a_crowded_host_stays_where_it_was() -> None:
+    t = RoutingTable(OWN, max_per_host_per_bucket=1, max_per_host=1, rng=random.Random(0))
+    first, second = in_bucket(OWN, 10, 1), in_bucket(OWN, 12, 1)
+    t.observe(contact(first, host="198.51.100.7"), 1.0)
+    t.observe(contact(second, host="198.51.100.8"), 1.0)
+    t.observe(contact(second, host="198.51.100.7", port=5000), 2.0)
+    assert t.get(second) == contact(second, host="198.51.100.8", last_seen=2.0)
+    # To a host with room it moves.
+    t.observe(contact(second, host="198.51.100.9", port=5000), 3.0)
+    assert t.get(second) == contact(second, host="198.51.100.9", port=5000, last_seen=3.0)
+
+
+def test_a_host_is_an_ipv4_address_or_an_ipv6_slash_64() -> None:
+    assert host_of("/ip4/198.51.100.7/udp/4000/quic-v1") == "198.51.100.7"
+    assert host_of("/ip6/2001:db8:1:2::5/udp/4000/quic-v1") == "2001:db8:1:2::/64"
+    assert host_of("/ip6/2001:db8:1:2:ffff::9/udp/4000/quic-v1") == "2001:db8:1:2::/64"
+    assert host_of("/ip6/::ffff:198.51.100.7/udp/4000/quic-v1") == "198.51.100.7"
+    for unbounded in (
+        "/ip4/127.0.0.1/udp/4000/quic-v1",
+        "/ip4/172.20.0.1/udp/4000/quic-v1",
+        "/ip6/::1/udp/4000/quic-v1",
+        "/ip6/fd00::1/udp/4000/quic-v1",
+        "/ip6/fe80::1/udp/4000/quic-v1",
+        "/dns4/peer.example/udp/4000/quic-v1",
+        "not a multiaddr",
+    ):
+        assert host_of(unbounded) is None, unbounded
+
+
+def test_a_hosts_share_is_at_least_one_place() -> None:
+    with pytest.raises(ConfigError, match="at least 1 per bucket"):
+        RoutingTable(OWN, max_per_host_per_bucket=0, rng=random.Random(0))
+    with pytest.raises(ConfigError, match="no fewer in the table"):
+        RoutingTable(OWN, max_per_host_per_bucket=3, max_per_host=2, rng=random.Random(0))
+
+
 # --- The state machine --------------------------------------------------------------------------
+
+
+#: The machine's contacts' hosts by port, and bounds small enough to bite.
+MACHINE_HOSTS = {1: "10.0.0.1", 2: "198.51.100.1", 3: "198.51.100.2"}
+MACHINE_PER_HOST_PER_BUCKET = 1
+MACHINE_PER_HOST = 3
 
 
 class RoutingTableMachine(RuleBasedStateMachine):
@@ -399,6 +484,7 @@ class RoutingTableMachine(RuleBasedStateMachine):
         super().__init__()
         self.now = 0.0
         self.pings: list[NodeID] = []
+        self.crowded_out = 0
 
     @initialize(
         target=nodes,
@@ -409,7 +495,12 @@ class RoutingTableMachine(RuleBasedStateMachine):
     )
     def start(self, own: int, k: int, cache: int, seed: int) -> NodeID:
         self.table = RoutingTable(
-            NodeID(own), k=k, replacement_cache_size=cache, rng=random.Random(seed)
+            NodeID(own),
+            k=k,
+            replacement_cache_size=cache,
+            max_per_host_per_bucket=MACHINE_PER_HOST_PER_BUCKET,
+            max_per_host=MACHINE_PER_HOST,
+            rng=random.Random(seed),
         )
         return self.table.own
 
@@ -417,26 +508,61 @@ class RoutingTableMachine(RuleBasedStateMachine):
         self.now += 1.0
         return self.now
 
+    def contact_at(self, node_id: NodeID, port: int, *, last_seen: float = 0.0) -> Contact:
+        """Port 1 is on a LAN host (not bounded), ports 2 and 3 on two public hosts."""
+        return contact(node_id, port=port, last_seen=last_seen, host=MACHINE_HOSTS[port])
+
+    def has_room(self, newcomer: Contact, index: int) -> bool:
+        """The per-host bounds, recounted from what the table shows."""
+        host = host_of(newcomer.address)
+        if host is None:
+            return True
+
+        def held(indices: range) -> int:
+            t = self.table
+            places = [c for i in indices for c in t.bucket(i) + t.replacements(i)]
+            return sum(host_of(c.address) == host for c in places if c.node_id != newcomer.node_id)
+
+        return (
+            held(range(NODE_ID_BITS)) < MACHINE_PER_HOST
+            and held(range(index, index + 1)) < MACHINE_PER_HOST_PER_BUCKET
+        )
+
     def observe_checked(self, node_id: NodeID, port: int) -> NodeID:
         t = self.table
+        new = self.contact_at(node_id, port)
         if node_id == t.own:
-            assert t.observe(contact(node_id, port=port), self.tick()) is None
+            assert t.observe(new, self.tick()) is None
             assert node_id not in t
             return node_id
         index = bucket_index(t.own, node_id)
         before = t.bucket(index)
         was_pinging = t.pinging(index)
-        known = node_id in t
-        action = t.observe(contact(node_id, port=port), self.tick())
+        old = t.get(node_id)
+        room = self.has_room(new, index)
+        action = t.observe(new, self.tick())
         after = t.bucket(index)
-        if known or len(before) < t.k:
+        if old is not None:
+            # A known contact whose new host holds its share stays where it was.
+            moved = host_of(old.address) == host_of(new.address) or room
             assert action is None
-            assert after[-1] == contact(node_id, port=port, last_seen=self.now)
-            assert len(after) == len(before) + (0 if known else 1)
+            assert after[-1] == attrs.evolve(new if moved else old, last_seen=self.now)
+            assert len(after) == len(before)
+        elif not room:
+            assert action is None and after == before
+            assert node_id not in {c.node_id for c in t.replacements(index)}
+            self.crowded_out += 1
+            event("newcomer crowded out")
+        elif len(before) < t.k:
+            assert action is None
+            assert after[-1] == self.contact_at(node_id, port, last_seen=self.now)
+            assert len(after) == len(before) + 1
         else:
             assert after == before
             if t.replacement_cache_size:
-                assert t.replacements(index)[0] == contact(node_id, port=port, last_seen=self.now)
+                assert t.replacements(index)[0] == self.contact_at(
+                    node_id, port, last_seen=self.now
+                )
             if was_pinging is None:
                 assert action == PingOldest(before[0])
                 self.pings.append(before[0].node_id)
@@ -578,6 +704,18 @@ class RoutingTableMachine(RuleBasedStateMachine):
         assert stats.contacts == total
         assert sum(stats.contacts_per_bucket) == total
         assert stats.replacements == sum(stats.replacements_per_bucket)
+        assert stats.crowded_out == self.crowded_out
+
+    @invariant()
+    def no_host_holds_more_than_its_share(self) -> None:
+        t = self.table
+        everywhere: Counter[str | None] = Counter()
+        for index in range(NODE_ID_BITS):
+            here = Counter(host_of(c.address) for c in t.bucket(index) + t.replacements(index))
+            here.pop(None, None)
+            assert all(n <= MACHINE_PER_HOST_PER_BUCKET for n in here.values())
+            everywhere.update(here)
+        assert all(n <= MACHINE_PER_HOST for n in everywhere.values())
 
     @invariant()
     def closest_to_own_is_everyone_by_distance(self) -> None:
