@@ -263,6 +263,8 @@ class Connection:
         self._large_frames = trio.Semaphore(1)
         # The relay's socket address, for a connection we dialled through a relay.
         self._relay_address: Address | None = None
+        # Our address as the relay saw it, for a connection we dialled through a relay.
+        self._observed: Multiaddr | None = None
 
     @property
     def current_address(self) -> Address:

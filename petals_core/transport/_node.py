@@ -297,14 +297,16 @@ class Node:
         meanwhile wait for this one."""
         relay_address = None
         if maddr.is_relayed:
-            relay_connection, sockaddr = await open_relayed_channel(self, maddr)
+            relay_connection, sockaddr, observed = await open_relayed_channel(self, maddr)
             relay_address = relay_connection.current_address
             self._trust_relay(relay_address, relay_connection.peer_id)
         else:
             sockaddr = await _resolve(maddr, prefer=self.listen_multiaddr.family)
+            observed = None
         handle = self._endpoint.connect(sockaddr, maddr.peer_id, trio.current_time())
         connection = Connection(self, handle, sockaddr, we_dialed=True)
         connection._relay_address = relay_address
+        connection._observed = observed
         self._connections[handle] = connection
         if maddr.peer_id is not None:
             connection.peer_id = maddr.peer_id

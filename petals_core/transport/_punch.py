@@ -13,7 +13,10 @@
    datagram leaves, and the peer's NAT lets that datagram in.
 
 A peer punches only for a call that came through a relay, and only to the address the relay saw
-the caller at, ``len(_PROBES_AT_S)`` small probes: a caller cannot aim them anywhere else.  A
+the caller at (a unicast address, not loopback), ``len(_PROBES_AT_S)`` small probes: a caller
+cannot aim them anywhere else.  The relay is a stranger too: it could name any address, but gets
+those few probes per circuit it opened, each circuit costing it a QUIC handshake.  The dialer
+still names the address the relay told it (peers that punch to the address named read it).  A
 dialer that failed to punch to a peer does not try again for ``_FAILURE_MEMORY_S``: it uses the
 relay at once.
 """
@@ -45,8 +48,9 @@ NAT_PUNCH = "nat.punch"
 #: When the peer sends its probes, in seconds after the request.
 _PROBES_AT_S: Final = (0.0, 0.05, 0.1, 0.2, 0.4, 0.8)
 #: How long a peer waits for its relay to name the dialer of a circuit (the relay sends that
-#: before the dialer learns of the circuit, so it is there already unless a datagram was lost).
-_DIALER_WAIT_S: Final = 2.0
+#: before the dialer learns of the circuit, so it is there already unless a datagram was lost);
+#: well within the dialer's ``hole_punch_timeout_s``.
+_DIALER_WAIT_S: Final = 1.0
 _FAILURE_MEMORY_S: Final = 600.0
 _MAX_FAILURES_KEPT: Final = 1024
 
@@ -83,8 +87,9 @@ class PunchService:
         if peer_id != call.peer_id:
             await _refuse(call, "the relay named another peer as this circuit's dialer")
             return
-        if ipaddress.ip_address(target[0]).is_loopback:
-            await _refuse(call, "no hole to punch to a loopback address")
+        refusal = _unpunchable(target[0])
+        if refusal is not None:
+            await _refuse(call, refusal)
             return
         began = trio.current_time()
         for at in _PROBES_AT_S:
@@ -92,6 +97,22 @@ class PunchService:
             self.node.send_punches([target])
             if at == 0.0:
                 await call.send({"punching": True})
+
+
+def _unpunchable(host: str) -> str | None:
+    """Why no probe goes to ``host`` (loopback, multicast, ...); None if it may."""
+    ip = ipaddress.ip_address(host)
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    kinds = {
+        "loopback": ip.is_loopback,
+        "multicast": ip.is_multicast,
+        "unspecified": ip.is_unspecified,
+        "link-local": ip.is_link_local,
+        "reserved": ip.is_reserved,
+    }
+    kind = next((kind for kind, matches in kinds.items() if matches), None)
+    return None if kind is None else f"no hole to punch to a {kind} address ({host})"
 
 
 async def _refuse(call: ServerCall, reason: str) -> None:
@@ -108,13 +129,14 @@ async def punch_hole(
     peer = relayed.peer_id
     failures = node._punch_failures
     now = trio.current_time()
+    observed = relayed._observed
     if timeout_s is None or now < failures.get(peer, -math.inf):
         return None
     connection = None
     with trio.move_on_after(timeout_s):
         try:
             async with open_call(relayed, NAT_PUNCH) as call:
-                await call.send({})
+                await call.send({} if observed is None else {"addresses": [str(observed)]})
                 reply = await call.receive()
                 if reply.get("punching") is True:
                     connection = await node._connect_first(direct)

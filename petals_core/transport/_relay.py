@@ -7,8 +7,9 @@ to send.  The peer then announces a relayed address (the relay's, then
 ``/p2p-circuit/p2p/<its PeerID>``).
 
 A dialer asks the relay for a *circuit* to that peer (``relay.connect``) and gets a channel
-number.  The relay tells the peer, on its reservation call, who opened the circuit and from which
-address (:class:`CircuitDialers` keeps that for hole punching, see ``_punch``).  From then on the
+number.  The relay tells the peer, on its reservation call (if the peer asked, with
+``{"circuits": true}``), who opened the circuit and from which address (:class:`CircuitDialers`
+keeps that for hole punching, see ``_punch``).  From then on the
 dialer and the peer exchange QUIC datagrams through the relay, each prefixed with the channel
 (see ``_relay_wire``): the relay forwards between the two addresses its own connections to them
 use, and only those.  The QUIC connection inside is end to end: the relay sees ciphertext, and
@@ -41,6 +42,7 @@ from .._errors import (
     RemoteError,
     TransportError,
 )
+from .._groups import open_block_nursery
 from .._validators import positive, positive_or_none
 from ._identity import PeerID
 from ._multiaddr import Multiaddr
@@ -314,17 +316,15 @@ class RelayService:
             raise RelayRefused("this node cannot be dialled directly, so it relays for nobody")
         self.table.reserve(call.peer_id, connection._handle)
         notices, pending = trio.open_memory_channel[dict[str, Any]](self.table.limits.max_circuits)
-        self._notices[call.peer_id] = notices
         try:
             await call.send({"reserved": True, "observed": str(_observed(connection))})
-            async with trio.open_nursery() as nursery:
+            async with open_block_nursery() as nursery:
                 nursery.start_soon(_send_all, call, pending)
-                # Held until the peer ends the call or its connection ends.
-                try:
-                    while True:
-                        await call.receive()
-                except CallEnded:
-                    pass
+                # Held until the peer ends the call or its connection ends.  A peer that asks
+                # for them is told of each circuit opened to it.
+                async for message in call:
+                    if message.get("circuits") is True:
+                        self._notices[call.peer_id] = notices
                 nursery.cancel_scope.cancel()
         finally:
             self.table.release(call.peer_id, connection._handle)
@@ -351,12 +351,17 @@ class RelayService:
             notice = {"circuit": channel, "dialer": str(call.peer_id), "observed": observed}
             with contextlib.suppress(trio.WouldBlock):
                 notices.send_nowait(notice)
-        return {"channel": channel}
+        return {"channel": channel, "observed": observed}
 
 
 async def _send_all(call: ServerCall, pending: trio.MemoryReceiveChannel[dict[str, Any]]) -> None:
-    async for message in pending:
-        await call.send(message)
+    """Send the notices as they come; a call that can no longer send ends by itself (its
+    receiving side sees why)."""
+    try:
+        async for message in pending:
+            await call.send(message)
+    except TransportError as exc:
+        logger.debug("no more circuit notices to %s: %r", call.peer_id, exc)
 
 
 def _observed(connection: Connection) -> Multiaddr:
@@ -433,6 +438,7 @@ async def hold_reservation(
     connection = await node.connect(relay)
     try:
         async with open_call(connection, RELAY_RESERVE) as call:
+            await call.send({"circuits": True})
             try:
                 reply = await call.receive()
             except RemoteError as exc:
@@ -473,9 +479,11 @@ def _record_circuit_untrusted(node: Node, relay: Address, notice: dict[str, Any]
     node.circuit_dialers.record(relay, channel, peer_id, address.socket_address)
 
 
-async def open_relayed_channel(node: Node, address: Multiaddr) -> tuple[Connection, Address]:
+async def open_relayed_channel(
+    node: Node, address: Multiaddr
+) -> tuple[Connection, Address, Multiaddr | None]:
     """Ask the relay of the relayed ``address`` for a circuit to its peer: our connection to
-    the relay, and the virtual address to dial."""
+    the relay, the virtual address to dial, and our address as the relay sees it."""
     relay = address.relay_multiaddr
     connection = await node.connect(relay)
     try:
@@ -490,4 +498,4 @@ async def open_relayed_channel(node: Node, address: Multiaddr) -> tuple[Connecti
     if not isinstance(channel, int) or isinstance(channel, bool) or not 0 < channel < 1 << 32:
         raise PeerUnreachable(f"relay {relay} answered no channel: {reply!r:.200}")
     virtual = virtual_address(connection.current_address, channel)
-    return connection, virtual
+    return connection, virtual, _observed_untrusted(reply)

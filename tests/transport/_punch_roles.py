@@ -6,12 +6,14 @@
   ``READY <its relayed multiaddr>``.
 - ``dialer``: dials ``peer`` through its relay, asks it to punch to ``target`` (any address it
   likes); prints ``REPLY <json>`` and then ``PUNCHES <n>`` once ``n`` probes reached it.
-- ``listener``: a plain UDP socket at ``port``; prints ``GOT <first byte>`` per datagram.
+- ``listener``: a plain UDP socket at ``port``; prints ``COUNT <datagrams received>`` for each
+  line it reads on its stdin.
 """
 
 from __future__ import annotations
 
 import json
+import select
 import socket
 import sys
 from typing import Any
@@ -63,9 +65,16 @@ def listener(settings: dict[str, Any]) -> None:
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
         sock.bind((settings["host"], settings["port"]))
         print("READY", flush=True)
+        received = 0
         while True:
-            data, _ = sock.recvfrom(65536)
-            print("GOT", data[:1].hex(), flush=True)
+            ready, _, _ = select.select([sock, sys.stdin], [], [])
+            if sock in ready:
+                sock.recvfrom(65536)
+                received += 1
+            if sys.stdin in ready:
+                if not sys.stdin.readline():
+                    return
+                print("COUNT", received, flush=True)
 
 
 def main() -> None:

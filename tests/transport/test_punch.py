@@ -58,4 +58,9 @@ async def test_a_peer_punches_to_where_its_relay_saw_the_dialer_not_where_it_is_
                     assert reply == {"punching": True}
                     punches = await dialer.wait_output("PUNCHES")
                     assert int(punches.split()[1]) == len(_PROBES_AT_S)
-        assert [line for line in listening.output if line.startswith("GOT")] == []
+            # All probes were sent at once to whatever the peer aimed at: had any gone to the
+            # stranger, they would be there by now.
+            stdin = listening.process.stdin
+            assert stdin is not None
+            await stdin.send_all(b"count\n")
+            assert await listening.wait_output("COUNT") == "COUNT 0"

@@ -37,7 +37,7 @@ from petals_core.transport import (
     open_node,
     serve_rpc,
 )
-from petals_core.transport._punch import NAT_PUNCH
+from petals_core.transport._punch import NAT_PUNCH, _unpunchable
 from petals_core.transport._relay import CircuitDialers, RelayTable, open_relayed_channel
 from petals_core.transport._relay_wire import RELAY_HEADER, RELAYED, virtual_address
 
@@ -142,7 +142,10 @@ async def test_the_relay_names_each_circuits_dialer_and_the_peer_punches_only_th
             assert dialer == (t.dialer.peer_id, t.dialer.listen_multiaddr.socket_address)
             elsewhere = str(Multiaddr("198.51.100.7", 4001))
             reply = await _ask_punch(connection, {"addresses": [elsewhere]})
-            assert reply == {"punching": False, "reason": "no hole to punch to a loopback address"}
+            assert reply == {
+                "punching": False,
+                "reason": "no hole to punch to a loopback address (127.0.0.1)",
+            }
             # A circuit the relay said nothing of gets no punch.
             t.peer.circuit_dialers.forget(at_peer.address)
             reply = await _ask_punch(connection, {})
@@ -162,6 +165,22 @@ async def _ask_punch(connection: Connection, request: dict[str, object]) -> dict
     async with open_call(connection, NAT_PUNCH) as call:
         await call.send(request)
         return await call.receive()
+
+
+def test_probes_go_to_unicast_addresses_only() -> None:
+    assert _unpunchable("198.51.100.7") is None
+    assert _unpunchable("2001:db8::7") is None
+    for host, kind in [
+        ("127.0.0.1", "loopback"),
+        ("::ffff:127.0.0.1", "loopback"),
+        ("::1", "loopback"),
+        ("224.0.0.251", "multicast"),
+        ("0.0.0.0", "unspecified"),
+        ("169.254.1.1", "link-local"),
+        ("fe80::1", "link-local"),
+        ("255.255.255.255", "reserved"),
+    ]:
+        assert _unpunchable(host) == f"no hole to punch to a {kind} address ({host})"
 
 
 async def test_circuit_dialers_keep_the_newest_and_wait_for_the_relays_word(
@@ -309,7 +328,7 @@ async def test_a_relay_forwards_only_to_where_its_peer_proved_it_receives() -> N
     with victim, trio.fail_after(DEADLINE_S):
         async with relayed() as trio_:
             relay, dialer = trio_.relay, trio_.dialer
-            connection, virtual = await open_relayed_channel(dialer, trio_.reservation.address)
+            connection, virtual, _ = await open_relayed_channel(dialer, trio_.reservation.address)
             channel = int(virtual[0][6:14], 16)
             relay_address = relay.listen_multiaddr.socket_address
             # The dialer's datagrams from now leave from the victim's socket (a spoofer's).
