@@ -10,6 +10,8 @@ import ipaddress
 from collections.abc import Iterable
 from typing import Any, Final
 
+import attrs
+
 from .._errors import CodecError, ConfigError
 from ..transport import Multiaddr, PeerID
 from ._records import Record, decode_record_untrusted
@@ -90,28 +92,48 @@ def caller_contact_untrusted(
     request: dict[str, Any], peer_id: PeerID, remote_host: str | None, now: float
 ) -> Contact | None:
     """The caller of ``request`` (``peer_id``, as its connection proved, calling from
-    ``remote_host``; None when it came through a relay) as a contact for the routing table.
-
-    None for a client-mode caller, which serves nothing, and for a caller whose address is not
-    the host its request came from: it is served, but not handed to others as a contact (else
-    one caller could have every node that learns of it dial a host of its choice).  A caller
-    listening on every interface, or naming a DNS name, is noted at the host its request came
-    from, with the port it names."""
+    ``remote_host``; None when it came through a relay) as a contact for the routing table,
+    placed by :func:`seen_from`.  None for a client-mode caller, which serves nothing, and for a
+    caller that calls through a relay or names another host: it is served, but not handed to
+    others as a contact."""
     if request.get("client") is True:
         return None
     maddr = caller_address_untrusted(request, peer_id, "or 'client': true")
-    if remote_host is None or maddr.is_relayed:
+    if remote_host is None:
+        return None
+    return seen_from(
+        Contact.from_peer_id(peer_id, str(maddr.with_peer_id(peer_id)), last_seen=now),
+        remote_host,
+    )
+
+
+def seen_from(contact: Contact, host: str) -> Contact | None:
+    """``contact`` (at the address it named, or a third party named for it) as the routing table
+    keeps it, given the ``host`` its connection really reaches: at the address it names if that
+    is ``host``; at ``host`` with the port it names if it names a DNS name or a wildcard; None if
+    it names another host or a relayed address (else anyone could have every node that learns
+    of it dial a host of its choice)."""
+    maddr = Multiaddr.parse(contact.address)
+    if maddr.is_relayed:
         return None
     if maddr.dns is not None or ipaddress.ip_address(maddr.host).is_unspecified:
-        maddr = Multiaddr.from_socket_address(remote_host, maddr.port)
-    elif _unmapped(maddr.host) != _unmapped(remote_host):
-        return None
-    return Contact.from_peer_id(peer_id, str(maddr.with_peer_id(peer_id)), last_seen=now)
+        moved = Multiaddr.from_socket_address(host, maddr.port, contact.peer_id)
+        return attrs.evolve(contact, address=str(moved))
+    return contact if _same_host(maddr.host, host) else None
 
 
-def _unmapped(host: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address:
-    """``host`` as an IP address, an IPv4-mapped IPv6 one (``::ffff:a.b.c.d``) as IPv4."""
-    address = ipaddress.ip_address(host)
+def _same_host(a: str, b: str) -> bool:
+    """Whether two IP addresses are one host's: equal, or in one IPv6 /64 (a host sends from
+    temporary addresses of its /64); an IPv4-mapped IPv6 address is its IPv4 address."""
+    first, second = (_unmapped(ipaddress.ip_address(host)) for host in (a, b))
+    if isinstance(first, ipaddress.IPv6Address) and isinstance(second, ipaddress.IPv6Address):
+        return first.packed[:8] == second.packed[:8]
+    return first == second
+
+
+def _unmapped(
+    address: ipaddress.IPv4Address | ipaddress.IPv6Address,
+) -> ipaddress.IPv4Address | ipaddress.IPv6Address:
     if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
         return address.ipv4_mapped
     return address

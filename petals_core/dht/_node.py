@@ -40,6 +40,7 @@ import trio
 from .._errors import CodecError, ConfigError, PeerUnreachable, TransportError
 from .._groups import open_block_nursery
 from ..transport import (
+    Connection,
     Handlers,
     Identity,
     Multiaddr,
@@ -61,6 +62,7 @@ from ._messages import (
     MAX_RECORDS_PER_REQUEST,
     decode_contacts_untrusted,
     decode_records_untrusted,
+    seen_from,
 )
 from ._peer_table import PeerTable
 from ._reachability import DIAL_BACK, DialBack
@@ -88,6 +90,9 @@ class DHTStatistics:
     routing: RoutingTableStatistics
     records: RecordStoreStatistics
     requests_served: int
+    #: Requests from server-mode callers whose address was not where they called from (or
+    #: who called through a relay): served, but not noted in the routing table.
+    callers_not_noted: int
     requests_sent: int
     requests_failed: int
     refresh_rounds: int
@@ -191,6 +196,7 @@ class DHTNode:
             routing=self._table.statistics(),
             records=self._records.statistics(),
             requests_served=self._service.served,
+            callers_not_noted=self._service.unnoted,
             requests_sent=self._sent,
             requests_failed=self._failed,
             refresh_rounds=self._maintenance.refresh_rounds,
@@ -466,13 +472,18 @@ class DHTNode:
     async def _request(
         self, contact: Contact, method: str, request: dict[str, Any]
     ) -> dict[str, Any] | None:
-        """Call ``method`` on ``contact``; None (and the contact dropped) if it failed."""
-        reply = await self._call(contact.address, method, request)
+        """Call ``method`` on ``contact``; None (and the contact dropped) if it failed.  It is
+        noted as :func:`seen_from` places it, from the host that answered (a live connection
+        to that peer answers whatever address was named for it)."""
+        reply, connection = await self._reach(contact.address, method, request)
         now = self._clock()
-        if reply is None:
+        if reply is None or connection is None:
             self._table.failed(contact.node_id, now)
             return None
-        self._observe(contact, now)
+        relayed = connection.relay is not None
+        noted = contact if relayed else seen_from(contact, connection.address[0])
+        if noted is not None:
+            self._observe(noted, now)
         return reply
 
     async def _call(
@@ -480,6 +491,12 @@ class DHTNode:
     ) -> dict[str, Any] | None:
         """Call ``method`` at ``address`` (or the first of a peer's addresses to answer)
         within the request timeout; None if it failed."""
+        return (await self._reach(address, method, request))[0]
+
+    async def _reach(
+        self, address: Multiaddr | str | list[Multiaddr], method: str, request: dict[str, Any]
+    ) -> tuple[dict[str, Any] | None, Connection | None]:
+        """``_call``, with the connection that answered."""
         self._sent += 1
         with trio.move_on_after(self._request_timeout_s):
             try:
@@ -487,11 +504,11 @@ class DHTNode:
                     connection = await self._node.connect_any(address)
                 else:
                     connection = await self._node.connect(address)
-                return await call_unary(connection, method, self._identify(request))
+                return await call_unary(connection, method, self._identify(request)), connection
             except TransportError as exc:
                 logger.debug("%s to %s failed: %s", method, address, exc)
         self._failed += 1
-        return None
+        return None, None
 
     def _observe(self, contact: Contact, now: float) -> None:
         known = contact.node_id in self._table

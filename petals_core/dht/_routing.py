@@ -22,11 +22,12 @@ The rules, all here:
   The ping is settled by ``ping_result``, by ``failed`` or by hearing from that node.
 - A node that failed (a query timed out, a ping went unanswered) leaves the table at once, and the
   freshest replacement of its bucket takes its place.  So a bucket with room has an empty cache.
-- One host (an IPv4 address, an IPv6 /64) holds at most ``max_per_host_per_bucket`` places in a
-  bucket and ``max_per_host`` in the table, replacement caches included: PeerIDs cost nothing,
-  and one host under many of them could otherwise fill the buckets near a key and answer every
-  lookup for it.  A newcomer beyond that is not noted.  Loopback and LAN addresses (RFC 1918,
-  IPv6 unique-local and link-local) are not bounded: a swarm on one machine or one LAN is its
+- One host (an IPv4 address, an IPv6 /48: one site's prefix, as a host can answer from every
+  address of its /64 or more) holds at most ``max_per_host_per_bucket`` places in a bucket and
+  ``max_per_host`` in the table, replacement caches included: PeerIDs cost nothing, and one
+  host under many of them could otherwise fill the buckets near a key and answer every lookup
+  for it.  A newcomer beyond that is not noted.  Loopback and LAN addresses (RFC 1918, IPv6
+  unique-local, link-local) are not bounded: a swarm on one machine or one LAN is its
   operator's.
 - Our own ID is never added.
 
@@ -70,17 +71,17 @@ _NODE_ID_BYTES: Final = NODE_ID_BITS // 8
 _NODE_ID_LIMIT: Final = 1 << NODE_ID_BITS
 
 
-#: Networks whose contacts are not bounded per host (see the module).
-_LAN: Final = tuple(
-    ipaddress.ip_network(n)
-    for n in ("10.0.0.0/8", "172.16.0.0/12", "192.168.0.0/16", "fc00::/7", "fe80::/10")
+#: Private networks, whose contacts are not bounded per host (see the module).
+_PRIVATE: Final = tuple(
+    ipaddress.ip_network(n) for n in ("10.0.0.0/8", "172.16.0.0/12", "192.168.0.0/16", "fc00::/7")
 )
 
 
 @functools.lru_cache(maxsize=4096)
 def host_of(address: str) -> str | None:
-    """The host a contact's multiaddr names, for the per-host bounds: an IPv4 address or an
-    IPv6 /64; None for loopback, LAN and DNS addresses, which are not bounded."""
+    """The host a contact's multiaddr names, for the per-host bounds: an IPv4 address, or an
+    IPv6 /48 (what one site is given); None for loopback, LAN and DNS addresses, which are not
+    bounded."""
     parts = address.split("/")
     if len(parts) < 3 or parts[1] not in ("ip4", "ip6"):
         return None
@@ -88,12 +89,12 @@ def host_of(address: str) -> str | None:
         ip = ipaddress.ip_address(parts[2])
     except ValueError:
         return None
-    if ip.is_loopback or any(ip in lan for lan in _LAN if lan.version == ip.version):
-        return None
     if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
         ip = ip.ipv4_mapped
+    if ip.is_loopback or ip.is_link_local or any(ip in net for net in _PRIVATE):
+        return None
     if ip.version == 6:
-        return str(ipaddress.ip_network(f"{ip}/64", strict=False))
+        return str(ipaddress.ip_network(f"{ip}/48", strict=False))
     return str(ip)
 
 

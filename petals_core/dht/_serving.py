@@ -6,6 +6,7 @@ Every request carries the caller's listen multiaddr, noted in the routing table,
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -28,6 +29,8 @@ from ._topic import Topic, reply_for
 
 __all__ = ["DHTService"]
 
+logger = logging.getLogger(__name__)
+
 
 @attrs.define(kw_only=True, eq=False)
 class DHTService:
@@ -43,6 +46,9 @@ class DHTService:
     _observe: Callable[[Contact, float], None]
     #: Requests answered or refused so far.
     served: int = attrs.field(default=0, init=False)
+    #: Requests from server-mode callers not noted in the routing table (see
+    #: ``caller_contact_untrusted``).
+    unnoted: int = attrs.field(default=0, init=False)
 
     def handlers(self) -> Handlers:
         handlers = Handlers()
@@ -63,6 +69,14 @@ class DHTService:
         contact = caller_contact_untrusted(request, call.peer_id, remote_host, now)
         if contact is not None:
             self._observe(contact, now)
+        elif request.get("client") is not True:
+            self.unnoted += 1
+            logger.debug(
+                "%s calls from %s but names %s: served, not noted",
+                call.peer_id,
+                "a relay" if remote_host is None else remote_host,
+                request.get("address"),
+            )
         return request
 
     async def _ping(self, request: dict[str, Any], call: ServerCall) -> dict[str, Any]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import attrs
 import pytest
 
 from petals_core._errors import CodecError
@@ -17,6 +18,7 @@ from petals_core.dht._messages import (
     decode_records_untrusted,
     encode_contacts,
     key_untrusted,
+    seen_from,
     target_untrusted,
 )
 from petals_core.dht._routing import Contact
@@ -106,9 +108,26 @@ def test_a_caller_is_noted_only_at_the_host_its_request_came_from() -> None:
     assert noted("/dns4/peer.example/udp/4001/quic-v1", "192.0.2.7") == (
         "/ip4/192.0.2.7/udp/4001/quic-v1"
     )
-    # An IPv4 caller seen by a dual-stack socket as ::ffff:a.b.c.d is the same host.
+    # A host sends from temporary addresses of its IPv6 /64: it is noted at the one it names.
+    assert noted("/ip6/2001:db8:0:1::10/udp/4001/quic-v1", "2001:db8:0:1:8a3f::5") == (
+        "/ip6/2001:db8:0:1::10/udp/4001/quic-v1"
+    )
+    assert noted("/ip6/2001:db8:0:2::10/udp/4001/quic-v1", "2001:db8:0:1:8a3f::5") is None
+    # An IPv4 address and its IPv4-mapped IPv6 form are one host.
     assert noted("/ip4/192.0.2.7/udp/4001/quic-v1", "::ffff:192.0.2.7") == (
         "/ip4/192.0.2.7/udp/4001/quic-v1"
+    )
+
+
+def test_a_contact_a_third_party_names_is_kept_as_the_host_that_answered_reaches_it() -> None:
+    at = Contact.from_peer_id(PEER, f"/ip4/192.0.2.9/udp/4001/quic-v1/p2p/{PEER}", last_seen=1.0)
+    assert seen_from(at, "192.0.2.9") == at
+    # A live connection to the peer answered, from another host than the one named.
+    assert seen_from(at, "198.51.100.3") is None
+    # A DNS name (which could name any host later) is kept as the host it reached.
+    named = attrs.evolve(at, address=f"/dns4/peer.example/udp/4001/quic-v1/p2p/{PEER}")
+    assert seen_from(named, "198.51.100.3") == attrs.evolve(
+        at, address=f"/ip4/198.51.100.3/udp/4001/quic-v1/p2p/{PEER}"
     )
 
 

@@ -10,7 +10,7 @@ import pytest
 import trio
 
 from petals_core._errors import ConfigError, PeerUnreachable
-from petals_core.dht import NodeID
+from petals_core.dht import Contact, NodeID
 from petals_core.dht._node import DHTNode, open_dht_node
 from petals_core.transport import (
     Handlers,
@@ -135,6 +135,43 @@ async def test_malformed_requests_are_refused_and_the_node_keeps_serving() -> No
             observed = str(raw.listen_multiaddr.with_peer_id(None))
             assert reply == {"peer_id": str(dht.peer_id), "observed": observed}
             assert len(dht.routing_table) == 0
+
+
+async def test_a_caller_naming_another_host_is_served_but_not_noted() -> None:
+    with trio.fail_after(DEADLINE_S):
+        async with open_dht_node() as dht, open_node() as raw:
+            connection = await raw.connect(dht.listen_multiaddr)
+            elsewhere = f"/ip4/127.0.0.2/udp/{raw.listen_multiaddr.port}/quic-v1"
+            reply = await call_unary(connection, "dht.ping", {"address": elsewhere})
+            assert reply["peer_id"] == str(dht.peer_id)
+            assert len(dht.routing_table) == 0
+            assert dht.statistics().callers_not_noted == 1
+            # Named where it calls from, it is noted.
+            here = str(raw.listen_multiaddr.with_peer_id(None))
+            await call_unary(connection, "dht.ping", {"address": here})
+            assert dht.routing_table.get(NodeID.from_peer_id(raw.peer_id)) is not None
+            assert dht.statistics().callers_not_noted == 1
+
+
+async def test_a_contact_is_noted_as_the_host_that_answered_reaches_it() -> None:
+    """A node named by a DNS name is noted at the address that answered; one named (as a third
+    party may) at another host than where a live connection to it reaches is not noted."""
+    with trio.fail_after(DEADLINE_S):
+        async with open_dht_node() as first, open_dht_node() as second:
+            other = NodeID.from_peer_id(second.peer_id)
+            await first.node.connect(second.listen_multiaddr)
+            port, peer = second.listen_multiaddr.port, second.peer_id
+            elsewhere = Contact.from_peer_id(
+                peer, f"/ip4/127.0.0.2/udp/{port}/quic-v1/p2p/{peer}", last_seen=0.0
+            )
+            assert await first._request(elsewhere, "dht.ping", {}) is not None
+            assert first.routing_table.get(other) is None
+            named = Contact.from_peer_id(
+                peer, f"/dns4/localhost/udp/{port}/quic-v1/p2p/{peer}", last_seen=0.0
+            )
+            assert await first._request(named, "dht.ping", {}) is not None
+            noted = first.routing_table.get(other)
+            assert noted is not None and noted.address == str(second.listen_multiaddr)
 
 
 async def test_a_node_behind_port_forwarding_is_known_by_the_address_it_announces() -> None:
