@@ -113,13 +113,17 @@ def seen_from(contact: Contact, host: str) -> Contact | None:
     is ``host``; at ``host`` with the port it names if it names a DNS name or a wildcard; None if
     it names another host or a relayed address (else anyone could have every node that learns
     of it dial a host of its choice)."""
-    maddr = Multiaddr.parse(contact.address)
-    if maddr.is_relayed:
+    try:
+        maddr = Multiaddr.parse(contact.address)
+        if maddr.is_relayed:
+            return None
+        if maddr.dns is not None or ipaddress.ip_address(maddr.host).is_unspecified:
+            moved = Multiaddr.from_socket_address(host, maddr.port, contact.peer_id)
+            return attrs.evolve(contact, address=str(moved))
+        return contact if _same_host(maddr.host, host) else None
+    except (ConfigError, ValueError):
+        # A host no multiaddr can name (an IPv6 zone), or an address that is not an IP.
         return None
-    if maddr.dns is not None or ipaddress.ip_address(maddr.host).is_unspecified:
-        moved = Multiaddr.from_socket_address(host, maddr.port, contact.peer_id)
-        return attrs.evolve(contact, address=str(moved))
-    return contact if _same_host(maddr.host, host) else None
 
 
 def _same_host(a: str, b: str) -> bool:

@@ -474,14 +474,18 @@ class DHTNode:
     ) -> dict[str, Any] | None:
         """Call ``method`` on ``contact``; None (and the contact dropped) if it failed.  It is
         noted as :func:`seen_from` places it, from the host that answered (a live connection
-        to that peer answers whatever address was named for it)."""
+        to that peer answers whatever address was named for it); through a relay, only at
+        that relayed address."""
         reply, connection = await self._reach(contact.address, method, request)
         now = self._clock()
         if reply is None or connection is None:
             self._table.failed(contact.node_id, now)
             return None
-        relayed = connection.relay is not None
-        noted = contact if relayed else seen_from(contact, connection.address[0])
+        if connection.is_relayed:
+            same = connection.relay is not None and contact.address == str(connection.multiaddr)
+            noted = contact if same else None
+        else:
+            noted = seen_from(contact, connection.address[0])
         if noted is not None:
             self._observe(noted, now)
         return reply

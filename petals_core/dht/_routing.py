@@ -22,12 +22,12 @@ The rules, all here:
   The ping is settled by ``ping_result``, by ``failed`` or by hearing from that node.
 - A node that failed (a query timed out, a ping went unanswered) leaves the table at once, and the
   freshest replacement of its bucket takes its place.  So a bucket with room has an empty cache.
-- One host (an IPv4 address, an IPv6 /48: one site's prefix, as a host can answer from every
-  address of its /64 or more) holds at most ``max_per_host_per_bucket`` places in a bucket and
-  ``max_per_host`` in the table, replacement caches included: PeerIDs cost nothing, and one
-  host under many of them could otherwise fill the buckets near a key and answer every lookup
-  for it.  A newcomer beyond that is not noted.  Loopback and LAN addresses (RFC 1918, IPv6
-  unique-local, link-local) are not bounded: a swarm on one machine or one LAN is its
+- One host (an IPv4 address, an IPv6 /56: a host can answer from every address of the prefix
+  it was given, commonly a /64 or a /56) holds at most ``max_per_host_per_bucket`` places in a
+  bucket and ``max_per_host`` in the table, replacement caches included: PeerIDs cost nothing,
+  and one host under many of them could otherwise fill the buckets near a key and answer every
+  lookup for it.  A newcomer beyond that is not noted.  Loopback and LAN addresses (RFC 1918,
+  IPv6 unique-local, link-local) are not bounded: a swarm on one machine or one LAN is its
   operator's.
 - Our own ID is never added.
 
@@ -80,8 +80,8 @@ _PRIVATE: Final = tuple(
 @functools.lru_cache(maxsize=4096)
 def host_of(address: str) -> str | None:
     """The host a contact's multiaddr names, for the per-host bounds: an IPv4 address, or an
-    IPv6 /48 (what one site is given); None for loopback, LAN and DNS addresses, which are not
-    bounded."""
+    IPv6 /56 (what a home line or a cloud network is commonly given); None for loopback, LAN
+    and DNS addresses, which are not bounded."""
     parts = address.split("/")
     if len(parts) < 3 or parts[1] not in ("ip4", "ip6"):
         return None
@@ -94,7 +94,7 @@ def host_of(address: str) -> str | None:
     if ip.is_loopback or ip.is_link_local or any(ip in net for net in _PRIVATE):
         return None
     if ip.version == 6:
-        return str(ipaddress.ip_network(f"{ip}/48", strict=False))
+        return str(ipaddress.ip_network(f"{ip}/56", strict=False))
     return str(ip)
 
 

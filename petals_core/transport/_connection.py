@@ -282,6 +282,12 @@ class Connection:
         return self._node.relay_of(self.address)
 
     @property
+    def is_relayed(self) -> bool:
+        """Whether this connection goes through a relay (``relay`` names it while we still
+        take datagrams from it)."""
+        return split_virtual(self.address) is not None
+
+    @property
     def multiaddr(self) -> Multiaddr:
         relay = self.relay
         if relay is not None:

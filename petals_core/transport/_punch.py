@@ -12,10 +12,12 @@
 4. The dialer dials the peer's direct addresses.  Its own NAT opens towards them as its first
    datagram leaves, and the peer's NAT lets that datagram in.
 
-A peer punches only for a call that came through a relay, and only to the address the relay saw
-the caller at (a unicast address, not loopback), ``len(_PROBES_AT_S)`` small probes: a caller
-cannot aim them anywhere else.  The relay is a stranger too: it could name any address, but gets
-those few probes per circuit it opened, each circuit costing it a QUIC handshake.  The dialer
+A peer punches only for a call that came through a relay, once per circuit, and only to the
+address the relay saw the caller at (a unicast address, not loopback), ``len(_PROBES_AT_S)``
+small probes: a caller cannot aim them anywhere else.  The relay is a stranger too: it could
+name any address, but gets those few probes per circuit it opened, each circuit costing it a
+QUIC handshake.  Behind a relay that does not say who opens circuits (an older one), a peer
+does not punch.  The dialer
 still names the address the relay told it (peers that punch to the address named read it).  A
 dialer that failed to punch to a peer does not try again for ``_FAILURE_MEMORY_S``: it uses the
 relay at once.
@@ -79,9 +81,13 @@ class PunchService:
         if not self.can_punch():
             await _refuse(call, "this peer is behind a symmetric NAT")
             return
-        dialer = await self.node.circuit_dialers.wait_for(connection.address, _DIALER_WAIT_S)
+        dialers = self.node.circuit_dialers
+        if not dialers.told(connection.address):
+            await _refuse(call, "this peer's relay does not say who opens circuits")
+            return
+        dialer = await dialers.claim(connection.address, _DIALER_WAIT_S)
         if dialer is None:
-            await _refuse(call, "the relay did not say where it sees the caller")
+            await _refuse(call, "the relay named no dialer for this circuit, or it had its punch")
             return
         peer_id, target = dialer
         if peer_id != call.peer_id:

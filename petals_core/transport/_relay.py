@@ -24,10 +24,11 @@ relay, or after ``circuit_idle_s`` without a datagram.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import logging
 import secrets
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, Final
 
 import attrs
@@ -317,7 +318,8 @@ class RelayService:
         self.table.reserve(call.peer_id, connection._handle)
         notices, pending = trio.open_memory_channel[dict[str, Any]](self.table.limits.max_circuits)
         try:
-            await call.send({"reserved": True, "observed": str(_observed(connection))})
+            reply = {"reserved": True, "observed": str(_observed(connection)), "circuits": True}
+            await call.send(reply)
             async with open_block_nursery() as nursery:
                 nursery.start_soon(_send_all, call, pending)
                 # Held until the peer ends the call or its connection ends.  A peer that asks
@@ -379,11 +381,31 @@ class Reservation:
 class CircuitDialers:
     """Who opened each circuit to us through the relays we hold reservations with, as those
     relays told us: a relayed connection's virtual address -> the dialer's PeerID and its
-    address as the relay saw it (the newest :data:`_MAX_CIRCUITS_KEPT`)."""
+    address as the relay saw it (the newest :data:`_MAX_CIRCUITS_KEPT`).  Each circuit's is
+    handed out once (:meth:`claim`): one punch per circuit."""
 
     def __init__(self) -> None:
-        self._dialers: dict[Address, tuple[PeerID, Address]] = {}
+        # None: claimed already.
+        self._dialers: dict[Address, tuple[PeerID, Address] | None] = {}
         self._changed = trio.Event()
+        # Relays that said they tell us of circuits, and how many reservations say so.
+        self._telling: collections.Counter[Address] = collections.Counter()
+
+    @contextlib.contextmanager
+    def told_by(self, relay: Address) -> Iterator[None]:
+        """While inside, the relay at ``relay`` tells us of each circuit opened to us."""
+        self._telling[relay] += 1
+        try:
+            yield
+        finally:
+            self._telling[relay] -= 1
+            if self._telling[relay] <= 0:
+                del self._telling[relay]
+
+    def told(self, address: Address) -> bool:
+        """Whether the relay of the relayed connection at ``address`` tells us of circuits."""
+        split = split_virtual(address)
+        return split is not None and split[0] in self._telling
 
     def record(self, relay: Address, channel: int, dialer: PeerID, observed: Address) -> None:
         address = virtual_address(relay, channel)
@@ -397,13 +419,21 @@ class CircuitDialers:
     def forget(self, address: Address) -> None:
         self._dialers.pop(address, None)
 
-    async def wait_for(self, address: Address, timeout_s: float) -> tuple[PeerID, Address] | None:
+    def dialer(self, address: Address) -> tuple[PeerID, Address] | None:
+        """What the relay said of the circuit at ``address``, unless unsaid or claimed."""
+        return self._dialers.get(address)
+
+    async def claim(self, address: Address, timeout_s: float) -> tuple[PeerID, Address] | None:
         """The dialer of the relayed connection at ``address`` and where its relay saw it,
-        once known; None if its relay has not said within ``timeout_s``."""
+        once its relay said; None if it has not said within ``timeout_s``, or if this circuit's
+        was claimed already."""
         with trio.move_on_after(timeout_s):
             while address not in self._dialers:
                 await self._changed.wait()
-        return self._dialers.get(address)
+        dialer = self._dialers.get(address)
+        if dialer is not None:
+            self._dialers[address] = None
+        return dialer
 
 
 def _refused(exc: RemoteError, relay: Multiaddr) -> PeerUnreachable:
@@ -447,7 +477,10 @@ async def hold_reservation(
                 raise PeerUnreachable(f"relay {relay} ended the reservation") from None
             if reply.get("reserved") is not True:
                 raise PeerUnreachable(f"relay {relay} answered no reservation: {reply!r:.200}")
-            with node.relayed_through(connection):
+            with contextlib.ExitStack() as stack:
+                stack.enter_context(node.relayed_through(connection))
+                if reply.get("circuits") is True:
+                    stack.enter_context(node.circuit_dialers.told_by(connection.current_address))
                 task_status.started(
                     Reservation(relay.relayed(node.peer_id), _observed_untrusted(reply))
                 )

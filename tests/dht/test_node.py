@@ -16,10 +16,12 @@ from petals_core.transport import (
     Handlers,
     Identity,
     Multiaddr,
+    RelayService,
     RemoteError,
     ServerCall,
     TransportConfig,
     call_unary,
+    hold_reservation,
     open_node,
     serve_rpc,
 )
@@ -172,6 +174,31 @@ async def test_a_contact_is_noted_as_the_host_that_answered_reaches_it() -> None
             assert await first._request(named, "dht.ping", {}) is not None
             noted = first.routing_table.get(other)
             assert noted is not None and noted.address == str(second.listen_multiaddr)
+
+
+async def test_a_node_reached_through_a_relay_is_noted_only_at_that_relayed_address() -> None:
+    with trio.fail_after(DEADLINE_S):
+        async with (
+            open_node() as relay,
+            open_dht_node() as first,
+            open_dht_node() as second,
+            trio.open_nursery() as nursery,
+        ):
+            await nursery.start(serve_rpc, relay, RelayService.on(relay).handlers())
+            reservation = await nursery.start(hold_reservation, second.node, relay.listen_multiaddr)
+            await first.node.connect(reservation.address)
+            other, peer = NodeID.from_peer_id(second.peer_id), second.peer_id
+            port = second.listen_multiaddr.port
+            elsewhere = Contact.from_peer_id(
+                peer, f"/ip4/127.0.0.2/udp/{port}/quic-v1/p2p/{peer}", last_seen=0.0
+            )
+            assert await first._request(elsewhere, "dht.ping", {}) is not None
+            assert first.routing_table.get(other) is None
+            relayed = Contact.from_peer_id(peer, str(reservation.address), last_seen=0.0)
+            assert await first._request(relayed, "dht.ping", {}) is not None
+            noted = first.routing_table.get(other)
+            assert noted is not None and noted.address == str(reservation.address)
+            nursery.cancel_scope.cancel()
 
 
 async def test_a_node_behind_port_forwarding_is_known_by_the_address_it_announces() -> None:

@@ -442,12 +442,12 @@ def test_a_known_contact_moving_to_a_crowded_host_stays_where_it_was() -> None:
     assert t.get(second) == contact(second, host="198.51.100.9", port=5000, last_seen=3.0)
 
 
-def test_a_host_is_an_ipv4_address_or_an_ipv6_slash_48() -> None:
+def test_a_host_is_an_ipv4_address_or_an_ipv6_slash_56() -> None:
     assert host_of("/ip4/198.51.100.7/udp/4000/quic-v1") == "198.51.100.7"
-    # A machine can answer from every address of its /64 (or of a /56 it was given).
-    assert host_of("/ip6/2001:db8:1:2::5/udp/4000/quic-v1") == "2001:db8:1::/48"
-    assert host_of("/ip6/2001:db8:1:ff02::9/udp/4000/quic-v1") == "2001:db8:1::/48"
-    assert host_of("/ip6/2001:db8:2::9/udp/4000/quic-v1") == "2001:db8:2::/48"
+    # A machine can answer from every address of the prefix it was given (a /64, a /56).
+    assert host_of("/ip6/2001:db8:1:2::5/udp/4000/quic-v1") == "2001:db8:1::/56"
+    assert host_of("/ip6/2001:db8:1:ff::9/udp/4000/quic-v1") == "2001:db8:1::/56"
+    assert host_of("/ip6/2001:db8:1:100::9/udp/4000/quic-v1") == "2001:db8:1:100::/56"
     assert host_of("/ip6/::ffff:198.51.100.7/udp/4000/quic-v1") == "198.51.100.7"
     for unbounded in (
         "/ip4/127.0.0.1/udp/4000/quic-v1",

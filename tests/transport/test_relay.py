@@ -38,7 +38,12 @@ from petals_core.transport import (
     serve_rpc,
 )
 from petals_core.transport._punch import NAT_PUNCH, _unpunchable
-from petals_core.transport._relay import CircuitDialers, RelayTable, open_relayed_channel
+from petals_core.transport._relay import (
+    RELAY_RESERVE,
+    CircuitDialers,
+    RelayTable,
+    open_relayed_channel,
+)
 from petals_core.transport._relay_wire import RELAY_HEADER, RELAYED, virtual_address
 
 from ..dht._swarm import wait_until
@@ -71,15 +76,22 @@ class Trio:
 
 
 @asynccontextmanager
-async def relayed(limits: RelayLimits | None = None) -> AsyncIterator[Trio]:
-    """A relay, a peer holding a reservation there (serving echo, reverse and ``nat.punch``),
-    and a dialer."""
+async def three_nodes() -> AsyncIterator[tuple[Node, Node, Node, trio.Nursery]]:
+    """A relay, a peer and a dialer (nothing served yet), and a nursery to serve them in."""
     async with (
         open_node() as relay,
         open_node() as peer,
         open_node() as dialer,
         trio.open_nursery() as nursery,
     ):
+        yield relay, peer, dialer, nursery
+
+
+@asynccontextmanager
+async def relayed(limits: RelayLimits | None = None) -> AsyncIterator[Trio]:
+    """A relay, a peer holding a reservation there (serving echo, reverse and ``nat.punch``),
+    and a dialer."""
+    async with three_nodes() as (relay, peer, dialer, nursery):
         service = RelayService.on(relay, limits)
         await nursery.start(serve_rpc, relay, service.handlers())
         handlers = _peer_handlers()
@@ -138,7 +150,9 @@ async def test_the_relay_names_each_circuits_dialer_and_the_peer_punches_only_th
             connection = await t.dialer.connect(t.reservation.address)
             await wait_until(lambda: _connections_to(t.peer, t.dialer) != [])
             (at_peer,) = _connections_to(t.peer, t.dialer)
-            dialer = await t.peer.circuit_dialers.wait_for(at_peer.address, DEADLINE_S)
+            dialers = t.peer.circuit_dialers
+            await wait_until(lambda: dialers.dialer(at_peer.address) is not None)
+            dialer = dialers.dialer(at_peer.address)
             assert dialer == (t.dialer.peer_id, t.dialer.listen_multiaddr.socket_address)
             elsewhere = str(Multiaddr("198.51.100.7", 4001))
             reply = await _ask_punch(connection, {"addresses": [elsewhere]})
@@ -146,10 +160,11 @@ async def test_the_relay_names_each_circuits_dialer_and_the_peer_punches_only_th
                 "punching": False,
                 "reason": "no hole to punch to a loopback address (127.0.0.1)",
             }
-            # A circuit the relay said nothing of gets no punch.
-            t.peer.circuit_dialers.forget(at_peer.address)
+            # One punch per circuit: asked again, the peer refuses.
             reply = await _ask_punch(connection, {})
-            assert reply["reason"] == "the relay did not say where it sees the caller"
+            assert reply["reason"] == (
+                "the relay named no dialer for this circuit, or it had its punch"
+            )
             # Asked directly, not through a relay: refused.
             async with open_node() as neighbour:
                 direct = await neighbour.connect(t.peer.listen_multiaddr)
@@ -183,17 +198,19 @@ def test_probes_go_to_unicast_addresses_only() -> None:
         assert _unpunchable(host) == f"no hole to punch to a {kind} address ({host})"
 
 
-async def test_circuit_dialers_keep_the_newest_and_wait_for_the_relays_word(
+async def test_circuit_dialers_keep_the_newest_and_hand_each_out_once(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
     dialers = CircuitDialers()
     relay, dialer = ("198.51.100.1", 4001), Identity.generate().peer_id
     for channel in range(1, 1026):
         dialers.record(relay, channel, dialer, ("192.0.2.5", channel))
-    first, last = (virtual_address(relay, channel) for channel in (1, 1025))
-    # The oldest of 1025 is forgotten; the others are known at once.
-    assert await dialers.wait_for(first, 5.0) is None
-    assert await dialers.wait_for(last, 0.0) == (dialer, ("192.0.2.5", 1025))
+    first, second, last = (virtual_address(relay, channel) for channel in (1, 2, 1025))
+    # The oldest of 1025 is forgotten; the others are known at once, and handed out once.
+    assert await dialers.claim(first, 5.0) is None
+    assert dialers.dialer(last) == (dialer, ("192.0.2.5", 1025))
+    assert await dialers.claim(last, 0.0) == (dialer, ("192.0.2.5", 1025))
+    assert await dialers.claim(last, 5.0) is None and dialers.dialer(last) is None
     # One not yet named is waited for until the relay names it.
     async with trio.open_nursery() as nursery:
         began = trio.current_time()
@@ -203,10 +220,41 @@ async def test_circuit_dialers_keep_the_newest_and_wait_for_the_relays_word(
             dialers.record(relay, 1, dialer, ("192.0.2.5", 9))
 
         nursery.start_soon(name_it_later)
-        assert await dialers.wait_for(first, 5.0) == (dialer, ("192.0.2.5", 9))
+        assert await dialers.claim(first, 5.0) == (dialer, ("192.0.2.5", 9))
         assert trio.current_time() - began == pytest.approx(1.0)
-    dialers.forget(first)
-    assert await dialers.wait_for(first, 0.0) is None
+    dialers.forget(second)
+    assert await dialers.claim(second, 0.0) is None
+    # Whether a relayed connection's relay tells of circuits.
+    assert not dialers.told(first)
+    with dialers.told_by(relay), dialers.told_by(relay):
+        assert dialers.told(first) and not dialers.told(relay)
+    assert not dialers.told(first)
+
+
+async def test_a_peer_that_does_not_ask_is_told_of_no_circuit_and_keeps_its_reservation() -> None:
+    """A peer holding its reservation as before circuit notices existed (it never asks for
+    them) gets nothing on its reservation call, which any message would end; the dialer still
+    learns where the relay sees it, which such a peer punches to."""
+    with trio.fail_after(DEADLINE_S):
+        async with three_nodes() as (relay, peer, dialer, nursery):
+            await nursery.start(serve_rpc, relay, RelayService.on(relay).handlers())
+            await nursery.start(serve_rpc, peer, _peer_handlers())
+            to_relay = await peer.connect(relay.listen_multiaddr)
+            async with open_call(to_relay, RELAY_RESERVE) as call:
+                reply = await call.receive()
+                assert reply["reserved"] is True and reply["circuits"] is True
+                with peer.relayed_through(to_relay):
+                    address = relay.listen_multiaddr.relayed(peer.peer_id)
+                    _, _, observed = await open_relayed_channel(dialer, address)
+                    assert observed == dialer.listen_multiaddr.with_peer_id(None)
+                    connection = await dialer.connect(address)
+                    assert (await call_unary(connection, "echo", {}))["caller"] == str(
+                        dialer.peer_id
+                    )
+                    # Our side ends: whatever the relay sent on the call comes before its end.
+                    await call.send_eof()
+                    assert [message async for message in call] == []
+            nursery.cancel_scope.cancel()
 
 
 async def test_the_relay_cannot_impersonate_the_peer() -> None:
@@ -251,12 +299,7 @@ async def test_bounds_are_refused_with_a_clear_error_and_nothing_else_is_disturb
 
 async def test_a_reservation_ends_with_the_relay_and_dialers_see_it() -> None:
     with trio.fail_after(DEADLINE_S):
-        async with (
-            open_node() as relay,
-            open_node() as peer,
-            open_node() as dialer,
-            trio.open_nursery() as nursery,
-        ):
+        async with three_nodes() as (relay, peer, dialer, nursery):
             service = RelayService.on(relay)
             relay_scope = trio.CancelScope()
 
