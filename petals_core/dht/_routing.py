@@ -345,9 +345,7 @@ class RoutingTable:
         """
         if node_id == self._own:
             return
-        bucket = self._bucket_of(node_id)
-        if bucket.pinging == node_id:
-            bucket.pinging = None
+        bucket = self._settled(node_id)
         waiting = bucket.replacements.pop(node_id, None)
         if waiting is not None:
             self._place(waiting, -1)
@@ -369,9 +367,7 @@ class RoutingTable:
             return
         if node_id == self._own:
             return
-        bucket = self._bucket_of(node_id)
-        if bucket.pinging == node_id:
-            bucket.pinging = None
+        bucket = self._settled(node_id)
         contact = bucket.contacts.pop(node_id, None)
         if contact is not None:
             bucket.contacts[node_id] = attrs.evolve(contact, last_seen=now)
@@ -490,6 +486,13 @@ class RoutingTable:
 
     def _bucket_of(self, node_id: NodeID) -> _Bucket:
         return self._buckets[bucket_index(self._own, node_id)]
+
+    def _settled(self, node_id: NodeID) -> _Bucket:
+        """The bucket of ``node_id``, with a ping outstanding for it settled."""
+        bucket = self._bucket_of(node_id)
+        if bucket.pinging == node_id:
+            bucket.pinging = None
+        return bucket
 
     @staticmethod
     def _check_index(index: int) -> int:
