@@ -17,10 +17,9 @@ address the relay saw the caller at (a unicast address, not loopback), ``len(_PR
 small probes: a caller cannot aim them anywhere else.  The relay is a stranger too: it could
 name any address, but gets those few probes per circuit it opened, each circuit costing it a
 QUIC handshake.  Behind a relay that does not say who opens circuits (an older one), a peer
-does not punch.  The dialer
-still names the address the relay told it (peers that punch to the address named read it).  A
-dialer that failed to punch to a peer does not try again for ``_FAILURE_MEMORY_S``: it uses the
-relay at once.
+does not punch.  The dialer still names the address the relay told it, for older peers, which
+punch to the address named.  A dialer that failed to punch to a peer does not try again for
+``_FAILURE_MEMORY_S``: it uses the relay at once.
 """
 
 from __future__ import annotations
@@ -77,7 +76,7 @@ class PunchService:
         try:
             await call.receive()
         except CallEnded:
-            raise CodecError("nat.punch takes one message, {}") from None
+            raise CodecError("nat.punch takes one message") from None
         if not self.can_punch():
             await _refuse(call, "this peer is behind a symmetric NAT")
             return

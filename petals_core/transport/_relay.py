@@ -9,11 +9,11 @@ to send.  The peer then announces a relayed address (the relay's, then
 A dialer asks the relay for a *circuit* to that peer (``relay.connect``) and gets a channel
 number.  The relay tells the peer, on its reservation call (if the peer asked, with
 ``{"circuits": true}``), who opened the circuit and from which address (:class:`CircuitDialers`
-keeps that for hole punching, see ``_punch``).  From then on the
-dialer and the peer exchange QUIC datagrams through the relay, each prefixed with the channel
-(see ``_relay_wire``): the relay forwards between the two addresses its own connections to them
-use, and only those.  The QUIC connection inside is end to end: the relay sees ciphertext, and
-the dialer checks the peer's key as on any connection.
+keeps that for hole punching, see ``_punch``).  From then on the dialer and the peer exchange
+QUIC datagrams through the relay, each prefixed with the channel (see ``_relay_wire``): the
+relay forwards between the two addresses its own connections to them use, and only those.  The
+QUIC connection inside is end to end: the relay sees ciphertext, and the dialer checks the
+peer's key as on any connection.
 
 Bounds (:class:`RelayLimits`): reservations, circuits (in all and per dialer) and bytes per
 second (per circuit and in all).  A reservation or circuit beyond them is refused with
