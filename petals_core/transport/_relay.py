@@ -172,8 +172,11 @@ class RelayTable:
             datagrams_dropped=self._dropped,
         )
 
-    def holds(self, peer_id: PeerID) -> bool:
-        return peer_id in self._reservations
+    def holds(self, peer_id: PeerID, handle: int | None = None) -> bool:
+        """Whether a reservation for ``peer_id`` is held (on its connection ``handle``, if
+        given: a newer reservation of the same peer replaces an older one)."""
+        held = self._reservations.get(peer_id)
+        return held is not None and handle in (None, held)
 
     def reserve(self, peer_id: PeerID, handle: int) -> None:
         """Hold a reservation for ``peer_id`` on its connection ``handle`` (a newer one of the
@@ -325,7 +328,9 @@ class RelayService:
                 # Held until the peer ends the call or its connection ends.  A peer that asks
                 # for them is told of each circuit opened to it.
                 async for message in call:
-                    if message.get("circuits") is True:
+                    if message.get("circuits") is True and self.table.holds(
+                        call.peer_id, connection._handle
+                    ):
                         self._notices[call.peer_id] = notices
                 nursery.cancel_scope.cancel()
         finally:

@@ -336,6 +336,8 @@ def test_the_table_forwards_only_between_a_circuits_two_ends() -> None:
     table = RelayTable(RelayLimits(circuit_bytes_per_s=1 << 20), addresses.get)
     dialer, target = Identity.generate().peer_id, Identity.generate().peer_id
     table.reserve(target, 2)
+    assert table.holds(target) and table.holds(target, 2)
+    assert not table.holds(target, 1) and not table.holds(dialer)
     channel = table.open_circuit(dialer, 1, target, now=0.0)
     datagram = RELAY_HEADER.pack(RELAYED, channel) + b"x" * 1000
     assert table.forward(datagram, addresses[1], 0.0) == addresses[2]
