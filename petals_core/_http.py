@@ -11,15 +11,18 @@ import ipaddress
 import logging
 import signal
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, Final
 
 import trio
 
 from ._extras import require
 
-__all__ = ["http_bind", "serve_http", "shutdown_on_signals"]
+__all__ = ["KEEP_ALIVE_S", "http_bind", "serve_http", "shutdown_on_signals"]
 
 logger = logging.getLogger(__name__)
+
+#: How long an idle HTTP connection stays open.
+KEEP_ALIVE_S: Final = 75.0
 
 
 def http_bind(host: str, port: int) -> str:
@@ -53,6 +56,9 @@ async def serve_http(
     config = Config()
     config.bind = [http_bind(host, port)]
     config.graceful_timeout = graceful_timeout_s
+    # Longer than clients keep an idle connection (httpx, and so the openai client: 5 s): a
+    # client never sends its next request on a connection the server is closing at that moment.
+    config.keep_alive_timeout = KEEP_ALIVE_S
     config.accesslog = None
     config.errorlog = logger
     # The server's own lines ("Running on ...") are left to the caller, which prints its URL.
