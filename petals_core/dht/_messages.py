@@ -13,6 +13,7 @@ from typing import Any, Final
 import attrs
 
 from .._errors import CodecError, ConfigError
+from .._ip import ip_of
 from ..transport import Multiaddr, PeerID
 from ._records import Record, decode_record_untrusted
 from ._routing import NODE_ID_BITS, Contact, NodeID
@@ -129,15 +130,7 @@ def seen_from(contact: Contact, host: str) -> Contact | None:
 def _same_host(a: str, b: str) -> bool:
     """Whether two IP addresses are one host's: equal, or in one IPv6 /64 (a host sends from
     temporary addresses of its /64); an IPv4-mapped IPv6 address is its IPv4 address."""
-    first, second = (_unmapped(ipaddress.ip_address(host)) for host in (a, b))
+    first, second = ip_of(a), ip_of(b)
     if isinstance(first, ipaddress.IPv6Address) and isinstance(second, ipaddress.IPv6Address):
         return first.packed[:8] == second.packed[:8]
     return first == second
-
-
-def _unmapped(
-    address: ipaddress.IPv4Address | ipaddress.IPv6Address,
-) -> ipaddress.IPv4Address | ipaddress.IPv6Address:
-    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
-        return address.ipv4_mapped
-    return address

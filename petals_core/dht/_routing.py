@@ -49,6 +49,7 @@ from typing import TYPE_CHECKING, Final
 import attrs
 
 from .._errors import ConfigError
+from .._ip import ip_of
 
 if TYPE_CHECKING:
     # Type only: importing the transport package at run time would pull in trio and aioquic.
@@ -86,11 +87,9 @@ def host_of(address: str) -> str | None:
     if len(parts) < 3 or parts[1] not in ("ip4", "ip6"):
         return None
     try:
-        ip = ipaddress.ip_address(parts[2])
+        ip = ip_of(parts[2])
     except ValueError:
         return None
-    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
-        ip = ip.ipv4_mapped
     if ip.is_loopback or ip.is_link_local or any(ip in net for net in _PRIVATE):
         return None
     if ip.version == 6:

@@ -3,8 +3,6 @@ error its end becomes."""
 
 from __future__ import annotations
 
-import ipaddress
-
 import attrs
 from aioquic.quic import events as qe
 from aioquic.quic.packet import QuicErrorCode
@@ -16,6 +14,7 @@ from .._errors import (
     RemoteProtocolError,
     TransportError,
 )
+from .._ip import ip_of
 from ._config import ALPN
 from ._endpoint_events import Address
 from ._identity import PeerID
@@ -50,12 +49,9 @@ _NO_ALPN = 0x100 + 120
 
 def is_loopback(host: str) -> bool:
     try:
-        address = ipaddress.ip_address(host)
+        return ip_of(host).is_loopback
     except ValueError:
         return False
-    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
-        address = address.ipv4_mapped
-    return address.is_loopback
 
 
 @attrs.define(eq=False)

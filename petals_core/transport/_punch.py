@@ -24,7 +24,6 @@ punch to the address named.  A dialer that failed to punch to a peer does not tr
 
 from __future__ import annotations
 
-import ipaddress
 import logging
 import math
 from collections.abc import Callable, Sequence
@@ -34,6 +33,7 @@ import attrs
 import trio
 
 from .._errors import CallEnded, CodecError, TransportError
+from .._ip import ip_of
 from ._rpc import Handlers, ServerCall, open_call
 
 if TYPE_CHECKING:
@@ -106,9 +106,7 @@ class PunchService:
 
 def _unpunchable(host: str) -> str | None:
     """Why no probe goes to ``host`` (loopback, multicast, ...); None if it may."""
-    ip = ipaddress.ip_address(host)
-    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
-        ip = ip.ipv4_mapped
+    ip = ip_of(host)
     kinds = {
         "loopback": ip.is_loopback,
         "multicast": ip.is_multicast,
