@@ -123,7 +123,8 @@ class DHTNode:
         announce: Multiaddr | None = None,
         dialable: bool = True,
     ) -> None:
-        self._node = node
+        #: The transport node under this DHT node (to dial peers for other services).
+        self.node: Final = node
         self._announce = announce
         self._dialable = dialable
         #: The ``nat.punch`` service (the node punches holes for dialers reaching it by relay).
@@ -131,7 +132,7 @@ class DHTNode:
         #: The relay service, when this node relays for others.
         self.relay: RelayService | None = None
         self._nursery = nursery
-        self._client_mode = client_mode
+        self.client_mode: Final = client_mode
         self._k = k
         self._alpha = alpha
         self._replicas = replicas
@@ -139,14 +140,15 @@ class DHTNode:
         self._lookup_timeout_s = lookup_timeout_s
         self._clock = clock
         self._own = NodeID.from_peer_id(node.peer_id)
-        self._table = RoutingTable(self._own, k=k, rng=rng)
+        #: Read it, don't change it: the node owns it.
+        self.routing_table: Final = RoutingTable(self._own, k=k, rng=rng)
         self._records = RecordStore()
         self._sent = 0
         self._failed = 0
         self._cached = 0
         self._peer_table = PeerTable(self, nursery, clock=clock, rng=rng)
         self._maintenance = Maintenance(
-            table=self._table,
+            table=self.routing_table,
             records=self._records,
             clock=clock,
             replicas=replicas,
@@ -155,7 +157,7 @@ class DHTNode:
         )
         self._service = DHTService(
             peer_id=node.peer_id,
-            table=self._table,
+            table=self.routing_table,
             records=self._records,
             topics=self._peer_table.topics,
             k=k,
@@ -165,35 +167,21 @@ class DHTNode:
 
     @property
     def peer_id(self) -> PeerID:
-        return self._node.peer_id
+        return self.node.peer_id
 
     @property
     def listen_multiaddr(self) -> Multiaddr:
-        return self._node.listen_multiaddr
+        return self.node.listen_multiaddr
 
     @property
     def announce_multiaddr(self) -> Multiaddr:
         """The address other nodes are told to dial: ``announce`` if given, else where this
         node listens."""
-        return self._announce if self._announce is not None else self._node.listen_multiaddr
-
-    @property
-    def node(self) -> Node:
-        """The transport node under this DHT node (to dial peers for other services)."""
-        return self._node
-
-    @property
-    def client_mode(self) -> bool:
-        return self._client_mode
-
-    @property
-    def routing_table(self) -> RoutingTable:
-        """Read it, don't change it: the node owns it."""
-        return self._table
+        return self._announce if self._announce is not None else self.node.listen_multiaddr
 
     def statistics(self) -> DHTStatistics:
         return DHTStatistics(
-            routing=self._table.statistics(),
+            routing=self.routing_table.statistics(),
             records=self._records.statistics(),
             requests_served=self._service.served,
             callers_not_noted=self._service.unnoted,
@@ -226,13 +214,13 @@ class DHTNode:
         if signed:
             if subkey is not None:
                 raise ValueError("a signed record's subkey is our PeerID; pass no subkey")
-            record = Record.signed(self._node.identity, key, value, expiration)
+            record = Record.signed(self.node.identity, key, value, expiration)
         else:
             record = Record(key, subkey, value, expiration)
         return await self._store_record(record)
 
     async def _store_record(self, record: Record) -> int:
-        if not self._client_mode:
+        if not self.client_mode:
             self._records.store(record, self._clock())
         result = await self._lookup(NodeID.from_key(record.key), want_value=None)
         return await self._store_at(result.contacts[: self._replicas], [record])
@@ -371,10 +359,10 @@ class DHTNode:
         stop_after_values: int | None = None,
         on_records: OnRecords | None = None,
     ) -> LookupResult:
-        self._table.mark_bucket_used(target, self._clock())
+        self.routing_table.mark_bucket_used(target, self._clock())
         lookup = Lookup(
             target,
-            self._table.closest(target, self._k),
+            self.routing_table.closest(target, self._k),
             k=self._k,
             alpha=self._alpha,
             query_timeout_s=self._request_timeout_s,
@@ -444,7 +432,7 @@ class DHTNode:
                     reply.get("records", []), limit=MAX_RECORDS_PER_REPLY
                 )
         except CodecError:
-            self._table.failed(contact.node_id, now)
+            self.routing_table.failed(contact.node_id, now)
             return lookup.on_failure(contact.node_id, now)
         if records and on_records is not None:
             under_key = [record for record in records if record.key == lookup.want_value]
@@ -463,7 +451,7 @@ class DHTNode:
             self._announce = announce
 
     def _identify(self, request: dict[str, Any]) -> dict[str, Any]:
-        if self._client_mode or not self._dialable:
+        if self.client_mode or not self._dialable:
             request["client"] = True
         else:
             request["address"] = str(self.announce_multiaddr)
@@ -479,7 +467,7 @@ class DHTNode:
         reply, connection = await self._reach(contact.address, method, request)
         now = self._clock()
         if reply is None or connection is None:
-            self._table.failed(contact.node_id, now)
+            self.routing_table.failed(contact.node_id, now)
             return None
         if connection.is_relayed:
             same = connection.relay is not None and contact.address == str(connection.multiaddr)
@@ -505,9 +493,9 @@ class DHTNode:
         with trio.move_on_after(self._request_timeout_s):
             try:
                 if isinstance(address, list):
-                    connection = await self._node.connect_any(address)
+                    connection = await self.node.connect_any(address)
                 else:
-                    connection = await self._node.connect(address)
+                    connection = await self.node.connect(address)
                 return await call_unary(connection, method, self._identify(request)), connection
             except TransportError as exc:
                 logger.debug("%s to %s failed: %s", method, address, exc)
@@ -515,16 +503,16 @@ class DHTNode:
         return None, None
 
     def _observe(self, contact: Contact, now: float) -> None:
-        known = contact.node_id in self._table
-        action = self._table.observe(contact, now)
+        known = contact.node_id in self.routing_table
+        action = self.routing_table.observe(contact, now)
         if isinstance(action, PingOldest):
             self._nursery.start_soon(self._ping_oldest, action.contact)
-        if not known and contact.node_id in self._table and not self._client_mode:
+        if not known and contact.node_id in self.routing_table and not self.client_mode:
             self._nursery.start_soon(self._maintenance.hand_off, contact)
 
     async def _ping_oldest(self, contact: Contact) -> None:
         alive = await self._call(contact.address, "dht.ping", {}) is not None
-        self._table.ping_result(contact.node_id, alive, self._clock())
+        self.routing_table.ping_result(contact.node_id, alive, self._clock())
 
     async def _bootstrap(self, initial_peers: Sequence[str]) -> None:
         addresses = [Multiaddr.parse(text) for text in initial_peers]
@@ -533,7 +521,7 @@ class DHTNode:
         async def ping(address: Multiaddr) -> None:
             with trio.move_on_after(self._request_timeout_s):
                 try:
-                    connection = await self._node.connect(address)
+                    connection = await self.node.connect(address)
                     await call_unary(connection, "dht.ping", self._identify({}))
                 except TransportError as exc:
                     errors.append(f"{address}: {type(exc).__name__}: {exc}")
@@ -550,11 +538,11 @@ class DHTNode:
         async with trio.open_nursery() as nursery:
             for address in addresses:
                 nursery.start_soon(ping, address)
-        if not len(self._table):
+        if not len(self.routing_table):
             raise PeerUnreachable(
                 f"none of the initial peers answered: {'; '.join(errors) or 'no peers given'}"
             )
-        if not self._client_mode:
+        if not self.client_mode:
             # Kademlia's join: the nodes near our own id learn of us, and we of them.  A
             # client-mode node is in no one's table and stores nothing, so it skips this (a
             # round trip or two to peers it may never need); its own lookups teach it the

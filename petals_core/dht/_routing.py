@@ -272,9 +272,9 @@ class RoutingTable:
                 "a host's places are at least 1 per bucket and no fewer in the table than in a "
                 f"bucket, got {max_per_host_per_bucket} per bucket and {max_per_host} in all"
             )
-        self._own = own
-        self._k = k
-        self._replacement_cache_size = replacement_cache_size
+        self.own: Final = own
+        self.k: Final = k
+        self.replacement_cache_size: Final = replacement_cache_size
         self._max_per_host_per_bucket = max_per_host_per_bucket
         self._max_per_host = max_per_host
         self._rng = rng
@@ -284,18 +284,6 @@ class RoutingTable:
         self._hosts: Counter[str] = Counter()
         self._crowded_out = 0
 
-    @property
-    def own(self) -> NodeID:
-        return self._own
-
-    @property
-    def k(self) -> int:
-        return self._k
-
-    @property
-    def replacement_cache_size(self) -> int:
-        return self._replacement_cache_size
-
     def observe(self, contact: Contact, now: float) -> PingOldest | None:
         """Note that we heard from ``contact`` (it answered us or asked us something) at ``now``.
 
@@ -303,7 +291,7 @@ class RoutingTable:
         checked before anyone is evicted; the newcomer then waits in the replacement cache.
         """
         node_id = contact.node_id
-        if node_id == self._own:
+        if node_id == self.own:
             return None
         bucket = self._bucket_of(node_id)
         seen = attrs.evolve(contact, last_seen=now)
@@ -323,12 +311,12 @@ class RoutingTable:
             self._crowded_out += 1
             return None
         self._place(seen, 1)
-        if len(bucket.contacts) < self._k:
+        if len(bucket.contacts) < self.k:
             bucket.contacts[node_id] = seen
             self._count += 1
             return None
         bucket.replacements[node_id] = seen
-        while len(bucket.replacements) > self._replacement_cache_size:
+        while len(bucket.replacements) > self.replacement_cache_size:
             self._place(bucket.replacements.pop(next(iter(bucket.replacements))), -1)
         if bucket.pinging is not None:
             return None
@@ -342,7 +330,7 @@ class RoutingTable:
 
         ``now`` is taken for symmetry with the other events; a failure refreshes nothing.
         """
-        if node_id == self._own:
+        if node_id == self.own:
             return
         bucket = self._settled(node_id)
         waiting = bucket.replacements.pop(node_id, None)
@@ -364,7 +352,7 @@ class RoutingTable:
         if not alive:
             self.failed(node_id, now)
             return
-        if node_id == self._own:
+        if node_id == self.own:
             return
         bucket = self._settled(node_id)
         contact = bucket.contacts.pop(node_id, None)
@@ -388,7 +376,7 @@ class RoutingTable:
         return heapq.nsmallest(count, candidates, key=lambda c: c.node_id.value ^ goal)
 
     def get(self, node_id: NodeID) -> Contact | None:
-        if node_id == self._own:
+        if node_id == self.own:
             return None
         return self._bucket_of(node_id).contacts.get(node_id)
 
@@ -430,7 +418,7 @@ class RoutingTable:
                 continue
             if bucket.last_lookup is None or now - bucket.last_lookup >= interval:
                 distance = (1 << index) | self._rng.getrandbits(index)
-                targets.append(NodeID(self._own.value ^ distance))
+                targets.append(NodeID(self.own.value ^ distance))
         return targets
 
     def mark_bucket_used(self, target: NodeID, now: float) -> None:
@@ -438,7 +426,7 @@ class RoutingTable:
 
         A lookup of our own ID falls in no bucket and marks none.
         """
-        if target == self._own:
+        if target == self.own:
             return
         self._bucket_of(target).last_lookup = now
 
@@ -484,7 +472,7 @@ class RoutingTable:
         return False
 
     def _bucket_of(self, node_id: NodeID) -> _Bucket:
-        return self._buckets[bucket_index(self._own, node_id)]
+        return self._buckets[bucket_index(self.own, node_id)]
 
     def _settled(self, node_id: NodeID) -> _Bucket:
         """The bucket of ``node_id``, with a ping outstanding for it settled."""

@@ -115,7 +115,8 @@ class Topic:
         self._rng = rng
         self.prefix = prefix
         self.num_blocks = num_blocks
-        self._gossip = gossip
+        #: Read it, don't drive it: the topic does.
+        self.gossip: Final = gossip
         self._store = store
         self._clock = clock
         self._snapshot = build_snapshot(store, prefix, clock(), version=0)
@@ -126,11 +127,6 @@ class Topic:
         self._refreshes = 0
         self._limited_read_at = -math.inf
         self._reading: trio.Event | None = None
-
-    @property
-    def gossip(self) -> Gossip:
-        """Read it, don't drive it: the topic does."""
-        return self._gossip
 
     @property
     def refreshes(self) -> int:
@@ -207,7 +203,7 @@ class Topic:
     # -- what the node calls ---------------------------------------------------------------------
 
     def publish(self, record: Record) -> list[Push]:
-        pushes = self._gossip.publish(record, self._clock())
+        pushes = self.gossip.publish(record, self._clock())
         self._mark_changed()
         return pushes
 
@@ -222,7 +218,7 @@ class Topic:
         now = self._clock()
         changed = False
         for record in records:
-            if self._gossip.is_announcement(record):
+            if self.gossip.is_announcement(record):
                 changed |= self._store.store(record, now).accepted
         if changed:
             self._mark_changed()
@@ -233,15 +229,15 @@ class Topic:
         """A gossip message from ``from_peer``; returns the actions it causes."""
         kind = request.get("kind")
         now = self._clock()
-        before = self._gossip.statistics().records_new
+        before = self.gossip.statistics().records_new
         actions: list[Action]
         if kind == "digest":
-            actions = self._gossip.on_digest(
+            actions = self.gossip.on_digest(
                 from_peer, decode_entries_untrusted(request.get("entries")), now
             )
         elif kind == "want":
             actions = list(
-                self._gossip.on_want(
+                self.gossip.on_want(
                     from_peer, decode_entries_untrusted(request.get("entries")), now
                 )
             )
@@ -250,19 +246,19 @@ class Topic:
             if isinstance(ttl, bool) or not isinstance(ttl, int) or ttl < 0:
                 raise CodecError("'ttl' is an integer >= 0")
             actions = list(
-                self._gossip.on_push(
+                self.gossip.on_push(
                     from_peer, decode_records_untrusted(request.get("records")), now, ttl=ttl
                 )
             )
         else:
             raise CodecError(f"unknown gossip kind {kind!r}; expected digest, want or push")
-        if self._gossip.statistics().records_new != before:
+        if self.gossip.statistics().records_new != before:
             self._mark_changed()
         return actions
 
     def digest_round(self) -> list[Digest]:
         self.snapshot()  # members follow the table
-        return self._gossip.digest_round(self._clock())
+        return self.gossip.digest_round(self._clock())
 
     async def refresh_forever(self, period_s: float) -> None:
         while True:
@@ -325,10 +321,10 @@ class Topic:
                     addresses[peer_id] = usable
         own = str(self._dht.peer_id)
         addresses.pop(own, None)
-        for peer_id in self._gossip.peers - addresses.keys():
-            self._gossip.remove_peer(peer_id)
+        for peer_id in self.gossip.peers - addresses.keys():
+            self.gossip.remove_peer(peer_id)
         for peer_id in addresses:
-            self._gossip.add_peer(peer_id)
+            self.gossip.add_peer(peer_id)
         self._addresses = addresses
 
 

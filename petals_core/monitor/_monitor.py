@@ -103,7 +103,7 @@ class SwarmMonitor:
     ) -> None:
         self._dht = dht
         self._nursery = nursery
-        self._config = config
+        self.config: Final = config
         self._clock = clock
         self._topics: dict[str, Topic] = {}
         self._models: dict[str, ModelInfo] = {}
@@ -121,10 +121,6 @@ class SwarmMonitor:
     @property
     def state(self) -> SwarmState:
         return self._state
-
-    @property
-    def config(self) -> MonitorConfig:
-        return self._config
 
     async def wait_state(self, after_version: int) -> SwarmState | None:
         """The state once its version is above ``after_version``; None once :meth:`close` was
@@ -153,7 +149,7 @@ class SwarmMonitor:
     async def run(self) -> None:
         """Refresh every ``refresh_period_s`` until cancelled."""
         while True:
-            await trio.sleep(self._config.refresh_period_s)
+            await trio.sleep(self.config.refresh_period_s)
             await self.refresh()
 
     # -- a round -----------------------------------------------------------------------------------
@@ -184,15 +180,15 @@ class SwarmMonitor:
         self._listed = set(registry)
 
     def _follow(self, prefix: str, info: ModelInfo) -> Topic | None:
-        if len(self._topics) >= self._config.max_models:
+        if len(self._topics) >= self.config.max_models:
             if not self._over_limit_logged:
                 logger.warning(
                     "the registry lists more than %d models: following the first only",
-                    self._config.max_models,
+                    self.config.max_models,
                 )
                 self._over_limit_logged = True
             return None
-        period = max(self._config.refresh_period_s, _MIN_TOPIC_READ_PERIOD_S)
+        period = max(self.config.refresh_period_s, _MIN_TOPIC_READ_PERIOD_S)
         topic = self._dht.follow(prefix, info.num_blocks, update_period_s=period)
         self._topics[prefix] = topic
         logger.info("following %s (%d blocks)", prefix, info.num_blocks)
@@ -234,7 +230,7 @@ class SwarmMonitor:
                 # the rounds.
                 topic = self._topics.get(prefix)  # None: no longer followed
                 if topic is not None:
-                    period = self._config.refresh_period_s
+                    period = self.config.refresh_period_s
                     self._nursery.start_soon(partial(topic.refresh, min_interval_s=period))
 
     async def _ping(self, addresses: list[Multiaddr]) -> float | None:
@@ -242,7 +238,7 @@ class SwarmMonitor:
         ``addresses`` (dialled first, not timed); None if it does not answer within
         ``ping_timeout_s``."""
         async with self._limiter:
-            with trio.move_on_after(self._config.ping_timeout_s):
+            with trio.move_on_after(self.config.ping_timeout_s):
                 try:
                     connection = await self._dht.node.connect_any(addresses)
                     began = trio.current_time()
@@ -278,8 +274,8 @@ class SwarmMonitor:
             config = SequenceManagerConfig(
                 dht_prefix=prefix,
                 verify="none",
-                request_timeout_s=max(self._config.request_timeout_s, 30.0),
-                missing_blocks_timeout_s=self._config.request_timeout_s,
+                request_timeout_s=max(self.config.request_timeout_s, 30.0),
+                missing_blocks_timeout_s=self.config.request_timeout_s,
                 max_retries=1,
             )
             judge = RemoteSequenceManager(config, topic.num_blocks, dht=self._dht)

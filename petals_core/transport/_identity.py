@@ -166,19 +166,20 @@ class Identity:
     __slots__ = (
         "_certificate",
         "_certificate_lock",
-        "_peer_id",
-        "_private_key",
-        "_public_key_bytes",
+        "peer_id",
+        "private_key",
+        "public_key_bytes",
     )
 
     def __init__(self, private_key: Ed25519PrivateKey) -> None:
         if not isinstance(private_key, Ed25519PrivateKey):
             raise TypeError(f"expected Ed25519PrivateKey, got {type(private_key).__name__}")
-        self._private_key = private_key
-        self._public_key_bytes = private_key.public_key().public_bytes(
+        self.private_key: Final = private_key
+        #: The raw 32-byte Ed25519 public key.
+        self.public_key_bytes: Final = private_key.public_key().public_bytes(
             serialization.Encoding.Raw, serialization.PublicFormat.Raw
         )
-        self._peer_id = PeerID.from_public_key(self._public_key_bytes)
+        self.peer_id: Final = PeerID.from_public_key(self.public_key_bytes)
         self._certificate: x509.Certificate | None = None
         self._certificate_lock = threading.Lock()
 
@@ -197,21 +198,8 @@ class Identity:
             )
         return cls(Ed25519PrivateKey.from_private_bytes(raw))
 
-    @property
-    def peer_id(self) -> PeerID:
-        return self._peer_id
-
-    @property
-    def public_key_bytes(self) -> bytes:
-        """The raw 32-byte Ed25519 public key."""
-        return self._public_key_bytes
-
-    @property
-    def private_key(self) -> Ed25519PrivateKey:
-        return self._private_key
-
     def sign(self, data: bytes) -> bytes:
-        return self._private_key.sign(data)
+        return self.private_key.sign(data)
 
     @property
     def certificate(self) -> x509.Certificate:
@@ -230,28 +218,28 @@ class Identity:
 
     def private_key_pem(self) -> bytes:
         """The private key as unencrypted PKCS#8 PEM: the identity file format."""
-        return self._private_key.private_bytes(
+        return self.private_key.private_bytes(
             serialization.Encoding.PEM,
             serialization.PrivateFormat.PKCS8,
             serialization.NoEncryption(),
         )
 
     def _build_certificate(self) -> x509.Certificate:
-        name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, str(self._peer_id))])
+        name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, str(self.peer_id))])
         return (
             x509.CertificateBuilder()
             .subject_name(name)
             .issuer_name(name)
-            .public_key(self._private_key.public_key())
+            .public_key(self.private_key.public_key())
             .serial_number(x509.random_serial_number())
             .not_valid_before(_CERT_NOT_BEFORE)
             .not_valid_after(_CERT_NOT_AFTER)
             .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-            .sign(self._private_key, algorithm=None)
+            .sign(self.private_key, algorithm=None)
         )
 
     def __repr__(self) -> str:
-        return f"Identity(peer_id={self._peer_id!r})"
+        return f"Identity(peer_id={self.peer_id!r})"
 
 
 def verify_signature(public_key_bytes: bytes, signature: bytes, data: bytes) -> bool:
