@@ -53,10 +53,8 @@ _LISTING_LIMITS: Final = CodecLimits(
     max_frame_bytes=64 << 10,
     max_depth=4,
     max_container_items=8 * MAX_LISTED + 8,
-    max_tensor_elements=1,
-    max_tensor_dims=0,
     max_string_bytes=1024,
-)
+).without_tensors()
 
 
 def index_key(prefix: str) -> str:

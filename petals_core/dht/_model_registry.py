@@ -40,10 +40,8 @@ _MODEL_INFO_LIMITS: Final = CodecLimits(
     max_frame_bytes=4096,
     max_depth=4,
     max_container_items=64,
-    max_tensor_elements=1,
-    max_tensor_dims=0,
     max_string_bytes=1024,
-)
+).without_tensors()
 
 
 def _check_model_info(info: ModelInfo) -> None:

@@ -391,10 +391,8 @@ _SERVER_INFO_LIMITS: Final = CodecLimits(
     max_frame_bytes=DEFAULT_MAX_VALUE_BYTES,
     max_depth=8,
     max_container_items=4096,
-    max_tensor_elements=1,
-    max_tensor_dims=0,
     max_string_bytes=4096,
-)
+).without_tensors()
 
 
 def _to_state(value: Any) -> Any:

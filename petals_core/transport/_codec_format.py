@@ -58,6 +58,10 @@ class CodecLimits:
     #: Largest text string (UTF-8); byte strings are bounded by the frame alone.
     max_string_bytes: int = attrs.field(default=1 << 20, validator=_count(0, 2**32 - 1))
 
+    def without_tensors(self) -> CodecLimits:
+        """These limits for messages that hold no tensor (but a 0-dim one)."""
+        return attrs.evolve(self, max_tensor_elements=1, max_tensor_dims=0)
+
 
 DEFAULT_LIMITS: Final = CodecLimits()
 

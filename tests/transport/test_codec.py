@@ -393,6 +393,17 @@ def test_limits_are_validated() -> None:
         CodecLimits(max_string_bytes=1.5)  # type: ignore[arg-type]
 
 
+def test_limits_without_tensors_refuse_any_tensor_but_a_scalar_and_keep_the_rest() -> None:
+    limits = CodecLimits(max_depth=3, max_string_bytes=10).without_tensors()
+    assert (limits.max_depth, limits.max_string_bytes) == (3, 10)
+    scalar = decode_message_untrusted(encode_message({"t": torch.tensor(2.0)}), limits=limits)
+    assert scalar["t"] == torch.tensor(2.0)
+    for tensor in (torch.zeros(1), torch.zeros(2, 2)):
+        frame = encode_message({"t": tensor})
+        with pytest.raises(CodecError, match="tensor"):
+            decode_message_untrusted(frame, limits=limits)
+
+
 # Decoding hostile bytes
 
 
