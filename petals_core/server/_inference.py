@@ -92,15 +92,10 @@ _InboxItem = tuple[dict[str, Any], bool] | None | Exception
 
 @attrs.define(eq=False)
 class _Session:
-    session_id: str
+    #: What the client asked for: blocks, batch, length, adapter, left padding (step receipts
+    #: sign the padding as opened).
+    opening: OpenSession
     peer: str
-    start: int
-    end: int
-    batch: int
-    max_length: int
-    adapter: str | None
-    #: Left padding per row, as opened (None: none); step receipts sign it.
-    padding: tuple[int, ...] | None
     caches: list[KVCache]
     scope: trio.CancelScope
     #: Positions and step ids: what each step does (see SessionState).
@@ -172,14 +167,8 @@ class InferenceHandlers:
                 raise ServerError(f"session id {session_id!r} is already in use")
             self._check_peer_quota(peer)
             session = _Session(
-                session_id=session_id,
+                opening=opening,
                 peer=peer,
-                start=start,
-                end=end,
-                batch=batch,
-                max_length=max_length,
-                adapter=opening.active_adapter,
-                padding=opening.left_padding,
                 caches=caches,
                 scope=trio.CancelScope(),
                 state=SessionState(batch=batch, max_length=max_length),
@@ -297,12 +286,12 @@ class InferenceHandlers:
             result = session.state.completed(plan, output, pushed=pushed_on)
             signed = await self._serving.signed(
                 "step",
-                (session.start, session.end),
-                session.adapter,
+                session.opening.blocks,
+                session.opening.active_adapter,
                 {"hidden_states": plan.hidden, "prompts": plan.prompts, "hypo_ids": plan.reorder},
                 {"hidden_states": output},
-                session=session.session_id,
-                padding=session.padding,
+                session=session.opening.session_id,
+                padding=session.opening.left_padding,
                 step=result.position,
                 previous=session.chain,
                 with_asked=True,
@@ -316,9 +305,11 @@ class InferenceHandlers:
     async def _step(
         self, plan: StepPlan, session: _Session, backend: BlockBackend, pool: TaskPool
     ) -> torch.Tensor:
+        (start, end), adapter = session.opening.blocks, session.opening.active_adapter
+        batch = session.opening.batch_size
         hidden = backend.check_hidden(plan.hidden)
         prompts = plan.prompts
-        backend.check_prompts(prompts, session.start, session.end, hidden)
+        backend.check_prompts(prompts, start, end, hidden)
         # Checked: from here on the step runs (and rolls back what it wrote if it fails).
         for cache in session.caches:
             cache.rollback(plan.position)
@@ -335,11 +326,10 @@ class InferenceHandlers:
             await pool.run(reorder_all, priority=Priority.INFERENCE)
         if tokens == 0:
             return hidden
-        chunk = max(1, self.limits.max_batch_tokens // session.batch)
+        chunk = max(1, self.limits.max_batch_tokens // batch)
         if prompts is None and tokens <= chunk and self.limits.batch_steps:
             self._serving.count("batched_steps")
-            key = ("step", session.start, session.end, session.adapter)
-            adapter, start, end = session.adapter, session.start, session.end
+            key = ("step", start, end, adapter)
 
             def run_batch(
                 items: list[tuple[torch.Tensor, list[KVCache]]],
@@ -351,7 +341,7 @@ class InferenceHandlers:
                 (hidden, session.caches),
                 run_batch,
                 priority=Priority.INFERENCE,
-                size=session.batch * tokens,
+                size=batch * tokens,
             )
         outputs = []
         for offset in range(0, tokens, chunk):
@@ -363,22 +353,22 @@ class InferenceHandlers:
                 await pool.run(
                     functools.partial(
                         backend.inference_step,
-                        session.start,
-                        session.end,
+                        start,
+                        end,
                         part,
                         session.caches,
                         prompts=part_prompts,
-                        adapter=session.adapter,
+                        adapter=adapter,
                     ),
                     priority=Priority.INFERENCE,
                     cost_key=(
                         "chunk",
-                        session.start,
-                        session.end,
-                        session.adapter,
+                        start,
+                        end,
+                        adapter,
                         part_prompts is not None,
                     ),
-                    size=session.batch * part.shape[1],
+                    size=batch * part.shape[1],
                 )
             )
         return torch.cat(outputs, dim=1)
