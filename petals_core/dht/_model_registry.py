@@ -13,13 +13,13 @@ treat them as hints, bounded in size and block count, never as proof that a mode
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Final
 
 import attrs
 
-from .._errors import CodecError, LocalProtocolError
-from ..transport import CodecLimits, decode_message_untrusted, encode_message
-from ._records import _check_count, _check_name
+from .._errors import CodecError
+from ..transport import CodecLimits, encode_message
+from ._records import _check_count, _check_name, decode_value_untrusted
 
 if TYPE_CHECKING:
     from ._node import DHTNode
@@ -77,19 +77,7 @@ class ModelInfo:
     def from_bytes_untrusted(cls, data: bytes | bytearray | memoryview) -> ModelInfo:
         """Read an entry a peer stored; unknown fields are ignored, and a null field counts as
         absent.  Raises only :class:`CodecError`."""
-        message = decode_message_untrusted(data, limits=_MODEL_INFO_LIMITS, tensors="raw")
-        if message.get("num_blocks") is None:
-            raise CodecError("model info lacks num_blocks")
-        known: dict[str, Any] = {
-            name: message[name] for name in _MODEL_INFO_FIELDS if message.get(name) is not None
-        }
-        try:
-            return cls(**known)
-        except LocalProtocolError as exc:
-            raise CodecError(f"invalid model info: {exc}") from None
-
-
-_MODEL_INFO_FIELDS: Final = tuple(field.name for field in attrs.fields(ModelInfo))
+        return decode_value_untrusted(cls, "model info", data, _MODEL_INFO_LIMITS)
 
 
 async def register_model(dht: DHTNode, prefix: str, info: ModelInfo, *, expiration: float) -> int:

@@ -19,7 +19,7 @@ import math
 import struct
 import types
 from collections.abc import Iterable, Mapping
-from typing import Any, Final, NamedTuple
+from typing import Any, Final, NamedTuple, TypeVar
 
 import attrs
 
@@ -385,6 +385,8 @@ _MAX_BLOCKS: Final = 2**32
 
 _MAX_TOKENS: Final = 2**63
 
+_Record = TypeVar("_Record", bound=attrs.AttrsInstance)
+
 # An announcement is small: these bound the work of decoding one whatever a peer sends.  Tensors
 # are left raw, so decoding never imports torch.
 _SERVER_INFO_LIMITS: Final = CodecLimits(
@@ -409,6 +411,24 @@ def _to_pings(value: Any) -> Any:
     if isinstance(value, Mapping):
         return types.MappingProxyType({peer: _to_float(rtt) for peer, rtt in value.items()})
     return value
+
+
+def decode_value_untrusted(
+    cls: type[_Record], what: str, data: bytes | bytearray | memoryview, limits: CodecLimits
+) -> _Record:
+    """The attrs record ``cls`` (called ``what`` in errors) from a value a peer stored: fields
+    it does not know are ignored and a null field counts as absent.  Raises only
+    :class:`CodecError`."""
+    message = decode_message_untrusted(data, limits=limits, tensors="raw")
+    fields = attrs.fields(cls)
+    missing = [f.name for f in fields if f.default is attrs.NOTHING and message.get(f.name) is None]
+    if missing:
+        raise CodecError(f"{what} lacks {', '.join(missing)}")
+    known = {f.name: message[f.name] for f in fields if message.get(f.name) is not None}
+    try:
+        return cls(**known)
+    except LocalProtocolError as exc:
+        raise CodecError(f"invalid {what}: {exc}") from None
 
 
 def _check_name(field: str, value: object, *, optional: bool = False) -> None:
@@ -523,21 +543,7 @@ class ServerInfo:
     def from_bytes_untrusted(cls, data: bytes | bytearray | memoryview) -> ServerInfo:
         """Read an announcement a peer published; unknown fields are ignored, and a null field
         counts as absent.  Raises only :class:`CodecError`."""
-        message = decode_message_untrusted(data, limits=_SERVER_INFO_LIMITS, tensors="raw")
-        missing = [field for field in _SERVER_INFO_REQUIRED if message.get(field) is None]
-        if missing:
-            raise CodecError(f"server info lacks {', '.join(missing)}")
-        known = {
-            field: message[field] for field in _SERVER_INFO_FIELDS if message.get(field) is not None
-        }
-        try:
-            return cls(**known)
-        except LocalProtocolError as exc:
-            raise CodecError(f"invalid server info: {exc}") from None
+        return decode_value_untrusted(cls, "server info", data, _SERVER_INFO_LIMITS)
 
 
 _SERVER_INFO_FIELDS: Final = tuple(field.name for field in attrs.fields(ServerInfo))
-
-_SERVER_INFO_REQUIRED: Final = tuple(
-    field.name for field in attrs.fields(ServerInfo) if field.default is attrs.NOTHING
-)
