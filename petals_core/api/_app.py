@@ -13,10 +13,11 @@ from __future__ import annotations
 import functools
 import json
 import math
+import re
 import secrets
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from typing import Any, Final
+from typing import Any, Final, TypeVar
 
 import trio
 from sse_starlette import EventSourceResponse
@@ -41,8 +42,17 @@ from ._requests import (
 
 __all__ = ["MAX_BODY_BYTES", "create_app"]
 
+_Parsed = TypeVar("_Parsed")
+
 #: Request bodies above this size are refused (413) before they are parsed.
 MAX_BODY_BYTES: Final = 4 * 1024 * 1024
+#: Larger bodies are parsed in the tokenizer's worker thread, not on the event loop that
+#: serves every request.
+_INLINE_BODY_BYTES: Final = 64 * 1024
+#: Token-id prompts longer than this, in all, are checked in that thread too.
+_INLINE_PROMPT_IDS: Final = 4096
+# A JSON escape of a UTF-16 surrogate: only these can make a string with no UTF-8 form.
+_SURROGATE_ESCAPE: Final = re.compile(rb"\\u[dD][89a-fA-F]")
 CREATED: Final = int(time.time())
 
 
@@ -111,14 +121,19 @@ class _Api:
             return
         given = request.headers.get("authorization", "")
         scheme, _, key = given.partition(" ")
-        if scheme.lower() != "bearer" or not secrets.compare_digest(key.strip(), self.api_key):
+        # Header values arrive decoded as Latin-1: their bytes again, to compare with the key's
+        # UTF-8 (compare_digest takes no other text than ASCII).
+        if scheme.lower() != "bearer" or not secrets.compare_digest(
+            key.strip().encode("latin-1"), self.api_key.encode()
+        ):
             raise ApiError(
                 401,
                 "Incorrect API key provided: pass it as 'Authorization: Bearer <key>'.",
                 code="invalid_api_key",
             )
 
-    async def _body(self, request: Request) -> Any:
+    async def _parsed(self, request: Request, parse: Callable[[Any], _Parsed]) -> _Parsed:
+        """The request's body, read as JSON by ``parse`` (a large one in a worker thread)."""
         self._check_key(request)
         size = 0
         parts = []
@@ -127,14 +142,10 @@ class _Api:
             if size > MAX_BODY_BYTES:
                 raise ApiError(413, f"The request body is larger than {MAX_BODY_BYTES} bytes.")
             parts.append(part)
-        try:
-            return json.loads(b"".join(parts))
-        except (ValueError, RecursionError):
-            raise ApiError(
-                400,
-                "We could not parse the JSON body of your request. The body must be a JSON "
-                "object encoded in UTF-8.",
-            ) from None
+        body = b"".join(parts)
+        if size <= _INLINE_BODY_BYTES:
+            return parse(_json(body))
+        return await self.engine.tokenize(lambda: parse(_json(body)))
 
     def _check_model(self, model: str) -> None:
         if model != self.engine.name:
@@ -160,7 +171,7 @@ class _Api:
         return JSONResponse(self._model_card())
 
     async def completions(self, request: Request) -> Response:
-        parsed = parse_completion_untrusted(await self._body(request))
+        parsed = await self._parsed(request, parse_completion_untrusted)
         self._check_model(parsed.model)
         engine = self.engine
         engine.check_rows(len(parsed.prompts), parsed.sampling)  # before any tokenizing
@@ -170,10 +181,14 @@ class _Api:
             echo = [engine.decode(prompt) for prompt in prompts] if parsed.echo else None
             return prompts, echo
 
-        if parsed.echo or any(isinstance(prompt, str) for prompt in parsed.prompts):
+        if (
+            parsed.echo
+            or any(isinstance(prompt, str) for prompt in parsed.prompts)
+            or sum(map(len, parsed.prompts)) > _INLINE_PROMPT_IDS
+        ):
             # A long prompt takes a while to tokenize: not on the event loop, which serves all.
             prompts, echo = await engine.tokenize(encode)
-        else:  # token ids are only checked: no need to wait for the tokenizer
+        else:  # a few token ids are only checked: no need to wait for the tokenizer
             prompts, echo = encode()
         shape = _CompletionShape(parsed, len(prompts), echo, engine)
         return await self._answer(
@@ -181,7 +196,7 @@ class _Api:
         )
 
     async def chat_completions(self, request: Request) -> Response:
-        parsed = parse_chat_untrusted(await self._body(request))
+        parsed = await self._parsed(request, parse_chat_untrusted)
         self._check_model(parsed.model)
         self.engine.check_rows(1, parsed.sampling)
         prompt = await self.engine.tokenize(
@@ -236,7 +251,65 @@ class _Api:
             if first is None:  # the client left
                 return Response(status_code=499)
             raise first
-        return EventSourceResponse(_stream(shape, first, events, generation.__aexit__), ping=15)
+        return _EventStream(
+            _stream(shape, first, events, generation.__aexit__), generation.__aexit__
+        )
+
+
+def _json(body: bytes) -> Any:
+    """A request's body as JSON; :class:`ApiError` (400) unless it is JSON in UTF-8 whose every
+    string has a UTF-8 form (JSON lets a ``\\ud800`` escape stand alone)."""
+    try:
+        value = json.loads(body)
+    except (ValueError, RecursionError):
+        raise ApiError(
+            400,
+            "We could not parse the JSON body of your request. The body must be a JSON "
+            "object encoded in UTF-8.",
+        ) from None
+    if _SURROGATE_ESCAPE.search(body) is not None:
+        _check_unicode(value)
+    return value
+
+
+def _check_unicode(value: Any) -> None:
+    pending = [value]
+    while pending:
+        item = pending.pop()
+        if isinstance(item, dict):
+            pending.extend(item.keys())
+            pending.extend(item.values())
+        elif isinstance(item, list):
+            pending.extend(item)
+        elif isinstance(item, str) and not item.isascii():
+            try:
+                item.encode()
+            except UnicodeEncodeError:
+                raise ApiError(
+                    400,
+                    "The body of your request holds a string that is not valid Unicode (an "
+                    "unpaired surrogate escape such as \\ud800).",
+                ) from None
+
+
+class _EventStream(EventSourceResponse):
+    """A streamed answer that ends its generation however the response ends: after its last
+    event, or when the client leaves before the stream even began."""
+
+    def __init__(
+        self,
+        events: AsyncIterator[dict[str, str]],
+        close: Callable[[Any, Any, Any], Awaitable[None]],
+    ) -> None:
+        super().__init__(events, ping=15)
+        self._close = close
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            with trio.CancelScope(shield=True):
+                await self._close(None, None, None)
 
 
 async def _cancel_when_disconnected(request: Request, scope: trio.CancelScope) -> None:

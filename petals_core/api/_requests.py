@@ -198,6 +198,7 @@ def _stream_options(body: Mapping[str, Any], stream: bool) -> bool:
     if not isinstance(options, Mapping):
         raise ApiError.bad_request("stream_options must be an object", param="stream_options")
     _check_known(options, frozenset({"include_usage", "include_obfuscation"}))
+    _boolean(options, "include_obfuscation")  # no obfuscation is added either way
     return _boolean(options, "include_usage")
 
 
@@ -401,7 +402,7 @@ def _messages(value: Any) -> tuple[Message, ...]:
                     param="messages",
                 )
         role = message.get("role")
-        if role not in _ROLES:
+        if not isinstance(role, str) or role not in _ROLES:
             raise ApiError.bad_request(
                 f"messages[{index}].role must be one of {', '.join(_ROLES)}, got {role!r}",
                 param="messages",
@@ -439,9 +440,11 @@ def parse_chat_untrusted(body: Any) -> ChatRequest:
             raise ApiError.bad_request(f"{name} must be {what}", param=name)
     for name, is_neutral in _CHAT_UNSUPPORTED.items():
         _neutral(body, name, is_neutral)
+    # max_tokens is the older name: both are checked, the newer one wins.
+    old_limit = _integer(body, "max_tokens", low=1, high=2**31 - 1)
     limit = _integer(body, "max_completion_tokens", low=1, high=2**31 - 1)
     if limit is None:
-        limit = _integer(body, "max_tokens", low=1, high=2**31 - 1)
+        limit = old_limit
     stream = _boolean(body, "stream")
     wants_logprobs = _boolean(body, "logprobs")
     top = _integer(body, "top_logprobs", low=0, high=MAX_CHAT_LOGPROBS)

@@ -407,13 +407,7 @@ def test_a_disconnect_mid_stream_frees_the_servers_caches(endpoint: Any) -> None
 def test_a_disconnect_before_a_plain_answer_stops_its_generation(endpoint: Any) -> None:
     engine = endpoint.api.engine
     interrupted = engine.interrupted
-    body = json.dumps(
-        {
-            "model": endpoint.repo,
-            "messages": [{"role": "user", "content": "Write a long story about a cat."}],
-            "max_tokens": LIMITS.max_request_tokens - 64,
-        }
-    ).encode()
+    body = _long_story(endpoint, "cat")
     url = urllib.parse.urlsplit(endpoint.url)
     connection = http.client.HTTPConnection(url.hostname, url.port, timeout=DEADLINE_S)
     connection.request("POST", "/v1/chat/completions", body, {"Content-Type": "application/json"})
@@ -424,12 +418,79 @@ def test_a_disconnect_before_a_plain_answer_stops_its_generation(endpoint: Any) 
     )
     connection.sock.close()  # gone before the answer
     connection.close()
+    _wait_interrupted(endpoint, interrupted)
+
+
+def _long_story(endpoint: Any, about: str, **fields: Any) -> bytes:
+    """A chat request whose answer runs long (nearly to the endpoint's limit)."""
+    return json.dumps(
+        {
+            "model": endpoint.repo,
+            "messages": [{"role": "user", "content": f"Write a long story about a {about}."}],
+            "max_tokens": LIMITS.max_request_tokens - 64,
+            **fields,
+        }
+    ).encode()
+
+
+def _wait_interrupted(endpoint: Any, interrupted: int) -> None:
+    """Wait for one more interrupted generation than ``interrupted``, and its sessions closed."""
+    engine = endpoint.api.engine
     _wait_for(lambda: engine.interrupted == interrupted + 1, "the generation is interrupted")
-    assert engine.running == 0
+    _wait_for(lambda: engine.running == 0, "the generation stops")
     _wait_for(
         lambda: all(info.open_sessions == 0 for info in endpoint.server_infos()),
         "the servers close the session",
     )
+
+
+def test_a_client_leaving_as_its_stream_begins_stops_the_generation(endpoint: Any) -> None:
+    """The client leaves after the first token came, as the stream begins (before the stream
+    reads its first event, with sse-starlette): the generation ends all the same."""
+    from petals_core.api import create_app
+
+    engine = endpoint.api.engine
+    interrupted = engine.interrupted
+    body = _long_story(endpoint, "fox", stream=True)
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": "/v1/chat/completions",
+        "raw_path": b"/v1/chat/completions",
+        "query_string": b"",
+        "root_path": "",
+        "headers": [(b"content-type", b"application/json")],
+        "server": ("127.0.0.1", 80),
+        "client": ("127.0.0.1", 1),
+    }
+
+    async def leave() -> list[str]:
+        received = 0
+
+        async def receive() -> dict[str, Any]:
+            nonlocal received
+            received += 1
+            if received == 1:
+                return {"type": "http.request", "body": body, "more_body": False}
+            if received == 2:  # the watch until the first token: cancelled once it came
+                await trio.sleep_forever()
+            return {"type": "http.disconnect"}
+
+        sent: list[str] = []
+
+        async def send(message: dict[str, Any]) -> None:
+            sent.append(message["type"])
+            await trio.lowlevel.checkpoint()  # as a server's send does: others run meanwhile
+
+        with trio.fail_after(DEADLINE_S):
+            await create_app(engine)(scope, receive, send)
+        return sent
+
+    assert endpoint.run(leave)[0] == "http.response.start"
+    _wait_interrupted(endpoint, interrupted)
 
 
 def test_requests_beyond_the_queue_are_refused_with_429(endpoint: Any) -> None:

@@ -12,7 +12,8 @@ import pytest
 import trio
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from petals_core.api import MAX_BODY_BYTES, ApiConfig, serve_api
+from petals_core._http import serve_http
+from petals_core.api import MAX_BODY_BYTES, ApiConfig, create_app, serve_api
 from petals_core.api._requests import _CHAT, _COMPLETION
 
 from ._endpoint import LIMITS
@@ -87,6 +88,28 @@ def test_openai_client_errors(endpoint: Any, client: Any) -> None:
             400,
             "top_p",
         ),
+        (b'{"model": "M", "messages": [{"role": ["user"], "content": "x"}]}', 400, "messages"),
+        (b'{"model": "M", "messages": [{"role": {}, "content": "x"}]}', 400, "messages"),
+        # JSON lets a surrogate escape stand alone: a string with no UTF-8 form.
+        (b'{"model": "M", "messages": [{"role": "user", "content": "a\\ud800b"}]}', 400, None),
+        (b'{"model": "\\udfff", "messages": [{"role": "user", "content": "x"}]}', 400, None),
+        (
+            b'{"model": "M", "messages": [{"role": "user", "content": "x"}], "\\ud800": 1}',
+            400,
+            None,
+        ),
+        (
+            b'{"model": "M", "messages": [{"role": "user", "content": "x"}], '
+            b'"max_completion_tokens": 5, "max_tokens": "abc"}',
+            400,
+            "max_tokens",
+        ),
+        (
+            b'{"model": "M", "messages": [{"role": "user", "content": "x"}], "stream": true, '
+            b'"stream_options": {"include_obfuscation": 3}}',
+            400,
+            "include_obfuscation",
+        ),
     ],
 )
 def test_malformed_bodies(endpoint: Any, body: bytes, status: int, param: str | None) -> None:
@@ -143,6 +166,51 @@ def test_routes_methods_and_sizes(endpoint: Any) -> None:
     bad_ids = json.dumps({"model": endpoint.repo, "prompt": [10**9]}).encode()
     assert _error(*_post(endpoint.url, "/v1/completions", bad_ids), 400)["param"] == "prompt"
     _still_serving(endpoint)
+
+
+def test_large_bodies_are_read_in_a_worker_with_the_same_checks(endpoint: Any) -> None:
+    ids = json.dumps({"model": endpoint.repo, "prompt": [1] * 300_000, "max_tokens": 1})
+    error = _error(*_post(endpoint.url, "/v1/completions", ids.encode()), 400)
+    assert (error["code"], error["param"]) == ("context_length_exceeded", "prompt")
+    unpaired = {"model": endpoint.repo, "prompt": "x\ud800", "user": "y" * 100_000}
+    error = _error(*_post(endpoint.url, "/v1/completions", json.dumps(unpaired).encode()), 400)
+    assert "not valid Unicode" in error["message"]
+    _still_serving(endpoint)
+
+
+def test_keys_are_compared_as_the_bytes_sent(endpoint: Any) -> None:
+    """A key beyond ASCII matches when its UTF-8 bytes are sent; other bytes are refused (401),
+    not a failure of the endpoint."""
+
+    def get(url: str, key: bytes) -> int:
+        parts = urllib.parse.urlsplit(url)
+        connection = http.client.HTTPConnection(parts.hostname, parts.port, timeout=60)
+        try:
+            connection.putrequest("GET", "/v1/models")
+            connection.putheader("Authorization", b"Bearer " + key)
+            connection.endheaders()
+            reply = connection.getresponse()
+            reply.read()
+            return reply.status
+        finally:
+            connection.close()
+
+    async def ask() -> list[int]:
+        app = create_app(endpoint.api.engine, api_key="clé")
+        async with trio.open_nursery() as nursery:
+            urls = await nursery.start(
+                lambda task_status: serve_http(
+                    app, host="127.0.0.1", port=0, task_status=task_status
+                )
+            )
+            statuses = [
+                await trio.to_thread.run_sync(get, urls[0], key)
+                for key in ("clé".encode(), "é".encode("latin-1"), b"cl", "clé".encode("latin-1"))
+            ]
+            nursery.cancel_scope.cancel()
+        return statuses
+
+    assert endpoint.run(ask) == [200, 401, 401, 401]
 
 
 def test_no_server_for_the_blocks_is_a_503(endpoint: Any) -> None:
