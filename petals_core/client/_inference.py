@@ -28,7 +28,7 @@ import attrs
 import torch
 import trio
 
-from .._errors import PetalsError, WrongAnswer
+from .._errors import PetalsError, ServerError, WrongAnswer
 from .._groups import run_concurrently
 from ..dht import ServerInfo
 from ..protocol import FraudReport, Signature, SignedReceipt, StepResult
@@ -159,6 +159,21 @@ class InferenceSession:
         ``hidden``."""
         if self._closed:
             raise PetalsError("the inference session is closed")
+        try:
+            return await self._step(hidden, prompts, hypo_ids, padding)
+        except BaseException:
+            for state in self._core.abandon():
+                if state in self._calls:
+                    await self._calls.pop(state).close()
+            raise
+
+    async def _step(
+        self,
+        hidden: torch.Tensor,
+        prompts: torch.Tensor | None,
+        hypo_ids: torch.Tensor | None,
+        padding: torch.Tensor | None,
+    ) -> torch.Tensor:
         home = hidden
         hidden = to_wire(hidden, "hidden states")
         if prompts is not None:
@@ -178,8 +193,17 @@ class InferenceSession:
         index = 0
         while index < len(core.spans):
             state = core.spans[index]
-            follower = await self._follower(state)
+            if state.stale:  # it may hold a reorder taken back: replayed anew, nobody blamed
+                await self._drop_follower(state)
+                core.failed()
+                attempt = await self._retrying(attempt, functools.partial(self._replace, index))
+                continue
+            follower = None if state.gone else await self._follower(state)
             try:
+                if state.gone:  # a replacement failed in an earlier step: replaced again now
+                    raise ServerError(
+                        f"no server holds blocks {state.span.start}:{state.span.end} yet"
+                    )
                 span_call = self._calls[state]
                 timeout = self.manager.step_timeout(
                     state.span, tokens=x.shape[0] * x.shape[1], nbytes=x.nbytes
@@ -204,6 +228,8 @@ class InferenceSession:
                     await self._verify(state, x, result)
                 output = core.answered(index, x, result)
             except RETRIABLE as exc:
+                if self._closed:  # closed meanwhile: its streams failed, not its servers
+                    raise PetalsError("the inference session was closed during a step") from exc
                 await self._drop_follower(state)
                 core.failed()
                 attempt = await self._failed(attempt, state, exc)
@@ -300,6 +326,8 @@ class InferenceSession:
                 )
                 calls.append(functools.partial(open_span, state, span_call))
             await run_concurrently(calls)
+            if self._closed:  # closed meanwhile: these sessions are not to stay open
+                raise PetalsError("the inference session was closed during a step")
             if self.first_step is None:
                 self._setup["open"] += trio.current_time() - started
                 self._setup["connect"] = max(self._setup["connect"], connect_s)
@@ -544,16 +572,20 @@ class InferenceSession:
             for state in opened:
                 if x is None or x.shape[1] == 0:
                     break
+                outputs = []
                 try:
-                    with trio.fail_after(self.manager.config.request_timeout_s):
-                        span_call = self._calls[state]
-                        await span_call.send(core.replay(state, x), self.manager.config.compression)
-                        result = await span_call.answer(core, core.spans.index(state), self.manager)
-                        output = core.replayed(state, x, result)
+                    span_call = self._calls[state]
+                    for start, end in core.replay_pieces(x):
+                        with trio.fail_after(self.manager.config.request_timeout_s):
+                            step = core.replay(state, x, start, end)
+                            await span_call.send(step, self.manager.config.compression)
+                            at = core.spans.index(state)
+                            result = await span_call.answer(core, at, self.manager)
+                            outputs.append(core.replayed(state, x, start, end, result))
                 except RETRIABLE:
                     self.manager.on_request_failure(state.peer)
                     raise
-                x = output
+                x = torch.cat(outputs, dim=1)
         except BaseException:
             for state in opened:
                 if state in self._calls:

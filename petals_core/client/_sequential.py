@@ -25,7 +25,7 @@ import attrs
 import torch
 import trio
 
-from .._errors import CodecError, PetalsError, ReceiptError
+from .._errors import CodecError, PetalsError, ReceiptError, ServerError
 from .._groups import run_concurrently
 from ..dht import ServerInfo
 from ..protocol import (
@@ -89,11 +89,12 @@ def _parse_reply(
     meta: dict[str, Any],
     tensors: dict[str, torch.Tensor],
 ) -> _Reply:
-    """A server's reply; a malformed one fails the call, as one of the wrong shape does."""
+    """A server's reply; a malformed one is the server's failure (:class:`ServerError`: the
+    call is sent elsewhere), as one of the wrong shape is."""
     try:
         return parse(meta, tensors)
     except CodecError as exc:
-        raise PetalsError(f"server {span.peer_id} returned a malformed {what}: {exc}") from None
+        raise ServerError(f"server {span.peer_id} returned a malformed {what}: {exc}") from None
 
 
 def _check_receipt(
@@ -199,7 +200,7 @@ async def _forward_span(
         )
         reply = _parse_reply(ForwardReply.from_wire_untrusted, span, "forward", meta, tensors)
         if reply.hidden_states.shape != hidden.shape:
-            raise PetalsError(f"server {span.peer_id} returned a forward of the wrong shape")
+            raise ServerError(f"server {span.peer_id} returned a forward of the wrong shape")
         evidence = _check_receipt(
             manager, span, request, {"hidden_states": reply.hidden_states}, reply.receipt
         )
@@ -448,7 +449,7 @@ async def _backward_span(
     meta, tensors = await _call(manager, span, request)
     reply = _parse_reply(BackwardReply.from_wire_untrusted, span, "backward", meta, tensors)
     if reply.grad_inputs.shape != request.hidden_states.shape:
-        raise PetalsError(f"server {span.peer_id} returned a backward of the wrong shape")
+        raise ServerError(f"server {span.peer_id} returned a backward of the wrong shape")
     return reply, _check_receipt(manager, span, request, reply.tensors(), reply.receipt)
 
 

@@ -14,8 +14,10 @@ beam reordering of the histories); spans are opened if there are none (:meth:`ro
 then for each span in order, a request (or, when the previous server pushed the step on, just
 the answer to wait for), and its answer, whose output is the next span's input.  A span that
 fails is replaced: :meth:`SessionCore.take_for_replacement` gives its history, the replacements
-(:meth:`route_opened`) are replayed from position 0 (:meth:`replay`, :meth:`replayed`), and the
-step goes on from that span.  :meth:`SessionCore.finish` ends the step.
+(:meth:`route_opened`) are replayed from position 0 (:meth:`replay`, :meth:`replayed`, in
+steps of at most :data:`MAX_STEP_BYTES`), and the step goes on from that span.
+:meth:`SessionCore.finish` ends the step; a step that fails for good is abandoned
+(:meth:`SessionCore.abandon`): it can be sent again as it was.
 """
 
 from __future__ import annotations
@@ -27,11 +29,15 @@ import attrs
 import torch
 
 from .._errors import ServerError
-from ..protocol import OpenSession, PushTarget, Step, StepResult
+from ..protocol import OpenSession, PushTarget, Step, StepResult, prompts_fit
 from ..routing import RouteSpan
 from ._placement import describe
 
-__all__ = ["SessionCore", "SpanState"]
+__all__ = ["MAX_STEP_BYTES", "SessionCore", "SpanState"]
+
+#: The most bytes of hidden states one replay step carries (servers take messages of 128 MiB
+#: by default; a long history is replayed in several steps).
+MAX_STEP_BYTES = 32 << 20
 
 
 @attrs.define(eq=False)
@@ -42,6 +48,9 @@ class SpanState:
     span: RouteSpan
     session_id: str = attrs.field(factory=lambda: uuid.uuid4().hex)
     gone: bool = False
+    #: Its session may hold a reorder the client took back (a failed step's): it is replaced
+    #: and replayed before its next step, its server not blamed.
+    stale: bool = False
     #: The left padding its session was opened with (what its step receipts sign).
     padding: tuple[int, ...] | None = None
 
@@ -76,6 +85,7 @@ class SessionCore:
         self._push = False
         self._pushed_id: int | None = None  # the step id pushed to the span to answer next
         self._expected: dict[int, int] = {}  # id(span) -> step id of the answer awaited
+        self._undo: _Undo | None = None  # what the step's reorder replaced
 
     # -- position --------------------------------------------------------------------------------
 
@@ -121,12 +131,16 @@ class SessionCore:
             self.spans = []
         if self.position == 0 and prompts is not None:
             self.prompts = prompts
+        self._undo = None
         if hypo_ids is not None:
             hypo_ids = hypo_ids.to("cpu", torch.int64)
+            self._undo = _Undo(list(self.spans), dict(self.history), self.padding, self.prompts)
             for start, history in self.history.items():
                 self.history[start] = history[hypo_ids]
             if self.padding is not None:
                 self.padding = [self.padding[i] for i in hypo_ids.tolist()]
+            if self.prompts is not None and self.prompts.shape[1] > 1:  # a prompt per row
+                self.prompts = self.prompts[:, hypo_ids.to(self.prompts.device)]
         self._tokens = hidden.shape[1]
         self._hypo_ids = hypo_ids
         self._fresh = set()
@@ -230,23 +244,43 @@ class SessionCore:
         self._expected.pop(id(state), None)
         return state, self.history.pop(state.span.start, None)
 
-    def replay(self, state: SpanState, x: torch.Tensor) -> Step:
-        """The step that rebuilds a replacement's cache from its span's history ``x``."""
+    def replay_pieces(
+        self, x: torch.Tensor, max_bytes: int | None = None
+    ) -> list[tuple[int, int]]:
+        """The position ranges in which history ``x`` is replayed, one step each: each step's
+        hidden states take at most ``max_bytes`` (:data:`MAX_STEP_BYTES` by default: however
+        long the history, no message goes beyond what servers take), and the first holds the
+        deep prompts' positions."""
+        max_bytes = MAX_STEP_BYTES if max_bytes is None else max_bytes
+        length = x.shape[1]
+        per_position = max(1, x.shape[0] * x.shape[2] * x.element_size())
+        size = max(1, max_bytes // per_position)
+        if self.prompts is not None:
+            size = max(size, self.prompts.shape[2])
+        return [(start, min(start + size, length)) for start in range(0, length, size)]
+
+    def replay(self, state: SpanState, x: torch.Tensor, start: int, end: int) -> Step:
+        """The step that rebuilds positions ``start:end`` of a replacement's cache from its
+        span's history ``x`` (see :meth:`replay_pieces`)."""
         step_id = next(self._step_ids)
         self._expected[id(state)] = step_id
         return Step(
-            hidden_states=x,
-            start_from_position=0,
+            hidden_states=x[:, start:end],
+            start_from_position=start,
             step_id=step_id,
-            prompts=self._span_prompts(state.span),
+            prompts=self._span_prompts(state.span) if start == 0 else None,
         )
 
-    def replayed(self, state: SpanState, x: torch.Tensor, result: StepResult) -> torch.Tensor:
-        """A replacement answered its replay of history ``x``: its output, the next
-        replacement's history.  Raises :class:`ServerError` for an answer that does not fit."""
-        output = _checked(state, x, result, 0)
+    def replayed(
+        self, state: SpanState, x: torch.Tensor, start: int, end: int, result: StepResult
+    ) -> torch.Tensor:
+        """A replacement answered its replay of positions ``start:end`` of history ``x``: its
+        output there (the next replacement's history).  Raises :class:`ServerError` for an
+        answer that does not fit."""
+        output = _checked(state, x[:, start:end], result, start)
         self._expected.pop(id(state), None)
-        self.history[state.span.start] = x
+        if end == x.shape[1]:
+            self.history[state.span.start] = x
         return output
 
     def replacement_failed(
@@ -270,6 +304,22 @@ class SessionCore:
     def finish(self) -> None:
         """Every span answered: the step's positions are the session's."""
         self.position += self._tokens
+        self._undo = None
+
+    def abandon(self) -> list[SpanState]:
+        """The step failed (or was cancelled).  A reorder it made (``hypo_ids``) is taken back:
+        the chain, the histories, the padding and the prompts are as before the step, so that
+        the step can be sent again as it was; every span is then stale (its server may hold the
+        reorder).  Returns the spans that leave the chain (their sessions are to be closed)."""
+        undo, self._undo = self._undo, None
+        if undo is None:
+            return []
+        left = [state for state in self.spans if state not in undo.spans]
+        self.spans = undo.spans
+        self.history, self.padding, self.prompts = undo.history, undo.padding, undo.prompts
+        for state in self.spans:
+            state.stale = True
+        return left
 
     # -- internals -------------------------------------------------------------------------------
 
@@ -292,8 +342,18 @@ class SessionCore:
                 f"{self.position} + {hidden.shape[1]} positions exceed the session's "
                 f"max_length {self.max_length}"
             )
-        if prompts is not None and self.position != 0:
-            raise ValueError("deep prompts go with the first step (position 0)")
+        if prompts is not None:
+            if self.position != 0:
+                raise ValueError("deep prompts go with the first step (position 0)")
+            blocks, batch, tokens = len(self.blocks), self.batch, hidden.shape[1]
+            if not isinstance(prompts, torch.Tensor) or not prompts_fit(
+                prompts, blocks=blocks, batch=batch, tokens=tokens, hidden_size=self.hidden_size
+            ):
+                raise ValueError(
+                    f"deep prompts must be ({blocks} blocks, 1 or {batch} rows, at most "
+                    f"{tokens} positions (this step's), {self.hidden_size}); "
+                    f"got {describe(prompts)}"
+                )
         if hypo_ids is not None and (
             not isinstance(hypo_ids, torch.Tensor)
             or hypo_ids.shape != (self.batch,)
@@ -378,6 +438,14 @@ class SessionCore:
             buffer = self._buffers[start] = grown
         buffer[:, kept:end] = inputs.detach()
         self.history[start] = buffer[:, :end]
+
+
+@attrs.frozen
+class _Undo:
+    spans: list[SpanState]
+    history: dict[int, torch.Tensor]
+    padding: list[int] | None
+    prompts: torch.Tensor | None
 
 
 def _checked(state: SpanState, x: torch.Tensor, result: StepResult, position: int) -> torch.Tensor:

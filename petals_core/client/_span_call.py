@@ -36,6 +36,8 @@ logger = logging.getLogger(__name__)
 
 #: What a server failing looks like from here: network trouble, a remote exception, a stall.
 RETRIABLE = (TransportError, RemoteError, ServerError, trio.TooSlowError)
+#: The longest a session's closing may take (it goes on when the caller is cancelled).
+_CLOSE_TIMEOUT_S = 10.0
 
 
 class SpanCall:
@@ -217,13 +219,16 @@ class SpanCall:
         return report
 
     async def close(self) -> None:
+        """End the session on its server, even when the caller is cancelled (else the server
+        would hold its cache until the session times out)."""
         call, self.call = self.call, None
-        if call is not None:
+        with trio.move_on_after(_CLOSE_TIMEOUT_S, shield=True):
+            if call is not None:
+                try:
+                    await call.send_eof()
+                except TransportError:
+                    pass
             try:
-                await call.send_eof()
+                await self.stack.aclose()
             except TransportError:
                 pass
-        try:
-            await self.stack.aclose()
-        except TransportError:
-            pass

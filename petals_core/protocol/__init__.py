@@ -65,4 +65,8 @@ from ._transfer import (
     receive_tensors as receive_tensors,
     send_tensors as send_tensors,
 )
-from ._wire import MAX_ID_CHARS as MAX_ID_CHARS, TENSOR_DTYPES as TENSOR_DTYPES
+from ._wire import (
+    MAX_ID_CHARS as MAX_ID_CHARS,
+    TENSOR_DTYPES as TENSOR_DTYPES,
+    prompts_fit as prompts_fit,
+)

@@ -41,6 +41,7 @@ __all__ = [
     "is_integer",
     "no_empty_adapter",
     "present",
+    "prompts_fit",
     "same_tensor",
     "to_float",
     "transfer_fields",
@@ -217,6 +218,20 @@ def check_prompts(name: str, value: object) -> None:
         raise LocalProtocolError(
             f"{name} must be (blocks, 1 or batch, prefix, hidden), got {tuple(value.shape)}"
         )
+
+
+def prompts_fit(
+    prompts: torch.Tensor, *, blocks: int, batch: int, tokens: int, hidden_size: int | None
+) -> bool:
+    """Whether deep prompts fit a session's first step: ``(blocks, 1 or batch, at most tokens,
+    hidden_size)`` (the step's length bounds the prefix)."""
+    return (
+        prompts.dim() == 4
+        and prompts.shape[0] == blocks
+        and prompts.shape[1] in (1, batch)
+        and prompts.shape[2] <= tokens
+        and prompts.shape[3] == hidden_size
+    )
 
 
 def same_tensor(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:

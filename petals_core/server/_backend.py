@@ -41,6 +41,7 @@ from ..models import (
     SpanSteps,
     using_adapter,
 )
+from ..protocol import prompts_fit
 
 __all__ = ["BlockBackend", "Graph"]
 
@@ -215,12 +216,8 @@ class BlockBackend:
         if not isinstance(prompts, torch.Tensor) or not prompts.dtype.is_floating_point:
             raise ValueError("prompts must be a floating-point tensor")
         batch, tokens, _ = hidden.shape
-        if (
-            prompts.dim() != 4
-            or prompts.shape[0] != end - start
-            or prompts.shape[1] not in (1, batch)
-            or prompts.shape[2] > tokens
-            or prompts.shape[3] != self.hidden_size
+        if not prompts_fit(
+            prompts, blocks=end - start, batch=batch, tokens=tokens, hidden_size=self.hidden_size
         ):
             raise ValueError(
                 f"prompts must be ({end - start} blocks, 1 or {batch}, prefix <= {tokens} "

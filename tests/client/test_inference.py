@@ -21,6 +21,7 @@ from petals_core.client import (
     InferenceSession,
     RemoteSequenceManager,
     RemoteSequential,
+    _session_core,
     remote_backward,
     remote_forward,
 )
@@ -57,6 +58,8 @@ class Reference:
         if hypo_ids is not None:
             assert self.inputs is not None
             self.inputs = self.inputs[hypo_ids]
+            if self.prompts is not None and self.prompts.shape[1] > 1:  # each row its own
+                self.prompts = self.prompts[:, hypo_ids]
         position = 0 if self.inputs is None else self.inputs.shape[1]
         self.inputs = hidden if self.inputs is None else torch.cat([self.inputs, hidden], dim=1)
         with torch.no_grad():
@@ -140,15 +143,18 @@ async def test_the_spans_of_a_session_open_on_their_servers_at_once(
 
 
 async def test_failover_after_reorder_replays_reordered_history_and_prompts(
-    model: Model, tmp_path: Path
+    model: Model, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Blocks 3:6 are held twice; the holder in the route leaves after a reorder: its
-    replacement rebuilds its cache from the reordered history, with the deep prompts."""
+    replacement rebuilds its cache from the reordered history, with the deep prompts (each row
+    its own, reordered with it), in steps of two positions (as a long history is, in steps of
+    MAX_STEP_BYTES)."""
+    monkeypatch.setattr(_session_core, "MAX_STEP_BYTES", 2 * 2 * HIDDEN * 4)
     torch.manual_seed(2)
     async with in_process_swarm(model, tmp_path, [(0, 3), (3, 6), (3, 6)]) as swarm:
         manager = manager_for(list(swarm.servers.values()))
         seq = RemoteSequential(manager)
-        prompts = torch.randn(N_BLOCKS, 1, 2, HIDDEN) * 0.5
+        prompts = torch.randn(N_BLOCKS, 2, 2, HIDDEN) * 0.5
         reference = Reference(model, prompts)
         with trio.fail_after(DEADLINE_S):
             async with seq:
@@ -168,6 +174,92 @@ async def test_failover_after_reorder_replays_reordered_history_and_prompts(
                     assert [(s.start, s.end) for s in session.route] == [(0, 3), (3, 6)]
 
 
+async def test_a_step_that_failed_can_be_sent_again_as_it_was(model: Model, tmp_path: Path) -> None:
+    """The holder of 3:6 leaves and no other holds those blocks: a step that reorders the rows
+    fails, and with it the replacement.  Once a server holds them again, the same step (the same
+    reorder) goes through as if it had never failed."""
+    torch.manual_seed(3)
+    async with in_process_swarm(model, tmp_path, [(0, 3), (3, 6)]) as swarm:
+        manager = manager_for(
+            list(swarm.servers.values()), missing_blocks_timeout_s=0.5, max_retries=2
+        )
+        reference = Reference(model)
+        with trio.fail_after(DEADLINE_S):
+            async with RemoteSequential(manager) as seq:
+                await wait_for_servers(manager, 2)
+                async with seq.open_inference_session(max_length=16) as session:
+                    await reference.check_step(session, 2, 3)
+                    await reference.check_step(session, 2, 1)
+                    await swarm.leave(session.route[1].peer_id)
+                    x, hypo_ids = torch.randn(2, 1, HIDDEN), torch.tensor([1, 1])
+                    with pytest.raises((PetalsError, MissingBlocksError)):
+                        await session.step(x, hypo_ids=hypo_ids)
+                    assert session.position == 4
+                    await swarm.add((3, 6))
+                    await wait_for_servers(manager, 2)
+                    assert_close(
+                        await session.step(x, hypo_ids=hypo_ids), reference.step(x, hypo_ids)
+                    )
+                    await reference.check_step(session, 2, 1)
+
+
+async def test_closing_a_session_during_its_step_blames_no_server_and_leaves_no_session(
+    model: Model, tmp_path: Path
+) -> None:
+    async with in_process_swarm(model, tmp_path, [(0, 6), (0, 6)]) as swarm:
+        manager = manager_for(list(swarm.servers.values()))
+        with trio.fail_after(DEADLINE_S):
+            async with RemoteSequential(manager):
+                await wait_for_servers(manager, 2)
+                session = InferenceSession(manager, 16)
+                await session.step(torch.randn(1, 2, HIDDEN))
+                first = session.route[0].peer_id
+                inference = swarm.servers[first].block_server._inference
+                entered, release = trio.Event(), trio.Event()
+                original = inference._step
+
+                async def held(*args: Any, **kwargs: Any) -> Any:
+                    entered.set()
+                    await release.wait()
+                    return await original(*args, **kwargs)
+
+                inference._step = held  # type: ignore[method-assign]
+                async with trio.open_nursery() as nursery:
+
+                    async def step() -> None:
+                        with pytest.raises(PetalsError, match="closed"):
+                            await session.step(torch.randn(1, 1, HIDDEN))
+
+                    nursery.start_soon(step)
+                    await entered.wait()
+                    await session.close()
+                    release.set()
+                assert not manager.state.bans
+                await _no_open_sessions(swarm.servers.values())
+
+
+async def test_a_cancelled_close_still_ends_the_server_sessions(
+    model: Model, tmp_path: Path
+) -> None:
+    async with in_process_swarm(model, tmp_path, [(0, 3), (3, 6)]) as swarm:
+        manager = manager_for(list(swarm.servers.values()))
+        with trio.fail_after(DEADLINE_S):
+            async with RemoteSequential(manager) as seq:
+                await wait_for_servers(manager, 2)
+                with trio.CancelScope() as scope:
+                    async with seq.open_inference_session(max_length=8) as session:
+                        await session.step(torch.randn(1, 2, HIDDEN))
+                        servers = swarm.servers.values()
+                        assert [s.block_server.open_sessions for s in servers] == [1, 1]
+                        scope.cancel()
+                        await trio.sleep_forever()  # cancelled at once: the session closes
+                await _no_open_sessions(swarm.servers.values())
+
+
+async def _no_open_sessions(servers: Any) -> None:
+    await wait_until(lambda: all(server.block_server.open_sessions == 0 for server in servers))
+
+
 async def test_step_refuses_bad_input_without_banning(model: Model, tmp_path: Path) -> None:
     async with in_process_swarm(model, tmp_path, [(0, 6)]) as swarm:
         manager = manager_for(list(swarm.servers.values()))
@@ -183,6 +275,15 @@ async def test_step_refuses_bad_input_without_banning(model: Model, tmp_path: Pa
                     await session.step(
                         torch.randn(1, 1, HIDDEN), prompts=torch.zeros(N_BLOCKS, 1, 1, HIDDEN)
                     )
+            async with seq.open_inference_session(max_length=4) as session:
+                for prompts in (
+                    torch.zeros(N_BLOCKS, 1, 3, HIDDEN),  # longer than the step
+                    torch.zeros(N_BLOCKS - 1, 1, 1, HIDDEN),
+                    torch.zeros(N_BLOCKS, 2, 1, HIDDEN),  # a row too many
+                    torch.zeros(N_BLOCKS, 1, 1, HIDDEN + 1),
+                ):
+                    with pytest.raises(ValueError, match="deep prompts"):
+                        await session.step(torch.randn(1, 2, HIDDEN), prompts=prompts)
                 with pytest.raises(ValueError, match="only go back"):
                     session.position = 3
                 assert not manager.state.bans

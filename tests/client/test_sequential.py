@@ -7,6 +7,7 @@ forward and the backward.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 import trio
@@ -128,3 +129,28 @@ async def test_server_leaving_between_forward_and_backward(model: Model, tmp_pat
                 grad, _ = await remote_backward(manager, grad_output, saved)
                 assert_close(grad, expected_grad)
                 assert manager.is_banned(used)
+
+
+async def test_a_server_answering_the_wrong_shape_is_banned_and_the_forward_goes_elsewhere(
+    model: Model, tmp_path: Path
+) -> None:
+    x, _, _ = training_inputs(5, rows=1, length=4)
+    expected = model.forward(x).detach()
+    async with in_process_swarm(model, tmp_path, [(0, 6)]) as swarm:
+        broken = await swarm.add((0, 6), throughput=1000.0)  # routes prefer it
+        backend = broken.backend
+        assert backend is not None
+        answer = backend.forward_block
+
+        def short(index: int, *args: Any, **kwargs: Any) -> Any:
+            output = answer(index, *args, **kwargs)
+            return output[:, :-1].contiguous() if index == 5 else output  # a position short
+
+        backend.forward_block = short  # type: ignore[method-assign]
+        manager = manager_for(list(swarm.servers.values()), verify="none")
+        with trio.fail_after(DEADLINE_S):
+            async with RemoteSequential(manager):
+                await wait_for_servers(manager, 2)
+                output, _ = await remote_forward(manager, x)
+                assert_close(output, expected)
+                assert manager.is_banned(str(broken.dht.peer_id))

@@ -164,9 +164,13 @@ class PairedSessions(RuleBasedStateMachine):
                 if self.replay_failures:
                     self.replay_failures -= 1
                     self.swarm.servers[state.session_id].alive = False
-                self.swarm.deliver(state, core.replay(state, x))
-                result = self.swarm.answer(core, core.spans.index(state))
-                x = core.replayed(state, x, result)
+                outputs = []
+                # Two positions a step: long histories are replayed in several.
+                for start, end in core.replay_pieces(x, max_bytes=2 * BATCH * HIDDEN * 4):
+                    self.swarm.deliver(state, core.replay(state, x, start, end))
+                    result = self.swarm.answer(core, core.spans.index(state))
+                    outputs.append(core.replayed(state, x, start, end, result))
+                x = torch.cat(outputs, dim=1)
         except ServerError:
             core.replacement_failed(index, failed, history, opened)
             raise
@@ -281,6 +285,41 @@ def test_the_callers_mistakes_are_refused_before_anything_changes() -> None:
         with pytest.raises(ValueError, match=match):
             core.begin(hidden, **arguments)
         assert core.position == 2
+
+
+def test_deep_prompts_must_fit_the_blocks_the_rows_and_the_first_step() -> None:
+    hidden = torch.zeros(BATCH, 2, HIDDEN)
+    for shape in ((BLOCKS, 1, 3, HIDDEN), (BLOCKS + 1, 1, 1, HIDDEN), (BLOCKS, 3, 1, HIDDEN)):
+        with pytest.raises(ValueError, match="deep prompts must be"):
+            _core().begin(hidden, prompts=torch.zeros(shape), hypo_ids=None, padding=None)
+
+
+def test_a_failed_step_takes_its_reorder_back_and_its_spans_are_replayed_anew() -> None:
+    core = _core()
+    prompts = (
+        torch.arange(float(BLOCKS * BATCH)).reshape(BLOCKS, BATCH, 1, 1).expand(-1, -1, 1, HIDDEN)
+    )
+    first = torch.arange(float(BATCH * 2 * HIDDEN)).reshape(BATCH, 2, HIDDEN)
+    core.begin(first, prompts=prompts, hypo_ids=None, padding=torch.tensor([1, 0]))
+    (state,) = core.route_opened([RouteSpan(peer_id="a", start=0, end=BLOCKS)], 0)
+    core.start_chain(server_to_server=False)
+    request = core.request(0, first)
+    assert request is not None
+    core.answered(0, first, StepResult(hidden_states=first, position=2, step_id=request.step_id))
+    core.finish()
+    assert core.abandon() == []  # a step that reordered nothing: nothing to take back
+
+    reorder = torch.tensor([1, 1])
+    core.begin(torch.zeros(BATCH, 1, HIDDEN), prompts=None, hypo_ids=reorder, padding=None)
+    assert torch.equal(core.history[0], first[reorder])
+    assert torch.equal(core.prompts, prompts[:, reorder])  # each row keeps its prompt
+    assert core.padding == [0, 0]
+    assert core.take_for_replacement(0)[0] is state  # it fails, and its replacement too
+    (replacement,) = core.route_opened([RouteSpan(peer_id="b", start=0, end=BLOCKS)], 0)
+    assert core.abandon() == [replacement]
+    assert core.spans == [state] and state.stale
+    assert torch.equal(core.history[0], first) and torch.equal(core.prompts, prompts)
+    assert core.padding == [1, 0] and core.position == 2
 
 
 def test_padding_at_position_zero_closes_the_open_spans() -> None:
