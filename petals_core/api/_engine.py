@@ -220,16 +220,18 @@ class Engine(Tokenizing):
                 try:
                     self.running += 1
                     self.peak_running = max(self.peak_running, self.running)
+                    answered = False
                     try:
                         try:
                             await self._answer(request)
+                            answered = True
                         except Exception as exc:
                             error = exc
-                    finally:
+                    finally:  # also when cancelled (the endpoint shuts down): interrupted
                         self.running -= 1
                         if error is not None:
                             self.failed += 1
-                        elif job.interrupted:
+                        elif job.interrupted or not answered:
                             self.interrupted += 1
                         else:
                             self.completed += 1

@@ -493,6 +493,29 @@ def test_a_client_leaving_as_its_stream_begins_stops_the_generation(endpoint: An
     _wait_interrupted(endpoint, interrupted)
 
 
+def test_a_generation_cut_short_by_shutdown_counts_as_interrupted(endpoint: Any) -> None:
+    from petals_core.api import Chunk, Engine, Limits, Sampling
+
+    prompt = endpoint.api.engine.encode_prompt("Once upon a time")
+
+    async def shut_down_mid_answer() -> tuple[int, int]:
+        async with trio.open_nursery() as nursery:
+            engine = Engine(
+                endpoint.api.engine.model,
+                endpoint.api.engine.tokenizer,
+                name="short-lived",
+                limits=Limits(max_concurrent_requests=1),
+                nursery=nursery,
+            )
+            sampling = Sampling(max_tokens=64, temperature=0.0)
+            async with engine.generate([prompt], sampling) as events:
+                assert isinstance(await anext(events), Chunk)
+                nursery.cancel_scope.cancel()  # the endpoint shuts down
+        return engine.completed, engine.interrupted
+
+    assert endpoint.run(shut_down_mid_answer) == (0, 1)
+
+
 def test_requests_beyond_the_queue_are_refused_with_429(endpoint: Any) -> None:
     """An engine that runs one request and queues none: a second one at the same time gets 429,
     and the first is unaffected. With a queue of one, a request that leaves the queue frees its
