@@ -9,10 +9,13 @@ error or by cancellation).
 Unlike Petals' cache (shared memory between processes, a lock and a pipe), everything here lives
 in one trio event loop, so the bookkeeping is plain attributes and the waiting is trio events.
 
-Waiting is first come, first served: a request that does not fit queues behind any request that
-is already waiting, even if it would fit by itself, so a large request at the head is never
-starved by a stream of small ones.  A waiting request gives up after
-``min(timeout_s, max_alloc_timeout_s)`` seconds with :class:`AllocationFailed`.
+A request that fits in the free bytes is granted at once, even while larger requests wait; one
+that does not fit waits.  As bytes are freed, the waiting requests are granted in arrival order,
+each one that fits then, even if an earlier, larger one still does not.  So no request is held up
+by one it could not be granted beside (a stranger's one opening for nearly the whole budget does
+not block everyone else's), at a price: a large request can wait behind a stream of small ones
+until it gives up, after ``min(timeout_s, max_alloc_timeout_s)`` seconds, with
+:class:`AllocationFailed` (its client then opens its session on another server).
 """
 
 from __future__ import annotations
@@ -68,7 +71,8 @@ class _Waiter:
 
 
 class MemoryCache:
-    """Accounts for up to ``max_bytes`` of attention cache, granted to requests in arrival order.
+    """Accounts for up to ``max_bytes`` of attention cache: a request is granted as soon as it
+    fits, waiting ones in arrival order (see the module docstring).
 
     ``max_alloc_timeout_s`` caps how long any request may wait for room, whatever it asks for.
     ``max_bytes == 0`` is allowed: every request for more than zero bytes then fails at once.
@@ -94,7 +98,7 @@ class MemoryCache:
 
     @property
     def bytes_left(self) -> int:
-        """Bytes not granted to anyone right now (waiters may already be lined up for them)."""
+        """Bytes not granted to anyone right now (each waiting request needs more than this)."""
         return self._max_bytes - self._bytes_used
 
     def statistics(self) -> MemoryCacheStatistics:
@@ -114,10 +118,11 @@ class MemoryCache:
     ) -> AsyncIterator[CacheGrant]:
         """Reserve ``nbytes`` of the budget for the duration of the ``async with`` block.
 
-        Raises :class:`AllocationFailed` at once if ``nbytes`` exceeds the whole budget or if it
-        does not fit now and the effective timeout (``min(timeout_s, max_alloc_timeout_s)``) is
-        zero; otherwise after waiting that long in line.  Cancelled while waiting, the request
-        leaves the line without a trace.
+        Granted at once if ``nbytes`` fits in the free bytes, whoever waits.  Raises
+        :class:`AllocationFailed` at once if ``nbytes`` exceeds the whole budget or if it does
+        not fit now and the effective timeout (``min(timeout_s, max_alloc_timeout_s)``) is zero;
+        otherwise after waiting that long.  Cancelled while waiting, the request leaves the line
+        without a trace.
         """
         if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
             raise ValueError(f"nbytes must be an int >= 0, not {nbytes!r}")
@@ -130,7 +135,7 @@ class MemoryCache:
                 f"requested {nbytes} bytes of attention cache, more than this server's whole "
                 f"budget of {self._max_bytes} bytes"
             )
-        if not self._waiters and nbytes <= self.bytes_left:
+        if nbytes <= self.bytes_left:
             self._grant(nbytes)
             waited_s = 0.0
             await trio.lowlevel.cancel_shielded_checkpoint()
@@ -181,14 +186,17 @@ class MemoryCache:
         self._wake()
 
     def _leave_line(self, waiter: _Waiter) -> None:
+        # Nothing was freed: every other waiter still needs more than the free bytes.
         self._waiters.remove(waiter)
-        # If it was at the head, those behind it may fit now.
-        self._wake()
 
     def _wake(self) -> None:
-        """Grant waiters from the head of the line for as long as the head fits."""
-        while self._waiters and self._waiters[0].nbytes <= self.bytes_left:
-            waiter = self._waiters.popleft()
-            self._grant(waiter.nbytes)
-            waiter.granted = True
-            waiter.event.set()
+        """Grant, in arrival order, every waiter that fits in what is free by its turn."""
+        still_waiting: deque[_Waiter] = deque()
+        for waiter in self._waiters:
+            if waiter.nbytes <= self.bytes_left:
+                self._grant(waiter.nbytes)
+                waiter.granted = True
+                waiter.event.set()
+            else:
+                still_waiting.append(waiter)
+        self._waiters = still_waiting

@@ -1,6 +1,10 @@
-"""MemoryCache: immediate grants, FIFO waiting, timeouts, the whole-budget limit, cancellation."""
+"""MemoryCache: immediate grants of what fits, waiting in arrival order, timeouts, the
+whole-budget limit, cancellation."""
 
 from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 
 import pytest
 import trio
@@ -52,47 +56,83 @@ async def test_zero_budget_fails_everything_at_once() -> None:
             pytest.fail("must not be granted")
 
 
-async def test_waiters_are_served_in_arrival_order() -> None:
-    cache = MemoryCache(100, max_alloc_timeout_s=60.0)
-    order: list[str] = []
-    done = {"big": trio.Event(), "small": trio.Event()}
+class Holders:
+    """Requests made in tasks of ``nursery``, each holding its grant until released."""
 
-    async def take(name: str, nbytes: int) -> None:
-        async with cache.allocate(nbytes, timeout_s=60.0):
-            order.append(name)
-            await done[name].wait()
+    def __init__(self, cache: MemoryCache, nursery: trio.Nursery) -> None:
+        self.cache = cache
+        self.nursery = nursery
+        #: Names of the requests granted, in the order their tasks ran (trio runs the tasks
+        #: woken at once in any order).
+        self.granted: list[str] = []
+        self._release: dict[str, trio.Event] = {}
 
+    async def request(self, name: str, nbytes: int) -> None:
+        """Make the request and return once it is granted or waits."""
+        self._release[name] = trio.Event()
+        self.nursery.start_soon(self._hold, name, nbytes)
+        await trio.testing.wait_all_tasks_blocked()
+
+    async def release(self, name: str) -> None:
+        """Free the request's bytes and return once the waiters it lets in are granted."""
+        self._release[name].set()
+        await trio.testing.wait_all_tasks_blocked()
+
+    async def _hold(self, name: str, nbytes: int) -> None:
+        async with self.cache.allocate(nbytes, timeout_s=60.0):
+            self.granted.append(name)
+            await self._release[name].wait()
+
+
+@asynccontextmanager
+async def holders_of(cache: MemoryCache) -> AsyncIterator[Holders]:
+    """:class:`Holders` of ``cache``; the block waits for every request to end."""
     with trio.fail_after(10):
         async with trio.open_nursery() as nursery:
-            holder = trio.CancelScope()
+            yield Holders(cache, nursery)
 
-            async def hold() -> None:
-                with holder:
-                    async with cache.allocate(60):
-                        await trio.sleep_forever()
 
-            nursery.start_soon(hold)
-            await trio.testing.wait_all_tasks_blocked()
-            # The big one waits at the head; the small one would fit (40 free) but queues behind
-            # it, so a stream of small requests cannot starve a big one.
-            nursery.start_soon(take, "big", 90)
-            await trio.testing.wait_all_tasks_blocked()
-            nursery.start_soon(take, "small", 20)
-            await trio.testing.wait_all_tasks_blocked()
-            stats = cache.statistics()
-            assert (stats.waiting, stats.bytes_left, order) == (2, 40, [])
-
-            holder.cancel()
-            await trio.testing.wait_all_tasks_blocked()
-            assert order == ["big"]
-            assert (cache.statistics().bytes_used, cache.statistics().waiting) == (90, 1)
-
-            done["big"].set()
-            await trio.testing.wait_all_tasks_blocked()
-            assert order == ["big", "small"]
-            done["small"].set()
+async def test_a_request_that_fits_is_granted_while_a_larger_one_waits() -> None:
+    """A large request waiting for room holds up no smaller one: as bytes come free, each waiter
+    that fits is granted, in arrival order, while the large one goes on waiting."""
+    cache = MemoryCache(100, max_alloc_timeout_s=60.0)
+    async with holders_of(cache) as holders:
+        await holders.request("held", 60)
+        await holders.request("big", 90)
+        await holders.request("small", 20)  # 40 free: granted at once beside the big one
+        assert holders.granted == ["held", "small"]
+        await holders.request("mid", 30)
+        await holders.request("mid2", 25)
+        assert cache.statistics().waiting == 3
+        await holders.release("small")  # 40 free: "mid" fits, "big" and "mid2" do not
+        assert holders.granted == ["held", "small", "mid"]
+        await holders.release("held")  # 70 free: "mid2" fits, "big" does not
+        assert holders.granted == ["held", "small", "mid", "mid2"]
+        await holders.release("mid")
+        assert (cache.statistics().waiting, cache.bytes_left) == (1, 75)
+        await holders.release("mid2")
+        assert holders.granted == ["held", "small", "mid", "mid2", "big"]
+        await holders.release("big")
     assert cache.statistics() == MemoryCacheStatistics(
-        max_bytes=100, bytes_used=0, bytes_left=100, active=0, waiting=0, granted=3, failed=0
+        max_bytes=100, bytes_used=0, bytes_left=100, active=0, waiting=0, granted=5, failed=0
+    )
+
+
+async def test_waiters_are_served_in_arrival_order() -> None:
+    cache = MemoryCache(100, max_alloc_timeout_s=60.0)
+    async with holders_of(cache) as holders:
+        await holders.request("a", 70)
+        await holders.request("b", 20)
+        for name in ("first", "second", "third"):
+            await holders.request(name, 30)
+        await holders.release("b")  # 30 free: room for the first waiter only
+        assert holders.granted == ["a", "b", "first"]
+        await holders.release("a")  # 70 free: both others
+        assert set(holders.granted[3:]) == {"second", "third"}
+        for name in ("first", "second", "third"):
+            await holders.release(name)
+    assert cache.statistics() == MemoryCacheStatistics(
+        max_bytes=100, bytes_used=0, bytes_left=100, active=0, waiting=0, granted=5, failed=0
     )
 
 
@@ -132,28 +172,28 @@ async def test_zero_cap_fails_at_once_when_it_does_not_fit() -> None:
 async def test_cancel_while_waiting_leaves_no_trace() -> None:
     cache = MemoryCache(100, max_alloc_timeout_s=60.0)
     granted: list[str] = []
+    scopes = {"first": trio.CancelScope(), "second": trio.CancelScope()}
+
+    async def wait(name: str, nbytes: int) -> None:
+        with scopes[name]:
+            async with cache.allocate(nbytes):
+                granted.append(name)
+
     with trio.fail_after(10):
-        async with cache.allocate(60), trio.open_nursery() as nursery:
-            head = trio.CancelScope()
-
-            async def wait_at_head() -> None:
-                with head:
-                    async with cache.allocate(50):
-                        granted.append("head")
-
-            async def wait_behind() -> None:
-                async with cache.allocate(30):
-                    granted.append("behind")
-
-            nursery.start_soon(wait_at_head)
+        async with trio.open_nursery() as nursery:
+            async with cache.allocate(60):
+                nursery.start_soon(wait, "first", 50)
+                nursery.start_soon(wait, "second", 45)
+                await trio.testing.wait_all_tasks_blocked()
+                assert (cache.statistics().waiting, cache.bytes_left) == (2, 40)
+                scopes["first"].cancel()
+                await trio.testing.wait_all_tasks_blocked()
+                assert (cache.statistics().waiting, cache.bytes_left, granted) == (1, 40, [])
+                scopes["second"].cancel()
+            # Cancelled, then granted as the block above left, before its task could run: the
+            # bytes go back.
             await trio.testing.wait_all_tasks_blocked()
-            nursery.start_soon(wait_behind)
-            await trio.testing.wait_all_tasks_blocked()
-            assert cache.statistics().waiting == 2
-            # With the head gone, the one behind it fits and is granted at once.
-            head.cancel()
-            await trio.testing.wait_all_tasks_blocked()
-            assert granted == ["behind"]
+            assert granted == []
     assert cache.statistics() == MemoryCacheStatistics(
         max_bytes=100, bytes_used=0, bytes_left=100, active=0, waiting=0, granted=2, failed=0
     )
