@@ -70,7 +70,7 @@ class ServingLimits:
     request_timeout_s: float = attrs.field(default=180.0, validator=_positive)
     #: Elements a forward / backward request may carry in all.
     max_request_elements: int = attrs.field(default=1 << 28, validator=_positive)
-    #: Open sessions one peer may hold at once.
+    #: Sessions one peer may hold at once, open or opening (waiting for cache).
     max_sessions_per_peer: int = attrs.field(default=64, validator=_positive)
     #: Run concurrent sessions' steps over the same blocks as one batch (off: one by one, for
     #: comparison in benchmarks).
@@ -100,6 +100,8 @@ class ServingLimits:
 @attrs.frozen(kw_only=True)
 class BlockServerStatistics:
     sessions: int
+    #: Session openings under way (waiting for cache, or allocating it).
+    openings: int
     steps: int
     batched_steps: int
     #: Steps that came from the previous server (server-to-server), and stale ones dropped.
@@ -180,18 +182,19 @@ class BlockServer:
     async def wait_statistics(
         self, predicate: Callable[[BlockServerStatistics], bool]
     ) -> BlockServerStatistics:
-        """Wait until the statistics satisfy ``predicate`` (checked whenever a count changes);
-        returns them.  Bound it with a trio deadline."""
+        """Wait until the statistics satisfy ``predicate`` (checked whenever a count, or the
+        sessions open or opening, change); returns them.  Bound it with a trio deadline."""
         while True:
             statistics = self.statistics()
             if predicate(statistics):
                 return statistics
-            await self._serving.wait_counted()
+            await self._serving.wait_changed()
 
     def statistics(self) -> BlockServerStatistics:
         kept_forwards, kept_forward_bytes = self._training.kept_statistics()
         return BlockServerStatistics(
             sessions=self._inference.open_sessions,
+            openings=self._inference.openings,
             kept_forwards=kept_forwards,
             kept_forward_bytes=kept_forward_bytes,
             **self._serving.counts,

@@ -2,9 +2,10 @@
 
 The messages are :mod:`petals_core.protocol`'s.  A session's opening reserves its cache
 (waiting up to its ``alloc_timeout``, capped by ``--max_alloc_timeout``; refusing at once what
-can never fit); the cache is freed when the client ends its side.  Any error ends the session
-with a message naming the cause: a step is checked fully before the cache is touched, so
-nothing of another session, nor of this one before the failed step, is changed.
+can never fit); the cache is freed when the client ends its side.  A session counts against its
+peer's ``max_sessions_per_peer`` from its opening on, while it waits for cache too.  Any error
+ends the session with a message naming the cause: a step is checked fully before the cache is
+touched, so nothing of another session, nor of this one before the failed step, is changed.
 
 **Pushes.**  After computing a step that names the next servers' sessions (``push``), this
 server sends its output, as the next step of the first of them (same ``step_id``,
@@ -31,7 +32,7 @@ import contextlib
 import functools
 import logging
 import math
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Any, Final
 
 import attrs
@@ -51,6 +52,7 @@ from ..protocol import (
 )
 from ..transport import Call, Connection, ServerCall, compress_floats, open_call
 from ._backend import BlockBackend
+from ._memory_cache import MemoryCache
 from ._serving import Serving, check_blocks_held
 from ._session_state import SessionState, StepPlan
 from ._task_pool import Priority, TaskPool
@@ -95,7 +97,6 @@ class _Session:
     #: What the client asked for: blocks, batch, length, adapter, left padding (step receipts
     #: sign the padding as opened).
     opening: OpenSession
-    peer: str
     caches: list[KVCache]
     scope: trio.CancelScope
     #: Positions and step ids: what each step does (see SessionState).
@@ -124,6 +125,8 @@ class InferenceHandlers:
         #: the next server need it.
         self.connect_peer: Callable[[str], Awaitable[Connection]] | None = None
         self._sessions: dict[str, _Session] = {}
+        #: Sessions open or being opened, by peer (what ``max_sessions_per_peer`` bounds).
+        self._held: dict[str, int] = {}
         #: Set (and replaced) each time a session registers: pushes that came first wait on it.
         self._registered = trio.Event()
         #: Servers a push could not dial, until when they are not tried again.
@@ -132,6 +135,11 @@ class InferenceHandlers:
     @property
     def open_sessions(self) -> int:
         return len(self._sessions)
+
+    @property
+    def openings(self) -> int:
+        """Sessions being opened: waiting for cache, or allocating it."""
+        return sum(self._held.values()) - len(self._sessions)
 
     def close_all(self, reason: str) -> None:
         """End every open session with ``reason``."""
@@ -148,13 +156,23 @@ class InferenceHandlers:
         if waited.cancelled_caught:
             raise ServerError("no session request arrived in time")
         opening = self._opening(message, backend)
+        with self._held_by(str(call.peer_id)):
+            await self._open(call, opening, backend, pool, cache)
+
+    async def _open(
+        self,
+        call: ServerCall,
+        opening: OpenSession,
+        backend: BlockBackend,
+        pool: TaskPool,
+        cache: MemoryCache,
+    ) -> None:
+        """The session, once its opening is checked and counted against its peer's share."""
         session_id, (start, end) = opening.session_id, opening.blocks
         batch, max_length = opening.batch_size, opening.max_length
         padding = None
         if opening.left_padding is not None:
             padding = torch.tensor(opening.left_padding, dtype=torch.int64)
-        peer = str(call.peer_id)
-        self._check_peer_quota(peer)
         nbytes = backend.cache_bytes_per_token * batch * max_length * (end - start)
         async with cache.allocate(nbytes, timeout_s=opening.alloc_timeout):
             caches = await pool.run(
@@ -162,13 +180,11 @@ class InferenceHandlers:
                 priority=Priority.INFERENCE,
             )
             # Checked again with no await before the session is registered: another opening
-            # with the same id (or of the same peer) may have registered while we waited.
+            # with the same id may have registered while we waited.
             if session_id in self._sessions:
                 raise ServerError(f"session id {session_id!r} is already in use")
-            self._check_peer_quota(peer)
             session = _Session(
                 opening=opening,
-                peer=peer,
                 caches=caches,
                 scope=trio.CancelScope(),
                 state=SessionState(batch=batch, max_length=max_length),
@@ -178,6 +194,7 @@ class InferenceHandlers:
             self._sessions[session_id] = session
             self._registered.set()
             self._registered = trio.Event()
+            self._serving.changed()
             try:
                 with session.scope:
                     session.scope.deadline = trio.current_time() + self.limits.session_timeout_s
@@ -199,13 +216,26 @@ class InferenceHandlers:
                 inbox.close()
                 session.caches.clear()
 
-    def _check_peer_quota(self, peer: str) -> None:
-        if sum(1 for s in self._sessions.values() if s.peer == peer) >= (
-            self.limits.max_sessions_per_peer
-        ):
+    @contextlib.contextmanager
+    def _held_by(self, peer: str) -> Iterator[None]:
+        """Count a session against ``peer``'s ``max_sessions_per_peer`` from its opening on
+        (while it waits for cache too) until it ends; :class:`ServerError` if the peer holds
+        that many already."""
+        held = self._held.get(peer, 0)
+        if held >= self.limits.max_sessions_per_peer:
             raise ServerError(
-                f"this peer already holds {self.limits.max_sessions_per_peer} sessions here"
+                f"this peer already holds {self.limits.max_sessions_per_peer} sessions here "
+                f"(open or opening)"
             )
+        self._held[peer] = held + 1
+        self._serving.changed()
+        try:
+            yield
+        finally:
+            self._held[peer] -= 1
+            if not self._held[peer]:
+                del self._held[peer]
+            self._serving.changed()
 
     def _opening(self, message: dict[str, Any], backend: BlockBackend) -> OpenSession:
         """The opening, checked against what this server holds and allows."""

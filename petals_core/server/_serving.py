@@ -55,8 +55,8 @@ class Serving:
         self.model = ""
         self.torch_dtype = self.quant_type = ""
         self.counts = dict.fromkeys(COUNTERS, 0)
-        #: Set (and dropped) at the next count; made by a waiter.
-        self._counted: trio.Event | None = None
+        #: Set (and dropped) at the next change; made by a waiter.
+        self._changed: trio.Event | None = None
 
     def attach(self, backend: BlockBackend, pool: TaskPool, cache: MemoryCache) -> None:
         self.backend, self.pool, self.cache = backend, pool, cache
@@ -130,16 +130,20 @@ class Serving:
 
     def count(self, name: str) -> None:
         self.counts[name] += 1
-        # An event only while someone waits: counting sits on every step's path.
-        counted, self._counted = self._counted, None
-        if counted is not None:
-            counted.set()
+        self.changed()
 
-    async def wait_counted(self) -> None:
-        """Until the next count."""
-        if self._counted is None:
-            self._counted = trio.Event()
-        await self._counted.wait()
+    def changed(self) -> None:
+        """A count, or what else the statistics show, changed: wake :meth:`wait_changed`."""
+        # An event only while someone waits: counting sits on every step's path.
+        changed, self._changed = self._changed, None
+        if changed is not None:
+            changed.set()
+
+    async def wait_changed(self) -> None:
+        """Until the next :meth:`changed`."""
+        if self._changed is None:
+            self._changed = trio.Event()
+        await self._changed.wait()
 
 
 def check_blocks_held(blocks: tuple[int, int], backend: BlockBackend) -> tuple[int, int]:

@@ -16,7 +16,7 @@ from petals_core.server import ServingLimits
 from petals_core.transport import Connection, open_call, open_node
 
 from ..models.conftest import TinyCheckpoint
-from ._client import info, serve_and_connect, session
+from ._client import info, open_raw_session, serve_and_connect, session
 
 DEADLINE_S = 30.0
 
@@ -44,6 +44,44 @@ async def test_a_peer_holds_at_most_its_share_of_sessions(
                         assert out.shape == (1, 2, 64)
             # The greedy peer's sessions are closed: it may open again.
             async with session(greedy, blocks=(0, 6), max_length=8, session_id="again"):
+                pass
+
+
+async def test_openings_waiting_for_cache_count_against_the_peers_share(
+    server_llama: TinyCheckpoint, cache_dir: Path
+) -> None:
+    """48 tokens of cache, 40 of them held by a session: the same peer's opening for all 48
+    waits, and counts against its share of 2, so its next opening is refused though it would fit;
+    another peer's that fits is granted at once beside the waiting one."""
+    limits = ServingLimits(max_sessions_per_peer=2)
+    with trio.fail_after(DEADLINE_S):
+        async with serve_and_connect(
+            server_llama, cache_dir, limits=limits, attn_cache_tokens=8
+        ) as (server, greedy):
+            async with (
+                trio.open_nursery() as nursery,
+                session(greedy, blocks=(0, 4), max_length=10, session_id="holds"),
+            ):
+                waiting = {"session_id": "waits", "blocks": [0, 6], "max_length": 8}
+                nursery.start_soon(open_raw_session, greedy, {**waiting, "alloc_timeout": 3600.0})
+                await server.block_server.wait_statistics(lambda s: s.openings == 1)
+                small = {"session_id": "small", "blocks": [0, 1], "max_length": 8}
+                with pytest.raises(RemoteError, match="already holds 2 sessions") as refused:
+                    await open_raw_session(greedy, {**small, "alloc_timeout": 0})
+                assert refused.value.remote_type == "ServerError"
+                async with (
+                    open_node() as other_node,
+                    session(
+                        await other_node.connect(server.multiaddrs[0]),
+                        blocks=(0, 1),
+                        max_length=8,
+                        session_id="other",
+                    ) as other,
+                ):
+                    assert (await other.step(torch.randn(1, 2, 64))).shape == (1, 2, 64)
+            # Once "holds" is closed the waiting opening is granted (and its call ends).
+            await server.block_server.wait_statistics(lambda s: s.openings == s.sessions == 0)
+            async with session(greedy, blocks=(0, 1), max_length=8, session_id="again"):
                 pass
 
 
