@@ -444,8 +444,8 @@ def build_parser() -> argparse.ArgumentParser:
         **_defaulted(
             _positive_int,
             limits.max_batch_tokens,
-            "tokens (rows x positions) one inference job processes at most; longer steps go "
-            "in chunks",
+            "tokens (rows x positions) one inference job, a batch of steps included, "
+            "processes at most; longer steps go in chunks",
         ),
     )
     serving.add_argument(

@@ -54,8 +54,8 @@ class ServingLimits:
     inference_max_length: int | None = attrs.field(
         default=None, validator=attrs.validators.optional(_positive)
     )
-    #: Tokens (rows x positions) one inference job processes at most: longer steps go in
-    #: chunks.  The ``--max_batch_size`` flag.
+    #: Tokens (rows x positions) one inference job processes at most, a batch of steps
+    #: included: longer steps go in chunks.  The ``--max_batch_size`` flag.
     max_batch_tokens: int = attrs.field(default=2048, validator=_positive)
     #: Cap of a session's wait for cache (``--max_alloc_timeout``).
     max_alloc_timeout_s: float = attrs.field(default=600.0, validator=_positive)

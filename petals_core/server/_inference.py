@@ -21,9 +21,9 @@ is not above every id the session has seen is stale (its client has resent that 
 since) and is dropped.
 
 **Scheduling.**  Single-step work of different sessions over the same blocks and adapter is
-batched (:meth:`BlockBackend.inference_steps`); steps longer than ``max_batch_tokens`` tokens
-are processed in chunks, each a separate job, so that a long prefill never holds up other
-sessions.
+batched (:meth:`BlockBackend.inference_steps`), up to ``max_batch_tokens`` tokens (rows x
+positions) in one batch; steps longer than that are processed in chunks, each a separate job,
+so that a long prefill never holds up other sessions.
 """
 
 from __future__ import annotations

@@ -335,6 +335,9 @@ class Server:
             async with open_task_pool(
                 workers=2,
                 reserved_workers=1,
+                # A batch of steps is no larger than one prefill chunk, which the memory set
+                # aside for activations is sized for.
+                max_batch_total_size=self.config.limits.max_batch_tokens,
                 shared_inference=False,
                 inline_below_s=self.config.limits.inline_compute_s,
             ) as pool:

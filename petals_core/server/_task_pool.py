@@ -14,8 +14,11 @@ The first ``reserved_workers`` workers only ever take :attr:`Priority.INFERENCE`
 long a forward or backward pass runs, one inference step can always go next.
 
 Batching: :meth:`TaskPool.run_batched` jobs name a hashable ``key``.  When a worker picks one, it
-takes along the other jobs with the same key *and priority* that are queued then (in queue order,
-``max_batch_size`` in all) and calls ``batch_fn(items)`` once for them.  Jobs with equal keys must
+takes along the other jobs with the same key *and priority* that are queued then, in queue order,
+each one that keeps the batch's total ``size`` within ``max_batch_total_size`` (a job that does
+not fit waits for a later batch, which it heads if it is the oldest left), ``max_batch_size``
+jobs in all, and calls ``batch_fn(items)`` once for them.  The picked job runs even if its size
+alone is larger.  Jobs with equal keys must
 mean the same ``batch_fn``; the picked job's is used.  If the batch raises, each item is run alone
 (``batch_fn([item])``) so that only the caller whose item is at fault sees the exception.
 
@@ -44,6 +47,7 @@ import enum
 import functools
 import heapq
 import itertools
+import math
 import time
 from collections.abc import AsyncIterator, Callable, Hashable, Mapping, Sequence
 from contextlib import asynccontextmanager
@@ -182,6 +186,7 @@ class TaskPool:
         workers: int,
         reserved_workers: int,
         max_batch_size: int,
+        max_batch_total_size: float = math.inf,
         shared_inference: bool = True,
         inline_below_s: float = 0.0,
     ) -> None:
@@ -193,6 +198,7 @@ class TaskPool:
         self._workers = workers
         self._reserved_workers = reserved_workers
         self._max_batch_size = max_batch_size
+        self._max_batch_total_size = max_batch_total_size
         self._limiter = trio.CapacityLimiter(workers)
         self._heap: list[_Job[Any]] = []
         self._by_key: dict[Hashable, list[_Job[Any]]] = {}
@@ -246,8 +252,9 @@ class TaskPool:
         """``batch_fn([..., item, ...])[i]``: ``item`` run together with queued jobs of equal
         ``key`` and priority (see the module docstring); ``batch_fn`` must return one result per
         item, in order.  ``size`` (> 0) says how much work the item is (e.g. its tokens): a
-        batch's expected duration is its items' sizes times the key's measured seconds per unit.
-        """
+        batch's items' sizes add up to at most ``max_batch_total_size`` (but for its first
+        item's), and its expected duration is their sum times the key's measured seconds per
+        unit."""
         job: _Job[T] = self._new_job(
             priority, key, batch_fn=batch_fn, item=item, size=size, cost_key=key
         )
@@ -319,7 +326,13 @@ class TaskPool:
                 for job in self._by_key[first.key]
                 if job is not first and job.priority == first.priority
             )
-            batch += mates[: self._max_batch_size - 1]
+            total = first.size
+            for job in mates:
+                if len(batch) == self._max_batch_size:
+                    break
+                if total + job.size <= self._max_batch_total_size:
+                    batch.append(job)
+                    total += job.size
         for job in batch:
             self._unqueue(job)
             job.state = _State.RUNNING
@@ -406,11 +419,14 @@ async def open_task_pool(
     workers: int = 2,
     reserved_workers: int = 1,
     max_batch_size: int = 16,
+    max_batch_total_size: float = math.inf,
     shared_inference: bool = True,
     inline_below_s: float = 0.0,
 ) -> AsyncIterator[TaskPool]:
     """A :class:`TaskPool` with ``workers`` threads, ``reserved_workers`` of them (fewer than
     ``workers``) kept for :attr:`Priority.INFERENCE`; it runs for the duration of the block.
+    A batch holds at most ``max_batch_size`` jobs whose sizes add up to at most
+    ``max_batch_total_size`` (see the module docstring).
     With ``shared_inference=False`` the other workers take no inference jobs at all: steps
     then run one batch at a time, and those arriving meanwhile make the next batch.
     ``inline_below_s``: batches expected to take less run on the event loop's thread (see the
@@ -433,6 +449,14 @@ async def open_task_pool(
     ):
         raise ConfigError(f"max_batch_size must be an int >= 1, not {max_batch_size!r}")
     if (
+        isinstance(max_batch_total_size, bool)
+        or not isinstance(max_batch_total_size, int | float)
+        or not max_batch_total_size > 0
+    ):
+        raise ConfigError(
+            f"max_batch_total_size must be a number > 0, not {max_batch_total_size!r}"
+        )
+    if (
         isinstance(inline_below_s, bool)
         or not isinstance(inline_below_s, int | float)
         or not 0 <= inline_below_s < float("inf")
@@ -445,6 +469,7 @@ async def open_task_pool(
         workers=workers,
         reserved_workers=reserved_workers,
         max_batch_size=max_batch_size,
+        max_batch_total_size=max_batch_total_size,
         shared_inference=shared_inference,
     )
     # The block's own exception is raised as it is, not wrapped in the nursery's group; cancelled

@@ -122,6 +122,31 @@ async def test_same_key_jobs_run_as_one_batch(gate: Gate) -> None:
     assert (stats.batches_run, stats.largest_batch, stats.completed) == (3, 3, 7)
 
 
+async def test_batch_mates_keep_the_total_size_within_the_bound(gate: Gate) -> None:
+    """Items are their own sizes; a batch adds up to at most 10, but its first item runs even if
+    it alone is larger.  A mate that does not fit waits for the next batch."""
+    batches: list[list[int]] = []
+
+    def echo(items: list[int]) -> list[int]:
+        batches.append(list(items))
+        return items
+
+    async def submit(item: int) -> None:
+        assert await pool.run_batched("k", item, echo, priority=Priority.FORWARD, size=item) == item
+
+    with trio.fail_after(DEADLINE_S):
+        async with (
+            open_task_pool(workers=1, reserved_workers=0, max_batch_total_size=10) as pool,
+            trio.open_nursery() as nursery,
+        ):
+            await _hold_worker(nursery, pool, gate, Priority.FORWARD)
+            for item in [6, 3, 5, 1, 12, 2]:
+                nursery.start_soon(submit, item)
+                await trio.testing.wait_all_tasks_blocked()
+            gate.release.set()
+    assert batches == [[6, 3, 1], [5, 2], [12]]
+
+
 async def test_batches_keep_to_one_priority_and_the_queue_order(gate: Gate) -> None:
     batches: list[list[str]] = []
 
@@ -324,6 +349,13 @@ async def test_invalid_configuration(
         async with open_task_pool(
             workers=workers, reserved_workers=reserved_workers, max_batch_size=max_batch_size
         ):
+            pytest.fail("must not open")
+
+
+@pytest.mark.parametrize("total", [0, -1.0, float("nan"), True, "10"])
+async def test_invalid_batch_total_size(total: float) -> None:
+    with pytest.raises(ConfigError, match="max_batch_total_size"):
+        async with open_task_pool(max_batch_total_size=total):
             pytest.fail("must not open")
 
 
