@@ -14,11 +14,12 @@ server sends its output, as the next step of the first of them (same ``step_id``
 the DHT if the table lacks it), never one a client names -- and answers the client with
 ``pushed: true``.  The stream is dialled in the background on the first step that names that
 session: until it is open, and if it cannot be, the answer says ``pushed: false`` and the
-client sends the step on itself, so that a dial never delays a step.  The receiving server
-takes pushed steps in its session's order beside the client's own: the session id, known to
-the client and the servers it chose only, is the capability.  A pushed step whose ``step_id``
-is not above every id the session has seen is stale (its client has resent that step itself
-since) and is dropped.
+client sends the step on itself, so that a dial never delays a step.  A session pushes to at
+most a few distinct next sessions (:data:`_MAX_PUSH_TARGETS`); a step naming another is not
+pushed.  The receiving server takes pushed steps in its session's order beside the client's
+own: the session id, known to the client and the servers it chose only, is the capability.  A
+pushed step whose ``step_id`` is not above every id the session has seen is stale (its client
+has resent that step itself since) and is dropped.
 
 **Scheduling.**  Single-step work of different sessions over the same blocks and adapter is
 batched (:meth:`BlockBackend.inference_steps`), up to ``max_batch_tokens`` tokens (rows x
@@ -68,6 +69,10 @@ _PUSH_TIMEOUT_S: Final = 2.0
 #: Longest wait to dial the next server and open the push stream (once per session, meanwhile
 #: the client sends the steps on itself).
 _DIAL_TIMEOUT_S: Final = 10.0
+#: Distinct sessions (next servers) one session's steps may push to: normally one, a few more
+#: after the client's failovers.  Each costs a dial and a stream kept until the session ends;
+#: a step naming yet another is answered but not pushed (its client sends it on itself).
+_MAX_PUSH_TARGETS: Final = 4
 #: How long a server that could not be dialled for a push is not dialled again.
 _UNREACHABLE_S: Final = 60.0
 _MAX_UNREACHABLE: Final = 4096
@@ -108,7 +113,8 @@ class _Session:
     #: The client's steps and pushed ones, in arrival order: (message, pushed).
     inbox: trio.MemorySendChannel[_InboxItem] | None = None
     #: Push streams to the next servers' sessions, by (peer, session id); None: that push failed
-    #: (not tried again in this session), a _Dialling: being opened.
+    #: (not tried again in this session), a _Dialling: being opened.  At most
+    #: _MAX_PUSH_TARGETS entries.
     pushes: dict[tuple[str, str], Call | _Dialling | None] = attrs.field(factory=dict)
     exits: contextlib.AsyncExitStack = attrs.field(factory=contextlib.AsyncExitStack)
     #: Where the session's background tasks run (the client reader, push dials).
@@ -409,7 +415,7 @@ class InferenceHandlers:
         """Hand ``step`` to ``target``, the next server's session; whether it was sent."""
         key = (target.peer, target.session_id)
         self._start_dial(session, key)
-        push_call = session.pushes[key]
+        push_call = session.pushes.get(key)
         if isinstance(push_call, _Dialling):
             with trio.move_on_after(_DIAL_WAIT_S):
                 await push_call.done.wait()
@@ -426,8 +432,9 @@ class InferenceHandlers:
         return False
 
     def _start_dial(self, session: _Session, key: tuple[str, str]) -> None:
-        """Start opening the push stream to ``key`` unless it is (being) opened or failed."""
-        if key in session.pushes:
+        """Start opening the push stream to ``key`` unless it is (being) opened or failed, or
+        the session has as many push targets as it may."""
+        if key in session.pushes or len(session.pushes) >= _MAX_PUSH_TARGETS:
             return
         peer = key[0]
         if (

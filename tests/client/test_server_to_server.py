@@ -24,7 +24,7 @@ from petals_core.dht import NodeID
 from petals_core.protocol import INFERENCE, PUSH
 from petals_core.server import Server, ServingLimits
 from petals_core.testing import DelayRelay, Pipe
-from petals_core.transport import Call, Connection, Multiaddr, open_call, open_node
+from petals_core.transport import Call, CallEnded, Connection, Multiaddr, open_call, open_node
 
 from ..dht._swarm import wait_until
 from ._swarm_helpers import (
@@ -264,6 +264,40 @@ async def test_stale_and_misaddressed_pushes(model: Model, tmp_path: Path) -> No
                     await push.send({"session_id": 7})
                     with pytest.raises(RemoteError, match="push refused: session_id must be"):
                         await push.receive()
+
+
+async def test_a_session_pushes_to_a_few_next_sessions_at_most(
+    model: Model, tmp_path: Path
+) -> None:
+    """Every step (zero tokens: free) names another next session: the server dials the first
+    four and answers the steps naming more unpushed, without dialling."""
+    async with in_process_swarm(model, tmp_path, [(0, 6)]) as swarm:
+        (server,) = swarm.servers.values()
+        dial = server.block_server.connect_peer
+        assert dial is not None
+        dialled: list[str] = []
+
+        async def dial_and_note(peer_id: str) -> Connection:
+            dialled.append(peer_id)
+            return await dial(peer_id)
+
+        server.block_server.connect_peer = dial_and_note
+        with trio.fail_after(DEADLINE_S):
+            async with open_node(host="127.0.0.1") as node:
+                connection = await node.connect(server.multiaddrs[0])
+                prefix = torch.randn(1, 2, HIDDEN)
+                async with _session_at_step_5(connection, os.urandom(8).hex(), prefix) as call:
+                    for step_id in range(6, 12):
+                        push = [{"peer": f"peer-{step_id}", "session_id": "next"}]
+                        empty = torch.zeros(1, 0, HIDDEN)
+                        await call.send({"hidden_states": empty, "step_id": step_id, "push": push})
+                        answer = await call.receive()
+                        assert (answer["step_id"], answer["pushed"]) == (step_id, False)
+                    await call.send_eof()
+                    # The session's end waits for its dials: each one started has been made.
+                    with pytest.raises(CallEnded):
+                        await call.receive()
+        assert sorted(dialled) == [f"peer-{step_id}" for step_id in range(6, 10)]
 
 
 async def test_a_push_that_comes_before_its_session_opens_waits_for_it(
