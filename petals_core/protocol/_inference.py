@@ -10,7 +10,8 @@ ends its side (the server then frees the cache), or with an error frame naming t
 :class:`OpenPush` names the session there, then each message is a :class:`Step` of that
 session, which the receiving server takes beside the client's own and answers to the client.
 A step asks for its output to be pushed on by naming the next servers' sessions
-(:class:`PushTarget`) in its ``push``.
+(:class:`PushTarget`) in its ``push``.  A pushed step is the output of such a step, so it never
+carries ``prompts`` nor ``hypo_ids``; a server refuses a push stream's step that does.
 """
 
 from __future__ import annotations

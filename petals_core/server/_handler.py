@@ -104,9 +104,11 @@ class BlockServerStatistics:
     openings: int
     steps: int
     batched_steps: int
-    #: Steps that came from the previous server (server-to-server), and stale ones dropped.
+    #: Steps that came from the previous server (server-to-server), stale ones dropped, and
+    #: push streams refused for a step carrying what a push never does (prompts, hypo_ids).
     pushed_steps: int
     stale_pushes: int
+    refused_pushes: int
     #: Push streams this server opened to the next servers' sessions, and dials that failed.
     push_streams: int
     push_dial_failures: int

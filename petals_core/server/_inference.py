@@ -19,7 +19,12 @@ most a few distinct next sessions (:data:`_MAX_PUSH_TARGETS`); a step naming ano
 pushed.  The receiving server takes pushed steps in its session's order beside the client's
 own: the session id, known to the client and the servers it chose only, is the capability.  A
 pushed step whose ``step_id`` is not above every id the session has seen is stale (its client
-has resent that step itself since) and is dropped.
+has resent that step itself since) and is dropped.  A pushed step carrying deep prompts or
+``hypo_ids`` is refused (the push stream ends with the fault named, the session is untouched):
+the previous server makes it of a step that could be pushed on, which carries neither.  Its
+``start_from_position`` is honoured, as every push carries the previous server's start (a
+client's rollback reaches the later servers that way), so whoever holds a session's id can
+roll it back.
 
 **Scheduling.**  Single-step work of different sessions over the same blocks and adapter is
 batched (:meth:`BlockBackend.inference_steps`), up to ``max_batch_tokens`` tokens (rows x
@@ -73,6 +78,9 @@ _DIAL_TIMEOUT_S: Final = 10.0
 #: after the client's failovers.  Each costs a dial and a stream kept until the session ends;
 #: a step naming yet another is answered but not pushed (its client sends it on itself).
 _MAX_PUSH_TARGETS: Final = 4
+#: What a pushed step never carries: the previous server makes it (SessionState.push_step) of
+#: a step that could be pushed on, which has neither (see protocol.Step).
+_NEVER_PUSHED: Final = ("prompts", "hypo_ids")
 #: How long a server that could not be dialled for a push is not dialled again.
 _UNREACHABLE_S: Final = 60.0
 _MAX_UNREACHABLE: Final = 4096
@@ -516,6 +524,15 @@ class InferenceHandlers:
                 step = await call.receive()
             except CallEnded:
                 return
+            carried = [name for name in _NEVER_PUSHED if step.get(name) is not None]
+            if carried:
+                # Left to the session, it would reorder or redo the client's rows.
+                logger.info("refused a push from %s: its step carried %s", call.peer_id, carried)
+                self._serving.count("refused_pushes")
+                raise ServerError(
+                    f"push refused: a pushed step carries no {' and no '.join(carried)} (only a "
+                    f"step without them is pushed on)"
+                )
             try:
                 await inbox.send((step, True))
             except (trio.ClosedResourceError, trio.BrokenResourceError):

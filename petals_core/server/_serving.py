@@ -29,6 +29,7 @@ COUNTERS: Final = (
     "batched_steps",
     "pushed_steps",
     "stale_pushes",
+    "refused_pushes",
     "push_streams",
     "push_dial_failures",
     "forwards",

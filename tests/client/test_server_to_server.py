@@ -225,6 +225,14 @@ async def _session_at_step_5(
         yield call
 
 
+def _prefix_and_next(model: Model) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Inputs of 2 positions and of the next one, and the model's output at that next one."""
+    prefix = torch.randn(1, 2, HIDDEN)
+    x = torch.randn(1, 1, HIDDEN)
+    with torch.no_grad():
+        return prefix, x, model.forward(torch.cat([prefix, x], dim=1))[:, 2:]
+
+
 async def test_stale_and_misaddressed_pushes(model: Model, tmp_path: Path) -> None:
     """Raw calls: a pushed step whose id is not above the session's last one is dropped; the
     next one is computed and answered on the client's stream; an unknown session, and a
@@ -234,10 +242,7 @@ async def test_stale_and_misaddressed_pushes(model: Model, tmp_path: Path) -> No
     async with in_process_swarm(model, tmp_path, [(0, 6)], limits=limits) as swarm:
         (server,) = swarm.servers.values()
         session_id = os.urandom(8).hex()
-        prefix = torch.randn(1, 2, HIDDEN)
-        pushed = torch.randn(1, 1, HIDDEN)
-        with torch.no_grad():
-            expected = model.forward(torch.cat([prefix, pushed], dim=1))[:, 2:]
+        prefix, pushed, expected = _prefix_and_next(model)
         with trio.fail_after(DEADLINE_S):
             async with open_node(host="127.0.0.1") as node:
                 connection = await node.connect(server.multiaddrs[0])
@@ -327,6 +332,43 @@ async def test_a_push_that_comes_before_its_session_opens_waits_for_it(
                         assert_close(answer["hidden_states"], expected)
                         await call.send_eof()
         assert server.block_server.statistics().pushed_steps == 1
+
+
+async def test_a_pushed_step_with_prompts_or_hypo_ids_is_refused_and_the_session_untouched(
+    model: Model, tmp_path: Path
+) -> None:
+    """A pushed step is the output of a step that could be pushed on: it never carries deep
+    prompts nor beam reordering.  One that does (here from a peer that learned the session's id,
+    redoing position 0) ends its push stream with the fault named, and the client's next step
+    computes as if it had never come."""
+    torch.manual_seed(7)
+    async with in_process_swarm(model, tmp_path, [(0, 6)]) as swarm:
+        (server,) = swarm.servers.values()
+        session_id = os.urandom(8).hex()
+        prefix, x, expected = _prefix_and_next(model)
+        forged = {
+            "hidden_states": torch.randn(1, 1, HIDDEN),
+            "step_id": 6,
+            "start_from_position": 0,
+        }
+        carried = {"prompts": torch.randn(6, 1, 1, HIDDEN), "hypo_ids": torch.tensor([0])}
+        with trio.fail_after(DEADLINE_S):
+            async with open_node(host="127.0.0.1") as node:
+                connection = await node.connect(server.multiaddrs[0])
+                async with _session_at_step_5(connection, session_id, prefix) as call:
+                    for name, value in carried.items():
+                        async with open_call(connection, PUSH) as push:
+                            await push.send({"session_id": session_id})
+                            await push.send({**forged, name: value})
+                            with pytest.raises(RemoteError, match=f"push refused: .* no {name}"):
+                                await push.receive()
+                    await call.send({"hidden_states": x, "step_id": 6})
+                    answer = await call.receive()
+                    assert (answer["step_id"], answer["position"]) == (6, 3)
+                    assert_close(answer["hidden_states"], expected)
+                    await call.send_eof()
+        statistics = server.block_server.statistics()
+        assert (statistics.refused_pushes, statistics.pushed_steps) == (2, 0)
 
 
 async def test_a_malformed_pushed_step_ends_the_session(model: Model, tmp_path: Path) -> None:
