@@ -19,12 +19,12 @@ most a few distinct next sessions (:data:`_MAX_PUSH_TARGETS`); a step naming ano
 pushed.  The receiving server takes pushed steps in its session's order beside the client's
 own: the session id, known to the client and the servers it chose only, is the capability.  A
 pushed step whose ``step_id`` is not above every id the session has seen is stale (its client
-has resent that step itself since) and is dropped.  A pushed step carrying deep prompts or
-``hypo_ids`` is refused (the push stream ends with the fault named, the session is untouched):
-the previous server makes it of a step that could be pushed on, which carries neither.  Its
-``start_from_position`` is honoured, as every push carries the previous server's start (a
-client's rollback reaches the later servers that way), so whoever holds a session's id can
-roll it back.
+has resent that step itself since) and is dropped.  A push stream ends (cleanly) when the
+session it feeds does.  A pushed step carrying deep prompts or ``hypo_ids`` is refused (the
+push stream ends with the fault named, the session is untouched): the previous server makes it
+of a step that could be pushed on, which carries neither.  Its ``start_from_position`` is
+honoured, as every push carries the previous server's start (a client's rollback reaches the
+later servers that way), so whoever holds a session's id can roll it back.
 
 **Scheduling.**  Single-step work of different sessions over the same blocks and adapter is
 batched (:meth:`BlockBackend.inference_steps`), up to ``max_batch_tokens`` tokens (rows x
@@ -127,6 +127,8 @@ class _Session:
     exits: contextlib.AsyncExitStack = attrs.field(factory=contextlib.AsyncExitStack)
     #: Where the session's background tasks run (the client reader, push dials).
     nursery: trio.Nursery | None = None
+    #: The push streams feeding the session (their handlers' scopes): ended with it.
+    feeds: set[trio.CancelScope] = attrs.field(factory=set)
 
 
 class InferenceHandlers:
@@ -228,6 +230,8 @@ class InferenceHandlers:
             finally:
                 del self._sessions[session_id]
                 inbox.close()
+                for feed in session.feeds:
+                    feed.cancel()
                 session.caches.clear()
 
     @contextlib.contextmanager
@@ -519,6 +523,16 @@ class InferenceHandlers:
         if session is None or session.inbox is None:
             raise ServerError(f"unknown session {session_id!r}")
         inbox = session.inbox
+        with trio.CancelScope() as feed:
+            # Ends (as the stream's clean end) when the session does.
+            session.feeds.add(feed)
+            try:
+                await self._feed(call, inbox)
+            finally:
+                session.feeds.discard(feed)
+
+    async def _feed(self, call: ServerCall, inbox: trio.MemorySendChannel[_InboxItem]) -> None:
+        """A push stream's steps into its session's inbox, until either ends."""
         while True:
             try:
                 step = await call.receive()

@@ -12,6 +12,7 @@ import socket
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -225,6 +226,19 @@ async def _session_at_step_5(
         yield call
 
 
+@asynccontextmanager
+async def _one_server(
+    model: Model, tmp_path: Path, **swarm: Any
+) -> AsyncIterator[tuple[Server, Connection]]:
+    """A server of all the blocks (``swarm``: options of :func:`in_process_swarm`) and a raw
+    client's connection to it, under the tests' deadline."""
+    async with in_process_swarm(model, tmp_path, [(0, 6)], **swarm) as served:
+        (server,) = served.servers.values()
+        with trio.fail_after(DEADLINE_S):
+            async with open_node(host="127.0.0.1") as node:
+                yield server, await node.connect(server.multiaddrs[0])
+
+
 def _prefix_and_next(model: Model) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Inputs of 2 positions and of the next one, and the model's output at that next one."""
     prefix = torch.randn(1, 2, HIDDEN)
@@ -239,36 +253,30 @@ async def test_stale_and_misaddressed_pushes(model: Model, tmp_path: Path) -> No
     header that names none, are refused."""
     torch.manual_seed(5)
     limits = ServingLimits(request_timeout_s=2.0, early_push_wait_s=0.5)
-    async with in_process_swarm(model, tmp_path, [(0, 6)], limits=limits) as swarm:
-        (server,) = swarm.servers.values()
-        session_id = os.urandom(8).hex()
-        prefix, pushed, expected = _prefix_and_next(model)
-        with trio.fail_after(DEADLINE_S):
-            async with open_node(host="127.0.0.1") as node:
-                connection = await node.connect(server.multiaddrs[0])
-                async with _session_at_step_5(connection, session_id, prefix) as call:
-                    async with open_call(connection, PUSH) as push:
-                        await push.send({"session_id": session_id})
-                        stale = {"hidden_states": torch.randn(1, 1, HIDDEN), "step_id": 5}
-                        await push.send({**stale, "start_from_position": 2})
-                        await push.send(
-                            {"hidden_states": pushed, "step_id": 6, "start_from_position": 2}
-                        )
-                        answer = await call.receive()
-                    assert answer["step_id"] == 6
-                    assert answer["position"] == 3
-                    assert_close(answer["hidden_states"], expected)
-                    statistics = server.block_server.statistics()
-                    assert (statistics.pushed_steps, statistics.stale_pushes) == (1, 1)
-                    await call.send_eof()
-                async with open_call(connection, PUSH) as push:
-                    await push.send({"session_id": "no-such-session"})
-                    with pytest.raises(RemoteError, match="unknown session"):
-                        await push.receive()  # after the server's early_push_wait_s
-                async with open_call(connection, PUSH) as push:
-                    await push.send({"session_id": 7})
-                    with pytest.raises(RemoteError, match="push refused: session_id must be"):
-                        await push.receive()
+    session_id = os.urandom(8).hex()
+    prefix, pushed, expected = _prefix_and_next(model)
+    async with _one_server(model, tmp_path, limits=limits) as (server, connection):
+        async with _session_at_step_5(connection, session_id, prefix) as call:
+            async with open_call(connection, PUSH) as push:
+                await push.send({"session_id": session_id})
+                stale = {"hidden_states": torch.randn(1, 1, HIDDEN), "step_id": 5}
+                await push.send({**stale, "start_from_position": 2})
+                await push.send({"hidden_states": pushed, "step_id": 6, "start_from_position": 2})
+                answer = await call.receive()
+            assert answer["step_id"] == 6
+            assert answer["position"] == 3
+            assert_close(answer["hidden_states"], expected)
+            statistics = server.block_server.statistics()
+            assert (statistics.pushed_steps, statistics.stale_pushes) == (1, 1)
+            await call.send_eof()
+        async with open_call(connection, PUSH) as push:
+            await push.send({"session_id": "no-such-session"})
+            with pytest.raises(RemoteError, match="unknown session"):
+                await push.receive()  # after the server's early_push_wait_s
+        async with open_call(connection, PUSH) as push:
+            await push.send({"session_id": 7})
+            with pytest.raises(RemoteError, match="push refused: session_id must be"):
+                await push.receive()
 
 
 async def test_a_session_pushes_to_a_few_next_sessions_at_most(
@@ -276,33 +284,29 @@ async def test_a_session_pushes_to_a_few_next_sessions_at_most(
 ) -> None:
     """Every step (zero tokens: free) names another next session: the server dials the first
     four and answers the steps naming more unpushed, without dialling."""
-    async with in_process_swarm(model, tmp_path, [(0, 6)]) as swarm:
-        (server,) = swarm.servers.values()
+    dialled: list[str] = []
+    async with _one_server(model, tmp_path) as (server, connection):
         dial = server.block_server.connect_peer
         assert dial is not None
-        dialled: list[str] = []
 
         async def dial_and_note(peer_id: str) -> Connection:
             dialled.append(peer_id)
             return await dial(peer_id)
 
         server.block_server.connect_peer = dial_and_note
-        with trio.fail_after(DEADLINE_S):
-            async with open_node(host="127.0.0.1") as node:
-                connection = await node.connect(server.multiaddrs[0])
-                prefix = torch.randn(1, 2, HIDDEN)
-                async with _session_at_step_5(connection, os.urandom(8).hex(), prefix) as call:
-                    for step_id in range(6, 12):
-                        push = [{"peer": f"peer-{step_id}", "session_id": "next"}]
-                        empty = torch.zeros(1, 0, HIDDEN)
-                        await call.send({"hidden_states": empty, "step_id": step_id, "push": push})
-                        answer = await call.receive()
-                        assert (answer["step_id"], answer["pushed"]) == (step_id, False)
-                    await call.send_eof()
-                    # The session's end waits for its dials: each one started has been made.
-                    with pytest.raises(CallEnded):
-                        await call.receive()
-        assert sorted(dialled) == [f"peer-{step_id}" for step_id in range(6, 10)]
+        prefix = torch.randn(1, 2, HIDDEN)
+        async with _session_at_step_5(connection, os.urandom(8).hex(), prefix) as call:
+            for step_id in range(6, 12):
+                push = [{"peer": f"peer-{step_id}", "session_id": "next"}]
+                empty = torch.zeros(1, 0, HIDDEN)
+                await call.send({"hidden_states": empty, "step_id": step_id, "push": push})
+                answer = await call.receive()
+                assert (answer["step_id"], answer["pushed"]) == (step_id, False)
+            await call.send_eof()
+            # The session's end waits for its dials: each one started has been made.
+            with pytest.raises(CallEnded):
+                await call.receive()
+    assert sorted(dialled) == [f"peer-{step_id}" for step_id in range(6, 10)]
 
 
 async def test_a_push_that_comes_before_its_session_opens_waits_for_it(
@@ -311,26 +315,22 @@ async def test_a_push_that_comes_before_its_session_opens_waits_for_it(
     """A client sends its openings and its first step at once: the previous server's push may
     name a session this server has not opened yet.  It waits for the opening."""
     torch.manual_seed(6)
-    async with in_process_swarm(model, tmp_path, [(0, 6)]) as swarm:
-        (server,) = swarm.servers.values()
-        session_id = os.urandom(8).hex()
-        pushed = torch.randn(1, 3, HIDDEN)
-        with torch.no_grad():
-            expected = model.forward(pushed)
-        with trio.fail_after(DEADLINE_S):
-            async with open_node(host="127.0.0.1") as node:
-                connection = await node.connect(server.multiaddrs[0])
-                async with open_call(connection, PUSH) as push:
-                    await push.send({"session_id": session_id})
-                    await push.send({"hidden_states": pushed, "step_id": 1})
-                    async with open_call(connection, INFERENCE) as call:
-                        opening = {"session_id": session_id, "blocks": [0, 6], "max_length": 8}
-                        await call.send(opening)
-                        assert (await call.receive())["ready"] is True
-                        answer = await call.receive()
-                        assert (answer["step_id"], answer["position"]) == (1, 3)
-                        assert_close(answer["hidden_states"], expected)
-                        await call.send_eof()
+    session_id = os.urandom(8).hex()
+    pushed = torch.randn(1, 3, HIDDEN)
+    with torch.no_grad():
+        expected = model.forward(pushed)
+    async with _one_server(model, tmp_path) as (server, connection):
+        async with open_call(connection, PUSH) as push:
+            await push.send({"session_id": session_id})
+            await push.send({"hidden_states": pushed, "step_id": 1})
+            async with open_call(connection, INFERENCE) as call:
+                opening = {"session_id": session_id, "blocks": [0, 6], "max_length": 8}
+                await call.send(opening)
+                assert (await call.receive())["ready"] is True
+                answer = await call.receive()
+                assert (answer["step_id"], answer["position"]) == (1, 3)
+                assert_close(answer["hidden_states"], expected)
+                await call.send_eof()
         assert server.block_server.statistics().pushed_steps == 1
 
 
@@ -342,51 +342,59 @@ async def test_a_pushed_step_with_prompts_or_hypo_ids_is_refused_and_the_session
     redoing position 0) ends its push stream with the fault named, and the client's next step
     computes as if it had never come."""
     torch.manual_seed(7)
-    async with in_process_swarm(model, tmp_path, [(0, 6)]) as swarm:
-        (server,) = swarm.servers.values()
-        session_id = os.urandom(8).hex()
-        prefix, x, expected = _prefix_and_next(model)
-        forged = {
-            "hidden_states": torch.randn(1, 1, HIDDEN),
-            "step_id": 6,
-            "start_from_position": 0,
-        }
-        carried = {"prompts": torch.randn(6, 1, 1, HIDDEN), "hypo_ids": torch.tensor([0])}
-        with trio.fail_after(DEADLINE_S):
-            async with open_node(host="127.0.0.1") as node:
-                connection = await node.connect(server.multiaddrs[0])
-                async with _session_at_step_5(connection, session_id, prefix) as call:
-                    for name, value in carried.items():
-                        async with open_call(connection, PUSH) as push:
-                            await push.send({"session_id": session_id})
-                            await push.send({**forged, name: value})
-                            with pytest.raises(RemoteError, match=f"push refused: .* no {name}"):
-                                await push.receive()
-                    await call.send({"hidden_states": x, "step_id": 6})
-                    answer = await call.receive()
-                    assert (answer["step_id"], answer["position"]) == (6, 3)
-                    assert_close(answer["hidden_states"], expected)
-                    await call.send_eof()
+    session_id = os.urandom(8).hex()
+    prefix, x, expected = _prefix_and_next(model)
+    forged = {"hidden_states": torch.randn(1, 1, HIDDEN), "step_id": 6, "start_from_position": 0}
+    carried = {"prompts": torch.randn(6, 1, 1, HIDDEN), "hypo_ids": torch.tensor([0])}
+    async with _one_server(model, tmp_path) as (server, connection):
+        async with _session_at_step_5(connection, session_id, prefix) as call:
+            for name, value in carried.items():
+                async with open_call(connection, PUSH) as push:
+                    await push.send({"session_id": session_id})
+                    await push.send({**forged, name: value})
+                    with pytest.raises(RemoteError, match=f"push refused: .* no {name}"):
+                        await push.receive()
+            await call.send({"hidden_states": x, "step_id": 6})
+            answer = await call.receive()
+            assert (answer["step_id"], answer["position"]) == (6, 3)
+            assert_close(answer["hidden_states"], expected)
+            await call.send_eof()
         statistics = server.block_server.statistics()
         assert (statistics.refused_pushes, statistics.pushed_steps) == (2, 0)
+
+
+async def test_a_push_stream_ends_with_its_session(model: Model, tmp_path: Path) -> None:
+    """The previous server keeps its push stream open; when the client ends the session, the
+    receiving server ends the push stream too instead of waiting on it."""
+    session_id = os.urandom(8).hex()
+    prefix, pushed, expected = _prefix_and_next(model)
+    async with (
+        _one_server(model, tmp_path) as (_, connection),
+        _session_at_step_5(connection, session_id, prefix) as call,
+        open_call(connection, PUSH) as push,
+    ):
+        await push.send({"session_id": session_id})
+        await push.send({"hidden_states": pushed, "step_id": 6})
+        assert_close((await call.receive())["hidden_states"], expected)
+        await call.send_eof()
+        with pytest.raises(CallEnded):
+            await call.receive()
+        with pytest.raises(CallEnded):
+            await push.receive()
 
 
 async def test_a_malformed_pushed_step_ends_the_session(model: Model, tmp_path: Path) -> None:
     """A pushed step is read as the client's own are: a malformed one ends the session with the
     fault named, whatever its step id."""
-    async with in_process_swarm(model, tmp_path, [(0, 6)]) as swarm:
-        (server,) = swarm.servers.values()
-        session_id = os.urandom(8).hex()
-        with trio.fail_after(DEADLINE_S):
-            async with open_node(host="127.0.0.1") as node:
-                connection = await node.connect(server.multiaddrs[0])
-                prefix = torch.randn(1, 2, HIDDEN)
-                async with (
-                    _session_at_step_5(connection, session_id, prefix) as call,
-                    open_call(connection, PUSH) as push,
-                ):
-                    await push.send({"session_id": session_id})
-                    await push.send({"hidden_states": torch.ones(1, 1, HIDDEN).long()})
-                    with pytest.raises(RemoteError, match="step refused: hidden_states must"):
-                        await call.receive()
-            assert server.block_server.open_sessions == 0
+    session_id = os.urandom(8).hex()
+    prefix = torch.randn(1, 2, HIDDEN)
+    async with _one_server(model, tmp_path) as (server, connection):
+        async with (
+            _session_at_step_5(connection, session_id, prefix) as call,
+            open_call(connection, PUSH) as push,
+        ):
+            await push.send({"session_id": session_id})
+            await push.send({"hidden_states": torch.ones(1, 1, HIDDEN).long()})
+            with pytest.raises(RemoteError, match="step refused: hidden_states must"):
+                await call.receive()
+        assert server.block_server.open_sessions == 0
