@@ -18,9 +18,9 @@ takes along the other jobs with the same key *and priority* that are queued then
 each one that keeps the batch's total ``size`` within ``max_batch_total_size`` (a job that does
 not fit waits for a later batch, which it heads if it is the oldest left), ``max_batch_size``
 jobs in all, and calls ``batch_fn(items)`` once for them.  The picked job runs even if its size
-alone is larger.  Jobs with equal keys must
-mean the same ``batch_fn``; the picked job's is used.  If the batch raises, each item is run alone
-(``batch_fn([item])``) so that only the caller whose item is at fault sees the exception.
+alone is larger.  Jobs with equal keys must mean the same ``batch_fn``; the picked job's is
+used.  If the batch raises, each item is run alone (``batch_fn([item])``) so that only the
+caller whose item is at fault sees the exception.
 
 Small jobs run inline: a :meth:`TaskPool.run_batched` batch (or a :meth:`TaskPool.run` job that
 names a ``cost_key``) whose expected duration is below ``inline_below_s`` runs on the event loop's
@@ -252,8 +252,8 @@ class TaskPool:
         """``batch_fn([..., item, ...])[i]``: ``item`` run together with queued jobs of equal
         ``key`` and priority (see the module docstring); ``batch_fn`` must return one result per
         item, in order.  ``size`` (> 0) says how much work the item is (e.g. its tokens): a
-        batch's items' sizes add up to at most ``max_batch_total_size`` (but for its first
-        item's), and its expected duration is their sum times the key's measured seconds per
+        batch's sizes add up to at most ``max_batch_total_size`` (a first item alone may be
+        larger), and its expected duration is their sum times the key's measured seconds per
         unit."""
         job: _Job[T] = self._new_job(
             priority, key, batch_fn=batch_fn, item=item, size=size, cost_key=key
