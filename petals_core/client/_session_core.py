@@ -244,9 +244,7 @@ class SessionCore:
         self._expected.pop(id(state), None)
         return state, self.history.pop(state.span.start, None)
 
-    def replay_pieces(
-        self, x: torch.Tensor, max_bytes: int | None = None
-    ) -> list[tuple[int, int]]:
+    def replay_pieces(self, x: torch.Tensor, max_bytes: int | None = None) -> list[tuple[int, int]]:
         """The position ranges in which history ``x`` is replayed, one step each: each step's
         hidden states take at most ``max_bytes`` (:data:`MAX_STEP_BYTES` by default: however
         long the history, no message goes beyond what servers take), and the first holds the
