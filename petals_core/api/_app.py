@@ -46,8 +46,8 @@ _Parsed = TypeVar("_Parsed")
 
 #: Request bodies above this size are refused (413) before they are parsed.
 MAX_BODY_BYTES: Final = 4 * 1024 * 1024
-#: Larger bodies are parsed in the tokenizer's worker thread, not on the event loop that
-#: serves every request.
+#: Larger bodies are parsed in the tokenizer's worker thread (one at a time with the
+#: tokenizing), not on the event loop that serves every request.
 _INLINE_BODY_BYTES: Final = 64 * 1024
 #: Token-id prompts longer than this, in all, are checked in that thread too.
 _INLINE_PROMPT_IDS: Final = 4096
@@ -145,7 +145,10 @@ class _Api:
         body = b"".join(parts)
         if size <= _INLINE_BODY_BYTES:
             return parse(_json(body))
-        return await self.engine.tokenize(lambda: parse(_json(body)))
+        # Not counted with the requests waiting (bad input gets its 400, not a 429).
+        return await trio.to_thread.run_sync(
+            lambda: parse(_json(body)), limiter=self.engine.encode_limiter
+        )
 
     def _check_model(self, model: str) -> None:
         if model != self.engine.name:
@@ -260,7 +263,8 @@ def _json(body: bytes) -> Any:
     """A request's body as JSON; :class:`ApiError` (400) unless it is JSON in UTF-8 whose every
     string has a UTF-8 form (JSON lets a ``\\ud800`` escape stand alone)."""
     try:
-        value = json.loads(body)
+        # Strict UTF-8 (json.loads would let encoded surrogates through, and UTF-16 or 32).
+        value = json.loads(body.decode("utf-8"))
     except (ValueError, RecursionError):
         raise ApiError(
             400,

@@ -126,9 +126,17 @@ class InferenceSession:
         self._closed = True
         await self._close_calls()
 
+    def _check_open(self) -> None:
+        """:class:`PetalsError` once the session is closed (its step, if one runs, ends: its
+        streams failing then are the close's doing, not their servers')."""
+        if self._closed:
+            raise PetalsError("the inference session was closed during a step")
+
     async def _close_calls(self, keep: frozenset[SpanState] = frozenset()) -> None:
         for state in [state for state in self._calls if state not in keep]:
-            await self._calls.pop(state).close()
+            call = self._calls.pop(state, None)  # a failing step may have closed it meanwhile
+            if call is not None:
+                await call.close()
         for key in [key for key in self._followers if key not in keep]:
             await self._drop_follower(key)
 
@@ -163,8 +171,10 @@ class InferenceSession:
             return await self._step(hidden, prompts, hypo_ids, padding)
         except BaseException:
             for state in self._core.abandon():
-                if state in self._calls:
-                    await self._calls.pop(state).close()
+                await self._drop_follower(state)
+                call = self._calls.pop(state, None)
+                if call is not None:
+                    await call.close()
             raise
 
     async def _step(
@@ -199,6 +209,7 @@ class InferenceSession:
                 attempt = await self._retrying(attempt, functools.partial(self._replace, index))
                 continue
             follower = None if state.gone else await self._follower(state)
+            self._check_open()  # (closed while the follower was being opened)
             try:
                 if state.gone:  # a replacement failed in an earlier step: replaced again now
                     raise ServerError(
@@ -228,8 +239,7 @@ class InferenceSession:
                     await self._verify(state, x, result)
                 output = core.answered(index, x, result)
             except RETRIABLE as exc:
-                if self._closed:  # closed meanwhile: its streams failed, not its servers
-                    raise PetalsError("the inference session was closed during a step") from exc
+                self._check_open()
                 await self._drop_follower(state)
                 core.failed()
                 attempt = await self._failed(attempt, state, exc)
@@ -262,6 +272,7 @@ class InferenceSession:
                 await action()
                 return attempt
             except RETRIABLE as exc:
+                self._check_open()
                 attempt = await self._failed(attempt, None, exc)
 
     async def _failed(self, attempt: int, state: SpanState | None, exc: BaseException) -> int:
@@ -315,6 +326,7 @@ class InferenceSession:
                     connected = await span_call.open(self.manager, opening, wait=False)
                     connect_s = max(connect_s, connected)
             except RETRIABLE:
+                self._check_open()
                 self.manager.on_request_failure(state.peer)
                 raise
 
@@ -326,8 +338,7 @@ class InferenceSession:
                 )
                 calls.append(functools.partial(open_span, state, span_call))
             await run_concurrently(calls)
-            if self._closed:  # closed meanwhile: these sessions are not to stay open
-                raise PetalsError("the inference session was closed during a step")
+            self._check_open()  # (closed meanwhile: these sessions are not to stay open)
             if self.first_step is None:
                 self._setup["open"] += trio.current_time() - started
                 self._setup["connect"] = max(self._setup["connect"], connect_s)
@@ -374,6 +385,9 @@ class InferenceSession:
             )
             with trio.CancelScope(shield=True):
                 await call.close()
+            return None
+        if self._closed:  # closed while it opened: it is not to stay open
+            await call.close()
             return None
         follower = self._followers[key] = Follower(call=call, until=until)
         return follower
@@ -583,6 +597,7 @@ class InferenceSession:
                             result = await span_call.answer(core, at, self.manager)
                             outputs.append(core.replayed(state, x, start, end, result))
                 except RETRIABLE:
+                    self._check_open()
                     self.manager.on_request_failure(state.peer)
                     raise
                 x = torch.cat(outputs, dim=1)

@@ -248,7 +248,7 @@ class SessionCore:
         """The position ranges in which history ``x`` is replayed, one step each: each step's
         hidden states take at most ``max_bytes`` (:data:`MAX_STEP_BYTES` by default: however
         long the history, no message goes beyond what servers take), and the first holds the
-        deep prompts' positions."""
+        deep prompts' positions (those the history has)."""
         max_bytes = MAX_STEP_BYTES if max_bytes is None else max_bytes
         length = x.shape[1]
         per_position = max(1, x.shape[0] * x.shape[2] * x.element_size())
@@ -262,11 +262,14 @@ class SessionCore:
         span's history ``x`` (see :meth:`replay_pieces`)."""
         step_id = next(self._step_ids)
         self._expected[id(state)] = step_id
+        prompts = self._span_prompts(state.span) if start == 0 else None
+        if prompts is not None:  # (a history rolled back inside the prompts is shorter)
+            prompts = prompts[:, :, :end]
         return Step(
             hidden_states=x[:, start:end],
             start_from_position=start,
             step_id=step_id,
-            prompts=self._span_prompts(state.span) if start == 0 else None,
+            prompts=prompts,
         )
 
     def replayed(
@@ -297,7 +300,8 @@ class SessionCore:
             self.history.pop(state.span.start, None)
         if history is not None:
             self.history[failed.span.start] = history
-        self.spans.insert(index, SpanState(failed.span, gone=True))
+        # A stale span's replacement failing blames nobody: it stays stale.
+        self.spans.insert(index, SpanState(failed.span, gone=True, stale=failed.stale))
 
     def finish(self) -> None:
         """Every span answered: the step's positions are the session's."""

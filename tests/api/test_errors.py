@@ -93,6 +93,13 @@ def test_openai_client_errors(endpoint: Any, client: Any) -> None:
         # JSON lets a surrogate escape stand alone: a string with no UTF-8 form.
         (b'{"model": "M", "messages": [{"role": "user", "content": "a\\ud800b"}]}', 400, None),
         (b'{"model": "\\udfff", "messages": [{"role": "user", "content": "x"}]}', 400, None),
+        # The same surrogate encoded as bytes (not UTF-8), and a body in UTF-16.
+        (b'{"model": "M", "messages": [{"role": "user", "content": "a\xed\xa0\x80"}]}', 400, None),
+        (
+            '{"model": "M", "messages": [{"role": "user", "content": "x"}]}'.encode("utf-16"),
+            400,
+            None,
+        ),
         (
             b'{"model": "M", "messages": [{"role": "user", "content": "x"}], "\\ud800": 1}',
             400,

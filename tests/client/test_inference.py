@@ -5,6 +5,7 @@ process killed with SIGKILL or stalled with SIGSTOP) with the history replayed e
 
 from __future__ import annotations
 
+import functools
 import signal
 import threading
 import time
@@ -213,29 +214,146 @@ async def test_closing_a_session_during_its_step_blames_no_server_and_leaves_no_
                 await wait_for_servers(manager, 2)
                 session = InferenceSession(manager, 16)
                 await session.step(torch.randn(1, 2, HIDDEN))
-                first = session.route[0].peer_id
-                inference = swarm.servers[first].block_server._inference
-                entered, release = trio.Event(), trio.Event()
-                original = inference._step
-
-                async def held(*args: Any, **kwargs: Any) -> Any:
-                    entered.set()
-                    await release.wait()
-                    return await original(*args, **kwargs)
-
-                inference._step = held  # type: ignore[method-assign]
-                async with trio.open_nursery() as nursery:
-
-                    async def step() -> None:
-                        with pytest.raises(PetalsError, match="closed"):
-                            await session.step(torch.randn(1, 1, HIDDEN))
-
-                    nursery.start_soon(step)
-                    await entered.wait()
-                    await session.close()
-                    release.set()
+                held = _hold_steps(swarm.servers[session.route[0].peer_id])
+                await _close_during_step(session, *held, torch.randn(1, 1, HIDDEN))
                 assert not manager.state.bans
                 await _no_open_sessions(swarm.servers.values())
+
+
+async def test_closing_a_session_while_it_fails_over_blames_no_replacement(
+    model: Model, tmp_path: Path
+) -> None:
+    """Closed while a replacement replays (its server held), or while a beam step that lost
+    its first server waits for the second: the step ends as closed, every session is closed,
+    and no server but the one that left is blamed."""
+    spans = [(0, 3), (0, 3), (3, 6), (3, 6)]
+    async with in_process_swarm(model, tmp_path, spans) as swarm:
+        manager = manager_for(list(swarm.servers.values()), verify="none")
+        with trio.fail_after(DEADLINE_S):
+            async with RemoteSequential(manager):
+                await wait_for_servers(manager, 4)
+                session = InferenceSession(manager, 16)
+                await session.step(torch.randn(2, 2, HIDDEN))
+                first, second = (span.peer_id for span in session.route)
+                spare = next(
+                    p
+                    for p in swarm.servers
+                    if p != second and swarm.servers[p].blocks == range(3, 6)
+                )
+                held = _hold_steps(swarm.servers[spare])
+                await swarm.leave(second)
+                await _close_during_step(session, *held, torch.randn(2, 1, HIDDEN))
+                assert set(manager.state.bans) == {second}
+                await _no_open_sessions(swarm.servers.values())
+
+                session = InferenceSession(manager, 16)
+                await session.step(torch.randn(2, 2, HIDDEN))
+                first, second = (span.peer_id for span in session.route)
+                held = _hold_steps(swarm.servers[second])
+                await swarm.leave(first)
+                reorder = torch.tensor([1, 0])
+                await _close_during_step(
+                    session, *held, torch.randn(2, 1, HIDDEN), hypo_ids=reorder
+                )
+                assert first in manager.state.bans and second not in manager.state.bans
+                await _no_open_sessions(swarm.servers.values())
+
+
+async def test_closing_a_session_while_a_checker_opens_leaves_no_session(
+    model: Model, tmp_path: Path
+) -> None:
+    async with in_process_swarm(model, tmp_path, [(0, 6), (0, 6)]) as swarm:
+        manager = manager_for(list(swarm.servers.values()))  # its first answers checked
+        with trio.fail_after(DEADLINE_S):
+            async with RemoteSequential(manager):
+                await wait_for_servers(manager, 2)
+                session = InferenceSession(manager, 16)
+                entered, release = trio.Event(), trio.Event()
+                follower = session._follower
+
+                async def slow_follower(state: Any) -> Any:
+                    entered.set()
+                    await release.wait()
+                    return await follower(state)
+
+                session._follower = slow_follower  # type: ignore[method-assign]
+                await _close_during_step(session, entered, release, torch.randn(1, 2, HIDDEN))
+                await _no_open_sessions(swarm.servers.values())
+
+
+async def test_a_span_cut_short_while_taking_back_a_reorder_blames_nobody(
+    model: Model, tmp_path: Path
+) -> None:
+    """The caller gives up on a beam step (its spans then hold a reorder taken back), then on
+    the next step while the first span is replayed anew: neither server is blamed, and the step
+    after goes through as if neither had been sent."""
+    torch.manual_seed(4)
+    async with in_process_swarm(model, tmp_path, [(0, 3), (3, 6)]) as swarm:
+        manager = manager_for(list(swarm.servers.values()), verify="none", max_retries=2)
+        reference = Reference(model)
+        with trio.fail_after(DEADLINE_S):
+            async with RemoteSequential(manager):
+                await wait_for_servers(manager, 2)
+                async with InferenceSession(manager, 16) as session:
+                    await reference.check_step(session, 2, 2)
+                    first, second = (swarm.servers[span.peer_id] for span in session.route)
+                    entered, release = _hold_steps(second)
+                    beam = torch.tensor([1, 0])
+                    await _give_up_during_step(session, entered, torch.randn(2, 1, HIDDEN), beam)
+                    release.set()
+                    entered, release = _hold_steps(first)  # its replay, this time
+                    await _give_up_during_step(session, entered, torch.randn(2, 1, HIDDEN))
+                    release.set()
+                    await reference.check_step(session, 2, 1)
+                    assert not manager.state.bans
+
+
+def _hold_steps(server: Any) -> tuple[trio.Event, trio.Event]:
+    """Hold ``server``'s inference steps until the second event is set; the first is set as one
+    arrives.  Held once: the next step after the release goes as usual."""
+    inference = server.block_server._inference
+    entered, release = trio.Event(), trio.Event()
+    original = inference._step
+
+    async def held(*args: Any, **kwargs: Any) -> Any:
+        entered.set()
+        await release.wait()
+        inference._step = original
+        return await original(*args, **kwargs)
+
+    inference._step = held
+    return entered, release
+
+
+async def _close_during_step(
+    session: InferenceSession,
+    entered: trio.Event,
+    release: trio.Event,
+    x: torch.Tensor,
+    **step: Any,
+) -> None:
+    """A step of ``x`` through ``session``, closed once ``entered`` is set (then ``release``
+    set): the step ends as closed."""
+    async with trio.open_nursery() as nursery:
+
+        async def closed_step() -> None:
+            with pytest.raises(PetalsError, match="closed"):
+                await session.step(x, **step)
+
+        nursery.start_soon(closed_step)
+        await entered.wait()
+        await session.close()
+        release.set()
+
+
+async def _give_up_during_step(
+    session: InferenceSession, entered: trio.Event, x: torch.Tensor, hypo_ids: Any = None
+) -> None:
+    """A step of ``x`` through ``session``, cancelled once ``entered`` is set."""
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(functools.partial(session.step, x, hypo_ids=hypo_ids))
+        await entered.wait()
+        nursery.cancel_scope.cancel()
 
 
 async def test_a_cancelled_close_still_ends_the_server_sessions(
