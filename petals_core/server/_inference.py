@@ -143,6 +143,8 @@ class InferenceHandlers:
         self._sessions: dict[str, _Session] = {}
         #: Sessions open or being opened, by peer (what ``max_sessions_per_peer`` bounds).
         self._held: dict[str, int] = {}
+        #: The scopes of the openings not registered yet (waiting for cache, or allocating it).
+        self._waiting_openings: set[trio.CancelScope] = set()
         #: Set (and replaced) each time a session registers: pushes that came first wait on it.
         self._registered = trio.Event()
         #: Servers a push could not dial, until when they are not tried again.
@@ -158,22 +160,33 @@ class InferenceHandlers:
         return sum(self._held.values()) - len(self._sessions)
 
     def close_all(self, reason: str) -> None:
-        """End every open session with ``reason``."""
+        """End every open session with ``reason``, and every opening still waiting for its
+        cache (each holds the blocks it was opened on)."""
         for session in list(self._sessions.values()):
             session.closed_because = reason
             session.scope.cancel()
+        for opening in list(self._waiting_openings):
+            opening.cancel()
 
     # -- sessions --------------------------------------------------------------------------------
 
     async def serve_session(self, call: ServerCall) -> None:
-        backend, pool, cache = self._serving.parts()
+        self._serving.parts()  # refused at once while the server does not serve
         with trio.move_on_after(self.limits.step_timeout_s) as waited:
             message = await call.receive()
         if waited.cancelled_caught:
             raise ServerError("no session request arrived in time")
+        # Taken now, not before the wait: the server may have moved to other blocks meanwhile.
+        backend, pool, cache = self._serving.parts()
         opening = self._opening(message, backend)
-        with self._held_by(str(call.peer_id)):
-            await self._open(call, opening, backend, pool, cache)
+        with self._held_by(str(call.peer_id)), trio.CancelScope() as waiting:
+            self._waiting_openings.add(waiting)
+            try:
+                await self._open(call, opening, backend, pool, cache, waiting)
+            finally:
+                self._waiting_openings.discard(waiting)
+        if waiting.cancelled_caught:  # the server stopped serving these blocks (close_all)
+            raise ServerError(self._serving.refusing or "the server stopped serving")
 
     async def _open(
         self,
@@ -182,8 +195,10 @@ class InferenceHandlers:
         backend: BlockBackend,
         pool: TaskPool,
         cache: MemoryCache,
+        waiting: trio.CancelScope,
     ) -> None:
-        """The session, once its opening is checked and counted against its peer's share."""
+        """The session, once its opening is checked and counted against its peer's share;
+        ``waiting`` is cancelled by :meth:`close_all` until the session is registered."""
         session_id, (start, end) = opening.session_id, opening.blocks
         batch, max_length = opening.batch_size, opening.max_length
         padding = None
@@ -208,6 +223,7 @@ class InferenceHandlers:
             inbox, steps = trio.open_memory_channel[_InboxItem](_INBOX_SIZE)
             session.inbox = inbox
             self._sessions[session_id] = session
+            self._waiting_openings.discard(waiting)  # close_all ends it as a session now
             self._registered.set()
             self._registered = trio.Event()
             self._serving.changed()

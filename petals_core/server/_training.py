@@ -105,9 +105,9 @@ class TrainingHandlers:
     # -- forward ---------------------------------------------------------------------------------
 
     async def forward(self, call: ServerCall) -> None:
-        backend, pool, _ = self._serving.parts()
+        self._serving.parts()  # refused at once while the server does not serve
         with self._request_deadline():
-            request = await self._receive(call, ForwardRequest.from_wire_untrusted, backend)
+            request, backend, pool = await self._receive(call, ForwardRequest.from_wire_untrusted)
             (start, end), hidden, prompts = request.blocks, request.hidden_states, request.prompts
             adapter = request.active_adapter
             nbytes = backend.activation_bytes(hidden.shape[0], hidden.shape[1]) * (end - start)
@@ -179,9 +179,9 @@ class TrainingHandlers:
     # -- backward --------------------------------------------------------------------------------
 
     async def backward(self, call: ServerCall) -> None:
-        backend, pool, _ = self._serving.parts()
+        self._serving.parts()  # refused at once while the server does not serve
         with self._request_deadline():
-            request = await self._receive(call, BackwardRequest.from_wire_untrusted, backend)
+            request, backend, pool = await self._receive(call, BackwardRequest.from_wire_untrusted)
             start, end = request.blocks
             hidden, prompts = request.hidden_states, request.prompts
             kept = self._take_kept(request.kept, str(call.peer_id))
@@ -297,12 +297,14 @@ class TrainingHandlers:
         self,
         call: ServerCall,
         parse: Callable[[Mapping[str, Any], Mapping[str, Any]], _Request],
-        backend: BlockBackend,
-    ) -> _Request:
-        """The call's request, checked against what this server holds and allows."""
+    ) -> tuple[_Request, BlockBackend, TaskPool]:
+        """The call's request, checked against what this server holds and allows, and what it
+        is computed with (taken once it arrived: the server may have moved to other blocks
+        meanwhile)."""
         meta, tensors = await receive_tensors(
             call.receive, max_elements=self.limits.max_request_elements
         )
+        backend, pool, _ = self._serving.parts()
         try:
             request = parse(meta, tensors)
             start, end = check_blocks_held(request.blocks, backend)
@@ -320,7 +322,7 @@ class TrainingHandlers:
         except (ValueError, CodecError) as exc:
             self._serving.count("failures")
             raise ServerError(f"request refused: {exc}") from None
-        return request
+        return request, backend, pool
 
     async def _run_forward(
         self,

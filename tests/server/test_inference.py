@@ -15,10 +15,11 @@ import torch
 import trio
 
 from petals_core import RemoteError
-from petals_core.protocol import INFERENCE
+from petals_core.protocol import FORWARD, INFERENCE, send_tensors
 from petals_core.server import ServingLimits
-from petals_core.transport import Connection
+from petals_core.transport import Connection, open_call
 
+from ..dht._swarm import wait_until
 from ..models.conftest import TinyCheckpoint
 from ._client import (
     DEADLINE_S,
@@ -284,6 +285,49 @@ async def test_allocation_beyond_the_budget_fails_at_once(
             assert caught.value.remote_type == "AllocationFailed"
             assert server.block_server.cache_tokens_left == 48
             await check_serving(server_llama, connection, blocks=(0, 6), max_length=8)
+
+
+async def test_a_move_refuses_the_openings_that_wait_or_were_not_sent_yet(
+    server_llama: TinyCheckpoint, cache_dir: Path
+) -> None:
+    """A server leaving its blocks (to move to others) refuses, naming why, an opening that
+    waits for cache, and the session and forward whose calls were opened before but sent
+    after: none runs on the blocks it leaves (nor keeps them in memory meanwhile)."""
+    moving = "moving to blocks 3:6"
+    with trio.fail_after(DEADLINE_S):
+        async with (
+            serve_and_connect(server_llama, cache_dir, blocks=(0, 6), attn_cache_tokens=8) as (
+                server,
+                connection,
+            ),
+            # Opened first: their handlers start before the cache fills (loopback keeps order).
+            open_call(connection, INFERENCE) as early,
+            open_call(connection, FORWARD) as early_forward,
+            open_call(connection, INFERENCE) as fills,
+        ):
+            blocks = server.block_server
+            opening = {"blocks": [0, 3], "max_length": 3, "alloc_timeout": DEADLINE_S}
+            await fills.send({**opening, "max_length": 14, "session_id": "fills"})
+            assert await fills.receive() == {"ready": True, "position": 0}
+            assert blocks.cache_tokens_left == 8 * 6 - 14 * 3
+            waiting = open_raw_session(connection, {**opening, "session_id": "waits"})
+            async with trio.open_nursery() as nursery:
+
+                async def refused() -> None:
+                    with pytest.raises(RemoteError, match=moving):
+                        await waiting
+
+                nursery.start_soon(refused)
+                await wait_until(lambda: blocks.statistics().openings == 1)
+                blocks.detach(moving)
+            await early.send({**opening, "session_id": "early"})
+            with pytest.raises(RemoteError, match=moving):
+                await early.receive()
+            hidden = torch.randn(1, 2, HIDDEN)
+            await send_tensors(early_forward.send, {"blocks": [0, 3]}, {"hidden_states": hidden})
+            with pytest.raises(RemoteError, match=moving):
+                await early_forward.receive()
+            assert blocks.statistics().openings == 0
 
 
 async def test_allocation_without_waiting_fails_when_the_cache_is_full(
