@@ -70,6 +70,10 @@ class ServingLimits:
     request_timeout_s: float = attrs.field(default=180.0, validator=_positive)
     #: Elements a forward / backward request may carry in all.
     max_request_elements: int = attrs.field(default=1 << 28, validator=_positive)
+    #: Forward / backward calls read and computed at once, of all peers and of one peer; more
+    #: wait their turn before their tensors are read.
+    max_requests: int = attrs.field(default=16, validator=_positive)
+    max_requests_per_peer: int = attrs.field(default=4, validator=_positive)
     #: Sessions one peer may hold at once, open or opening (waiting for cache).
     max_sessions_per_peer: int = attrs.field(default=64, validator=_positive)
     #: Run concurrent sessions' steps over the same blocks as one batch (off: one by one, for
@@ -114,6 +118,10 @@ class BlockServerStatistics:
     push_dial_failures: int
     forwards: int
     backwards: int
+    #: Forward / backward calls waiting for their turn, and holding one (see
+    #: ``ServingLimits.max_requests``).
+    requests_waiting: int
+    requests_running: int
     #: Backwards that took their gradients from a kept forward graph.
     kept_backwards: int
     failures: int
@@ -197,6 +205,8 @@ class BlockServer:
         return BlockServerStatistics(
             sessions=self._inference.open_sessions,
             openings=self._inference.openings,
+            requests_waiting=self._training.waiting,
+            requests_running=self._training.running,
             kept_forwards=kept_forwards,
             kept_forward_bytes=kept_forward_bytes,
             **self._serving.counts,

@@ -20,7 +20,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import secrets
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from typing import Any, TypeVar
 
 import attrs
@@ -91,6 +91,12 @@ class TrainingHandlers:
         #: Token -> kept forward graph, oldest first.
         self._kept: dict[str, _Kept] = {}
         self._kept_bytes = 0
+        #: Turns to read and compute a call (see :meth:`_turn`): all calls', and each peer's
+        #: (dropped once nobody holds or waits for one).
+        self._turns = trio.CapacityLimiter(self.limits.max_requests)
+        self._peer_turns: dict[str, trio.CapacityLimiter] = {}
+        #: Calls waiting for their turn now, and holding one.
+        self.waiting = self.running = 0
 
     def kept_statistics(self) -> tuple[int, int]:
         """The forward graphs kept now, and their estimated bytes."""
@@ -107,25 +113,31 @@ class TrainingHandlers:
     async def forward(self, call: ServerCall) -> None:
         self._serving.parts()  # refused at once while the server does not serve
         with self._request_deadline():
-            request, backend, pool = await self._receive(call, ForwardRequest.from_wire_untrusted)
-            (start, end), hidden, prompts = request.blocks, request.hidden_states, request.prompts
-            adapter = request.active_adapter
-            nbytes = backend.activation_bytes(hidden.shape[0], hidden.shape[1]) * (end - start)
-            token = None
-            if request.keep_for_backward and nbytes <= min(
-                self.limits.backward_activation_bytes, self.limits.kept_forward_bytes
-            ):
-                output, graph = await pool.run(
-                    functools.partial(
-                        backend.forward_keeping_graph,
-                        start,
-                        end,
-                        hidden,
-                        prompts=prompts,
-                        adapter=adapter,
-                    ),
-                    priority=Priority.FORWARD,
-                )
+            async with self._turn(str(call.peer_id)):
+                await self._forward(call)
+
+    async def _forward(self, call: ServerCall) -> None:
+        request, backend, pool = await self._receive(call, ForwardRequest.from_wire_untrusted)
+        (start, end), hidden, prompts = request.blocks, request.hidden_states, request.prompts
+        adapter = request.active_adapter
+        nbytes = backend.activation_bytes(hidden.shape[0], hidden.shape[1]) * (end - start)
+        token = None
+        if request.keep_for_backward and nbytes <= min(
+            self.limits.backward_activation_bytes, self.limits.kept_forward_bytes
+        ):
+            output, graph = await pool.run(
+                functools.partial(
+                    backend.forward_keeping_graph,
+                    start,
+                    end,
+                    hidden,
+                    prompts=prompts,
+                    adapter=adapter,
+                ),
+                priority=Priority.FORWARD,
+            )
+            # Not kept once the server left these blocks (a move): the graph holds them.
+            if self._serving.backend is backend:
                 token = self._keep(
                     _Kept(
                         peer=str(call.peer_id),
@@ -139,21 +151,21 @@ class TrainingHandlers:
                         expires_at=trio.current_time() + self.limits.kept_forward_timeout_s,
                     )
                 )
-            else:
-                output = (
-                    await self._run_forward(backend, pool, start, end, hidden, prompts, adapter)
-                )[-1]
-            self._serving.count("forwards")
-            output = output.to(hidden.dtype)
-            signed = await self._serving.signed(
-                "forward",
-                (start, end),
-                adapter,
-                request.to_wire()[1],
-                {"hidden_states": output},
-            )
-            reply = ForwardReply(hidden_states=output, kept=token, receipt=signed and signed[1])
-            await send_tensors(call.send, *reply.to_wire(), encode_part=self._encode_part)
+        else:
+            output = (await self._run_forward(backend, pool, start, end, hidden, prompts, adapter))[
+                -1
+            ]
+        self._serving.count("forwards")
+        output = output.to(hidden.dtype)
+        signed = await self._serving.signed(
+            "forward",
+            (start, end),
+            adapter,
+            request.to_wire()[1],
+            {"hidden_states": output},
+        )
+        reply = ForwardReply(hidden_states=output, kept=token, receipt=signed and signed[1])
+        await send_tensors(call.send, *reply.to_wire(), encode_part=self._encode_part)
 
     def _keep(self, kept: _Kept) -> str:
         """Store ``kept`` (dropping expired graphs, then the oldest, to make room); its token."""
@@ -181,40 +193,38 @@ class TrainingHandlers:
     async def backward(self, call: ServerCall) -> None:
         self._serving.parts()  # refused at once while the server does not serve
         with self._request_deadline():
-            request, backend, pool = await self._receive(call, BackwardRequest.from_wire_untrusted)
-            start, end = request.blocks
-            hidden, prompts = request.hidden_states, request.prompts
-            kept = self._take_kept(request.kept, str(call.peer_id))
-            if kept is not None and kept.matches(
-                start, end, request.active_adapter, hidden, prompts
-            ):
-                grad, grad_prompts = await pool.run(
-                    functools.partial(
-                        backend.backward_from_graph, kept.graph, request.grad_outputs
-                    ),
-                    priority=Priority.BACKWARD,
-                )
-                self._serving.count("kept_backwards")
-            else:
-                grad, grad_prompts = await self._recompute_backward(
-                    backend, pool, request, start, end
-                )
-            self._serving.count("backwards")
-            reply = BackwardReply(
-                grad_inputs=grad.to(hidden.dtype),
-                grad_prompts=None
-                if grad_prompts is None or prompts is None
-                else grad_prompts.to(prompts.dtype),
+            async with self._turn(str(call.peer_id)):
+                await self._backward(call)
+
+    async def _backward(self, call: ServerCall) -> None:
+        request, backend, pool = await self._receive(call, BackwardRequest.from_wire_untrusted)
+        start, end = request.blocks
+        hidden, prompts = request.hidden_states, request.prompts
+        kept = self._take_kept(request.kept, str(call.peer_id))
+        if kept is not None and kept.matches(start, end, request.active_adapter, hidden, prompts):
+            grad, grad_prompts = await pool.run(
+                functools.partial(backend.backward_from_graph, kept.graph, request.grad_outputs),
+                priority=Priority.BACKWARD,
             )
-            signed = await self._serving.signed(
-                "backward",
-                (start, end),
-                request.active_adapter,
-                request.to_wire()[1],
-                reply.tensors(),
-            )
-            reply = attrs.evolve(reply, receipt=signed and signed[1])
-            await send_tensors(call.send, *reply.to_wire(), encode_part=self._encode_part)
+            self._serving.count("kept_backwards")
+        else:
+            grad, grad_prompts = await self._recompute_backward(backend, pool, request, start, end)
+        self._serving.count("backwards")
+        reply = BackwardReply(
+            grad_inputs=grad.to(hidden.dtype),
+            grad_prompts=None
+            if grad_prompts is None or prompts is None
+            else grad_prompts.to(prompts.dtype),
+        )
+        signed = await self._serving.signed(
+            "backward",
+            (start, end),
+            request.active_adapter,
+            request.to_wire()[1],
+            reply.tensors(),
+        )
+        reply = attrs.evolve(reply, receipt=signed and signed[1])
+        await send_tensors(call.send, *reply.to_wire(), encode_part=self._encode_part)
 
     def _take_kept(self, token: str | None, peer: str) -> _Kept | None:
         """The graph ``token`` names, if ``peer`` kept it; it serves one backward (or none)."""
@@ -282,6 +292,36 @@ class TrainingHandlers:
         return [(g, min(g + size, end)) for g in range(start, end, size)]
 
     # -- both ------------------------------------------------------------------------------------
+
+    @contextlib.asynccontextmanager
+    async def _turn(self, peer: str) -> AsyncIterator[None]:
+        """Wait for a turn: at most ``max_requests_per_peer`` calls of one peer, and
+        ``max_requests`` in all, are read and computed at once; the others wait before their
+        tensors are read (so the requests held in memory are bounded, not just each one)."""
+        turns = self._peer_turns.get(peer)
+        if turns is None:
+            turns = self._peer_turns[peer] = trio.CapacityLimiter(self.limits.max_requests_per_peer)
+        self._count(waiting=1)
+        waiting = True
+        try:
+            async with turns, self._turns:
+                waiting = False
+                self._count(waiting=-1, running=1)
+                try:
+                    yield
+                finally:
+                    self._count(running=-1)
+        finally:
+            if waiting:
+                self._count(waiting=-1)
+            unused = not turns.borrowed_tokens and not turns.statistics().tasks_waiting
+            if unused and self._peer_turns.get(peer) is turns:
+                del self._peer_turns[peer]
+
+    def _count(self, *, waiting: int = 0, running: int = 0) -> None:
+        self.waiting += waiting
+        self.running += running
+        self._serving.changed()
 
     @contextlib.contextmanager
     def _request_deadline(self) -> Iterator[None]:

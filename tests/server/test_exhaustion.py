@@ -3,8 +3,10 @@ cache, requests beyond the budget are refused at once, and the server serves oth
 
 from __future__ import annotations
 
+import threading
 from contextlib import AsyncExitStack
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -16,7 +18,17 @@ from petals_core.server import ServingLimits
 from petals_core.transport import Connection, open_call, open_node
 
 from ..models.conftest import TinyCheckpoint
-from ._client import info, open_raw_session, serve_and_connect, session
+from ._client import (
+    HIDDEN,
+    assert_close,
+    forward,
+    info,
+    local_blocks,
+    open_raw_session,
+    run_local,
+    serve_and_connect,
+    session,
+)
 
 DEADLINE_S = 30.0
 
@@ -138,3 +150,54 @@ async def _abandon(connection: Connection, session_id: str) -> None:
             await call.send({"session_id": session_id})
             scope.cancel()
             await trio.lowlevel.checkpoint()
+
+
+async def test_forwards_wait_their_turn_per_peer_and_in_all(
+    server_llama: TinyCheckpoint, cache_dir: Path
+) -> None:
+    """At most 2 calls of one peer and 3 in all are read and computed at once: a peer's third
+    forward waits for one of its own, another peer's first goes ahead, a third peer's waits
+    for any; once the computation goes on, every forward gets its answer."""
+    limits = ServingLimits(max_requests=3, max_requests_per_peer=2)
+    hidden = torch.randn(1, 3, HIDDEN)
+    expected = run_local(local_blocks(server_llama, 0, 2), hidden)
+    with trio.fail_after(DEADLINE_S):
+        async with serve_and_connect(server_llama, cache_dir, limits=limits) as (server, greedy):
+            backend = server.backend
+            assert backend is not None
+            go_on = threading.Event()
+            forward_block = backend.forward_block
+
+            def held(*args: Any, **kwargs: Any) -> Any:
+                go_on.wait()  # in the pool's worker: the calls holding a turn stay there
+                return forward_block(*args, **kwargs)
+
+            backend.forward_block = held  # type: ignore[method-assign]
+            blocks = server.block_server
+            outputs: list[torch.Tensor] = []
+
+            async def forwarded(connection: Connection) -> None:
+                outputs.append(await forward(connection, (0, 2), hidden))
+
+            def counts(waiting: int, running: int) -> Any:
+                return lambda s: (s.requests_waiting, s.requests_running) == (waiting, running)
+
+            try:
+                async with (
+                    open_node(host="127.0.0.1") as second,
+                    open_node(host="127.0.0.1") as third,
+                    trio.open_nursery() as nursery,
+                ):
+                    for _ in range(3):
+                        nursery.start_soon(forwarded, greedy)
+                    await blocks.wait_statistics(counts(waiting=1, running=2))
+                    for node, waiting in ((second, 1), (third, 2)):
+                        nursery.start_soon(forwarded, await node.connect(server.multiaddrs[0]))
+                        await blocks.wait_statistics(counts(waiting, running=3))
+                    go_on.set()
+            finally:
+                go_on.set()
+            assert len(outputs) == 5
+            for output in outputs:
+                assert_close(output, expected)
+            assert blocks.statistics().requests_waiting == 0

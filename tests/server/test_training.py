@@ -3,7 +3,9 @@ blocks of the same checkpoint, and the forward graphs it keeps for a backward.""
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -229,6 +231,45 @@ async def test_kept_graphs_expire(server_llama: TinyCheckpoint, cache_dir: Path)
             # The graph's deadline (on this same trio clock) lies before this one.
             await trio.sleep_until(trio.current_time() + 0.05)
             assert server.block_server.statistics().kept_forwards == 0
+
+
+async def test_a_graph_computed_as_the_server_moves_is_not_kept(
+    server_llama: TinyCheckpoint, cache_dir: Path
+) -> None:
+    """A forward kept for backward that computes while the server leaves its blocks is answered
+    but not kept: the graph would hold the blocks left."""
+    hidden = torch.randn(1, 3, HIDDEN)
+    with trio.fail_after(DEADLINE_S):
+        async with (
+            serve(server_llama, cache_dir, blocks=(0, 6)) as server,
+            connect(server) as connection,
+            trio.open_nursery() as nursery,
+        ):
+            backend, blocks = server.backend, server.block_server
+            assert backend is not None
+            computing, go_on = trio.Event(), threading.Event()
+            keeping = backend.forward_keeping_graph
+
+            def held(*args: Any, **kwargs: Any) -> Any:
+                trio.from_thread.run_sync(computing.set)  # from the pool's worker thread
+                go_on.wait()
+                return keeping(*args, **kwargs)
+
+            backend.forward_keeping_graph = held  # type: ignore[method-assign]
+            replies: list[dict[str, Any]] = []
+
+            async def kept_forward() -> None:
+                meta = {"keep_for_backward": True}
+                replies.append((await forward_with_meta(connection, (0, 2), hidden, meta=meta))[1])
+
+            try:
+                nursery.start_soon(kept_forward)
+                await computing.wait()
+                blocks.detach("moving to blocks 3:6")
+            finally:
+                go_on.set()
+        assert replies and "kept" not in replies[0]
+        assert blocks.statistics().kept_forwards == 0
 
 
 async def test_forward_accepts_bfloat16(server_llama: TinyCheckpoint, cache_dir: Path) -> None:
