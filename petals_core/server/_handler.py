@@ -70,9 +70,8 @@ class ServingLimits:
     request_timeout_s: float = attrs.field(default=180.0, validator=_positive)
     #: Elements a forward / backward request may carry in all.
     max_request_elements: int = attrs.field(default=1 << 28, validator=_positive)
-    #: Forward / backward calls read and computed at once, of all peers and of one peer; more
-    #: wait their turn before their tensors are read.
-    max_requests: int = attrs.field(default=16, validator=_positive)
+    #: Forward / backward calls of one peer read and computed at once; more wait their turn
+    #: before their tensors are read.
     max_requests_per_peer: int = attrs.field(default=4, validator=_positive)
     #: Sessions one peer may hold at once, open or opening (waiting for cache).
     max_sessions_per_peer: int = attrs.field(default=64, validator=_positive)
@@ -119,7 +118,7 @@ class BlockServerStatistics:
     forwards: int
     backwards: int
     #: Forward / backward calls waiting for their turn, and holding one (see
-    #: ``ServingLimits.max_requests``).
+    #: ``ServingLimits.max_requests_per_peer``).
     requests_waiting: int
     requests_running: int
     #: Backwards that took their gradients from a kept forward graph.

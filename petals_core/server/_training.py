@@ -91,9 +91,8 @@ class TrainingHandlers:
         #: Token -> kept forward graph, oldest first.
         self._kept: dict[str, _Kept] = {}
         self._kept_bytes = 0
-        #: Turns to read and compute a call (see :meth:`_turn`): all calls', and each peer's
-        #: (dropped once nobody holds or waits for one).
-        self._turns = trio.CapacityLimiter(self.limits.max_requests)
+        #: Each peer's turns to read and compute a call (see :meth:`_turn`), dropped once
+        #: nobody holds or waits for one.
         self._peer_turns: dict[str, trio.CapacityLimiter] = {}
         #: Calls waiting for their turn now, and holding one.
         self.waiting = self.running = 0
@@ -113,7 +112,8 @@ class TrainingHandlers:
     async def forward(self, call: ServerCall) -> None:
         self._serving.parts()  # refused at once while the server does not serve
         with self._request_deadline():
-            async with self._turn(str(call.peer_id)):
+            async with self._turn(call):
+                self._serving.parts()  # (it may have moved to other blocks meanwhile)
                 await self._forward(call)
 
     async def _forward(self, call: ServerCall) -> None:
@@ -193,7 +193,8 @@ class TrainingHandlers:
     async def backward(self, call: ServerCall) -> None:
         self._serving.parts()  # refused at once while the server does not serve
         with self._request_deadline():
-            async with self._turn(str(call.peer_id)):
+            async with self._turn(call):
+                self._serving.parts()  # (it may have moved to other blocks meanwhile)
                 await self._backward(call)
 
     async def _backward(self, call: ServerCall) -> None:
@@ -294,23 +295,30 @@ class TrainingHandlers:
     # -- both ------------------------------------------------------------------------------------
 
     @contextlib.asynccontextmanager
-    async def _turn(self, peer: str) -> AsyncIterator[None]:
-        """Wait for a turn: at most ``max_requests_per_peer`` calls of one peer, and
-        ``max_requests`` in all, are read and computed at once; the others wait before their
-        tensors are read (so the requests held in memory are bounded, not just each one)."""
+    async def _turn(self, call: ServerCall) -> AsyncIterator[None]:
+        """Wait for a turn: at most ``max_requests_per_peer`` calls of one peer are read and
+        computed at once; the others wait before their tensors are read (their bytes held back
+        on their streams, so that the calls under way go on), which bounds what one peer's
+        requests hold in memory, not just each one.  (No bound across peers: slow senders
+        under free identities could then shut every peer out.)"""
+        peer = str(call.peer_id)
         turns = self._peer_turns.get(peer)
         if turns is None:
             turns = self._peer_turns[peer] = trio.CapacityLimiter(self.limits.max_requests_per_peer)
         self._count(waiting=1)
         waiting = True
         try:
-            async with turns, self._turns:
+            with call.held_back():
+                await turns.acquire()
+            try:
                 waiting = False
                 self._count(waiting=-1, running=1)
                 try:
                     yield
                 finally:
                     self._count(running=-1)
+            finally:
+                turns.release()
         finally:
             if waiting:
                 self._count(waiting=-1)

@@ -13,8 +13,8 @@ block exits early) the stream is reset, and the callee's handler is cancelled in
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
+from contextlib import asynccontextmanager, contextmanager
 from typing import TYPE_CHECKING, Any
 
 import trio
@@ -238,6 +238,17 @@ class ServerCall:
     def connection(self) -> Connection:
         """The connection the call came on."""
         return self._framed.stream.connection
+
+    @contextmanager
+    def held_back(self) -> Iterator[None]:
+        """While in the block, what the caller sends waits on this call's stream (within the
+        stream's window) without counting against the connection's: a handler that waits its
+        turn before it reads must not starve the caller's other calls."""
+        self._framed.stream.hold_back(True)
+        try:
+            yield
+        finally:
+            self._framed.stream.hold_back(False)
 
     async def send(self, message: Mapping[str, Any]) -> None:
         await self._framed.send({"msg": message})

@@ -152,13 +152,13 @@ async def _abandon(connection: Connection, session_id: str) -> None:
             await trio.lowlevel.checkpoint()
 
 
-async def test_forwards_wait_their_turn_per_peer_and_in_all(
+async def test_forwards_wait_their_turn_per_peer(
     server_llama: TinyCheckpoint, cache_dir: Path
 ) -> None:
-    """At most 2 calls of one peer and 3 in all are read and computed at once: a peer's third
-    forward waits for one of its own, another peer's first goes ahead, a third peer's waits
-    for any; once the computation goes on, every forward gets its answer."""
-    limits = ServingLimits(max_requests=3, max_requests_per_peer=2)
+    """At most 2 calls of one peer are read and computed at once: its third forward waits for
+    one of its own, another peer's goes ahead; once the computation goes on, every forward gets
+    its answer."""
+    limits = ServingLimits(max_requests_per_peer=2)
     hidden = torch.randn(1, 3, HIDDEN)
     expected = run_local(local_blocks(server_llama, 0, 2), hidden)
     with trio.fail_after(DEADLINE_S):
@@ -183,21 +183,41 @@ async def test_forwards_wait_their_turn_per_peer_and_in_all(
                 return lambda s: (s.requests_waiting, s.requests_running) == (waiting, running)
 
             try:
-                async with (
-                    open_node(host="127.0.0.1") as second,
-                    open_node(host="127.0.0.1") as third,
-                    trio.open_nursery() as nursery,
-                ):
+                async with open_node(host="127.0.0.1") as other, trio.open_nursery() as nursery:
                     for _ in range(3):
                         nursery.start_soon(forwarded, greedy)
                     await blocks.wait_statistics(counts(waiting=1, running=2))
-                    for node, waiting in ((second, 1), (third, 2)):
-                        nursery.start_soon(forwarded, await node.connect(server.multiaddrs[0]))
-                        await blocks.wait_statistics(counts(waiting, running=3))
+                    nursery.start_soon(forwarded, await other.connect(server.multiaddrs[0]))
+                    await blocks.wait_statistics(counts(waiting=1, running=3))
                     go_on.set()
             finally:
                 go_on.set()
-            assert len(outputs) == 5
+            assert len(outputs) == 4
             for output in outputs:
                 assert_close(output, expected)
             assert blocks.statistics().requests_waiting == 0
+
+
+async def test_calls_waiting_their_turn_do_not_stall_the_one_under_way(
+    server_llama: TinyCheckpoint, cache_dir: Path
+) -> None:
+    """One turn per peer, and four calls waiting with more than their stream's window to send
+    (4 MiB each): held back on their streams, they leave the connection's window (16 MiB) to
+    the call being read, which gets its answer, and then each of them."""
+    limits = ServingLimits(max_requests_per_peer=1)
+    large = torch.randn(2560, 64, HIDDEN)  # 40 MiB
+    small = torch.randn(320, 64, HIDDEN)  # 5 MiB
+    with trio.fail_after(DEADLINE_S):
+        async with serve_and_connect(server_llama, cache_dir, limits=limits) as (server, client):
+            outputs: dict[int, torch.Tensor] = {}
+
+            async def forwarded(index: int, hidden: torch.Tensor) -> None:
+                outputs[index] = await forward(client, (0, 1), hidden)
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(forwarded, 0, large)
+                await server.block_server.wait_statistics(lambda s: s.requests_running == 1)
+                for index in range(1, 5):
+                    nursery.start_soon(forwarded, index, small)
+            assert sorted(outputs) == [0, 1, 2, 3, 4]
+            assert outputs[0].shape == large.shape
