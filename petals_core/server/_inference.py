@@ -15,7 +15,8 @@ the DHT if the table lacks it), never one a client names -- and answers the clie
 ``pushed: true``.  The stream is dialled in the background on the first step that names that
 session: until it is open, and if it cannot be, the answer says ``pushed: false`` and the
 client sends the step on itself, so that a dial never delays a step.  A session pushes to at
-most a few distinct next sessions (:data:`_MAX_PUSH_TARGETS`); a step naming another is not
+most a few next sessions at once (:data:`_MAX_PUSH_TARGETS`; those whose push failed do not
+count) and tries a few more in all (:data:`_MAX_PUSH_TRIES`); a step naming another is not
 pushed.  The receiving server takes pushed steps in its session's order beside the client's
 own: the session id, known to the client and the servers it chose only, is the capability.  A
 pushed step whose ``step_id`` is not above every id the session has seen is stale (its client
@@ -74,10 +75,13 @@ _PUSH_TIMEOUT_S: Final = 2.0
 #: Longest wait to dial the next server and open the push stream (once per session, meanwhile
 #: the client sends the steps on itself).
 _DIAL_TIMEOUT_S: Final = 10.0
-#: Distinct sessions (next servers) one session's steps may push to: normally one, a few more
-#: after the client's failovers.  Each costs a dial and a stream kept until the session ends;
-#: a step naming yet another is answered but not pushed (its client sends it on itself).
+#: Push streams one session may hold open or be opening at once (one per next session): normally
+#: one, a few more after the client's failovers.  Each is kept until the session ends; a step
+#: naming yet another is answered but not pushed (its client sends it on itself).
 _MAX_PUSH_TARGETS: Final = 4
+#: Distinct next sessions one session may ever try to push to, failed tries included: each costs
+#: a dial, so that a client cannot make a server dial without end.
+_MAX_PUSH_TRIES: Final = 16
 #: What a pushed step never carries: the previous server makes it (SessionState.push_step) of
 #: a step that could be pushed on, which has neither (see protocol.Step).
 _NEVER_PUSHED: Final = ("prompts", "hypo_ids")
@@ -121,8 +125,8 @@ class _Session:
     #: The client's steps and pushed ones, in arrival order: (message, pushed).
     inbox: trio.MemorySendChannel[_InboxItem] | None = None
     #: Push streams to the next servers' sessions, by (peer, session id); None: that push failed
-    #: (not tried again in this session), a _Dialling: being opened.  At most
-    #: _MAX_PUSH_TARGETS entries.
+    #: (not tried again in this session), a _Dialling: being opened.  At most _MAX_PUSH_TARGETS
+    #: entries that are not None, and _MAX_PUSH_TRIES in all.
     pushes: dict[tuple[str, str], Call | _Dialling | None] = attrs.field(factory=dict)
     exits: contextlib.AsyncExitStack = attrs.field(factory=contextlib.AsyncExitStack)
     #: Where the session's background tasks run (the client reader, push dials).
@@ -461,8 +465,10 @@ class InferenceHandlers:
 
     def _start_dial(self, session: _Session, key: tuple[str, str]) -> None:
         """Start opening the push stream to ``key`` unless it is (being) opened or failed, or
-        the session has as many push targets as it may."""
-        if key in session.pushes or len(session.pushes) >= _MAX_PUSH_TARGETS:
+        the session holds as many push streams, or has tried as many next sessions, as it may."""
+        if key in session.pushes or len(session.pushes) >= _MAX_PUSH_TRIES:
+            return
+        if sum(push is not None for push in session.pushes.values()) >= _MAX_PUSH_TARGETS:
             return
         peer = key[0]
         if (

@@ -279,34 +279,50 @@ async def test_stale_and_misaddressed_pushes(model: Model, tmp_path: Path) -> No
                 await push.receive()
 
 
-async def test_a_session_pushes_to_a_few_next_sessions_at_most(
+async def test_a_session_pushes_to_a_few_next_sessions_at_once_and_tries_a_few_more(
     model: Model, tmp_path: Path
 ) -> None:
-    """Every step (zero tokens: free) names another next session: the server dials the first
-    four and answers the steps naming more unpushed, without dialling."""
+    """Every step (zero tokens: free) names another next session.  While four dials hang, the
+    steps naming more are answered unpushed, without dialling; once those four failed, the
+    server dials again, up to sixteen next sessions tried in all."""
     dialled: list[str] = []
+    release = trio.Event()
+
+    async def dial_and_fail(peer_id: str) -> Connection:
+        dialled.append(peer_id)
+        if len(dialled) <= 4:
+            await release.wait()
+        raise PeerUnreachable(f"no way to {peer_id} from here")
+
     async with _one_server(model, tmp_path) as (server, connection):
-        dial = server.block_server.connect_peer
-        assert dial is not None
-
-        async def dial_and_note(peer_id: str) -> Connection:
-            dialled.append(peer_id)
-            return await dial(peer_id)
-
-        server.block_server.connect_peer = dial_and_note
+        server.block_server.connect_peer = dial_and_fail
         prefix = torch.randn(1, 2, HIDDEN)
         async with _session_at_step_5(connection, os.urandom(8).hex(), prefix) as call:
-            for step_id in range(6, 12):
+
+            async def step(step_id: int) -> None:
                 push = [{"peer": f"peer-{step_id}", "session_id": "next"}]
                 empty = torch.zeros(1, 0, HIDDEN)
                 await call.send({"hidden_states": empty, "step_id": step_id, "push": push})
                 answer = await call.receive()
                 assert (answer["step_id"], answer["pushed"]) == (step_id, False)
+
+            for step_id in range(6, 12):
+                await step(step_id)
+            assert dialled == [f"peer-{step_id}" for step_id in range(6, 10)]
+            release.set()
+            await server.block_server.wait_statistics(lambda s: s.push_dial_failures >= 4)
+            for step_id in range(12, 30):
+                await step(step_id)
+                failures = min(step_id - 7, 16)
+                await server.block_server.wait_statistics(
+                    lambda s, n=failures: s.push_dial_failures >= n
+                )
             await call.send_eof()
-            # The session's end waits for its dials: each one started has been made.
             with pytest.raises(CallEnded):
                 await call.receive()
-    assert sorted(dialled) == [f"peer-{step_id}" for step_id in range(6, 10)]
+    # Four hung, two refused while they did; twelve more tried; the rest refused.
+    assert dialled == [f"peer-{step_id}" for step_id in [*range(6, 10), *range(12, 24)]]
+    assert server.block_server.statistics().push_dial_failures == 16
 
 
 async def test_a_push_that_comes_before_its_session_opens_waits_for_it(
