@@ -394,15 +394,22 @@ class InferenceSession:
 
     async def _follow(self, state: SpanState, follower: Follower, x: torch.Tensor) -> None:
         """Send this step's input to ``follower`` (a failure drops the follower, not the step)."""
-        step = self._core.following_step(state.span, x, opened_now=follower.opened_now)
+        steps = self._core.following_steps(state.span, x, opened_now=follower.opened_now)
+        call, compression = follower.call, self.manager.config.compression
         try:
+            # A long catch-up goes in pieces, each answered before the next; the last one's
+            # answer is read with the span's (_check).
+            for step in steps[:-1]:
+                with trio.fail_after(self.manager.config.request_timeout_s):
+                    await call.send(step, compression)
+                    self._core.checked_answer(call.state, step, await call.result(self.manager))
             with trio.fail_after(self.manager.config.request_timeout_s):
-                await follower.call.send(step, self.manager.config.compression)
+                await call.send(steps[-1], compression)
         except RETRIABLE as exc:
             logger.info("the follower of %s failed: %r", state.span, exc)
             await self._drop_follower(state)
             return
-        follower.sent, follower.tokens, follower.opened_now = step, x.shape[1], False
+        follower.sent, follower.tokens, follower.opened_now = steps[-1], x.shape[1], False
 
     async def _check(
         self, state: SpanState, follower: Follower, x: torch.Tensor, result: StepResult
@@ -542,10 +549,12 @@ class InferenceSession:
                         active_adapter=self.manager.config.active_adapter,
                     )
                     await call.open(self.manager, attrs.evolve(opening, max_length=y.shape[1]))
-                    step = core.checking_step(other, y)
-                    await call.send(step, self.manager.config.compression)
-                    answered = await call.result(self.manager)
-                    y = answered.hidden_states
+                    outputs = []
+                    for step in core.checking_steps(other, y):
+                        await call.send(step, self.manager.config.compression)
+                        answered = await call.result(self.manager)
+                        outputs.append(core.checked_answer(call.state, step, answered))
+                    y = torch.cat(outputs, dim=1)
                     signatures.append(answered.receipt)
         except RETRIABLE as exc:
             logger.info("could not check blocks %d:%d: %r", span.start, span.end, exc)

@@ -262,7 +262,11 @@ class SessionCore:
         span's history ``x`` (see :meth:`replay_pieces`)."""
         step_id = next(self._step_ids)
         self._expected[id(state)] = step_id
-        prompts = self._span_prompts(state.span) if start == 0 else None
+        return self._piece(state.span, x, start, end, step_id)
+
+    def _piece(self, span: RouteSpan, x: torch.Tensor, start: int, end: int, step_id: int) -> Step:
+        """Positions ``start:end`` of ``x``, a span's inputs from position 0, as one step."""
+        prompts = self._span_prompts(span) if start == 0 else None
         if prompts is not None:  # (a history rolled back inside the prompts is shorter)
             prompts = prompts[:, :, :end]
         return Step(
@@ -388,29 +392,34 @@ class SessionCore:
             return x
         return torch.cat([history[:, : self.position].to(x.dtype), x], dim=1)
 
-    def following_step(self, span: RouteSpan, x: torch.Tensor, *, opened_now: bool) -> Step:
-        """The step for a server that follows ``span``'s session to check it: this step's input
-        ``x`` at this step's position; for a follower opened at this step past position 0, every
-        input of the span so far from position 0 (its answer's last ``x.shape[1]`` positions
-        are this step's)."""
+    def following_steps(self, span: RouteSpan, x: torch.Tensor, *, opened_now: bool) -> list[Step]:
+        """The steps for a server that follows ``span``'s session to check it: this step's
+        input ``x`` at this step's position; for a follower opened at this step past position
+        0, every input of the span so far from position 0, in pieces as a replay goes
+        (:meth:`checking_steps`: the last answer's last ``x.shape[1]`` positions are this
+        step's)."""
         if opened_now and self.position > 0:
-            return self.checking_step(span, self.inputs_of(span, x))
-        return Step(
+            return self.checking_steps(span, self.inputs_of(span, x))
+        step = Step(
             hidden_states=x,
             start_from_position=self.position,
             prompts=self._span_prompts(span) if self.position == 0 else None,
             hypo_ids=None if opened_now else self._hypo_ids,
         )
+        return [step]
 
-    def checking_step(self, span: RouteSpan, inputs: torch.Tensor) -> Step:
-        """The step that computes ``inputs`` (from position 0) through ``span``'s blocks on a
-        server that checks an answer: it carries the session's deep prompts."""
-        return Step(
-            hidden_states=inputs,
-            start_from_position=0,
-            step_id=0,
-            prompts=self._span_prompts(span),
-        )
+    def checking_steps(self, span: RouteSpan, inputs: torch.Tensor) -> list[Step]:
+        """The steps that compute ``inputs`` (from position 0) through ``span``'s blocks on a
+        server that checks an answer, in pieces as a replay goes (:meth:`replay_pieces`: no
+        message beyond what servers take); the first carries the session's deep prompts."""
+        pieces = self.replay_pieces(inputs)
+        return [self._piece(span, inputs, *piece, step_id) for step_id, piece in enumerate(pieces)]
+
+    @staticmethod
+    def checked_answer(state: SpanState, step: Step, result: StepResult) -> torch.Tensor:
+        """The output of ``result``, a checking server's answer to ``step`` (in the step's
+        dtype).  Raises :class:`ServerError` for an answer that does not fit."""
+        return _checked(state, step.hidden_states, result, step.start_from_position or 0)
 
     def _span_prompts(self, span: RouteSpan) -> torch.Tensor | None:
         if self.prompts is None:

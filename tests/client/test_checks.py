@@ -16,6 +16,7 @@ from petals_core import PetalsError
 from petals_core.client import (
     InferenceSession,
     RemoteSequential,
+    _session_core,
     remote_backward,
     remote_forward,
 )
@@ -269,6 +270,77 @@ async def test_a_checked_session_is_followed_step_by_step_by_another_server(
                 state = seq.sequence_manager.state
                 assert not state.caught
                 assert sum(state.verified.values()) == 2 * 4
+
+
+def _positions_by_peer(session: InferenceSession) -> dict[str, list[int]]:
+    """The positions each server's receipts in ``session`` name, in the order they came."""
+    positions: dict[str, list[int]] = {}
+    for kept in session.receipts:
+        assert kept.receipt.step is not None
+        positions.setdefault(kept.peer, []).append(kept.receipt.step)
+    return positions
+
+
+async def test_a_follower_opened_late_catches_up_in_pieces(
+    model: Model, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``verify="all"``: the span's server leaves after six positions; its replacement is
+    followed by a server opened then, which takes the span's inputs so far in steps of two
+    positions (as a long history goes, in steps of MAX_STEP_BYTES), each answered before the
+    next, and the step's own last; every output equals the local blocks', nobody is caught."""
+    monkeypatch.setattr(_session_core, "MAX_STEP_BYTES", 2 * 2 * HIDDEN * 4)
+    async with in_process_swarm(model, tmp_path, [(0, N_BLOCKS)] * 3) as swarm:
+        with trio.fail_after(DEADLINE_S):
+            async with sequential_over(list(swarm.servers.values()), verify="all") as seq:
+                torch.manual_seed(19)
+                reference = Reference(model)
+                async with InferenceSession(seq.sequence_manager, 16) as session:
+                    for tokens in (4, 1, 1):
+                        await reference.check_step(session, 2, tokens)
+                    (first,) = session.route
+                    before = _positions_by_peer(session)
+                    await swarm.leave(first.peer_id)
+                    for _ in range(2):
+                        await reference.check_step(session, 2, 1)
+                    assert session.retries >= 1
+                    (replacement,) = session.route
+                    after = _positions_by_peer(session)
+                assert not seq.sequence_manager.state.caught
+    (follower,) = set(after) - {first.peer_id, replacement.peer_id}
+    # The replacement's replay (positions 0:6) and the follower's catch-up (0:7) in pieces.
+    added = {peer: after[peer][len(before.get(peer, [])) :] for peer in after}
+    assert added[replacement.peer_id] == [2, 4, 6, 7, 8]
+    assert added[follower] == [2, 4, 6, 7, 8]
+
+
+async def test_a_decider_replays_a_long_history_in_pieces(
+    model: Model, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``verify="all"``: the span's server lies at its fifth step; the third server that
+    decides recomputes the span's inputs from position 0 in steps of two positions (as a long
+    history goes, in steps of MAX_STEP_BYTES).  The liar is caught and every output equals the
+    local blocks'."""
+    monkeypatch.setattr(_session_core, "MAX_STEP_BYTES", 2 * 2 * HIDDEN * 4)
+    async with in_process_swarm(model, tmp_path, [(0, N_BLOCKS)] * 3) as swarm:
+        servers = list(swarm.servers.values())
+        with trio.fail_after(DEADLINE_S):
+            async with sequential_over(servers, verify="all") as seq:
+                torch.manual_seed(20)
+                reference = Reference(model)
+                async with InferenceSession(seq.sequence_manager, 16) as session:
+                    for tokens in (4, 1, 1, 1):
+                        await reference.check_step(session, 2, tokens)
+                    (first,) = session.route
+                    follower = {r.peer for r in session.receipts} - {first.peer_id}
+                    liar = next(s for s in servers if str(s.dht.peer_id) == first.peer_id)
+                    make_liar(liar, lies=("step",))
+                    await reference.check_step(session, 2, 1)
+                    positions = _positions_by_peer(session)
+                caught = seq.sequence_manager.state.caught
+    assert list(caught) == [first.peer_id]
+    (decider,) = set(positions) - {first.peer_id} - follower
+    # Inputs 0:8 in four steps; then the replacement (the decider or the follower) goes on.
+    assert positions[decider][:4] == [2, 4, 6, 8]
 
 
 async def test_a_server_lying_in_its_gradients_is_caught_before_the_optimiser_sees_them(
