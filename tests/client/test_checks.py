@@ -5,9 +5,12 @@ signature does not match is refused."""
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
+import attrs
 import pytest
 import torch
 import trio
@@ -15,8 +18,8 @@ import trio
 from petals_core import PetalsError
 from petals_core.client import (
     InferenceSession,
+    RemoteSequenceManager,
     RemoteSequential,
-    _session_core,
     remote_backward,
     remote_forward,
 )
@@ -35,6 +38,7 @@ from ._swarm_helpers import (
     DEADLINE_S,
     HIDDEN,
     N_BLOCKS,
+    InProcessSwarm,
     Model,
     add_liar_and_two_honest,
     assert_close,
@@ -49,6 +53,8 @@ from .test_inference import Reference
 
 #: How much the liar changes its outputs: a fifth of their scale.
 LIE = 0.2
+#: What bounds a replay's (and a check's) steps.
+STEP_BYTES = "petals_core.client._session_core.MAX_STEP_BYTES"
 
 
 def test_honest_differences_stay_within_the_bound_and_lies_do_not() -> None:
@@ -272,6 +278,27 @@ async def test_a_checked_session_is_followed_step_by_step_by_another_server(
                 assert sum(state.verified.values()) == 2 * 4
 
 
+@attrs.frozen
+class _Checked:
+    """A session checking every answer over three servers of all the blocks."""
+
+    swarm: InProcessSwarm
+    manager: RemoteSequenceManager
+    reference: Reference
+    session: InferenceSession
+
+
+@asynccontextmanager
+async def _checked_session(model: Model, tmp_path: Path, seed: int) -> AsyncIterator[_Checked]:
+    async with in_process_swarm(model, tmp_path, [(0, N_BLOCKS)] * 3) as swarm:
+        with trio.fail_after(DEADLINE_S):
+            async with sequential_over(list(swarm.servers.values()), verify="all") as seq:
+                torch.manual_seed(seed)
+                reference = Reference(model)
+                async with InferenceSession(seq.sequence_manager, 16) as session:
+                    yield _Checked(swarm, seq.sequence_manager, reference, session)
+
+
 def _positions_by_peer(session: InferenceSession) -> dict[str, list[int]]:
     """The positions each server's receipts in ``session`` name, in the order they came."""
     positions: dict[str, list[int]] = {}
@@ -288,24 +315,20 @@ async def test_a_follower_opened_late_catches_up_in_pieces(
     followed by a server opened then, which takes the span's inputs so far in steps of two
     positions (as a long history goes, in steps of MAX_STEP_BYTES), each answered before the
     next, and the step's own last; every output equals the local blocks', nobody is caught."""
-    monkeypatch.setattr(_session_core, "MAX_STEP_BYTES", 2 * 2 * HIDDEN * 4)
-    async with in_process_swarm(model, tmp_path, [(0, N_BLOCKS)] * 3) as swarm:
-        with trio.fail_after(DEADLINE_S):
-            async with sequential_over(list(swarm.servers.values()), verify="all") as seq:
-                torch.manual_seed(19)
-                reference = Reference(model)
-                async with InferenceSession(seq.sequence_manager, 16) as session:
-                    for tokens in (4, 1, 1):
-                        await reference.check_step(session, 2, tokens)
-                    (first,) = session.route
-                    before = _positions_by_peer(session)
-                    await swarm.leave(first.peer_id)
-                    for _ in range(2):
-                        await reference.check_step(session, 2, 1)
-                    assert session.retries >= 1
-                    (replacement,) = session.route
-                    after = _positions_by_peer(session)
-                assert not seq.sequence_manager.state.caught
+    monkeypatch.setattr(STEP_BYTES, 2 * 2 * HIDDEN * 4)
+    async with _checked_session(model, tmp_path, 19) as checked:
+        session = checked.session
+        for tokens in (4, 1, 1):
+            await checked.reference.check_step(session, 2, tokens)
+        (first,) = session.route
+        before = _positions_by_peer(session)
+        await checked.swarm.leave(first.peer_id)
+        for _ in range(2):
+            await checked.reference.check_step(session, 2, 1)
+        assert session.retries >= 1
+        (replacement,) = session.route
+        after = _positions_by_peer(session)
+        assert not checked.manager.state.caught
     (follower,) = set(after) - {first.peer_id, replacement.peer_id}
     # The replacement's replay (positions 0:6) and the follower's catch-up (0:7) in pieces.
     added = {peer: after[peer][len(before.get(peer, [])) :] for peer in after}
@@ -320,24 +343,17 @@ async def test_a_decider_replays_a_long_history_in_pieces(
     decides recomputes the span's inputs from position 0 in steps of two positions (as a long
     history goes, in steps of MAX_STEP_BYTES).  The liar is caught and every output equals the
     local blocks'."""
-    monkeypatch.setattr(_session_core, "MAX_STEP_BYTES", 2 * 2 * HIDDEN * 4)
-    async with in_process_swarm(model, tmp_path, [(0, N_BLOCKS)] * 3) as swarm:
-        servers = list(swarm.servers.values())
-        with trio.fail_after(DEADLINE_S):
-            async with sequential_over(servers, verify="all") as seq:
-                torch.manual_seed(20)
-                reference = Reference(model)
-                async with InferenceSession(seq.sequence_manager, 16) as session:
-                    for tokens in (4, 1, 1, 1):
-                        await reference.check_step(session, 2, tokens)
-                    (first,) = session.route
-                    follower = {r.peer for r in session.receipts} - {first.peer_id}
-                    liar = next(s for s in servers if str(s.dht.peer_id) == first.peer_id)
-                    make_liar(liar, lies=("step",))
-                    await reference.check_step(session, 2, 1)
-                    positions = _positions_by_peer(session)
-                caught = seq.sequence_manager.state.caught
-    assert list(caught) == [first.peer_id]
+    monkeypatch.setattr(STEP_BYTES, 2 * 2 * HIDDEN * 4)
+    async with _checked_session(model, tmp_path, 20) as checked:
+        session = checked.session
+        for tokens in (4, 1, 1, 1):
+            await checked.reference.check_step(session, 2, tokens)
+        (first,) = session.route
+        follower = {r.peer for r in session.receipts} - {first.peer_id}
+        make_liar(checked.swarm.servers[first.peer_id], lies=("step",))
+        await checked.reference.check_step(session, 2, 1)
+        positions = _positions_by_peer(session)
+        assert list(checked.manager.state.caught) == [first.peer_id]
     (decider,) = set(positions) - {first.peer_id} - follower
     # Inputs 0:8 in four steps; then the replacement (the decider or the follower) goes on.
     assert positions[decider][:4] == [2, 4, 6, 8]
@@ -358,21 +374,13 @@ async def test_every_answer_checked_catches_an_occasional_liar_at_its_first_lie(
 ) -> None:
     """``verify="all"``: the server a session goes through starts lying on a third of its steps
     at random; it is caught at its first lie, and every output equals the local blocks'."""
-    async with in_process_swarm(model, tmp_path, [(0, N_BLOCKS)] * 3) as swarm:
-        servers = list(swarm.servers.values())
-        with trio.fail_after(DEADLINE_S):
-            async with sequential_over(servers, verify="all") as seq:
-                torch.manual_seed(16)
-                reference = Reference(model)
-                async with InferenceSession(seq.sequence_manager, 16) as session:
-                    await reference.check_step(session, 2, 3)
-                    (first,) = session.route
-                    liar = next(s for s in servers if str(s.dht.peer_id) == first.peer_id)
-                    make_liar(liar, lies=("step",), share=0.3, seed=0)
-                    for _ in range(8):
-                        await reference.check_step(session, 2, 1)
-                caught = seq.sequence_manager.state.caught
-                assert list(caught) == [first.peer_id]
+    async with _checked_session(model, tmp_path, 16) as checked:
+        await checked.reference.check_step(checked.session, 2, 3)
+        (first,) = checked.session.route
+        make_liar(checked.swarm.servers[first.peer_id], lies=("step",), share=0.3, seed=0)
+        for _ in range(8):
+            await checked.reference.check_step(checked.session, 2, 1)
+        assert list(checked.manager.state.caught) == [first.peer_id]
 
 
 async def test_a_padded_batch_is_checked_step_by_step_with_its_padding(
