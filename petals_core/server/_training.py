@@ -20,7 +20,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import secrets
-from collections.abc import AsyncIterator, Callable, Iterator, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
 from typing import Any, TypeVar
 
 import attrs
@@ -110,11 +110,7 @@ class TrainingHandlers:
     # -- forward ---------------------------------------------------------------------------------
 
     async def forward(self, call: ServerCall) -> None:
-        self._serving.parts()  # refused at once while the server does not serve
-        with self._request_deadline():
-            async with self._turn(call):
-                self._serving.parts()  # (it may have moved to other blocks meanwhile)
-                await self._forward(call)
+        await self._in_turn(call, self._forward)
 
     async def _forward(self, call: ServerCall) -> None:
         request, backend, pool = await self._receive(call, ForwardRequest.from_wire_untrusted)
@@ -191,11 +187,7 @@ class TrainingHandlers:
     # -- backward --------------------------------------------------------------------------------
 
     async def backward(self, call: ServerCall) -> None:
-        self._serving.parts()  # refused at once while the server does not serve
-        with self._request_deadline():
-            async with self._turn(call):
-                self._serving.parts()  # (it may have moved to other blocks meanwhile)
-                await self._backward(call)
+        await self._in_turn(call, self._backward)
 
     async def _backward(self, call: ServerCall) -> None:
         request, backend, pool = await self._receive(call, BackwardRequest.from_wire_untrusted)
@@ -293,6 +285,17 @@ class TrainingHandlers:
         return [(g, min(g + size, end)) for g in range(start, end, size)]
 
     # -- both ------------------------------------------------------------------------------------
+
+    async def _in_turn(
+        self, call: ServerCall, handle: Callable[[ServerCall], Awaitable[None]]
+    ) -> None:
+        """``handle(call)`` in the call's turn (:meth:`_turn`), within the request timeout;
+        refused while the server does not serve."""
+        self._serving.parts()  # refused at once while the server does not serve
+        with self._request_deadline():
+            async with self._turn(call):
+                self._serving.parts()  # (it may have moved to other blocks meanwhile)
+                await handle(call)
 
     @contextlib.asynccontextmanager
     async def _turn(self, call: ServerCall) -> AsyncIterator[None]:
