@@ -28,7 +28,7 @@ import attrs
 import torch
 import trio
 
-from .._errors import PetalsError, ServerError, WrongAnswer
+from .._errors import PetalsError, WrongAnswer
 from .._groups import run_concurrently
 from ..dht import ServerInfo
 from ..protocol import FraudReport, Signature, SignedReceipt, StepResult
@@ -211,10 +211,9 @@ class InferenceSession:
             follower = None if state.gone else await self._follower(state)
             self._check_open()  # (closed while the follower was being opened)
             try:
-                if state.gone:  # a replacement failed in an earlier step: replaced again now
-                    raise ServerError(
-                        f"no server holds blocks {state.span.start}:{state.span.end} yet"
-                    )
+                # (ServerError for a span whose replacement failed in an earlier step: it is
+                # replaced again now.)
+                request = core.request(index, x)
                 span_call = self._calls[state]
                 timeout = self.manager.step_timeout(
                     state.span, tokens=x.shape[0] * x.shape[1], nbytes=x.nbytes
@@ -227,7 +226,6 @@ class InferenceSession:
                     # Outside the span's step timeout: the follower's pace is not the span's.
                     await self._follow(state, follower, x)
                 with trio.fail_after(timeout):
-                    request = core.request(index, x)
                     if request is not None:
                         await span_call.send(request, self.manager.config.compression)
                     else:
