@@ -9,6 +9,8 @@ import functools
 import signal
 import threading
 import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +38,7 @@ from ._swarm_helpers import (
     HIDDEN,
     N_BLOCKS,
     PROCESS_PREFIX,
+    InProcessSwarm,
     Model,
     assert_close,
     in_process_swarm,
@@ -43,6 +46,7 @@ from ._swarm_helpers import (
     peer_id_of,
     process_of,
     process_server_args,
+    sequential_over,
     wait_for_servers,
 )
 
@@ -84,6 +88,19 @@ class Reference:
     def rollback(self, position: int) -> None:
         assert self.inputs is not None
         self.inputs = self.inputs[:, :position]
+
+
+@asynccontextmanager
+async def _session_over(
+    swarm: InProcessSwarm, **manager_fields: Any
+) -> AsyncIterator[InferenceSession]:
+    """A session of up to 16 positions through ``swarm``, opened once the client sees all its
+    servers (see :func:`sequential_over`)."""
+    async with (
+        sequential_over(list(swarm.servers.values()), **manager_fields) as seq,
+        seq.open_inference_session(max_length=16) as session,
+    ):
+        yield session
 
 
 async def test_rollback_and_reorder_through_two_servers_equal_local(
@@ -153,26 +170,22 @@ async def test_failover_after_reorder_replays_reordered_history_and_prompts(
     monkeypatch.setattr(_session_core, "MAX_STEP_BYTES", 2 * 2 * HIDDEN * 4)
     torch.manual_seed(2)
     async with in_process_swarm(model, tmp_path, [(0, 3), (3, 6), (3, 6)]) as swarm:
-        manager = manager_for(list(swarm.servers.values()))
-        seq = RemoteSequential(manager)
         prompts = torch.randn(N_BLOCKS, 2, 2, HIDDEN) * 0.5
         reference = Reference(model, prompts)
         with trio.fail_after(DEADLINE_S):
-            async with seq:
-                await wait_for_servers(manager, 3)
-                async with seq.open_inference_session(max_length=16) as session:
-                    await reference.check_step(session, 2, 4, prompts=prompts)
+            async with _session_over(swarm) as session:
+                await reference.check_step(session, 2, 4, prompts=prompts)
+                await reference.check_step(session, 2, 1)
+                hypo_ids = torch.tensor([1, 1])
+                await reference.check_step(session, 2, 1, hypo_ids=hypo_ids)
+                second = session.route[1].peer_id
+                await swarm.leave(second)
+                for _ in range(3):
                     await reference.check_step(session, 2, 1)
-                    hypo_ids = torch.tensor([1, 1])
-                    await reference.check_step(session, 2, 1, hypo_ids=hypo_ids)
-                    second = session.route[1].peer_id
-                    await swarm.leave(second)
-                    for _ in range(3):
-                        await reference.check_step(session, 2, 1)
-                    assert session.retries >= 1
-                    assert manager.is_banned(second)
-                    assert second not in {span.peer_id for span in session.route}
-                    assert [(s.start, s.end) for s in session.route] == [(0, 3), (3, 6)]
+                assert session.retries >= 1
+                assert session.manager.is_banned(second)
+                assert second not in {span.peer_id for span in session.route}
+                assert [(s.start, s.end) for s in session.route] == [(0, 3), (3, 6)]
 
 
 async def test_a_step_that_failed_can_be_sent_again_as_it_was(model: Model, tmp_path: Path) -> None:
@@ -181,27 +194,20 @@ async def test_a_step_that_failed_can_be_sent_again_as_it_was(model: Model, tmp_
     reorder) goes through as if it had never failed."""
     torch.manual_seed(3)
     async with in_process_swarm(model, tmp_path, [(0, 3), (3, 6)]) as swarm:
-        manager = manager_for(
-            list(swarm.servers.values()), missing_blocks_timeout_s=0.5, max_retries=2
-        )
         reference = Reference(model)
         with trio.fail_after(DEADLINE_S):
-            async with RemoteSequential(manager) as seq:
-                await wait_for_servers(manager, 2)
-                async with seq.open_inference_session(max_length=16) as session:
-                    await reference.check_step(session, 2, 3)
-                    await reference.check_step(session, 2, 1)
-                    await swarm.leave(session.route[1].peer_id)
-                    x, hypo_ids = torch.randn(2, 1, HIDDEN), torch.tensor([1, 1])
-                    with pytest.raises((PetalsError, MissingBlocksError)):
-                        await session.step(x, hypo_ids=hypo_ids)
-                    assert session.position == 4
-                    await swarm.add((3, 6))
-                    await wait_for_servers(manager, 2)
-                    assert_close(
-                        await session.step(x, hypo_ids=hypo_ids), reference.step(x, hypo_ids)
-                    )
-                    await reference.check_step(session, 2, 1)
+            async with _session_over(swarm, missing_blocks_timeout_s=0.5, max_retries=2) as session:
+                await reference.check_step(session, 2, 3)
+                await reference.check_step(session, 2, 1)
+                await swarm.leave(session.route[1].peer_id)
+                x, hypo_ids = torch.randn(2, 1, HIDDEN), torch.tensor([1, 1])
+                with pytest.raises((PetalsError, MissingBlocksError)):
+                    await session.step(x, hypo_ids=hypo_ids)
+                assert session.position == 4
+                await swarm.add((3, 6))
+                await wait_for_servers(session.manager, 2)
+                assert_close(await session.step(x, hypo_ids=hypo_ids), reference.step(x, hypo_ids))
+                await reference.check_step(session, 2, 1)
 
 
 async def test_closing_a_session_during_its_step_blames_no_server_and_leaves_no_session(
@@ -533,29 +539,26 @@ async def test_a_stuck_server_is_replaced_after_the_step_timeout(
     # Servers that announce about the speed they have: a step's timeout is then about 1 s.
     spans = [(0, 6), (0, 6)]
     async with in_process_swarm(model, tmp_path, spans, throughput=1000.0) as swarm:
-        manager = manager_for(
-            list(swarm.servers.values()), min_step_timeout_s=1.0, request_timeout_s=600.0
-        )
         reference = Reference(model)
         with trio.fail_after(DEADLINE_S):
-            async with RemoteSequential(manager) as seq:
-                await wait_for_servers(manager, 2)
-                async with seq.open_inference_session(max_length=16) as session:
-                    await reference.check_step(session, 1, 4)
-                    (span,) = session.route
-                    handlers = swarm.servers[span.peer_id].block_server._inference
+            async with _session_over(
+                swarm, min_step_timeout_s=1.0, request_timeout_s=600.0
+            ) as session:
+                await reference.check_step(session, 1, 4)
+                (span,) = session.route
+                handlers = swarm.servers[span.peer_id].block_server._inference
 
-                    async def never_answer(*args: Any, **kwargs: Any) -> Any:
-                        await trio.sleep_forever()
+                async def never_answer(*args: Any, **kwargs: Any) -> Any:
+                    await trio.sleep_forever()
 
-                    handlers._step = never_answer  # type: ignore[method-assign]
-                    began = time.monotonic()
-                    await reference.check_step(session, 1, 1)
-                    waited = time.monotonic() - began
-                    assert manager.is_banned(span.peer_id)
-                    assert [s.peer_id for s in session.route] != [span.peer_id]
-                    assert waited < 30.0  # the step's timeout, not request_timeout_s
-                    await reference.check_step(session, 1, 1)
+                handlers._step = never_answer  # type: ignore[method-assign]
+                began = time.monotonic()
+                await reference.check_step(session, 1, 1)
+                waited = time.monotonic() - began
+                assert session.manager.is_banned(span.peer_id)
+                assert [s.peer_id for s in session.route] != [span.peer_id]
+                assert waited < 30.0  # the step's timeout, not request_timeout_s
+                await reference.check_step(session, 1, 1)
 
 
 async def test_compressed_steps_travel_in_fewer_bytes_and_stay_close(
