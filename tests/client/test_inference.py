@@ -214,10 +214,9 @@ async def test_closing_a_session_during_its_step_blames_no_server_and_leaves_no_
     model: Model, tmp_path: Path
 ) -> None:
     async with in_process_swarm(model, tmp_path, [(0, 6), (0, 6)]) as swarm:
-        manager = manager_for(list(swarm.servers.values()))
         with trio.fail_after(DEADLINE_S):
-            async with RemoteSequential(manager):
-                await wait_for_servers(manager, 2)
+            async with sequential_over(list(swarm.servers.values())) as seq:
+                manager = seq.sequence_manager
                 session = InferenceSession(manager, 16)
                 await session.step(torch.randn(1, 2, HIDDEN))
                 held = _hold_steps(swarm.servers[session.route[0].peer_id])
@@ -234,10 +233,9 @@ async def test_closing_a_session_while_it_fails_over_blames_no_replacement(
     and no server but the one that left is blamed."""
     spans = [(0, 3), (0, 3), (3, 6), (3, 6)]
     async with in_process_swarm(model, tmp_path, spans) as swarm:
-        manager = manager_for(list(swarm.servers.values()), verify="none")
         with trio.fail_after(DEADLINE_S):
-            async with RemoteSequential(manager):
-                await wait_for_servers(manager, 4)
+            async with sequential_over(list(swarm.servers.values()), verify="none") as seq:
+                manager = seq.sequence_manager
                 session = InferenceSession(manager, 16)
                 await session.step(torch.randn(2, 2, HIDDEN))
                 first, second = (span.peer_id for span in session.route)
@@ -269,10 +267,9 @@ async def test_closing_a_session_while_a_checker_opens_leaves_no_session(
     model: Model, tmp_path: Path
 ) -> None:
     async with in_process_swarm(model, tmp_path, [(0, 6), (0, 6)]) as swarm:
-        manager = manager_for(list(swarm.servers.values()))  # its first answers checked
         with trio.fail_after(DEADLINE_S):
-            async with RemoteSequential(manager):
-                await wait_for_servers(manager, 2)
+            async with sequential_over(list(swarm.servers.values())) as seq:
+                manager = seq.sequence_manager  # its first answers checked
                 session = InferenceSession(manager, 16)
                 entered, release = trio.Event(), trio.Event()
                 follower = session._follower
@@ -295,11 +292,11 @@ async def test_a_span_cut_short_while_taking_back_a_reorder_blames_nobody(
     after goes through as if neither had been sent."""
     torch.manual_seed(4)
     async with in_process_swarm(model, tmp_path, [(0, 3), (3, 6)]) as swarm:
-        manager = manager_for(list(swarm.servers.values()), verify="none", max_retries=2)
+        servers = list(swarm.servers.values())
         reference = Reference(model)
         with trio.fail_after(DEADLINE_S):
-            async with RemoteSequential(manager):
-                await wait_for_servers(manager, 2)
+            async with sequential_over(servers, verify="none", max_retries=2) as seq:
+                manager = seq.sequence_manager
                 async with InferenceSession(manager, 16) as session:
                     await reference.check_step(session, 2, 2)
                     first, second = (swarm.servers[span.peer_id] for span in session.route)
@@ -366,10 +363,8 @@ async def test_a_cancelled_close_still_ends_the_server_sessions(
     model: Model, tmp_path: Path
 ) -> None:
     async with in_process_swarm(model, tmp_path, [(0, 3), (3, 6)]) as swarm:
-        manager = manager_for(list(swarm.servers.values()))
         with trio.fail_after(DEADLINE_S):
-            async with RemoteSequential(manager) as seq:
-                await wait_for_servers(manager, 2)
+            async with sequential_over(list(swarm.servers.values())) as seq:
                 with trio.CancelScope() as scope:
                     async with seq.open_inference_session(max_length=8) as session:
                         await session.step(torch.randn(1, 2, HIDDEN))
@@ -576,10 +571,9 @@ async def test_compressed_steps_travel_in_fewer_bytes_and_stay_close(
             expected = model.forward(x)
         sent: dict[str | None, int] = {}
         for compression in (None, "blockwise8"):
-            manager = manager_for(servers, compression=compression)
             with trio.fail_after(DEADLINE_S):
-                async with RemoteSequential(manager) as seq:
-                    await wait_for_servers(manager, 2)
+                async with sequential_over(servers, compression=compression) as seq:
+                    manager = seq.sequence_manager
                     # The servers pinged first (for routes), so that only the step is counted.
                     await manager.make_sequence()
                     await wait_until(lambda state=manager.state: len(state.pings) == 2)
