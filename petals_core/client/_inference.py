@@ -167,8 +167,25 @@ class InferenceSession:
         ``hidden``."""
         if self._closed:
             raise PetalsError("the inference session is closed")
+        pieces = self._core.step_pieces(hidden, prompts=prompts, padding=padding)
         try:
-            return await self._step(hidden, prompts, hypo_ids, padding)
+            if len(pieces) == 1:
+                return await self._step(hidden, prompts, hypo_ids, padding)
+            # A long prefill goes in several steps, none beyond what servers take.
+            outputs = []
+            for start, end in pieces:
+                first = start == 0
+                outputs.append(
+                    await self._step(
+                        hidden[:, start:end],
+                        prompts if first else None,
+                        hypo_ids if first else None,
+                        padding if first else None,
+                        continued=not first,
+                        more=end < hidden.shape[1],
+                    )
+                )
+            return torch.cat(outputs, dim=1)
         except BaseException:
             for state in self._core.abandon():
                 await self._drop_follower(state)
@@ -183,6 +200,9 @@ class InferenceSession:
         prompts: torch.Tensor | None,
         hypo_ids: torch.Tensor | None,
         padding: torch.Tensor | None,
+        *,
+        continued: bool = False,
+        more: bool = False,
     ) -> torch.Tensor:
         home = hidden
         hidden = to_wire(hidden, "hidden states")
@@ -190,7 +210,9 @@ class InferenceSession:
             prompts = to_wire(prompts, "deep prompts")
         core = self._core
         started = trio.current_time()
-        if core.begin(hidden, prompts=prompts, hypo_ids=hypo_ids, padding=padding):
+        if core.begin(
+            hidden, prompts=prompts, hypo_ids=hypo_ids, padding=padding, continued=continued
+        ):
             await self._close_calls()
         attempt = 0
         if not core.spans:
@@ -250,7 +272,7 @@ class InferenceSession:
             self.manager.on_request_success(state.peer)
             x = output
             index += 1
-        core.finish()
+        core.finish(more=more)
         if self.first_step is None:
             setup = self._setup
             self.first_step = FirstStepTimes(

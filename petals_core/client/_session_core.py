@@ -17,7 +17,10 @@ fails is replaced: :meth:`SessionCore.take_for_replacement` gives its history, t
 (:meth:`route_opened`) are replayed from position 0 (:meth:`replay`, :meth:`replayed`, in
 steps of at most :data:`MAX_STEP_BYTES`), and the step goes on from that span.
 :meth:`SessionCore.finish` ends the step; a step that fails for good is abandoned
-(:meth:`SessionCore.abandon`): it can be sent again as it was.
+(:meth:`SessionCore.abandon`): it can be sent again as it was.  A step whose hidden states take
+more than :data:`MAX_STEP_BYTES` (a long prefill) goes as several, one per range of positions
+(:meth:`SessionCore.step_pieces`): each begins ``continued`` from the one before and finishes
+with ``more`` to come, and abandoning any of them takes back the whole step.
 """
 
 from __future__ import annotations
@@ -35,8 +38,8 @@ from ._placement import describe
 
 __all__ = ["MAX_STEP_BYTES", "SessionCore", "SpanState"]
 
-#: The most bytes of hidden states one replay step carries (servers take messages of 128 MiB
-#: by default; a long history is replayed in several steps).
+#: The most bytes of hidden states one step message carries (servers take messages of 128 MiB
+#: by default): a long history is replayed, and a long prefill sent, in several steps.
 MAX_STEP_BYTES = 32 << 20
 
 
@@ -85,7 +88,7 @@ class SessionCore:
         self._push = False
         self._pushed_id: int | None = None  # the step id pushed to the span to answer next
         self._expected: dict[int, int] = {}  # id(span) -> step id of the answer awaited
-        self._undo: _Undo | None = None  # what the step's reorder replaced
+        self._undo: _Undo | None = None  # what to restore if the step fails for good
 
     # -- position --------------------------------------------------------------------------------
 
@@ -114,10 +117,13 @@ class SessionCore:
         prompts: torch.Tensor | None,
         hypo_ids: torch.Tensor | None,
         padding: torch.Tensor | None,
+        continued: bool = False,
     ) -> bool:
         """Check a step (``ValueError`` for the caller's mistakes) and apply what comes before
         it.  Returns whether the open spans must be closed first (padding changed: the servers'
-        sessions hold the old one); :meth:`spans` is then empty."""
+        sessions hold the old one); :meth:`spans` is then empty.  ``continued``: the step goes
+        on from the one before (finished with ``more``), part of the same step of the caller's
+        (:meth:`step_pieces`)."""
         self._check(hidden, prompts, hypo_ids)
         lengths = None if padding is None else self._check_padding(hidden, padding)
         close = False
@@ -131,10 +137,17 @@ class SessionCore:
             self.spans = []
         if self.position == 0 and prompts is not None:
             self.prompts = prompts
-        self._undo = None
+        if not continued or self._undo is None:
+            self._undo = _Undo(
+                list(self.spans),
+                dict(self.history),
+                self.padding,
+                self.prompts,
+                position=self.position,
+                reordered=hypo_ids is not None,
+            )
         if hypo_ids is not None:
             hypo_ids = hypo_ids.to("cpu", torch.int64)
-            self._undo = _Undo(list(self.spans), dict(self.history), self.padding, self.prompts)
             for start, history in self.history.items():
                 self.history[start] = history[hypo_ids]
             if self.padding is not None:
@@ -249,13 +262,38 @@ class SessionCore:
         hidden states take at most ``max_bytes`` (:data:`MAX_STEP_BYTES` by default: however
         long the history, no message goes beyond what servers take), and the first holds the
         deep prompts' positions (those the history has)."""
+        first = 0 if self.prompts is None else self.prompts.shape[2]
+        return _pieces(x, first, MAX_STEP_BYTES if max_bytes is None else max_bytes)
+
+    def step_pieces(
+        self,
+        hidden: torch.Tensor,
+        *,
+        prompts: torch.Tensor | None,
+        padding: torch.Tensor | None,
+        max_bytes: int | None = None,
+    ) -> list[tuple[int, int]]:
+        """The position ranges of ``hidden`` that go as one step each: the whole step unless
+        its hidden states take more than ``max_bytes`` (:data:`MAX_STEP_BYTES` by default: a
+        long prefill), and then the first range holds the deep prompts' and the left padding's
+        positions.  A step that does not fit the session is one range, whole (:meth:`begin`
+        refuses it)."""
         max_bytes = MAX_STEP_BYTES if max_bytes is None else max_bytes
-        length = x.shape[1]
-        per_position = max(1, x.shape[0] * x.shape[2] * x.element_size())
-        size = max(1, max_bytes // per_position)
-        if self.prompts is not None:
-            size = max(size, self.prompts.shape[2])
-        return [(start, min(start + size, length)) for start in range(0, length, size)]
+        if (
+            not isinstance(hidden, torch.Tensor)
+            or hidden.dim() != 3
+            or hidden.nbytes <= max_bytes
+            or self.position + hidden.shape[1] > self.max_length
+        ):
+            return [(0, hidden.shape[1] if isinstance(hidden, torch.Tensor) else 0)]
+        first = 0
+        if isinstance(prompts, torch.Tensor) and prompts.dim() == 4:
+            first = prompts.shape[2]
+        if isinstance(padding, torch.Tensor) and padding.numel():
+            counts = not (padding.dtype.is_floating_point or padding.dtype.is_complex)
+            if counts:  # (begin refuses the others)
+                first = max(first, int(padding.max()))
+        return _pieces(hidden, first, max_bytes)
 
     def replay(self, state: SpanState, x: torch.Tensor, start: int, end: int) -> Step:
         """The step that rebuilds positions ``start:end`` of a replacement's cache from its
@@ -307,24 +345,32 @@ class SessionCore:
         # A stale span's replacement failing blames nobody: it stays stale.
         self.spans.insert(index, SpanState(failed.span, gone=True, stale=failed.stale))
 
-    def finish(self) -> None:
-        """Every span answered: the step's positions are the session's."""
+    def finish(self, *, more: bool = False) -> None:
+        """Every span answered: the step's positions are the session's.  ``more``: the
+        caller's step goes on in a next step (``continued``), and failing there takes this one
+        back too."""
         self.position += self._tokens
-        self._undo = None
+        if not more:
+            self._undo = None
 
     def abandon(self) -> list[SpanState]:
-        """The step failed (or was cancelled).  A reorder it made (``hypo_ids``) is taken back:
-        the chain, the histories, the padding and the prompts are as before the step, so that
-        the step can be sent again as it was; every span is then stale (its server may hold the
+        """The step failed (or was cancelled): the session is as before it, so that the step
+        can be sent again as it was.  Positions that pieces of it finished are taken back; so
+        is a reorder it made (``hypo_ids``): the chain, the histories, the padding and the
+        prompts are as before the step, and every span is then stale (its server may hold the
         reorder).  Returns the spans that leave the chain (their sessions are to be closed)."""
         undo, self._undo = self._undo, None
         if undo is None:
             return []
-        left = [state for state in self.spans if state not in undo.spans]
-        self.spans = undo.spans
-        self.history, self.padding, self.prompts = undo.history, undo.padding, undo.prompts
-        for state in self.spans:
-            state.stale = True
+        left = []
+        if undo.reordered:
+            left = [state for state in self.spans if state not in undo.spans]
+            self.spans = undo.spans
+            self.history, self.padding, self.prompts = undo.history, undo.padding, undo.prompts
+            for state in self.spans:
+                state.stale = True
+        if self.position != undo.position:
+            self.rollback(undo.position)
         return left
 
     # -- internals -------------------------------------------------------------------------------
@@ -453,10 +499,29 @@ class SessionCore:
 
 @attrs.frozen
 class _Undo:
+    """The session as a step found it (its padding and prompts set)."""
+
     spans: list[SpanState]
     history: dict[int, torch.Tensor]
     padding: list[int] | None
     prompts: torch.Tensor | None
+    position: int
+    #: Whether the step reordered the rows (what ``spans`` .. ``prompts`` take back).
+    reordered: bool
+
+
+def _pieces(x: torch.Tensor, first: int, max_bytes: int) -> list[tuple[int, int]]:
+    """Position ranges covering ``x`` ``(B, T, hidden)``, each at most ``max_bytes`` of it but
+    the first, which holds at least ``first`` positions."""
+    length = x.shape[1]
+    if length == 0:
+        return []
+    per_position = max(1, x.shape[0] * x.shape[2] * x.element_size())
+    size = max(1, max_bytes // per_position)
+    ends = [min(max(size, first), length)]
+    while ends[-1] < length:
+        ends.append(min(ends[-1] + size, length))
+    return list(zip([0, *ends[:-1]], ends, strict=True))
 
 
 def _checked(state: SpanState, x: torch.Tensor, result: StepResult, position: int) -> torch.Tensor:

@@ -6,6 +6,7 @@ process killed with SIGKILL or stalled with SIGSTOP) with the history replayed e
 from __future__ import annotations
 
 import functools
+import itertools
 import signal
 import threading
 import time
@@ -188,6 +189,21 @@ async def test_failover_after_reorder_replays_reordered_history_and_prompts(
                 assert [(s.start, s.end) for s in session.route] == [(0, 3), (3, 6)]
 
 
+async def _sent_again_once_3_6_is_held(
+    swarm: InProcessSwarm,
+    session: InferenceSession,
+    reference: Reference,
+    x: torch.Tensor,
+    hypo_ids: torch.Tensor,
+) -> None:
+    """A server holds blocks 3:6 again: the step of ``x`` that failed goes through as if it
+    had never failed, and the next one too."""
+    await swarm.add((3, 6))
+    await wait_for_servers(session.manager, 2)
+    assert_close(await session.step(x, hypo_ids=hypo_ids), reference.step(x, hypo_ids))
+    await reference.check_step(session, 2, 1)
+
+
 async def test_a_step_that_failed_can_be_sent_again_as_it_was(model: Model, tmp_path: Path) -> None:
     """The holder of 3:6 leaves and no other holds those blocks: a step that reorders the rows
     fails, and with it the replacement.  Once a server holds them again, the same step (the same
@@ -204,10 +220,59 @@ async def test_a_step_that_failed_can_be_sent_again_as_it_was(model: Model, tmp_
                 with pytest.raises((PetalsError, MissingBlocksError)):
                     await session.step(x, hypo_ids=hypo_ids)
                 assert session.position == 4
-                await swarm.add((3, 6))
-                await wait_for_servers(session.manager, 2)
-                assert_close(await session.step(x, hypo_ids=hypo_ids), reference.step(x, hypo_ids))
+                await _sent_again_once_3_6_is_held(swarm, session, reference, x, hypo_ids)
+
+
+async def test_a_long_prefill_goes_in_pieces_and_equals_local(
+    model: Model, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A step larger than MAX_STEP_BYTES (here two positions of two rows) goes to every server
+    as several, the first holding the deep prompts' three positions, from server to server:
+    each server takes three steps for a prefill of seven positions, and the outputs equal the
+    local blocks'."""
+    monkeypatch.setattr(_session_core, "MAX_STEP_BYTES", 2 * 2 * HIDDEN * 4)
+    torch.manual_seed(5)
+    prompts = torch.randn(N_BLOCKS, 2, 3, HIDDEN) * 0.5
+    reference = Reference(model, prompts)
+    async with in_process_swarm(model, tmp_path, [(0, 3), (3, 6)]) as swarm:
+        with trio.fail_after(DEADLINE_S):
+            async with _session_over(swarm, verify="none") as session:
+                await reference.check_step(session, 2, 7, prompts=prompts)
+                steps = [s.block_server.statistics().steps for s in swarm.servers.values()]
+                assert steps == [3, 3]  # (0:3 with the prompts, 3:5, 5:7)
                 await reference.check_step(session, 2, 1)
+                assert session.position == 8 and session.retries == 0
+
+
+async def test_a_long_prefill_that_fails_for_good_midway_leaves_the_session_as_it_was(
+    model: Model, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The holder of 3:6 leaves during the second piece of a long step (after a reorder): the
+    step fails for good, the pieces done are taken back with the reorder, and once a server
+    holds 3:6 again the same step goes through as if it had never failed."""
+    monkeypatch.setattr(_session_core, "MAX_STEP_BYTES", 2 * 2 * HIDDEN * 4)
+    torch.manual_seed(6)
+    reference = Reference(model)
+    async with in_process_swarm(model, tmp_path, [(0, 3), (3, 6)]) as swarm:
+        with trio.fail_after(DEADLINE_S):
+            async with _session_over(
+                swarm, verify="none", missing_blocks_timeout_s=0.5, max_retries=2
+            ) as session:
+                await reference.check_step(session, 2, 2)
+                second = session.route[1].peer_id
+                entered, _ = _hold_steps(swarm.servers[second], skip=2)
+                x, hypo_ids = torch.randn(2, 5, HIDDEN), torch.tensor([1, 0])
+                async with trio.open_nursery() as nursery:
+
+                    async def leave_when_held() -> None:
+                        await entered.wait()
+                        await swarm.leave(second)
+
+                    nursery.start_soon(leave_when_held)
+                    with pytest.raises((PetalsError, MissingBlocksError)):
+                        await session.step(x, hypo_ids=hypo_ids)
+                assert session.position == 2
+                await _sent_again_once_3_6_is_held(swarm, session, reference, x, hypo_ids)
 
 
 async def test_closing_a_session_during_its_step_blames_no_server_and_leaves_no_session(
@@ -311,14 +376,17 @@ async def test_a_span_cut_short_while_taking_back_a_reorder_blames_nobody(
                     assert not manager.state.bans
 
 
-def _hold_steps(server: Any) -> tuple[trio.Event, trio.Event]:
-    """Hold ``server``'s inference steps until the second event is set; the first is set as one
-    arrives.  Held once: the next step after the release goes as usual."""
+def _hold_steps(server: Any, *, skip: int = 0) -> tuple[trio.Event, trio.Event]:
+    """Hold ``server``'s inference steps (after ``skip`` of them) until the second event is set;
+    the first is set as one arrives.  Held once: the next step after the release goes as usual."""
     inference = server.block_server._inference
     entered, release = trio.Event(), trio.Event()
     original = inference._step
+    skipped = itertools.count()
 
     async def held(*args: Any, **kwargs: Any) -> Any:
+        if next(skipped) < skip:
+            return await original(*args, **kwargs)
         entered.set()
         await release.wait()
         inference._step = original

@@ -35,6 +35,8 @@ BLOCKS = 4
 BATCH = 2
 HIDDEN = 3
 MAX_LENGTH = 10
+#: Two positions a step: long histories are replayed, and long steps sent, in several.
+STEP_BYTES = 2 * BATCH * HIDDEN * 4
 
 
 def run_blocks(x: torch.Tensor, start: int, end: int) -> torch.Tensor:
@@ -165,8 +167,7 @@ class PairedSessions(RuleBasedStateMachine):
                     self.replay_failures -= 1
                     self.swarm.servers[state.session_id].alive = False
                 outputs = []
-                # Two positions a step: long histories are replayed in several.
-                for start, end in core.replay_pieces(x, max_bytes=2 * BATCH * HIDDEN * 4):
+                for start, end in core.replay_pieces(x, max_bytes=STEP_BYTES):
                     self.swarm.deliver(state, core.replay(state, x, start, end))
                     result = self.swarm.answer(core, core.spans.index(state))
                     outputs.append(core.replayed(state, x, start, end, result))
@@ -175,16 +176,47 @@ class PairedSessions(RuleBasedStateMachine):
             core.replacement_failed(index, failed, history, opened)
             raise
 
-    def _run(self, hidden: torch.Tensor, hypo_ids: torch.Tensor | None) -> torch.Tensor:
+    def _run(
+        self, hidden: torch.Tensor, hypo_ids: torch.Tensor | None, fail_at: int | None
+    ) -> torch.Tensor | None:
+        """A step of the caller's, in pieces as the driver sends it; ``fail_at``: it fails for
+        good during that piece (None: once it is done), and is abandoned."""
+        core, tokens = self.core, hidden.shape[1]
+        outputs = []
+        pieces = core.step_pieces(hidden, prompts=None, padding=None, max_bytes=STEP_BYTES)
+        for number, (start, end) in enumerate(pieces):
+            x = hidden[:, start:end]
+            reorder = hypo_ids if start == 0 else None
+            output = self._run_piece(x, reorder, start > 0, end < tokens, number == fail_at)
+            if output is None:
+                core.abandon()
+                return None
+            outputs.append(output)
+        return torch.cat(outputs, dim=1)
+
+    def _run_piece(
+        self,
+        hidden: torch.Tensor,
+        hypo_ids: torch.Tensor | None,
+        continued: bool,
+        more: bool,
+        fail: bool,
+    ) -> torch.Tensor | None:
+        """One step message through the chain; with ``fail``, it stops after the first span
+        answered (None), as a step that fails for good there."""
         core = self.core
-        core.begin(hidden, prompts=None, hypo_ids=hypo_ids, padding=None)
+        core.begin(hidden, prompts=None, hypo_ids=hypo_ids, padding=None, continued=continued)
         if not core.spans:
             self._open(self.swarm.route(0, BLOCKS), 0)
         core.start_chain(server_to_server=True)
         x, index = hidden, 0
         while index < len(core.spans):
+            if fail and index == 1:
+                return None
             state = core.spans[index]
             try:
+                if state.stale:  # it may hold a reorder taken back: replayed anew
+                    raise ServerError("stale")
                 request = core.request(index, x)
                 if request is not None:
                     self.swarm.deliver(state, request)
@@ -199,7 +231,9 @@ class PairedSessions(RuleBasedStateMachine):
                         continue
                 continue
             x, index = output, index + 1
-        core.finish()
+        if fail:
+            return None
+        core.finish(more=more)
         return x
 
     # -- rules ---------------------------------------------------------------------------------
@@ -213,11 +247,16 @@ class PairedSessions(RuleBasedStateMachine):
             hypo_ids = torch.tensor(
                 data.draw(st.lists(st.integers(0, BATCH - 1), min_size=BATCH, max_size=BATCH))
             )
+        fail_at = data.draw(st.sampled_from([None, None, 0, 1, 2]), label="fails for good at")
         hidden = torch.randint(-1, 2, (BATCH, tokens, HIDDEN), generator=self.generator).float()
+        output = self._run(hidden, hypo_ids, fail_at)
+        if output is None:  # the session is as before the step
+            assert self.core.position == self.history.shape[1]
+            return
         history = self.history if hypo_ids is None else self.history[hypo_ids]
         self.history = torch.cat([history, hidden], dim=1)
         expected = run_blocks(self.history, 0, BLOCKS)[:, -tokens:]
-        assert torch.equal(self._run(hidden, hypo_ids), expected)
+        assert torch.equal(output, expected)
 
     @precondition(lambda self: self.core.position > 0)
     @rule(data=st.data())
@@ -241,8 +280,8 @@ class PairedSessions(RuleBasedStateMachine):
             return
         for state in self.core.spans:
             server = self.swarm.servers.get(state.session_id)
-            if server is None or not server.alive or state.gone:
-                continue
+            if server is None or not server.alive or state.gone or state.stale:
+                continue  # (a stale span's server may hold a reorder taken back)
             history = self.core.history.get(state.span.start)
             if history is None:
                 continue
@@ -364,3 +403,34 @@ def test_an_answer_that_does_not_fit_the_step_is_the_servers_fault() -> None:
         core.answered(0, hidden, wrong)
     stale = StepResult(hidden_states=hidden, position=2, step_id=request.step_id + 1)
     assert not core.is_answer(0, stale)
+
+
+def test_a_long_step_goes_in_pieces_the_first_holding_the_prompts_and_the_padding() -> None:
+    core = _core()
+    hidden = torch.zeros(BATCH, 7, HIDDEN)
+    prompts = torch.zeros(BLOCKS, 1, 3, HIDDEN)
+    assert core.step_pieces(hidden, prompts=None, padding=None, max_bytes=STEP_BYTES) == [
+        (0, 2),
+        (2, 4),
+        (4, 6),
+        (6, 7),
+    ]
+    assert core.step_pieces(hidden, prompts=prompts, padding=None, max_bytes=STEP_BYTES) == [
+        (0, 3),
+        (3, 5),
+        (5, 7),
+    ]
+    padding = torch.tensor([0, 5])
+    assert core.step_pieces(hidden, prompts=prompts, padding=padding, max_bytes=STEP_BYTES) == [
+        (0, 5),
+        (5, 7),
+    ]
+    # A step that fits one message, or not the session, is one piece (begin judges the latter).
+    assert core.step_pieces(hidden[:, :2], prompts=None, padding=None, max_bytes=STEP_BYTES) == [
+        (0, 2)
+    ]
+    too_long = torch.zeros(BATCH, MAX_LENGTH + 1, HIDDEN)
+    assert core.step_pieces(too_long, prompts=None, padding=None, max_bytes=STEP_BYTES) == [
+        (0, MAX_LENGTH + 1)
+    ]
+    assert core.step_pieces(hidden, prompts=None, padding=None) == [(0, 7)]  # MAX_STEP_BYTES
