@@ -445,7 +445,8 @@ def build_parser() -> argparse.ArgumentParser:
             _positive_int,
             limits.max_batch_tokens,
             "tokens (rows x positions) one inference job, a batch of steps included, "
-            "processes at most; longer steps go in chunks",
+            "processes at most; longer steps go in chunks (and more rows of a forward in "
+            "further jobs)",
         ),
     )
     serving.add_argument(

@@ -55,7 +55,8 @@ class ServingLimits:
         default=None, validator=attrs.validators.optional(_positive)
     )
     #: Tokens (rows x positions) one inference job processes at most, a batch of steps
-    #: included: longer steps go in chunks.  The ``--max_batch_size`` flag.
+    #: included: longer steps go in chunks; and one forward job of one block (one row at
+    #: least): more rows go in further jobs.  The ``--max_batch_size`` flag.
     max_batch_tokens: int = attrs.field(default=2048, validator=_positive)
     #: Cap of a session's wait for cache (``--max_alloc_timeout``).
     max_alloc_timeout_s: float = attrs.field(default=600.0, validator=_positive)
@@ -79,7 +80,8 @@ class ServingLimits:
     #: comparison in benchmarks).
     batch_steps: bool = True
     #: Autograd graph (estimated bytes) one backward job may hold: a backward recomputes that
-    #: many blocks at once with their activations kept, the rest in further groups.
+    #: many blocks and rows at once with their activations kept (one block of one row at
+    #: least), the rest in further groups.
     backward_activation_bytes: int = attrs.field(default=1 << 30, validator=_positive)
     #: Forward graphs kept for a coming backward, in estimated bytes in all (0: none kept).
     kept_forward_bytes: int = attrs.field(default=1 << 30, validator=_non_negative)

@@ -2,9 +2,12 @@
 for a coming backward.
 
 The messages are :mod:`petals_core.protocol`'s; both passes rank below inference steps.  A
-forward runs each block as its own job.  A backward recomputes its span's forward with
-autograd, in groups of blocks whose graphs fit ``backward_activation_bytes`` (one group: no
-extra forward), then returns the gradients of its input (and of its prompts).
+forward runs each block as its own job, over at most ``max_batch_tokens`` tokens (rows x
+positions, one row at least: rows are independent) as an inference step does, more rows in
+further jobs.  A backward recomputes its span's forward with autograd, over as many rows at once
+as one block's graph fits ``backward_activation_bytes`` (one row at least), and in groups of
+blocks whose graphs fit it (one group: no extra forward), then returns the gradients of its
+input (and of its prompts).
 
 A forward asked to keep its graph for a backward may instead run with autograd and keep it
 (estimated bytes within ``backward_activation_bytes`` and, with the other kept graphs,
@@ -237,10 +240,46 @@ class TrainingHandlers:
         start: int,
         end: int,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Gradients of the input (and prompts) of blocks ``[start, end)``, each group of blocks
-        recomputed with its graph."""
-        hidden, prompts = request.hidden_states, request.prompts
-        adapter = request.active_adapter
+        """Gradients of the input (and prompts) of blocks ``[start, end)``, over as many rows
+        at once as one block's graph fits the backward memory budget (one row at least)."""
+        hidden, prompts, grad = request.hidden_states, request.prompts, request.grad_outputs
+        per_row = max(1, backend.activation_bytes(1, hidden.shape[1]))
+        rows = _row_slices(hidden.shape[0], self.limits.backward_activation_bytes // per_row)
+        shared = prompts is not None and prompts.shape[1] == 1
+        grads, prompt_grads = [], []
+        for part in rows:
+            part_prompts = prompts if prompts is None or shared else prompts[:, part]
+            part_grad, prompt_grad = await self._rows_backward(
+                backend,
+                pool,
+                request.active_adapter,
+                (start, end),
+                hidden[part],
+                grad[part],
+                part_prompts,
+            )
+            grads.append(part_grad)
+            if prompt_grad is not None:
+                prompt_grads.append(prompt_grad)
+        if not prompt_grads:
+            return torch.cat(grads), None
+        # A prompt shared by every row gets the sum of their gradients; a row's own, its rows'.
+        grad_prompts = torch.stack(prompt_grads).sum(0) if shared else torch.cat(prompt_grads, 1)
+        return torch.cat(grads), grad_prompts
+
+    async def _rows_backward(
+        self,
+        backend: BlockBackend,
+        pool: TaskPool,
+        adapter: str | None,
+        blocks: tuple[int, int],
+        hidden: torch.Tensor,
+        grad: torch.Tensor,
+        prompts: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Gradients of the input (and prompts) of these rows, each group of blocks recomputed
+        with its graph."""
+        start, end = blocks
         groups = self._backward_groups(backend, start, end, hidden)
         # Each group's input: the request's for the first, a forward (no graph) for the others.
         group_inputs = [hidden]
@@ -249,7 +288,6 @@ class TrainingHandlers:
                 backend, pool, start, groups[-1][0], hidden, prompts, adapter
             )
             group_inputs += [outputs[group_start - start - 1] for group_start, _ in groups[1:]]
-        grad = request.grad_outputs
         prompt_grads: list[torch.Tensor] = []
         for (group_start, group_end), group_input in zip(
             reversed(groups), reversed(group_inputs), strict=True
@@ -385,14 +423,34 @@ class TrainingHandlers:
         prompts: torch.Tensor | None,
         adapter: str | None,
     ) -> list[torch.Tensor]:
-        """Every block's output, each block a job of its own."""
+        """Every block's output, each block a job of its own for each slice of rows of at most
+        ``max_batch_tokens`` tokens."""
+        rows = _row_slices(hidden.shape[0], self.limits.max_batch_tokens // max(1, hidden.shape[1]))
         outputs = []
         x = hidden
         for index in range(start, end):
             prompt = None if prompts is None else prompts[index - start]
-            x = await pool.run(
-                functools.partial(backend.forward_block, index, x, prompt=prompt, adapter=adapter),
-                priority=Priority.FORWARD,
-            )
+            parts = []
+            for part in rows:
+                part_prompt = prompt if prompt is None or prompt.shape[0] == 1 else prompt[part]
+                parts.append(
+                    await pool.run(
+                        functools.partial(
+                            backend.forward_block,
+                            index,
+                            x[part],
+                            prompt=part_prompt,
+                            adapter=adapter,
+                        ),
+                        priority=Priority.FORWARD,
+                    )
+                )
+            x = parts[0] if len(parts) == 1 else torch.cat(parts)
             outputs.append(x)
         return outputs
+
+
+def _row_slices(batch: int, rows: int) -> list[slice]:
+    """Rows ``0 .. batch - 1`` in slices of ``rows`` (at least one)."""
+    rows = max(1, rows)
+    return [slice(first, min(first + rows, batch)) for first in range(0, batch, rows)]

@@ -54,16 +54,32 @@ async def test_forward_and_backward_equal_local_autograd(
 
 
 @pytest.mark.parametrize(
-    "backward_activation_bytes",
-    [1 << 30, 1],
-    ids=["the span recomputed as one graph", "one block at a time"],
+    ("limits", "jobs"),
+    [
+        (ServingLimits(), 3 + 1),
+        (ServingLimits(backward_activation_bytes=1), 3 + 2 * (2 + 3)),
+        (ServingLimits(backward_activation_bytes=1, max_batch_tokens=9), 2 * 3 + 2 * (2 + 3)),
+    ],
+    ids=[
+        "the span recomputed as one graph",
+        "one block and row at a time",
+        "forwards one row at a time too",
+    ],
 )
+@pytest.mark.parametrize("prompt_rows", [2, 1], ids=["a prompt per row", "one prompt"])
 async def test_backward_with_prompts_equals_local_autograd(
-    server_llama: TinyCheckpoint, cache_dir: Path, backward_activation_bytes: int
+    server_llama: TinyCheckpoint,
+    cache_dir: Path,
+    limits: ServingLimits,
+    jobs: int,
+    prompt_rows: int,
 ) -> None:
+    """Rows go in jobs of their own where one block's graph of both rows exceeds the backward
+    budget, or they exceed ``max_batch_tokens`` (the jobs the server ran say how it went: its
+    forward then its backward, which recomputes the forward of all but the last group)."""
     torch.manual_seed(7)
     hidden = torch.randn(2, 9, HIDDEN)
-    prompts = torch.randn(3, 2, 4, HIDDEN)  # (blocks, B, P, hidden)
+    prompts = torch.randn(3, prompt_rows, 4, HIDDEN)  # (blocks, B or 1, P, hidden)
     grad_outputs = torch.randn(2, 9, HIDDEN)
     blocks = local_blocks(server_llama, 2, 5)
     leaf, prompt_leaf = hidden.clone().requires_grad_(True), prompts.clone().requires_grad_(True)
@@ -71,22 +87,22 @@ async def test_backward_with_prompts_equals_local_autograd(
     grad_hidden, grad_prompts = torch.autograd.grad(local_output, (leaf, prompt_leaf), grad_outputs)
     with trio.fail_after(DEADLINE_S):
         async with (
-            serve(
-                server_llama,
-                cache_dir,
-                blocks=(0, 6),
-                limits=ServingLimits(backward_activation_bytes=backward_activation_bytes),
-            ) as server,
+            serve(server_llama, cache_dir, blocks=(0, 6), limits=limits) as server,
             connect(server) as connection,
         ):
+            pool = server.block_server._serving.pool
+            assert pool is not None
+            before = pool.statistics().completed
             output = await forward(connection, (2, 5), hidden, prompts=prompts, chunk_bytes=1024)
             grads = await backward(
                 connection, (2, 5), hidden, grad_outputs, prompts=prompts, chunk_bytes=1024
             )
+            ran = pool.statistics().completed - before
     assert_close(output, local_output.detach())
     assert set(grads) == {"grad_inputs", "grad_prompts"}
     assert_close(grads["grad_inputs"], grad_hidden)
     assert_close(grads["grad_prompts"], grad_prompts)
+    assert ran == jobs
 
 
 async def test_a_kept_forward_graph_serves_its_backward_once(
