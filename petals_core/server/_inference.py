@@ -7,25 +7,26 @@ peer's ``max_sessions_per_peer`` from its opening on, while it waits for cache t
 ends the session with a message naming the cause: a step is checked fully before the cache is
 touched, so nothing of another session, nor of this one before the failed step, is changed.
 
-**Pushes.**  After computing a step that names the next servers' sessions (``push``), this
+**Pushes.** After computing a step that names the next servers' sessions (``push``), this
 server sends its output, as the next step of the first of them (same ``step_id``,
 ``start_from_position`` the step's own, the rest of the list as its ``push``), over a
 ``petals.push`` stream to that peer -- dialled at the address the peer table gives (read from
 the DHT if the table lacks it), never one a client names -- and answers the client with
-``pushed: true``.  The stream is dialled in the background on the first step that names that
+``pushed: true``. The stream is dialled in the background on the first step that names that
 session: until it is open, and if it cannot be, the answer says ``pushed: false`` and the
-client sends the step on itself, so that a dial never delays a step.  A session pushes to at
-most a few next sessions at once (:data:`_MAX_PUSH_TARGETS`; those whose push failed do not
-count) and tries a few more in all (:data:`_MAX_PUSH_TRIES`); a step naming another is not
-pushed.  The receiving server takes pushed steps in its session's order beside the client's
-own: the session id, known to the client and the servers it chose only, is the capability.  A
-pushed step whose ``step_id`` is not above every id the session has seen is stale (its client
-has resent that step itself since) and is dropped.  A push stream ends (cleanly) when the
-session it feeds does.  A pushed step carrying deep prompts or ``hypo_ids`` is refused (the
-push stream ends with the fault named, the session is untouched): the previous server makes it
-of a step that could be pushed on, which carries neither.  Its ``start_from_position`` is
-honoured, as every push carries the previous server's start (a client's rollback reaches the
-later servers that way), so whoever holds a session's id can roll it back.
+client sends the step on itself, so that a dial never delays a step. A session pushes to at
+most a few next sessions at once (:data:`_MAX_PUSH_TARGETS`: streams open or being opened,
+those whose sends failed included; not those that could not be dialled) and tries a few more in
+all (:data:`_MAX_PUSH_TRIES`); a step naming another is not pushed. The receiving server takes
+pushed steps in its session's order beside the client's own: the session id, known to the
+client and the servers it chose only, is the capability. A pushed step whose ``step_id`` is not
+above every id the session has seen is stale (its client has resent that step itself since) and
+is dropped. A push stream ends (cleanly) when the session it feeds does. A pushed step carrying
+deep prompts or ``hypo_ids`` is refused (the push stream ends with the fault named, the session
+is untouched): the previous server makes it of a step that could be pushed on, which carries
+neither. Its ``start_from_position`` is honoured, as every push carries the previous server's
+start (a client's rollback reaches the later servers that way), so whoever holds a session's id
+can roll it back.
 
 **Scheduling.**  Single-step work of different sessions over the same blocks and adapter is
 batched (:meth:`BlockBackend.inference_steps`), up to ``max_batch_tokens`` tokens (rows x
@@ -40,7 +41,7 @@ import functools
 import logging
 import math
 from collections.abc import Awaitable, Callable, Iterator
-from typing import Any, Final
+from typing import Any, Final, Literal
 
 import attrs
 import torch
@@ -75,10 +76,13 @@ _PUSH_TIMEOUT_S: Final = 2.0
 #: Longest wait to dial the next server and open the push stream (once per session, meanwhile
 #: the client sends the steps on itself).
 _DIAL_TIMEOUT_S: Final = 10.0
-#: Push streams one session may hold open or be opening at once (one per next session): normally
-#: one, a few more after the client's failovers.  Each is kept until the session ends; a step
-#: naming yet another is answered but not pushed (its client sends it on itself).
+#: Push streams one session may hold open or be opening at once (one per next session), those
+#: whose sends failed included: normally one, a few more after the client's failovers.  Each is
+#: kept until the session ends; a step naming yet another is answered but not pushed (its
+#: client sends it on itself).
 _MAX_PUSH_TARGETS: Final = 4
+#: A push stream whose send failed: not used again, held until the session ends.
+_FAILED: Final = "failed"
 #: Distinct next sessions one session may ever try to push to, failed tries included: each costs
 #: a dial, so that a client cannot make a server dial without end.
 _MAX_PUSH_TRIES: Final = 16
@@ -124,10 +128,13 @@ class _Session:
     chain: bytes = FIRST_STEP
     #: The client's steps and pushed ones, in arrival order: (message, pushed).
     inbox: trio.MemorySendChannel[_InboxItem] | None = None
-    #: Push streams to the next servers' sessions, by (peer, session id); None: that push failed
-    #: (not tried again in this session), a _Dialling: being opened.  At most _MAX_PUSH_TARGETS
-    #: entries that are not None, and _MAX_PUSH_TRIES in all.
-    pushes: dict[tuple[str, str], Call | _Dialling | None] = attrs.field(factory=dict)
+    #: Push streams to the next servers' sessions, by (peer, session id); a _Dialling: being
+    #: opened; _FAILED: its send failed, None: it could not be opened (neither is tried again in
+    #: this session).  At most _MAX_PUSH_TARGETS entries that are not None, and _MAX_PUSH_TRIES
+    #: in all.
+    pushes: dict[tuple[str, str], Call | _Dialling | Literal["failed"] | None] = attrs.field(
+        factory=dict
+    )
     exits: contextlib.AsyncExitStack = attrs.field(factory=contextlib.AsyncExitStack)
     #: Where the session's background tasks run (the client reader, push dials).
     nursery: trio.Nursery | None = None
@@ -460,12 +467,12 @@ class InferenceHandlers:
                 return True
             except TransportError as exc:
                 logger.info("cannot push to %s: %r", target.peer, exc)
-        session.pushes[key] = None
+        session.pushes[key] = _FAILED
         return False
 
     def _start_dial(self, session: _Session, key: tuple[str, str]) -> None:
-        """Start opening the push stream to ``key`` unless it is (being) opened or failed, or
-        the session holds as many push streams, or has tried as many next sessions, as it may."""
+        """Start opening the push stream to ``key`` unless it was tried already, or the session
+        holds as many push streams, or has tried as many next sessions, as it may."""
         if key in session.pushes or len(session.pushes) >= _MAX_PUSH_TRIES:
             return
         if sum(push is not None for push in session.pushes.values()) >= _MAX_PUSH_TARGETS:
