@@ -167,10 +167,11 @@ class InferenceSession:
         ``hidden``."""
         if self._closed:
             raise PetalsError("the inference session is closed")
-        pieces = self._core.step_pieces(hidden, prompts=prompts, padding=padding)
+        pieces = self._core.step_pieces(hidden, prompts=prompts)
+        started = trio.current_time()
         try:
             if len(pieces) == 1:
-                return await self._step(hidden, prompts, hypo_ids, padding)
+                return await self._step(hidden, prompts, hypo_ids, padding, started=started)
             # A long prefill goes in several steps, none beyond what servers take.
             outputs = []
             for start, end in pieces:
@@ -181,7 +182,9 @@ class InferenceSession:
                         prompts if first else None,
                         hypo_ids if first else None,
                         padding if first else None,
+                        started=started,
                         continued=not first,
+                        length=hidden.shape[1],
                         more=end < hidden.shape[1],
                     )
                 )
@@ -201,17 +204,25 @@ class InferenceSession:
         hypo_ids: torch.Tensor | None,
         padding: torch.Tensor | None,
         *,
+        started: float,
         continued: bool = False,
+        length: int | None = None,
         more: bool = False,
     ) -> torch.Tensor:
+        """One step message through the chain (``started`` then: its caller's step); the
+        others, see :meth:`SessionCore.begin` and :meth:`SessionCore.finish`."""
         home = hidden
         hidden = to_wire(hidden, "hidden states")
         if prompts is not None:
             prompts = to_wire(prompts, "deep prompts")
         core = self._core
-        started = trio.current_time()
         if core.begin(
-            hidden, prompts=prompts, hypo_ids=hypo_ids, padding=padding, continued=continued
+            hidden,
+            prompts=prompts,
+            hypo_ids=hypo_ids,
+            padding=padding,
+            continued=continued,
+            length=length,
         ):
             await self._close_calls()
         attempt = 0
@@ -273,7 +284,7 @@ class InferenceSession:
             x = output
             index += 1
         core.finish(more=more)
-        if self.first_step is None:
+        if self.first_step is None and not more:
             setup = self._setup
             self.first_step = FirstStepTimes(
                 route_s=setup["route"],

@@ -118,14 +118,16 @@ class SessionCore:
         hypo_ids: torch.Tensor | None,
         padding: torch.Tensor | None,
         continued: bool = False,
+        length: int | None = None,
     ) -> bool:
         """Check a step (``ValueError`` for the caller's mistakes) and apply what comes before
         it.  Returns whether the open spans must be closed first (padding changed: the servers'
         sessions hold the old one); :meth:`spans` is then empty.  ``continued``: the step goes
         on from the one before (finished with ``more``), part of the same step of the caller's
-        (:meth:`step_pieces`)."""
+        (:meth:`step_pieces`); ``length``: the positions of that whole step, where the left
+        padding lies (by default, this step's)."""
         self._check(hidden, prompts, hypo_ids)
-        lengths = None if padding is None else self._check_padding(hidden, padding)
+        lengths = None if padding is None else self._check_padding(hidden, padding, length)
         close = False
         if lengths is not None:
             close = bool(self.spans)
@@ -270,14 +272,14 @@ class SessionCore:
         hidden: torch.Tensor,
         *,
         prompts: torch.Tensor | None,
-        padding: torch.Tensor | None,
         max_bytes: int | None = None,
     ) -> list[tuple[int, int]]:
         """The position ranges of ``hidden`` that go as one step each: the whole step unless
         its hidden states take more than ``max_bytes`` (:data:`MAX_STEP_BYTES` by default: a
-        long prefill), and then the first range holds the deep prompts' and the left padding's
-        positions.  A step that does not fit the session is one range, whole (:meth:`begin`
-        refuses it)."""
+        long prefill), and then the first range holds the deep prompts' positions (the left
+        padding goes with the sessions' openings: the first range gives it, with the whole
+        step's ``length``, to :meth:`begin`).  A step that does not fit the session is one
+        range, whole (:meth:`begin` refuses it)."""
         max_bytes = MAX_STEP_BYTES if max_bytes is None else max_bytes
         if (
             not isinstance(hidden, torch.Tensor)
@@ -289,10 +291,6 @@ class SessionCore:
         first = 0
         if isinstance(prompts, torch.Tensor) and prompts.dim() == 4:
             first = prompts.shape[2]
-        if isinstance(padding, torch.Tensor) and padding.numel():
-            counts = not (padding.dtype.is_floating_point or padding.dtype.is_complex)
-            if counts:  # (begin refuses the others)
-                first = max(first, int(padding.max()))
         return _pieces(hidden, first, max_bytes)
 
     def replay(self, state: SpanState, x: torch.Tensor, start: int, end: int) -> Step:
@@ -415,7 +413,9 @@ class SessionCore:
         ):
             raise ValueError(f"hypo_ids must be ({self.batch},) integers in [0, {self.batch})")
 
-    def _check_padding(self, hidden: torch.Tensor, padding: torch.Tensor) -> list[int]:
+    def _check_padding(
+        self, hidden: torch.Tensor, padding: torch.Tensor, length: int | None
+    ) -> list[int]:
         if self.position != 0:
             raise ValueError("left padding goes with the first step (position 0)")
         if (
@@ -426,8 +426,9 @@ class SessionCore:
         ):
             raise ValueError(f"padding must be ({hidden.shape[0]},) integers")
         lengths: list[int] = padding.tolist()
-        if not all(0 <= length <= hidden.shape[1] for length in lengths):
-            raise ValueError(f"padding must lie in [0, {hidden.shape[1]}] (this step's length)")
+        bound = hidden.shape[1] if length is None else length
+        if not all(0 <= row <= bound for row in lengths):
+            raise ValueError(f"padding must lie in [0, {bound}] (this step's length)")
         return lengths
 
     def inputs_of(self, span: RouteSpan, x: torch.Tensor) -> torch.Tensor:
@@ -441,11 +442,19 @@ class SessionCore:
     def following_steps(self, span: RouteSpan, x: torch.Tensor, *, opened_now: bool) -> list[Step]:
         """The steps for a server that follows ``span``'s session to check it: this step's
         input ``x`` at this step's position; for a follower opened at this step past position
-        0, every input of the span so far from position 0, in pieces as a replay goes
-        (:meth:`checking_steps`: the last answer's last ``x.shape[1]`` positions are this
-        step's)."""
+        0, every input of the span so far from position 0 first: in one step if they fit one
+        (the answer's last ``x.shape[1]`` positions are this step's), else in pieces as a
+        replay goes (:meth:`checking_steps`) and then ``x`` (the last answer is this step's)."""
         if opened_now and self.position > 0:
-            return self.checking_steps(span, self.inputs_of(span, x))
+            inputs = self.inputs_of(span, x)
+            if len(self.replay_pieces(inputs)) == 1:
+                return self.checking_steps(span, inputs)
+            catch_up = self.checking_steps(span, inputs[:, : self.position])
+            step_id = len(catch_up)
+            return [
+                *catch_up,
+                Step(hidden_states=x, start_from_position=self.position, step_id=step_id),
+            ]
         step = Step(
             hidden_states=x,
             start_from_position=self.position,
@@ -514,8 +523,6 @@ def _pieces(x: torch.Tensor, first: int, max_bytes: int) -> list[tuple[int, int]
     """Position ranges covering ``x`` ``(B, T, hidden)``, each at most ``max_bytes`` of it but
     the first, which holds at least ``first`` positions."""
     length = x.shape[1]
-    if length == 0:
-        return []
     per_position = max(1, x.shape[0] * x.shape[2] * x.element_size())
     size = max(1, max_bytes // per_position)
     ends = [min(max(size, first), length)]

@@ -311,29 +311,30 @@ def _positions_by_peer(session: InferenceSession) -> dict[str, list[int]]:
 async def test_a_follower_opened_late_catches_up_in_pieces(
     model: Model, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """``verify="all"``: the span's server leaves after six positions; its replacement is
+    """``verify="all"``: the span's server leaves after five positions; its replacement is
     followed by a server opened then, which takes the span's inputs so far in steps of two
     positions (as a long history goes, in steps of MAX_STEP_BYTES), each answered before the
-    next, and the step's own last; every output equals the local blocks', nobody is caught."""
+    next, and the step's own (two positions, across the pieces' grid) last; every output equals
+    the local blocks', nobody is caught."""
     monkeypatch.setattr(STEP_BYTES, 2 * 2 * HIDDEN * 4)
     async with _checked_session(model, tmp_path, 19) as checked:
         session = checked.session
-        for tokens in (4, 1, 1):
+        for tokens in (4, 1):
             await checked.reference.check_step(session, 2, tokens)
         (first,) = session.route
         before = _positions_by_peer(session)
         await checked.swarm.leave(first.peer_id)
-        for _ in range(2):
-            await checked.reference.check_step(session, 2, 1)
+        for tokens in (2, 1):
+            await checked.reference.check_step(session, 2, tokens)
         assert session.retries >= 1
         (replacement,) = session.route
         after = _positions_by_peer(session)
         assert not checked.manager.state.caught
     (follower,) = set(after) - {first.peer_id, replacement.peer_id}
-    # The replacement's replay (positions 0:6) and the follower's catch-up (0:7) in pieces.
+    # The replacement's replay and the follower's catch-up (positions 0:5) in pieces.
     added = {peer: after[peer][len(before.get(peer, [])) :] for peer in after}
-    assert added[replacement.peer_id] == [2, 4, 6, 7, 8]
-    assert added[follower] == [2, 4, 6, 7, 8]
+    assert added[replacement.peer_id] == [2, 4, 5, 7, 8]
+    assert added[follower] == [2, 4, 5, 7, 8]
 
 
 async def test_a_decider_replays_a_long_history_in_pieces(

@@ -244,6 +244,27 @@ async def test_a_long_prefill_goes_in_pieces_and_equals_local(
                 assert session.position == 8 and session.retries == 0
 
 
+async def test_a_padded_long_prefill_in_pieces_equals_it_in_one_step(
+    model: Model, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Left padding longer than the first piece (it goes with the sessions' openings): a
+    prefill of seven positions in pieces of two, and the step after it, give what they give
+    with the prefill in one step."""
+    torch.manual_seed(7)
+    x, after, padding = torch.randn(2, 7, HIDDEN), torch.randn(2, 1, HIDDEN), torch.tensor([0, 5])
+    outputs = []
+    async with in_process_swarm(model, tmp_path, [(0, 3), (3, 6)]) as swarm:
+        with trio.fail_after(DEADLINE_S):
+            for step_bytes in (1 << 30, 2 * 2 * HIDDEN * 4):
+                monkeypatch.setattr(_session_core, "MAX_STEP_BYTES", step_bytes)
+                async with _session_over(swarm, verify="none") as session:
+                    outputs += [await session.step(x, padding=padding), await session.step(after)]
+            steps = [s.block_server.statistics().steps for s in swarm.servers.values()]
+    assert steps == [2 + 5, 2 + 5]  # (the prefill in one step; then 0:2, 2:4, 4:6, 6:7)
+    assert_close(outputs[2], outputs[0])
+    assert_close(outputs[3], outputs[1])
+
+
 async def test_a_long_prefill_that_fails_for_good_midway_leaves_the_session_as_it_was(
     model: Model, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -183,7 +183,7 @@ class PairedSessions(RuleBasedStateMachine):
         good during that piece (None: once it is done), and is abandoned."""
         core, tokens = self.core, hidden.shape[1]
         outputs = []
-        pieces = core.step_pieces(hidden, prompts=None, padding=None, max_bytes=STEP_BYTES)
+        pieces = core.step_pieces(hidden, prompts=None, max_bytes=STEP_BYTES)
         for number, (start, end) in enumerate(pieces):
             x = hidden[:, start:end]
             reorder = hypo_ids if start == 0 else None
@@ -405,32 +405,36 @@ def test_an_answer_that_does_not_fit_the_step_is_the_servers_fault() -> None:
     assert not core.is_answer(0, stale)
 
 
-def test_a_long_step_goes_in_pieces_the_first_holding_the_prompts_and_the_padding() -> None:
+def test_a_long_step_goes_in_pieces_the_first_holding_the_prompts() -> None:
     core = _core()
     hidden = torch.zeros(BATCH, 7, HIDDEN)
     prompts = torch.zeros(BLOCKS, 1, 3, HIDDEN)
-    assert core.step_pieces(hidden, prompts=None, padding=None, max_bytes=STEP_BYTES) == [
+    assert core.step_pieces(hidden, prompts=None, max_bytes=STEP_BYTES) == [
         (0, 2),
         (2, 4),
         (4, 6),
         (6, 7),
     ]
-    assert core.step_pieces(hidden, prompts=prompts, padding=None, max_bytes=STEP_BYTES) == [
+    assert core.step_pieces(hidden, prompts=prompts, max_bytes=STEP_BYTES) == [
         (0, 3),
         (3, 5),
         (5, 7),
     ]
-    padding = torch.tensor([0, 5])
-    assert core.step_pieces(hidden, prompts=prompts, padding=padding, max_bytes=STEP_BYTES) == [
-        (0, 5),
-        (5, 7),
-    ]
     # A step that fits one message, or not the session, is one piece (begin judges the latter).
-    assert core.step_pieces(hidden[:, :2], prompts=None, padding=None, max_bytes=STEP_BYTES) == [
-        (0, 2)
-    ]
+    assert core.step_pieces(hidden[:, :2], prompts=None, max_bytes=STEP_BYTES) == [(0, 2)]
     too_long = torch.zeros(BATCH, MAX_LENGTH + 1, HIDDEN)
-    assert core.step_pieces(too_long, prompts=None, padding=None, max_bytes=STEP_BYTES) == [
+    assert core.step_pieces(too_long, prompts=None, max_bytes=STEP_BYTES) == [
         (0, MAX_LENGTH + 1)
     ]
-    assert core.step_pieces(hidden, prompts=None, padding=None) == [(0, 7)]  # MAX_STEP_BYTES
+    assert core.step_pieces(hidden, prompts=None) == [(0, 7)]  # MAX_STEP_BYTES
+
+
+def test_the_first_piece_of_a_long_step_takes_padding_within_the_whole_step() -> None:
+    core = _core()
+    first = torch.zeros(BATCH, 2, HIDDEN)
+    with pytest.raises(ValueError, match=r"padding must lie in \[0, 2\]"):
+        core.begin(first, prompts=None, hypo_ids=None, padding=torch.tensor([0, 5]))
+    with pytest.raises(ValueError, match=r"padding must lie in \[0, 7\]"):
+        core.begin(first, prompts=None, hypo_ids=None, padding=torch.tensor([0, 8]), length=7)
+    core.begin(first, prompts=None, hypo_ids=None, padding=torch.tensor([0, 5]), length=7)
+    assert core.padding == [0, 5]
