@@ -79,7 +79,9 @@ class InferenceSession:
         self.manager = manager
         self.max_length = max_length
         self.alloc_timeout = alloc_timeout
-        self._core = SessionCore(blocks=manager.block_indices, max_length=max_length)
+        self._core = SessionCore(
+            blocks=manager.block_indices, max_length=max_length, hidden_size=manager.hidden_size
+        )
         self._calls: dict[SpanState, SpanCall] = {}
         #: Every answer's receipt (its signature checked), kept while the session lives: the
         #: evidence of what each server answered.

@@ -188,14 +188,20 @@ class RemoteSequenceManager:
         num_blocks: int,
         *,
         block_indices: range | None = None,
+        hidden_size: int | None = None,
         dht: DHTNode | None = None,
         state: SequenceManagerState | None = None,
         rng: random.Random | None = None,
     ) -> None:
         if config.dht_prefix is None:
             raise ConfigError("the sequence manager needs config.dht_prefix")
+        if hidden_size is not None and (not isinstance(hidden_size, int) or hidden_size < 1):
+            raise ConfigError(f"hidden_size must be a positive integer, got {hidden_size!r}")
         self.config = config
         self.num_blocks = num_blocks
+        #: The size of the model's hidden states, if known (a model's config gives it): inputs
+        #: of another size are the caller's mistake, refused before they are sent.
+        self.hidden_size = hidden_size
         self.block_indices = block_indices if block_indices is not None else range(num_blocks)
         if (
             self.block_indices.step != 1
@@ -221,7 +227,12 @@ class RemoteSequenceManager:
         if len(blocks) == 0 or blocks.step != 1:
             raise IndexError("a slice of a sequence manager is a non-empty contiguous range")
         return RemoteSequenceManager(
-            self.config, self.num_blocks, block_indices=blocks, state=self.state, rng=self._rng
+            self.config,
+            self.num_blocks,
+            block_indices=blocks,
+            hidden_size=self.hidden_size,
+            state=self.state,
+            rng=self._rng,
         )
 
     def __iter__(self) -> Iterator[RemoteSequenceManager]:

@@ -37,13 +37,14 @@ from ..protocol import (
     ForwardRequest,
     FraudReport,
     Signature,
+    prompts_fit,
     receive_tensors,
     send_tensors,
 )
 from ..routing import MissingBlocksError, RouteSpan
 from ..transport import as_received, compress_floats, open_call
 from ._checks import check_receipt, compare, hops_allowance, majority, tolerance
-from ._placement import like, to_wire
+from ._placement import describe, like, to_wire
 from ._reports import book_of
 from ._second_opinions import other_route
 from ._sequence_manager import RemoteSequenceManager
@@ -385,6 +386,7 @@ async def remote_forward(
     hidden = to_wire(hidden, "hidden states")
     if prompts is not None:
         prompts = to_wire(prompts, "deep prompts")
+    _check_inputs(manager, hidden, prompts, "hidden states")
     chunks = _row_chunks(hidden, max_chunk_tokens)
     outputs: list[torch.Tensor | None] = [None] * len(chunks)
     saved: list[Saved] = [[] for _ in chunks]
@@ -415,9 +417,15 @@ async def remote_backward(
     grad_output = to_wire(grad_output, "grad_output")
     if prompts is not None:
         prompts = to_wire(prompts, "deep prompts")
+    _check_inputs(manager, grad_output, prompts, "grad_output")
     chunks = _row_chunks(grad_output, max_chunk_tokens)
-    if len(chunks) != len(saved):
-        raise ValueError("grad_output does not match the saved forward")
+    if len(chunks) != len(saved) or any(
+        entries and grad_output[rows].shape != entries[0][1].shape
+        for rows, entries in zip(chunks, saved, strict=True)
+    ):
+        raise ValueError(
+            f"grad_output ({tuple(grad_output.shape)}) does not match the saved forward's output"
+        )
     grads: list[torch.Tensor | None] = [None] * len(chunks)
     prompt_grads: list[torch.Tensor | None] = [None] * len(chunks)
 
@@ -603,6 +611,26 @@ async def _run_chunks(run: Any, chunks: list[slice]) -> None:
         await run(0, chunks[0])
         return
     await run_concurrently(functools.partial(run, i, rows) for i, rows in enumerate(chunks))
+
+
+def _check_inputs(
+    manager: RemoteSequenceManager, hidden: torch.Tensor, prompts: torch.Tensor | None, what: str
+) -> None:
+    """``ValueError`` for inputs no server takes: the caller's mistake is refused here, before
+    anything is sent, rather than blamed on every server in turn."""
+    size = manager.hidden_size
+    if hidden.dim() != 3 or hidden.shape[0] < 1 or hidden.shape[2] != (size or hidden.shape[2]):
+        shape = f"(batch, tokens, {size or 'hidden'})"
+        raise ValueError(f"{what} must be {shape}, got {describe(hidden)}")
+    batch, tokens, hidden_size = hidden.shape
+    blocks = len(manager)
+    if prompts is not None and not prompts_fit(
+        prompts, blocks=blocks, batch=batch, tokens=tokens, hidden_size=hidden_size
+    ):
+        raise ValueError(
+            f"deep prompts must be ({blocks} blocks, 1 or {batch}, at most {tokens} positions, "
+            f"{hidden_size}), got {describe(prompts)}"
+        )
 
 
 def _row_chunks(hidden: torch.Tensor, max_chunk_tokens: int) -> list[slice]:

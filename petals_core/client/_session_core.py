@@ -65,7 +65,7 @@ class SpanState:
 class SessionCore:
     """A session of up to ``max_length`` positions through ``blocks`` (see the module)."""
 
-    def __init__(self, *, blocks: range, max_length: int) -> None:
+    def __init__(self, *, blocks: range, max_length: int, hidden_size: int | None = None) -> None:
         if max_length < 1:
             raise ValueError(f"max_length must be >= 1, got {max_length}")
         self.blocks = blocks
@@ -73,7 +73,8 @@ class SessionCore:
         self.spans: list[SpanState] = []
         self.position = 0
         self.batch: int | None = None
-        self.hidden_size: int | None = None
+        #: The size of the model's hidden states if known, else the first step's.
+        self.hidden_size = hidden_size
         self.prompts: torch.Tensor | None = None
         self.padding: list[int] | None = None
         #: Each span's inputs so far, by the span's first block.
@@ -380,13 +381,15 @@ class SessionCore:
             raise ValueError(
                 f"hidden states must be (batch, tokens, hidden), got {describe(hidden)}"
             )
-        if self.batch is None:
-            self.batch, self.hidden_size = hidden.shape[0], hidden.shape[2]
-        if (hidden.shape[0], hidden.shape[2]) != (self.batch, self.hidden_size):
+        if self.hidden_size is not None and hidden.shape[2] != self.hidden_size:
             raise ValueError(
-                f"this session has {self.batch} rows of size {self.hidden_size}; "
+                f"this session's hidden states are of size {self.hidden_size}; "
                 f"got {tuple(hidden.shape)}"
             )
+        if self.batch is None:
+            self.batch, self.hidden_size = hidden.shape[0], hidden.shape[2]
+        if hidden.shape[0] != self.batch:
+            raise ValueError(f"this session has {self.batch} rows; got {tuple(hidden.shape)}")
         if self.position + hidden.shape[1] > self.max_length:
             raise ValueError(
                 f"{self.position} + {hidden.shape[1]} positions exceed the session's "

@@ -73,7 +73,9 @@ def make_remote_blocks(
                 "(from_pretrained derives it from the model name)"
             )
         manager_config = attrs.evolve(manager_config, dht_prefix=dht_prefix)
-    manager = RemoteSequenceManager(manager_config, config.num_hidden_layers)
+    manager = RemoteSequenceManager(
+        manager_config, config.num_hidden_layers, hidden_size=config.hidden_size
+    )
     return RemoteSequential(manager)
 
 

@@ -257,7 +257,7 @@ def manager_for(
         "update_period_s": 0.5,
     }
     settings.update(fields)
-    return RemoteSequenceManager(SequenceManagerConfig(**settings), N_BLOCKS)
+    return RemoteSequenceManager(SequenceManagerConfig(**settings), N_BLOCKS, hidden_size=HIDDEN)
 
 
 async def wait_for_servers(manager: RemoteSequenceManager, count: int) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 import trio
 
@@ -17,6 +18,7 @@ from petals_core.client import RemoteSequential, remote_backward, remote_forward
 from ._swarm_helpers import (
     DEADLINE_S,
     HIDDEN,
+    N_BLOCKS,
     Model,
     assert_close,
     in_process_swarm,
@@ -106,6 +108,39 @@ async def test_forward_backward_equal_local_autograd(model: Model, tmp_path: Pat
                 assert_close(grad, expected_grad)
                 assert_close(prompt_grad, expected_prompt_grad)
                 assert not seq.sequence_manager.state.bans
+
+
+async def test_the_callers_mistakes_are_refused_before_anything_is_sent(
+    model: Model, tmp_path: Path
+) -> None:
+    """Inputs no server would take are the caller's ValueError, not a failure blamed on every
+    server in turn; what was right goes through after them."""
+    x, prompts, grad_output = training_inputs(4, rows=2, length=5)
+    async with in_process_swarm(model, tmp_path, [(0, 3), (3, 6)]) as swarm:
+        manager = manager_for(list(swarm.servers.values()))
+        with trio.fail_after(DEADLINE_S):
+            async with RemoteSequential(manager) as seq:
+                await wait_for_servers(manager, 2)
+                for hidden, deep, match in (
+                    (x[0], None, r"hidden states must be \(batch, tokens, 64\)"),
+                    (torch.zeros(2, 5, HIDDEN + 1), None, "hidden states must be"),
+                    (x, prompts[:3], r"deep prompts must be \(6 blocks, 1 or 2, at most 5"),
+                    (x, torch.zeros(N_BLOCKS, 1, 6, HIDDEN), "deep prompts must be"),
+                ):
+                    with pytest.raises(ValueError, match=match):
+                        await remote_forward(manager, hidden, deep)
+                _, saved = await remote_forward(manager, x, prompts)
+                with pytest.raises(ValueError, match="does not match the saved forward"):
+                    await remote_backward(manager, grad_output[:, :4], saved, prompts)
+                with pytest.raises(ValueError, match=r"grad_output must be \(batch, tokens, 64"):
+                    await remote_backward(manager, grad_output[..., :4], saved, prompts)
+                grad, _ = await remote_backward(manager, grad_output, saved, prompts)
+                assert grad.shape == x.shape
+                async with seq.open_inference_session(max_length=16) as session:
+                    with pytest.raises(ValueError, match="hidden states are of size 64"):
+                        await session.step(torch.zeros(1, 1, HIDDEN + 1))
+                    await session.step(torch.zeros(1, 1, HIDDEN))
+                assert not manager.state.bans and not manager.state.caught
 
 
 async def test_server_leaving_between_forward_and_backward(model: Model, tmp_path: Path) -> None:

@@ -306,7 +306,8 @@ def test_the_callers_mistakes_are_refused_before_anything_changes() -> None:
     core.begin(hidden, prompts=None, hypo_ids=None, padding=None)
     core.finish()
     for kwargs, match in (
-        ({"hidden": torch.zeros(3, 1, HIDDEN)}, "this session has 2 rows of size 3"),
+        ({"hidden": torch.zeros(3, 1, HIDDEN)}, "this session has 2 rows"),
+        ({"hidden": torch.zeros(BATCH, 1, 4)}, "this session's hidden states are of size 3"),
         ({"hidden": torch.zeros(BATCH, 9, HIDDEN)}, "exceed the session's max_length 10"),
         ({"prompts": torch.zeros(BLOCKS, 1, 1, HIDDEN)}, "deep prompts go with the first step"),
         ({"hypo_ids": torch.tensor([0, 2])}, r"hypo_ids must be \(2,\) integers in \[0, 2\)"),
@@ -423,9 +424,7 @@ def test_a_long_step_goes_in_pieces_the_first_holding_the_prompts() -> None:
     # A step that fits one message, or not the session, is one piece (begin judges the latter).
     assert core.step_pieces(hidden[:, :2], prompts=None, max_bytes=STEP_BYTES) == [(0, 2)]
     too_long = torch.zeros(BATCH, MAX_LENGTH + 1, HIDDEN)
-    assert core.step_pieces(too_long, prompts=None, max_bytes=STEP_BYTES) == [
-        (0, MAX_LENGTH + 1)
-    ]
+    assert core.step_pieces(too_long, prompts=None, max_bytes=STEP_BYTES) == [(0, MAX_LENGTH + 1)]
     assert core.step_pieces(hidden, prompts=None) == [(0, 7)]  # MAX_STEP_BYTES
 
 
@@ -438,3 +437,12 @@ def test_the_first_piece_of_a_long_step_takes_padding_within_the_whole_step() ->
         core.begin(first, prompts=None, hypo_ids=None, padding=torch.tensor([0, 8]), length=7)
     core.begin(first, prompts=None, hypo_ids=None, padding=torch.tensor([0, 5]), length=7)
     assert core.padding == [0, 5]
+
+
+def test_a_model_of_known_hidden_size_refuses_another_from_the_first_step() -> None:
+    core = SessionCore(blocks=range(BLOCKS), max_length=MAX_LENGTH, hidden_size=HIDDEN)
+    with pytest.raises(ValueError, match=r"hidden states are of size 3; got \(2, 1, 4\)"):
+        core.begin(torch.zeros(BATCH, 1, 4), prompts=None, hypo_ids=None, padding=None)
+    assert core.batch is None  # nothing changed: a step of the right size is the first
+    core.begin(torch.zeros(BATCH, 1, HIDDEN), prompts=None, hypo_ids=None, padding=None)
+    assert (core.batch, core.hidden_size) == (BATCH, HIDDEN)
