@@ -581,7 +581,9 @@ class InferenceSession:
                         alloc_timeout=self.alloc_timeout,
                         active_adapter=self.manager.config.active_adapter,
                     )
-                    await call.open(self.manager, attrs.evolve(opening, max_length=y.shape[1]))
+                    # (A long prefill's first pieces may be shorter than its left padding.)
+                    length = max([y.shape[1], *(opening.left_padding or ())])
+                    await call.open(self.manager, attrs.evolve(opening, max_length=length))
                     outputs = []
                     for step in core.checking_steps(other, y):
                         await call.send(step, self.manager.config.compression)

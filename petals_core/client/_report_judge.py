@@ -191,7 +191,7 @@ async def _replay_session(
         opening = OpenSession(
             session_id=state.session_id,
             blocks=(span.start, span.end),
-            max_length=max(position for position, _ in steps),
+            max_length=max([*(position for position, _ in steps), *(report.padding or ())]),
             batch_size=batch,
             alloc_timeout=manager.config.request_timeout_s,
             active_adapter=report.adapter,

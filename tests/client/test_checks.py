@@ -360,6 +360,27 @@ async def test_a_decider_replays_a_long_history_in_pieces(
     assert positions[decider][:4] == [2, 4, 6, 8]
 
 
+async def test_a_padded_long_prefill_is_checked_piece_by_piece(
+    model: Model, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Left padding longer than a long prefill's first pieces: the span that no other server
+    holds whole is checked at every piece by a route of two others (their check sessions as
+    long as the padding), and at the step after; nobody is caught."""
+    monkeypatch.setattr(STEP_BYTES, 2 * 2 * HIDDEN * 4)
+    torch.manual_seed(21)
+    async with in_process_swarm(model, tmp_path, [(0, 3), (3, 6)]) as swarm:
+        whole = str((await swarm.add((0, N_BLOCKS), throughput=1000.0)).dht.peer_id)
+        with trio.fail_after(DEADLINE_S):
+            async with sequential_over(list(swarm.servers.values()), verify="all") as seq:
+                async with InferenceSession(seq.sequence_manager, 16) as session:
+                    await session.step(torch.randn(2, 7, HIDDEN), padding=torch.tensor([0, 5]))
+                    await session.step(torch.randn(2, 1, HIDDEN))
+                    assert [span.peer_id for span in session.route] == [whole]
+                state = seq.sequence_manager.state
+    assert not state.caught
+    assert state.verified[whole] == 4 + 1  # (pieces 0:2, 2:4, 4:6, 6:7; the step after)
+
+
 async def test_a_server_lying_in_its_gradients_is_caught_before_the_optimiser_sees_them(
     model: Model, tmp_path: Path
 ) -> None:
