@@ -508,6 +508,7 @@ class InferenceHandlers:
         connect_peer: Callable[[str], Awaitable[Connection]],
     ) -> None:
         peer, session_id = key
+        opened = None
         with trio.move_on_after(_DIAL_TIMEOUT_S):
             try:
                 connection = await connect_peer(peer)
@@ -522,7 +523,8 @@ class InferenceHandlers:
                 return
         self._mark_unreachable(peer)
         self._serving.count("push_dial_failures")
-        session.pushes[key] = None
+        # A stream opened whose header could not be sent is held until the session ends.
+        session.pushes[key] = None if opened is None else _FAILED
 
     def _mark_unreachable(self, peer: str) -> None:
         """Until proven otherwise (the dial succeeds); at most a few thousand remembered."""

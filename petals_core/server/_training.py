@@ -4,10 +4,11 @@ for a coming backward.
 The messages are :mod:`petals_core.protocol`'s; both passes rank below inference steps.  A
 forward runs each block as its own job, over at most ``max_batch_tokens`` tokens (rows x
 positions, one row at least: rows are independent) as an inference step does, more rows in
-further jobs.  A backward recomputes its span's forward with autograd, over as many rows at once
-as one block's graph fits ``backward_activation_bytes`` (one row at least), and in groups of
-blocks whose graphs fit it (one group: no extra forward), then returns the gradients of its
-input (and of its prompts).
+further jobs (but a forward that keeps its graph for a backward runs whole, within
+``backward_activation_bytes``).  A backward recomputes its span's forward with autograd, over
+as many rows at once as one block's graph fits ``backward_activation_bytes`` (one row at
+least), and in groups of blocks whose graphs fit it (one group: no extra forward), then returns
+the gradients of its input (and of its prompts).
 
 A forward asked to keep its graph for a backward may instead run with autograd and keep it
 (estimated bytes within ``backward_activation_bytes`` and, with the other kept graphs,
@@ -261,11 +262,14 @@ class TrainingHandlers:
             grads.append(part_grad)
             if prompt_grad is not None:
                 prompt_grads.append(prompt_grad)
-        if not prompt_grads:
-            return torch.cat(grads), None
+        grad = grads[0] if len(grads) == 1 else torch.cat(grads)
+        if len(prompt_grads) <= 1:
+            return grad, prompt_grads[0] if prompt_grads else None
         # A prompt shared by every row gets the sum of their gradients; a row's own, its rows'.
-        grad_prompts = torch.stack(prompt_grads).sum(0) if shared else torch.cat(prompt_grads, 1)
-        return torch.cat(grads), grad_prompts
+        if shared:
+            total = torch.stack(prompt_grads).sum(0, dtype=torch.float32)
+            return grad, total.to(prompt_grads[0].dtype)
+        return grad, torch.cat(prompt_grads, 1)
 
     async def _rows_backward(
         self,
