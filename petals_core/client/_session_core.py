@@ -89,7 +89,9 @@ class SessionCore:
         self._push = False
         self._pushed_id: int | None = None  # the step id pushed to the span to answer next
         self._expected: dict[int, int] = {}  # id(span) -> step id of the answer awaited
-        self._undo: _Undo | None = None  # what to restore if the step fails for good
+        self._undo: _Undo | None = None  # what the step's reorder replaced
+        #: The position the caller's step under way began at (its pieces included).
+        self._began_at: int | None = None
 
     # -- position --------------------------------------------------------------------------------
 
@@ -140,17 +142,11 @@ class SessionCore:
             self.spans = []
         if self.position == 0 and prompts is not None:
             self.prompts = prompts
-        if not continued or self._undo is None:
-            self._undo = _Undo(
-                list(self.spans),
-                dict(self.history),
-                self.padding,
-                self.prompts,
-                position=self.position,
-                reordered=hypo_ids is not None,
-            )
+        if not continued:
+            self._undo, self._began_at = None, self.position
         if hypo_ids is not None:
             hypo_ids = hypo_ids.to("cpu", torch.int64)
+            self._undo = _Undo(list(self.spans), dict(self.history), self.padding, self.prompts)
             for start, history in self.history.items():
                 self.history[start] = history[hypo_ids]
             if self.padding is not None:
@@ -350,7 +346,7 @@ class SessionCore:
         back too."""
         self.position += self._tokens
         if not more:
-            self._undo = None
+            self._undo, self._began_at = None, None
 
     def abandon(self) -> list[SpanState]:
         """The step failed (or was cancelled): the session is as before it, so that the step
@@ -359,17 +355,16 @@ class SessionCore:
         prompts are as before the step, and every span is then stale (its server may hold the
         reorder).  Returns the spans that leave the chain (their sessions are to be closed)."""
         undo, self._undo = self._undo, None
-        if undo is None:
-            return []
         left = []
-        if undo.reordered:
+        if undo is not None:
             left = [state for state in self.spans if state not in undo.spans]
             self.spans = undo.spans
             self.history, self.padding, self.prompts = undo.history, undo.padding, undo.prompts
             for state in self.spans:
                 state.stale = True
-        if self.position != undo.position:
-            self.rollback(undo.position)
+        began_at, self._began_at = self._began_at, None
+        if began_at is not None and self.position != began_at:
+            self.rollback(began_at)
         return left
 
     # -- internals -------------------------------------------------------------------------------
@@ -511,15 +506,10 @@ class SessionCore:
 
 @attrs.frozen
 class _Undo:
-    """The session as a step found it (its padding and prompts set)."""
-
     spans: list[SpanState]
     history: dict[int, torch.Tensor]
     padding: list[int] | None
     prompts: torch.Tensor | None
-    position: int
-    #: Whether the step reordered the rows (what ``spans`` .. ``prompts`` take back).
-    reordered: bool
 
 
 def _pieces(x: torch.Tensor, first: int, max_bytes: int) -> list[tuple[int, int]]:
