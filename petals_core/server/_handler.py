@@ -114,9 +114,11 @@ class BlockServerStatistics:
     pushed_steps: int
     stale_pushes: int
     refused_pushes: int
-    #: Push streams this server opened to the next servers' sessions, and dials that failed.
+    #: Push streams this server opened to the next servers' sessions, dials that failed, and
+    #: pushes not sent in time or whose stream failed (their sessions push no more there).
     push_streams: int
     push_dial_failures: int
+    push_failures: int
     forwards: int
     backwards: int
     #: Forward / backward calls waiting for their turn, and holding one (see

@@ -17,7 +17,9 @@ session: until it is open, and if it cannot be, the answer says ``pushed: false`
 client sends the step on itself, so that a dial never delays a step. A session pushes to at
 most a few next sessions at once (:data:`_MAX_PUSH_TARGETS`: streams open or being opened,
 those whose sends failed included; not those that could not be dialled) and tries a few more in
-all (:data:`_MAX_PUSH_TRIES`); a step naming another is not pushed. The receiving server takes
+all (:data:`_MAX_PUSH_TRIES`); a step naming another is not pushed. A push not sent within
+:func:`_push_timeout` (a fixed wait plus its bytes over a slow link) is answered
+``pushed: false`` and ends the session's pushes to that next session. The receiving server takes
 pushed steps in its session's order beside the client's own: the session id, known to the
 client and the servers it chose only, is the capability. A pushed step whose ``step_id`` is not
 above every id the session has seen is stale (its client has resent that step itself since) and
@@ -71,8 +73,13 @@ logger = logging.getLogger(__name__)
 
 #: Steps (the client's and pushed ones) waiting in a session's inbox.
 _INBOX_SIZE: Final = 8
-#: Longest wait to hand the next server a pushed step.
+#: Longest wait to hand the next server a pushed step: this, plus its tensors' bytes at
+#: :data:`_PUSH_SLOW_LINK_BYTES_PER_S`.
 _PUSH_TIMEOUT_S: Final = 2.0
+#: The slowest link a push allows for (2 Mbit/s).  A client waits for a step's answer at least
+#: ten times its bytes both ways at 1 MB/s, so a push that is this slow still ends before the
+#: client gives up on the step.
+_PUSH_SLOW_LINK_BYTES_PER_S: Final = 256 << 10
 #: Longest wait to dial the next server and open the push stream (once per session, meanwhile
 #: the client sends the steps on itself).
 _DIAL_TIMEOUT_S: Final = 10.0
@@ -99,6 +106,13 @@ _MAX_UNREACHABLE: Final = 4096
 #: already open, next to nothing beside a fresh dial's round trips (meanwhile the client sends
 #: the step on itself).
 _DIAL_WAIT_S: Final = 0.02
+
+
+def _push_timeout(step: Step) -> float:
+    """How long a push of ``step`` may take to be sent: a fixed wait (the next server's inbox
+    may be full for a moment) plus its hidden states' bytes (all a pushed step carries) over the
+    slowest link a push allows for."""
+    return _PUSH_TIMEOUT_S + step.hidden_states.nbytes / _PUSH_SLOW_LINK_BYTES_PER_S
 
 
 @attrs.define(eq=False)
@@ -461,12 +475,16 @@ class InferenceHandlers:
             push_call = session.pushes[key]
         if not isinstance(push_call, Call):
             return False  # being dialled, or it failed
-        with trio.move_on_after(_PUSH_TIMEOUT_S):
+        timeout = _push_timeout(step)
+        with trio.move_on_after(timeout) as waited:
             try:
                 await push_call.send(compress_floats(step.to_wire(), self.limits.compression))
                 return True
             except TransportError as exc:
                 logger.info("cannot push to %s: %r", target.peer, exc)
+        if waited.cancelled_caught:
+            logger.info("cannot push to %s: not sent in %.1f s", target.peer, timeout)
+        self._serving.count("push_failures")
         session.pushes[key] = _FAILED
         return False
 

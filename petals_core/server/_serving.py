@@ -32,6 +32,7 @@ COUNTERS: Final = (
     "refused_pushes",
     "push_streams",
     "push_dial_failures",
+    "push_failures",
     "forwards",
     "backwards",
     "kept_backwards",

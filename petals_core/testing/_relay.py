@@ -1,5 +1,6 @@
 """A UDP relay on loopback that makes a link slow: each datagram is held for a one-way delay
-(plus jitter) and some are dropped, in both directions.
+(plus jitter) and some are dropped, in both directions; the link can also carry a limited rate,
+behind a queue of limited size, as a bottleneck does.
 
 :class:`DelayRelay` runs in a process of its own, so that the caller's work (torch, the GIL)
 does not delay its datagrams.  For each target port it listens on a port of its own; a peer that
@@ -52,14 +53,20 @@ class RelayStats:
     #: ``Pipe.max_payload`` (counted in ``dropped`` too).
     largest_forwarded: int = 0
     too_large: int = 0
+    #: Datagrams dropped because the bottleneck's queue was full (counted in ``dropped`` too).
+    queue_full: int = 0
 
 
 class _Link:
-    def __init__(self, pipe: Pipe, seed: int) -> None:
+    def __init__(
+        self, pipe: Pipe, seed: int, *, bytes_per_s: float | None = None, queue_bytes: int = 0
+    ) -> None:
         self.latency_s = pipe.latency_s
         self.jitter_s = pipe.jitter_s
         self.loss = pipe.loss
         self.max_payload = pipe.max_payload
+        self.bytes_per_s = bytes_per_s
+        self.queue_bytes = queue_bytes
         self.rng = random.Random(seed)
 
     def hold(self, size: int) -> float | None:
@@ -80,6 +87,7 @@ class _Counters:
         self.late = 0.0
         self.largest = 0
         self.too_large = 0
+        self.queue_full = 0
 
     def stats(self) -> RelayStats:
         count = max(self.forwarded, 1)
@@ -91,6 +99,7 @@ class _Counters:
             mean_late_s=self.late / count,
             largest_forwarded=self.largest,
             too_large=self.too_large,
+            queue_full=self.queue_full,
         )
 
 
@@ -127,6 +136,8 @@ def _serve(control: IO[str], answer: IO[str], host: str, targets: list[int], see
     held: list[tuple[float, int, float, socket.socket, Address, bytes]] = []
     order = itertools.count()
     last_due: dict[tuple[int, Address], float] = {}  # keeps each flow's order
+    # When each flow's bottleneck has sent all it holds (with a rate limit).
+    free_at: dict[tuple[int, Address], float] = {}
 
     def hold(sock: socket.socket, destination: Address, data: bytes, now: float) -> None:
         delay = link.hold(len(data))
@@ -136,7 +147,17 @@ def _serve(control: IO[str], answer: IO[str], host: str, targets: list[int], see
                 counters.too_large += 1
             return
         flow = (sock.fileno(), destination)
-        due = max(now + delay, last_due.get(flow, 0.0))
+        leaves = now
+        if link.bytes_per_s is not None:
+            # The datagram waits behind those queued before it, then takes its own time to
+            # leave; the queue holds at most queue_bytes (tail drop).
+            start = max(now, free_at.get(flow, 0.0))
+            if (start - now) * link.bytes_per_s + len(data) > link.queue_bytes:
+                counters.dropped += 1
+                counters.queue_full += 1
+                return
+            free_at[flow] = leaves = start + len(data) / link.bytes_per_s
+        due = max(leaves + delay, last_due.get(flow, 0.0))
         last_due[flow] = due
         heapq.heappush(held, (due, next(order), now, sock, destination, data))
 
@@ -168,8 +189,9 @@ def _serve(control: IO[str], answer: IO[str], host: str, targets: list[int], see
                     message = json.loads(line)
                     if message["do"] == "link":
                         pipe = Pipe(**message["pipe"])
-                        link = _Link(pipe, seed)
+                        link = _Link(pipe, seed, **message["rate"])
                         counters = _Counters()
+                        free_at.clear()
                         _say(answer, None)
                     elif message["do"] == "stats":
                         _say(answer, attrs.asdict(counters.stats()))
@@ -201,8 +223,8 @@ def _serve(control: IO[str], answer: IO[str], host: str, targets: list[int], see
 class DelayRelay:
     """A relay process with one listening port per entry of ``targets`` (ports on ``host``).
 
-    It starts with no delay; :meth:`set_link` sets the one-way delay, jitter and loss of every
-    datagram from then on, both ways.  Use it as a context manager, or call :meth:`close`.
+    It starts with no delay; :meth:`set_link` sets the one-way delay, jitter, loss and rate of
+    every datagram from then on, both ways.  Use it as a context manager, or call :meth:`close`.
     """
 
     def __init__(self, targets: Sequence[int], *, host: str = "127.0.0.1", seed: int = 0) -> None:
@@ -233,12 +255,26 @@ class DelayRelay:
         self._process.stdin.flush()
         return self._answer()
 
-    def set_link(self, pipe: Pipe) -> None:
+    def set_link(
+        self, pipe: Pipe, *, bytes_per_s: float | None = None, queue_bytes: int = 64 << 10
+    ) -> None:
         """From now on, hold each datagram ``pipe.latency_s`` plus up to ``pipe.jitter_s``
         (uniformly), and drop each with probability ``pipe.loss``, and each larger than
-        ``pipe.max_payload``; resets :meth:`stats`."""
+        ``pipe.max_payload``; resets :meth:`stats`.
+
+        With ``bytes_per_s``, each flow (one peer towards one target, or back) also leaves at
+        that rate, one datagram after the other, behind a queue of at most ``queue_bytes``:
+        a datagram arriving at a full queue is dropped.
+        """
         if pipe.latency_s < 0 or pipe.jitter_s < 0 or not 0 <= pipe.loss < 1:
             raise ValueError(f"a link needs delays >= 0 and 0 <= loss < 1, not {pipe}")
+        if bytes_per_s is not None and not bytes_per_s > 0:
+            raise ValueError(f"a link's rate must be above 0 bytes/s, not {bytes_per_s}")
+        if queue_bytes < _MAX_DATAGRAM:
+            raise ValueError(
+                f"a bottleneck's queue must hold a datagram ({_MAX_DATAGRAM} bytes), not "
+                f"{queue_bytes}"
+            )
         if pipe.drop is not None:
             raise ValueError("the relay drops at random only: Pipe.drop is not supported")
         fields = {
@@ -247,7 +283,8 @@ class DelayRelay:
             "loss": pipe.loss,
             "max_payload": pipe.max_payload,
         }
-        self._ask({"do": "link", "pipe": fields})
+        rate = {"bytes_per_s": bytes_per_s, "queue_bytes": queue_bytes}
+        self._ask({"do": "link", "pipe": fields, "rate": rate})
 
     def stats(self) -> RelayStats:
         return RelayStats(**self._ask({"do": "stats"}))

@@ -25,7 +25,18 @@ from petals_core.dht import NodeID
 from petals_core.protocol import INFERENCE, PUSH
 from petals_core.server import Server, ServingLimits
 from petals_core.testing import DelayRelay, Pipe
-from petals_core.transport import Call, CallEnded, Connection, Multiaddr, open_call, open_node
+from petals_core.transport import (
+    Call,
+    CallEnded,
+    Connection,
+    Handlers,
+    Multiaddr,
+    ServerCall,
+    TransportConfig,
+    open_call,
+    open_node,
+    serve_rpc,
+)
 
 from ..dht._swarm import wait_until
 from ._swarm_helpers import (
@@ -161,6 +172,98 @@ async def test_servers_behind_port_forwarding_are_reached_only_where_they_announ
                 assert contact is not None
                 assert Multiaddr.parse(contact.address).port == relay.ports[1]
         assert relay.stats().forwarded > 0
+
+
+#: A receiving peer that lets a stream have this much unread: a push's send then lasts about as
+#: long as its bytes take to cross (with the default window, all but the last 4 MiB).
+_SMALL_WINDOW = TransportConfig(stream_window_bytes=64 << 10)
+
+
+async def test_a_push_over_a_slow_link_waits_as_long_as_its_bytes_need(
+    model: Model, tmp_path: Path
+) -> None:
+    """The second server is reached through a link of 320 KiB/s (the first joins the swarm
+    through it, so that every datagram between them crosses it): pushing it a prefill of 1 MiB
+    takes about 3 s, longer than a push's fixed wait, and within what its bytes allow.  It is
+    pushed, and so are the steps after it."""
+    torch.manual_seed(8)
+    steps = [torch.randn(1, 3, HIDDEN), torch.randn(1, 4096, HIDDEN), torch.randn(1, 1, HIDDEN)]
+    port = _free_udp_port()
+    with DelayRelay([port]) as relay:
+        async with in_process_swarm(model, tmp_path, []) as swarm:
+            with trio.fail_after(DEADLINE_S):
+                second = await swarm.add(
+                    (3, 6), port=port, announce_port=relay.ports[0], transport=_SMALL_WINDOW
+                )
+                first = await swarm.add((0, 3))
+                await servers_know_each_other([first, second])
+                async with (
+                    RemoteSequential(manager_for([first, second])) as seq,
+                    seq.open_inference_session(max_length=4100) as session,
+                ):
+                    await run_session(session, model, steps[:1])
+                    await push_streams_reach([first, second], [1, 0])
+                    pushed = pushed_steps(second)
+                    relay.set_link(
+                        Pipe(latency_s=0.005), bytes_per_s=320 << 10, queue_bytes=256 << 10
+                    )
+                    await run_session(session, model, steps[1:], done=steps[:1])
+                    assert session.retries == 0
+                assert pushed_steps(second) == pushed + 2
+                assert first.block_server.statistics().push_failures == 0
+        assert relay.stats().forwarded > (2 << 20) // 16384  # the prefill, there and back
+
+
+async def test_a_push_the_next_server_does_not_take_in_time_is_given_up(
+    model: Model, tmp_path: Path
+) -> None:
+    """The next "server" takes the push stream's header and reads no more.  A step of 128 KiB
+    waits for it the fixed 2 s plus its bytes at 256 KiB/s, and is answered unpushed; the
+    session pushes no more there."""
+    torch.manual_seed(9)
+
+    async def take_the_header_only(call: ServerCall) -> None:
+        await call.receive()
+        await trio.sleep_forever()  # a peer that stalls: what it sent stays unread
+
+    handlers = Handlers()
+    handlers.add_stream(PUSH, take_the_header_only)
+    async with (
+        _one_server(model, tmp_path) as (server, connection),
+        open_node(config=_SMALL_WINDOW) as stalled,
+        open_node() as dialler,
+        trio.open_nursery() as nursery,
+    ):
+        await nursery.start(serve_rpc, stalled, handlers)
+
+        async def dial(peer_id: str) -> Connection:
+            return await dialler.connect(stalled.listen_multiaddr)
+
+        server.block_server.connect_peer = dial
+        async with open_call(connection, INFERENCE) as call:
+            opening = {"session_id": os.urandom(8).hex(), "blocks": [0, 6], "max_length": 600}
+            await call.send(opening)
+            assert (await call.receive())["ready"] is True
+            push = [{"peer": "stalled", "session_id": "next"}]
+            # The first step starts the dial; the second finds the stream open; the third
+            # fills what the next peer lets one stream have unread, and more.
+            for step_id, tokens in enumerate([0, 1, 512, 1], start=1):
+                hidden = torch.randn(1, tokens, HIDDEN)
+                started = trio.current_time()
+                await call.send({"hidden_states": hidden, "step_id": step_id, "push": push})
+                answer = await call.receive()
+                waited = trio.current_time() - started
+                assert answer["step_id"] == step_id
+                if step_id == 1:
+                    await push_streams_reach([server], [1])
+                    continue
+                assert answer["pushed"] is (step_id == 2)
+                if step_id == 3:
+                    assert waited >= 2.0 + hidden.nbytes / (256 << 10)
+            await call.send_eof()
+        nursery.cancel_scope.cancel()
+    statistics = server.block_server.statistics()
+    assert (statistics.push_streams, statistics.push_failures) == (1, 1)
 
 
 async def test_a_server_missing_from_the_peer_table_is_looked_up_in_the_dht(

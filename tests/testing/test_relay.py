@@ -92,6 +92,29 @@ def test_datagrams_larger_than_the_link_carries_are_dropped(target: socket.socke
         assert stats.largest_forwarded == 1452
 
 
+def test_a_rate_limit_sends_one_datagram_after_the_other_and_drops_past_its_queue(
+    target: socket.socket,
+) -> None:
+    """100 datagrams of 1000 bytes sent at once to a link of 100 kB/s with a queue of 65 535
+    bytes: the 65 that fit the queue leave 10 ms apart, in order; the rest are dropped."""
+    with DelayRelay([target.getsockname()[1]]) as relay, _peer() as peer:
+        relay.set_link(Pipe(latency_s=0.0), bytes_per_s=100_000, queue_bytes=65_535)
+        sent = time.monotonic()
+        for index in range(100):
+            peer.sendto(index.to_bytes(2, "big") + bytes(998), (relay.host, relay.ports[0]))
+        deadline = time.monotonic() + DEADLINE_S
+        while (stats := relay.stats()).forwarded + stats.dropped < 100:
+            assert time.monotonic() < deadline, stats
+        received = [int.from_bytes(target.recvfrom(2000)[0][:2], "big") for _ in range(50)]
+        # The 50th left the bottleneck 50 x 1000 bytes / 100 kB/s after the burst arrived.
+        assert time.monotonic() - sent >= 0.5
+        # Those the queue took go in order.  It drains 100 bytes a millisecond, so a burst sent
+        # within 5 ms finds room for 65 to 70 of them.
+        assert received == list(range(50))
+        assert stats.queue_full == stats.dropped
+        assert 30 <= stats.dropped <= 35
+
+
 def test_a_link_it_cannot_make_is_refused_and_the_relay_keeps_working(
     target: socket.socket,
 ) -> None:
@@ -99,6 +122,10 @@ def test_a_link_it_cannot_make_is_refused_and_the_relay_keeps_working(
         for bad in [Pipe(latency_s=-1.0), Pipe(loss=1.0), Pipe(drop=lambda index, data: True)]:
             with pytest.raises(ValueError, match=r"relay|link"):
                 relay.set_link(bad)
+        with pytest.raises(ValueError, match="rate must be above 0"):
+            relay.set_link(Pipe(), bytes_per_s=0)
+        with pytest.raises(ValueError, match="queue must hold a datagram"):
+            relay.set_link(Pipe(), bytes_per_s=1000, queue_bytes=1000)
         peer.sendto(b"still", (relay.host, relay.ports[0]))
         assert target.recvfrom(10)[0] == b"still"
     with pytest.raises(RuntimeError, match="closed"):
