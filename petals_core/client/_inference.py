@@ -191,12 +191,19 @@ class InferenceSession:
                     )
                 )
             return torch.cat(outputs, dim=1)
-        except BaseException:
-            for state in self._core.abandon():
+        except BaseException as exc:
+            # A step that failed in the open (the caller's mistake, or retries spent) left every
+            # stream it used between messages; one stopped from outside (cancelled) may have
+            # left part of a message sent, or answers unread: those streams are not used again,
+            # and the spans are replayed anew at the next step, nobody blamed.
+            interrupted = not isinstance(exc, PetalsError | ValueError)
+            for state in self._core.abandon(interrupted=interrupted):
                 await self._drop_follower(state)
                 call = self._calls.pop(state, None)
                 if call is not None:
                     await call.close()
+            if interrupted:
+                await self._close_calls()
             raise
 
     async def _step(
@@ -461,7 +468,7 @@ class InferenceSession:
             await self._drop_follower(state)
             return
         full = followed.hidden_states
-        second = full[:, -follower.tokens :]
+        second = full[:, full.shape[1] - follower.tokens :]  # (none for a step of none)
         allowance = slice_allowance(followed.receipt) if second.shape != full.shape else 0.0
         opinion = Opinion(second, followed.receipt, {follower.peer}, allowance)
         off = compare(result.hidden_states, result.receipt, second, followed.receipt)
@@ -603,7 +610,10 @@ class InferenceSession:
         if y.shape[1] > tokens:
             allowance += slice_allowance(signatures[-1])
         return Opinion(
-            y[:, -tokens:], signatures[-1], {other.peer_id for other in route}, allowance
+            y[:, y.shape[1] - tokens :],  # (none for a step of none)
+            signatures[-1],
+            {other.peer_id for other in route},
+            allowance,
         )
 
     async def _replace(self, index: int) -> None:

@@ -348,18 +348,21 @@ class SessionCore:
         if not more:
             self._undo, self._began_at = None, None
 
-    def abandon(self) -> list[SpanState]:
+    def abandon(self, *, interrupted: bool = False) -> list[SpanState]:
         """The step failed (or was cancelled): the session is as before it, so that the step
         can be sent again as it was.  Positions that pieces of it finished are taken back; so
         is a reorder it made (``hypo_ids``): the chain, the histories, the padding and the
         prompts are as before the step, and every span is then stale (its server may hold the
-        reorder).  Returns the spans that leave the chain (their sessions are to be closed)."""
+        reorder).  ``interrupted``: the step stopped where it was (cancelled), so what the
+        spans' streams hold is unknown (part of a message, answers not read): every span is
+        stale too.  Returns the spans that leave the chain (their sessions are to be closed)."""
         undo, self._undo = self._undo, None
         left = []
         if undo is not None:
             left = [state for state in self.spans if state not in undo.spans]
             self.spans = undo.spans
             self.history, self.padding, self.prompts = undo.history, undo.padding, undo.prompts
+        if undo is not None or interrupted:
             for state in self.spans:
                 state.stale = True
         began_at, self._began_at = self._began_at, None

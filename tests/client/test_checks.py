@@ -49,7 +49,7 @@ from ._swarm_helpers import (
     training_inputs,
     wait_for_servers,
 )
-from .test_inference import Reference
+from .test_inference import Reference, _give_up_during_step, _hold_steps
 
 #: How much the liar changes its outputs: a fifth of their scale.
 LIE = 0.2
@@ -403,6 +403,51 @@ async def test_every_answer_checked_catches_an_occasional_liar_at_its_first_lie(
         for _ in range(8):
             await checked.reference.check_step(checked.session, 2, 1)
         assert list(checked.manager.state.caught) == [first.peer_id]
+
+
+@pytest.mark.parametrize("check", ["followed", "recomputed"])
+async def test_a_step_of_no_positions_that_reorders_is_checked_as_empty(
+    model: Model, tmp_path: Path, check: str
+) -> None:
+    """``verify="all"``: a step of no new positions that only reorders the rows (beam search
+    between tokens) is checked like any other, by a follower or (the span held whole by no
+    other server) by a route of two others recomputing its inputs: both answers are empty,
+    nobody is caught, and the steps after it equal the local blocks'."""
+    torch.manual_seed(22)
+    spans = [(0, N_BLOCKS)] if check == "followed" else [(0, 3), (3, 6)]
+    async with in_process_swarm(model, tmp_path, spans) as swarm:
+        whole = str((await swarm.add((0, N_BLOCKS), throughput=1000.0)).dht.peer_id)
+        with trio.fail_after(DEADLINE_S):
+            async with sequential_over(list(swarm.servers.values()), verify="all") as seq:
+                reference = Reference(model)
+                async with InferenceSession(seq.sequence_manager, 16) as session:
+                    await reference.check_step(session, 2, 3)
+                    await reference.check_step(session, 2, 0, hypo_ids=torch.tensor([1, 0]))
+                    for _ in range(2):
+                        await reference.check_step(session, 2, 1)
+                    assert [span.peer_id for span in session.route] == [whole]
+                state = seq.sequence_manager.state
+    assert not state.caught
+    assert state.verified[whole] == 4
+
+
+async def test_a_followed_step_given_up_leaves_no_answer_behind(
+    model: Model, tmp_path: Path
+) -> None:
+    """``verify="all"``: a step is given up (cancelled) while the span's server holds it, its
+    follower having been sent it.  Nothing either server sent for it is taken for a later
+    step's answer: the steps after it equal the local blocks', and nobody is caught."""
+    async with _checked_session(model, tmp_path, 23) as checked:
+        session = checked.session
+        await checked.reference.check_step(session, 2, 3)
+        (span,) = session.route
+        entered, release = _hold_steps(checked.swarm.servers[span.peer_id])
+        await _give_up_during_step(session, entered, torch.randn(2, 1, HIDDEN))
+        release.set()
+        for _ in range(2):
+            await checked.reference.check_step(session, 2, 1)
+        assert not checked.manager.state.caught
+        assert not checked.manager.state.bans
 
 
 async def test_a_padded_batch_is_checked_step_by_step_with_its_padding(

@@ -177,10 +177,15 @@ class PairedSessions(RuleBasedStateMachine):
             raise
 
     def _run(
-        self, hidden: torch.Tensor, hypo_ids: torch.Tensor | None, fail_at: int | None
+        self,
+        hidden: torch.Tensor,
+        hypo_ids: torch.Tensor | None,
+        fail_at: int | None,
+        interrupted: bool = False,
     ) -> torch.Tensor | None:
         """A step of the caller's, in pieces as the driver sends it; ``fail_at``: it fails for
-        good during that piece (None: once it is done), and is abandoned."""
+        good during that piece (None: once it is done), and is abandoned (``interrupted``: as
+        a cancelled step is, its streams given up)."""
         core, tokens = self.core, hidden.shape[1]
         outputs = []
         pieces = core.step_pieces(hidden, prompts=None, max_bytes=STEP_BYTES)
@@ -189,7 +194,8 @@ class PairedSessions(RuleBasedStateMachine):
             reorder = hypo_ids if start == 0 else None
             output = self._run_piece(x, reorder, start > 0, end < tokens, number == fail_at)
             if output is None:
-                core.abandon()
+                core.abandon(interrupted=interrupted)
+                assert not interrupted or all(state.stale for state in core.spans)
                 return None
             outputs.append(output)
         return torch.cat(outputs, dim=1)
@@ -248,8 +254,9 @@ class PairedSessions(RuleBasedStateMachine):
                 data.draw(st.lists(st.integers(0, BATCH - 1), min_size=BATCH, max_size=BATCH))
             )
         fail_at = data.draw(st.sampled_from([None, None, 0, 1, 2]), label="fails for good at")
+        interrupted = fail_at is not None and data.draw(st.booleans(), label="cancelled")
         hidden = torch.randint(-1, 2, (BATCH, tokens, HIDDEN), generator=self.generator).float()
-        output = self._run(hidden, hypo_ids, fail_at)
+        output = self._run(hidden, hypo_ids, fail_at, interrupted)
         if output is None:  # the session is as before the step
             assert self.core.position == self.history.shape[1]
             return
