@@ -26,6 +26,7 @@ from ._errors import (
     RemoteProtocolError as RemoteProtocolError,
     ReportRefused as ReportRefused,
     ServerError as ServerError,
+    SessionTooLarge as SessionTooLarge,
     StreamReset as StreamReset,
     TransportError as TransportError,
     WrongAnswer as WrongAnswer,

@@ -169,6 +169,12 @@ class AllocationFailed(ServerError):
     """The attention cache cannot hold what a session asks for, now or within its timeout."""
 
 
+class SessionTooLarge(AllocationFailed):
+    """A session larger than the server ever takes: longer than its longest session, more rows
+    than it batches, or more attention cache than it has.  A client routes such a session to
+    other servers and blames this one for nothing."""
+
+
 class WrongAnswer(ServerError):
     """A server's answer disagreed with two other servers' computing the same: the server is no
     longer used, and its answer is computed again elsewhere."""

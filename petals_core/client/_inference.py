@@ -28,7 +28,7 @@ import attrs
 import torch
 import trio
 
-from .._errors import PetalsError, WrongAnswer
+from .._errors import PetalsError, RemoteError, SessionTooLarge, WrongAnswer
 from .._groups import run_concurrently
 from ..dht import ServerInfo
 from ..protocol import FraudReport, Signature, SignedReceipt, StepResult
@@ -91,6 +91,9 @@ class InferenceSession:
         #: Spans that no single other server can follow: their answers are checked, as the
         #: policy samples them, by replaying the span's inputs on other servers.
         self._unfollowable: set[SpanState] = set()
+        #: Servers that refused this session as larger than they take, and why: not used for
+        #: it again, and not blamed.
+        self._refused: dict[str, str] = {}
         #: Why the last recomputation for a check found no server, or failed.
         self._check_failure: BaseException | None = None
         self._closed = False
@@ -282,7 +285,8 @@ class InferenceSession:
                 self._check_open()
                 await self._drop_follower(state)
                 core.failed()
-                attempt = await self._failed(attempt, state, exc)
+                # (A gone span stands for a server blamed when it failed: not blamed again.)
+                attempt = await self._failed(attempt, None if state.gone else state, exc)
 
                 async def replace(at: int = index) -> None:
                     await self._replace(at)
@@ -315,7 +319,21 @@ class InferenceSession:
                 self._check_open()
                 attempt = await self._failed(attempt, None, exc)
 
+    def _too_large(self, peer: str, exc: BaseException) -> bool:
+        """Whether ``exc`` is ``peer`` refusing this session as larger than it takes (noted:
+        routes avoid it from now on)."""
+        if isinstance(exc, RemoteError) and exc.remote_type == SessionTooLarge.__name__:
+            self._refused[peer] = exc.remote_message
+            return True
+        return False
+
     async def _failed(self, attempt: int, state: SpanState | None, exc: BaseException) -> int:
+        if isinstance(exc, RemoteError) and exc.remote_type == SessionTooLarge.__name__:
+            # Not a failure: the session goes to servers that take it (each refusal rules one
+            # out, so this ends), or fails with every server's reason.
+            if state is not None:
+                self._too_large(state.peer, exc)
+            return attempt
         attempt += 1
         self.retries += 1
         if state is not None:
@@ -334,7 +352,10 @@ class InferenceSession:
         started = trio.current_time()
         try:
             route = await self.manager.make_sequence(
-                mode="min_latency", cache_tokens_needed=self.max_length * self._core.batch
+                mode="min_latency",
+                cache_tokens_needed=self.max_length * self._core.batch,
+                max_length=self.max_length,
+                refused=self._refused,
             )
         finally:
             if self.first_step is None:
@@ -365,9 +386,10 @@ class InferenceSession:
                 with trio.fail_after(self.manager.config.request_timeout_s):
                     connected = await span_call.open(self.manager, opening, wait=False)
                     connect_s = max(connect_s, connected)
-            except RETRIABLE:
+            except RETRIABLE as exc:
                 self._check_open()
-                self.manager.on_request_failure(state.peer)
+                if not self._too_large(state.peer, exc):
+                    self.manager.on_request_failure(state.peer)
                 raise
 
         try:
@@ -634,6 +656,8 @@ class InferenceSession:
                 failed.span.end,
                 mode="min_latency",
                 cache_tokens_needed=self.max_length * core.batch,
+                max_length=self.max_length,
+                refused=self._refused,
             )
             opened = await self._open_spans(route, index)
             x = history

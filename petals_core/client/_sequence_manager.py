@@ -23,10 +23,11 @@ server is banned for ``ban_timeout_s``, twice as long after each further failure
 
 from __future__ import annotations
 
+import functools
 import logging
 import random
 import time
-from collections.abc import Awaitable, Callable, Collection, Iterator
+from collections.abc import Awaitable, Callable, Collection, Iterator, Mapping
 from typing import Any, Literal
 
 import attrs
@@ -64,6 +65,19 @@ NO_INITIAL_PEERS = (
     "start ('Server listening on ...'), and so does `python -m petals_core.dht` ('DHT node "
     "listening on ...')"
 )
+
+
+def _takes(info: ServerInfo, max_length: int) -> bool:
+    """Whether a server takes ``max_length`` positions, as far as it announces."""
+    return info.inference_max_length is None or info.inference_max_length >= max_length
+
+
+def _plans(plan: Callable[[], object]) -> bool:
+    try:
+        plan()
+    except MissingBlocksError:
+        return False
+    return True
 
 
 def _peers(value: Any) -> frozenset[str] | None:
@@ -344,14 +358,22 @@ class RemoteSequenceManager:
         banned = {peer for peer, ban in self.state.bans.items() if ban.until > now}
         return banned | self.state.caught.keys()
 
-    def _servers_seen(self) -> tuple[str, ...]:
-        """Each server of the peer table: its span, and why it is not used if it is not."""
+    def _servers_seen(
+        self, *, max_length: int = 0, refused: Mapping[str, str] | None = None
+    ) -> tuple[str, ...]:
+        """Each server of the peer table: its span, and why it is not used if it is not (for a
+        route of ``max_length`` positions, avoiding the servers that ``refused`` it)."""
         banned = self._banned()
         config = self.config
+        refused = refused or {}
         seen = []
         for peer, info in sorted(self._announced().items()):
             if info.state is not ServerState.ONLINE:
                 status = info.state.name.lower()
+            elif peer in refused:
+                status = f"refused it ({refused[peer]})"
+            elif not _takes(info, max_length):
+                status = f"takes at most {info.inference_max_length} positions"
             elif peer in self.state.caught:
                 status = f"caught answering wrongly ({self.state.caught[peer]})"
             elif peer in banned:
@@ -374,7 +396,9 @@ class RemoteSequenceManager:
         *,
         mode: Literal["min_latency", "max_throughput", "impartial"] = "min_latency",
         cache_tokens_needed: int = 0,
+        max_length: int = 0,
         exclude: Collection[str] = (),
+        refused: Mapping[str, str] | None = None,
         like: ServerInfo | None = None,
         wait: bool = True,
         whole: bool = False,
@@ -384,21 +408,27 @@ class RemoteSequenceManager:
 
         Waits (up to ``missing_blocks_timeout_s``; not at all if not ``wait``) until the peer
         table holds servers for every block; then raises :class:`MissingBlocksError` naming the
-        blocks nobody serves and the servers seen.  ``exclude``: servers not to use; ``like``:
-        only servers of its dtype and quantisation; ``whole``: only servers holding every block
-        of the range (a route of one span).  ``mode="impartial"`` (for checking answers): each
-        block's server first in ``rank`` (default: a fresh random draw), whatever servers
-        announce (:func:`~petals_core.routing.make_route_impartial`).
+        blocks nobody serves and the servers seen.  ``max_length``: only servers that take
+        sessions (and sequences) of that many positions, as far as they announce;
+        ``refused``: servers that refused this session as too large, and why (not used; where
+        only they and servers too short for ``max_length`` hold some block, the error is
+        raised at once, as waiting would not change it).  ``exclude``: servers not to use;
+        ``like``: only servers of its dtype and quantisation; ``whole``: only servers holding
+        every block of the range (a route of one span).  ``mode="impartial"`` (for checking
+        answers): each block's server first in ``rank`` (default: a fresh random draw),
+        whatever servers announce (:func:`~petals_core.routing.make_route_impartial`).
         """
         start = self.block_indices.start if start is None else start
         end = self.block_indices.stop if end is None else end
         topic = self._topic()
+        refused = refused or {}
 
-        def plan() -> list[RouteSpan]:
+        def plan(*, any_size: bool = False) -> list[RouteSpan]:
             servers = {
                 peer: info
                 for peer, info in self.servers().items()
                 if peer not in exclude
+                and (any_size or (peer not in refused and _takes(info, max_length)))
                 and (
                     like is None
                     or (info.torch_dtype, info.quant_type) == (like.torch_dtype, like.quant_type)
@@ -429,6 +459,8 @@ class RemoteSequenceManager:
                 try:
                     route = plan()
                 except MissingBlocksError:
+                    if (max_length or refused) and _plans(functools.partial(plan, any_size=True)):
+                        break  # the servers are there, and too small
                     await topic.wait_snapshot(_newer_than(topic.snapshot().version))
         if route is None:
             try:
@@ -439,7 +471,7 @@ class RemoteSequenceManager:
                     exc.start,
                     exc.end,
                     dht_prefix=self.config.dht_prefix,
-                    servers_seen=self._servers_seen(),
+                    servers_seen=self._servers_seen(max_length=max_length, refused=refused),
                 ) from None
         if mode == "min_latency" and self.state.nursery is not None:
             # Measure the servers of this route for next time (routes improve as pings arrive),

@@ -231,7 +231,9 @@ async def _forward_blocks(
             manager,
             "routing",
             attempt,
-            lambda b=block: manager.make_sequence(b, end, mode="max_throughput"),
+            lambda b=block: manager.make_sequence(
+                b, end, mode="max_throughput", max_length=hidden.shape[1]
+            ),
         )
         try:
             for span in route:

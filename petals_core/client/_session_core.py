@@ -131,6 +131,8 @@ class SessionCore:
         padding lies (by default, this step's)."""
         self._check(hidden, prompts, hypo_ids)
         lengths = None if padding is None else self._check_padding(hidden, padding, length)
+        if self.batch is None:
+            self.batch, self.hidden_size = hidden.shape[0], hidden.shape[2]
         close = False
         if lengths is not None:
             close = bool(self.spans)
@@ -384,10 +386,11 @@ class SessionCore:
                 f"this session's hidden states are of size {self.hidden_size}; "
                 f"got {tuple(hidden.shape)}"
             )
-        if self.batch is None:
-            self.batch, self.hidden_size = hidden.shape[0], hidden.shape[2]
-        if hidden.shape[0] != self.batch:
-            raise ValueError(f"this session has {self.batch} rows; got {tuple(hidden.shape)}")
+        # The first step sets the batch (in begin, once everything of the step is checked).
+        batch = hidden.shape[0] if self.batch is None else self.batch
+        hidden_size = hidden.shape[2] if self.hidden_size is None else self.hidden_size
+        if hidden.shape[0] != batch:
+            raise ValueError(f"this session has {batch} rows; got {tuple(hidden.shape)}")
         if self.position + hidden.shape[1] > self.max_length:
             raise ValueError(
                 f"{self.position} + {hidden.shape[1]} positions exceed the session's "
@@ -396,23 +399,23 @@ class SessionCore:
         if prompts is not None:
             if self.position != 0:
                 raise ValueError("deep prompts go with the first step (position 0)")
-            blocks, batch, tokens = len(self.blocks), self.batch, hidden.shape[1]
+            blocks, tokens = len(self.blocks), hidden.shape[1]
             if not isinstance(prompts, torch.Tensor) or not prompts_fit(
-                prompts, blocks=blocks, batch=batch, tokens=tokens, hidden_size=self.hidden_size
+                prompts, blocks=blocks, batch=batch, tokens=tokens, hidden_size=hidden_size
             ):
                 raise ValueError(
                     f"deep prompts must be ({blocks} blocks, 1 or {batch} rows, at most "
-                    f"{tokens} positions (this step's), {self.hidden_size}); "
+                    f"{tokens} positions (this step's), {hidden_size}); "
                     f"got {describe(prompts)}"
                 )
         if hypo_ids is not None and (
             not isinstance(hypo_ids, torch.Tensor)
-            or hypo_ids.shape != (self.batch,)
+            or hypo_ids.shape != (batch,)
             or hypo_ids.dtype.is_floating_point
             or hypo_ids.dtype == torch.bool
-            or not bool(((hypo_ids >= 0) & (hypo_ids < self.batch)).all())
+            or not bool(((hypo_ids >= 0) & (hypo_ids < batch)).all())
         ):
-            raise ValueError(f"hypo_ids must be ({self.batch},) integers in [0, {self.batch})")
+            raise ValueError(f"hypo_ids must be ({batch},) integers in [0, {batch})")
 
     def _check_padding(
         self, hidden: torch.Tensor, padding: torch.Tensor, length: int | None

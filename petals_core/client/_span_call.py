@@ -95,7 +95,15 @@ class SpanCall:
 
     async def send(self, step: Step, compression: str | None) -> None:
         assert self.call is not None
-        await self.call.send(compress_floats(step.to_wire(), compression))
+        try:
+            await self.call.send(compress_floats(step.to_wire(), compression))
+        except TransportError:
+            if self.unconfirmed:
+                # The server may have refused the opening while the step was on its way (and
+                # stopped reading): its answer says why, the send's failure does not.
+                with trio.move_on_after(_CLOSE_TIMEOUT_S):
+                    await self._confirm()
+            raise
         if self.evidence is not None:
             self._asked = {
                 "hidden_states": as_received(step.hidden_states, compression),

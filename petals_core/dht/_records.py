@@ -476,6 +476,7 @@ def _check_server_info(info: ServerInfo) -> None:
     for adapter in info.adapters:
         _check_name("an adapter name", adapter)
     _check_count("cache_tokens_left", info.cache_tokens_left, 0, _MAX_TOKENS, optional=True)
+    _check_count("inference_max_length", info.inference_max_length, 1, _MAX_TOKENS, optional=True)
     if not isinstance(info.addresses, tuple) or len(info.addresses) > _MAX_ADDRESSES:
         raise LocalProtocolError(f"addresses are a list of at most {_MAX_ADDRESSES} multiaddrs")
     for address in info.addresses:
@@ -517,6 +518,8 @@ class ServerInfo:
     forward_rps: float | None = attrs.field(default=None, converter=_to_float)
     adapters: tuple[str, ...] = attrs.field(default=(), converter=_to_tuple)
     cache_tokens_left: int | None = None
+    #: The longest session it opens and the longest sequence it computes, in positions.
+    inference_max_length: int | None = None
     next_pings: Mapping[str, float] = attrs.field(factory=dict, converter=_to_pings, hash=False)
     addresses: tuple[str, ...] = attrs.field(default=(), converter=_to_tuple)
     #: How others reach it: "public" (dialled directly), "cone" or "symmetric" (behind such a

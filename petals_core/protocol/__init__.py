@@ -22,8 +22,10 @@ receiver checks.
 gets as :class:`RemoteError` (its ``remote_type`` and message).  The block RPCs refuse with
 ``ServerError`` (the request breaks a rule of this server or of the protocol; the message
 names it), ``AllocationFailed`` (the cache cannot hold the session, now or within its
-``alloc_timeout``), ``AdapterError`` (an adapter the server does not hold) and ``CodecError``
-(a malformed session opening).
+``alloc_timeout``), ``SessionTooLarge`` (a session larger than the server ever takes: longer
+than its ``inference_max_length``, more rows than it batches, or more cache than it has),
+``AdapterError`` (an adapter the server does not hold) and ``CodecError`` (a malformed session
+opening).
 """
 
 from ._inference import (

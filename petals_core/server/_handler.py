@@ -64,8 +64,9 @@ class ServingLimits:
     session_timeout_s: float = attrs.field(default=1800.0, validator=_positive)
     #: Longest wait for a session's next step (``--step_timeout``).
     step_timeout_s: float = attrs.field(default=300.0, validator=_positive)
-    #: How long a push may wait for the opening of the session it names: a client sends its
-    #: sessions' openings and its first step at once, so a push can come first.
+    #: How long a push may wait for the opening of the session it names to arrive: a client
+    #: sends its sessions' openings and its first step at once, so a push can come first.  An
+    #: opening that arrived and waits for cache is waited for as long as it waits.
     early_push_wait_s: float = attrs.field(default=10.0, validator=_positive)
     #: Longest forward / backward call (``--request_timeout``).
     request_timeout_s: float = attrs.field(default=180.0, validator=_positive)

@@ -38,6 +38,7 @@ so that a long prefill never holds up other sessions.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import logging
@@ -49,7 +50,7 @@ import attrs
 import torch
 import trio
 
-from .._errors import CallEnded, CodecError, ServerError, TransportError
+from .._errors import CallEnded, CodecError, ServerError, SessionTooLarge, TransportError
 from ..models import KVCache
 from ..protocol import (
     FIRST_STEP,
@@ -170,7 +171,10 @@ class InferenceHandlers:
         self._held: dict[str, int] = {}
         #: The scopes of the openings not registered yet (waiting for cache, or allocating it).
         self._waiting_openings: set[trio.CancelScope] = set()
-        #: Set (and replaced) each time a session registers: pushes that came first wait on it.
+        #: The session ids of those openings (as many times as they are under way).
+        self._opening_ids: collections.Counter[str] = collections.Counter()
+        #: Set (and replaced) each time a session registers, or an opening ends without: pushes
+        #: that came first wait on it.
         self._registered = trio.Event()
         #: Servers a push could not dial, until when they are not tried again.
         self._unreachable: dict[str, float] = {}
@@ -206,10 +210,16 @@ class InferenceHandlers:
         opening = self._opening(message, backend)
         with self._held_by(str(call.peer_id)), trio.CancelScope() as waiting:
             self._waiting_openings.add(waiting)
+            self._opening_ids[opening.session_id] += 1
             try:
                 await self._open(call, opening, backend, pool, cache, waiting)
             finally:
                 self._waiting_openings.discard(waiting)
+                self._opening_ids[opening.session_id] -= 1
+                if not self._opening_ids[opening.session_id]:
+                    del self._opening_ids[opening.session_id]
+                self._registered.set()
+                self._registered = trio.Event()
         if waiting.cancelled_caught:  # the server stopped serving these blocks (close_all)
             raise ServerError(self._serving.refusing or "the server stopped serving")
 
@@ -302,12 +312,14 @@ class InferenceHandlers:
         if opening.session_id in self._sessions:
             raise ServerError(f"session id {opening.session_id!r} is already in use")
         check_blocks_held(opening.blocks, backend)
-        for name, value, limit in (
-            ("max_length", opening.max_length, self.limits.session_length),
-            ("batch_size", opening.batch_size, self.limits.max_batch_tokens),
+        for name, value, limit, flag in (
+            ("max_length", opening.max_length, self.limits.session_length, "inference_max_length"),
+            ("batch_size", opening.batch_size, self.limits.max_batch_tokens, "max_batch_tokens"),
         ):
             if value > limit:
-                raise CodecError(f"{name} must be an integer in [1, {limit}], got {value!r}")
+                raise SessionTooLarge(
+                    f"{name} {value} is more than this server takes, {limit} (--{flag})"
+                )
         backend.check_adapter(opening.active_adapter)
         return opening
 
@@ -565,12 +577,18 @@ class InferenceHandlers:
         except CodecError as exc:
             raise ServerError(f"push refused: {exc}") from None
         # A client opens its sessions on all its servers at once and sends the first step
-        # without waiting: the previous server's push may come before the session's opening.
-        with trio.move_on_after(self.limits.early_push_wait_s):
-            while (session := self._sessions.get(session_id)) is None or session.inbox is None:
+        # without waiting: the previous server's push may come before the session's opening
+        # (waited for up to early_push_wait_s), or while it waits for cache (waited for as long
+        # as it does).
+        arrived = trio.current_time()
+        while (session := self._sessions.get(session_id)) is None or session.inbox is None:
+            deadline = arrived + self.limits.early_push_wait_s
+            if session_id in self._opening_ids:
+                deadline = math.inf
+            elif trio.current_time() >= deadline:
+                raise ServerError(f"unknown session {session_id!r}")
+            with trio.move_on_at(deadline):
                 await self._registered.wait()
-        if session is None or session.inbox is None:
-            raise ServerError(f"unknown session {session_id!r}")
         inbox = session.inbox
         with trio.CancelScope() as feed:
             # Ends (as the stream's clean end) when the session does.

@@ -28,7 +28,7 @@ from contextlib import asynccontextmanager
 import attrs
 import trio
 
-from .._errors import AllocationFailed, ConfigError
+from .._errors import AllocationFailed, ConfigError, SessionTooLarge
 
 __all__ = ["CacheGrant", "MemoryCache", "MemoryCacheStatistics"]
 
@@ -131,7 +131,7 @@ class MemoryCache:
         await trio.lowlevel.checkpoint_if_cancelled()
         if nbytes > self._max_bytes:
             self._failed += 1
-            raise AllocationFailed(
+            raise SessionTooLarge(
                 f"requested {nbytes} bytes of attention cache, more than this server's whole "
                 f"budget of {self._max_bytes} bytes"
             )

@@ -261,6 +261,7 @@ class Server:
             public_name=self.config.public_name,
             adapters=tuple(sorted(backend.adapters)) if backend is not None else (),
             cache_tokens_left=self.block_server.cache_tokens_left if backend is not None else None,
+            inference_max_length=self.block_server.limits.session_length,
             next_pings=self.next_pings,
             addresses=tuple(str(address) for address in self.multiaddrs[:8]),
             reachability=None if self.reach is None else self.reach.reachability.value,

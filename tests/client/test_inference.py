@@ -20,7 +20,7 @@ import pytest
 import torch
 import trio
 
-from petals_core import PetalsError
+from petals_core import PetalsError, ServerError
 from petals_core.client import (
     InferenceSession,
     RemoteSequenceManager,
@@ -497,6 +497,80 @@ async def test_step_refuses_bad_input_without_banning(model: Model, tmp_path: Pa
                 assert not manager.state.bans
             with pytest.raises(PetalsError, match="closed"):
                 await session.step(torch.randn(1, 1, HIDDEN))
+
+
+async def test_a_server_gone_is_blamed_once_however_many_steps_find_it_gone(
+    model: Model, tmp_path: Path
+) -> None:
+    """The session's server leaves, and the only other one fails every replay: the step fails
+    for good, a span standing for the gone server in the chain.  The next step finds it gone
+    again, and replaces it again, without blaming it a second time."""
+    async with in_process_swarm(model, tmp_path, [(0, 6), (0, 6)]) as swarm:
+        with trio.fail_after(DEADLINE_S):
+            async with sequential_over(
+                list(swarm.servers.values()), verify="none", missing_blocks_timeout_s=0.2
+            ) as seq:
+                manager = seq.sequence_manager
+                async with InferenceSession(manager, 16) as session:
+                    await session.step(torch.randn(1, 2, HIDDEN))
+                    (span,) = session.route
+                    (other,) = (s for peer, s in swarm.servers.items() if peer != span.peer_id)
+
+                    async def broken(*args: Any, **kwargs: Any) -> Any:
+                        raise ServerError("this server fails every step")
+
+                    other.block_server._inference._step = broken
+                    await swarm.leave(span.peer_id)
+                    for _ in range(2):
+                        with pytest.raises(PetalsError):
+                            await session.step(torch.randn(1, 1, HIDDEN))
+                        assert manager.state.bans[span.peer_id].failures == 1
+
+
+async def test_a_session_larger_than_a_server_takes_goes_elsewhere_blaming_nobody(
+    model: Model, tmp_path: Path
+) -> None:
+    """Three servers of all the blocks: one takes sessions (and sequences) of at most 8
+    positions and announces so (routes leave it out, though it announces the most speed); one
+    has attention cache for 8 positions only; the third takes everything, and a session of 16
+    and a forward of 12 go through it.  Without the third, the second refuses a session of 16
+    at once, and the session fails at once, naming each server's reason; so does a session
+    longer than every server takes.  Nobody is banned."""
+    torch.manual_seed(12)
+    async with in_process_swarm(model, tmp_path, []) as swarm:
+        short_limits = ServingLimits(request_timeout_s=10.0, inference_max_length=8)
+        short = await swarm.add((0, N_BLOCKS), throughput=1000.0, limits=short_limits)
+        small = await swarm.add((0, N_BLOCKS), throughput=500.0, attn_cache_tokens=8)
+        roomy = await swarm.add((0, N_BLOCKS))
+        short_id, small_id, roomy_id = (str(s.dht.peer_id) for s in (short, small, roomy))
+        servers = list(swarm.servers.values())
+        with trio.fail_after(DEADLINE_S):
+            async with sequential_over(servers, verify="none") as seq:
+                manager = seq.sequence_manager
+                reference = Reference(model)
+                async with InferenceSession(manager, 16) as session:
+                    await reference.check_step(session, 1, 4)
+                    await reference.check_step(session, 1, 1)
+                    assert [span.peer_id for span in session.route] == [roomy_id]
+                # A forward of 12 positions, past the fastest server's longest sequence.
+                x = torch.randn(1, 12, HIDDEN)
+                output, _ = await remote_forward(manager, x)
+                assert_close(output, model.forward(x).detach())
+                with pytest.raises(MissingBlocksError) as missing:
+                    async with InferenceSession(manager, 1 << 20) as session:
+                        await session.step(torch.randn(1, 1, HIDDEN))
+                assert f"{short_id} [0:6) takes at most 8 positions" in str(missing.value)
+                assert not manager.state.bans
+            manager = manager_for(servers, blocked_servers=(roomy_id,))
+            async with RemoteSequential(manager):
+                await wait_for_servers(manager, 2)
+                with pytest.raises(MissingBlocksError) as missing:
+                    async with InferenceSession(manager, 16) as session:
+                        await session.step(torch.randn(1, 4, HIDDEN))
+                message = str(missing.value)
+                assert f"{short_id} [0:6) takes at most 8 positions" in message
+                assert f"{small_id} [0:6) refused it (requested" in message
+                assert not manager.state.bans
 
 
 # --- real processes: SIGSTOP, SIGKILL --------------------------------------------------------

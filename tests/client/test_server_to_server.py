@@ -428,6 +428,16 @@ async def test_a_session_pushes_to_a_few_next_sessions_at_once_and_tries_a_few_m
     assert server.block_server.statistics().push_dial_failures == 16
 
 
+async def _opens_and_answers_the_push(call: Call, expected: torch.Tensor) -> None:
+    """The session of ``call`` opens, then answers the pushed step 1 (of 3 positions) with
+    ``expected``; its client then ends it."""
+    assert (await call.receive())["ready"] is True
+    answer = await call.receive()
+    assert (answer["step_id"], answer["position"]) == (1, 3)
+    assert_close(answer["hidden_states"], expected)
+    await call.send_eof()
+
+
 async def test_a_push_that_comes_before_its_session_opens_waits_for_it(
     model: Model, tmp_path: Path
 ) -> None:
@@ -445,12 +455,37 @@ async def test_a_push_that_comes_before_its_session_opens_waits_for_it(
             async with open_call(connection, INFERENCE) as call:
                 opening = {"session_id": session_id, "blocks": [0, 6], "max_length": 8}
                 await call.send(opening)
-                assert (await call.receive())["ready"] is True
-                answer = await call.receive()
-                assert (answer["step_id"], answer["position"]) == (1, 3)
-                assert_close(answer["hidden_states"], expected)
-                await call.send_eof()
+                await _opens_and_answers_the_push(call, expected)
         assert server.block_server.statistics().pushed_steps == 1
+
+
+async def test_a_push_waits_for_a_session_waiting_for_cache_however_long(
+    model: Model, tmp_path: Path
+) -> None:
+    """The session a push names is being opened, waiting for cache that another session holds:
+    the push waits for it past ``early_push_wait_s`` (which only bounds the wait for an opening
+    not yet arrived), and its step is computed once the session has its cache."""
+    torch.manual_seed(10)
+    pushed = torch.randn(1, 3, HIDDEN)
+    with torch.no_grad():
+        expected = model.forward(pushed)
+    limits = ServingLimits(request_timeout_s=10.0, early_push_wait_s=0.001)
+    async with (
+        _one_server(model, tmp_path, limits=limits, attn_cache_tokens=8) as (server, connection),
+        open_call(connection, INFERENCE) as fills,
+        open_call(connection, INFERENCE) as late,
+    ):
+        await fills.send({"session_id": "fills", "blocks": [0, 4], "max_length": 10})
+        assert (await fills.receive())["ready"] is True
+        opening = {"session_id": "late", "blocks": [0, 6], "max_length": 8, "alloc_timeout": 30}
+        await late.send(opening)
+        await server.block_server.wait_statistics(lambda s: s.openings == 1)
+        async with open_call(connection, PUSH) as push:
+            await push.send({"session_id": "late"})
+            await push.send({"hidden_states": pushed, "step_id": 1})
+            await fills.send_eof()  # its cache freed, the late session opens
+            await _opens_and_answers_the_push(late, expected)
+    assert server.block_server.statistics().pushed_steps == 1
 
 
 async def test_a_pushed_step_with_prompts_or_hypo_ids_is_refused_and_the_session_untouched(

@@ -341,6 +341,22 @@ def test_deep_prompts_must_fit_the_blocks_the_rows_and_the_first_step() -> None:
             _core().begin(hidden, prompts=torch.zeros(shape), hypo_ids=None, padding=None)
 
 
+def test_a_refused_first_step_leaves_the_batch_open() -> None:
+    """A first step refused for its prompts or its padding does not fix the session's batch
+    or hidden size: the corrected step may have other rows."""
+    core = _core()
+    rows = BATCH + 1
+    for bad in (
+        {"prompts": torch.zeros(BLOCKS, 1, 1, HIDDEN + 1), "padding": None},
+        {"prompts": None, "padding": torch.tensor([0.5] * BATCH)},
+    ):
+        with pytest.raises(ValueError, match=r"deep prompts|padding"):
+            core.begin(torch.zeros(BATCH, 2, HIDDEN), hypo_ids=None, **bad)
+    assert core.batch is None
+    core.begin(torch.zeros(rows, 2, HIDDEN), prompts=None, hypo_ids=None, padding=None)
+    assert (core.batch, core.hidden_size) == (rows, HIDDEN)
+
+
 def test_a_failed_step_takes_its_reorder_back_and_its_spans_are_replayed_anew() -> None:
     core = _core()
     prompts = (

@@ -128,8 +128,9 @@ REFUSALS: dict[str, tuple[Refusal, str, str]] = {
     ),
     "max_length above inference_max_length": (
         lambda c: open_raw_session(c, _opening(max_length=MAX_LENGTH + 1)),
-        "CodecError",
-        f"max_length must be an integer in [1, {MAX_LENGTH}]",
+        "SessionTooLarge",
+        f"max_length {MAX_LENGTH + 1} is more than this server takes, {MAX_LENGTH} "
+        "(--inference_max_length)",
     ),
     "malformed opening": (
         lambda c: open_raw_session(c, {"blocks": [2, 5], "max_length": 4}),

@@ -282,7 +282,7 @@ async def test_allocation_beyond_the_budget_fails_at_once(
             opening = {"session_id": "big", "blocks": [0, 6], "max_length": 10}
             with pytest.raises(RemoteError) as caught:
                 await open_raw_session(connection, {**opening, "alloc_timeout": 3600.0})
-            assert caught.value.remote_type == "AllocationFailed"
+            assert caught.value.remote_type == "SessionTooLarge"
             assert server.block_server.cache_tokens_left == 48
             await check_serving(server_llama, connection, blocks=(0, 6), max_length=8)
 

@@ -45,6 +45,7 @@ CLEAR_ERRORS: Final = frozenset(
     {
         "ServerError",
         "AllocationFailed",
+        "SessionTooLarge",
         "AdapterError",
         "CodecError",
         "ProtocolError",
