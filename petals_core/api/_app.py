@@ -25,7 +25,7 @@ from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
@@ -85,6 +85,7 @@ def create_app(
         exception_handlers={
             ApiError: _api_error_response,
             HTTPException: _http_error_response,
+            ClientDisconnect: _client_left_response,
             Exception: _internal_error_response,
         },
     )
@@ -104,8 +105,15 @@ async def _http_error_response(request: Request, exc: Exception) -> Response:
     )
 
 
+async def _client_left_response(request: Request, exc: Exception) -> Response:
+    # The client hung up while its request was read: nothing failed, and nobody reads an answer.
+    return Response(status_code=499)
+
+
 async def _internal_error_response(request: Request, exc: Exception) -> Response:
-    error = ApiError(500, f"The endpoint failed: {type(exc).__name__}: {exc}")
+    # The client learns that the endpoint failed, not how: the exception (a path, a peer's
+    # address, ...) goes to the server's log, which Starlette re-raises it to.
+    error = ApiError(500, "The endpoint failed with an internal error.")
     return JSONResponse(error.body(), status_code=500)
 
 

@@ -474,4 +474,4 @@ def _api_error(exc: Exception) -> ApiError:
     if isinstance(exc, PetalsError):
         return ApiError(503, f"The swarm failed this request: {exc}", code="swarm_error")
     logger.exception("generation failed", exc_info=exc)
-    return ApiError(500, f"Generation failed: {type(exc).__name__}: {exc}")
+    return ApiError(500, "Generation failed with an internal error.")  # the details are logged

@@ -91,3 +91,21 @@ class Endpoint(TrioThread):
 
     def close(self) -> None:
         self.stop()
+
+
+def post_scope(path: str) -> dict[str, Any]:
+    """The ASGI scope of a JSON ``POST`` to ``path``, for tests that call the app themselves."""
+    return {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": path,
+        "raw_path": path.encode(),
+        "query_string": b"",
+        "root_path": "",
+        "headers": [(b"content-type", b"application/json")],
+        "server": ("127.0.0.1", 80),
+        "client": ("127.0.0.1", 1),
+    }

@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from petals_core.api import Message
 from petals_core.api._detokenize import text_bytes
 
-from ._endpoint import LIMITS
+from ._endpoint import LIMITS, post_scope
 
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]
 DEADLINE_S = 60.0
@@ -452,20 +452,7 @@ def test_a_client_leaving_as_its_stream_begins_stops_the_generation(endpoint: An
     engine = endpoint.api.engine
     interrupted = engine.interrupted
     body = _long_story(endpoint, "fox", stream=True)
-    scope = {
-        "type": "http",
-        "asgi": {"version": "3.0"},
-        "http_version": "1.1",
-        "method": "POST",
-        "scheme": "http",
-        "path": "/v1/chat/completions",
-        "raw_path": b"/v1/chat/completions",
-        "query_string": b"",
-        "root_path": "",
-        "headers": [(b"content-type", b"application/json")],
-        "server": ("127.0.0.1", 80),
-        "client": ("127.0.0.1", 1),
-    }
+    scope = post_scope("/v1/chat/completions")
 
     async def leave() -> list[str]:
         received = 0

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import http.client
 import json
+import logging
+import socket
 import urllib.parse
 from typing import Any
 
@@ -14,9 +16,10 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from petals_core._http import serve_http
 from petals_core.api import MAX_BODY_BYTES, ApiConfig, create_app, serve_api
+from petals_core.api._engine import _api_error
 from petals_core.api._requests import _CHAT, _COMPLETION
 
-from ._endpoint import LIMITS
+from ._endpoint import LIMITS, post_scope
 
 CHAT = [{"role": "user", "content": "Hi"}]
 
@@ -314,3 +317,83 @@ def test_hostile_requests_get_errors_and_the_endpoint_keeps_serving(endpoint: An
     assert 400 in statuses
     _still_serving(endpoint)
     assert endpoint.api.engine.running == 0
+
+
+def test_a_client_leaving_mid_upload_is_no_error(
+    endpoint: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A client that hangs up while its body is still coming in left: nothing failed, so the
+    app ends without an error and the server logs none."""
+    ended: list[BaseException | None] = []
+
+    def leave_mid_upload(url: str) -> None:
+        parts = urllib.parse.urlsplit(url)
+        with socket.create_connection((parts.hostname, parts.port), timeout=60) as sock:
+            sock.sendall(
+                b"POST /v1/chat/completions HTTP/1.1\r\nHost: test\r\n"
+                b"Content-Type: application/json\r\nContent-Length: 100000\r\n\r\n"
+                + json.dumps({"model": endpoint.repo, "messages": CHAT}).encode()[:20]
+            )
+
+    async def serve() -> None:
+        app = create_app(endpoint.api.engine)
+        done = trio.Event()
+
+        async def watched(scope: Any, receive: Any, send: Any) -> None:
+            # The app as served, noting how its call for the request ended.
+            if scope["type"] != "http":
+                await app(scope, receive, send)
+                return
+            try:
+                await app(scope, receive, send)
+            except BaseException as exc:
+                ended.append(exc)
+                raise
+            else:
+                ended.append(None)
+            finally:
+                done.set()
+
+        async with trio.open_nursery() as nursery:
+            urls = await nursery.start(
+                lambda task_status: serve_http(
+                    watched, host="127.0.0.1", port=0, task_status=task_status
+                )
+            )
+            await trio.to_thread.run_sync(leave_mid_upload, urls[0])
+            with trio.fail_after(60):
+                await done.wait()
+            nursery.cancel_scope.cancel()
+
+    with caplog.at_level(logging.WARNING):
+        endpoint.run(serve)
+    assert ended == [None]
+    assert not [record for record in caplog.records if record.levelno >= logging.ERROR]
+    _still_serving(endpoint)
+
+
+def test_an_internal_error_tells_the_client_nothing_of_its_details(endpoint: Any) -> None:
+    """An unexpected failure is a 500 saying so; what failed and where stays in the log."""
+    secret = "/srv/secret/weights.bin: connection to 10.1.2.3 refused"
+    sent: list[dict[str, Any]] = []
+    scope = post_scope("/v1/chat/completions")
+
+    async def receive() -> dict[str, Any]:
+        raise RuntimeError(secret)  # the server fails under the app
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    async def call() -> None:
+        with pytest.raises(RuntimeError, match="secret"):  # re-raised for the server to log
+            await create_app(endpoint.api.engine)(scope, receive, send)
+
+    endpoint.run(call)
+    assert sent[0]["status"] == 500
+    body = b"".join(message.get("body", b"") for message in sent[1:])
+    error = _error(500, json.loads(body), 500)
+    assert "internal error" in error["message"]
+    assert "secret" not in body.decode() and "RuntimeError" not in body.decode()
+    # A generation's own failure reads the same way.
+    failed = _api_error(RuntimeError(secret))
+    assert failed.status == 500 and "secret" not in json.dumps(failed.body())
