@@ -8,7 +8,9 @@ at the start of a text, such as dropping a leading space, happens in both decode
 out); the new text is what the window adds to the text of its first part.  A window that ends in
 an unfinished character (bytes of it still to come, shown as U+FFFD) grows until the character is
 complete.  Where a tokenizer rewrites text before the window (the window's decode does not start
-with its first part's), the whole answer is decoded again.
+with its first part's), the whole answer is decoded again; :attr:`IncrementalText.unchanged` then
+says where the text first differs from what it was, which may be text already sent (see
+:mod:`._job`).
 
 :class:`TokenTexts` gives one token's own text, as log-probabilities show it: its bytes read off
 the vocabulary (GPT-2's byte alphabet, or SentencePiece's pieces), so that a leading space stays
@@ -42,6 +44,9 @@ class IncrementalText:
         self._start = 0  # where the window starts: the tokens before the last complete character
         self._read = 0  # tokens decoded into self._done
         self._start_text = ""  # the text of tokens[self._start : self._read] decoded alone
+        self._known = 0  # characters at the start of self._text that are those of self._done
+        #: Characters at the start of :attr:`text` that the last :meth:`add` left as they were.
+        self.unchanged = 0
 
     @property
     def text(self) -> str:
@@ -51,17 +56,33 @@ class IncrementalText:
     def add(self, token: int) -> str:
         """Append ``token``; returns :attr:`text`."""
         self.tokens.append(token)
+        before, known = self._text, self._known
         window = self._decode(self.tokens[self._start :])
         if window.startswith(self._start_text):
+            # The text goes on from the complete text: only what follows that may differ.
             self._text = self._done + window[len(self._start_text) :]
+            self._known = len(self._done)
         else:
             self._text = self._decode(self.tokens)
+            self._known = known = 0
+        self.unchanged = _common_prefix(before, self._text, known)
         if not self._text.endswith(UNFINISHED):
             # Every token so far is in the text: the next window starts after the last one.
             self._done = self._text
+            self._known = len(self._text)
             self._start, self._read = self._read, len(self.tokens)
             self._start_text = self._decode(self.tokens[self._start : self._read])
         return self._text
+
+
+def _common_prefix(a: str, b: str, start: int) -> int:
+    """How many characters ``a`` and ``b`` begin with alike, knowing the first ``start`` are."""
+    if b.startswith(a[start:], start):
+        return len(a)
+    end = min(len(a), len(b))
+    while start < end and a[start] == b[start]:
+        start += 1
+    return start
 
 
 #: SentencePiece's space, and its pieces that stand for one byte.

@@ -12,6 +12,10 @@ row is done.  For each row's new token, :meth:`Job.on_tokens`:
 - decodes the row's text, holds back an unfinished character and what could be the start of a
   stop sequence, cuts the text at one, and stops the row there, at an end-of-sequence token, or
   at ``max_tokens``;
+- where the tokenizer rewrote text already sent (say, ``clean_up_tokenization_spaces`` taking
+  away a space that was sent once a ``.`` follows it), sends the text on from the first changed
+  character (less what was sent there and is still there): what was sent cannot be taken back,
+  so the client keeps the space, and no character of the new text is lost;
 - scores the token (:func:`~._sampling.scored`) when the request asked for log-probabilities;
   they are sent with the chunk that carries the token's text.
 
@@ -47,7 +51,9 @@ class Row:
         self.limit = limit
         self.text = IncrementalText(decode)
         self.tokens = self.text.tokens
-        self.sent = 0  # characters of the text sent so far
+        self.sent = 0  # characters of the text, as it reads now, that were sent
+        #: Characters sent beyond :attr:`sent`: those sent again after the tokenizer rewrote them.
+        self.resent = 0
         self.pending: list[TokenLogprob] = []
         self.finish_reason: str | None = None
 
@@ -144,14 +150,23 @@ class Job:
         return chunks, done
 
     def _advance(self, index: int, row: Row, token: int) -> Chunk | None:
-        offset = len(row.text.text)
+        offset = len(row.text.text) + row.resent  # where the token's text starts, as sent
         if token in self.eos_token_ids:
             row.finish_reason = "stop"
             text = row.text.text
             if self._logprobs is not None:  # a scorer reads the end's logprob too
                 row.pending.append(self._token_logprob(index, token, offset, end=True))
         else:
+            before = row.text.text
             text = row.text.add(token)
+            unchanged = row.text.unchanged
+            if unchanged < row.sent:
+                # The tokenizer rewrote text already sent: the text goes on from its first
+                # changed character, less what it still begins with of the text sent there (a
+                # space taken away before "n't" leaves the "n" that was sent).
+                kept = _overlap(before[unchanged : row.sent], text[unchanged:])
+                row.resent += row.sent - unchanged - kept
+                row.sent = unchanged + kept
             if self._logprobs is not None:
                 row.pending.append(self._token_logprob(index, token, offset))
             if len(row.tokens) >= row.limit:
@@ -213,6 +228,14 @@ class Job:
         for index, tokens in found.items():
             drafts[index] = torch.tensor(tokens[:count])
         return drafts
+
+
+def _overlap(sent: str, text: str) -> int:
+    """The length of the longest end of ``sent`` that ``text`` begins with."""
+    for size in range(min(len(sent), len(text)), 0, -1):
+        if text.startswith(sent[-size:]):
+            return size
+    return 0
 
 
 def stop_prefix_start(text: str, stops: Sequence[str], *, since: int = 0) -> int:

@@ -68,13 +68,24 @@ def _decoder(
     return lengths, decode
 
 
+def _common_prefix(a: str, b: str) -> int:
+    """How many characters ``a`` and ``b`` begin with alike."""
+    size = 0
+    while size < min(len(a), len(b)) and a[size] == b[size]:
+        size += 1
+    return size
+
+
 def _check_token_by_token(tokenizer: PreTrainedTokenizerFast, ids: list[int]) -> list[int]:
     lengths, decode = _decoder(tokenizer)
     text = IncrementalText(decode)
+    before = ""
     for count, token in enumerate(ids, 1):
         whole = tokenizer.decode(ids[:count], skip_special_tokens=True)
         assert text.add(token) == whole
         assert text.text == whole
+        assert text.unchanged == _common_prefix(before, whole)
+        before = whole
     assert text.tokens == ids
     return lengths
 
@@ -141,8 +152,12 @@ def test_a_tokenizer_that_rewrites_earlier_text_is_decoded_whole() -> None:
     ids = [0, 1, 2, 0, 3, 1, 2, 3, 0]
     for count, token in enumerate(ids, 1):
         whole = decode(ids[:count])
+        before = text.text
         calls.clear()
         assert text.add(token) == whole
+        # Where the text changed: before the new token's text where a "!" rewrote a word.
+        assert text.unchanged == _common_prefix(before, whole)
+        assert (text.unchanged < len(before)) == (words[token] == "!")
         if count >= 3:  # windows are shorter: the whole is decoded only after a "!"
             assert (max(calls) == count) == (words[token] == "!")
 

@@ -7,6 +7,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+from hypothesis import given, settings, strategies as st
+from tokenizers import Tokenizer, decoders, models
+from transformers import PreTrainedTokenizerFast
 
 from petals_core.api import Chunk, Sampling
 from petals_core.api._detokenize import TokenTexts
@@ -42,12 +45,14 @@ def _job(sampling: Sampling, prompts: Sequence[Sequence[int]] = ((1,),)) -> Job:
     )
 
 
-def _feed(job: Job, tokens: Sequence[int]) -> tuple[list[Chunk], int]:
-    """One row's ``tokens`` one step at a time until it is done: the chunks, and the tokens
-    taken."""
+def _feed(
+    job: Job, tokens: Sequence[int], logprobs: torch.Tensor | None = None
+) -> tuple[list[Chunk], int]:
+    """One row's ``tokens`` one step at a time until it is done (``logprobs``: the model's at
+    every step): the chunks, and the tokens taken."""
     chunks: list[Chunk] = []
     for taken, token in enumerate(tokens, 1):
-        emitted, done = job.on_tokens(torch.tensor([token]))
+        emitted, done = job.on_tokens(torch.tensor([token]), logprobs)
         chunks += emitted
         if done:
             return chunks, taken
@@ -202,3 +207,65 @@ def test_drafts_follow_each_row_and_stay_within_max_tokens() -> None:
     drafts = job.draft(10)
     # Row 1 has 2 of its 6 tokens: a step may keep its drafts and one token more.
     assert drafts is not None and drafts.tolist() == [[PAD] * 3, [13, 10, 11]]
+
+
+def _cleaning_up() -> PreTrainedTokenizerFast:
+    """A word-level tokenizer whose decoding cleans up spaces, as transformers does for
+    WordPiece-like ones (``clean_up_tokenization_spaces``): " ." reads ".", " n't" reads "n't",
+    so a space already decoded goes away once what follows it comes."""
+    words = ["[UNK]", "</s>", "x", "y", "▁", ".", ",", "n", "'t", "'", "'s"]
+    model = models.WordLevel({word: index for index, word in enumerate(words)}, unk_token="[UNK]")
+    tokenizer = Tokenizer(model)
+    tokenizer.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.Fuse()])
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        unk_token="[UNK]",
+        eos_token="</s>",
+        clean_up_tokenization_spaces=True,
+    )
+
+
+CLEANING_UP = _cleaning_up()
+
+
+def _cleaning_up_job() -> Job:
+    return Job(
+        [[2]],
+        Sampling(max_tokens=64, logprobs=0),
+        64,
+        decode=lambda ids: str(CLEANING_UP.decode(list(ids), skip_special_tokens=True)),
+        token_text=TokenTexts(CLEANING_UP),
+        eos_token_ids=frozenset({1}),
+        pad_token_id=0,
+    )
+
+
+def _stream(job: Job, tokens: Sequence[int]) -> tuple[str, list[int]]:
+    """What the client gets of one row fed ``tokens``: its text, and its tokens' offsets."""
+    logprobs = torch.log_softmax(torch.zeros(1, len(CLEANING_UP)), dim=-1)
+    chunks, _ = _feed(job, tokens, logprobs)
+    return "".join(chunk.text for chunk in chunks), [t.offset for c in chunks for t in c.logprobs]
+
+
+def test_text_the_tokenizer_rewrites_after_it_was_sent_is_not_lost() -> None:
+    """The text "x " is sent, then "." comes and the text reads "x.": the "." is sent (the
+    space stays with the client, who has it already); " n" is sent, then "'t" makes it "n't":
+    only the "'t" is new."""
+    words = ["x", "▁", ".", "▁", "y", "▁", "n", "'t", "</s>"]
+    ids = [CLEANING_UP.convert_tokens_to_ids(word) for word in words]
+    assert CLEANING_UP.decode(ids, skip_special_tokens=True) == "x. yn't"
+    text, offsets = _stream(_cleaning_up_job(), ids)
+    assert text == "x . y n't"
+    # Each token's offset is where its text starts in the text sent; the end token's, the end.
+    assert offsets == [0, 1, 2, 3, 4, 5, 6, 7, len(text)]
+
+
+@settings(max_examples=200, deadline=None)
+@given(ids=st.lists(st.integers(2, len(CLEANING_UP) - 1), max_size=16))
+def test_the_text_sent_holds_every_character_of_the_answer(ids: list[int]) -> None:
+    """Whatever the tokenizer takes back, the answer's text as it finally reads is in what was
+    sent, in order, and the tokens' offsets run along the text sent."""
+    text, offsets = _stream(_cleaning_up_job(), [*ids, 1])
+    answer = iter(text)
+    assert all(character in answer for character in CLEANING_UP.decode(ids))
+    assert offsets == sorted(offsets) and all(0 <= offset <= len(text) for offset in offsets)
