@@ -6,12 +6,18 @@ of OpenAI's chunks ending with ``data: [DONE]``. Every answer counts its tokens 
 stream, on the last chunk, and in a chunk of its own when ``stream_options.include_usage`` asks).
 Errors are OpenAI's JSON (``{"error": {...}}``) with its status codes; a failure after a stream
 began is sent as an event of that shape, then the stream ends.
+
+A client that takes nothing of its answer for ``send_timeout_s`` (it stops reading without
+closing its connection), or that reads a stream so slowly that it falls far behind the
+generation (see :mod:`._engine`), is given up on: its generation stops, what was left for it is
+dropped, and its connection is closed (see :class:`_SendDeadline`).
 """
 
 from __future__ import annotations
 
 import functools
 import json
+import logging
 import math
 import re
 import secrets
@@ -28,9 +34,10 @@ from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ._detokenize import text_bytes
-from ._engine import Engine
+from ._engine import Engine, SlowReader
 from ._errors import ApiError
 from ._records import Chunk, Event, PromptLogprobs, TokenLogprob, Usage
 from ._requests import (
@@ -40,12 +47,16 @@ from ._requests import (
     parse_completion_untrusted,
 )
 
-__all__ = ["MAX_BODY_BYTES", "create_app"]
+__all__ = ["MAX_BODY_BYTES", "SEND_TIMEOUT_S", "create_app"]
+
+logger = logging.getLogger(__name__)
 
 _Parsed = TypeVar("_Parsed")
 
 #: Request bodies above this size are refused (413) before they are parsed.
 MAX_BODY_BYTES: Final = 4 * 1024 * 1024
+#: How long a client may take nothing of its answer before it is given up on (seconds).
+SEND_TIMEOUT_S: Final = 30.0
 #: Larger bodies are parsed in the tokenizer's worker thread (one at a time with the
 #: tokenizing), not on the event loop that serves every request.
 _INLINE_BODY_BYTES: Final = 64 * 1024
@@ -57,13 +68,20 @@ CREATED: Final = int(time.time())
 
 
 def create_app(
-    engine: Engine, *, api_key: str | None = None, allow_origins: Sequence[str] = ()
+    engine: Engine,
+    *,
+    api_key: str | None = None,
+    allow_origins: Sequence[str] = (),
+    send_timeout_s: float = SEND_TIMEOUT_S,
 ) -> Starlette:
     """The app serving ``engine``'s model under ``engine.name``; with ``api_key``, requests must
     carry ``Authorization: Bearer <api_key>``; ``allow_origins`` are web origins (or ``"*"``)
-    whose pages may call it from a browser (CORS), as chat front-ends do."""
+    whose pages may call it from a browser (CORS), as chat front-ends do.  A client that takes
+    nothing of its answer for ``send_timeout_s`` is given up on (see the module)."""
+    if not send_timeout_s > 0:
+        raise ValueError(f"send_timeout_s must be > 0, got {send_timeout_s!r}")
     api = _Api(engine, api_key)
-    middleware = []
+    middleware = [Middleware(_SendDeadline, engine=engine, timeout_s=send_timeout_s)]
     if allow_origins:
         middleware.append(
             Middleware(
@@ -115,6 +133,61 @@ async def _internal_error_response(request: Request, exc: Exception) -> Response
     # address, ...) goes to the server's log, which Starlette re-raises it to.
     error = ApiError(500, "The endpoint failed with an internal error.")
     return JSONResponse(error.body(), status_code=500)
+
+
+class _SendDeadline:
+    """ASGI middleware that gives up on a client that takes nothing for ``timeout_s``, or that
+    fell too far behind its generation (:class:`~._engine.SlowReader`).
+
+    Hypercorn writes to the socket in a shielded scope: no deadline in the response's own task
+    can cut a write short, and a client that stops reading but keeps its connection would hold
+    the response, and all it keeps, for ever.  So each message is written by a task of the
+    endpoint's program, which the response waits for ``timeout_s`` at most; past that, the
+    response is cancelled (its generation ends with it) and returns unfinished, and Hypercorn
+    closes the connection, which ends that write too."""
+
+    def __init__(self, app: ASGIApp, *, engine: Engine, timeout_s: float) -> None:
+        self.app = app
+        self.engine = engine
+        self.timeout_s = timeout_s
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        why = f"it took nothing for {self.timeout_s} s"
+        with trio.CancelScope() as response:
+            try:
+                await self.app(scope, receive, functools.partial(self._send, send, response))
+            except* SlowReader:
+                why = "it read its stream too slowly"
+                response.cancel()
+        if response.cancel_called:
+            self.engine.abandoned += 1
+            logger.warning("%s %s: gave up on the client: %s", scope["method"], scope["path"], why)
+
+    async def _send(self, send: Send, response: trio.CancelScope, message: Message) -> None:
+        written = trio.Event()
+        failed: list[Exception] = []
+
+        async def write() -> None:
+            try:
+                await send(message)
+            except Exception as exc:  # the response's to raise, if it still waits
+                failed.append(exc)
+            finally:
+                written.set()
+
+        self.engine.start_soon(write)
+        # Waited for whatever else is cancelled, as Hypercorn's own write is: the response's
+        # messages go out one after the other, or not at all.
+        with trio.move_on_after(self.timeout_s, shield=True):
+            await written.wait()
+        if not written.is_set():
+            response.cancel()
+            await trio.lowlevel.checkpoint()  # raises the cancellation
+        if failed:
+            raise failed[0]
 
 
 class _Api:

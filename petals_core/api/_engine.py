@@ -12,17 +12,24 @@ What a request generated is kept by its :class:`~._job.Job`, which takes each st
 says what to send; the request's task sends it to the HTTP side as events (:mod:`._records`)
 through a trio channel, one :class:`Chunk` per new token and row as it is generated.
 
+The channel holds :data:`EVENTS_PER_ROW` events per row at most, and the task never waits for
+room in it: a request's steps go on at the pace of its servers and of the requests lined up
+with it, whatever its client's.  A reader that falls that far behind (a client that stops
+reading its stream: the HTTP side's sends wait on it) is given up on: the request stops at its
+next token, its session closes, the events not yet read are dropped, and the reader gets
+:class:`SlowReader`.  Waiting instead would hold the request's turn and the servers' caches
+for a client that may never read again, and keep the requests lined up with it waiting at each
+step.
+
 When the HTTP side goes away (the client disconnected) or the endpoint shuts down, the request
 stops at its next token and its session closes, which frees the servers' caches.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import math
-from collections.abc import AsyncIterator, Callable, Sequence
-from typing import Any, TypeVar
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from typing import Any, Final, TypeVar
 
 import torch
 import trio
@@ -38,11 +45,20 @@ from ._sampling import Chooser, Drafts, follow_drafts, prompt_logprobs
 from ._speculative import PROMPT_LOOKUP_NUM_TOKENS, SpeculationCounts, check_speculative
 from ._tokenizing import Tokenizing
 
-__all__ = ["Engine"]
+__all__ = ["EVENTS_PER_ROW", "Engine", "SlowReader"]
 
 T = TypeVar("T")
 
 logger = logging.getLogger(__name__)
+
+#: Events a request's channel holds per row (see the module): many more than one step adds, even
+#: with draft tokens, so that a reader that keeps up never sees the bound.
+EVENTS_PER_ROW: Final = 128
+
+
+class SlowReader(Exception):
+    """Raised to the reader of a request's events that fell :data:`EVENTS_PER_ROW` events per
+    row behind: the request was given up on."""
 
 
 class _Request:
@@ -56,12 +72,19 @@ class _Request:
         self.waiting = trio.CancelScope()
         self.started = False
         self.left = False
+        #: Whether the reader fell so far behind that the request was given up on.
+        self.overrun = False
         self._send = send
 
     def emit(self, event: Event) -> None:
-        """Hand ``event`` to the HTTP side (the channel is unbounded: no waiting)."""
+        """Hand ``event`` to the HTTP side, without waiting: where the channel is full, the
+        reader is given up on (see the module)."""
         try:
             self._send.send_nowait(event)
+        except trio.WouldBlock:
+            self.overrun = True
+            self.job.cancelled = True
+            self._send.close()  # nothing more goes to this reader
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             self.job.cancelled = True  # nobody listens any more
 
@@ -121,6 +144,8 @@ class Engine(Tokenizing):
         self.completed = 0
         self.interrupted = 0
         self.failed = 0
+        #: Answers given up on because their client stopped reading (counted by the HTTP side).
+        self.abandoned = 0
         self._base = model.distributed_base
         self._head = model.get_output_embeddings()
         self._device = self._base.local_device  # where the embeddings and the LM head are
@@ -130,6 +155,11 @@ class Engine(Tokenizing):
         #: Steps and draft tokens of the requests that decoded speculatively, all together.
         self.speculation = SpeculationCounts()
         self._lineups: list[Lineup] = []
+
+    def start_soon(self, fn: Callable[..., Awaitable[object]], *args: Any) -> None:
+        """Run ``fn(*args)`` in a task of the endpoint's program, beside the requests' tasks:
+        for work that must not hold up the task that starts it."""
+        self._nursery.start_soon(fn, *args)
 
     @property
     def speculative(self) -> str | None:
@@ -238,8 +268,7 @@ class Engine(Tokenizing):
                 finally:
                     self._slots.release()
                 if error is not None:
-                    with contextlib.suppress(trio.BrokenResourceError):
-                        send.send_nowait(_api_error(error))
+                    request.emit(_api_error(error))
             finally:
                 self._leave(request)
 
@@ -438,14 +467,16 @@ class _Generation:
 
     async def __aenter__(self) -> AsyncIterator[Event]:
         engine = self._engine
-        send, receive = trio.open_memory_channel[Event](math.inf)
         prompts, sampling, limit = self._args
         job = engine.job(prompts, sampling, limit, prompt_logprobs=self._prompt_logprobs)
+        # Room for the prompts' logprobs and the last event too.
+        room = EVENTS_PER_ROW * len(job.rows) + len(prompts) + 1
+        send, receive = trio.open_memory_channel[Event](room)
         request = _Request(job, send)
         engine._waiting += 1
         engine._nursery.start_soon(engine._run, request, send)
         self._request, self._receive = request, receive
-        return _events(receive)
+        return _events(request, receive)
 
     async def __aexit__(self, *exc_info: Any) -> None:
         assert self._request is not None and self._receive is not None
@@ -457,11 +488,17 @@ class _Generation:
         await self._receive.aclose()
 
 
-async def _events(receive: trio.MemoryReceiveChannel[Event]) -> AsyncIterator[Event]:
+async def _events(
+    request: _Request, receive: trio.MemoryReceiveChannel[Event]
+) -> AsyncIterator[Event]:
     async for event in receive:
+        if request.overrun:  # what is left was given up on with the request
+            break
         yield event
         if isinstance(event, Usage | ApiError):
             return
+    if request.overrun:
+        raise SlowReader("the client read its answer too slowly; it was given up on")
 
 
 def _api_error(exc: Exception) -> ApiError:

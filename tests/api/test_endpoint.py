@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import http.client
 import json
+import logging
+import re
+import socket
 import threading
 import time
 import urllib.parse
@@ -709,3 +712,110 @@ def test_echoed_scores_line_up_with_the_text_for_any_request(
         assert offsets[index] == sorted(offsets[index])
         assert all(0 <= offset <= len(text) for offset in offsets[index])
         assert len(tokens[index]) >= len(endpoint.api.engine.encode_prompt(prompts[index // n]))
+
+
+def test_events_nobody_reads_are_bounded_and_then_given_up(endpoint: Any) -> None:
+    """A request's events wait for their reader in a channel of bounded size, and its steps
+    never wait for room there: once the reader is that far behind, the request is given up on
+    (interrupted, its session closed), what it left is dropped, and the reader learns it."""
+    from petals_core.api import Sampling
+    from petals_core.api._engine import EVENTS_PER_ROW, SlowReader
+
+    engine = endpoint.api.engine
+    completed, interrupted = engine.completed, engine.interrupted
+    prompt = engine.encode_prompt(", ".join(str(number) for number in range(1, 30)) + ",")
+    sampling = Sampling(max_tokens=3 * EVENTS_PER_ROW, temperature=0.0)  # counts on and on
+    generation = engine.generate([prompt], sampling)
+
+    async def start() -> Any:
+        return await generation.__aenter__()
+
+    events = endpoint.run(start)  # and not read
+    ended = completed + interrupted
+    _wait_for(
+        lambda: engine.running == 0 and engine.completed + engine.interrupted > ended,
+        "the generation ends",
+    )
+    assert (engine.completed, engine.interrupted) == (completed, interrupted + 1)
+
+    async def read() -> None:
+        try:
+            with pytest.raises(SlowReader):
+                await anext(events)
+        finally:
+            await generation.__aexit__(None, None, None)
+
+    endpoint.run(read)
+    _wait_for(
+        lambda: all(info.open_sessions == 0 for info in endpoint.server_infos()),
+        "the servers close the session",
+    )
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_client_that_stops_reading_is_given_up(
+    endpoint: Any, stream: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A client that keeps its connection open but reads nothing of its answer (streamed, or
+    whole) is given up on once it took nothing for ``send_timeout_s``: the generation stops,
+    its session closes, and the connection is closed before the answer's end (a warning
+    says so, and no error)."""
+    from petals_core._http import serve_http
+    from petals_core.api import create_app
+
+    engine = endpoint.api.engine
+    for bad in (0, -1.0, float("nan")):
+        with pytest.raises(ValueError, match="send_timeout_s must be > 0"):
+            create_app(engine, send_timeout_s=bad)
+    abandoned = engine.abandoned
+    # Each token comes with its 20 likeliest alternatives: far more than sockets hold.
+    body = _long_story(
+        endpoint, "knight", logprobs=True, top_logprobs=20, stream=stream, max_tokens=160
+    )
+    request = (
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: test\r\n"
+        b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body)
+    ) + body
+
+    def stop_reading(url: str) -> bytes:
+        parts = urllib.parse.urlsplit(url)
+        with socket.socket() as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            sock.settimeout(DEADLINE_S)
+            sock.connect((parts.hostname, parts.port))
+            sock.sendall(request)
+            _wait_for(lambda: engine.abandoned > abandoned, "the endpoint gives up")
+            received = b""  # what the client can still read, up to the connection's close
+            while part := sock.recv(1 << 16):
+                received += part
+        return received
+
+    async def serve() -> bytes:
+        app = create_app(engine, send_timeout_s=1.0)
+        async with trio.open_nursery() as nursery:
+            urls = await nursery.start(
+                lambda task_status: serve_http(
+                    app, host="127.0.0.1", port=0, task_status=task_status
+                )
+            )
+            received: bytes = await trio.to_thread.run_sync(stop_reading, urls[0])
+            nursery.cancel_scope.cancel()
+        return received
+
+    with caplog.at_level(logging.WARNING):
+        received = endpoint.run(serve)
+    assert engine.abandoned == abandoned + 1
+    (warning,) = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert warning.startswith("POST /v1/chat/completions: gave up on the client")
+    assert received.startswith(b"HTTP/1.1 200")
+    head, _, answer = received.partition(b"\r\n\r\n")
+    if stream:
+        assert b"data: [DONE]" not in answer
+    else:
+        length = int(re.search(rb"content-length: (\d+)", head, re.IGNORECASE)[1])  # type: ignore[index]
+        assert len(answer) < length
+    _wait_for(lambda: engine.running == 0, "the generation stops")
+    _wait_for(
+        lambda: all(info.open_sessions == 0 for info in endpoint.server_infos()),
+        "the servers close the session",
+    )
