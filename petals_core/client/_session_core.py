@@ -201,7 +201,7 @@ class SessionCore:
             server_to_server
             and len(self.spans) > 1
             and self._hypo_ids is None
-            and (self.position > 0 or self.prompts is None)
+            and (self.prompts is None or self.position >= self.prompts.shape[2])
         )
 
     def request(self, index: int, x: torch.Tensor) -> Step | None:
@@ -227,7 +227,7 @@ class SessionCore:
             hidden_states=x,
             start_from_position=self.position,
             step_id=step_id,
-            prompts=self._span_prompts(state.span) if self.position == 0 else None,
+            prompts=self._step_prompts(state.span, self.position, x.shape[1]),
             hypo_ids=None if id(state) in self._fresh else self._hypo_ids,
             push=push,
         )
@@ -301,9 +301,7 @@ class SessionCore:
 
     def _piece(self, span: RouteSpan, x: torch.Tensor, start: int, end: int, step_id: int) -> Step:
         """Positions ``start:end`` of ``x``, a span's inputs from position 0, as one step."""
-        prompts = self._span_prompts(span) if start == 0 else None
-        if prompts is not None:  # (a history rolled back inside the prompts is shorter)
-            prompts = prompts[:, :, :end]
+        prompts = self._step_prompts(span, start, end - start)
         return Step(
             hidden_states=x[:, start:end],
             start_from_position=start,
@@ -479,6 +477,15 @@ class SessionCore:
         """The output of ``result``, a checking server's answer to ``step`` (in the step's
         dtype).  Raises :class:`ServerError` for an answer that does not fit."""
         return _checked(state, step.hidden_states, result, step.start_from_position or 0)
+
+    def _step_prompts(self, span: RouteSpan, start: int, tokens: int) -> torch.Tensor | None:
+        """The deep prompts of ``span``'s blocks for ``tokens`` positions from ``start`` (the
+        prompts are of the session's first positions: a step after a rollback inside them
+        takes the rest of them, as a replay does)."""
+        prompts = self._span_prompts(span)
+        if prompts is None or start >= prompts.shape[2]:
+            return None
+        return prompts[:, :, start : start + tokens]
 
     def _span_prompts(self, span: RouteSpan) -> torch.Tensor | None:
         if self.prompts is None:

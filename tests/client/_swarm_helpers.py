@@ -56,13 +56,14 @@ class Model:
         blocks: range | None = None,
     ) -> torch.Tensor:
         """``x`` ``(B, T, hidden)`` through ``blocks`` (default: all), with deep prompts
-        ``(len(blocks), B or 1, P, hidden)`` added to the first P positions before each block;
+        ``(len(blocks), B or 1, P, hidden)`` added to the first P positions (those there)
+        before each block;
         differentiable."""
         chosen = blocks if blocks is not None else range(len(self.blocks))
         for i, index in enumerate(chosen):
             if prompts is not None:
-                length = prompts.shape[2]
-                x = torch.cat([x[:, :length] + prompts[i], x[:, length:]], dim=1)
+                length = min(prompts.shape[2], x.shape[1])
+                x = torch.cat([x[:, :length] + prompts[i, :, :length], x[:, length:]], dim=1)
             x = self.blocks[index](x)
         return x
 

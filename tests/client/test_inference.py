@@ -189,6 +189,26 @@ async def test_failover_after_reorder_replays_reordered_history_and_prompts(
                 assert [(s.start, s.end) for s in session.route] == [(0, 3), (3, 6)]
 
 
+async def test_a_rollback_inside_the_deep_prompts_applies_them_again(
+    model: Model, tmp_path: Path
+) -> None:
+    """Deep prompts of 3 positions, a prefill of 5, then back to position 1: the next steps
+    take the prompts' positions 1 and 2 as a session that never went back would, over two
+    servers that push to each other."""
+    torch.manual_seed(13)
+    async with in_process_swarm(model, tmp_path, [(0, 3), (3, 6)]) as swarm:
+        prompts = torch.randn(N_BLOCKS, 1, 3, HIDDEN) * 0.5
+        reference = Reference(model, prompts)
+        with trio.fail_after(DEADLINE_S):
+            async with _session_over(swarm) as session:
+                await reference.check_step(session, 1, 5, prompts=prompts)
+                session.position = 1
+                reference.rollback(1)
+                await reference.check_step(session, 1, 1)
+                await reference.check_step(session, 1, 3)
+                assert session.retries == 0
+
+
 async def _sent_again_once_3_6_is_held(
     swarm: InProcessSwarm,
     session: InferenceSession,
