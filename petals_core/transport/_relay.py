@@ -466,20 +466,29 @@ async def hold_reservation(
     """Hold a reservation with ``relay`` (a multiaddr with its PeerID) for as long as this runs;
     ``task_status.started`` gets the :class:`Reservation` once it is held.  Raises
     :class:`RelayRefused` if the relay refuses, and :class:`PeerUnreachable` (or another
-    :class:`TransportError`) when the relay cannot be reached or the reservation is lost."""
+    :class:`TransportError`) when the relay cannot be reached, does not answer the reservation
+    within the node's ``connect_timeout_s``, or the reservation is lost."""
     relay = Multiaddr.parse(relay) if isinstance(relay, str) else relay
     if relay.peer_id is None or relay.is_relayed:
         raise ConfigError(f"a relay is given by its direct address with its PeerID, not {relay}")
+    answer_timeout_s = node.config.connect_timeout_s
     connection = await node.connect(relay)
     try:
         async with open_call(connection, RELAY_RESERVE) as call:
             await call.send({"circuits": True})
             try:
-                reply = await call.receive()
+                # A relay that takes the call and never answers would hold this slot forever,
+                # never failing over to another.
+                with trio.fail_after(answer_timeout_s):
+                    reply = await call.receive()
             except RemoteError as exc:
                 raise _refused(exc, relay) from None
             except CallEnded:
                 raise PeerUnreachable(f"relay {relay} ended the reservation") from None
+            except trio.TooSlowError:
+                raise PeerUnreachable(
+                    f"relay {relay} did not answer the reservation within {answer_timeout_s:g} s"
+                ) from None
             if reply.get("reserved") is not True:
                 raise PeerUnreachable(f"relay {relay} answered no reservation: {reply!r:.200}")
             with contextlib.ExitStack() as stack:

@@ -31,6 +31,7 @@ from petals_core.transport import (
     RelayService,
     Reservation,
     ServerCall,
+    TransportConfig,
     call_unary,
     hold_reservation,
     open_call,
@@ -328,6 +329,32 @@ async def test_a_reservation_ends_with_the_relay_and_dialers_see_it() -> None:
             assert service.table.statistics().reservations == 0
             with pytest.raises(PeerUnreachable):
                 await dialer.connect(relay.listen_multiaddr.relayed(Identity.generate().peer_id))
+            nursery.cancel_scope.cancel()
+
+
+async def test_a_relay_that_never_answers_the_reservation_fails_it_in_time() -> None:
+    """A relay that completes the handshake and takes the reservation call but never answers:
+    the reservation fails within the connect timeout, as one refused does, instead of waiting
+    for ever (a server would then never turn to another relay)."""
+    config = TransportConfig(connect_timeout_s=1.0)
+    with trio.fail_after(DEADLINE_S):
+        async with (
+            open_node() as relay,
+            open_node(config=config) as peer,
+            trio.open_nursery() as nursery,
+        ):
+            taken = trio.Event()
+            handlers = Handlers()
+
+            @handlers.stream(RELAY_RESERVE)
+            async def never_answers(call: ServerCall) -> None:
+                taken.set()
+                await trio.sleep_forever()
+
+            await nursery.start(serve_rpc, relay, handlers)
+            with pytest.raises(PeerUnreachable, match="did not answer the reservation within 1 s"):
+                await hold_reservation(peer, relay.listen_multiaddr)
+            assert taken.is_set()
             nursery.cancel_scope.cancel()
 
 
