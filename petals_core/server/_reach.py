@@ -11,8 +11,13 @@ back (:func:`~petals_core.dht.check_reachability`).  What it does with the answe
   ``--no_auto_relay``, holds reservations with ``relays_wanted`` relays (its initial peers, then
   servers that announce that they relay).  It announces their relayed addresses first, then its
   public mapping (for hole punching from behind a cone NAT) and its own addresses (for peers on
-  its LAN).  A relay that is lost is replaced at once by another;
-- *unknown* (no peer answered): it announces where it listens, and asks again later.
+  its LAN).  A relay that is lost is replaced at once by another (the lost one is asked again
+  only after the other candidates);
+- *unknown* (no peer answered, or none in time: peers gone, or an uplink too busy to carry a
+  dial-back): at the first check, it announces where it listens.  Later, the last answer stands
+  until a check gives another: a server behind a NAT keeps its relays and their addresses (its
+  clients' sessions go through them) until a check finds it public.  Either way it asks again
+  sooner.
 
 Every change calls ``on_change`` (the server announces anew).
 """
@@ -34,7 +39,8 @@ __all__ = ["Reach"]
 
 logger = logging.getLogger("petals_core.server")
 
-#: A relay that failed is not tried again for this long (unless no other is left).
+#: How long a relay that failed, or whose reservation ended soon, is not asked again (the
+#: default of ``Reach.relay_retry_s``).
 _RELAY_RETRY_S: Final = 30.0
 #: How soon a server that no peer could tell whether it is reachable asks again.
 _UNKNOWN_RECHECK_S: Final = 30.0
@@ -89,6 +95,9 @@ class Reach:
     timeout_s: float = 10.0
     recheck_interval_s: float = 600.0
     relays_wanted: int = 2
+    #: A relay that failed, or held a reservation that ended, within this long is not asked
+    #: again for as long (unless no other is left).
+    relay_retry_s: float = _RELAY_RETRY_S
     report: ReachabilityReport | None = None
     reservations: dict[PeerID, Reservation] = attrs.Factory(dict)
     _retry_after: dict[Multiaddr, float] = attrs.Factory(dict)
@@ -96,6 +105,8 @@ class Reach:
     _state_changed: trio.Event = attrs.Factory(trio.Event)
     _recheck: trio.Event = attrs.Factory(trio.Event)
     _checked: trio.Event = attrs.Factory(trio.Event)
+    #: What the last check found (unknown included), for the log.
+    _found: Reachability | None = None
 
     @property
     def reachability(self) -> Reachability:
@@ -138,12 +149,21 @@ class Reach:
         self._recheck.set()
 
     async def check(self) -> ReachabilityReport:
-        """Ask peers now; log what they found, and act on it."""
+        """Ask peers now; log what they found, and act on it.  Returns what they found, which
+        is not what the server goes by when it is unknown and an earlier check told more."""
         listen = [address.with_peer_id(None) for address in self.listen()]
         report = await check_reachability(
             self.dht.node, listen, self.peers(), timeout_s=self.timeout_s, trusted=self.trusted
         )
-        _log(report, auto_relay=self.auto_relay, previous=self.report, port=listen[0].port)
+        _log(report, self, port=listen[0].port)
+        self._found = report.reachability
+        if (
+            report.reachability is Reachability.UNKNOWN
+            and self.reachability is not Reachability.UNKNOWN
+        ):
+            # Nobody answered in time: that says nothing of how peers reach us.  The last answer
+            # stands; dropping relays now would cut every session that goes through them.
+            return report
         self.report = report
         kind = report.reachability
         public = [a for a in report.reachable if not a.is_loopback]
@@ -211,16 +231,17 @@ class Reach:
             self._retry_later(relay, began)
 
     def _retry_later(self, relay: Multiaddr, began: float) -> None:
-        """``relay`` failed, or its reservation ended soon: another relay first, this one again
-        after :data:`_RELAY_RETRY_S`."""
+        """``relay`` failed, or its reservation ended: another relay first.  One that failed or
+        ended within ``relay_retry_s`` is asked again after as long; one that held us longer may
+        be asked at once, but after every other candidate (it has most likely just gone away:
+        asking it first would wait out a connect timeout before turning to another)."""
         now = trio.current_time()
-        if now - began < _RELAY_RETRY_S:
-            self._retry_after[relay] = now + _RELAY_RETRY_S
+        soon = now - began < self.relay_retry_s
+        self._retry_after[relay] = now + self.relay_retry_s if soon else now
 
     def _pick_relay(self) -> Multiaddr | None:
-        """The first candidate not in use, not us, and not failed lately (or failed longest
-        ago, if every one did)."""
-        now = trio.current_time()
+        """A candidate not in use and not us: one never dropped first, in the order given;
+        else the one free to be asked again soonest (see :meth:`_retry_later`)."""
         free = [
             candidate
             for candidate in _unique(self.relay_candidates())
@@ -231,25 +252,26 @@ class Reach:
         ]
         if not free:
             return None
-        ready = [c for c in free if self._retry_after.get(c, -math.inf) <= now]
-        if ready:
-            return ready[0]
-        return min(free, key=lambda c: self._retry_after[c])
+        # min keeps the order given among equals (those never dropped).
+        return min(free, key=lambda c: self._retry_after.get(c, -math.inf))
 
 
-def _log(
-    report: ReachabilityReport,
-    *,
-    auto_relay: bool,
-    previous: ReachabilityReport | None,
-    port: int,
-) -> None:
+def _log(report: ReachabilityReport, reach: Reach, *, port: int) -> None:
+    """Log what a check found, unless it changes nothing: the same answer as the one that
+    stands, or no answer again."""
     kind = report.reachability
-    if previous is not None and previous.reachability is kind:
+    if kind is (reach._found if kind is Reachability.UNKNOWN else reach.reachability):
         logger.debug("reachability unchanged: %s", kind.value)
         return
+    auto_relay = reach.auto_relay
     if kind is Reachability.UNKNOWN:
-        logger.info("reachability not checked: no peer answered")
+        if reach.reachability is Reachability.UNKNOWN:
+            logger.info("reachability not checked: no peer answered")
+        else:
+            logger.info(
+                "reachability not checked again: no peer answered; it stays %s until one does",
+                reach.reachability.value,
+            )
     elif kind is Reachability.PUBLIC:
         for address in report.reachable:
             logger.info("reachable at %s (dialled back by %s)", address, report.via)
