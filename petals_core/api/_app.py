@@ -7,17 +7,19 @@ stream, on the last chunk, and in a chunk of its own when ``stream_options.inclu
 Errors are OpenAI's JSON (``{"error": {...}}``) with its status codes; a failure after a stream
 began is sent as an event of that shape, then the stream ends.
 
-A client that takes nothing of its answer for ``send_timeout_s`` (it stops reading without
-closing its connection), or that reads a stream so slowly that it falls far behind the
-generation (see :mod:`._engine`), is given up on: its generation stops, what was left for it is
-dropped, and its connection is closed (see :class:`_SendDeadline`).
+A client that stops reading its stream without closing its connection (or reads it far slower
+than it is generated) is given up on once it falls :data:`~._engine.EVENTS_PER_ROW` events per
+row behind (see :mod:`._engine`): its generation stops, its session closes, and what was left
+for it is dropped.  Its connection stays open until the client or the operating system closes
+it (the server's write to it waits as long); a client that reads again gets an error event
+(``code: "slow_reader"``) and the stream's end.  A plain answer is generated whole before it is
+sent, so a client that does not read it holds its connection and that answer, not the swarm.
 """
 
 from __future__ import annotations
 
 import functools
 import json
-import logging
 import math
 import re
 import secrets
@@ -34,10 +36,9 @@ from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ._detokenize import text_bytes
-from ._engine import Engine, SlowReader
+from ._engine import EVENTS_PER_ROW, Engine, SlowReader
 from ._errors import ApiError
 from ._records import Chunk, Event, PromptLogprobs, TokenLogprob, Usage
 from ._requests import (
@@ -47,16 +48,12 @@ from ._requests import (
     parse_completion_untrusted,
 )
 
-__all__ = ["MAX_BODY_BYTES", "SEND_TIMEOUT_S", "create_app"]
-
-logger = logging.getLogger(__name__)
+__all__ = ["MAX_BODY_BYTES", "create_app"]
 
 _Parsed = TypeVar("_Parsed")
 
 #: Request bodies above this size are refused (413) before they are parsed.
 MAX_BODY_BYTES: Final = 4 * 1024 * 1024
-#: How long a client may take nothing of its answer before it is given up on (seconds).
-SEND_TIMEOUT_S: Final = 30.0
 #: Larger bodies are parsed in the tokenizer's worker thread (one at a time with the
 #: tokenizing), not on the event loop that serves every request.
 _INLINE_BODY_BYTES: Final = 64 * 1024
@@ -68,20 +65,13 @@ CREATED: Final = int(time.time())
 
 
 def create_app(
-    engine: Engine,
-    *,
-    api_key: str | None = None,
-    allow_origins: Sequence[str] = (),
-    send_timeout_s: float = SEND_TIMEOUT_S,
+    engine: Engine, *, api_key: str | None = None, allow_origins: Sequence[str] = ()
 ) -> Starlette:
     """The app serving ``engine``'s model under ``engine.name``; with ``api_key``, requests must
     carry ``Authorization: Bearer <api_key>``; ``allow_origins`` are web origins (or ``"*"``)
-    whose pages may call it from a browser (CORS), as chat front-ends do.  A client that takes
-    nothing of its answer for ``send_timeout_s`` is given up on (see the module)."""
-    if not send_timeout_s > 0:
-        raise ValueError(f"send_timeout_s must be > 0, got {send_timeout_s!r}")
+    whose pages may call it from a browser (CORS), as chat front-ends do."""
     api = _Api(engine, api_key)
-    middleware = [Middleware(_SendDeadline, engine=engine, timeout_s=send_timeout_s)]
+    middleware = []
     if allow_origins:
         middleware.append(
             Middleware(
@@ -133,61 +123,6 @@ async def _internal_error_response(request: Request, exc: Exception) -> Response
     # address, ...) goes to the server's log, which Starlette re-raises it to.
     error = ApiError(500, "The endpoint failed with an internal error.")
     return JSONResponse(error.body(), status_code=500)
-
-
-class _SendDeadline:
-    """ASGI middleware that gives up on a client that takes nothing for ``timeout_s``, or that
-    fell too far behind its generation (:class:`~._engine.SlowReader`).
-
-    Hypercorn writes to the socket in a shielded scope: no deadline in the response's own task
-    can cut a write short, and a client that stops reading but keeps its connection would hold
-    the response, and all it keeps, for ever.  So each message is written by a task of the
-    endpoint's program, which the response waits for ``timeout_s`` at most; past that, the
-    response is cancelled (its generation ends with it) and returns unfinished, and Hypercorn
-    closes the connection, which ends that write too."""
-
-    def __init__(self, app: ASGIApp, *, engine: Engine, timeout_s: float) -> None:
-        self.app = app
-        self.engine = engine
-        self.timeout_s = timeout_s
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        why = f"it took nothing for {self.timeout_s} s"
-        with trio.CancelScope() as response:
-            try:
-                await self.app(scope, receive, functools.partial(self._send, send, response))
-            except* SlowReader:
-                why = "it read its stream too slowly"
-                response.cancel()
-        if response.cancel_called:
-            self.engine.abandoned += 1
-            logger.warning("%s %s: gave up on the client: %s", scope["method"], scope["path"], why)
-
-    async def _send(self, send: Send, response: trio.CancelScope, message: Message) -> None:
-        written = trio.Event()
-        failed: list[Exception] = []
-
-        async def write() -> None:
-            try:
-                await send(message)
-            except Exception as exc:  # the response's to raise, if it still waits
-                failed.append(exc)
-            finally:
-                written.set()
-
-        self.engine.start_soon(write)
-        # Waited for whatever else is cancelled, as Hypercorn's own write is: the response's
-        # messages go out one after the other, or not at all.
-        with trio.move_on_after(self.timeout_s, shield=True):
-            await written.wait()
-        if not written.is_set():
-            response.cancel()
-            await trio.lowlevel.checkpoint()  # raises the cancellation
-        if failed:
-            raise failed[0]
 
 
 class _Api:
@@ -305,7 +240,7 @@ class _Api:
             last: Usage | ApiError | None = None
             async with generation as events, trio.open_nursery() as nursery:
                 nursery.start_soon(_cancel_when_disconnected, request, nursery.cancel_scope)
-                async for event in events:
+                async for event in _slow_reader_as_error(events):
                     if isinstance(event, Chunk):
                         chunks.append(event)
                     elif isinstance(event, PromptLogprobs):
@@ -318,7 +253,7 @@ class _Api:
             if last is None:  # the client left: nobody reads this answer
                 return Response(status_code=499)
             return JSONResponse(shape.whole(chunks, last))
-        events = await generation.__aenter__()
+        events = _slow_reader_as_error(await generation.__aenter__())
         first: Event | None = None
         try:
             # Until the first event (the request may wait for its turn), nothing else notices
@@ -395,6 +330,21 @@ class _EventStream(EventSourceResponse):
         finally:
             with trio.CancelScope(shield=True):
                 await self._close(None, None, None)
+
+
+async def _slow_reader_as_error(events: AsyncIterator[Event]) -> AsyncIterator[Event]:
+    """``events``, ending with an error event where the reader was given up on for falling too
+    far behind (:class:`~._engine.SlowReader`): a stream ends with it as with any failure."""
+    try:
+        async for event in events:
+            yield event
+    except SlowReader:
+        yield ApiError(
+            408,
+            f"The client read its answer too slowly: it fell {EVENTS_PER_ROW} events per choice "
+            "behind the generation, which was stopped.",
+            code="slow_reader",
+        )
 
 
 async def _cancel_when_disconnected(request: Request, scope: trio.CancelScope) -> None:

@@ -15,11 +15,11 @@ through a trio channel, one :class:`Chunk` per new token and row as it is genera
 The channel holds :data:`EVENTS_PER_ROW` events per row at most, and the task never waits for
 room in it: a request's steps go on at the pace of its servers and of the requests lined up
 with it, whatever its client's.  A reader that falls that far behind (a client that stops
-reading its stream: the HTTP side's sends wait on it) is given up on: the request stops at its
-next token, its session closes, the events not yet read are dropped, and the reader gets
-:class:`SlowReader`.  Waiting instead would hold the request's turn and the servers' caches
-for a client that may never read again, and keep the requests lined up with it waiting at each
-step.
+reading its stream: the HTTP side's writes to it wait) is given up on: the request stops at its
+next token, its session closes, the events not yet read are dropped at once, the engine counts
+it in :attr:`Engine.abandoned`, and the reader gets :class:`SlowReader` when it asks for its
+next event.  Waiting instead would hold the request's turn and the servers' caches for a
+client that may never read again, and keep the requests lined up with it waiting at each step.
 
 When the HTTP side goes away (the client disconnected) or the endpoint shuts down, the request
 stops at its next token and its session closes, which frees the servers' caches.
@@ -27,8 +27,9 @@ stops at its next token and its session closes, which frees the servers' caches.
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any, Final, TypeVar
 
 import torch
@@ -58,14 +59,19 @@ EVENTS_PER_ROW: Final = 128
 
 class SlowReader(Exception):
     """Raised to the reader of a request's events that fell :data:`EVENTS_PER_ROW` events per
-    row behind: the request was given up on."""
+    row behind, at its next read: the request was given up on, and its unread events dropped."""
 
 
 class _Request:
     """A request as the engine runs it: its :class:`~._job.Job`, the channel its events go to,
     and its place in the queue."""
 
-    def __init__(self, job: Job, send: trio.MemorySendChannel[Event]) -> None:
+    def __init__(
+        self,
+        job: Job,
+        send: trio.MemorySendChannel[Event],
+        receive: trio.MemoryReceiveChannel[Event],
+    ) -> None:
         self.job = job
         #: Where the request waits for its turn (see :meth:`Engine._run`), whether it got one,
         #: and whether it stopped counting towards the queue's limit.
@@ -75,6 +81,7 @@ class _Request:
         #: Whether the reader fell so far behind that the request was given up on.
         self.overrun = False
         self._send = send
+        self._receive = receive
 
     def emit(self, event: Event) -> None:
         """Hand ``event`` to the HTTP side, without waiting: where the channel is full, the
@@ -82,9 +89,7 @@ class _Request:
         try:
             self._send.send_nowait(event)
         except trio.WouldBlock:
-            self.overrun = True
-            self.job.cancelled = True
-            self._send.close()  # nothing more goes to this reader
+            self._give_up()
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             self.job.cancelled = True  # nobody listens any more
 
@@ -92,6 +97,17 @@ class _Request:
         """:meth:`emit` each of ``events``, in order."""
         for event in events:
             self.emit(event)
+
+    def _give_up(self) -> None:
+        """The reader fell too far behind: the request stops, nothing more goes to the reader,
+        and what it has not read is dropped now (its client may keep its connection, and
+        its response waiting, for long)."""
+        self.overrun = True
+        self.job.cancelled = True
+        self._send.close()
+        with contextlib.suppress(trio.EndOfChannel):
+            while True:
+                self._receive.receive_nowait()
 
 
 class Engine(Tokenizing):
@@ -144,7 +160,8 @@ class Engine(Tokenizing):
         self.completed = 0
         self.interrupted = 0
         self.failed = 0
-        #: Answers given up on because their client stopped reading (counted by the HTTP side).
+        #: Requests given up on because their reader fell :data:`EVENTS_PER_ROW` events per row
+        #: behind (each is also counted above, most often as interrupted).
         self.abandoned = 0
         self._base = model.distributed_base
         self._head = model.get_output_embeddings()
@@ -155,11 +172,6 @@ class Engine(Tokenizing):
         #: Steps and draft tokens of the requests that decoded speculatively, all together.
         self.speculation = SpeculationCounts()
         self._lineups: list[Lineup] = []
-
-    def start_soon(self, fn: Callable[..., Awaitable[object]], *args: Any) -> None:
-        """Run ``fn(*args)`` in a task of the endpoint's program, beside the requests' tasks:
-        for work that must not hold up the task that starts it."""
-        self._nursery.start_soon(fn, *args)
 
     @property
     def speculative(self) -> str | None:
@@ -271,6 +283,13 @@ class Engine(Tokenizing):
                     request.emit(_api_error(error))
             finally:
                 self._leave(request)
+                if request.overrun:
+                    self.abandoned += 1
+                    logger.warning(
+                        "gave up on a request whose reader fell %d events per row behind "
+                        "(its client stopped reading its stream)",
+                        EVENTS_PER_ROW,
+                    )
 
     def _leave(self, request: _Request) -> None:
         """``request`` no longer counts towards the queue's limit (once, whoever says so
@@ -472,7 +491,7 @@ class _Generation:
         # Room for the prompts' logprobs and the last event too.
         room = EVENTS_PER_ROW * len(job.rows) + len(prompts) + 1
         send, receive = trio.open_memory_channel[Event](room)
-        request = _Request(job, send)
+        request = _Request(job, send, receive)
         engine._waiting += 1
         engine._nursery.start_soon(engine._run, request, send)
         self._request, self._receive = request, receive
@@ -491,9 +510,7 @@ class _Generation:
 async def _events(
     request: _Request, receive: trio.MemoryReceiveChannel[Event]
 ) -> AsyncIterator[Event]:
-    async for event in receive:
-        if request.overrun:  # what is left was given up on with the request
-            break
+    async for event in receive:  # ends early where the request was given up on
         yield event
         if isinstance(event, Usage | ApiError):
             return

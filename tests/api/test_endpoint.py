@@ -5,8 +5,6 @@ from __future__ import annotations
 import http.client
 import json
 import logging
-import re
-import socket
 import threading
 import time
 import urllib.parse
@@ -752,70 +750,91 @@ def test_events_nobody_reads_are_bounded_and_then_given_up(endpoint: Any) -> Non
     )
 
 
-@pytest.mark.parametrize("stream", [True, False])
-def test_a_client_that_stops_reading_is_given_up(
-    endpoint: Any, stream: bool, caplog: pytest.LogCaptureFixture
+def test_a_client_that_stops_reading_its_stream_is_given_up(
+    endpoint: Any, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """A client that keeps its connection open but reads nothing of its answer (streamed, or
-    whole) is given up on once it took nothing for ``send_timeout_s``: the generation stops,
-    its session closes, and the connection is closed before the answer's end (a warning
-    says so, and no error)."""
-    from petals_core._http import serve_http
+    """A client that keeps its connection open but stops reading its stream (the server's write
+    to it waits) is given up on once it falls ``EVENTS_PER_ROW`` events behind: the generation
+    stops and its session closes while the response still waits to write. A client that reads
+    again gets an error event and the stream's end, with no ``[DONE]`` and no error logged."""
     from petals_core.api import create_app
+    from petals_core.api._engine import EVENTS_PER_ROW
 
     engine = endpoint.api.engine
-    for bad in (0, -1.0, float("nan")):
-        with pytest.raises(ValueError, match="send_timeout_s must be > 0"):
-            create_app(engine, send_timeout_s=bad)
-    abandoned = engine.abandoned
-    # Each token comes with its 20 likeliest alternatives: far more than sockets hold.
-    body = _long_story(
-        endpoint, "knight", logprobs=True, top_logprobs=20, stream=stream, max_tokens=160
-    )
-    request = (
-        b"POST /v1/chat/completions HTTP/1.1\r\nHost: test\r\n"
-        b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body)
-    ) + body
+    abandoned, interrupted = engine.abandoned, engine.interrupted
+    prompt = ", ".join(str(number) for number in range(1, 30)) + ","
+    body = json.dumps(
+        {
+            "model": endpoint.repo,
+            "prompt": prompt,
+            "max_tokens": 3 * EVENTS_PER_ROW,  # counts on and on
+            "temperature": 0,
+            "stream": True,
+        }
+    ).encode()
+    scope = post_scope("/v1/completions")
 
-    def stop_reading(url: str) -> bytes:
-        parts = urllib.parse.urlsplit(url)
-        with socket.socket() as sock:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-            sock.settimeout(DEADLINE_S)
-            sock.connect((parts.hostname, parts.port))
-            sock.sendall(request)
-            _wait_for(lambda: engine.abandoned > abandoned, "the endpoint gives up")
-            received = b""  # what the client can still read, up to the connection's close
-            while part := sock.recv(1 << 16):
-                received += part
-        return received
+    async def stop_reading() -> tuple[list[dict[str, Any]], bool]:
+        requested = False
 
-    async def serve() -> bytes:
-        app = create_app(engine, send_timeout_s=1.0)
-        async with trio.open_nursery() as nursery:
-            urls = await nursery.start(
-                lambda task_status: serve_http(
-                    app, host="127.0.0.1", port=0, task_status=task_status
-                )
+        async def receive() -> dict[str, Any]:
+            nonlocal requested
+            if not requested:
+                requested = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            await trio.sleep_forever()  # the client keeps its connection open
+            raise AssertionError
+
+        reading = trio.Event()
+        sent: list[dict[str, Any]] = []
+
+        async def send(message: dict[str, Any]) -> None:
+            if message["type"] == "http.response.body":
+                await reading.wait()  # the client's window is full until it reads again
+            sent.append(message)
+
+        answered = False
+
+        async def answer() -> None:
+            nonlocal answered
+            await create_app(engine)(scope, receive, send)
+            answered = True
+
+        def given_up() -> None:
+            _wait_for(
+                lambda: engine.abandoned > abandoned and engine.running == 0,
+                "the endpoint gives up on the stream",
             )
-            received: bytes = await trio.to_thread.run_sync(stop_reading, urls[0])
-            nursery.cancel_scope.cancel()
-        return received
+            _wait_for(
+                lambda: all(info.open_sessions == 0 for info in endpoint.server_infos()),
+                "the servers close the session",
+            )
+
+        with trio.fail_after(DEADLINE_S):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(answer)
+                await trio.to_thread.run_sync(given_up)
+                waiting = not answered
+                reading.set()
+        return sent, waiting
 
     with caplog.at_level(logging.WARNING):
-        received = endpoint.run(serve)
-    assert engine.abandoned == abandoned + 1
-    (warning,) = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
-    assert warning.startswith("POST /v1/chat/completions: gave up on the client")
-    assert received.startswith(b"HTTP/1.1 200")
-    head, _, answer = received.partition(b"\r\n\r\n")
-    if stream:
-        assert b"data: [DONE]" not in answer
-    else:
-        length = int(re.search(rb"content-length: (\d+)", head, re.IGNORECASE)[1])  # type: ignore[index]
-        assert len(answer) < length
-    _wait_for(lambda: engine.running == 0, "the generation stops")
-    _wait_for(
-        lambda: all(info.open_sessions == 0 for info in endpoint.server_infos()),
-        "the servers close the session",
-    )
+        sent, waiting = endpoint.run(stop_reading)
+    assert waiting  # given up on while its response still waited to write
+    assert (engine.abandoned, engine.interrupted) == (abandoned + 1, interrupted + 1)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert warnings == [
+        f"gave up on a request whose reader fell {EVENTS_PER_ROW} events per row behind "
+        "(its client stopped reading its stream)"
+    ]
+    assert (sent[0]["type"], sent[0]["status"]) == ("http.response.start", 200)
+    assert sent[-1]["more_body"] is False
+    stream = b"".join(message.get("body", b"") for message in sent).decode()
+    data = [line[len("data: ") :] for line in stream.splitlines() if line.startswith("data: ")]
+    assert "[DONE]" not in data
+    error = json.loads(data[-1])["error"]
+    assert error["code"] == "slow_reader"
+    assert error["type"] == "invalid_request_error"
+    assert f"{EVENTS_PER_ROW} events per choice behind" in error["message"]
+    # What it was sent before it stopped reading, and nothing of what was dropped.
+    assert [json.loads(line)["object"] for line in data[:-1]] == ["text_completion"]
