@@ -28,7 +28,7 @@ import attrs
 import torch
 import trio
 
-from .._errors import PetalsError, RemoteError, SessionTooLarge, WrongAnswer
+from .._errors import PetalsError, SessionTooLarge, WrongAnswer
 from .._groups import run_concurrently
 from ..dht import ServerInfo
 from ..protocol import FraudReport, Signature, SignedReceipt, StepResult
@@ -195,11 +195,11 @@ class InferenceSession:
                 )
             return torch.cat(outputs, dim=1)
         except BaseException as exc:
-            # A step that failed in the open (the caller's mistake, or retries spent) left every
-            # stream it used between messages; one stopped from outside (cancelled) may have
-            # left part of a message sent, or answers unread: those streams are not used again,
-            # and the spans are replayed anew at the next step, nobody blamed.
-            interrupted = not isinstance(exc, PetalsError | ValueError)
+            # A step refused as the caller's mistake sent nothing.  Any other that did not finish
+            # (cancelled, or failed for good) may have left part of a message sent, or answers
+            # unread: those streams are not used again, and the spans are replayed anew at the
+            # next step, nobody blamed.
+            interrupted = not isinstance(exc, ValueError)
             for state in self._core.abandon(interrupted=interrupted):
                 await self._drop_follower(state)
                 call = self._calls.pop(state, None)
@@ -319,20 +319,21 @@ class InferenceSession:
                 self._check_open()
                 attempt = await self._failed(attempt, None, exc)
 
-    def _too_large(self, peer: str, exc: BaseException) -> bool:
-        """Whether ``exc`` is ``peer`` refusing this session as larger than it takes (noted:
-        routes avoid it from now on)."""
-        if isinstance(exc, RemoteError) and exc.remote_type == SessionTooLarge.__name__:
-            self._refused[peer] = exc.remote_message
-            return True
-        return False
+    def _blame(self, peer: str, exc: BaseException) -> None:
+        """``peer`` failed with ``exc``: banned for a while, unless it refused to open this
+        session as larger than it takes (noted: this session's routes avoid it from now on)."""
+        if isinstance(exc, SessionTooLarge):
+            logger.info("server %s does not take this session: %s", peer, exc)
+            self._refused[peer] = str(exc)
+        else:
+            self.manager.on_request_failure(peer)
 
     async def _failed(self, attempt: int, state: SpanState | None, exc: BaseException) -> int:
-        if isinstance(exc, RemoteError) and exc.remote_type == SessionTooLarge.__name__:
+        if isinstance(exc, SessionTooLarge):
             # Not a failure: the session goes to servers that take it (each refusal rules one
             # out, so this ends), or fails with every server's reason.
             if state is not None:
-                self._too_large(state.peer, exc)
+                self._blame(state.peer, exc)
             return attempt
         attempt += 1
         self.retries += 1
@@ -388,8 +389,7 @@ class InferenceSession:
                     connect_s = max(connect_s, connected)
             except RETRIABLE as exc:
                 self._check_open()
-                if not self._too_large(state.peer, exc):
-                    self.manager.on_request_failure(state.peer)
+                self._blame(state.peer, exc)
                 raise
 
         try:
@@ -426,7 +426,13 @@ class InferenceSession:
         span, info = state.span, self.manager.server_info(state.peer)
         try:
             route = await other_route(
-                self.manager, span, {state.peer}, info, wait=False, whole_only=True
+                self.manager,
+                span,
+                {state.peer},
+                info,
+                wait=False,
+                whole_only=True,
+                max_length=self.max_length,
             )
         except MissingBlocksError:
             # Nobody else holds all these blocks: sampled answers are checked by replays.
@@ -592,7 +598,9 @@ class InferenceSession:
         (waiting for some up to ``missing_blocks_timeout_s`` if ``wait``) or they fail."""
         core = self._core
         try:
-            route = await other_route(self.manager, span, exclude, like, wait=wait)
+            route = await other_route(
+                self.manager, span, exclude, like, wait=wait, max_length=inputs.shape[1]
+            )
         except MissingBlocksError as exc:
             logger.info("could not check %s on blocks %d:%d: %r", span, span.start, span.end, exc)
             self._check_failure = exc
@@ -674,9 +682,9 @@ class InferenceSession:
                             at = core.spans.index(state)
                             result = await span_call.answer(core, at, self.manager)
                             outputs.append(core.replayed(state, x, start, end, result))
-                except RETRIABLE:
+                except RETRIABLE as exc:
                     self._check_open()
-                    self.manager.on_request_failure(state.peer)
+                    self._blame(state.peer, exc)
                     raise
                 x = torch.cat(outputs, dim=1)
         except BaseException:

@@ -27,13 +27,15 @@ async def other_route(
     *,
     wait: bool,
     whole_only: bool = False,
+    max_length: int = 0,
 ) -> list[RouteSpan]:
     """A route over ``span``'s blocks through servers not in ``exclude`` (of ``like``'s dtype and
     quantisation), drawn impartially (``mode="impartial"`` of
     :meth:`RemoteSequenceManager.make_sequence`: a checker drawn by the throughput servers
     announce could be any server that claims enough): one server holding every block if there is
     one, so that the others stay free to decide a disagreement (a chain of several servers leaves
-    fewer), else (unless ``whole_only``) a chain."""
+    fewer), else (unless ``whole_only``) a chain; of servers that take ``max_length``
+    positions, as far as they announce."""
     route = functools.partial(
         manager.make_sequence,
         span.start,
@@ -41,6 +43,7 @@ async def other_route(
         mode="impartial",
         exclude=exclude,
         like=like,
+        max_length=max_length,
     )
     if whole_only:
         return await route(wait=wait, whole=True)

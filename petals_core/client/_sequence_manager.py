@@ -23,7 +23,6 @@ server is banned for ``ban_timeout_s``, twice as long after each further failure
 
 from __future__ import annotations
 
-import functools
 import logging
 import random
 import time
@@ -70,14 +69,6 @@ NO_INITIAL_PEERS = (
 def _takes(info: ServerInfo, max_length: int) -> bool:
     """Whether a server takes ``max_length`` positions, as far as it announces."""
     return info.inference_max_length is None or info.inference_max_length >= max_length
-
-
-def _plans(plan: Callable[[], object]) -> bool:
-    try:
-        plan()
-    except MissingBlocksError:
-        return False
-    return True
 
 
 def _peers(value: Any) -> frozenset[str] | None:
@@ -408,11 +399,10 @@ class RemoteSequenceManager:
 
         Waits (up to ``missing_blocks_timeout_s``; not at all if not ``wait``) until the peer
         table holds servers for every block; then raises :class:`MissingBlocksError` naming the
-        blocks nobody serves and the servers seen.  ``max_length``: only servers that take
-        sessions (and sequences) of that many positions, as far as they announce;
-        ``refused``: servers that refused this session as too large, and why (not used; where
-        only they and servers too short for ``max_length`` hold some block, the error is
-        raised at once, as waiting would not change it).  ``exclude``: servers not to use;
+        blocks nobody serves and the servers seen, each with why it is not used.
+        ``max_length``: only servers that take sessions (and sequences) of that many positions,
+        as far as they announce; ``refused``: servers that refused this session as larger than
+        they take, and why (not used).  ``exclude``: servers not to use;
         ``like``: only servers of its dtype and quantisation; ``whole``: only servers holding
         every block of the range (a route of one span).  ``mode="impartial"`` (for checking
         answers): each block's server first in ``rank`` (default: a fresh random draw),
@@ -423,12 +413,13 @@ class RemoteSequenceManager:
         topic = self._topic()
         refused = refused or {}
 
-        def plan(*, any_size: bool = False) -> list[RouteSpan]:
+        def plan() -> list[RouteSpan]:
             servers = {
                 peer: info
                 for peer, info in self.servers().items()
                 if peer not in exclude
-                and (any_size or (peer not in refused and _takes(info, max_length)))
+                and peer not in refused
+                and _takes(info, max_length)
                 and (
                     like is None
                     or (info.torch_dtype, info.quant_type) == (like.torch_dtype, like.quant_type)
@@ -459,8 +450,6 @@ class RemoteSequenceManager:
                 try:
                     route = plan()
                 except MissingBlocksError:
-                    if (max_length or refused) and _plans(functools.partial(plan, any_size=True)):
-                        break  # the servers are there, and too small
                     await topic.wait_snapshot(_newer_than(topic.snapshot().version))
         if route is None:
             try:

@@ -274,7 +274,7 @@ async def _recompute(
     dtype and quantisation; drawn as :func:`other_route` draws them), unchecked, and the
     evidence of each one's answer; waiting for such servers (up to the manager's
     ``missing_blocks_timeout_s``) only if ``wait``."""
-    route = await other_route(manager, span, exclude, like, wait=wait)
+    route = await other_route(manager, span, exclude, like, wait=wait, max_length=hidden.shape[1])
     return await _forward_along(manager, route, hidden, prompts, keep)
 
 
@@ -489,7 +489,15 @@ async def _backward_elsewhere(
     recomputing its forward, and the evidence of its answer; None if there is none or it
     fails."""
     try:
-        route = await other_route(manager, span, exclude, like, wait=wait, whole_only=True)
+        route = await other_route(
+            manager,
+            span,
+            exclude,
+            like,
+            wait=wait,
+            whole_only=True,
+            max_length=request.hidden_states.shape[1],
+        )
     except MissingBlocksError:
         return None
     try:

@@ -353,9 +353,10 @@ class SessionCore:
         can be sent again as it was.  Positions that pieces of it finished are taken back; so
         is a reorder it made (``hypo_ids``): the chain, the histories, the padding and the
         prompts are as before the step, and every span is then stale (its server may hold the
-        reorder).  ``interrupted``: the step stopped where it was (cancelled), so what the
-        spans' streams hold is unknown (part of a message, answers not read): every span is
-        stale too.  Returns the spans that leave the chain (their sessions are to be closed)."""
+        reorder).  ``interrupted``: the step stopped where it was (cancelled, or failed for
+        good midway), so what the spans' streams hold is unknown (part of a message, answers
+        not read): every span is stale too.  Returns the spans that leave the chain (their
+        sessions are to be closed)."""
         undo, self._undo = self._undo, None
         left = []
         if undo is not None:
@@ -453,14 +454,20 @@ class SessionCore:
                 return self.checking_steps(span, inputs)
             catch_up = self.checking_steps(span, inputs[:, : self.position])
             step_id = len(catch_up)
+            prompts = self._step_prompts(span, self.position, x.shape[1])
             return [
                 *catch_up,
-                Step(hidden_states=x, start_from_position=self.position, step_id=step_id),
+                Step(
+                    hidden_states=x,
+                    start_from_position=self.position,
+                    step_id=step_id,
+                    prompts=prompts,
+                ),
             ]
         step = Step(
             hidden_states=x,
             start_from_position=self.position,
-            prompts=self._span_prompts(span) if self.position == 0 else None,
+            prompts=self._step_prompts(span, self.position, x.shape[1]),
             hypo_ids=None if opened_now else self._hypo_ids,
         )
         return [step]

@@ -10,7 +10,14 @@ from contextlib import AsyncExitStack
 import torch
 import trio
 
-from .._errors import CodecError, ReceiptError, RemoteError, ServerError, TransportError
+from .._errors import (
+    CodecError,
+    ReceiptError,
+    RemoteError,
+    ServerError,
+    SessionTooLarge,
+    TransportError,
+)
 from ..dht import MAX_EVIDENCE_BYTES, ServerInfo
 from ..protocol import (
     INFERENCE,
@@ -83,8 +90,16 @@ class SpanCall:
         return connected
 
     async def _confirm(self) -> None:
+        """Read the server's answer to the opening.  Its refusal of a session larger than it
+        takes is raised as :class:`SessionTooLarge` (any later answer saying so is a
+        :class:`RemoteError` like others)."""
         assert self.call is not None
-        reply = await self.call.receive()
+        try:
+            reply = await self.call.receive()
+        except RemoteError as exc:
+            if exc.remote_type == SessionTooLarge.__name__:
+                raise SessionTooLarge(exc.remote_message) from None
+            raise
         try:
             SessionReady.from_wire_untrusted(reply)
         except CodecError:

@@ -89,7 +89,8 @@ _DIAL_TIMEOUT_S: Final = 10.0
 #: kept until the session ends; a step naming yet another is answered but not pushed (its
 #: client sends it on itself).
 _MAX_PUSH_TARGETS: Final = 4
-#: A push stream whose send failed: not used again, held until the session ends.
+#: A push stream whose send failed: reset, not used again, and counted among the session's push
+#: streams until it ends.
 _FAILED: Final = "failed"
 #: Distinct next sessions one session may ever try to push to, failed tries included: each costs
 #: a dial, so that a client cannot make a server dial without end.
@@ -496,6 +497,8 @@ class InferenceHandlers:
                 logger.info("cannot push to %s: %r", target.peer, exc)
         if waited.cancelled_caught:
             logger.info("cannot push to %s: not sent in %.1f s", target.peer, timeout)
+        # Part of the step may have been sent: the next server is not left waiting for the rest.
+        push_call.reset()
         self._serving.count("push_failures")
         session.pushes[key] = _FAILED
         return False

@@ -96,11 +96,13 @@ class Reach:
     recheck_interval_s: float = 600.0
     relays_wanted: int = 2
     #: A relay that failed, or held a reservation that ended, within this long is not asked
-    #: again for as long (unless no other is left).
+    #: again for as long (unless no other is left); one dropped within this long comes after
+    #: the other candidates.
     relay_retry_s: float = _RELAY_RETRY_S
     report: ReachabilityReport | None = None
     reservations: dict[PeerID, Reservation] = attrs.Factory(dict)
     _retry_after: dict[Multiaddr, float] = attrs.Factory(dict)
+    _dropped_at: dict[Multiaddr, float] = attrs.Factory(dict)
     _in_use: set[Multiaddr] = attrs.Factory(set)
     _state_changed: trio.Event = attrs.Factory(trio.Event)
     _recheck: trio.Event = attrs.Factory(trio.Event)
@@ -233,15 +235,18 @@ class Reach:
     def _retry_later(self, relay: Multiaddr, began: float) -> None:
         """``relay`` failed, or its reservation ended: another relay first.  One that failed or
         ended within ``relay_retry_s`` is asked again after as long; one that held us longer may
-        be asked at once, but after every other candidate (it has most likely just gone away:
-        asking it first would wait out a connect timeout before turning to another)."""
+        be asked at once, after the candidates not dropped lately (it has most likely just gone
+        away: asking it first would wait out a connect timeout before turning to another)."""
         now = trio.current_time()
+        self._dropped_at[relay] = now
         soon = now - began < self.relay_retry_s
         self._retry_after[relay] = now + self.relay_retry_s if soon else now
 
     def _pick_relay(self) -> Multiaddr | None:
-        """A candidate not in use and not us: one never dropped first, in the order given;
-        else the one free to be asked again soonest (see :meth:`_retry_later`)."""
+        """A candidate not in use and not us: the first, in the order given, that may be asked
+        now and was not dropped lately; else the first that may be asked now; else the one
+        that may be asked soonest (see :meth:`_retry_later`)."""
+        now = trio.current_time()
         free = [
             candidate
             for candidate in _unique(self.relay_candidates())
@@ -252,8 +257,12 @@ class Reach:
         ]
         if not free:
             return None
-        # min keeps the order given among equals (those never dropped).
-        return min(free, key=lambda c: self._retry_after.get(c, -math.inf))
+        ready = [c for c in free if self._retry_after.get(c, -math.inf) <= now]
+        if ready:
+            lately = now - self.relay_retry_s
+            # (min keeps the order given among equals.)
+            return min(ready, key=lambda c: self._dropped_at.get(c, -math.inf) > lately)
+        return min(free, key=lambda c: self._retry_after[c])
 
 
 def _log(report: ReachabilityReport, reach: Reach, *, port: int) -> None:

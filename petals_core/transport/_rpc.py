@@ -153,6 +153,11 @@ class Call:
         """Tell the callee no more messages will come."""
         await self._framed.stream.send_eof()
 
+    def reset(self) -> None:
+        """Abandon the call both ways at once: the callee sees the stream reset, and never
+        takes part of a message (one whose sending was cut short) for a whole one."""
+        self._framed.stream.reset(APP_CANCELLED)
+
     async def receive(self) -> Message:
         """The callee's next message; raises ``CallEnded`` once the callee finished."""
         if self._finished:

@@ -20,7 +20,7 @@ import pytest
 import torch
 import trio
 
-from petals_core import PetalsError, ServerError
+from petals_core import PetalsError, ServerError, SessionTooLarge
 from petals_core.client import (
     InferenceSession,
     RemoteSequenceManager,
@@ -547,6 +547,53 @@ async def test_a_server_gone_is_blamed_once_however_many_steps_find_it_gone(
                         assert manager.state.bans[span.peer_id].failures == 1
 
 
+async def test_a_replacement_that_refuses_the_session_as_too_large_is_not_blamed(
+    model: Model, tmp_path: Path
+) -> None:
+    """The session's server leaves; the only other one has cache for 8 positions, and refuses
+    the session of 16 as its replay begins: not blamed, and the step fails naming why."""
+    async with in_process_swarm(model, tmp_path, [(0, 6)]) as swarm:
+        with trio.fail_after(DEADLINE_S):
+            (first,) = swarm.servers
+            seq = sequential_over(
+                list(swarm.servers.values()), verify="none", missing_blocks_timeout_s=0.5
+            )
+            async with seq as sequential:
+                manager = sequential.sequence_manager
+                async with InferenceSession(manager, 16) as session:
+                    await session.step(torch.randn(1, 2, HIDDEN))
+                    small = str((await swarm.add((0, 6), attn_cache_tokens=8)).dht.peer_id)
+                    await wait_for_servers(manager, 2)
+                    await swarm.leave(first)
+                    with pytest.raises(MissingBlocksError) as missing:
+                        await session.step(torch.randn(1, 1, HIDDEN))
+                    assert f"{small} [0:6) refused it (requested" in str(missing.value)
+                    assert small not in manager.state.bans
+
+
+async def test_a_server_that_says_a_step_is_too_large_after_opening_is_blamed(
+    model: Model, tmp_path: Path
+) -> None:
+    """Only an opening may be refused as larger than the server takes: a server that says so
+    of a later step fails as any failing server does."""
+    async with in_process_swarm(model, tmp_path, [(0, 6), (0, 6)]) as swarm:
+        with trio.fail_after(DEADLINE_S):
+            async with sequential_over(list(swarm.servers.values()), verify="none") as seq:
+                manager = seq.sequence_manager
+                reference = Reference(model)
+                async with InferenceSession(manager, 16) as session:
+                    await reference.check_step(session, 1, 2)
+                    (span,) = session.route
+
+                    async def refusing(*args: Any, **kwargs: Any) -> Any:
+                        raise SessionTooLarge("this step is too large")
+
+                    swarm.servers[span.peer_id].block_server._inference._step = refusing
+                    await reference.check_step(session, 1, 1)
+                    assert manager.is_banned(span.peer_id)
+                    assert session.route[0].peer_id != span.peer_id
+
+
 async def test_a_session_larger_than_a_server_takes_goes_elsewhere_blaming_nobody(
     model: Model, tmp_path: Path
 ) -> None:
@@ -554,8 +601,8 @@ async def test_a_session_larger_than_a_server_takes_goes_elsewhere_blaming_nobod
     positions and announces so (routes leave it out, though it announces the most speed); one
     has attention cache for 8 positions only; the third takes everything, and a session of 16
     and a forward of 12 go through it.  Without the third, the second refuses a session of 16
-    at once, and the session fails at once, naming each server's reason; so does a session
-    longer than every server takes.  Nobody is banned."""
+    at once, and the session fails (no other server comes), naming each server's reason; so
+    does a session longer than every server takes.  Nobody is banned."""
     torch.manual_seed(12)
     async with in_process_swarm(model, tmp_path, []) as swarm:
         short_limits = ServingLimits(request_timeout_s=10.0, inference_max_length=8)
@@ -565,7 +612,8 @@ async def test_a_session_larger_than_a_server_takes_goes_elsewhere_blaming_nobod
         short_id, small_id, roomy_id = (str(s.dht.peer_id) for s in (short, small, roomy))
         servers = list(swarm.servers.values())
         with trio.fail_after(DEADLINE_S):
-            async with sequential_over(servers, verify="none") as seq:
+            quick = {"missing_blocks_timeout_s": 0.5}
+            async with sequential_over(servers, verify="none", **quick) as seq:
                 manager = seq.sequence_manager
                 reference = Reference(model)
                 async with InferenceSession(manager, 16) as session:
@@ -581,7 +629,7 @@ async def test_a_session_larger_than_a_server_takes_goes_elsewhere_blaming_nobod
                         await session.step(torch.randn(1, 1, HIDDEN))
                 assert f"{short_id} [0:6) takes at most 8 positions" in str(missing.value)
                 assert not manager.state.bans
-            manager = manager_for(servers, blocked_servers=(roomy_id,))
+            manager = manager_for(servers, blocked_servers=(roomy_id,), **quick)
             async with RemoteSequential(manager):
                 await wait_for_servers(manager, 2)
                 with pytest.raises(MissingBlocksError) as missing:

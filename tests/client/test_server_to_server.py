@@ -219,12 +219,17 @@ async def test_a_push_the_next_server_does_not_take_in_time_is_given_up(
 ) -> None:
     """The next "server" takes the push stream's header and reads no more.  A step of 128 KiB
     waits for it the fixed 2 s plus its bytes at 256 KiB/s, and is answered unpushed; the
+    push stream is reset (the part of the step sent is never taken for a whole one), and the
     session pushes no more there."""
     torch.manual_seed(9)
+    ended = trio.Event()
 
     async def take_the_header_only(call: ServerCall) -> None:
         await call.receive()
-        await trio.sleep_forever()  # a peer that stalls: what it sent stays unread
+        try:
+            await trio.sleep_forever()  # a peer that stalls: what it is sent stays unread
+        finally:
+            ended.set()  # (the stream was reset: its handler is cancelled)
 
     handlers = Handlers()
     handlers.add_stream(PUSH, take_the_header_only)
@@ -260,6 +265,7 @@ async def test_a_push_the_next_server_does_not_take_in_time_is_given_up(
                 assert answer["pushed"] is (step_id == 2)
                 if step_id == 3:
                     assert waited >= 2.0 + hidden.nbytes / (256 << 10)
+                    await ended.wait()  # while the session is open
             await call.send_eof()
         nursery.cancel_scope.cancel()
     statistics = server.block_server.statistics()
