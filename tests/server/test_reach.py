@@ -22,6 +22,7 @@ from petals_core.dht._node import DHTNode, open_dht_node
 from petals_core.server._reach import Reach
 from petals_core.transport import (
     Handlers,
+    Identity,
     Multiaddr,
     RelayLimits,
     ServerCall,
@@ -226,3 +227,39 @@ async def test_a_relay_lost_after_long_service_is_asked_again_only_after_the_oth
                 assert path.dials_after_cut == 0, "the lost relay was dialled first"
                 assert list(reach.reservations) == [spare.peer_id]
             nursery.cancel_scope.cancel()
+
+
+def test_a_relay_dropped_lately_goes_back_to_its_place_after_relay_retry_s() -> None:
+    """Candidates in the order given, a first and a second.  The first, lost after long service,
+    comes after the second for ``relay_retry_s``, then first again; one that failed soon is
+    not asked for as long, unless no other is left."""
+    clock = trio.testing.MockClock()
+    first, second = (
+        Multiaddr("127.0.0.1", port).with_peer_id(Identity.generate().peer_id)
+        for port in (4001, 4002)
+    )
+
+    async def main() -> None:
+        node = attrs.make_class("Node", {"peer_id": attrs.field()})(Identity.generate().peer_id)
+        reach = Reach(
+            dht=node,
+            listen=lambda: [],
+            peers=lambda: [],
+            relay_candidates=lambda: [first, second],
+            on_change=lambda: None,
+            relay_retry_s=30.0,
+        )
+        assert reach._pick_relay() == first
+        reach._retry_later(first, trio.current_time() - 100.0)  # lost after long service
+        assert reach._pick_relay() == second
+        clock.jump(30.0)
+        assert reach._pick_relay() == first
+        reach._retry_later(first, trio.current_time())  # failed soon
+        assert reach._pick_relay() == second
+        reach._in_use.add(second)
+        assert reach._pick_relay() == first  # no other left: the soonest to be asked again
+        reach._in_use.discard(second)
+        clock.jump(30.0)
+        assert reach._pick_relay() == first
+
+    trio.run(main, clock=clock)
