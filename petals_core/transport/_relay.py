@@ -15,11 +15,12 @@ relay forwards between the two addresses its own connections to them use, and on
 QUIC connection inside is end to end: the relay sees ciphertext, and the dialer checks the
 peer's key as on any connection.
 
-Bounds (:class:`RelayLimits`): reservations, circuits (in all and per dialer) and bytes per
-second (per circuit and in all).  A reservation or circuit beyond them is refused with
-:class:`RelayRefused`; datagrams beyond the byte rates are dropped, as a congested link would,
-and QUIC's congestion control slows down.  A circuit ends with either side's connection to the
-relay, or after ``circuit_idle_s`` without a datagram.
+Bounds (:class:`RelayLimits`): reservations, circuits (in all, per dialer and per host) and bytes
+per second (per circuit, per dialing host and in all).  A host is an IPv4 address or an IPv6 /64
+(one machine usually has a whole /64 to pick addresses from).  A reservation or circuit beyond
+them is refused with :class:`RelayRefused`; datagrams beyond the byte rates are dropped, as a
+congested link would, and QUIC's congestion control slows down.  A circuit ends with either
+side's connection to the relay, or after ``circuit_idle_s`` without a datagram.
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ from ._identity import PeerID
 from ._multiaddr import Multiaddr
 from ._relay_wire import RELAY_HEADER, Address, split_virtual, virtual_address
 from ._rpc import Handlers, ServerCall, call_unary, open_call
+from ._udp import host_of
 
 if TYPE_CHECKING:
     from ._connection import Connection
@@ -80,15 +82,17 @@ class RelayLimits:
     """How much a relay does for others.  Bytes per second None: no bound."""
 
     #: Peers that may hold a reservation at once, in all and from one host (PeerIDs cost
-    #: nothing: one host could otherwise take them all).
+    #: nothing: one host could otherwise take them all; an IPv6 host is its /64).
     max_reservations: int = attrs.field(default=64, validator=positive)
     max_reservations_per_host: int = attrs.field(default=8, validator=positive)
     #: Circuits open at once, in all, per dialer and per dialing host.
     max_circuits: int = attrs.field(default=256, validator=positive)
     max_circuits_per_peer: int = attrs.field(default=16, validator=positive)
     max_circuits_per_host: int = attrs.field(default=32, validator=positive)
-    #: Bytes forwarded per second on one circuit (both ways together), and in all.
+    #: Bytes forwarded per second on one circuit (both ways together), on all the circuits one
+    #: host dialled together (so that one host cannot take the whole budget), and in all.
     circuit_bytes_per_s: float | None = attrs.field(default=32 << 20, validator=positive_or_none)
+    host_bytes_per_s: float | None = attrs.field(default=32 << 20, validator=positive_or_none)
     total_bytes_per_s: float | None = attrs.field(default=128 << 20, validator=positive_or_none)
     #: A circuit with no datagram for this long is closed.
     circuit_idle_s: float = attrs.field(default=120.0, validator=positive)
@@ -138,6 +142,9 @@ class _Circuit:
     target_handle: int
     last_used: float
     bucket: _Bucket | None
+    #: The dialing host and the bucket its circuits share.
+    host: str | None
+    host_bucket: _Bucket | None
 
 
 class RelayTable:
@@ -231,8 +238,12 @@ class RelayTable:
             if limits.circuit_bytes_per_s is None
             else _Bucket.full(limits.circuit_bytes_per_s, now)
         )
+        host_bucket = next(
+            (c.host_bucket for c in self._circuits.values() if host is not None and c.host == host),
+            None if limits.host_bytes_per_s is None else _Bucket.full(limits.host_bytes_per_s, now),
+        )
         self._circuits[channel] = _Circuit(
-            channel, dialer, dialer_handle, target, target_handle, now, bucket
+            channel, dialer, dialer_handle, target, target_handle, now, bucket, host, host_bucket
         )
         return channel
 
@@ -265,6 +276,7 @@ class RelayTable:
         if (
             destination is None
             or (circuit.bucket is not None and not circuit.bucket.take(size, now))
+            or (circuit.host_bucket is not None and not circuit.host_bucket.take(size, now))
             or (self._total is not None and not self._total.take(size, now))
         ):
             self._dropped += 1
@@ -276,7 +288,7 @@ class RelayTable:
 
     def _host_of(self, handle: int) -> str | None:
         address = self._address_of(handle)
-        return None if address is None else address[0]
+        return None if address is None else host_of(address[0])
 
     def _close_circuits(self, which: Callable[[_Circuit], bool]) -> None:
         for channel in [ch for ch, c in self._circuits.items() if which(c)]:

@@ -46,6 +46,7 @@ from petals_core.transport._relay import (
     open_relayed_channel,
 )
 from petals_core.transport._relay_wire import RELAY_HEADER, RELAYED, virtual_address
+from petals_core.transport._udp import host_of
 
 from ..dht._swarm import wait_until
 
@@ -447,3 +448,58 @@ def test_one_host_cannot_take_every_reservation_or_circuit() -> None:
         table.open_circuit(peers[8], 7, peers[9], now=0.0)
     table.open_circuit(peers[9], 10, peers[0], now=0.0)  # another host dials on
     assert table.statistics().circuits == 4 and table.statistics().reservations == 3
+
+
+def test_an_ipv6_host_is_its_64_and_cannot_dodge_the_per_host_bounds() -> None:
+    """A machine usually has a whole IPv6 /64 to pick source addresses from: the per-host bounds
+    count the /64, so new addresses in it buy no more reservations or circuits."""
+    assert host_of("2001:db8:1:2::7") == host_of("2001:db8:1:2:ffff::1") == "2001:db8:1:2::/64"
+    assert host_of("2001:db8:1:3::7") != host_of("2001:db8:1:2::7")
+    assert host_of("::ffff:198.51.100.2") == host_of("198.51.100.2") == "198.51.100.2"
+    assert host_of("fe80::1%eth0") == "fe80::/64"
+    limits = RelayLimits(max_reservations_per_host=2, max_circuits_per_host=2)
+    addresses = {handle: (f"2001:db8:1:2::{handle:x}", 4000) for handle in range(1, 8)}
+    addresses[8] = ("2001:db8:9:9::1", 4000)
+    table = RelayTable(limits, addresses.get)
+    peers = [Identity.generate().peer_id for _ in range(8)]
+    table.reserve(peers[0], 1)
+    table.reserve(peers[1], 2)
+    with pytest.raises(RelayRefused, match=r"2001:db8:1:2::/64 holds 2 reservations here"):
+        table.reserve(peers[2], 3)
+    table.reserve(peers[7], 8)
+    table.open_circuit(peers[3], 4, peers[7], now=0.0)
+    table.open_circuit(peers[4], 5, peers[7], now=0.0)
+    with pytest.raises(RelayRefused, match=r"2001:db8:1:2::/64 has 2 circuits open here"):
+        table.open_circuit(peers[5], 6, peers[7], now=0.0)
+
+
+def test_one_host_cannot_take_the_relays_whole_byte_budget() -> None:
+    """The circuits one host dialled share one byte rate: many circuits from one host forward no
+    more than one, and another host's circuit still gets its own rate."""
+    rate = 1 << 20
+    limits = RelayLimits(circuit_bytes_per_s=rate, host_bytes_per_s=rate, total_bytes_per_s=None)
+    addresses = {handle: ("198.51.100.2", 4000 + handle) for handle in range(1, 5)}
+    addresses[5] = ("203.0.113.5", 4000)
+    addresses[6] = ("192.0.2.7", 4000)
+    table = RelayTable(limits, addresses.get)
+    target, other = Identity.generate().peer_id, Identity.generate().peer_id
+    table.reserve(target, 6)
+    channels = [
+        table.open_circuit(Identity.generate().peer_id, handle, target, now=0.0)
+        for handle in range(1, 5)
+    ]
+    other_channel = table.open_circuit(other, 5, target, now=0.0)
+    payload = b"x" * 1000
+
+    def sent(channel: int, handle: int, count: int) -> int:
+        datagram = RELAY_HEADER.pack(RELAYED, channel) + payload
+        return sum(
+            table.forward(datagram, addresses[handle], 0.0) is not None for _ in range(count)
+        )
+
+    # A quarter second's burst of one rate, over all four circuits of the one host together.
+    from_host = sum(
+        sent(channel, handle, 400) for channel, handle in zip(channels, range(1, 5), strict=True)
+    )
+    assert 200 < from_host < 300
+    assert 200 < sent(other_channel, 5, 400) < 300
