@@ -11,7 +11,7 @@ key, and, when the dialer named a PeerID, only if the key hashes to it.
 
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Iterator
 
 from aioquic.buffer import Buffer
@@ -57,6 +57,7 @@ from ._quic import PeerQuicConnection
 from ._quic_path import BASE_DATAGRAM_BYTES, PathInfo
 from ._relay_wire import RELAY_HEADER, split_virtual
 from ._repair import REPAIR, WINDOW_RUNS, RepairDecoder, RepairEncoder
+from ._udp import host_of
 
 __all__ = [
     "ConnectionLost",
@@ -85,6 +86,8 @@ class Endpoint:
         self._events: deque[EndpointEvent] = deque()
         self._dirty: set[Conn] = set()
         self._stray_datagrams: list[tuple[bytes, Address]] = []
+        #: Connections accepted from each host (see ``max_connections_per_host``).
+        self._accepted_from: Counter[str] = Counter()
         self._timer_hint: float | None = None
         #: Repair datagrams sent, and datagrams rebuilt from the peers' repairs.
         self.repairs_sent = 0
@@ -309,10 +312,17 @@ class Endpoint:
             return None
         if len(self._by_handle) >= self.config.max_connections:
             return None
+        # A connection through a relay is one circuit, which the relay bounds per host.
+        host = None if split_virtual(address) or is_loopback(address[0]) else host_of(address[0])
+        if host is not None and self._accepted_from[host] >= self.config.max_connections_per_host:
+            return None
         original_dcid: bytes = header.destination_cid  # type: ignore[attr-defined]
         quic = self._make_quic(is_client=False, address=address, original_dcid=original_dcid)
         conn = self._new_conn(quic, address, is_client=False, expected=None, now=now)
         self._by_cid[original_dcid] = conn
+        if host is not None:
+            conn.accepted_from = host
+            self._accepted_from[host] += 1
         return conn
 
     # -- timers ---------------------------------------------------------------------------------
@@ -656,6 +666,11 @@ class Endpoint:
 
     def _forget(self, conn: Conn) -> None:
         self._by_handle.pop(conn.handle, None)
+        if conn.accepted_from is not None:
+            self._accepted_from[conn.accepted_from] -= 1
+            if not self._accepted_from[conn.accepted_from]:
+                del self._accepted_from[conn.accepted_from]
+            conn.accepted_from = None
         for cid in [cid for cid, c in self._by_cid.items() if c is conn]:
             del self._by_cid[cid]
         self._dirty.discard(conn)

@@ -83,6 +83,8 @@ class Conn:
     # sends them.
     repair_out: RepairEncoder | None = None
     repair_in: RepairDecoder | None = None
+    #: The host a connection we accepted came from, while it counts towards that host's share.
+    accepted_from: str | None = None
 
 
 def no_data_pending(conn: Conn) -> bool:

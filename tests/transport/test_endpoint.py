@@ -15,7 +15,7 @@ from petals_core.transport._config import TransportConfig
 from petals_core.transport._identity import Identity
 from petals_core.transport._quic import LONE_ACK_DELAY_S
 
-from ._pairs import CLIENT, SERVER, Recorder, handshake, make_pair
+from ._pairs import CLIENT, FAR_SERVER, SERVER, Recorder, handshake, make_pair
 
 
 def test_handshake_authenticates_both_ends() -> None:
@@ -398,3 +398,34 @@ def test_without_peer_silence_a_vanished_peer_waits_for_the_idle_timeout() -> No
     net.detach(SERVER)
     net.run_until(lambda: handle in client.lost, max_time_s=10)
     assert handle not in client.lost
+
+
+def test_one_host_takes_only_its_share_of_connections() -> None:
+    """Handshakes from one host beyond ``max_connections_per_host`` are ignored (an IPv6 host is
+    its /64), other hosts still get in, and a closed connection frees its host's slot."""
+    config = TransportConfig(
+        keepalive_interval_s=None, max_connections_per_host=2, connect_timeout_s=2.0
+    )
+    net = MemoryNetwork(random.Random(0), default=Pipe())
+    server = Recorder(config)
+    net.attach(FAR_SERVER, server)
+    addresses = [("2001:db8:1:2::1", 1000), ("2001:db8:1:2::2", 1000), ("2001:db8:1:2::3", 1000)]
+    addresses.append(("198.51.100.7", 1000))
+    clients = [Recorder(config) for _ in addresses]
+    for client, address in zip(clients, addresses, strict=True):
+        net.attach(address, client)
+    handles = [
+        client.endpoint.connect(FAR_SERVER, server.identity.peer_id, net.now) for client in clients
+    ]
+    assert net.run_until(
+        lambda: all(h in c.ready or h in c.lost for c, h in zip(clients, handles, strict=True)),
+        max_time_s=30,
+    )
+    assert [handles[i] in clients[i].ready for i in range(4)] == [True, True, False, True]
+    assert isinstance(clients[2].lost[handles[2]].error, ConnectTimeout)
+    assert server.endpoint.connection_count() == 3
+    # The first connection of that /64 ends: another from it gets in.
+    clients[0].endpoint.close(handles[0], net.now)
+    assert net.run_until(lambda: server.endpoint.connection_count() == 2, max_time_s=30)
+    again = clients[2].endpoint.connect(FAR_SERVER, server.identity.peer_id, net.now)
+    assert net.run_until(lambda: again in clients[2].ready, max_time_s=30)
