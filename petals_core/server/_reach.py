@@ -103,7 +103,9 @@ class Reach:
     reservations: dict[PeerID, Reservation] = attrs.Factory(dict)
     _retry_after: dict[Multiaddr, float] = attrs.Factory(dict)
     _dropped_at: dict[Multiaddr, float] = attrs.Factory(dict)
-    _in_use: set[Multiaddr] = attrs.Factory(set)
+    #: The relays (by PeerID: one relay may be known at several addresses) that a reservation
+    #: is being asked of or held with.
+    _in_use: set[PeerID] = attrs.Factory(set)
     _state_changed: trio.Event = attrs.Factory(trio.Event)
     _recheck: trio.Event = attrs.Factory(trio.Event)
     _checked: trio.Event = attrs.Factory(trio.Event)
@@ -218,15 +220,15 @@ class Reach:
                 # ago may be asked (a relay that refuses at once must not be asked in a loop).
                 await trio.sleep_until(retry_at)
                 continue
-            self._in_use.add(relay)
+            assert relay.peer_id is not None
+            self._in_use.add(relay.peer_id)
             began = trio.current_time()
             try:
                 await hold_reservation(self.dht.node, relay, task_status=_Held(self, relay))
             except TransportError as exc:
                 logger.warning("relay %s: %s; turning to another", relay, exc)
             finally:
-                self._in_use.discard(relay)
-                assert relay.peer_id is not None
+                self._in_use.discard(relay.peer_id)
                 if self.reservations.pop(relay.peer_id, None) is not None:
                     self._changed()
             # Not reached when cancelled: a reservation given up on purpose costs nothing.
@@ -243,17 +245,16 @@ class Reach:
         self._retry_after[relay] = now + self.relay_retry_s if soon else now
 
     def _pick_relay(self) -> Multiaddr | None:
-        """A candidate not in use and not us: the first, in the order given, that may be asked
-        now and was not dropped lately; else the first that may be asked now; else the one
-        that may be asked soonest (see :meth:`_retry_later`)."""
+        """A candidate not in use (at any of its addresses) and not us: the first, in the
+        order given, that may be asked now and was not dropped lately; else the first that may
+        be asked now; else the one that may be asked soonest (see :meth:`_retry_later`)."""
         now = trio.current_time()
         free = [
             candidate
             for candidate in _unique(self.relay_candidates())
             if candidate.peer_id not in (None, self.dht.peer_id)
             and not candidate.is_relayed
-            and candidate not in self._in_use
-            and candidate.peer_id not in self.reservations
+            and candidate.peer_id not in self._in_use
         ]
         if not free:
             return None

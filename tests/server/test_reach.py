@@ -229,6 +229,28 @@ async def test_a_relay_lost_after_long_service_is_asked_again_only_after_the_oth
             nursery.cancel_scope.cancel()
 
 
+async def test_a_relay_known_at_two_addresses_holds_one_of_the_reservations() -> None:
+    """Two relays wanted; the first candidate is given at two addresses (its IP address and a
+    DNS name for it): the server holds one reservation with it and the other with the second
+    relay, not both with the first."""
+    with trio.fail_after(DEADLINE_S):
+        async with (
+            open_dht_node(host="127.0.0.1", relay=RelayLimits()) as first,
+            open_dht_node(host="127.0.0.1", relay=RelayLimits()) as second,
+        ):
+            port = first.listen_multiaddr.port
+            by_name = Multiaddr.parse(f"/dns4/localhost/udp/{port}/quic-v1/p2p/{first.peer_id}")
+            candidates = [first.listen_multiaddr, by_name, second.listen_multiaddr]
+            changes = Changes()
+            async with behind_a_nat(
+                Peer(), lambda: candidates, changes=changes, relays_wanted=2
+            ) as (_, reach):
+                await changes.until(lambda: len(reach.reservations) == 2)
+                assert set(reach.reservations) == {first.peer_id, second.peer_id}
+                relayed = [address for address in reach.addresses() if address.is_relayed]
+                assert {address.relay for address in relayed} == {first.peer_id, second.peer_id}
+
+
 def test_a_relay_dropped_lately_goes_back_to_its_place_after_relay_retry_s() -> None:
     """Candidates in the order given, a first and a second.  The first, lost after long service,
     comes after the second for ``relay_retry_s``, then first again; one that failed soon is
@@ -256,9 +278,9 @@ def test_a_relay_dropped_lately_goes_back_to_its_place_after_relay_retry_s() -> 
         assert reach._pick_relay() == first
         reach._retry_later(first, trio.current_time())  # failed soon
         assert reach._pick_relay() == second
-        reach._in_use.add(second)
+        reach._in_use.add(second.peer_id)
         assert reach._pick_relay() == first  # no other left: the soonest to be asked again
-        reach._in_use.discard(second)
+        reach._in_use.discard(second.peer_id)
         clock.jump(30.0)
         assert reach._pick_relay() == first
 
