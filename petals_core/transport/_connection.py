@@ -261,8 +261,10 @@ class Connection:
         self._waiters = 0
         # One stream at a time may assemble a frame over config.large_frame_bytes (see _rpc).
         self._large_frames = trio.Semaphore(1)
-        # The relay's socket address, for a connection we dialled through a relay.
+        # The relay's socket address and our connection to it (the circuit's), for a
+        # connection we dialled through a relay.
         self._relay_address: Address | None = None
+        self._relay_connection: Connection | None = None
         # Our address as the relay saw it, for a connection we dialled through a relay.
         self._observed: Multiaddr | None = None
 

@@ -9,6 +9,7 @@ are refused otherwise.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import functools
 import logging
@@ -38,7 +39,13 @@ from ._endpoint_conn import APP_REFUSED
 from ._identity import Identity, PeerID
 from ._multiaddr import Multiaddr, as_multiaddr
 from ._punch import punch_hole
-from ._relay import CircuitDialers, RelayLimits, RelayTable, open_relayed_channel
+from ._relay import (
+    CircuitDialers,
+    RelayLimits,
+    RelayTable,
+    close_circuit,
+    open_relayed_channel,
+)
 from ._relay_wire import PUNCH, PUNCH_PROBE, RELAY_HEADER, RELAYED, split_virtual, virtual_address
 from ._repair import REPAIR
 from ._udp import DatagramSocket, forbid_fragmentation
@@ -49,6 +56,8 @@ logger = logging.getLogger(__name__)
 
 # Datagrams the pump takes in before it processes them and lets others run.
 _RECV_BATCH = 256
+# Circuits waiting to be closed on their relays (beyond that, relays close them when they idle).
+_CIRCUITS_CLOSING = 256
 
 
 @attrs.frozen(kw_only=True)
@@ -118,6 +127,11 @@ class Node:
         self._dialing: dict[PeerID, trio.Event] = {}
         # Peers a hole could not be punched to, and until when not to try again.
         self._punch_failures: dict[PeerID, float] = {}
+        # Circuits we dialled through whose connections ended: their relay connections and
+        # channels, for _circuit_closer to close.
+        self._circuits_to_close, self._circuits_closing = trio.open_memory_channel[
+            tuple[Connection, int]
+        ](_CIRCUITS_CLOSING)
         self.listen_multiaddr = Multiaddr.from_socket_address(
             *udp.local_address(), peer_id=identity.peer_id
         )
@@ -301,11 +315,13 @@ class Node:
             relay_address = relay_connection.current_address
             self._trust_relay(relay_address, relay_connection.peer_id)
         else:
+            relay_connection = None
             sockaddr = await _resolve(maddr, prefer=self.listen_multiaddr.family)
             observed = None
         handle = self._endpoint.connect(sockaddr, maddr.peer_id, trio.current_time())
         connection = Connection(self, handle, sockaddr, we_dialed=True)
         connection._relay_address = relay_address
+        connection._relay_connection = relay_connection
         connection._observed = observed
         self._connections[handle] = connection
         if maddr.peer_id is not None:
@@ -380,6 +396,21 @@ class Node:
                 self._endpoint.close(connection._handle, now, reason="node shutting down")
         self._flush()
         await trio.lowlevel.checkpoint()
+
+    def _close_circuit(self, connection: Connection) -> None:
+        """Have the circuit of ``connection`` (one we dialled through a relay, now ended)
+        closed on its relay, unless the relay connection ended too (which closed it)."""
+        relay = connection._relay_connection
+        split = split_virtual(connection.address)
+        if self._closed or relay is None or relay._error is not None or split is None:
+            return
+        with contextlib.suppress(trio.WouldBlock, trio.BrokenResourceError):
+            self._circuits_to_close.send_nowait((relay, split[1]))
+
+    async def _circuit_closer(self) -> None:
+        async with trio.open_nursery() as nursery:
+            async for relay, channel in self._circuits_closing:
+                nursery.start_soon(close_circuit, relay, channel, self.config.connect_timeout_s)
 
     # -- the pump ----------------------------------------------------------------------------------
 
@@ -542,6 +573,7 @@ class Node:
             if connection is not None:
                 if connection._relay_address is not None:
                     self._untrust_relay(connection._relay_address)
+                    self._close_circuit(connection)
                 self.circuit_dialers.forget(connection.address)
                 if self._by_peer.get(connection.peer_id) is connection:
                     del self._by_peer[connection.peer_id]
@@ -629,6 +661,7 @@ async def open_node(
             nursery.start_soon(node._pump)
             nursery.start_soon(node._sender)
             nursery.start_soon(node._flusher)
+            nursery.start_soon(node._circuit_closer)
             try:
                 yield node
             finally:

@@ -13,14 +13,17 @@ keeps that for hole punching, see ``_punch``).  From then on the dialer and the 
 QUIC datagrams through the relay, each prefixed with the channel (see ``_relay_wire``): the
 relay forwards between the two addresses its own connections to them use, and only those.  The
 QUIC connection inside is end to end: the relay sees ciphertext, and the dialer checks the
-peer's key as on any connection.
+peer's key as on any connection.  When that connection ends (closed, failed, abandoned while
+dialling, or given up for a punched hole), the dialer asks the relay to close the circuit
+(``relay.close``), freeing its place under the bounds at once.
 
 Bounds (:class:`RelayLimits`): reservations, circuits (in all, per dialer and per host) and bytes
 per second (per circuit, per dialing host and in all).  A host is an IPv4 address or an IPv6 /64
 (one machine usually has a whole /64 to pick addresses from).  A reservation or circuit beyond
 them is refused with :class:`RelayRefused`; datagrams beyond the byte rates are dropped, as a
-congested link would, and QUIC's congestion control slows down.  A circuit ends with either
-side's connection to the relay, or after ``circuit_idle_s`` without a datagram.
+congested link would, and QUIC's congestion control slows down.  A circuit ends when either end
+asks, with either side's connection to the relay, or after ``circuit_idle_s`` without a
+datagram.
 """
 
 from __future__ import annotations
@@ -58,6 +61,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "CircuitDialers",
+    "RELAY_CLOSE",
     "RELAY_CONNECT",
     "RELAY_RESERVE",
     "RelayLimits",
@@ -65,6 +69,7 @@ __all__ = [
     "RelayStatistics",
     "RelayTable",
     "Reservation",
+    "close_circuit",
     "hold_reservation",
     "open_relayed_channel",
 ]
@@ -73,6 +78,7 @@ logger = logging.getLogger(__name__)
 
 RELAY_RESERVE = "relay.reserve"
 RELAY_CONNECT = "relay.connect"
+RELAY_CLOSE = "relay.close"
 #: Circuits whose dialers a peer remembers (the oldest are forgotten first).
 _MAX_CIRCUITS_KEPT: Final = 1024
 
@@ -247,6 +253,18 @@ class RelayTable:
         )
         return channel
 
+    def close_circuit(self, channel: int, peer_id: PeerID, handle: int) -> bool:
+        """Close the circuit on ``channel`` as one of its ends (``peer_id`` on its connection
+        ``handle``) asks; whether there was one (another's is left as it is)."""
+        circuit = self._circuits.get(channel)
+        if circuit is None or (peer_id, handle) not in (
+            (circuit.dialer, circuit.dialer_handle),
+            (circuit.target, circuit.target_handle),
+        ):
+            return False
+        del self._circuits[channel]
+        return True
+
     def connection_lost(self, handle: int) -> None:
         """A connection ended: its reservation and the circuits through it end."""
         for peer_id in [p for p, h in self._reservations.items() if h == handle]:
@@ -324,6 +342,7 @@ class RelayService:
         handlers = Handlers()
         handlers.add_stream(RELAY_RESERVE, self._reserve)
         handlers.add_unary(RELAY_CONNECT, self._connect)
+        handlers.add_unary(RELAY_CLOSE, self._close)
         return handlers
 
     async def _reserve(self, call: ServerCall) -> None:
@@ -371,6 +390,13 @@ class RelayService:
             with contextlib.suppress(trio.WouldBlock):
                 notices.send_nowait(notice)
         return {"channel": channel, "observed": observed}
+
+    async def _close(self, request: dict[str, Any], call: ServerCall) -> dict[str, Any]:
+        connection = _direct_caller(call)
+        channel = request.get("channel") if isinstance(request, dict) else None
+        if not isinstance(channel, int) or isinstance(channel, bool):
+            raise CodecError("relay.close takes {'channel': <the circuit's channel>}")
+        return {"closed": self.table.close_circuit(channel, call.peer_id, connection._handle)}
 
 
 async def _send_all(call: ServerCall, pending: trio.MemoryReceiveChannel[dict[str, Any]]) -> None:
@@ -558,3 +584,14 @@ async def open_relayed_channel(
         raise PeerUnreachable(f"relay {relay} answered no channel: {reply!r:.200}")
     virtual = virtual_address(connection.current_address, channel)
     return connection, virtual, _observed_untrusted(reply)
+
+
+async def close_circuit(relay: Connection, channel: int, timeout_s: float) -> None:
+    """Ask the relay at the other end of ``relay`` (the connection the circuit was opened on)
+    to close the circuit on ``channel``.  Best effort: a relay that cannot be asked, or does
+    not know ``relay.close``, closes it when it idles."""
+    with trio.move_on_after(timeout_s):
+        try:
+            await call_unary(relay, RELAY_CLOSE, {"channel": channel})
+        except TransportError as exc:
+            logger.debug("relay %s did not close circuit %08x: %r", relay.peer_id, channel, exc)

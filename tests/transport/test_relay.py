@@ -40,6 +40,7 @@ from petals_core.transport import (
 )
 from petals_core.transport._punch import NAT_PUNCH, _unpunchable
 from petals_core.transport._relay import (
+    RELAY_CLOSE,
     RELAY_RESERVE,
     CircuitDialers,
     RelayTable,
@@ -284,9 +285,9 @@ async def test_bounds_are_refused_with_a_clear_error_and_nothing_else_is_disturb
             with pytest.raises(RelayRefused, match="holds 1 reservations, its most"):
                 await hold_reservation(other, t.relay.listen_multiaddr)
             # The dialer's second circuit is beyond the per-peer bound.
-            await first.aclose()
             with pytest.raises(RelayRefused, match="circuits open here, the most a peer may have"):
-                await t.dialer.connect(t.reservation.address)
+                await open_relayed_channel(t.dialer, t.reservation.address)
+            assert (await call_unary(first, "echo", {"x": 1}))["echo"] == {"x": 1}
             # Bad requests: no PeerID, a malformed one; the relay answers and goes on.
             relay_connection = await other.connect(t.relay.listen_multiaddr)
             for request, match in (({}, "takes"), ({"peer": "Qm-nope"}, "invalid 'peer'")):
@@ -297,6 +298,42 @@ async def test_bounds_are_refused_with_a_clear_error_and_nothing_else_is_disturb
                 connection = await third.connect(t.reservation.address)
                 assert (await call_unary(connection, "echo", {"y": 2}))["echo"] == {"y": 2}
             assert t.service.table.statistics().reservations == 1
+
+
+async def test_a_relayed_connection_that_ends_frees_its_circuit_at_once() -> None:
+    """A dialer may hold two circuits at this relay; its relayed connections end (closed, or
+    failed in the handshake) and their circuits close on the relay at once, not after
+    ``circuit_idle_s``: it dials through the relay many times more than that, each dial
+    working.  Only an end of a circuit closes it."""
+    limits = RelayLimits(max_circuits_per_peer=2)
+    with trio.fail_after(DEADLINE_S):
+        async with relayed(limits) as t:
+            table = t.service.table
+            stranger = Identity.generate().peer_id
+            table.reserve(stranger, table._reservations[t.peer.peer_id])
+            for attempt in range(3 * limits.max_circuits_per_peer):
+                connection = await t.dialer.connect(t.reservation.address)
+                assert (await call_unary(connection, "echo", {"n": attempt}))["echo"] == {
+                    "n": attempt
+                }
+                assert table.statistics().circuits == 1
+                await connection.aclose()
+                await wait_until(lambda: table.statistics().circuits == 0)
+                # The relay forwards to the peer, which proves another key: the dial fails.
+                with pytest.raises(IdentityMismatch):
+                    await t.dialer.connect(t.relay.listen_multiaddr.relayed(stranger))
+                await wait_until(lambda: table.statistics().circuits == 0)
+            # Asked by neither end of the circuit, or for no circuit, the relay closes nothing.
+            connection = await t.dialer.connect(t.reservation.address)
+            (channel,) = table._circuits
+            async with open_node() as other:
+                to_relay = await other.connect(t.relay.listen_multiaddr)
+                reply = await call_unary(to_relay, RELAY_CLOSE, {"channel": channel})
+                assert reply == {"closed": False}
+                with pytest.raises(RemoteError, match=r"relay\.close takes"):
+                    await call_unary(to_relay, RELAY_CLOSE, {"channel": "1"})
+            assert table.statistics().circuits == 1
+            assert (await call_unary(connection, "echo", {}))["echo"] == {}
 
 
 async def test_a_reservation_ends_with_the_relay_and_dialers_see_it() -> None:
