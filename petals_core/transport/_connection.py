@@ -267,6 +267,8 @@ class Connection:
         self._relay_connection: Connection | None = None
         # Our address as the relay saw it, for a connection we dialled through a relay.
         self._observed: Multiaddr | None = None
+        # Replaced by another connection to the peer: closed once no stream is open.
+        self._retiring = False
 
     @property
     def current_address(self) -> Address:
@@ -322,12 +324,25 @@ class Connection:
 
     async def aclose(self) -> None:
         """Close the connection; its streams fail with :class:`ClosedResourceError`."""
+        self._close("closed")
+        await trio.lowlevel.checkpoint()
+
+    def _close(self, reason: str) -> None:
         if self._error is None:
             self._closed_by_us = True
             self._on_lost(ClosedResourceError("this connection was closed"))
-            self._node._endpoint.close(self._handle, trio.current_time(), reason="closed")
+            self._node._endpoint.close(self._handle, trio.current_time(), reason=reason)
             self._node._flush()
-        await trio.lowlevel.checkpoint()
+
+    def _retire(self) -> None:
+        """Close the connection once no stream is open on it: the node hands out another to
+        this peer from now on, and the calls under way here finish first."""
+        self._retiring = True
+        self._close_if_retired()
+
+    def _close_if_retired(self) -> None:
+        if self._retiring and not self._streams:
+            self._close("replaced by another connection")
 
     async def wait_closed(self) -> TransportError:
         """Wait until the connection ends; returns why."""
@@ -375,11 +390,13 @@ class Connection:
         self._forget(stream_id)
         self._node._endpoint.reset_stream(self._handle, stream_id, error_code, trio.current_time())
         self._node._flush()
+        self._close_if_retired()
 
     def _release(self, stream_id: int) -> None:
         self._forget(stream_id)
         self._node._endpoint.release_stream(self._handle, stream_id, trio.current_time())
         self._node._flush()
+        self._close_if_retired()
 
     def _forget(self, stream_id: int) -> None:
         stream = self._streams.pop(stream_id, None)

@@ -235,8 +235,9 @@ class Node:
         loopback, where nothing else can be dialled.  A peer that announces relayed addresses
         is behind a NAT: it is reached through a relay first, then a hole is punched to its
         direct addresses (see ``_punch``) within ``config.hole_punch_timeout_s``, and the
-        direct connection is returned when it opens, else the relayed one.  Reuses a live
-        connection to the peer, or the one another task is dialling.
+        direct connection is returned when it opens (the relayed one closes once the calls on
+        it end), else the relayed one.  Reuses a live connection to the peer, or the one
+        another task is dialling.
         """
         if self._closed:
             raise ClosedResourceError("this node was closed")

@@ -127,7 +127,9 @@ async def punch_hole(
 ) -> Connection | None:
     """A direct connection to the peer of ``relayed`` at one of its ``direct`` addresses, made
     through a hole punched as the module says, within ``hole_punch_timeout_s``; None if none
-    opened (``relayed`` is then left as it is, and the next tries to this peer wait a while)."""
+    opened (``relayed`` is then left as it is, and the next tries to this peer wait a while).
+    Once the direct connection opens, the node hands it out in place of ``relayed``, which
+    closes when the calls under way on it (other tasks') have ended."""
     timeout_s = node.config.hole_punch_timeout_s
     peer = relayed.peer_id
     failures = node._punch_failures
@@ -152,7 +154,7 @@ async def punch_hole(
     else:
         logger.debug("punched a hole to %s: %s", peer, connection.address)
         failures.pop(peer, None)
-        await relayed.aclose()
+        relayed._retire()
         return connection
     if len(failures) >= _MAX_FAILURES_KEPT:
         for key in [k for k, until in failures.items() if until <= now] or list(failures)[:1]:

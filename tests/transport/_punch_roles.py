@@ -1,11 +1,16 @@
 """The processes of the hole-punching test, each run inside a host of a NAT topology:
 ``python -m tests.transport._punch_roles <role> '<json settings>'``.
 
-- ``relay``: a node that relays; prints ``READY <its multiaddr>``.
-- ``peer``: a node holding a reservation with ``relay`` and serving ``nat.punch``; prints
-  ``READY <its relayed multiaddr>``.
+- ``relay``: a node that relays; prints ``READY <its multiaddr>``, and for each line it reads
+  on its stdin ``NO CIRCUITS`` once it has no circuit open.
+- ``peer``: a node holding a reservation with ``relay`` and serving ``nat.punch`` and a
+  ``reverse`` call; prints ``READY <its relayed multiaddr> <its address as the relay sees it>``.
 - ``dialer``: dials ``peer`` through its relay, asks it to punch to ``target`` (any address it
   likes); prints ``REPLY <json>`` and then ``PUNCHES <n>`` once ``n`` probes reached it.
+- ``dialer_with_a_call``: dials ``peer`` through its relay and starts a ``reverse`` call there;
+  punches a hole to the peer at ``direct`` meanwhile and prints ``PUNCHED <direct|relayed>``
+  and which connection new work gets, ``NEW WORK <direct|relayed>``; then finishes the call,
+  printing ``CALL <the answer>``, and prints ``RELAYED CLOSED`` once the relayed connection is.
 - ``listener``: a plain UDP socket at ``port``; prints ``COUNT <datagrams received>`` for each
   line it reads on its stdin.
 """
@@ -21,30 +26,43 @@ from typing import Any
 import trio
 
 from petals_core.transport import (
+    Connection,
+    Multiaddr,
     PunchService,
     RelayService,
+    ServerCall,
     hold_reservation,
     open_call,
     open_node,
     serve_rpc,
 )
-from petals_core.transport._punch import _PROBES_AT_S, NAT_PUNCH
+from petals_core.transport._punch import _PROBES_AT_S, NAT_PUNCH, punch_hole
 
 from ..dht._swarm import wait_until
 
 
 async def relay(settings: dict[str, Any]) -> None:
     async with open_node(host=settings["host"]) as node, trio.open_nursery() as nursery:
-        await nursery.start(serve_rpc, node, RelayService.on(node).handlers())
+        service = RelayService.on(node)
+        await nursery.start(serve_rpc, node, service.handlers())
         print("READY", node.listen_multiaddr, flush=True)
-        await trio.sleep_forever()
+        async for _ in trio.wrap_file(sys.stdin):
+            await wait_until(lambda: service.table.statistics().circuits == 0)
+            print("NO CIRCUITS", flush=True)
 
 
 async def peer(settings: dict[str, Any]) -> None:
     async with open_node(host=settings["host"]) as node, trio.open_nursery() as nursery:
-        await nursery.start(serve_rpc, node, PunchService(node).handlers())
+        handlers = PunchService(node).handlers()
+
+        @handlers.stream("reverse")
+        async def reverse(call: ServerCall) -> None:
+            async for message in call:
+                await call.send({"chunk": message["chunk"][::-1]})
+
+        await nursery.start(serve_rpc, node, handlers)
         reservation = await nursery.start(hold_reservation, node, settings["relay"])
-        print("READY", reservation.address, flush=True)
+        print("READY", reservation.address, reservation.observed, flush=True)
         await trio.sleep_forever()
 
 
@@ -59,6 +77,28 @@ async def dialer(settings: dict[str, Any]) -> None:
             await wait_until(lambda: node.statistics().punches_received >= len(_PROBES_AT_S))
             print("PUNCHES", node.statistics().punches_received, flush=True)
             await trio.sleep_forever()
+
+
+async def dialer_with_a_call(settings: dict[str, Any]) -> None:
+    def kind(connection: Connection) -> str:
+        return "relayed" if connection.is_relayed else "direct"
+
+    peer = Multiaddr.parse(settings["peer"])
+    direct = Multiaddr.parse(settings["direct"]).with_peer_id(peer.peer_id)
+    async with open_node(host=settings["host"]) as node:
+        print("READY", node.listen_multiaddr, flush=True)
+        relayed = await node.connect(peer)
+        async with open_call(relayed, "reverse") as call:
+            await call.send({"chunk": "before"})
+            assert (await call.receive())["chunk"] == "erofeb"
+            punched = await punch_hole(node, relayed, [direct])
+            print("PUNCHED", "relayed" if punched is None else kind(punched), flush=True)
+            print("NEW WORK", kind(await node.connect(peer)), flush=True)
+            await call.send({"chunk": "after"})
+            print("CALL", (await call.receive())["chunk"], flush=True)
+        await wait_until(lambda: relayed.is_closed)
+        print("RELAYED CLOSED", flush=True)
+        await trio.sleep_forever()
 
 
 def listener(settings: dict[str, Any]) -> None:
@@ -82,7 +122,8 @@ def main() -> None:
     if role == "listener":
         listener(settings)
     else:
-        trio.run({"relay": relay, "peer": peer, "dialer": dialer}[role], settings)
+        roles = {"relay": relay, "peer": peer, "dialer": dialer}
+        trio.run({**roles, "dialer_with_a_call": dialer_with_a_call}[role], settings)
 
 
 if __name__ == "__main__":

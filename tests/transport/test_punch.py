@@ -1,5 +1,6 @@
 """Hole punching through real NATs (network namespaces, nftables routers): a peer punches only to
-where its relay saw the dialer, whatever address the dialer names.
+where its relay saw the dialer, whatever address the dialer names; a punched hole leaves the
+calls under way on the relayed connection to finish (on loopback no hole is punched).
 
 The roles run in processes of their own (``_punch_roles``).  Needs root, iproute2 and nftables
 (CI installs nftables; elsewhere the test skips, saying how to install it).  The whole
@@ -64,3 +65,34 @@ async def test_a_peer_punches_to_where_its_relay_saw_the_dialer_not_where_it_is_
             assert stdin is not None
             await stdin.send_all(b"count\n")
             assert await listening.wait_output("COUNT") == "COUNT 0"
+
+
+async def test_a_call_under_way_on_the_relayed_connection_outlives_the_punched_hole(
+    topology: Topology,
+) -> None:
+    """A dialer reaches a peer behind a home router through a relay and starts a call there; a
+    hole is punched meanwhile.  New work goes directly, the call under way finishes on the
+    relayed connection, which then closes, and so does its circuit on the relay."""
+    boot = topology.public("boot")
+    home = topology.behind_nat("home", "cone")
+    caller = topology.public("caller")
+    with trio.fail_after(DEADLINE_S):
+        relay_role = _role("relay", {"host": boot.address})
+        async with open_host_program(boot, "relay", relay_role) as relay:
+            relay_address = (await relay.wait_output("READY")).split()[1]
+            async with open_host_program(
+                home, "peer", _role("peer", {"host": home.address, "relay": relay_address})
+            ) as peer:
+                _, relayed, mapping = (await peer.wait_output("READY")).split()
+                settings = {"host": caller.address, "peer": relayed, "direct": mapping}
+                async with open_host_program(
+                    caller, "dialer", _role("dialer_with_a_call", settings)
+                ) as dialer:
+                    assert await dialer.wait_output("PUNCHED") == "PUNCHED direct"
+                    assert await dialer.wait_output("NEW WORK") == "NEW WORK direct"
+                    assert await dialer.wait_output("CALL") == "CALL retfa"
+                    await dialer.wait_output("RELAYED CLOSED")
+                    stdin = relay.process.stdin
+                    assert stdin is not None
+                    await stdin.send_all(b"circuits\n")
+                    await relay.wait_output("NO CIRCUITS")
