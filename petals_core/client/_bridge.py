@@ -8,6 +8,10 @@
   starts at import or construction, and a forked child starts its own thread when it needs one.
 - Called on a trio thread itself, it refuses: blocking there would stall the program's loop; use
   the async API (``await ...``) instead.
+
+A call interrupted while it waits (Ctrl-C's ``KeyboardInterrupt`` in the main thread, or any
+other exception raised there) cancels the coroutine on the loop, waits for it to end, and
+re-raises: nothing it started goes on behind the caller's back.
 """
 
 from __future__ import annotations
@@ -49,7 +53,28 @@ class Bridge:
             )
         if token is None:
             token = self.token()
-        return trio.from_thread.run(fn, *args, trio_token=token)
+        scope = trio.CancelScope()
+        ended = threading.Event()
+
+        async def guarded() -> T:
+            try:
+                with scope:
+                    return await fn(*args)
+                raise RuntimeError("cancelled: its caller was interrupted")
+            finally:
+                ended.set()
+
+        try:
+            return trio.from_thread.run(guarded, trio_token=token)
+        except BaseException:
+            if not ended.is_set():  # interrupted while it waited: the coroutine runs on
+                try:
+                    token.run_sync_soon(scope.cancel)
+                except trio.RunFinishedError:
+                    pass
+                else:
+                    ended.wait()
+            raise
 
     def token(self) -> trio.lowlevel.TrioToken:
         """The bridge thread's loop, started on first use."""
