@@ -607,27 +607,30 @@ class InferenceSession:
             return None
         calls: list[SpanCall] = []
         signatures: list[Signature | None] = []
-        y = inputs
+        y, timeout = inputs, self.manager.config.request_timeout_s
         try:
-            with trio.fail_after(self.manager.config.request_timeout_s):
-                for other in route:
-                    call = SpanCall(SpanState(other), self.receipts)
-                    calls.append(call)
-                    opening = core.opening(
-                        call.state,
-                        alloc_timeout=self.alloc_timeout,
-                        active_adapter=self.manager.config.active_adapter,
-                    )
-                    # (A long prefill's first pieces may be shorter than its left padding.)
-                    length = max([y.shape[1], *(opening.left_padding or ())])
+            # The opening and each step in the time a replay's take: a long history is given
+            # as long as its pieces need.
+            for other in route:
+                call = SpanCall(SpanState(other), self.receipts)
+                calls.append(call)
+                opening = core.opening(
+                    call.state,
+                    alloc_timeout=self.alloc_timeout,
+                    active_adapter=self.manager.config.active_adapter,
+                )
+                # (A long prefill's first pieces may be shorter than its left padding.)
+                length = max([y.shape[1], *(opening.left_padding or ())])
+                with trio.fail_after(timeout):
                     await call.open(self.manager, attrs.evolve(opening, max_length=length))
-                    outputs = []
-                    for step in core.checking_steps(other, y):
+                outputs = []
+                for step in core.checking_steps(other, y):
+                    with trio.fail_after(timeout):
                         await call.send(step, self.manager.config.compression)
                         answered = await call.result(self.manager)
-                        outputs.append(core.checked_answer(call.state, step, answered))
-                    y = torch.cat(outputs, dim=1)
-                    signatures.append(answered.receipt)
+                    outputs.append(core.checked_answer(call.state, step, answered))
+                y = torch.cat(outputs, dim=1)
+                signatures.append(answered.receipt)
         except RETRIABLE as exc:
             logger.info("could not check blocks %d:%d: %r", span.start, span.end, exc)
             self._check_failure = exc

@@ -381,6 +381,43 @@ async def test_a_padded_long_prefill_is_checked_piece_by_piece(
     assert state.verified[whole] == 4 + 1  # (pieces 0:2, 2:4, 4:6, 6:7; the step after)
 
 
+async def test_a_check_replaying_a_long_history_gives_each_piece_its_time(
+    model: Model, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The span no other server holds whole is checked by a route of two others, the first of
+    them on a slow link: each step it takes lasts a third of ``request_timeout_s``.  Checking
+    the step after eight positions replays nine in five steps there, longer in all than
+    ``request_timeout_s`` and each well within it, as a replacement's replay is: the check
+    completes (the server's answer is verified)."""
+    monkeypatch.setattr(STEP_BYTES, 2 * 2 * HIDDEN * 4)
+    timeout = 3.0
+    torch.manual_seed(23)
+    async with in_process_swarm(model, tmp_path, [(0, 3), (3, 6)]) as swarm:
+        slow = swarm.servers[next(iter(swarm.servers))].block_server._inference
+        whole = str((await swarm.add((0, N_BLOCKS), throughput=1000.0)).dht.peer_id)
+        with trio.fail_after(DEADLINE_S):
+            async with (
+                sequential_over(
+                    list(swarm.servers.values()), verify="all", request_timeout_s=timeout
+                ) as seq,
+                InferenceSession(seq.sequence_manager, 16) as session,
+            ):
+                await session.step(torch.randn(2, 8, HIDDEN))
+                state = seq.sequence_manager.state
+                assert state.verified[whole] == 4  # (pieces 0:2, 2:4, 4:6, 6:8)
+                original = slow._step
+
+                async def over_a_slow_link(*args: Any, **kwargs: Any) -> Any:
+                    await trio.sleep(timeout / 3)
+                    return await original(*args, **kwargs)
+
+                slow._step = over_a_slow_link
+                await session.step(torch.randn(2, 1, HIDDEN))
+                assert [span.peer_id for span in session.route] == [whole]
+    assert state.verified[whole] == 4 + 1
+    assert not state.caught
+
+
 async def test_a_server_lying_in_its_gradients_is_caught_before_the_optimiser_sees_them(
     model: Model, tmp_path: Path
 ) -> None:
