@@ -142,6 +142,7 @@ class SessionCore:
             close = close or bool(self.spans)
         if close:
             self.spans = []
+            self._free_unused()
         if self.position == 0 and prompts is not None:
             self.prompts = prompts
         if not continued:
@@ -347,6 +348,7 @@ class SessionCore:
         self.position += self._tokens
         if not more:
             self._undo, self._began_at = None, None
+        self._free_unused()
 
     def abandon(self, *, interrupted: bool = False) -> list[SpanState]:
         """The step failed (or was cancelled): the session is as before it, so that the step
@@ -369,6 +371,7 @@ class SessionCore:
         began_at, self._began_at = self._began_at, None
         if began_at is not None and self.position != began_at:
             self.rollback(began_at)
+        self._free_unused()
         return left
 
     # -- internals -------------------------------------------------------------------------------
@@ -499,6 +502,14 @@ class SessionCore:
             return None
         base = self.blocks.start
         return self.prompts[span.start - base : span.end - base]
+
+    def _free_unused(self) -> None:
+        """Forget the histories, and their buffers, of span starts no longer in the chain (a
+        route replaced, or a re-route taken back): no span replays them."""
+        starts = {state.span.start for state in self.spans}
+        for kept in (self.history, self._buffers):
+            for start in [start for start in kept if start not in starts]:
+                del kept[start]
 
     def _remember(self, start: int, inputs: torch.Tensor) -> None:
         # Histories are views of buffers that grow by doubling, so that a step appends in

@@ -295,6 +295,14 @@ class PairedSessions(RuleBasedStateMachine):
             position = min(self.core.position, history.shape[1], server.cache.shape[1])
             assert torch.equal(server.cache[:, :position], history[:, :position])
 
+    @invariant()
+    def only_the_chain_s_histories_are_kept(self) -> None:
+        if not hasattr(self, "core"):
+            return
+        starts = {state.span.start for state in self.core.spans}
+        assert set(self.core.history) <= starts
+        assert set(self.core._buffers) <= starts
+
 
 PairedSessions.TestCase.settings = settings(max_examples=60, stateful_step_count=20, deadline=None)
 test_paired_sessions = PairedSessions.TestCase
@@ -383,6 +391,54 @@ def test_a_failed_step_takes_its_reorder_back_and_its_spans_are_replayed_anew() 
     assert core.spans == [state] and state.stale
     assert torch.equal(core.history[0], first) and torch.equal(core.prompts, prompts)
     assert core.padding == [1, 0] and core.position == 2
+
+
+def _answer(core: SessionCore, index: int, x: torch.Tensor) -> None:
+    """Span ``index`` takes step ``x`` and answers it with ``x``."""
+    request = core.request(index, x)
+    assert request is not None
+    position = core.position + x.shape[1]
+    core.answered(index, x, StepResult(hidden_states=x, position=position, step_id=request.step_id))
+
+
+def test_histories_of_starts_that_leave_the_chain_are_freed() -> None:
+    """A beam step re-routes a's blocks 0:2 over b and c, which answer, and then fails for good
+    on d: the chain is a and d again, and the history c's start needed is freed.  A route
+    opened anew (new padding at position 0) keeps only its own."""
+    core = _core()
+    first = torch.ones(BATCH, 2, HIDDEN)
+    core.begin(first, prompts=None, hypo_ids=None, padding=None)
+    spans = [RouteSpan(peer_id="a", start=0, end=2), RouteSpan(peer_id="d", start=2, end=BLOCKS)]
+    core.route_opened(spans, 0)
+    core.start_chain(server_to_server=False)
+    for index in range(2):
+        _answer(core, index, first)
+    core.finish()
+
+    step = torch.ones(BATCH, 1, HIDDEN)
+    core.begin(step, prompts=None, hypo_ids=torch.tensor([1, 0]), padding=None)
+    core.start_chain(server_to_server=False)
+    _, x = core.take_for_replacement(0)
+    assert x is not None
+    route = [RouteSpan(peer_id="b", start=0, end=1), RouteSpan(peer_id="c", start=1, end=2)]
+    for state in core.route_opened(route, 0):
+        replay = core.replay(state, x, 0, x.shape[1])
+        answer = StepResult(hidden_states=x, position=x.shape[1], step_id=replay.step_id)
+        x = core.replayed(state, x, 0, x.shape[1], answer)
+    for index in range(2):
+        _answer(core, index, step)
+    assert set(core.history) == set(core._buffers) == {0, 1, 2}
+    core.abandon(interrupted=True)  # d failed for good
+    assert [state.peer for state in core.spans] == ["a", "d"]
+    assert set(core.history) == set(core._buffers) == {0, 2}
+
+    core.rollback(0)
+    core.begin(first, prompts=None, hypo_ids=None, padding=torch.tensor([1, 0]))
+    core.route_opened([RouteSpan(peer_id="e", start=0, end=BLOCKS)], 0)
+    core.start_chain(server_to_server=False)
+    _answer(core, 0, first)
+    core.finish()
+    assert set(core.history) == set(core._buffers) == {0}
 
 
 def test_padding_at_position_zero_closes_the_open_spans() -> None:
