@@ -57,8 +57,9 @@ class TransportConfig:
     #: Connections this endpoint holds at once; new handshakes beyond it are ignored.
     max_connections: int = attrs.field(default=1024, validator=positive)
     #: Connections it accepts from one host at once (an IPv4 address or an IPv6 /64; loopback
-    #: is not bounded): one host cannot take every slot, handshakes left unfinished included.
-    #: New handshakes from a host beyond it are ignored.
+    #: and connections through a relay, which the relay bounds, are not counted): one host
+    #: cannot take every slot, handshakes left unfinished included.  New handshakes from a host
+    #: beyond it are ignored.
     max_connections_per_host: int = attrs.field(default=128, validator=positive)
     #: Calls a peer may have open towards us at once on one connection (the QUIC stream limit we
     #: advertise: the peer's further calls wait for one of these to finish).

@@ -240,7 +240,7 @@ class Endpoint:
         if data and not data[0] & 0x80:
             # Short header (or a repair): the destination connection ID follows the first byte.
             conn = self._by_cid.get(data[1 : 1 + _CID_BYTES])
-            if conn is None:
+            if conn is None or _moved_across_relay(conn, address):
                 return
             if data[0] == REPAIR:
                 self._receive_repair(conn, data, address, now)
@@ -265,6 +265,8 @@ class Endpoint:
                 # handshake timeout.  (Our ClientHello fits one datagram.)
                 self._forget(conn)
                 return
+        elif _moved_across_relay(conn, address):
+            return
         else:
             conn.quic.receive_datagram(data, address, now=now)
         conn.last_activity = conn.last_received = now
@@ -674,3 +676,10 @@ class Endpoint:
         for cid in [cid for cid, c in self._by_cid.items() if c is conn]:
             del self._by_cid[cid]
         self._dirty.discard(conn)
+
+
+def _moved_across_relay(conn: Conn, address: Address) -> bool:
+    """Whether a datagram of ``conn`` comes through a relay where the connection does not, or
+    the other way round.  Such a move is never a NAT's doing (a punched hole is a connection
+    of its own), and would let a connection slip past the per-host bounds or a relay's."""
+    return (split_virtual(address) is None) != (split_virtual(conn.address) is None)

@@ -586,7 +586,10 @@ class Node:
             connection = Connection(self, event.handle, event.address, we_dialed=False)
             self._connections[event.handle] = connection
         connection.peer_id = event.peer_id
-        self._by_peer.setdefault(event.peer_id, connection)
+        known = self._by_peer.get(event.peer_id)
+        if known is None or (known.is_relayed and not connection.is_relayed):
+            # A direct connection (a punched hole) takes over new work from a relayed one.
+            self._by_peer[event.peer_id] = connection
         connection._ready.set()
 
     def _incoming_stream(self, connection: Connection, stream_id: int) -> Stream | None:

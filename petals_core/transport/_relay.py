@@ -13,8 +13,8 @@ keeps that for hole punching, see ``_punch``).  From then on the dialer and the 
 QUIC datagrams through the relay, each prefixed with the channel (see ``_relay_wire``): the
 relay forwards between the two addresses its own connections to them use, and only those.  The
 QUIC connection inside is end to end: the relay sees ciphertext, and the dialer checks the
-peer's key as on any connection.  When that connection ends (closed, failed, abandoned while
-dialling, or given up for a punched hole), the dialer asks the relay to close the circuit
+peer's key as on any connection.  When that connection ends (closed, failed, abandoned during
+its handshake, or given up for a punched hole), the dialer asks the relay to close the circuit
 (``relay.close``), freeing its place under the bounds at once.
 
 Bounds (:class:`RelayLimits`): reservations, circuits (in all, per dialer and per host) and bytes
@@ -130,13 +130,26 @@ class _Bucket:
     def _burst(rate: float) -> float:
         return max(rate / 4, 256 << 10)
 
-    def take(self, n: int, now: float) -> bool:
+    def refill(self, now: float) -> None:
         self.tokens = min(self._burst(self.rate), self.tokens + (now - self.at) * self.rate)
         self.at = now
-        if self.tokens < n:
+
+    def full_at(self, now: float) -> bool:
+        self.refill(now)
+        return self.tokens >= self._burst(self.rate)
+
+
+def _take(buckets: tuple[_Bucket | None, ...], n: int, now: float) -> bool:
+    """Take ``n`` bytes from every bucket, or from none when one lacks them (a datagram
+    dropped costs nothing)."""
+    present = [bucket for bucket in buckets if bucket is not None]
+    for bucket in present:
+        bucket.refill(now)
+        if bucket.tokens < n:
             return False
-        self.tokens -= n
-        return True
+    for bucket in present:
+        bucket.tokens -= n
+    return True
 
 
 @attrs.define(eq=False)
@@ -148,7 +161,7 @@ class _Circuit:
     target_handle: int
     last_used: float
     bucket: _Bucket | None
-    #: The dialing host and the bucket its circuits share.
+    #: The dialing host (when the circuit opened) and the bucket its circuits share.
     host: str | None
     host_bucket: _Bucket | None
 
@@ -165,7 +178,12 @@ class RelayTable:
     def __init__(self, limits: RelayLimits, address_of: Callable[[int], Address | None]) -> None:
         self.limits = limits
         self._address_of = address_of
+        #: Reservations: peer -> its connection's handle, and the host it was made from.
         self._reservations: dict[PeerID, int] = {}
+        self._reserved_from: dict[PeerID, str | None] = {}
+        #: The byte buckets of dialing hosts: kept after their last circuit closes until they
+        #: refill, so that closing and reopening circuits does not refill them.
+        self._host_buckets: dict[str, _Bucket] = {}
         self._circuits: dict[int, _Circuit] = {}
         self._total = (
             None
@@ -200,16 +218,18 @@ class RelayTable:
                 f"this relay holds {self.limits.max_reservations} reservations, its most"
             )
         host = self._host_of(handle)
-        held = sum(self._host_of(h) == host for p, h in self._reservations.items() if p != peer_id)
+        held = sum(h == host for p, h in self._reserved_from.items() if p != peer_id)
         if host is not None and held >= self.limits.max_reservations_per_host:
             raise RelayRefused(f"{host} holds {held} reservations here, the most one host may hold")
         if old is not None and old != handle:
             self._close_circuits(lambda c: c.target == peer_id)
         self._reservations[peer_id] = handle
+        self._reserved_from[peer_id] = host
 
     def release(self, peer_id: PeerID, handle: int) -> None:
         if self._reservations.get(peer_id) == handle:
             del self._reservations[peer_id]
+            del self._reserved_from[peer_id]
             self._close_circuits(lambda c: c.target == peer_id)
 
     def open_circuit(self, dialer: PeerID, dialer_handle: int, target: PeerID, now: float) -> int:
@@ -231,7 +251,7 @@ class RelayTable:
                 "may have"
             )
         host = self._host_of(dialer_handle)
-        from_host = sum(self._host_of(c.dialer_handle) == host for c in self._circuits.values())
+        from_host = sum(c.host == host for c in self._circuits.values())
         if host is not None and from_host >= limits.max_circuits_per_host:
             raise RelayRefused(
                 f"{host} has {from_host} circuits open here, the most one host may have"
@@ -244,10 +264,15 @@ class RelayTable:
             if limits.circuit_bytes_per_s is None
             else _Bucket.full(limits.circuit_bytes_per_s, now)
         )
-        host_bucket = next(
-            (c.host_bucket for c in self._circuits.values() if host is not None and c.host == host),
-            None if limits.host_bytes_per_s is None else _Bucket.full(limits.host_bytes_per_s, now),
-        )
+        host_bucket = None
+        if host is not None and limits.host_bytes_per_s is not None:
+            in_use = {c.host for c in self._circuits.values()}
+            for other in [h for h, b in self._host_buckets.items() if h not in in_use]:
+                if self._host_buckets[other].full_at(now):
+                    del self._host_buckets[other]
+            host_bucket = self._host_buckets.setdefault(
+                host, _Bucket.full(limits.host_bytes_per_s, now)
+            )
         self._circuits[channel] = _Circuit(
             channel, dialer, dialer_handle, target, target_handle, now, bucket, host, host_bucket
         )
@@ -269,6 +294,7 @@ class RelayTable:
         """A connection ended: its reservation and the circuits through it end."""
         for peer_id in [p for p, h in self._reservations.items() if h == handle]:
             del self._reservations[peer_id]
+            del self._reserved_from[peer_id]
         self._close_circuits(lambda c: handle in (c.dialer_handle, c.target_handle))
 
     def forward(self, data: bytes, source: Address, now: float) -> Address | None:
@@ -291,11 +317,8 @@ class RelayTable:
         else:
             destination = None
         size = len(data)
-        if (
-            destination is None
-            or (circuit.bucket is not None and not circuit.bucket.take(size, now))
-            or (circuit.host_bucket is not None and not circuit.host_bucket.take(size, now))
-            or (self._total is not None and not self._total.take(size, now))
+        if destination is None or not _take(
+            (circuit.bucket, circuit.host_bucket, self._total), size, now
         ):
             self._dropped += 1
             return None

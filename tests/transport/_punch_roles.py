@@ -63,7 +63,9 @@ async def peer(settings: dict[str, Any]) -> None:
         await nursery.start(serve_rpc, node, handlers)
         reservation = await nursery.start(hold_reservation, node, settings["relay"])
         print("READY", reservation.address, reservation.observed, flush=True)
-        await trio.sleep_forever()
+        async for line in trio.wrap_file(sys.stdin):
+            connection = await node.connect(line.strip())
+            print("TOWARDS", _kind(connection), flush=True)
 
 
 async def dialer(settings: dict[str, Any]) -> None:
@@ -79,10 +81,12 @@ async def dialer(settings: dict[str, Any]) -> None:
             await trio.sleep_forever()
 
 
-async def dialer_with_a_call(settings: dict[str, Any]) -> None:
-    def kind(connection: Connection) -> str:
-        return "relayed" if connection.is_relayed else "direct"
+def _kind(connection: Connection) -> str:
+    return "relayed" if connection.is_relayed else "direct"
 
+
+async def dialer_with_a_call(settings: dict[str, Any]) -> None:
+    kind = _kind
     peer = Multiaddr.parse(settings["peer"])
     direct = Multiaddr.parse(settings["direct"]).with_peer_id(peer.peer_id)
     async with open_node(host=settings["host"]) as node:
@@ -94,6 +98,7 @@ async def dialer_with_a_call(settings: dict[str, Any]) -> None:
             punched = await punch_hole(node, relayed, [direct])
             print("PUNCHED", "relayed" if punched is None else kind(punched), flush=True)
             print("NEW WORK", kind(await node.connect(peer)), flush=True)
+            await trio.wrap_file(sys.stdin).readline()
             await call.send({"chunk": "after"})
             print("CALL", (await call.receive())["chunk"], flush=True)
         await wait_until(lambda: relayed.is_closed)

@@ -14,8 +14,9 @@ from petals_core.testing import MemoryNetwork, Pipe
 from petals_core.transport._config import TransportConfig
 from petals_core.transport._identity import Identity
 from petals_core.transport._quic import LONE_ACK_DELAY_S
+from petals_core.transport._relay_wire import virtual_address
 
-from ._pairs import CLIENT, FAR_SERVER, SERVER, Recorder, handshake, make_pair
+from ._pairs import CLIENT, FAR_CLIENT, FAR_SERVER, SERVER, Recorder, handshake, make_pair
 
 
 def test_handshake_authenticates_both_ends() -> None:
@@ -429,3 +430,19 @@ def test_one_host_takes_only_its_share_of_connections() -> None:
     assert net.run_until(lambda: server.endpoint.connection_count() == 2, max_time_s=30)
     again = clients[2].endpoint.connect(FAR_SERVER, server.identity.peer_id, net.now)
     assert net.run_until(lambda: again in clients[2].ready, max_time_s=30)
+
+
+def test_a_connection_cannot_move_into_or_out_of_a_relay() -> None:
+    """A datagram of a direct connection arriving through a relay (or one of a relayed
+    connection arriving directly) is dropped: the connection stays where it is, and nothing is
+    sent to the new address.  (Such a move would take a connection past the per-host bounds.)"""
+    net, client, server = make_pair(far=True)
+    handle = handshake(net, client, server, FAR_SERVER)
+    (server_handle,) = server.ready
+    stream_id = client.endpoint.open_stream(handle)
+    client.endpoint.send_stream_data(handle, stream_id, b"x", net.now, end_stream=True)
+    (datagram, _), *_ = client.endpoint.datagrams_to_send(net.now)
+    relayed = virtual_address(("203.0.113.9", 4000), 7)
+    server.endpoint.receive_datagram(datagram, relayed, net.now)
+    assert server.endpoint.peer_address(server_handle) == FAR_CLIENT
+    assert all(to != relayed for _, to in server.endpoint.datagrams_to_send(net.now))

@@ -13,7 +13,7 @@ import json
 
 import trio
 
-from petals_core.testing import Topology, open_host_program
+from petals_core.testing import SwarmProcess, Topology, open_host_program
 from petals_core.transport import Multiaddr
 
 from ._punch_roles import _PROBES_AT_S
@@ -26,6 +26,12 @@ STRANGER_PORT = 4242
 
 def _role(name: str, settings: dict[str, object]) -> list[str]:
     return ["-m", ROLES, name, json.dumps(settings)]
+
+
+async def _say(program: SwarmProcess, line: str) -> None:
+    stdin = program.process.stdin
+    assert stdin is not None
+    await stdin.send_all(line.encode() + b"\n")
 
 
 async def test_a_peer_punches_to_where_its_relay_saw_the_dialer_not_where_it_is_told(
@@ -88,11 +94,14 @@ async def test_a_call_under_way_on_the_relayed_connection_outlives_the_punched_h
                 async with open_host_program(
                     caller, "dialer", _role("dialer_with_a_call", settings)
                 ) as dialer:
+                    dialer_address = (await dialer.wait_output("READY")).split()[1]
                     assert await dialer.wait_output("PUNCHED") == "PUNCHED direct"
                     assert await dialer.wait_output("NEW WORK") == "NEW WORK direct"
+                    # The peer's own new work towards the dialer goes direct too.
+                    await _say(peer, dialer_address)
+                    assert await peer.wait_output("TOWARDS") == "TOWARDS direct"
+                    await _say(dialer, "go on")
                     assert await dialer.wait_output("CALL") == "CALL retfa"
                     await dialer.wait_output("RELAYED CLOSED")
-                    stdin = relay.process.stdin
-                    assert stdin is not None
-                    await stdin.send_all(b"circuits\n")
+                    await _say(relay, "circuits")
                     await relay.wait_output("NO CIRCUITS")

@@ -521,10 +521,11 @@ def test_one_host_cannot_take_the_relays_whole_byte_budget() -> None:
     table = RelayTable(limits, addresses.get)
     target, other = Identity.generate().peer_id, Identity.generate().peer_id
     table.reserve(target, 6)
-    channels = [
-        table.open_circuit(Identity.generate().peer_id, handle, target, now=0.0)
-        for handle in range(1, 5)
-    ]
+    table_dialers = {}
+    for handle in range(1, 5):
+        dialer = Identity.generate().peer_id
+        table_dialers[table.open_circuit(dialer, handle, target, now=0.0)] = dialer
+    channels = list(table_dialers)
     other_channel = table.open_circuit(other, 5, target, now=0.0)
     payload = b"x" * 1000
 
@@ -540,3 +541,40 @@ def test_one_host_cannot_take_the_relays_whole_byte_budget() -> None:
     )
     assert 200 < from_host < 300
     assert 200 < sent(other_channel, 5, 400) < 300
+    # Closing its circuits and opening new ones does not refill the host's rate.
+    for channel, handle in zip(channels, range(1, 5), strict=True):
+        assert table.close_circuit(channel, table_dialers[channel], handle)
+    again = table.open_circuit(Identity.generate().peer_id, 1, target, now=0.0)
+    assert sent(again, 1, 10) == 0
+
+
+def test_a_datagram_dropped_for_one_rate_costs_the_others_nothing() -> None:
+    """A datagram beyond the relay's total rate is dropped without taking from its circuit's
+    rate: when the relay is busy, a circuit's share does not drain on datagrams it never sent."""
+    rate = 1 << 20
+    limits = RelayLimits(
+        circuit_bytes_per_s=rate, host_bytes_per_s=None, total_bytes_per_s=4 * rate
+    )
+    addresses = {handle: (f"198.51.100.{handle}", 4000) for handle in range(1, 6)}
+    addresses[9] = ("203.0.113.5", 4000)
+    table = RelayTable(limits, addresses.get)
+    target = Identity.generate().peer_id
+    table.reserve(target, 9)
+    channels = [
+        table.open_circuit(Identity.generate().peer_id, handle, target, now=0.0)
+        for handle in range(1, 6)
+    ]
+
+    def sent(index: int, count: int, now: float) -> int:
+        datagram = RELAY_HEADER.pack(RELAYED, channels[index]) + b"x" * 1000
+        address = addresses[index + 1]
+        return sum(table.forward(datagram, address, now) is not None for _ in range(count))
+
+    # Four circuits take the whole total's burst, each its own quarter second's worth; the
+    # fifth's datagrams are dropped, but for the few the total had left.
+    assert all(200 < sent(index, 400, 0.0) < 300 for index in range(4))
+    assert sent(4, 400, 0.0) < 10
+    # A tenth of a second later the total has room for about 400 datagrams again, and the
+    # fifth circuit its whole burst: the datagrams dropped took nothing from it (else it would
+    # have only a tenth of a second's rate, about 100).
+    assert 200 < sent(4, 400, 0.1) < 300
