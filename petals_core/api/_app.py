@@ -4,8 +4,11 @@
 ``POST /v1/chat/completions``, as plain JSON or, with ``"stream": true``, as server-sent events
 of OpenAI's chunks ending with ``data: [DONE]``. Every answer counts its tokens (``usage``; in a
 stream, on the last chunk, and in a chunk of its own when ``stream_options.include_usage`` asks).
-Errors are OpenAI's JSON (``{"error": {...}}``) with its status codes; a failure after a stream
-began is sent as an event of that shape, then the stream ends.
+A stream begins as soon as its request is accepted: its first chunk goes out before the prompt
+reaches the swarm, and while no token comes a comment line every 15 s keeps proxies from closing
+the idle connection.  Errors found before are OpenAI's JSON (``{"error": {...}}``) with its
+status codes; a failure after a stream began is sent as an event of that shape, then the stream
+ends.
 
 A client that stops reading its stream without closing its connection (or reads it far slower
 than it is generated) is given up on once it falls :data:`~._engine.EVENTS_PER_ROW` events per
@@ -62,6 +65,8 @@ _INLINE_PROMPT_IDS: Final = 4096
 # A JSON escape of a UTF-16 surrogate: only these can make a string with no UTF-8 form.
 _SURROGATE_ESCAPE: Final = re.compile(rb"\\u[dD][89a-fA-F]")
 CREATED: Final = int(time.time())
+#: Seconds between the comment lines that keep an idle stream's connection busy.
+_KEEPALIVE_S: Final = 15
 
 
 def create_app(
@@ -253,26 +258,10 @@ class _Api:
             if last is None:  # the client left: nobody reads this answer
                 return Response(status_code=499)
             return JSONResponse(shape.whole(chunks, last))
+        # The stream begins now, before the prompt goes through the swarm: its headers and first
+        # chunk go out at once (a slow first token would leave proxies an idle connection).
         events = _slow_reader_as_error(await generation.__aenter__())
-        first: Event | None = None
-        try:
-            # Until the first event (the request may wait for its turn), nothing else notices
-            # a client that leaves.
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(_cancel_when_disconnected, request, nursery.cancel_scope)
-                first = await anext(events, None)
-                nursery.cancel_scope.cancel()
-        except BaseException:
-            await generation.__aexit__(None, None, None)
-            raise
-        if first is None or isinstance(first, ApiError):
-            await generation.__aexit__(None, None, None)
-            if first is None:  # the client left
-                return Response(status_code=499)
-            raise first
-        return _EventStream(
-            _stream(shape, first, events, generation.__aexit__), generation.__aexit__
-        )
+        return _EventStream(_stream(shape, events, generation.__aexit__), generation.__aexit__)
 
 
 def _json(body: bytes) -> Any:
@@ -321,7 +310,7 @@ class _EventStream(EventSourceResponse):
         events: AsyncIterator[dict[str, str]],
         close: Callable[[Any, Any, Any], Awaitable[None]],
     ) -> None:
-        super().__init__(events, ping=15)
+        super().__init__(events, ping=_KEEPALIVE_S)
         self._close = close
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
@@ -357,20 +346,16 @@ async def _cancel_when_disconnected(request: Request, scope: trio.CancelScope) -
 
 async def _stream(
     shape: _Shape,
-    first: Event,
     events: AsyncIterator[Event],
     close: Callable[[Any, Any, Any], Awaitable[None]],
 ) -> AsyncIterator[dict[str, str]]:
     try:
         held: dict[str, Any] | None = None
-        for chunk in shape.stream_start():
-            yield {"data": json.dumps(chunk)}
-        event: Event | None = first
-        while event is not None:
+        yield {"data": json.dumps(shape.stream_start())}
+        async for event in events:
             if isinstance(event, PromptLogprobs):
                 for chunk in shape.prompt_chunks(event):
                     yield {"data": json.dumps(chunk)}
-                event = await anext(events, None)
                 continue
             if isinstance(event, ApiError):
                 if held is not None:
@@ -395,7 +380,6 @@ async def _stream(
                 # A choice's last chunk waits for the next event: if that is the usage, it goes
                 # on this chunk (every answer counts its tokens, and no chunk is left choiceless).
                 held = shape.chunk(event)
-            event = await anext(events, None)
         if held is not None:
             yield {"data": json.dumps(held)}
     finally:
@@ -443,8 +427,16 @@ class _Shape:
     def usage_chunk(self, usage: Usage) -> dict[str, Any]:
         return {**self._head(self.chunk_object_name), "choices": [], "usage": usage.to_json()}
 
-    def stream_start(self) -> list[dict[str, Any]]:
-        return []
+    def stream_start(self) -> dict[str, Any]:
+        """A stream's first chunk, sent once the request is accepted: every choice begins."""
+        choices = [
+            {"index": row, **self.opening(row), "finish_reason": None} for row in range(self.rows)
+        ]
+        return {**self._head(self.chunk_object_name), "choices": choices, "usage": None}
+
+    def opening(self, row: int) -> dict[str, Any]:
+        """How choice ``row`` begins, before anything was generated."""
+        raise NotImplementedError
 
     def take_prompt_logprobs(self, event: PromptLogprobs) -> None:
         """A prompt's tokens with their logprobs, for the whole answer."""
@@ -453,14 +445,6 @@ class _Shape:
     def prompt_chunks(self, event: PromptLogprobs) -> list[dict[str, Any]]:
         """The chunks that stream a prompt's tokens with their logprobs."""
         raise NotImplementedError
-
-    def _opening_chunk(self, content: Callable[[int], dict[str, Any]]) -> dict[str, Any]:
-        """A chunk starting every choice with ``content(row)``."""
-        choices = [
-            {"index": row, **content(row), "logprobs": None, "finish_reason": None}
-            for row in range(self.rows)
-        ]
-        return {**self._head(self.chunk_object_name), "choices": choices, "usage": None}
 
     def chunk(self, chunk: Chunk) -> dict[str, Any]:
         return {
@@ -529,10 +513,10 @@ class _CompletionShape(_Shape):
             "finish_reason": _finish_reason(parts),
         }
 
-    def stream_start(self) -> list[dict[str, Any]]:
-        if self.echo is None or self.wants_prompt_logprobs:  # then echoed with its logprobs
-            return []
-        return [self._opening_chunk(lambda row: {"text": self._prefix(row)})]
+    def opening(self, row: int) -> dict[str, Any]:
+        # The echo, unless it is sent with its logprobs once the swarm has scored it.
+        text = "" if self.wants_prompt_logprobs else self._prefix(row)
+        return {"text": text, "logprobs": self._logprobs(row, ())}
 
     def take_prompt_logprobs(self, event: PromptLogprobs) -> None:
         self._prompt_logprobs[event.prompt] = event.logprobs
@@ -604,8 +588,8 @@ class _ChatShape(_Shape):
             "finish_reason": _finish_reason(parts),
         }
 
-    def stream_start(self) -> list[dict[str, Any]]:
-        return [self._opening_chunk(lambda row: {"delta": {"role": "assistant", "content": ""}})]
+    def opening(self, row: int) -> dict[str, Any]:
+        return {"delta": {"role": "assistant", "content": ""}, "logprobs": None}
 
     def chunk_choice(self, chunk: Chunk) -> dict[str, Any]:
         return {
