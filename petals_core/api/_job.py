@@ -17,7 +17,8 @@ row is done.  For each row's new token, :meth:`Job.on_tokens`:
   character (less what was sent there and is still there): what was sent cannot be taken back,
   so the client keeps the space, and no character of the new text is lost;
 - scores the token (:func:`~._sampling.scored`) when the request asked for log-probabilities;
-  they are sent with the chunk that carries the token's text.
+  they are sent with the chunk that carries the token's text (a token whose text is held back,
+  or that has none, waits for the next chunk with text, or the row's last).
 
 Rows of one request are one batch of its session, left-padded as ``generate()`` pads them
 (:meth:`Job.inputs`); a row that finished is fed the pad token until the others finish
@@ -184,7 +185,8 @@ class Job:
             whole = text.rstrip(UNFINISHED)
             end = min(len(whole), stop_prefix_start(whole, stops, since=row.sent))
         new_text = text[row.sent : max(end, row.sent)]
-        if not new_text and not row.pending and row.finish_reason is None:
+        if not new_text and row.finish_reason is None:
+            # Nothing to send: the tokens' log-probabilities wait for the chunk with their text.
             return None
         row.sent = max(end, row.sent)
         pending, row.pending = tuple(row.pending), []

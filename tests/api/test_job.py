@@ -12,7 +12,7 @@ from tokenizers import Tokenizer, decoders, models
 from transformers import PreTrainedTokenizerFast
 
 from petals_core.api import Chunk, Sampling
-from petals_core.api._detokenize import TokenTexts
+from petals_core.api._detokenize import TokenTexts, text_bytes
 from petals_core.api._job import Job, stop_prefix_start
 
 from .test_detokenize import TOKENIZERS
@@ -147,20 +147,33 @@ def test_rows_finish_at_different_times_and_a_finished_row_is_fed_pad_tokens() -
     assert (usage.prompt_tokens, usage.completion_tokens) == (3, 8)
 
 
-def test_log_probabilities_go_with_the_chunk_of_their_token() -> None:
-    job = _job(Sampling(max_tokens=64, logprobs=2, stop=("ag",)))
-    tokens = [*_ids("drab"), END]
+def _scored_chunks(job: Job, tokens: Sequence[int]) -> tuple[list[Chunk], torch.Tensor]:
+    """The chunks of one row fed ``tokens`` with random log-probabilities, and those."""
     generator = torch.Generator().manual_seed(0)
     logits = torch.randn(len(tokens), len(TOKENIZER), generator=generator)
     logprobs = torch.log_softmax(logits, dim=-1)
     chunks: list[Chunk] = []
     for position, token in enumerate(tokens):
         emitted, done = job.on_tokens(torch.tensor([token]), logprobs[position : position + 1])
-        # Every token's chunk goes out at once, even where its text is held back ("a").
-        assert len(emitted) == 1 and len(emitted[0].logprobs) == 1
         chunks += emitted
     assert done
-    scored = [chunk.logprobs[0] for chunk in chunks]
+    return chunks, logprobs
+
+
+def test_log_probabilities_go_with_the_chunk_of_their_token() -> None:
+    job = _job(Sampling(max_tokens=64, logprobs=2, stop=("ag",)))
+    tokens = [*_ids("drab"), END]
+    chunks, logprobs = _scored_chunks(job, tokens)
+    # The leading "▁" has no text of its own, and "a" may begin "ag": each waits for the next
+    # chunk with text.
+    assert [chunk.text for chunk in chunks] == ["d", "r", "ab", ""]
+    assert [[entry.token for entry in chunk.logprobs] for chunk in chunks] == [
+        [" ", "d"],
+        ["r"],
+        ["a", "b"],
+        ["</s>"],
+    ]
+    scored = [entry for chunk in chunks for entry in chunk.logprobs]
     assert [entry.token for entry in scored] == [TOKEN_TEXT(token) for token in tokens]
     for position, (entry, token) in enumerate(zip(scored, tokens, strict=True)):
         assert entry.logprob == float(logprobs[position, token])
@@ -168,12 +181,24 @@ def test_log_probabilities_go_with_the_chunk_of_their_token() -> None:
         assert entry.top == tuple(
             (TOKEN_TEXT(int(i)), float(v)) for v, i in zip(values, ids, strict=True)
         )
-    text = "".join(chunk.text for chunk in chunks)
-    assert text == "drab"
     # Offsets into the answer's text; the end token adds no text, and is marked.
     assert [entry.offset for entry in scored[1:]] == [0, 1, 2, 3, 4]
     assert [entry.end for entry in scored] == [False] * (len(tokens) - 1) + [True]
     assert chunks[-1].finish_reason == "stop"
+
+
+def test_the_tokens_of_a_character_go_with_the_chunk_that_completes_it() -> None:
+    """A character over several tokens (its UTF-8 bytes) is sent once complete, with all of
+    its tokens' log-probabilities; no chunk carries log-probabilities without text."""
+    job = _job(Sampling(max_tokens=64, logprobs=0))
+    tokens = [*_ids("a日b"), END]
+    chunks, _ = _scored_chunks(job, tokens)
+    assert [chunk.text for chunk in chunks] == ["a", "日", "b", ""]
+    assert [len(chunk.logprobs) for chunk in chunks] == [2, 3, 1, 1]
+    for chunk in chunks[:-1]:
+        assert b"".join(text_bytes(entry.token) for entry in chunk.logprobs).strip() == (
+            chunk.text.encode()
+        )
 
 
 def test_a_cancelled_job_ends_its_rows_at_their_next_token() -> None:

@@ -10,6 +10,8 @@ import urllib.parse
 from collections.abc import Iterator
 from typing import Any
 
+from petals_core.api._detokenize import text_bytes
+
 DEADLINE_S = 60.0
 
 
@@ -109,3 +111,45 @@ def test_a_stream_begins_before_the_swarm_answers(endpoint: Any) -> None:
         for choice in chunk["choices"]:
             texts[choice["index"]] += choice["text"]
     assert texts[0] == texts[1] != ""
+
+
+def test_tokens_of_a_character_are_sent_with_it(endpoint: Any, client: Any) -> None:
+    """Characters spread over several tokens (their UTF-8 bytes) are held back until complete,
+    and their tokens' logprobs with them: each chunk carries the logprobs of the tokens whose
+    text it carries, and none carries logprobs without text, as the whole answer has them."""
+    settings: dict[str, Any] = {
+        "model": endpoint.repo,
+        "prompt": "東京は日本の首都です。東京は日本の首都です。東京は",  # copied on
+        "max_tokens": 12,
+        "temperature": 0,
+        "logprobs": 1,
+    }
+    whole = client.completions.create(**settings).choices[0]
+    chunks = [c.choices[0] for c in client.completions.create(**settings, stream=True)]
+    assert chunks[0].text == "" and chunks[0].logprobs.tokens == []  # the stream's opening
+    assert [t for c in chunks for t in c.logprobs.tokens] == whole.logprobs.tokens
+    assert "".join(c.text for c in chunks) == whole.text
+    assert max(len(c.logprobs.tokens) for c in chunks) > 1  # a character took several
+    for chunk in chunks[1:]:
+        assert chunk.text or chunk.finish_reason is not None
+        if chunk.finish_reason is None:
+            assert b"".join(map(text_bytes, chunk.logprobs.tokens)) == chunk.text.encode()
+
+    messages = [{"role": "user", "content": "Give me a smiley emoji."}]
+    options: dict[str, Any] = {"max_tokens": 16, "temperature": 0, "logprobs": True}
+    answer = client.chat.completions.create(model=endpoint.repo, messages=messages, **options)
+    stream = client.chat.completions.create(
+        model=endpoint.repo, messages=messages, stream=True, **options
+    )
+    choices = [chunk.choices[0] for chunk in stream]
+    tokens = [[t.token for t in c.logprobs.content] if c.logprobs else [] for c in choices]
+    assert [t for chunk in tokens for t in chunk] == [
+        t.token for t in answer.choices[0].logprobs.content
+    ]
+    assert max(map(len, tokens)) > 1
+    for choice in choices[1:]:
+        assert choice.delta.content or choice.finish_reason is not None
+        if choice.finish_reason is None:
+            assert choice.logprobs is not None
+            content = bytes(b for t in choice.logprobs.content for b in t.bytes)
+            assert content == choice.delta.content.encode()
