@@ -30,6 +30,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any, Final, TypeVar
 
+import attrs
 import trio
 from sse_starlette import EventSourceResponse
 from starlette.applications import Starlette
@@ -50,6 +51,7 @@ from ._requests import (
     parse_chat_untrusted,
     parse_completion_untrusted,
 )
+from ._tokenizing import Echo
 
 __all__ = ["MAX_BODY_BYTES", "create_app"]
 
@@ -200,10 +202,11 @@ class _Api:
         engine = self.engine
         engine.check_rows(len(parsed.prompts), parsed.sampling)  # before any tokenizing
 
-        def encode() -> tuple[list[list[int]], list[str] | None]:
-            prompts = [engine.encode_prompt(prompt) for prompt in parsed.prompts]
-            echo = [engine.decode(prompt) for prompt in prompts] if parsed.echo else None
-            return prompts, echo
+        def encode() -> tuple[list[list[int]], list[Echo] | None]:
+            if not parsed.echo:
+                return [engine.encode_prompt(prompt) for prompt in parsed.prompts], None
+            echoed = [engine.encode_echoed(prompt) for prompt in parsed.prompts]
+            return [ids for ids, _ in echoed], [echo for _, echo in echoed]
 
         if (
             parsed.echo
@@ -470,7 +473,7 @@ class _CompletionShape(_Shape):
     id_prefix = "cmpl"
 
     def __init__(
-        self, parsed: CompletionRequest, prompts: int, echo: list[str] | None, engine: Engine
+        self, parsed: CompletionRequest, prompts: int, echo: list[Echo] | None, engine: Engine
     ) -> None:
         super().__init__(parsed, engine)
         self.rows = prompts * parsed.sampling.n
@@ -481,7 +484,17 @@ class _CompletionShape(_Shape):
         self._prompt_logprobs: dict[int, tuple[TokenLogprob, ...]] = {}
 
     def _prefix(self, row: int) -> str:
-        return self.echo[row // self.sampling.n] if self.echo is not None else ""
+        return self.echo[row // self.sampling.n].text if self.echo is not None else ""
+
+    def _placed(self, event: PromptLogprobs) -> tuple[TokenLogprob, ...]:
+        """A prompt's tokens, each at its place in the echoed text."""
+        starts = self.echo[event.prompt].starts if self.echo is not None else None
+        if starts is None:
+            return event.logprobs
+        return tuple(
+            attrs.evolve(token, offset=start)
+            for token, start in zip(event.logprobs, starts, strict=True)
+        )
 
     @staticmethod
     def _entries(tokens: Sequence[TokenLogprob], start: int) -> dict[str, Any]:
@@ -519,11 +532,11 @@ class _CompletionShape(_Shape):
         return {"text": text, "logprobs": self._logprobs(row, ())}
 
     def take_prompt_logprobs(self, event: PromptLogprobs) -> None:
-        self._prompt_logprobs[event.prompt] = event.logprobs
+        self._prompt_logprobs[event.prompt] = self._placed(event)
 
     def prompt_chunks(self, event: PromptLogprobs) -> list[dict[str, Any]]:
         n = self.sampling.n
-        logprobs = self._entries(event.logprobs, 0)
+        logprobs = self._entries(self._placed(event), 0)
         choices = [
             {"index": row, "text": self._prefix(row), "logprobs": logprobs, "finish_reason": None}
             for row in range(event.prompt * n, (event.prompt + 1) * n)

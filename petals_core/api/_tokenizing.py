@@ -10,6 +10,7 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
+import attrs
 import trio
 
 from ._detokenize import TokenTexts
@@ -18,7 +19,16 @@ from ._job import Job
 from ._records import Limits
 from ._requests import Message, Sampling
 
-__all__ = ["Tokenizing"]
+__all__ = ["Echo", "Tokenizing"]
+
+
+@attrs.frozen
+class Echo:
+    """A completion prompt's text as its answer echoes it, and where each of its tokens starts in
+    that text (None: where decoding the tokens one after another puts them)."""
+
+    text: str
+    starts: tuple[int, ...] | None = None
 
 
 class Tokenizing:
@@ -69,11 +79,14 @@ class Tokenizing:
         request may hold is refused before tokenizing: no token stands for more characters
         than the longest in the vocabulary, and a normalizer (that may merge characters before
         the vocabulary sees them) is given a factor of 4."""
-        if len(text) > self._longest_token * self.max_request_tokens:
-            raise self._too_long(f"the prompt's {len(text)} characters are", param=param)
+        self._check_length(text, param=param)
         with self._encoder_lock:
             ids = self._encoder.encode(text, add_special_tokens=add_special_tokens)
         return [int(i) for i in ids]
+
+    def _check_length(self, text: str, *, param: str) -> None:
+        if len(text) > self._longest_token * self.max_request_tokens:
+            raise self._too_long(f"the prompt's {len(text)} characters are", param=param)
 
     def _too_long(self, what: str, *, param: str) -> ApiError:
         return ApiError(
@@ -88,12 +101,7 @@ class Tokenizing:
         """A completion prompt's token ids (token ids are checked against the vocabulary), in a
         worker thread."""
         if isinstance(prompt, str):
-            ids = self._encode(prompt, add_special_tokens=True, param="prompt")
-            if not ids and self.tokenizer.bos_token_id is not None:
-                ids = [int(self.tokenizer.bos_token_id)]
-            if not ids:
-                raise ApiError.bad_request("prompt is empty", param="prompt")
-            return ids
+            return self._nonempty(self._encode(prompt, add_special_tokens=True, param="prompt"))
         vocab = int(self.model.config.vocab_size)
         bad = [i for i in prompt if not 0 <= i < vocab]
         if bad:
@@ -101,6 +109,31 @@ class Tokenizing:
                 f"prompt token ids must be from 0 to {vocab - 1}; got {bad[0]}", param="prompt"
             )
         return list(prompt)
+
+    def _nonempty(self, ids: list[int]) -> list[int]:
+        """A text prompt's token ids: the start token for an empty one, where there is one."""
+        if not ids and self.tokenizer.bos_token_id is not None:
+            ids = [int(self.tokenizer.bos_token_id)]
+        if not ids:
+            raise ApiError.bad_request("prompt is empty", param="prompt")
+        return ids
+
+    def encode_echoed(self, prompt: str | Sequence[int]) -> tuple[list[int], Echo]:
+        """A completion prompt's token ids (as :meth:`encode_prompt`) and its :class:`Echo`: the
+        prompt as it was sent, or for token ids their text; in a worker thread.  The starts of
+        a text's tokens are where the tokenizer read them (decoding may not give the text back:
+        special tokens, normalization, cleaned up spaces); a tokenizer that cannot say that
+        echoes the tokens' text."""
+        if not isinstance(prompt, str) or not getattr(self._encoder, "is_fast", False):
+            ids = self.encode_prompt(prompt)
+            return ids, Echo(self.decode(ids))
+        self._check_length(prompt, param="prompt")
+        with self._encoder_lock:
+            encoding = self._encoder(prompt, return_offsets_mapping=True)
+        ids = [int(i) for i in encoding["input_ids"]]
+        if not ids:
+            return self._nonempty(ids), Echo(prompt, (0,))
+        return ids, Echo(prompt, token_starts(encoding["offset_mapping"]))
 
     def encode_chat(self, messages: Sequence[Message]) -> list[int]:
         """The chat's token ids through the tokenizer's chat template, ready for the answer, in a
@@ -178,3 +211,17 @@ class Tokenizing:
             pad_token_id=self.pad_token_id,
             prompt_logprobs=prompt_logprobs,
         )
+
+
+def token_starts(spans: Sequence[tuple[int, int]]) -> tuple[int, ...]:
+    """Where each token starts in the text it was read from, given the span of the text each
+    stands for (a tokenizer's offsets), so that the starts run along the text: a token that
+    stands for none of it (a special token the tokenizer added) starts where the tokens before
+    end, and so does one whose span leaves out text before it (a leading space trimmed)."""
+    starts = []
+    start = end = 0
+    for first, last in spans:
+        start = max(start, end if first >= last else min(first, end))
+        starts.append(start)
+        end = max(end, last)
+    return tuple(starts)

@@ -181,7 +181,7 @@ def test_a_scored_continuation_ending_the_answer_keeps_its_end_token(
     )
     (choice,) = scored.choices
     assert choice.finish_reason == "stop"  # the model ends its turn here
-    assert choice.text == engine.decode(engine.encode_prompt(prompt))
+    assert choice.text == prompt  # as sent (its special tokens' text too)
     logprobs = choice.logprobs
     assert len(logprobs.tokens) == scored.usage.prompt_tokens + 1
     assert logprobs.tokens[-1] in {engine.token_text(token) for token in engine.eos_token_ids}
