@@ -54,9 +54,10 @@ class Bridge:
         if token is None:
             token = self.token()
         scope = trio.CancelScope()
-        ended = threading.Event()
+        began, ended = threading.Event(), threading.Event()
 
         async def guarded() -> T:
+            began.set()
             try:
                 with scope:
                     return await fn(*args)
@@ -73,7 +74,10 @@ class Bridge:
                 except trio.RunFinishedError:
                     pass
                 else:
-                    ended.wait()
+                    # (One that has not begun starts cancelled, or never: a loop that is
+                    # stuck or closing may not start it; waiting for it would hang.)
+                    if began.is_set():
+                        ended.wait()
             raise
 
     def token(self) -> trio.lowlevel.TrioToken:

@@ -5,10 +5,13 @@ child (checked in a separate interpreter, so that the test process never forks).
 
 from __future__ import annotations
 
+import inspect
+import signal
 import subprocess
 import sys
 import textwrap
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -69,6 +72,59 @@ def test_bridge_starts_one_thread_on_first_use() -> None:
     assert (own._token, own._nursery, own._thread) == (None, None, None)
     assert own.run(double, 2) == 4
     assert own._thread is not None and own._thread is not thread
+
+
+def _waiting_in_the_bridge(thread: threading.Thread) -> bool:
+    """Whether ``thread`` is in a bridge call, past handing it to the loop (in trio's
+    ``from_thread.run``)."""
+    lines, first = inspect.getsourcelines(Bridge.run)
+    (handing,) = [first + i for i, line in enumerate(lines) if "trio.from_thread.run(" in line]
+    innermost = frame = sys._current_frames().get(thread.ident or 0)
+    while frame is not None:
+        if frame.f_code is Bridge.run.__code__:
+            return frame is not innermost and frame.f_lineno == handing
+        frame = frame.f_back
+    return False
+
+
+def test_ctrl_c_before_the_loop_began_the_call_comes_back_at_once() -> None:
+    """Ctrl-C while the bridge's loop has not begun the call yet (it is busy): the interrupt
+    reaches the caller at once, not once the loop is free; the call then starts cancelled."""
+    assert threading.current_thread() is threading.main_thread()
+    own = Bridge()
+    assert own.run(double, 1) == 2
+    token = own.token()
+    stuck, free, released = threading.Event(), threading.Event(), threading.Event()
+    token.run_sync_soon(lambda: (stuck.set(), free.wait(DEADLINE_S), released.set()))
+    assert stuck.wait(DEADLINE_S)
+    ran: list[int] = []
+
+    async def record() -> None:
+        ran.append(1)
+        await trio.lowlevel.checkpoint()
+        ran.append(2)
+
+    main = threading.main_thread()
+
+    def interrupt() -> None:
+        deadline = time.monotonic() + DEADLINE_S
+        while not _waiting_in_the_bridge(main) and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert main.ident is not None
+        signal.pthread_kill(main.ident, signal.SIGINT)
+
+    thread = threading.Thread(target=interrupt, name="ctrl-c", daemon=True)
+    thread.start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            own.run(record)
+        assert not released.is_set()  # back while the loop was still stuck
+    finally:
+        free.set()
+        thread.join(DEADLINE_S)
+    # Once free, the loop begins the call cancelled: it stops at its first checkpoint.
+    assert own.run(double, 2) == 4
+    assert ran in ([], [1])
 
 
 async def test_sync_call_on_a_trio_thread_is_refused() -> None:
