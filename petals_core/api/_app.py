@@ -4,11 +4,12 @@
 ``POST /v1/chat/completions``, as plain JSON or, with ``"stream": true``, as server-sent events
 of OpenAI's chunks ending with ``data: [DONE]``. Every answer counts its tokens (``usage``; in a
 stream, on the last chunk, and in a chunk of its own when ``stream_options.include_usage`` asks).
-A stream begins as soon as its request is accepted: its first chunk goes out before the prompt
-reaches the swarm, and while no token comes a comment line every 15 s keeps proxies from closing
-the idle connection.  Errors found before are OpenAI's JSON (``{"error": {...}}``) with its
-status codes; a failure after a stream began is sent as an event of that shape, then the stream
-ends.
+A stream begins as soon as its request is accepted: its headers, and the chunk OpenAI sends
+before any token (a chat's role, a completion's echo), go out before the prompt reaches the
+swarm, and while no token comes a comment line every 15 s keeps proxies from closing the idle
+connection.  Errors found before (the request's own, or too many waiting) are OpenAI's JSON
+(``{"error": {...}}``) with its status codes; a failure after a stream began (the swarm's
+included) is sent as an event of that shape, then the stream ends.
 
 A client that stops reading its stream without closing its connection (or reads it far slower
 than it is generated) is given up on once it falls :data:`~._engine.EVENTS_PER_ROW` events per
@@ -354,7 +355,8 @@ async def _stream(
 ) -> AsyncIterator[dict[str, str]]:
     try:
         held: dict[str, Any] | None = None
-        yield {"data": json.dumps(shape.stream_start())}
+        for chunk in shape.stream_start():
+            yield {"data": json.dumps(chunk)}
         async for event in events:
             if isinstance(event, PromptLogprobs):
                 for chunk in shape.prompt_chunks(event):
@@ -430,16 +432,18 @@ class _Shape:
     def usage_chunk(self, usage: Usage) -> dict[str, Any]:
         return {**self._head(self.chunk_object_name), "choices": [], "usage": usage.to_json()}
 
-    def stream_start(self) -> dict[str, Any]:
-        """A stream's first chunk, sent once the request is accepted: every choice begins."""
+    def stream_start(self) -> list[dict[str, Any]]:
+        """The chunks a stream begins with, sent once the request is accepted (before anything
+        is generated)."""
+        return []
+
+    def _opening_chunk(self, content: Callable[[int], dict[str, Any]]) -> dict[str, Any]:
+        """A chunk starting every choice with ``content(row)``."""
         choices = [
-            {"index": row, **self.opening(row), "finish_reason": None} for row in range(self.rows)
+            {"index": row, **content(row), "logprobs": None, "finish_reason": None}
+            for row in range(self.rows)
         ]
         return {**self._head(self.chunk_object_name), "choices": choices, "usage": None}
-
-    def opening(self, row: int) -> dict[str, Any]:
-        """How choice ``row`` begins, before anything was generated."""
-        raise NotImplementedError
 
     def take_prompt_logprobs(self, event: PromptLogprobs) -> None:
         """A prompt's tokens with their logprobs, for the whole answer."""
@@ -526,10 +530,12 @@ class _CompletionShape(_Shape):
             "finish_reason": _finish_reason(parts),
         }
 
-    def opening(self, row: int) -> dict[str, Any]:
-        # The echo, unless it is sent with its logprobs once the swarm has scored it.
-        text = "" if self.wants_prompt_logprobs else self._prefix(row)
-        return {"text": text, "logprobs": self._logprobs(row, ())}
+    def stream_start(self) -> list[dict[str, Any]]:
+        # The echo, unless it is sent with its logprobs once the swarm has scored it.  Without
+        # one, nothing: a completion's chunks each carry a token.
+        if self.echo is None or self.wants_prompt_logprobs:
+            return []
+        return [self._opening_chunk(lambda row: {"text": self._prefix(row)})]
 
     def take_prompt_logprobs(self, event: PromptLogprobs) -> None:
         self._prompt_logprobs[event.prompt] = self._placed(event)
@@ -601,8 +607,8 @@ class _ChatShape(_Shape):
             "finish_reason": _finish_reason(parts),
         }
 
-    def opening(self, row: int) -> dict[str, Any]:
-        return {"delta": {"role": "assistant", "content": ""}, "logprobs": None}
+    def stream_start(self) -> list[dict[str, Any]]:
+        return [self._opening_chunk(lambda row: {"delta": {"role": "assistant", "content": ""}})]
 
     def chunk_choice(self, chunk: Chunk) -> dict[str, Any]:
         return {

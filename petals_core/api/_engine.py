@@ -224,6 +224,13 @@ class Engine(Tokenizing):
         Raises :class:`ApiError` at once for a request over the limits, or 429 when too many
         wait. Leaving the block early cancels the generation."""
         max_new_tokens = self.plan(prompts, sampling, prompt_param=prompt_param)
+        if self._base.tuning_mode is not None and len({len(prompt) for prompt in prompts}) > 1:
+            # (The trainable prompts go first, where a shorter prompt's left padding would.)
+            raise ApiError.bad_request(
+                f"{self.name} has trainable prompts, so the prompts of one request must have "
+                "the same number of tokens",
+                param=prompt_param,
+            )
         self._check_queue(self._waiting)
         return _Generation(self, prompts, sampling, max_new_tokens, prompt_logprobs)
 
@@ -313,12 +320,6 @@ class Engine(Tokenizing):
         job = request.job
         base = self._base
         ids, padding = job.inputs()
-        if padding is not None and base.tuning_mode is not None:
-            raise ApiError.bad_request(
-                f"{self.name} has trainable prompts, so the prompts of one request must have "
-                "the same number of tokens",
-                param="prompt",
-            )
         chooser = Chooser(job.sampling)
         draft_tokens = self._prompt_lookup_num_tokens if self._speculative is not None else 0
         if draft_tokens:

@@ -253,6 +253,46 @@ def test_no_server_for_the_blocks_is_a_503(endpoint: Any) -> None:
     _still_serving(endpoint)
 
 
+def test_prompts_of_different_lengths_for_trainable_prompts_are_a_400_before_any_stream(
+    endpoint: Any,
+) -> None:
+    """A model with trainable prompts takes the prompts of one request only of one length: a
+    request of several lengths is refused with a 400, streamed or not (before any stream
+    begins), and one of one length is answered."""
+
+    async def ask() -> list[tuple[int, Any]]:
+        config = ApiConfig(
+            model=endpoint.repo,
+            initial_peers=tuple(endpoint.swarm.initial_peers),
+            port=0,
+            client_options={"local_files_only": True, "tuning_mode": "ptune", "pre_seq_len": 2},
+        )
+        answers = []
+        async with trio.open_nursery() as nursery:
+            api = await nursery.start(serve_api, config)
+            unequal = ["Hello", "Hello there, friend"]
+            for prompt, stream in ((unequal, False), (unequal, True), (["Hi", "Hi"], True)):
+                body = {"model": endpoint.repo, "prompt": prompt, "max_tokens": 1}
+                with trio.fail_after(60):
+                    answers.append(
+                        await trio.to_thread.run_sync(
+                            _post,
+                            api.urls[0],
+                            "/v1/completions",
+                            json.dumps({**body, "stream": stream}).encode(),
+                        )
+                    )
+            nursery.cancel_scope.cancel()
+        return answers
+
+    unequal, unequal_streamed, equal = endpoint.run(ask)
+    for answer in (unequal, unequal_streamed):
+        error = _error(*answer, 400)
+        assert error["param"] == "prompt"
+        assert "the same number of tokens" in error["message"]
+    assert equal == (200, None)
+
+
 _JSON = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=20),
     lambda inner: (

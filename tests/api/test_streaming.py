@@ -64,7 +64,8 @@ def _begun_while_stalled(
 
 def test_a_stream_begins_before_the_swarm_answers(endpoint: Any) -> None:
     """With the first server stopped, no token can be generated: a stream's headers and first
-    chunk (OpenAI's: the assistant's role, or each choice's echoed prompt) come all the same;
+    chunk (OpenAI's: the assistant's role, or each choice's echoed prompt; none for a plain
+    completion, whose chunks each carry text) come all the same;
     once the server goes on, the answer follows.  The server is stopped only until the first
     chunk comes (well within the silence after which a client gives up on a server), and the
     endpoint has a client of its own."""
@@ -112,6 +113,17 @@ def test_a_stream_begins_before_the_swarm_answers(endpoint: Any) -> None:
             texts[choice["index"]] += choice["text"]
     assert texts[0] == texts[1] != ""
 
+    # Without an echo, a completion's chunks each carry text: its headers come all the same.
+    server.send_signal(signal.SIGSTOP)
+    try:
+        with _stream(url, "/v1/completions", {**completion, "echo": False, "n": 1}) as reply:
+            server.send_signal(signal.SIGCONT)
+            chunks = _rest(reply)
+    finally:
+        server.send_signal(signal.SIGCONT)
+    assert chunks[0]["choices"][0]["text"] != ""
+    assert "".join(chunk["choices"][0]["text"] for chunk in chunks) == texts[0]
+
 
 def test_tokens_of_a_character_are_sent_with_it(endpoint: Any, client: Any) -> None:
     """Characters spread over several tokens (their UTF-8 bytes) are held back until complete,
@@ -126,11 +138,10 @@ def test_tokens_of_a_character_are_sent_with_it(endpoint: Any, client: Any) -> N
     }
     whole = client.completions.create(**settings).choices[0]
     chunks = [c.choices[0] for c in client.completions.create(**settings, stream=True)]
-    assert chunks[0].text == "" and chunks[0].logprobs.tokens == []  # the stream's opening
     assert [t for c in chunks for t in c.logprobs.tokens] == whole.logprobs.tokens
     assert "".join(c.text for c in chunks) == whole.text
     assert max(len(c.logprobs.tokens) for c in chunks) > 1  # a character took several
-    for chunk in chunks[1:]:
+    for chunk in chunks:  # (no opening chunk: each carries text)
         assert chunk.text or chunk.finish_reason is not None
         if chunk.finish_reason is None:
             assert b"".join(map(text_bytes, chunk.logprobs.tokens)) == chunk.text.encode()
