@@ -634,6 +634,7 @@ class InferenceSession:
         except RETRIABLE as exc:
             logger.info("could not check blocks %d:%d: %r", span.start, span.end, exc)
             self._check_failure = exc
+            self._blame(calls[-1].state.peer, exc)  # (the checks after go elsewhere)
             return None
         finally:
             with trio.CancelScope(shield=True):

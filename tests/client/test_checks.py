@@ -5,6 +5,7 @@ signature does not match is refused."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -381,6 +382,48 @@ async def test_a_padded_long_prefill_is_checked_piece_by_piece(
     assert state.verified[whole] == 4 + 1  # (pieces 0:2, 2:4, 4:6, 6:7; the step after)
 
 
+@attrs.define
+class _CheckedByTwo:
+    session: InferenceSession
+    state: Any  # the manager's state
+    whole: str  # the server the session goes through
+    checker: str  # the first server of the route that checks it
+    delay: float | None  # how long each step the checker takes waits first (None: none)
+
+
+@asynccontextmanager
+async def _checked_by_two(
+    model: Model, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, request_timeout_s: float
+) -> AsyncIterator[_CheckedByTwo]:
+    """A session through the one server holding every block, checked by a route of two others
+    (``verify="all"``, steps of two positions at most), with ``request_timeout_s``; setting
+    ``delay`` holds each step the first of those two takes."""
+    monkeypatch.setattr(STEP_BYTES, 2 * 2 * HIDDEN * 4)
+    async with in_process_swarm(model, tmp_path, [(0, 3), (3, 6)]) as swarm:
+        checker = next(iter(swarm.servers))
+        inference = swarm.servers[checker].block_server._inference
+        whole = str((await swarm.add((0, N_BLOCKS), throughput=1000.0)).dht.peer_id)
+        with trio.fail_after(DEADLINE_S):
+            async with (
+                sequential_over(
+                    list(swarm.servers.values()), verify="all", request_timeout_s=request_timeout_s
+                ) as seq,
+                InferenceSession(seq.sequence_manager, 16) as session,
+            ):
+                checked = _CheckedByTwo(
+                    session, seq.sequence_manager.state, whole, str(checker), None
+                )
+                original = inference._step
+
+                async def delayed(*args: Any, **kwargs: Any) -> Any:
+                    if checked.delay is not None:
+                        await trio.sleep(checked.delay)
+                    return await original(*args, **kwargs)
+
+                inference._step = delayed
+                yield checked
+
+
 async def test_a_check_replaying_a_long_history_gives_each_piece_its_time(
     model: Model, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -389,33 +432,34 @@ async def test_a_check_replaying_a_long_history_gives_each_piece_its_time(
     the step after eight positions replays nine in five steps there, longer in all than
     ``request_timeout_s`` and each well within it, as a replacement's replay is: the check
     completes (the server's answer is verified)."""
-    monkeypatch.setattr(STEP_BYTES, 2 * 2 * HIDDEN * 4)
     timeout = 3.0
     torch.manual_seed(23)
-    async with in_process_swarm(model, tmp_path, [(0, 3), (3, 6)]) as swarm:
-        slow = swarm.servers[next(iter(swarm.servers))].block_server._inference
-        whole = str((await swarm.add((0, N_BLOCKS), throughput=1000.0)).dht.peer_id)
-        with trio.fail_after(DEADLINE_S):
-            async with (
-                sequential_over(
-                    list(swarm.servers.values()), verify="all", request_timeout_s=timeout
-                ) as seq,
-                InferenceSession(seq.sequence_manager, 16) as session,
-            ):
-                await session.step(torch.randn(2, 8, HIDDEN))
-                state = seq.sequence_manager.state
-                assert state.verified[whole] == 4  # (pieces 0:2, 2:4, 4:6, 6:8)
-                original = slow._step
+    async with _checked_by_two(model, tmp_path, monkeypatch, timeout) as checked:
+        await checked.session.step(torch.randn(2, 8, HIDDEN))
+        assert checked.state.verified[checked.whole] == 4  # (pieces 0:2, 2:4, 4:6, 6:8)
+        checked.delay = timeout / 3
+        await checked.session.step(torch.randn(2, 1, HIDDEN))
+        assert [span.peer_id for span in checked.session.route] == [checked.whole]
+    assert checked.state.verified[checked.whole] == 4 + 1
+    assert not checked.state.caught
 
-                async def over_a_slow_link(*args: Any, **kwargs: Any) -> Any:
-                    await trio.sleep(timeout / 3)
-                    return await original(*args, **kwargs)
 
-                slow._step = over_a_slow_link
-                await session.step(torch.randn(2, 1, HIDDEN))
-                assert [span.peer_id for span in session.route] == [whole]
-    assert state.verified[whole] == 4 + 1
-    assert not state.caught
+async def test_a_checker_that_fails_a_check_is_banned_as_a_failing_server_is(
+    model: Model, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A server checking a span that does not answer a step within ``request_timeout_s``: the
+    check gives up (the answer stands unchecked), and that server is banned for a while, as one
+    failing a step of the session is, so that the next checks go elsewhere."""
+    torch.manual_seed(29)
+    async with _checked_by_two(model, tmp_path, monkeypatch, 2.0) as checked:
+        await checked.session.step(torch.randn(2, 2, HIDDEN))
+        assert checked.state.verified[checked.whole] == 1
+        checked.delay = math.inf
+        await checked.session.step(torch.randn(2, 1, HIDDEN))
+        assert [span.peer_id for span in checked.session.route] == [checked.whole]
+    assert checked.state.verified[checked.whole] == 1
+    assert checked.checker in checked.state.bans
+    assert not checked.state.caught
 
 
 async def test_a_server_lying_in_its_gradients_is_caught_before_the_optimiser_sees_them(
