@@ -39,13 +39,7 @@ from ._endpoint_conn import APP_REFUSED
 from ._identity import Identity, PeerID
 from ._multiaddr import Multiaddr, as_multiaddr
 from ._punch import punch_hole
-from ._relay import (
-    CircuitDialers,
-    RelayLimits,
-    RelayTable,
-    close_circuit,
-    open_relayed_channel,
-)
+from ._relay import CircuitDialers, RelayLimits, RelayTable, close_circuit, open_relayed_channel
 from ._relay_wire import PUNCH, PUNCH_PROBE, RELAY_HEADER, RELAYED, split_virtual, virtual_address
 from ._repair import REPAIR
 from ._udp import DatagramSocket, forbid_fragmentation
@@ -56,8 +50,6 @@ logger = logging.getLogger(__name__)
 
 # Datagrams the pump takes in before it processes them and lets others run.
 _RECV_BATCH = 256
-# Circuits waiting to be closed on their relays (beyond that, relays close them when they idle).
-_CIRCUITS_CLOSING = 256
 
 
 @attrs.frozen(kw_only=True)
@@ -128,10 +120,11 @@ class Node:
         # Peers a hole could not be punched to, and until when not to try again.
         self._punch_failures: dict[PeerID, float] = {}
         # Circuits we dialled through whose connections ended: their relay connections and
-        # channels, for _circuit_closer to close.
+        # channels, for _circuit_closer to close (at most 256 waiting; beyond that, relays close
+        # them when they idle).
         self._circuits_to_close, self._circuits_closing = trio.open_memory_channel[
             tuple[Connection, int]
-        ](_CIRCUITS_CLOSING)
+        ](256)
         self.listen_multiaddr = Multiaddr.from_socket_address(
             *udp.local_address(), peer_id=identity.peer_id
         )
