@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import ipaddress
 
-__all__ = ["ip_of"]
+__all__ = ["host_of", "ip_of", "network_of"]
 
 
 def ip_of(host: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address:
@@ -15,3 +15,21 @@ def ip_of(host: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address:
     if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
         return address.ipv4_mapped
     return address
+
+
+def network_of(ip: ipaddress.IPv4Address | ipaddress.IPv6Address, ipv6_prefix: int) -> str:
+    """The host ``ip`` stands for in per-host bounds: an IPv4 address itself, an IPv6 one its
+    network of ``ipv6_prefix`` bits (a machine, or a line, picks its addresses in it)."""
+    if ip.version == 6:
+        return str(ipaddress.ip_network(f"{ip}/{ipv6_prefix}", strict=False))
+    return str(ip)
+
+
+def host_of(host: str, ipv6_prefix: int = 64) -> str:
+    """:func:`network_of` a socket's peer address (a zone index left out); anything that is
+    not an IP address as it is."""
+    try:
+        ip = ip_of(host.split("%", 1)[0])
+    except ValueError:
+        return host
+    return network_of(ip, ipv6_prefix)

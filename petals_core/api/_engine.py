@@ -483,7 +483,6 @@ class _Generation:
         self._args = (prompts, sampling, limit)
         self._prompt_logprobs = prompt_logprobs
         self._request: _Request | None = None
-        self._receive: trio.MemoryReceiveChannel[Event] | None = None
 
     async def __aenter__(self) -> AsyncIterator[Event]:
         engine = self._engine
@@ -495,17 +494,17 @@ class _Generation:
         request = _Request(job, send, receive)
         engine._waiting += 1
         engine._nursery.start_soon(engine._run, request, send)
-        self._request, self._receive = request, receive
+        self._request = request
         return _events(request, receive)
 
     async def __aexit__(self, *exc_info: Any) -> None:
-        assert self._request is not None and self._receive is not None
+        assert self._request is not None
         request = self._request
         request.job.cancelled = True
         request.waiting.cancel()  # a request still waiting for its turn leaves the queue now
         if not request.started:
             self._engine._leave(request)
-        await self._receive.aclose()
+        await request._receive.aclose()
 
 
 async def _events(

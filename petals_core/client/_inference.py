@@ -329,17 +329,16 @@ class InferenceSession:
             self.manager.on_request_failure(peer)
 
     async def _failed(self, attempt: int, state: SpanState | None, exc: BaseException) -> int:
+        if state is not None:
+            self._blame(state.peer, exc)
         if isinstance(exc, SessionTooLarge):
             # Not a failure: the session goes to servers that take it (each refusal rules one
             # out, so this ends), or fails with every server's reason.
-            if state is not None:
-                self._blame(state.peer, exc)
             return attempt
         attempt += 1
         self.retries += 1
         if state is not None:
             logger.warning("server %s failed during a step (%r); rerouting", state.peer, exc)
-            self.manager.on_request_failure(state.peer)
         if not self.manager.may_retry(attempt):
             raise PetalsError(
                 f"inference failed after {attempt} attempt(s); last error: "

@@ -451,13 +451,13 @@ class SessionCore:
         0, every input of the span so far from position 0 first: in one step if they fit one
         (the answer's last ``x.shape[1]`` positions are this step's), else in pieces as a
         replay goes (:meth:`checking_steps`) and then ``x`` (the last answer is this step's)."""
+        prompts = self._step_prompts(span, self.position, x.shape[1])
         if opened_now and self.position > 0:
             inputs = self.inputs_of(span, x)
             if len(self.replay_pieces(inputs)) == 1:
                 return self.checking_steps(span, inputs)
             catch_up = self.checking_steps(span, inputs[:, : self.position])
             step_id = len(catch_up)
-            prompts = self._step_prompts(span, self.position, x.shape[1])
             return [
                 *catch_up,
                 Step(
@@ -470,7 +470,7 @@ class SessionCore:
         step = Step(
             hidden_states=x,
             start_from_position=self.position,
-            prompts=self._step_prompts(span, self.position, x.shape[1]),
+            prompts=prompts,
             hypo_ids=None if opened_now else self._hypo_ids,
         )
         return [step]

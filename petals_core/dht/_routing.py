@@ -49,7 +49,7 @@ from typing import TYPE_CHECKING, Final
 import attrs
 
 from .._errors import ConfigError
-from .._ip import ip_of
+from .._ip import ip_of, network_of
 
 if TYPE_CHECKING:
     # Type only: importing the transport package at run time would pull in trio and aioquic.
@@ -92,9 +92,7 @@ def host_of(address: str) -> str | None:
         return None
     if ip.is_loopback or ip.is_link_local or any(ip in net for net in _PRIVATE):
         return None
-    if ip.version == 6:
-        return str(ipaddress.ip_network(f"{ip}/56", strict=False))
-    return str(ip)
+    return network_of(ip, 56)
 
 
 def _check_node_id_value(instance: NodeID, attribute: attrs.Attribute[int], value: int) -> None:

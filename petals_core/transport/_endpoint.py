@@ -30,6 +30,7 @@ from .._errors import (
     StreamReset as StreamResetError,
     TransportError,
 )
+from .._ip import host_of
 from ._config import ALPN, TransportConfig
 from ._endpoint_conn import (
     APP_CANCELLED,
@@ -55,9 +56,8 @@ from ._endpoint_events import (
 from ._identity import Identity, PeerID, check_certificate_identity
 from ._quic import PeerQuicConnection
 from ._quic_path import BASE_DATAGRAM_BYTES, PathInfo
-from ._relay_wire import RELAY_HEADER, split_virtual
+from ._relay_wire import RELAY_HEADER, is_virtual, split_virtual
 from ._repair import REPAIR, WINDOW_RUNS, RepairDecoder, RepairEncoder
-from ._udp import host_of
 
 __all__ = [
     "ConnectionLost",
@@ -146,6 +146,7 @@ class Endpoint:
             connect_deadline=now + self.config.connect_timeout_s,
             last_activity=now,
             last_received=now,
+            relayed=is_virtual(address),
         )
         self._by_handle[handle] = conn
         self._by_cid[quic.host_cid] = conn
@@ -315,7 +316,7 @@ class Endpoint:
         if len(self._by_handle) >= self.config.max_connections:
             return None
         # A connection through a relay is one circuit, which the relay bounds per host.
-        host = None if split_virtual(address) or is_loopback(address[0]) else host_of(address[0])
+        host = None if is_virtual(address) or is_loopback(address[0]) else host_of(address[0])
         if host is not None and self._accepted_from[host] >= self.config.max_connections_per_host:
             return None
         original_dcid: bytes = header.destination_cid  # type: ignore[attr-defined]
@@ -682,4 +683,4 @@ def _moved_across_relay(conn: Conn, address: Address) -> bool:
     """Whether a datagram of ``conn`` comes through a relay where the connection does not, or
     the other way round.  Such a move is never a NAT's doing (a punched hole is a connection
     of its own), and would let a connection slip past the per-host bounds or a relay's."""
-    return (split_virtual(address) is None) != (split_virtual(conn.address) is None)
+    return is_virtual(address) != conn.relayed

@@ -85,6 +85,8 @@ class Conn:
     repair_in: RepairDecoder | None = None
     #: The host a connection we accepted came from, while it counts towards that host's share.
     accepted_from: str | None = None
+    #: Whether it goes through a relay (it never moves into or out of one).
+    relayed: bool = False
 
 
 def no_data_pending(conn: Conn) -> bool:

@@ -9,7 +9,6 @@ are refused otherwise.
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import functools
 import logging
@@ -119,12 +118,8 @@ class Node:
         self._dialing: dict[PeerID, trio.Event] = {}
         # Peers a hole could not be punched to, and until when not to try again.
         self._punch_failures: dict[PeerID, float] = {}
-        # Circuits we dialled through whose connections ended: their relay connections and
-        # channels, for _circuit_closer to close (at most 256 waiting; beyond that, relays close
-        # them when they idle).
-        self._circuits_to_close, self._circuits_closing = trio.open_memory_channel[
-            tuple[Connection, int]
-        ](256)
+        # Where the node's own background tasks run (set by open_node).
+        self._tasks: trio.Nursery | None = None
         self.listen_multiaddr = Multiaddr.from_socket_address(
             *udp.local_address(), peer_id=identity.peer_id
         )
@@ -396,15 +391,10 @@ class Node:
         closed on its relay, unless the relay connection ended too (which closed it)."""
         relay = connection._relay_connection
         split = split_virtual(connection.address)
-        if self._closed or relay is None or relay._error is not None or split is None:
+        if self._closed or self._tasks is None or relay is None or relay._error is not None:
             return
-        with contextlib.suppress(trio.WouldBlock, trio.BrokenResourceError):
-            self._circuits_to_close.send_nowait((relay, split[1]))
-
-    async def _circuit_closer(self) -> None:
-        async with trio.open_nursery() as nursery:
-            async for relay, channel in self._circuits_closing:
-                nursery.start_soon(close_circuit, relay, channel, self.config.connect_timeout_s)
+        assert split is not None
+        self._tasks.start_soon(close_circuit, relay, split[1], self.config.connect_timeout_s)
 
     # -- the pump ----------------------------------------------------------------------------------
 
@@ -658,7 +648,7 @@ async def open_node(
             nursery.start_soon(node._pump)
             nursery.start_soon(node._sender)
             nursery.start_soon(node._flusher)
-            nursery.start_soon(node._circuit_closer)
+            node._tasks = nursery
             try:
                 yield node
             finally:

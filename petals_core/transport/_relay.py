@@ -48,12 +48,12 @@ from .._errors import (
     TransportError,
 )
 from .._groups import open_block_nursery
+from .._ip import host_of
 from .._validators import positive, positive_or_none
 from ._identity import PeerID
 from ._multiaddr import Multiaddr
 from ._relay_wire import RELAY_HEADER, Address, split_virtual, virtual_address
 from ._rpc import Handlers, ServerCall, call_unary, open_call
-from ._udp import host_of
 
 if TYPE_CHECKING:
     from ._connection import Connection
@@ -139,15 +139,14 @@ class _Bucket:
         return self.tokens >= self._burst(self.rate)
 
 
-def _take(buckets: tuple[_Bucket | None, ...], n: int, now: float) -> bool:
+def _take(buckets: tuple[_Bucket, ...], n: int, now: float) -> bool:
     """Take ``n`` bytes from every bucket, or from none when one lacks them (a datagram
     dropped costs nothing)."""
-    present = [bucket for bucket in buckets if bucket is not None]
-    for bucket in present:
+    for bucket in buckets:
         bucket.refill(now)
         if bucket.tokens < n:
             return False
-    for bucket in present:
+    for bucket in buckets:
         bucket.tokens -= n
     return True
 
@@ -160,10 +159,10 @@ class _Circuit:
     target: PeerID
     target_handle: int
     last_used: float
-    bucket: _Bucket | None
-    #: The dialing host (when the circuit opened) and the bucket its circuits share.
+    #: The dialing host (when the circuit opened).
     host: str | None
-    host_bucket: _Bucket | None
+    #: The byte rates its datagrams take from: its own, its host's, the relay's.
+    buckets: tuple[_Bucket, ...]
 
 
 class RelayTable:
@@ -179,8 +178,7 @@ class RelayTable:
         self.limits = limits
         self._address_of = address_of
         #: Reservations: peer -> its connection's handle, and the host it was made from.
-        self._reservations: dict[PeerID, int] = {}
-        self._reserved_from: dict[PeerID, str | None] = {}
+        self._reservations: dict[PeerID, tuple[int, str | None]] = {}
         #: The byte buckets of dialing hosts: kept after their last circuit closes until they
         #: refill, so that closing and reopening circuits does not refill them.
         self._host_buckets: dict[str, _Bucket] = {}
@@ -207,36 +205,34 @@ class RelayTable:
         """Whether a reservation for ``peer_id`` is held (on its connection ``handle``, if
         given: a newer reservation of the same peer replaces an older one)."""
         held = self._reservations.get(peer_id)
-        return held is not None and handle in (None, held)
+        return held is not None and handle in (None, held[0])
 
     def reserve(self, peer_id: PeerID, handle: int) -> None:
         """Hold a reservation for ``peer_id`` on its connection ``handle`` (a newer one of the
         same peer replaces the old, whose circuits close)."""
-        old = self._reservations.get(peer_id)
+        old = self._reservations.get(peer_id, (None, None))[0]
         if old is None and len(self._reservations) >= self.limits.max_reservations:
             raise RelayRefused(
                 f"this relay holds {self.limits.max_reservations} reservations, its most"
             )
         host = self._host_of(handle)
-        held = sum(h == host for p, h in self._reserved_from.items() if p != peer_id)
+        held = sum(h == host for p, (_, h) in self._reservations.items() if p != peer_id)
         if host is not None and held >= self.limits.max_reservations_per_host:
             raise RelayRefused(f"{host} holds {held} reservations here, the most one host may hold")
         if old is not None and old != handle:
             self._close_circuits(lambda c: c.target == peer_id)
-        self._reservations[peer_id] = handle
-        self._reserved_from[peer_id] = host
+        self._reservations[peer_id] = (handle, host)
 
     def release(self, peer_id: PeerID, handle: int) -> None:
-        if self._reservations.get(peer_id) == handle:
+        if self.holds(peer_id, handle):
             del self._reservations[peer_id]
-            del self._reserved_from[peer_id]
             self._close_circuits(lambda c: c.target == peer_id)
 
     def open_circuit(self, dialer: PeerID, dialer_handle: int, target: PeerID, now: float) -> int:
         """A new circuit from ``dialer`` (on its connection ``dialer_handle``) to ``target``;
         returns its channel.  Raises :class:`RelayRefused` beyond the bounds, or when no
         reservation for ``target`` is held."""
-        target_handle = self._reservations.get(target)
+        target_handle = self._reservations.get(target, (None, None))[0]
         if target_handle is None:
             raise RelayRefused(f"this relay holds no reservation for {target}")
         if target == dialer:
@@ -259,22 +255,21 @@ class RelayTable:
         channel = 0
         while channel == 0 or channel in self._circuits:
             channel = secrets.randbits(32)
-        bucket = (
-            None
-            if limits.circuit_bytes_per_s is None
-            else _Bucket.full(limits.circuit_bytes_per_s, now)
-        )
-        host_bucket = None
+        buckets = []
+        if limits.circuit_bytes_per_s is not None:
+            buckets.append(_Bucket.full(limits.circuit_bytes_per_s, now))
         if host is not None and limits.host_bytes_per_s is not None:
             in_use = {c.host for c in self._circuits.values()}
-            for other in [h for h, b in self._host_buckets.items() if h not in in_use]:
+            for other in [h for h in self._host_buckets if h not in in_use]:
                 if self._host_buckets[other].full_at(now):
                     del self._host_buckets[other]
-            host_bucket = self._host_buckets.setdefault(
-                host, _Bucket.full(limits.host_bytes_per_s, now)
+            buckets.append(
+                self._host_buckets.setdefault(host, _Bucket.full(limits.host_bytes_per_s, now))
             )
+        if self._total is not None:
+            buckets.append(self._total)
         self._circuits[channel] = _Circuit(
-            channel, dialer, dialer_handle, target, target_handle, now, bucket, host, host_bucket
+            channel, dialer, dialer_handle, target, target_handle, now, host, tuple(buckets)
         )
         return channel
 
@@ -292,9 +287,8 @@ class RelayTable:
 
     def connection_lost(self, handle: int) -> None:
         """A connection ended: its reservation and the circuits through it end."""
-        for peer_id in [p for p, h in self._reservations.items() if h == handle]:
+        for peer_id in [p for p, (h, _) in self._reservations.items() if h == handle]:
             del self._reservations[peer_id]
-            del self._reserved_from[peer_id]
         self._close_circuits(lambda c: handle in (c.dialer_handle, c.target_handle))
 
     def forward(self, data: bytes, source: Address, now: float) -> Address | None:
@@ -317,9 +311,7 @@ class RelayTable:
         else:
             destination = None
         size = len(data)
-        if destination is None or not _take(
-            (circuit.bucket, circuit.host_bucket, self._total), size, now
-        ):
+        if destination is None or not _take(circuit.buckets, size, now):
             self._dropped += 1
             return None
         circuit.last_used = now

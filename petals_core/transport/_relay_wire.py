@@ -27,6 +27,7 @@ __all__ = [
     "RELAYED",
     "RELAY_HEADER",
     "is_quic",
+    "is_virtual",
     "split_virtual",
     "virtual_address",
 ]
@@ -52,6 +53,11 @@ def is_quic(data: bytes) -> bool:
 def virtual_address(relay: Address, channel: int) -> Address:
     """The address a connection through ``relay`` on ``channel`` is known by."""
     return (f"{_PREFIX}{channel:08x}@{relay[0]}", relay[1])
+
+
+def is_virtual(address: Address) -> bool:
+    """Whether ``address`` is a virtual one (a connection through a relay)."""
+    return address[0].startswith(_PREFIX)
 
 
 def split_virtual(address: Address) -> tuple[Address, int] | None:

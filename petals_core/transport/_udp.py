@@ -15,7 +15,6 @@ The socket also counts what it did (system calls, datagrams, bytes), for the nod
 from __future__ import annotations
 
 import errno
-import ipaddress
 import itertools
 import logging
 import socket
@@ -23,7 +22,7 @@ import struct
 import sys
 from collections import deque
 
-__all__ = ["Address", "DatagramSocket", "forbid_fragmentation", "host_of", "normalise_host"]
+__all__ = ["Address", "DatagramSocket", "forbid_fragmentation", "normalise_host"]
 
 logger = logging.getLogger(__name__)
 
@@ -195,20 +194,6 @@ class DatagramSocket:
 def normalise_host(host: str) -> str:
     """IPv4 peers reached through a dual-stack socket appear as ``::ffff:a.b.c.d``: plain IPv4."""
     return host[7:] if host.startswith("::ffff:") and "." in host else host
-
-
-def host_of(ip: str) -> str:
-    """The host an IP address stands for in per-host bounds: an IPv4 address (also when
-    written as IPv4-mapped IPv6), or the /64 of an IPv6 one."""
-    try:
-        address = ipaddress.ip_address(ip.split("%", 1)[0])
-    except ValueError:
-        return ip
-    if isinstance(address, ipaddress.IPv6Address):
-        if address.ipv4_mapped is not None:
-            return str(address.ipv4_mapped)
-        return str(ipaddress.IPv6Network((address, 64), strict=False))
-    return str(address)
 
 
 # Linux's option numbers for "don't fragment, and don't trust the cached path MTU either".

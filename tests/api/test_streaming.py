@@ -47,19 +47,26 @@ def _rest(reply: Any) -> list[Any]:
     return chunks
 
 
+@contextlib.contextmanager
+def _stalled(server: Any) -> Iterator[None]:
+    """``server`` stopped (SIGSTOP: its connections stay open, it answers nothing) until the
+    block ends, or until it sends SIGCONT itself."""
+    server.send_signal(signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        server.send_signal(signal.SIGCONT)
+
+
 def _begun_while_stalled(
     url: str, path: str, body: dict[str, Any], server: Any
 ) -> tuple[dict[str, Any], list[Any]]:
-    """A streamed request's first chunk, read while ``server`` is stopped (SIGSTOP: its
-    connections stay open, it answers nothing), and the rest of its chunks once it goes on."""
-    server.send_signal(signal.SIGSTOP)
-    try:
-        with _stream(url, path, body) as reply:
-            first = json.loads(_next_data(reply))
-            server.send_signal(signal.SIGCONT)
-            return first, _rest(reply)
-    finally:
+    """A streamed request's first chunk, read while ``server`` is stopped, and the rest of its
+    chunks once it goes on."""
+    with _stalled(server), _stream(url, path, body) as reply:
+        first = json.loads(_next_data(reply))
         server.send_signal(signal.SIGCONT)
+        return first, _rest(reply)
 
 
 def test_a_stream_begins_before_the_swarm_answers(endpoint: Any) -> None:
@@ -114,13 +121,10 @@ def test_a_stream_begins_before_the_swarm_answers(endpoint: Any) -> None:
     assert texts[0] == texts[1] != ""
 
     # Without an echo, a completion's chunks each carry text: its headers come all the same.
-    server.send_signal(signal.SIGSTOP)
-    try:
-        with _stream(url, "/v1/completions", {**completion, "echo": False, "n": 1}) as reply:
-            server.send_signal(signal.SIGCONT)
-            chunks = _rest(reply)
-    finally:
+    plain = {**completion, "echo": False, "n": 1}
+    with _stalled(server), _stream(url, "/v1/completions", plain) as reply:
         server.send_signal(signal.SIGCONT)
+        chunks = _rest(reply)
     assert chunks[0]["choices"][0]["text"] != ""
     assert "".join(chunk["choices"][0]["text"] for chunk in chunks) == texts[0]
 

@@ -86,7 +86,6 @@ def _kind(connection: Connection) -> str:
 
 
 async def dialer_with_a_call(settings: dict[str, Any]) -> None:
-    kind = _kind
     peer = Multiaddr.parse(settings["peer"])
     direct = Multiaddr.parse(settings["direct"]).with_peer_id(peer.peer_id)
     async with open_node(host=settings["host"]) as node:
@@ -96,8 +95,8 @@ async def dialer_with_a_call(settings: dict[str, Any]) -> None:
             await call.send({"chunk": "before"})
             assert (await call.receive())["chunk"] == "erofeb"
             punched = await punch_hole(node, relayed, [direct])
-            print("PUNCHED", "relayed" if punched is None else kind(punched), flush=True)
-            print("NEW WORK", kind(await node.connect(peer)), flush=True)
+            print("PUNCHED", "relayed" if punched is None else _kind(punched), flush=True)
+            print("NEW WORK", _kind(await node.connect(peer)), flush=True)
             await trio.wrap_file(sys.stdin).readline()
             await call.send({"chunk": "after"})
             print("CALL", (await call.receive())["chunk"], flush=True)
@@ -127,8 +126,13 @@ def main() -> None:
     if role == "listener":
         listener(settings)
     else:
-        roles = {"relay": relay, "peer": peer, "dialer": dialer}
-        trio.run({**roles, "dialer_with_a_call": dialer_with_a_call}[role], settings)
+        roles = {
+            "relay": relay,
+            "peer": peer,
+            "dialer": dialer,
+            "dialer_with_a_call": dialer_with_a_call,
+        }
+        trio.run(roles[role], settings)
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ import pytest
 import trio
 
 from petals_core import RemoteError
+from petals_core._ip import host_of
 from petals_core.transport import (
     Connection,
     Handlers,
@@ -47,7 +48,6 @@ from petals_core.transport._relay import (
     open_relayed_channel,
 )
 from petals_core.transport._relay_wire import RELAY_HEADER, RELAYED, virtual_address
-from petals_core.transport._udp import host_of
 
 from ..dht._swarm import wait_until
 
@@ -271,7 +271,7 @@ async def test_the_relay_cannot_impersonate_the_peer() -> None:
                 await t.dialer.connect(t.relay.listen_multiaddr.relayed(stranger))
             # The relay forwards to the peer, but the dialer expects another key.
             table = t.service.table
-            table.reserve(stranger, table._reservations[t.peer.peer_id])
+            table.reserve(stranger, table._reservations[t.peer.peer_id][0])
             with pytest.raises(IdentityMismatch):
                 await t.dialer.connect(t.relay.listen_multiaddr.relayed(stranger))
 
@@ -310,7 +310,7 @@ async def test_a_relayed_connection_that_ends_frees_its_circuit_at_once() -> Non
         async with relayed(limits) as t:
             table = t.service.table
             stranger = Identity.generate().peer_id
-            table.reserve(stranger, table._reservations[t.peer.peer_id])
+            table.reserve(stranger, table._reservations[t.peer.peer_id][0])
             for attempt in range(3 * limits.max_circuits_per_peer):
                 connection = await t.dialer.connect(t.reservation.address)
                 assert (await call_unary(connection, "echo", {"n": attempt}))["echo"] == {
