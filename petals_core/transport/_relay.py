@@ -42,6 +42,7 @@ from .._errors import (
     CallEnded,
     CodecError,
     ConfigError,
+    ConnectionClosed,
     PeerUnreachable,
     RelayRefused,
     RemoteError,
@@ -587,7 +588,7 @@ async def open_relayed_channel(
     relay = address.relay_multiaddr
     connection = await node.connect(relay)
     try:
-        reply = await call_unary(connection, RELAY_CONNECT, {"peer": str(address.peer_id)})
+        reply = await _ask_for_circuit(node, connection, {"peer": str(address.peer_id)})
     except RemoteError as exc:
         raise _refused(exc, relay) from None
     except TransportError as exc:
@@ -599,6 +600,54 @@ async def open_relayed_channel(
         raise PeerUnreachable(f"relay {relay} answered no channel: {reply!r:.200}")
     virtual = virtual_address(connection.current_address, channel)
     return connection, virtual, _observed_untrusted(reply)
+
+
+async def _ask_for_circuit(node: Node, relay: Connection, request: dict[str, Any]) -> Any:
+    """``relay.connect``'s reply to ``request``.  The call runs in the node's own tasks, so that
+    a dial cancelled before the reply came (the losing address of ``connect_any``, a caller's
+    timeout) still learns the circuit it was given and has it closed at once, instead of
+    leaving it to count against its bounds on the relay until it idles."""
+    tasks = node._tasks
+    if tasks is None:
+        return await call_unary(relay, RELAY_CONNECT, request)
+    outcome: list[Any] = []
+    done = trio.Event()
+    scope = trio.CancelScope()
+    abandoned = False
+
+    async def ask() -> None:
+        try:
+            with scope:
+                try:
+                    outcome.append(await call_unary(relay, RELAY_CONNECT, request))
+                except Exception as exc:  # handed to the dialer, which raises it
+                    outcome.append(exc)
+        finally:
+            done.set()
+        if abandoned and outcome:
+            await _close_granted(relay, outcome[0], node.config.connect_timeout_s)
+
+    tasks.start_soon(ask)
+    try:
+        await done.wait()
+    except BaseException:
+        abandoned = True
+        # Nobody waits for the reply any more: it gets as long as a dial would have had.
+        scope.deadline = trio.current_time() + node.config.connect_timeout_s
+        if outcome:  # it came as we were cancelled, after ``ask`` looked
+            tasks.start_soon(_close_granted, relay, outcome[0], node.config.connect_timeout_s)
+        raise
+    if not outcome:
+        raise ConnectionClosed("the node was closed while asking the relay for a circuit")
+    if isinstance(outcome[0], Exception):
+        raise outcome[0]
+    return outcome[0]
+
+
+async def _close_granted(relay: Connection, reply: Any, timeout_s: float) -> None:
+    channel = reply.get("channel") if isinstance(reply, dict) else None
+    if isinstance(channel, int) and not isinstance(channel, bool) and 0 < channel < 1 << 32:
+        await close_circuit(relay, channel, timeout_s)
 
 
 async def close_circuit(relay: Connection, channel: int, timeout_s: float) -> None:

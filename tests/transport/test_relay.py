@@ -42,6 +42,7 @@ from petals_core.transport import (
 from petals_core.transport._punch import NAT_PUNCH, _unpunchable
 from petals_core.transport._relay import (
     RELAY_CLOSE,
+    RELAY_CONNECT,
     RELAY_RESERVE,
     CircuitDialers,
     RelayTable,
@@ -334,6 +335,41 @@ async def test_a_relayed_connection_that_ends_frees_its_circuit_at_once() -> Non
                     await call_unary(to_relay, RELAY_CLOSE, {"channel": "1"})
             assert table.statistics().circuits == 1
             assert (await call_unary(connection, "echo", {}))["echo"] == {}
+
+
+async def test_a_dial_cancelled_while_the_relay_answers_still_frees_its_circuit() -> None:
+    """The relay opens the circuit, but its answer reaches a dialer that gave up meanwhile (a
+    timeout, the losing address of ``connect_any``): the circuit it was given is closed at once,
+    and the dialer's next dial through the relay, at one circuit per dialer, gets through."""
+    limits = RelayLimits(max_circuits_per_peer=1)
+    with trio.fail_after(DEADLINE_S):
+        async with three_nodes() as (relay, peer, dialer, nursery):
+            service = RelayService.on(relay, limits)
+            handlers = service.handlers()
+            found = handlers.lookup(RELAY_CONNECT)
+            assert found is not None
+            open_circuit = found[1]
+            answer = trio.Event()
+
+            async def answer_late(request: dict, call: ServerCall) -> dict:
+                reply = await open_circuit(request, call)
+                await answer.wait()
+                return reply
+
+            handlers.add_unary(RELAY_CONNECT, answer_late)
+            await nursery.start(serve_rpc, relay, handlers)
+            await nursery.start(serve_rpc, peer, _peer_handlers())
+            reservation = await nursery.start(hold_reservation, peer, relay.listen_multiaddr)
+            table = service.table
+            async with trio.open_nursery() as dialing:
+                dialing.start_soon(dialer.connect, reservation.address)
+                await wait_until(lambda: table.statistics().circuits == 1)
+                dialing.cancel_scope.cancel()
+            answer.set()
+            await wait_until(lambda: table.statistics().circuits == 0)
+            connection = await dialer.connect(reservation.address)
+            assert (await call_unary(connection, "echo", {"n": 1}))["echo"] == {"n": 1}
+            nursery.cancel_scope.cancel()
 
 
 async def test_a_reservation_ends_with_the_relay_and_dialers_see_it() -> None:
