@@ -33,7 +33,14 @@ import attrs
 import trio
 
 from ..dht import DHTNode, Reachability, ReachabilityReport, check_reachability
-from ..transport import Multiaddr, PeerID, Reservation, TransportError, hold_reservation
+from ..transport import (
+    Multiaddr,
+    PeerID,
+    RelayRefused,
+    Reservation,
+    TransportError,
+    hold_reservation,
+)
 
 __all__ = ["Reach"]
 
@@ -97,11 +104,13 @@ class Reach:
     relays_wanted: int = 2
     #: A relay that failed, or held a reservation that ended, within this long is not asked
     #: again for as long (unless no other is left); one dropped within this long comes after
-    #: the other candidates.
+    #: the other candidates.  A failure to reach a relay counts against the address dialled;
+    #: a refusal against the relay at every address it is known at.
     relay_retry_s: float = _RELAY_RETRY_S
     report: ReachabilityReport | None = None
     reservations: dict[PeerID, Reservation] = attrs.Factory(dict)
     _retry_after: dict[Multiaddr, float] = attrs.Factory(dict)
+    _refused_until: dict[PeerID, float] = attrs.Factory(dict)
     _dropped_at: dict[Multiaddr, float] = attrs.Factory(dict)
     #: The relays (by PeerID: one relay may be known at several addresses) that a reservation
     #: is being asked of or held with.
@@ -214,7 +223,7 @@ class Reach:
             if relay is None:
                 await trio.sleep(_RELAY_SEARCH_S)
                 continue
-            retry_at = self._retry_after.get(relay, -math.inf)
+            retry_at = self._may_ask_at(relay)
             if retry_at > trio.current_time():
                 # Every candidate failed lately: look again when the one that failed longest
                 # ago may be asked (a relay that refuses at once must not be asked in a loop).
@@ -223,26 +232,32 @@ class Reach:
             assert relay.peer_id is not None
             self._in_use.add(relay.peer_id)
             began = trio.current_time()
+            refused = False
             try:
                 await hold_reservation(self.dht.node, relay, task_status=_Held(self, relay))
             except TransportError as exc:
                 logger.warning("relay %s: %s; turning to another", relay, exc)
+                refused = isinstance(exc, RelayRefused)
             finally:
                 self._in_use.discard(relay.peer_id)
                 if self.reservations.pop(relay.peer_id, None) is not None:
                     self._changed()
             # Not reached when cancelled: a reservation given up on purpose costs nothing.
-            self._retry_later(relay, began)
+            self._retry_later(relay, began, refused=refused)
 
-    def _retry_later(self, relay: Multiaddr, began: float) -> None:
+    def _retry_later(self, relay: Multiaddr, began: float, *, refused: bool = False) -> None:
         """``relay`` failed, or its reservation ended: another relay first.  One that failed or
         ended within ``relay_retry_s`` is asked again after as long; one that held us longer may
         be asked at once, after the candidates not dropped lately (it has most likely just gone
-        away: asking it first would wait out a connect timeout before turning to another)."""
+        away: asking it first would wait out a connect timeout before turning to another).  A
+        relay that ``refused`` is not asked at any of its addresses for ``relay_retry_s``."""
         now = trio.current_time()
         self._dropped_at[relay] = now
         soon = now - began < self.relay_retry_s
         self._retry_after[relay] = now + self.relay_retry_s if soon else now
+        if refused:
+            assert relay.peer_id is not None
+            self._refused_until[relay.peer_id] = now + self.relay_retry_s
 
     def _pick_relay(self) -> Multiaddr | None:
         """A candidate not in use (at any of its addresses) and not us: the first, in the
@@ -258,12 +273,19 @@ class Reach:
         ]
         if not free:
             return None
-        ready = [c for c in free if self._retry_after.get(c, -math.inf) <= now]
+        ready = [c for c in free if self._may_ask_at(c) <= now]
         if ready:
             lately = now - self.relay_retry_s
             # (min keeps the order given among equals.)
             return min(ready, key=lambda c: self._dropped_at.get(c, -math.inf) > lately)
-        return min(free, key=lambda c: self._retry_after[c])
+        return min(free, key=self._may_ask_at)
+
+    def _may_ask_at(self, relay: Multiaddr) -> float:
+        assert relay.peer_id is not None
+        return max(
+            self._retry_after.get(relay, -math.inf),
+            self._refused_until.get(relay.peer_id, -math.inf),
+        )
 
 
 def _log(report: ReachabilityReport, reach: Reach, *, port: int) -> None:

@@ -251,6 +251,19 @@ async def test_a_relay_known_at_two_addresses_holds_one_of_the_reservations() ->
                 assert {address.relay for address in relayed} == {first.peer_id, second.peer_id}
 
 
+def _reach_among(candidates: list[Multiaddr]) -> Reach:
+    """A server's reach (on no network) with these relay candidates, ``relay_retry_s`` 30."""
+    node = attrs.make_class("Node", {"peer_id": attrs.field()})(Identity.generate().peer_id)
+    return Reach(
+        dht=node,
+        listen=lambda: [],
+        peers=lambda: [],
+        relay_candidates=lambda: candidates,
+        on_change=lambda: None,
+        relay_retry_s=30.0,
+    )
+
+
 def test_a_relay_dropped_lately_goes_back_to_its_place_after_relay_retry_s() -> None:
     """Candidates in the order given, a first and a second.  The first, lost after long service,
     comes after the second for ``relay_retry_s``, then first again; one that failed soon is
@@ -262,15 +275,7 @@ def test_a_relay_dropped_lately_goes_back_to_its_place_after_relay_retry_s() -> 
     )
 
     async def main() -> None:
-        node = attrs.make_class("Node", {"peer_id": attrs.field()})(Identity.generate().peer_id)
-        reach = Reach(
-            dht=node,
-            listen=lambda: [],
-            peers=lambda: [],
-            relay_candidates=lambda: [first, second],
-            on_change=lambda: None,
-            relay_retry_s=30.0,
-        )
+        reach = _reach_among([first, second])
         assert reach._pick_relay() == first
         reach._retry_later(first, trio.current_time() - 100.0)  # lost after long service
         assert reach._pick_relay() == second
@@ -283,5 +288,34 @@ def test_a_relay_dropped_lately_goes_back_to_its_place_after_relay_retry_s() -> 
         reach._in_use.discard(second.peer_id)
         clock.jump(30.0)
         assert reach._pick_relay() == first
+
+    trio.run(main, clock=clock)
+
+
+def test_a_relay_that_refused_is_not_asked_again_at_its_other_address() -> None:
+    """The first relay is known at two addresses.  Refused at one, the server turns to the
+    second relay and does not ask the first at its other address for ``relay_retry_s``; not
+    reached at one address, it may try the other at once (the path, not the relay, failed)."""
+    clock = trio.testing.MockClock()
+    relay_id = Identity.generate().peer_id
+    at_ip, at_name, second = (
+        Multiaddr.parse(f"/ip4/127.0.0.1/udp/4001/quic-v1/p2p/{relay_id}"),
+        Multiaddr.parse(f"/dns4/localhost/udp/4001/quic-v1/p2p/{relay_id}"),
+        Multiaddr("127.0.0.1", 4002).with_peer_id(Identity.generate().peer_id),
+    )
+
+    async def main() -> None:
+        reach = _reach_among([at_ip, at_name, second])
+        reach._retry_later(at_ip, trio.current_time())  # not reached there
+        assert reach._pick_relay() == at_name
+        clock.jump(30.0)
+        reach._retry_later(at_ip, trio.current_time(), refused=True)
+        assert reach._pick_relay() == second
+        reach._in_use.add(second.peer_id)
+        # No other left: the refusing relay, once it may be asked again.
+        assert reach._may_ask_at(at_name) == trio.current_time() + 30.0
+        clock.jump(30.0)
+        assert reach._pick_relay() in (at_ip, at_name)
+        assert reach._may_ask_at(at_name) <= trio.current_time()
 
     trio.run(main, clock=clock)
