@@ -608,8 +608,10 @@ class InferenceSession:
         signatures: list[Signature | None] = []
         y, timeout = inputs, self.manager.config.request_timeout_s
         try:
-            # The opening and each step in the time a replay's take: a long history is given
-            # as long as its pieces need.
+            # The opening in the time an opening may take, and each step in the time the
+            # server's announced speed allows (as a step of the session is given): a long
+            # history is given as long as its pieces need, and a checker slower than it
+            # claims is given up on as a server of the session would be.
             for other in route:
                 call = SpanCall(SpanState(other), self.receipts)
                 calls.append(call)
@@ -624,7 +626,7 @@ class InferenceSession:
                     await call.open(self.manager, attrs.evolve(opening, max_length=length))
                 outputs = []
                 for step in core.checking_steps(other, y):
-                    with trio.fail_after(timeout):
+                    with trio.fail_after(self._piece_timeout(other, step.hidden_states)):
                         await call.send(step, self.manager.config.compression)
                         answered = await call.result(self.manager)
                     outputs.append(core.checked_answer(call.state, step, answered))
@@ -648,6 +650,12 @@ class InferenceSession:
             {other.peer_id for other in route},
             allowance,
         )
+
+    def _piece_timeout(self, span: RouteSpan, hidden: torch.Tensor) -> float:
+        """How long ``span``'s server may take to answer a replay's or a check's step of
+        ``hidden``: as long as a step of the session that size (see ``step_timeout``)."""
+        tokens = hidden.shape[0] * hidden.shape[1]
+        return self.manager.step_timeout(span, tokens=tokens, nbytes=hidden.nbytes)
 
     async def _replace(self, index: int) -> None:
         """Route the blocks of span ``index`` anew and replay its history there.
@@ -679,7 +687,7 @@ class InferenceSession:
                 try:
                     span_call = self._calls[state]
                     for start, end in core.replay_pieces(x):
-                        with trio.fail_after(self.manager.config.request_timeout_s):
+                        with trio.fail_after(self._piece_timeout(state.span, x[:, start:end])):
                             step = core.replay(state, x, start, end)
                             await span_call.send(step, self.manager.config.compression)
                             at = core.spans.index(state)

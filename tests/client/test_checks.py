@@ -393,20 +393,28 @@ class _CheckedByTwo:
 
 @asynccontextmanager
 async def _checked_by_two(
-    model: Model, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, request_timeout_s: float
+    model: Model,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    request_timeout_s: float,
+    **manager_fields: Any,
 ) -> AsyncIterator[_CheckedByTwo]:
     """A session through the one server holding every block, checked by a route of two others
-    (``verify="all"``, steps of two positions at most), with ``request_timeout_s``; setting
-    ``delay`` holds each step the first of those two takes."""
+    (``verify="all"``, steps of two positions at most, each announcing a speed of 100 blocks
+    per second), with ``request_timeout_s``; setting ``delay`` holds each step the first of
+    those two takes."""
     monkeypatch.setattr(STEP_BYTES, 2 * 2 * HIDDEN * 4)
-    async with in_process_swarm(model, tmp_path, [(0, 3), (3, 6)]) as swarm:
+    async with in_process_swarm(model, tmp_path, [(0, 3), (3, 6)], throughput=100.0) as swarm:
         checker = next(iter(swarm.servers))
         inference = swarm.servers[checker].block_server._inference
         whole = str((await swarm.add((0, N_BLOCKS), throughput=1000.0)).dht.peer_id)
         with trio.fail_after(DEADLINE_S):
             async with (
                 sequential_over(
-                    list(swarm.servers.values()), verify="all", request_timeout_s=request_timeout_s
+                    list(swarm.servers.values()),
+                    verify="all",
+                    request_timeout_s=request_timeout_s,
+                    **manager_fields,
                 ) as seq,
                 InferenceSession(seq.sequence_manager, 16) as session,
             ):
@@ -455,6 +463,27 @@ async def test_a_checker_that_fails_a_check_is_banned_as_a_failing_server_is(
         await checked.session.step(torch.randn(2, 2, HIDDEN))
         assert checked.state.verified[checked.whole] == 1
         checked.delay = math.inf
+        await checked.session.step(torch.randn(2, 1, HIDDEN))
+        assert [span.peer_id for span in checked.session.route] == [checked.whole]
+    assert checked.state.verified[checked.whole] == 1
+    assert checked.checker in checked.state.bans
+    assert not checked.state.caught
+
+
+async def test_a_checker_slower_than_it_claims_is_given_up_on_as_a_slow_server_is(
+    model: Model, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A server checking a span answers each step well within ``request_timeout_s`` but far
+    slower than its announced speed allows: the check gives each step the time a step of the
+    session that size would have (``step_timeout``), then gives up, and the checker is banned;
+    the user's step is not held for ``request_timeout_s`` per piece."""
+    torch.manual_seed(31)
+    async with _checked_by_two(
+        model, tmp_path, monkeypatch, 60.0, min_step_timeout_s=2.0
+    ) as checked:
+        await checked.session.step(torch.randn(2, 2, HIDDEN))
+        assert checked.state.verified[checked.whole] == 1
+        checked.delay = 8.0
         await checked.session.step(torch.randn(2, 1, HIDDEN))
         assert [span.peer_id for span in checked.session.route] == [checked.whole]
     assert checked.state.verified[checked.whole] == 1
