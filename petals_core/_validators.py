@@ -21,6 +21,7 @@ __all__ = [
     "compression_scheme",
     "in_range",
     "non_negative",
+    "non_negative_or_none",
     "one_of",
     "positive",
     "positive_or_none",
@@ -52,6 +53,14 @@ def positive_or_none(
     """None, or a number > 0."""
     if value is not None and not (_is_number(value) and value > 0):
         raise ConfigError(f"{attribute.name} must be > 0 or None, got {value!r}")
+
+
+def non_negative_or_none(
+    instance: object, attribute: attrs.Attribute[Any], value: float | None
+) -> None:
+    """None, or a finite number >= 0."""
+    if value is not None:
+        non_negative(instance, attribute, value)
 
 
 def at_least(minimum: float) -> Validator:

@@ -5,7 +5,14 @@ from __future__ import annotations
 import attrs
 from attrs import validators as v
 
-from .._validators import at_least, in_range, one_of, positive, positive_or_none
+from .._validators import (
+    at_least,
+    in_range,
+    non_negative_or_none,
+    one_of,
+    positive,
+    positive_or_none,
+)
 from ._codec_format import CodecLimits
 from ._repair import MAX_GROUP
 
@@ -61,6 +68,12 @@ class TransportConfig:
     #: cannot take every slot, handshakes left unfinished included.  New handshakes from a host
     #: beyond it are ignored.
     max_connections_per_host: int = attrs.field(default=128, validator=positive)
+    #: Handshakes from addresses not proven yet (unfinished; loopback and relayed ones aside)
+    #: the endpoint holds at once before it asks each new one to prove its address first (a
+    #: QUIC Retry: that handshake takes one more round trip).  Handshakes from forged source
+    #: addresses then hold at most this many connection slots, whatever the hosts they name,
+    #: and get no more than a short Retry sent to those addresses.  0: always ask; None: never.
+    max_unproven_handshakes: int | None = attrs.field(default=32, validator=non_negative_or_none)
     #: Calls a peer may have open towards us at once on one connection (the QUIC stream limit we
     #: advertise: the peer's further calls wait for one of these to finish).
     max_incoming_streams: int = attrs.field(default=100, validator=in_range(1, 1024))

@@ -11,6 +11,7 @@ key, and, when the dialer named a PeerID, only if the key hashes to it.
 
 from __future__ import annotations
 
+import os
 from collections import Counter, deque
 from collections.abc import Iterator
 
@@ -18,10 +19,13 @@ from aioquic.buffer import Buffer
 from aioquic.quic import events as qe
 from aioquic.quic.configuration import QuicConfiguration
 from aioquic.quic.packet import (
+    QuicHeader,
     QuicPacketType,
+    encode_quic_retry,
     encode_quic_version_negotiation,
     pull_quic_header,
 )
+from aioquic.quic.retry import QuicRetryTokenHandler
 
 from .._errors import (
     ConnectionClosed,
@@ -88,6 +92,11 @@ class Endpoint:
         self._stray_datagrams: list[tuple[bytes, Address]] = []
         #: Connections accepted from each host (see ``max_connections_per_host``).
         self._accepted_from: Counter[str] = Counter()
+        #: Handshakes accepted from addresses not proven yet (see ``max_unproven_handshakes``),
+        #: and the key of the tokens that prove one (a new key each run: a token is good for
+        #: one handshake, within seconds).
+        self._unproven = 0
+        self._retry_tokens = QuicRetryTokenHandler()
         self._timer_hint: float | None = None
         #: Repair datagrams sent, and datagrams rebuilt from the peers' repairs.
         self.repairs_sent = 0
@@ -153,7 +162,12 @@ class Endpoint:
         return conn
 
     def _make_quic(
-        self, *, is_client: bool, address: Address, original_dcid: bytes | None = None
+        self,
+        *,
+        is_client: bool,
+        address: Address,
+        original_dcid: bytes | None = None,
+        retry_scid: bytes | None = None,
     ) -> PeerQuicConnection:
         ceiling = self._datagram_ceiling(address)
         discover = self.config.path_mtu_discovery
@@ -167,6 +181,7 @@ class Endpoint:
             pacing_burst_s=self.config.timer_granularity_s,
             datagram_ceiling=ceiling if discover else None,
             original_destination_connection_id=original_dcid,
+            retry_source_connection_id=retry_scid,
         )
 
     # -- connections ----------------------------------------------------------------------------
@@ -290,9 +305,8 @@ class Endpoint:
             self.datagrams_rebuilt += 1
             self.receive_datagram(rebuilt, address, now)
 
-    def _accept(self, data: bytes, header: object, address: Address, now: float) -> Conn | None:
-        packet_type = getattr(header, "packet_type", None)
-        version = getattr(header, "version", None)
+    def _accept(self, data: bytes, header: QuicHeader, address: Address, now: float) -> Conn | None:
+        packet_type, version = header.packet_type, header.version
         supported = QuicConfiguration().supported_versions
         if (
             packet_type != QuicPacketType.VERSION_NEGOTIATION
@@ -303,8 +317,8 @@ class Endpoint:
             self._stray_datagrams.append(
                 (
                     encode_quic_version_negotiation(
-                        source_cid=header.destination_cid,  # type: ignore[attr-defined]
-                        destination_cid=header.source_cid,  # type: ignore[attr-defined]
+                        source_cid=header.destination_cid,
+                        destination_cid=header.source_cid,
                         supported_versions=supported,
                     ),
                     address,
@@ -319,14 +333,55 @@ class Endpoint:
         host = None if is_virtual(address) or is_loopback(address[0]) else host_of(address[0])
         if host is not None and self._accepted_from[host] >= self.config.max_connections_per_host:
             return None
-        original_dcid: bytes = header.destination_cid  # type: ignore[attr-defined]
-        quic = self._make_quic(is_client=False, address=address, original_dcid=original_dcid)
+        original_dcid = header.destination_cid
+        retry_scid = None
+        if host is not None and header.token:
+            try:
+                original_dcid = self._retry_tokens.validate_token(
+                    address=address,
+                    destination_cid=header.destination_cid,
+                    token=header.token,
+                    now=now,
+                )
+            except ValueError:
+                return None  # not our token, for another address, or too old
+            retry_scid = header.destination_cid
+        elif host is not None:
+            ceiling = self.config.max_unproven_handshakes
+            if ceiling is not None and self._unproven >= ceiling:
+                self._ask_for_proof(header, address, now)
+                return None
+        quic = self._make_quic(
+            is_client=False, address=address, original_dcid=original_dcid, retry_scid=retry_scid
+        )
         conn = self._new_conn(quic, address, is_client=False, expected=None, now=now)
-        self._by_cid[original_dcid] = conn
+        self._by_cid[header.destination_cid] = conn
         if host is not None:
             conn.accepted_from = host
             self._accepted_from[host] += 1
+            if retry_scid is None:
+                conn.unproven = True
+                self._unproven += 1
         return conn
+
+    def _ask_for_proof(self, header: QuicHeader, address: Address, now: float) -> None:
+        """Answer a client's Initial with a Retry (RFC 9000, 8.1.2): its next Initial carries
+        the token, which only a client receiving at ``address`` can have."""
+        source_cid = os.urandom(_CID_BYTES)
+        token = self._retry_tokens.create_token(
+            address=address,
+            original_destination_connection_id=header.destination_cid,
+            retry_source_connection_id=source_cid,
+            now=now,
+        )
+        retry = encode_quic_retry(
+            version=header.version,  # type: ignore[arg-type]
+            source_cid=source_cid,
+            destination_cid=header.source_cid,
+            original_destination_cid=header.destination_cid,
+            retry_token=token,
+        )
+        self._stray_datagrams.append((retry, address))
 
     # -- timers ---------------------------------------------------------------------------------
 
@@ -634,6 +689,7 @@ class Endpoint:
         self._events.append(StreamData(conn.handle, sid, event.data, event.end_stream))
 
     def _on_handshake(self, conn: Conn, now: float) -> None:
+        self._proven(conn)
         cert = conn.quic.peer_certificate()
         if cert is None:
             self._fail(conn, IdentityMismatch("the peer presented no certificate"), now)
@@ -667,7 +723,15 @@ class Endpoint:
             self._events.append(ConnectionLost(conn.handle, termination_error(conn, event)))
         self._forget(conn)
 
+    def _proven(self, conn: Conn) -> None:
+        """``conn`` no longer counts as an unproven handshake: it finished (the peer answered
+        what we sent to its address), or it is gone."""
+        if conn.unproven:
+            conn.unproven = False
+            self._unproven -= 1
+
     def _forget(self, conn: Conn) -> None:
+        self._proven(conn)
         self._by_handle.pop(conn.handle, None)
         if conn.accepted_from is not None:
             self._accepted_from[conn.accepted_from] -= 1

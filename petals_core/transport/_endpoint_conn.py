@@ -87,6 +87,9 @@ class Conn:
     accepted_from: str | None = None
     #: Whether it goes through a relay (it never moves into or out of one).
     relayed: bool = False
+    #: A handshake we accepted from an address not proven yet (see
+    #: ``TransportConfig.max_unproven_handshakes``), while it counts as one.
+    unproven: bool = False
 
 
 def no_data_pending(conn: Conn) -> bool:

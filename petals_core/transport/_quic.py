@@ -102,12 +102,14 @@ class PeerQuicConnection(QuicConnection):
         pacing_burst_s: float,
         datagram_ceiling: int | None = None,
         original_destination_connection_id: bytes | None = None,
+        retry_source_connection_id: bytes | None = None,
     ) -> None:
         """``datagram_ceiling``: probe the path for datagrams up to this size, starting from the
         configuration's ``max_datagram_size``; None: keep to that size."""
         super().__init__(
             configuration=configuration,
             original_destination_connection_id=original_destination_connection_id,
+            retry_source_connection_id=retry_source_connection_id,
         )
         # The peer may hold this many of its streams open at once (advertised in the handshake,
         # raised by one as each finishes); aioquic's fixed 128 is not configurable.

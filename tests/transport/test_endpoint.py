@@ -8,10 +8,13 @@ from collections.abc import Callable
 
 import attrs
 import pytest
+from aioquic.buffer import Buffer
+from aioquic.quic.packet import QuicPacketType, pull_quic_header
 
 from petals_core._errors import ConnectionClosed, ConnectTimeout, IdentityMismatch
 from petals_core.testing import MemoryNetwork, Pipe
 from petals_core.transport._config import TransportConfig
+from petals_core.transport._endpoint import Endpoint
 from petals_core.transport._identity import Identity
 from petals_core.transport._quic import LONE_ACK_DELAY_S
 from petals_core.transport._relay_wire import virtual_address
@@ -446,3 +449,84 @@ def test_a_connection_cannot_move_into_or_out_of_a_relay() -> None:
     server.endpoint.receive_datagram(datagram, relayed, net.now)
     assert server.endpoint.peer_address(server_handle) == FAR_CLIENT
     assert all(to != relayed for _, to in server.endpoint.datagrams_to_send(net.now))
+
+
+def _tap(seen: list[bytes]) -> Callable[[int, bytes], bool]:
+    """A ``Pipe.drop`` that drops nothing and keeps every datagram in ``seen``."""
+    return lambda _, data: bool(seen.append(data))  # type: ignore[func-returns-value]
+
+
+def _is_retry(datagram: bytes) -> bool:
+    if not datagram[0] & 0x80:
+        return False
+    header = pull_quic_header(Buffer(data=datagram), host_cid_length=8)
+    return header.packet_type == QuicPacketType.RETRY
+
+
+def test_forged_handshakes_hold_only_their_share_and_real_clients_prove_their_address() -> None:
+    """Initials from forged source addresses (a real ClientHello each, every one from another
+    host) fill ``max_unproven_handshakes`` slots and no more: each further one gets a Retry, a
+    datagram far smaller than the Initial, and holds nothing.  The token a Retry carries does
+    not work from another address; a real client answers its Retry with the token and gets in.
+    Once the forged handshakes time out, clients get in without a Retry again."""
+    config = TransportConfig(
+        keepalive_interval_s=None, max_unproven_handshakes=2, connect_timeout_s=5.0
+    )
+    seen: list[bytes] = []
+    net = MemoryNetwork(random.Random(0), default=Pipe(drop=_tap(seen)))
+    server = Recorder(config)
+    net.attach(FAR_SERVER, server)
+
+    def first_answer(client: Endpoint, address: tuple[str, int]) -> tuple[bytes, list[bytes]]:
+        """``client``'s Initial, sent from ``address``, and the server's answers to it."""
+        client.connect(FAR_SERVER, server.identity.peer_id, net.now)
+        ((initial, _),) = client.datagrams_to_send(net.now)
+        server.endpoint.receive_datagram(initial, address, net.now)
+        sent = server.endpoint.datagrams_to_send(net.now)
+        return initial, [data for data, to in sent if to == address]
+
+    forger = Endpoint(Identity.generate(), config)
+    for index in range(6):
+        initial, answers = first_answer(forger, (f"203.0.113.{index + 1}", 4000))
+        if index < 2:
+            assert answers and not any(map(_is_retry, answers))
+        else:
+            ((retry,),) = [answers]
+            assert _is_retry(retry) and len(retry) < len(initial) / 4
+    assert server.endpoint.connection_count() == 2
+
+    stolen = Endpoint(Identity.generate(), config)
+    _, (retry,) = first_answer(stolen, ("198.51.100.8", 1000))
+    stolen.receive_datagram(retry, FAR_SERVER, net.now)
+    with_token = stolen.datagrams_to_send(net.now)
+    assert with_token
+    for data, _ in with_token:
+        server.endpoint.receive_datagram(data, ("198.51.100.9", 1000), net.now)
+    assert server.endpoint.connection_count() == 2
+    assert server.endpoint.datagrams_to_send(net.now) == []
+
+    client = Recorder(config)
+    net.attach(FAR_CLIENT, client)
+    handle = client.endpoint.connect(FAR_SERVER, server.identity.peer_id, net.now)
+    assert net.run_until(lambda: handle in client.ready and len(server.ready) == 1)
+    assert sum(map(_is_retry, seen)) == 1
+    assert server.endpoint.connection_count() == 3
+
+    assert net.run_until(lambda: server.endpoint.connection_count() == 1, max_time_s=30)
+    seen.clear()
+    late = Recorder(config)
+    net.attach(("198.51.100.10", 1000), late)
+    again = late.endpoint.connect(FAR_SERVER, server.identity.peer_id, net.now)
+    assert net.run_until(lambda: again in late.ready)
+    assert not any(map(_is_retry, seen))
+
+
+def test_loopback_handshakes_are_never_asked_to_prove_their_address() -> None:
+    """With every handshake asked to prove its address (``max_unproven_handshakes=0``), a
+    loopback client gets in without a Retry, and one on another host after one."""
+    config = TransportConfig(keepalive_interval_s=None, max_unproven_handshakes=0)
+    for far in (False, True):
+        seen: list[bytes] = []
+        net, client, server = make_pair(config, pipe=Pipe(drop=_tap(seen)), far=far)
+        handshake(net, client, server, FAR_SERVER if far else SERVER)
+        assert sum(map(_is_retry, seen)) == (1 if far else 0)
