@@ -101,6 +101,8 @@ class Endpoint:
         #: Repair datagrams sent, and datagrams rebuilt from the peers' repairs.
         self.repairs_sent = 0
         self.datagrams_rebuilt = 0
+        #: Retries sent (handshakes asked to prove their address first).
+        self.retries_sent = 0
 
     # -- configuration --------------------------------------------------------------------------
 
@@ -382,6 +384,7 @@ class Endpoint:
             retry_token=token,
         )
         self._stray_datagrams.append((retry, address))
+        self.retries_sent += 1
 
     # -- timers ---------------------------------------------------------------------------------
 

@@ -83,6 +83,9 @@ class NodeStatistics:
     #: ``_repair``).
     repairs_sent: int = 0
     datagrams_rebuilt: int = 0
+    #: Handshakes asked to prove their address first (QUIC Retries sent, see
+    #: ``TransportConfig.max_unproven_handshakes``).
+    retries_sent: int = 0
 
 
 class Node:
@@ -148,6 +151,7 @@ class Node:
             punches_received=self._punches_received,
             repairs_sent=self._endpoint.repairs_sent,
             datagrams_rebuilt=self._endpoint.datagrams_rebuilt,
+            retries_sent=self._endpoint.retries_sent,
         )
 
     @property

@@ -1,8 +1,9 @@
 """The processes of the hole-punching test, each run inside a host of a NAT topology:
 ``python -m tests.transport._punch_roles <role> '<json settings>'``.
 
-- ``relay``: a node that relays; prints ``READY <its multiaddr>``, and for each line it reads
-  on its stdin ``NO CIRCUITS`` once it has no circuit open.
+- ``relay``: a node that relays (with ``max_unproven_handshakes`` if given); prints ``READY <its
+  multiaddr>``, and for each line it reads on its stdin ``NO CIRCUITS; RETRIES <n>`` once it
+  has no circuit open (``n``: the Retries it sent).
 - ``peer``: a node holding a reservation with ``relay`` and serving ``nat.punch`` and a
   ``reverse`` call; prints ``READY <its relayed multiaddr> <its address as the relay sees it>``.
 - ``dialer``: dials ``peer`` through its relay, asks it to punch to ``target`` (any address it
@@ -31,6 +32,7 @@ from petals_core.transport import (
     PunchService,
     RelayService,
     ServerCall,
+    TransportConfig,
     hold_reservation,
     open_call,
     open_node,
@@ -42,13 +44,17 @@ from ..dht._swarm import wait_until
 
 
 async def relay(settings: dict[str, Any]) -> None:
-    async with open_node(host=settings["host"]) as node, trio.open_nursery() as nursery:
+    config = TransportConfig(max_unproven_handshakes=settings.get("max_unproven_handshakes", 32))
+    async with (
+        open_node(host=settings["host"], config=config) as node,
+        trio.open_nursery() as nursery,
+    ):
         service = RelayService.on(node)
         await nursery.start(serve_rpc, node, service.handlers())
         print("READY", node.listen_multiaddr, flush=True)
         async for _ in trio.wrap_file(sys.stdin):
             await wait_until(lambda: service.table.statistics().circuits == 0)
-            print("NO CIRCUITS", flush=True)
+            print("NO CIRCUITS; RETRIES", node.statistics().retries_sent, flush=True)
 
 
 async def peer(settings: dict[str, Any]) -> None:
