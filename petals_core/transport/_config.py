@@ -68,6 +68,9 @@ class TransportConfig:
     #: cannot take every slot, handshakes left unfinished included.  New handshakes from a host
     #: beyond it are ignored.
     max_connections_per_host: int = attrs.field(default=128, validator=positive)
+    #: The same, from one IPv6 /48 (a site: a home or a campus given a /48 picks its /64s in
+    #: it), so that one site's many /64s cannot take every slot either.
+    max_connections_per_site: int = attrs.field(default=256, validator=positive)
     #: Handshakes from addresses not proven yet (unfinished; loopback and relayed ones aside)
     #: the endpoint holds at once before it asks each new one to prove its address first (a
     #: QUIC Retry: that handshake takes one more round trip).  Handshakes from forged source

@@ -74,6 +74,8 @@ __all__ = [
 ]
 
 _CID_BYTES = 8
+#: The IPv6 prefix of a site (a home, a campus, a hosting customer: 65,536 /64s).
+_SITE_PREFIX = 48
 # Unsendable bytes a stream may queue beyond the peer's window for it (see send_room).
 _STREAM_SEND_SLACK = 32 << 10
 
@@ -90,7 +92,8 @@ class Endpoint:
         self._events: deque[EndpointEvent] = deque()
         self._dirty: set[Conn] = set()
         self._stray_datagrams: list[tuple[bytes, Address]] = []
-        #: Connections accepted from each host (see ``max_connections_per_host``).
+        #: Connections accepted from each host and each IPv6 site (see
+        #: ``max_connections_per_host`` and ``max_connections_per_site``).
         self._accepted_from: Counter[str] = Counter()
         #: Handshakes accepted from addresses not proven yet (see ``max_unproven_handshakes``),
         #: and the key of the tokens that prove one (a new key each run: a token is good for
@@ -331,13 +334,16 @@ class Endpoint:
             return None
         if len(self._by_handle) >= self.config.max_connections:
             return None
-        # A connection through a relay is one circuit, which the relay bounds per host.
-        host = None if is_virtual(address) or is_loopback(address[0]) else host_of(address[0])
-        if host is not None and self._accepted_from[host] >= self.config.max_connections_per_host:
+        counted = _counted_as(address)
+        bounds = (self.config.max_connections_per_host, self.config.max_connections_per_site)
+        # (An IPv4 host is its own site: it counts once, against the host's bound.)
+        if any(
+            self._accepted_from[key] >= bound for key, bound in zip(counted, bounds, strict=False)
+        ):
             return None
         original_dcid = header.destination_cid
         retry_scid = None
-        if host is not None and header.token:
+        if counted and header.token:
             try:
                 original_dcid = self._retry_tokens.validate_token(
                     address=address,
@@ -348,7 +354,7 @@ class Endpoint:
             except ValueError:
                 return None  # not our token, for another address, or too old
             retry_scid = header.destination_cid
-        elif host is not None:
+        elif counted:
             ceiling = self.config.max_unproven_handshakes
             if ceiling is not None and self._unproven >= ceiling:
                 self._ask_for_proof(header, address, now)
@@ -358,12 +364,11 @@ class Endpoint:
         )
         conn = self._new_conn(quic, address, is_client=False, expected=None, now=now)
         self._by_cid[header.destination_cid] = conn
-        if host is not None:
-            conn.accepted_from = host
-            self._accepted_from[host] += 1
-            if retry_scid is None:
-                conn.unproven = True
-                self._unproven += 1
+        conn.accepted_from = counted
+        self._accepted_from.update(counted)
+        if counted and retry_scid is None:
+            conn.unproven = True
+            self._unproven += 1
         return conn
 
     def _ask_for_proof(self, header: QuicHeader, address: Address, now: float) -> None:
@@ -736,14 +741,24 @@ class Endpoint:
     def _forget(self, conn: Conn) -> None:
         self._proven(conn)
         self._by_handle.pop(conn.handle, None)
-        if conn.accepted_from is not None:
-            self._accepted_from[conn.accepted_from] -= 1
-            if not self._accepted_from[conn.accepted_from]:
-                del self._accepted_from[conn.accepted_from]
-            conn.accepted_from = None
+        for key in conn.accepted_from:
+            self._accepted_from[key] -= 1
+            if not self._accepted_from[key]:
+                del self._accepted_from[key]
+        conn.accepted_from = ()
         for cid in [cid for cid, c in self._by_cid.items() if c is conn]:
             del self._by_cid[cid]
         self._dirty.discard(conn)
+
+
+def _counted_as(address: Address) -> tuple[str, ...]:
+    """The host, and an IPv6 host's site, whose shares a connection accepted from ``address``
+    counts towards; none for loopback, nor through a relay (a circuit, which the relay bounds
+    per host)."""
+    if is_virtual(address) or is_loopback(address[0]):
+        return ()
+    host, site = host_of(address[0]), host_of(address[0], _SITE_PREFIX)
+    return (host,) if site == host else (host, site)
 
 
 def _moved_across_relay(conn: Conn, address: Address) -> bool:

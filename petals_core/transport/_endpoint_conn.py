@@ -83,8 +83,9 @@ class Conn:
     # sends them.
     repair_out: RepairEncoder | None = None
     repair_in: RepairDecoder | None = None
-    #: The host a connection we accepted came from, while it counts towards that host's share.
-    accepted_from: str | None = None
+    #: The host (and, for IPv6, the site) a connection we accepted came from, while it counts
+    #: towards their shares.
+    accepted_from: tuple[str, ...] = ()
     #: Whether it goes through a relay (it never moves into or out of one).
     relayed: bool = False
     #: A handshake we accepted from an address not proven yet (see

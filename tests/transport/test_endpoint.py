@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import random
 from collections.abc import Callable
+from typing import Any
 
 import attrs
 import pytest
@@ -404,17 +405,26 @@ def test_without_peer_silence_a_vanished_peer_waits_for_the_idle_timeout() -> No
     assert handle not in client.lost
 
 
-def test_one_host_takes_only_its_share_of_connections() -> None:
-    """Handshakes from one host beyond ``max_connections_per_host`` are ignored (an IPv6 host is
-    its /64), other hosts still get in, and a closed connection frees its host's slot."""
-    config = TransportConfig(
-        keepalive_interval_s=None, max_connections_per_host=2, connect_timeout_s=2.0
-    )
+@attrs.frozen
+class Dialled:
+    """Clients at several addresses that each dialled one server, once all of them got in or
+    gave up."""
+
+    net: MemoryNetwork
+    server: Recorder
+    clients: list[Recorder]
+    handles: list[int]
+
+    @property
+    def got_in(self) -> list[bool]:
+        return [h in c.ready for c, h in zip(self.clients, self.handles, strict=True)]
+
+
+def _dial_from(addresses: list[tuple[str, int]], **settings: Any) -> Dialled:
+    config = TransportConfig(keepalive_interval_s=None, connect_timeout_s=2.0, **settings)
     net = MemoryNetwork(random.Random(0), default=Pipe())
     server = Recorder(config)
     net.attach(FAR_SERVER, server)
-    addresses = [("2001:db8:1:2::1", 1000), ("2001:db8:1:2::2", 1000), ("2001:db8:1:2::3", 1000)]
-    addresses.append(("198.51.100.7", 1000))
     clients = [Recorder(config) for _ in addresses]
     for client, address in zip(clients, addresses, strict=True):
         net.attach(address, client)
@@ -425,7 +435,16 @@ def test_one_host_takes_only_its_share_of_connections() -> None:
         lambda: all(h in c.ready or h in c.lost for c, h in zip(clients, handles, strict=True)),
         max_time_s=30,
     )
-    assert [handles[i] in clients[i].ready for i in range(4)] == [True, True, False, True]
+    return Dialled(net, server, clients, handles)
+
+
+def test_one_host_takes_only_its_share_of_connections() -> None:
+    """Handshakes from one host beyond ``max_connections_per_host`` are ignored (an IPv6 host is
+    its /64), other hosts still get in, and a closed connection frees its host's slot."""
+    addresses = [("2001:db8:1:2::1", 1000), ("2001:db8:1:2::2", 1000), ("2001:db8:1:2::3", 1000)]
+    dialled = _dial_from([*addresses, ("198.51.100.7", 1000)], max_connections_per_host=2)
+    net, server, clients, handles = dialled.net, dialled.server, dialled.clients, dialled.handles
+    assert dialled.got_in == [True, True, False, True]
     assert isinstance(clients[2].lost[handles[2]].error, ConnectTimeout)
     assert server.endpoint.connection_count() == 3
     # The first connection of that /64 ends: another from it gets in.
@@ -433,6 +452,19 @@ def test_one_host_takes_only_its_share_of_connections() -> None:
     assert net.run_until(lambda: server.endpoint.connection_count() == 2, max_time_s=30)
     again = clients[2].endpoint.connect(FAR_SERVER, server.identity.peer_id, net.now)
     assert net.run_until(lambda: again in clients[2].ready, max_time_s=30)
+
+
+def test_one_ipv6_site_takes_only_its_share_through_many_64s() -> None:
+    """Handshakes from one IPv6 /48 beyond ``max_connections_per_site`` are ignored, each from
+    a /64 of its own; another site still gets in."""
+    addresses = [(f"2001:db8:1:{subnet}::1", 1000) for subnet in range(1, 5)]
+    dialled = _dial_from(
+        [*addresses, ("2001:db8:2:1::1", 1000)],
+        max_connections_per_host=2,
+        max_connections_per_site=3,
+    )
+    assert dialled.got_in == [True, True, True, False, True]
+    assert dialled.server.endpoint.connection_count() == 4
 
 
 def test_a_connection_cannot_move_into_or_out_of_a_relay() -> None:
