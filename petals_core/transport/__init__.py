@@ -34,7 +34,8 @@ Its modules, bottom up (docs/how-it-works.md says how each works):
   flow control that follows the application, congestion control kept across idle gaps, pacing,
   path MTU discovery);
 - ``_endpoint`` (events in ``_endpoint_events``, one connection's state, close codes and end
-  in ``_endpoint_conn``): sans-IO, many connections behind one socket;
+  in ``_endpoint_conn``, who may connect in ``_endpoint_admission``): sans-IO, many
+  connections behind one socket;
 - ``_repair``: repair datagrams on lossy paths (a lost datagram rebuilt without a round trip);
 - ``_udp``: the socket, with segmentation and receive offload where Linux allows;
 - ``_node``: the trio edge (one socket, one pump task), ``connect_any``;

@@ -11,8 +11,7 @@ key, and, when the dialer named a PeerID, only if the key hashes to it.
 
 from __future__ import annotations
 
-import os
-from collections import Counter, deque
+from collections import deque
 from collections.abc import Iterator
 
 from aioquic.buffer import Buffer
@@ -21,11 +20,9 @@ from aioquic.quic.configuration import QuicConfiguration
 from aioquic.quic.packet import (
     QuicHeader,
     QuicPacketType,
-    encode_quic_retry,
     encode_quic_version_negotiation,
     pull_quic_header,
 )
-from aioquic.quic.retry import QuicRetryTokenHandler
 
 from .._errors import (
     ConnectionClosed,
@@ -34,8 +31,8 @@ from .._errors import (
     StreamReset as StreamResetError,
     TransportError,
 )
-from .._ip import host_of
 from ._config import ALPN, TransportConfig
+from ._endpoint_admission import Admission, Admitted
 from ._endpoint_conn import (
     APP_CANCELLED,
     APP_CLOSED,
@@ -74,8 +71,6 @@ __all__ = [
 ]
 
 _CID_BYTES = 8
-#: The IPv6 prefix of a site (a home, a campus, a hosting customer: 65,536 /64s).
-_SITE_PREFIX = 48
 # Unsendable bytes a stream may queue beyond the peer's window for it (see send_room).
 _STREAM_SEND_SLACK = 32 << 10
 
@@ -92,20 +87,16 @@ class Endpoint:
         self._events: deque[EndpointEvent] = deque()
         self._dirty: set[Conn] = set()
         self._stray_datagrams: list[tuple[bytes, Address]] = []
-        #: Connections accepted from each host and each IPv6 site (see
-        #: ``max_connections_per_host`` and ``max_connections_per_site``).
-        self._accepted_from: Counter[str] = Counter()
-        #: Handshakes accepted from addresses not proven yet (see ``max_unproven_handshakes``),
-        #: and the key of the tokens that prove one (a new key each run: a token is good for
-        #: one handshake, within seconds).
-        self._unproven = 0
-        self._retry_tokens = QuicRetryTokenHandler()
+        self._admission = Admission(config, _CID_BYTES)
         self._timer_hint: float | None = None
         #: Repair datagrams sent, and datagrams rebuilt from the peers' repairs.
         self.repairs_sent = 0
         self.datagrams_rebuilt = 0
-        #: Retries sent (handshakes asked to prove their address first).
-        self.retries_sent = 0
+
+    @property
+    def retries_sent(self) -> int:
+        """Handshakes asked to prove their address first (see ``_endpoint_admission``)."""
+        return self._admission.retries_sent
 
     # -- configuration --------------------------------------------------------------------------
 
@@ -334,62 +325,21 @@ class Endpoint:
             return None
         if len(self._by_handle) >= self.config.max_connections:
             return None
-        counted = _counted_as(address)
-        bounds = (self.config.max_connections_per_host, self.config.max_connections_per_site)
-        # (An IPv4 host is its own site: it counts once, against the host's bound.)
-        if any(
-            self._accepted_from[key] >= bound for key, bound in zip(counted, bounds, strict=False)
-        ):
+        admitted = self._admission.admit(header, address, now)
+        if isinstance(admitted, bytes):
+            self._stray_datagrams.append((admitted, address))
+        if not isinstance(admitted, Admitted):
             return None
-        original_dcid = header.destination_cid
-        retry_scid = None
-        if counted and header.token:
-            try:
-                original_dcid = self._retry_tokens.validate_token(
-                    address=address,
-                    destination_cid=header.destination_cid,
-                    token=header.token,
-                    now=now,
-                )
-            except ValueError:
-                return None  # not our token, for another address, or too old
-            retry_scid = header.destination_cid
-        elif counted:
-            ceiling = self.config.max_unproven_handshakes
-            if ceiling is not None and self._unproven >= ceiling:
-                self._ask_for_proof(header, address, now)
-                return None
         quic = self._make_quic(
-            is_client=False, address=address, original_dcid=original_dcid, retry_scid=retry_scid
+            is_client=False,
+            address=address,
+            original_dcid=admitted.original_dcid,
+            retry_scid=admitted.retry_scid,
         )
         conn = self._new_conn(quic, address, is_client=False, expected=None, now=now)
         self._by_cid[header.destination_cid] = conn
-        conn.accepted_from = counted
-        self._accepted_from.update(counted)
-        if counted and retry_scid is None:
-            conn.unproven = True
-            self._unproven += 1
+        self._admission.took(conn, admitted)
         return conn
-
-    def _ask_for_proof(self, header: QuicHeader, address: Address, now: float) -> None:
-        """Answer a client's Initial with a Retry (RFC 9000, 8.1.2): its next Initial carries
-        the token, which only a client receiving at ``address`` can have."""
-        source_cid = os.urandom(_CID_BYTES)
-        token = self._retry_tokens.create_token(
-            address=address,
-            original_destination_connection_id=header.destination_cid,
-            retry_source_connection_id=source_cid,
-            now=now,
-        )
-        retry = encode_quic_retry(
-            version=header.version,  # type: ignore[arg-type]
-            source_cid=source_cid,
-            destination_cid=header.source_cid,
-            original_destination_cid=header.destination_cid,
-            retry_token=token,
-        )
-        self._stray_datagrams.append((retry, address))
-        self.retries_sent += 1
 
     # -- timers ---------------------------------------------------------------------------------
 
@@ -697,7 +647,7 @@ class Endpoint:
         self._events.append(StreamData(conn.handle, sid, event.data, event.end_stream))
 
     def _on_handshake(self, conn: Conn, now: float) -> None:
-        self._proven(conn)
+        self._admission.proven(conn)
         cert = conn.quic.peer_certificate()
         if cert is None:
             self._fail(conn, IdentityMismatch("the peer presented no certificate"), now)
@@ -731,34 +681,12 @@ class Endpoint:
             self._events.append(ConnectionLost(conn.handle, termination_error(conn, event)))
         self._forget(conn)
 
-    def _proven(self, conn: Conn) -> None:
-        """``conn`` no longer counts as an unproven handshake: it finished (the peer answered
-        what we sent to its address), or it is gone."""
-        if conn.unproven:
-            conn.unproven = False
-            self._unproven -= 1
-
     def _forget(self, conn: Conn) -> None:
-        self._proven(conn)
+        self._admission.release(conn)
         self._by_handle.pop(conn.handle, None)
-        for key in conn.accepted_from:
-            self._accepted_from[key] -= 1
-            if not self._accepted_from[key]:
-                del self._accepted_from[key]
-        conn.accepted_from = ()
         for cid in [cid for cid, c in self._by_cid.items() if c is conn]:
             del self._by_cid[cid]
         self._dirty.discard(conn)
-
-
-def _counted_as(address: Address) -> tuple[str, ...]:
-    """The host, and an IPv6 host's site, whose shares a connection accepted from ``address``
-    counts towards; none for loopback, nor through a relay (a circuit, which the relay bounds
-    per host)."""
-    if is_virtual(address) or is_loopback(address[0]):
-        return ()
-    host, site = host_of(address[0]), host_of(address[0], _SITE_PREFIX)
-    return (host,) if site == host else (host, site)
 
 
 def _moved_across_relay(conn: Conn, address: Address) -> bool:
