@@ -6,7 +6,7 @@ plans a min-latency route and opens one ``petals.inference`` stream per span of 
 output of one is the input of the next (activations return through the client).
 
 The client keeps, for every span, the inputs it sent (``history``: ``(B, position, hidden)``).
-When a server fails, stalls past the step's timeout (:meth:`RemoteSequenceManager.step_timeout`)
+When a server fails, stalls past the step's timeout (:meth:`RemoteSequenceManager.answer_timeout`)
 or refuses a step it should have taken, the session bans it, plans a new route for that span's
 blocks (it may take several servers), replays the history through the replacements so that they
 rebuild their caches, and carries on from the same step.  Rolling back (setting ``position``
@@ -31,12 +31,12 @@ import trio
 from .._errors import PetalsError, SessionTooLarge, WrongAnswer
 from .._groups import run_concurrently
 from ..dht import ServerInfo
-from ..protocol import FraudReport, Signature, SignedReceipt, StepResult
+from ..protocol import FraudReport, SignedReceipt, StepResult
 from ..routing import MissingBlocksError, RouteSpan
-from ._checks import compare, hops_allowance, majority, slice_allowance, tolerance
+from ._checks import compare, majority, slice_allowance, tolerance
 from ._placement import like, to_wire
 from ._reports import book_of
-from ._second_opinions import Follower, Opinion, other_route
+from ._second_opinions import Follower, Opinion, opinion_of, other_route
 from ._sequence_manager import RemoteSequenceManager
 from ._session_core import SessionCore, SpanState
 from ._span_call import RETRIABLE, SpanCall
@@ -260,13 +260,7 @@ class InferenceSession:
                 # replaced again now.)
                 request = core.request(index, x)
                 span_call = self._calls[state]
-                timeout = self.manager.step_timeout(
-                    state.span, tokens=x.shape[0] * x.shape[1], nbytes=x.nbytes
-                )
-                if span_call.unconfirmed:
-                    # The server's answer to the opening comes first, in the time an opening
-                    # may take.
-                    timeout += self.manager.config.request_timeout_s
+                timeout = self.manager.answer_timeout(state.span, x, span_call.unconfirmed)
                 if follower is not None:
                     # Outside the span's step timeout: the follower's pace is not the span's.
                     await self._follow(state, follower, x)
@@ -595,7 +589,6 @@ class InferenceSession:
         ``span``'s blocks on other servers (not ``exclude``; of ``like``'s dtype and
         quantisation), in sessions of their own closed at once; None where there are none
         (waiting for some up to ``missing_blocks_timeout_s`` if ``wait``) or they fail."""
-        core = self._core
         try:
             route = await other_route(
                 self.manager, span, exclude, like, wait=wait, max_length=inputs.shape[1]
@@ -605,57 +598,14 @@ class InferenceSession:
             self._check_failure = exc
             return None
         calls: list[SpanCall] = []
-        signatures: list[Signature | None] = []
-        y, timeout = inputs, self.manager.config.request_timeout_s
         try:
-            # The opening in the time an opening may take, and each step in the time the
-            # server's announced speed allows (as a step of the session is given): a long
-            # history is given as long as its pieces need, and a checker slower than it
-            # claims is given up on as a server of the session would be.
-            for other in route:
-                call = SpanCall(SpanState(other), self.receipts)
-                calls.append(call)
-                opening = core.opening(
-                    call.state,
-                    alloc_timeout=self.alloc_timeout,
-                    active_adapter=self.manager.config.active_adapter,
-                )
-                # (A long prefill's first pieces may be shorter than its left padding.)
-                length = max([y.shape[1], *(opening.left_padding or ())])
-                with trio.fail_after(timeout):
-                    await call.open(self.manager, attrs.evolve(opening, max_length=length))
-                outputs = []
-                for step in core.checking_steps(other, y):
-                    with trio.fail_after(self._piece_timeout(other, step.hidden_states)):
-                        await call.send(step, self.manager.config.compression)
-                        answered = await call.result(self.manager)
-                    outputs.append(core.checked_answer(call.state, step, answered))
-                y = torch.cat(outputs, dim=1)
-                signatures.append(answered.receipt)
+            check = functools.partial(opinion_of, self.manager, self._core, route, inputs, tokens)
+            return await check(calls, receipts=self.receipts, alloc_timeout=self.alloc_timeout)
         except RETRIABLE as exc:
             logger.info("could not check blocks %d:%d: %r", span.start, span.end, exc)
             self._check_failure = exc
             self._blame(calls[-1].state.peer, exc)  # (the checks after go elsewhere)
             return None
-        finally:
-            with trio.CancelScope(shield=True):
-                for call in calls:
-                    await call.close()
-        allowance = hops_allowance(signatures)
-        if y.shape[1] > tokens:
-            allowance += slice_allowance(signatures[-1])
-        return Opinion(
-            y[:, y.shape[1] - tokens :],  # (none for a step of none)
-            signatures[-1],
-            {other.peer_id for other in route},
-            allowance,
-        )
-
-    def _piece_timeout(self, span: RouteSpan, hidden: torch.Tensor) -> float:
-        """How long ``span``'s server may take to answer a replay's or a check's step of
-        ``hidden``: as long as a step of the session that size (see ``step_timeout``)."""
-        tokens = hidden.shape[0] * hidden.shape[1]
-        return self.manager.step_timeout(span, tokens=tokens, nbytes=hidden.nbytes)
 
     async def _replace(self, index: int) -> None:
         """Route the blocks of span ``index`` anew and replay its history there.
@@ -687,7 +637,11 @@ class InferenceSession:
                 try:
                     span_call = self._calls[state]
                     for start, end in core.replay_pieces(x):
-                        with trio.fail_after(self._piece_timeout(state.span, x[:, start:end])):
+                        piece = x[:, start:end]
+                        timeout = self.manager.answer_timeout(
+                            state.span, piece, span_call.unconfirmed
+                        )
+                        with trio.fail_after(timeout):
                             step = core.replay(state, x, start, end)
                             await span_call.send(step, self.manager.config.compression)
                             at = core.spans.index(state)

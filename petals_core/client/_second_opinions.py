@@ -1,6 +1,7 @@
 """Other servers' view of a span's answers, for checking them: a route over the span's blocks
-that avoids its server (:func:`other_route`), their answer to a step (:class:`Opinion`), and a
-session on one of them that follows the span's session step by step (:class:`Follower`)."""
+that avoids its server (:func:`other_route`), their answer to a step (:class:`Opinion`,
+:func:`opinion_of`), and a session on one of them that follows the span's session step by step
+(:class:`Follower`)."""
 
 from __future__ import annotations
 
@@ -9,14 +10,17 @@ from typing import Literal
 
 import attrs
 import torch
+import trio
 
 from ..dht import ServerInfo
-from ..protocol import Signature, Step
+from ..protocol import Signature, SignedReceipt, Step
 from ..routing import MissingBlocksError, RouteSpan
+from ._checks import hops_allowance, slice_allowance
 from ._sequence_manager import RemoteSequenceManager
+from ._session_core import SessionCore, SpanState
 from ._span_call import SpanCall
 
-__all__ = ["Follower", "Opinion", "other_route"]
+__all__ = ["Follower", "Opinion", "opinion_of", "other_route"]
 
 
 async def other_route(
@@ -63,6 +67,59 @@ class Opinion:
     signature: Signature | None
     checkers: set[str]
     allowance: float
+
+
+async def opinion_of(
+    manager: RemoteSequenceManager,
+    core: SessionCore,
+    route: list[RouteSpan],
+    inputs: torch.Tensor,
+    tokens: int,
+    calls: list[SpanCall],
+    *,
+    receipts: list[SignedReceipt],
+    alloc_timeout: float,
+) -> Opinion:
+    """The last ``tokens`` outputs of ``inputs`` (a span's inputs from position 0, in the
+    session ``core``) through ``route``, in sessions of their own closed at once.  The calls
+    it opens are added to ``calls``: where one fails (``RETRIABLE``), the last is its.
+
+    Each opening gets the time an opening may take, and each step the time a step of the
+    session that size gets (``answer_timeout``): a long history is given as long as its pieces
+    need, and a checker slower than it claims is given up on as a server of the session is."""
+    signatures: list[Signature | None] = []
+    y = inputs
+    try:
+        for other in route:
+            call = SpanCall(SpanState(other), receipts)
+            calls.append(call)
+            adapter = manager.config.active_adapter
+            opening = core.opening(call.state, alloc_timeout=alloc_timeout, active_adapter=adapter)
+            # (A long prefill's first pieces may be shorter than its left padding.)
+            length = max([y.shape[1], *(opening.left_padding or ())])
+            with trio.fail_after(manager.config.request_timeout_s):
+                await call.open(manager, attrs.evolve(opening, max_length=length))
+            outputs = []
+            for step in core.checking_steps(other, y):
+                with trio.fail_after(manager.answer_timeout(other, step.hidden_states, False)):
+                    await call.send(step, manager.config.compression)
+                    answered = await call.result(manager)
+                outputs.append(core.checked_answer(call.state, step, answered))
+            y = torch.cat(outputs, dim=1)
+            signatures.append(answered.receipt)
+    finally:
+        with trio.CancelScope(shield=True):
+            for call in calls:
+                await call.close()
+    allowance = hops_allowance(signatures)
+    if y.shape[1] > tokens:
+        allowance += slice_allowance(signatures[-1])
+    return Opinion(
+        y[:, y.shape[1] - tokens :],  # (none for a step of none)
+        signatures[-1],
+        {other.peer_id for other in route},
+        allowance,
+    )
 
 
 @attrs.define(eq=False)

@@ -27,7 +27,7 @@ import logging
 import random
 import time
 from collections.abc import Awaitable, Callable, Collection, Iterator, Mapping
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import attrs
 import trio
@@ -44,6 +44,9 @@ from ..routing import (
     usable_servers,
 )
 from ..transport import Connection, Multiaddr, call_unary, client_listen_host
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["RemoteSequenceManager", "SequenceManagerConfig", "SequenceManagerState"]
 
@@ -520,16 +523,34 @@ class RemoteSequenceManager:
         the compute its announced speed implies and the transfer at 1 MB/s, at most
         ``request_timeout_s``."""
         config = self.config
-        snapshot = self.state.snapshot
-        info = None if snapshot is None else snapshot.servers_for(span.start).get(span.peer_id)
-        compute_s = 0.0
-        if info is not None:
-            rate = info.inference_rps if tokens == 1 else info.forward_rps
-            rate = rate if rate else info.throughput
-            if rate > 0:
-                compute_s = tokens * span.length / rate
+        rate = self.announced_rate(span, tokens=tokens)
+        compute_s = 0.0 if rate is None else tokens * span.length / rate
         expected = compute_s + 2 * nbytes / _SLOW_LINK_BYTES_PER_S
         return min(config.request_timeout_s, config.min_step_timeout_s + 10 * expected)
+
+    def answer_timeout(self, span: RouteSpan, hidden: torch.Tensor, unconfirmed: bool) -> float:
+        """Seconds to wait for ``span``'s server to answer an inference step (a replay's and a
+        check's too) of ``hidden``: :meth:`step_timeout`, or, for a step of several tokens,
+        ``request_timeout_s`` where the server's speed is unknown; while its answer to the
+        session's opening (``unconfirmed``) comes first, the time an opening may take besides."""
+        config = self.config
+        tokens = hidden.shape[0] * hidden.shape[1]
+        if tokens > 1 and self.announced_rate(span, tokens=tokens) is None:
+            timeout = config.request_timeout_s
+        else:
+            timeout = self.step_timeout(span, tokens=tokens, nbytes=hidden.nbytes)
+        return timeout + (config.request_timeout_s if unconfirmed else 0.0)
+
+    def announced_rate(self, span: RouteSpan, *, tokens: int) -> float | None:
+        """The blocks per second ``span``'s server announces for steps of ``tokens`` (rows x
+        positions); None where the peer table has no positive rate of it."""
+        snapshot = self.state.snapshot
+        info = None if snapshot is None else snapshot.servers_for(span.start).get(span.peer_id)
+        if info is None:
+            return None
+        rate = info.inference_rps if tokens == 1 else info.forward_rps
+        rate = rate if rate else info.throughput
+        return rate if rate > 0 else None
 
     # -- what servers deliver --------------------------------------------------------------------
 

@@ -608,7 +608,7 @@ async def _ask_for_circuit(node: Node, relay: Connection, request: dict[str, Any
     timeout) still learns the circuit it was given and has it closed at once, instead of
     leaving it to count against its bounds on the relay until it idles."""
     tasks = node._tasks
-    if tasks is None:
+    if tasks is None or node._closed:
         return await call_unary(relay, RELAY_CONNECT, request)
     outcome: list[Any] = []
     done = trio.Event()
@@ -616,6 +616,9 @@ async def _ask_for_circuit(node: Node, relay: Connection, request: dict[str, Any
     abandoned = False
 
     async def ask() -> None:
+        if abandoned:  # before it began: nothing asked, nothing to close
+            done.set()
+            return
         try:
             with scope:
                 try:

@@ -189,6 +189,36 @@ async def test_failover_after_reorder_replays_reordered_history_and_prompts(
                 assert [(s.start, s.end) for s in session.route] == [(0, 3), (3, 6)]
 
 
+async def test_a_replacement_slow_to_open_gets_the_time_an_opening_may_take(
+    model: Model, tmp_path: Path
+) -> None:
+    """The server of blocks 3:6 leaves; the only other one, announcing a high speed, takes
+    seconds to allocate its cache (its memory is busy).  The replay's first step waits for the
+    opening's answer as long as an opening may take (``request_timeout_s``), not only the step
+    timeout its speed implies: the replacement goes through, unblamed, tokens exact."""
+    torch.manual_seed(37)
+    async with in_process_swarm(model, tmp_path, [(0, 3), (3, 6)]) as swarm:
+        reference = Reference(model)
+        with trio.fail_after(DEADLINE_S):
+            async with _session_over(swarm, min_step_timeout_s=0.5) as session:
+                await reference.check_step(session, 2, 4)
+                spare = await swarm.add((3, 6), throughput=1000.0)
+                backend = spare.backend
+                assert backend is not None
+                original = backend.allocate_caches
+
+                def allocate_slowly(*args: Any, **kwargs: Any) -> Any:
+                    time.sleep(3.0)  # (in the server's pool thread: a slow allocation)
+                    return original(*args, **kwargs)
+
+                backend.allocate_caches = allocate_slowly  # type: ignore[method-assign]
+                await wait_for_servers(session.manager, 3)
+                await swarm.leave(session.route[1].peer_id)
+                await reference.check_step(session, 2, 1)
+                assert session.route[1].peer_id == str(spare.dht.peer_id)
+                assert not session.manager.is_banned(str(spare.dht.peer_id))
+
+
 async def test_a_rollback_inside_the_deep_prompts_applies_them_again(
     model: Model, tmp_path: Path
 ) -> None:
