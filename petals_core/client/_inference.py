@@ -461,7 +461,11 @@ class InferenceSession:
             # A long catch-up goes in pieces, each answered before the next; the last one's
             # answer is read with the span's (_check).
             for step in steps[:-1]:
-                with trio.fail_after(self.manager.config.request_timeout_s):
+                with trio.fail_after(
+                    self.manager.answer_timeout(
+                        call.state.span, step.hidden_states, call.unconfirmed
+                    )
+                ):
                     await call.send(step, compression)
                     self._core.checked_answer(call.state, step, await call.result(self.manager))
             with trio.fail_after(self.manager.config.request_timeout_s):
@@ -480,10 +484,15 @@ class InferenceSession:
         answers checked is closed if that is all it was for."""
         if follower.sent is None or self._followers.get(state) is not follower:
             return
-        follower.sent = None
+        sent, follower.sent = follower.sent, None
+        call = follower.call
         try:
-            with trio.fail_after(self.manager.config.request_timeout_s):
-                followed = await follower.call.result(self.manager)
+            # As long as the span's server would have (it computed meanwhile): a follower
+            # slower than it claims is dropped instead of holding the session's steps.
+            with trio.fail_after(
+                self.manager.answer_timeout(call.state.span, sent.hidden_states, call.unconfirmed)
+            ):
+                followed = await call.result(self.manager)
         except RETRIABLE as exc:
             logger.info("the follower of %s failed: %r", state.span, exc)
             await self._drop_follower(state)
@@ -604,7 +613,8 @@ class InferenceSession:
         except RETRIABLE as exc:
             logger.info("could not check blocks %d:%d: %r", span.start, span.end, exc)
             self._check_failure = exc
-            self._blame(calls[-1].state.peer, exc)  # (the checks after go elsewhere)
+            if calls:  # (the checks after go elsewhere)
+                self._blame(calls[-1].state.peer, exc)
             return None
 
     async def _replace(self, index: int) -> None:

@@ -101,7 +101,9 @@ async def opinion_of(
                 await call.open(manager, attrs.evolve(opening, max_length=length))
             outputs = []
             for step in core.checking_steps(other, y):
-                with trio.fail_after(manager.answer_timeout(other, step.hidden_states, False)):
+                with trio.fail_after(
+                    manager.answer_timeout(other, step.hidden_states, call.unconfirmed)
+                ):
                     await call.send(step, manager.config.compression)
                     answered = await call.result(manager)
                 outputs.append(core.checked_answer(call.state, step, answered))

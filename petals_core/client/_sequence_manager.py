@@ -90,7 +90,8 @@ class SequenceManagerConfig:
     A route waits up to ``missing_blocks_timeout_s`` for servers of blocks nobody holds, then
     raises :class:`MissingBlocksError`.  An inference step's answer is awaited for
     ``min_step_timeout_s`` plus ten times what the server's announced speed says the step takes
-    (at most ``request_timeout_s``): a server alive but stuck is given up on in seconds.
+    (at most ``request_timeout_s``), a replay's, a check's and a follower's alike: a server
+    alive but stuck, or slower than it claims, is given up on in seconds.
     ``compression`` (None, ``"float16"``, ``"blockwise8"``): how the activations and
     gradients this client sends travel (servers choose for their answers).  ``host``: where the
     client's node listens; None picks loopback when every initial peer is on loopback, else every
@@ -524,15 +525,16 @@ class RemoteSequenceManager:
         ``request_timeout_s``."""
         config = self.config
         rate = self.announced_rate(span, tokens=tokens)
-        compute_s = 0.0 if rate is None else tokens * span.length / rate
+        compute_s = tokens * span.length / rate if rate else 0.0
         expected = compute_s + 2 * nbytes / _SLOW_LINK_BYTES_PER_S
         return min(config.request_timeout_s, config.min_step_timeout_s + 10 * expected)
 
     def answer_timeout(self, span: RouteSpan, hidden: torch.Tensor, unconfirmed: bool) -> float:
-        """Seconds to wait for ``span``'s server to answer an inference step (a replay's and a
-        check's too) of ``hidden``: :meth:`step_timeout`, or, for a step of several tokens,
-        ``request_timeout_s`` where the server's speed is unknown; while its answer to the
-        session's opening (``unconfirmed``) comes first, the time an opening may take besides."""
+        """Seconds to wait for ``span``'s server to answer an inference step of ``hidden`` (a
+        replay's, a check's or a follower's too): :meth:`step_timeout`, or, for a step of
+        several tokens, ``request_timeout_s`` where the peer table no longer has the server;
+        while its answer to the session's opening (``unconfirmed``) comes first, the time an
+        opening may take besides."""
         config = self.config
         tokens = hidden.shape[0] * hidden.shape[1]
         if tokens > 1 and self.announced_rate(span, tokens=tokens) is None:
@@ -543,14 +545,14 @@ class RemoteSequenceManager:
 
     def announced_rate(self, span: RouteSpan, *, tokens: int) -> float | None:
         """The blocks per second ``span``'s server announces for steps of ``tokens`` (rows x
-        positions); None where the peer table has no positive rate of it."""
+        positions), 0.0 where it announces none; None where the peer table lacks the server."""
         snapshot = self.state.snapshot
         info = None if snapshot is None else snapshot.servers_for(span.start).get(span.peer_id)
         if info is None:
             return None
         rate = info.inference_rps if tokens == 1 else info.forward_rps
         rate = rate if rate else info.throughput
-        return rate if rate > 0 else None
+        return max(rate, 0.0)
 
     # -- what servers deliver --------------------------------------------------------------------
 

@@ -279,6 +279,45 @@ async def test_a_checked_session_is_followed_step_by_step_by_another_server(
                 assert sum(state.verified.values()) == 2 * 4
 
 
+async def test_a_follower_slower_than_it_claims_is_dropped_instead_of_holding_the_steps(
+    model: Model, tmp_path: Path
+) -> None:
+    """``verify="all"``: the server following the session answers a step far slower than its
+    announced speed allows, well within ``request_timeout_s``: its answer is awaited as long as
+    the span's server's would be, then the follower is dropped, and the step's answer (exact)
+    stands unchecked instead of waiting for it."""
+    spans = [(0, N_BLOCKS)] * 2
+    async with in_process_swarm(model, tmp_path, spans, throughput=100.0) as swarm:
+        delays: dict[str, float] = {}
+        for peer, server in swarm.servers.items():
+            inference = server.block_server._inference
+
+            async def delayed(*args: Any, peer: str = peer, original: Any = inference._step) -> Any:
+                await trio.sleep(delays.get(peer, 0.0))
+                return await original(*args)
+
+            inference._step = delayed
+        with trio.fail_after(DEADLINE_S):
+            async with sequential_over(
+                list(swarm.servers.values()),
+                verify="all",
+                request_timeout_s=60.0,
+                min_step_timeout_s=2.0,
+            ) as seq:
+                torch.manual_seed(41)
+                reference = Reference(model)
+                state = seq.sequence_manager.state
+                async with InferenceSession(seq.sequence_manager, 16) as session:
+                    await reference.check_step(session, 2, 4)
+                    (main,) = [span.peer_id for span in session.route]
+                    assert state.verified[main] == 1
+                    (follower,) = set(swarm.servers) - {main}
+                    delays[follower] = 8.0
+                    await reference.check_step(session, 2, 1)
+                    assert state.verified[main] == 1
+                assert not state.caught
+
+
 @attrs.frozen
 class _Checked:
     """A session checking every answer over three servers of all the blocks."""
