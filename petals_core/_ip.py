@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import ipaddress
 
-__all__ = ["host_of", "ip_of", "network_of"]
+__all__ = ["SITE_PREFIX", "host_of", "ip_of", "network_of", "places_of"]
+
+#: The IPv6 prefix of a site (a home, a campus, a hosting customer: 65,536 /64s).
+SITE_PREFIX = 48
 
 
 def ip_of(host: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address:
@@ -33,3 +36,10 @@ def host_of(host: str, ipv6_prefix: int = 64) -> str:
     except ValueError:
         return host
     return network_of(ip, ipv6_prefix)
+
+
+def places_of(host: str) -> tuple[str, ...]:
+    """What a socket's peer address counts towards in per-host bounds: its host
+    (:func:`host_of`), and for an IPv6 address its site too (its /48, many /64s)."""
+    place, site = host_of(host), host_of(host, SITE_PREFIX)
+    return (place,) if site == place else (place, site)

@@ -22,15 +22,12 @@ import attrs
 from aioquic.quic.packet import QuicHeader, encode_quic_retry
 from aioquic.quic.retry import QuicRetryTokenHandler
 
-from .._ip import host_of
+from .._ip import places_of
 from ._config import TransportConfig
 from ._endpoint_conn import Conn, is_loopback
 from ._relay_wire import Address, is_virtual
 
 __all__ = ["Admission", "Admitted"]
-
-#: The IPv6 prefix of a site (a home, a campus, a hosting customer: 65,536 /64s).
-_SITE_PREFIX = 48
 
 
 @attrs.frozen
@@ -130,5 +127,4 @@ def _counted_as(address: Address) -> tuple[str, ...]:
     counts towards (none for loopback and relayed addresses)."""
     if is_virtual(address) or is_loopback(address[0]):
         return ()
-    host, site = host_of(address[0]), host_of(address[0], _SITE_PREFIX)
-    return (host,) if site == host else (host, site)
+    return places_of(address[0])

@@ -17,9 +17,10 @@ peer's key as on any connection.  When that connection ends (closed, failed, aba
 its handshake, or given up for a punched hole), the dialer asks the relay to close the circuit
 (``relay.close``), freeing its place under the bounds at once.
 
-Bounds (:class:`RelayLimits`): reservations, circuits (in all, per dialer and per host) and bytes
-per second (per circuit, per dialing host and in all).  A host is an IPv4 address or an IPv6 /64
-(one machine usually has a whole /64 to pick addresses from).  A reservation or circuit beyond
+Bounds (:class:`RelayLimits`): reservations, circuits (in all, per dialer, per host and per IPv6
+site) and bytes per second (per circuit, per dialing host and in all).  A host is an IPv4 address
+or an IPv6 /64 (one machine usually has a whole /64 to pick addresses from); a site is an IPv6
+/48 (a home or a campus picks its /64s in it).  A reservation or circuit beyond
 them is refused with :class:`RelayRefused`; datagrams beyond the byte rates are dropped, as a
 congested link would, and QUIC's congestion control slows down.  A circuit ends when either end
 asks, with either side's connection to the relay, or after ``circuit_idle_s`` without a
@@ -49,7 +50,7 @@ from .._errors import (
     TransportError,
 )
 from .._groups import open_block_nursery
-from .._ip import host_of
+from .._ip import places_of
 from .._validators import positive, positive_or_none
 from ._identity import PeerID
 from ._multiaddr import Multiaddr
@@ -82,6 +83,8 @@ RELAY_CONNECT = "relay.connect"
 RELAY_CLOSE = "relay.close"
 #: Circuits whose dialers a peer remembers (the oldest are forgotten first).
 _MAX_CIRCUITS_KEPT: Final = 1024
+#: What each of a connection's places (see ``places_of``) is, in refusals.
+_PLACES: Final = ("host", "IPv6 site")
 
 
 @attrs.frozen(kw_only=True)
@@ -92,10 +95,13 @@ class RelayLimits:
     #: nothing: one host could otherwise take them all; an IPv6 host is its /64).
     max_reservations: int = attrs.field(default=64, validator=positive)
     max_reservations_per_host: int = attrs.field(default=8, validator=positive)
+    #: The same from one IPv6 /48 (a site picks its /64s in it), however many /64s it uses.
+    max_reservations_per_site: int = attrs.field(default=16, validator=positive)
     #: Circuits open at once, in all, per dialer and per dialing host.
     max_circuits: int = attrs.field(default=256, validator=positive)
     max_circuits_per_peer: int = attrs.field(default=16, validator=positive)
     max_circuits_per_host: int = attrs.field(default=32, validator=positive)
+    max_circuits_per_site: int = attrs.field(default=64, validator=positive)
     #: Bytes forwarded per second on one circuit (both ways together), on all the circuits one
     #: host dialled together (so that one host cannot take the whole budget), and in all.
     circuit_bytes_per_s: float | None = attrs.field(default=32 << 20, validator=positive_or_none)
@@ -160,8 +166,8 @@ class _Circuit:
     target: PeerID
     target_handle: int
     last_used: float
-    #: The dialing host (when the circuit opened).
-    host: str | None
+    #: The dialing host, and for IPv6 its site (when the circuit opened).
+    places: tuple[str, ...]
     #: The byte rates its datagrams take from: its own, its host's, the relay's.
     buckets: tuple[_Bucket, ...]
 
@@ -178,8 +184,9 @@ class RelayTable:
     def __init__(self, limits: RelayLimits, address_of: Callable[[int], Address | None]) -> None:
         self.limits = limits
         self._address_of = address_of
-        #: Reservations: peer -> its connection's handle, and the host it was made from.
-        self._reservations: dict[PeerID, tuple[int, str | None]] = {}
+        #: Reservations: peer -> its connection's handle, and the host (and IPv6 site) it was
+        #: made from.
+        self._reservations: dict[PeerID, tuple[int, tuple[str, ...]]] = {}
         #: The byte buckets of dialing hosts: kept after their last circuit closes until they
         #: refill, so that closing and reopening circuits does not refill them.
         self._host_buckets: dict[str, _Bucket] = {}
@@ -216,13 +223,19 @@ class RelayTable:
             raise RelayRefused(
                 f"this relay holds {self.limits.max_reservations} reservations, its most"
             )
-        host = self._host_of(handle)
-        held = sum(h == host for p, (_, h) in self._reservations.items() if p != peer_id)
-        if host is not None and held >= self.limits.max_reservations_per_host:
-            raise RelayRefused(f"{host} holds {held} reservations here, the most one host may hold")
+        places = self._places_of(handle)
+        bounds = (self.limits.max_reservations_per_host, self.limits.max_reservations_per_site)
+        for place, bound, what in zip(places, bounds, _PLACES, strict=False):
+            held = sum(
+                place in p for other, (_, p) in self._reservations.items() if other != peer_id
+            )
+            if held >= bound:
+                raise RelayRefused(
+                    f"{place} holds {held} reservations here, the most one {what} may hold"
+                )
         if old is not None and old != handle:
             self._close_circuits(lambda c: c.target == peer_id)
-        self._reservations[peer_id] = (handle, host)
+        self._reservations[peer_id] = (handle, places)
 
     def release(self, peer_id: PeerID, handle: int) -> None:
         if self.holds(peer_id, handle):
@@ -247,12 +260,15 @@ class RelayTable:
                 f"{dialer} has {limits.max_circuits_per_peer} circuits open here, the most a peer "
                 "may have"
             )
-        host = self._host_of(dialer_handle)
-        from_host = sum(c.host == host for c in self._circuits.values())
-        if host is not None and from_host >= limits.max_circuits_per_host:
-            raise RelayRefused(
-                f"{host} has {from_host} circuits open here, the most one host may have"
-            )
+        places = self._places_of(dialer_handle)
+        bounds = (limits.max_circuits_per_host, limits.max_circuits_per_site)
+        for place, bound, what in zip(places, bounds, _PLACES, strict=False):
+            opened = sum(place in c.places for c in self._circuits.values())
+            if opened >= bound:
+                raise RelayRefused(
+                    f"{place} has {opened} circuits open here, the most one {what} may have"
+                )
+        host = places[0] if places else None
         channel = 0
         while channel == 0 or channel in self._circuits:
             channel = secrets.randbits(32)
@@ -260,7 +276,7 @@ class RelayTable:
         if limits.circuit_bytes_per_s is not None:
             buckets.append(_Bucket.full(limits.circuit_bytes_per_s, now))
         if host is not None and limits.host_bytes_per_s is not None:
-            in_use = {c.host for c in self._circuits.values()}
+            in_use = {c.places[0] for c in self._circuits.values() if c.places}
             for other in [h for h in self._host_buckets if h not in in_use]:
                 if self._host_buckets[other].full_at(now):
                     del self._host_buckets[other]
@@ -270,7 +286,7 @@ class RelayTable:
         if self._total is not None:
             buckets.append(self._total)
         self._circuits[channel] = _Circuit(
-            channel, dialer, dialer_handle, target, target_handle, now, host, tuple(buckets)
+            channel, dialer, dialer_handle, target, target_handle, now, places, tuple(buckets)
         )
         return channel
 
@@ -320,9 +336,9 @@ class RelayTable:
         self._relayed_bytes += size
         return destination
 
-    def _host_of(self, handle: int) -> str | None:
+    def _places_of(self, handle: int) -> tuple[str, ...]:
         address = self._address_of(handle)
-        return None if address is None else host_of(address[0])
+        return () if address is None else places_of(address[0])
 
     def _close_circuits(self, which: Callable[[_Circuit], bool]) -> None:
         for channel in [ch for ch, c in self._circuits.items() if which(c)]:

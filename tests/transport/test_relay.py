@@ -523,27 +523,52 @@ def test_one_host_cannot_take_every_reservation_or_circuit() -> None:
     assert table.statistics().circuits == 4 and table.statistics().reservations == 3
 
 
-def test_an_ipv6_host_is_its_64_and_cannot_dodge_the_per_host_bounds() -> None:
-    """A machine usually has a whole IPv6 /64 to pick source addresses from: the per-host bounds
-    count the /64, so new addresses in it buy no more reservations or circuits."""
+def test_an_ipv6_host_is_its_64() -> None:
     assert host_of("2001:db8:1:2::7") == host_of("2001:db8:1:2:ffff::1") == "2001:db8:1:2::/64"
     assert host_of("2001:db8:1:3::7") != host_of("2001:db8:1:2::7")
     assert host_of("::ffff:198.51.100.2") == host_of("198.51.100.2") == "198.51.100.2"
     assert host_of("fe80::1%eth0") == "fe80::/64"
-    limits = RelayLimits(max_reservations_per_host=2, max_circuits_per_host=2)
-    addresses = {handle: (f"2001:db8:1:2::{handle:x}", 4000) for handle in range(1, 8)}
+
+
+@pytest.mark.parametrize(
+    ("limits", "address", "place", "what"),
+    [
+        (
+            RelayLimits(max_reservations_per_host=2, max_circuits_per_host=2),
+            "2001:db8:1:2::{:x}",
+            "2001:db8:1:2::/64",
+            "host",
+        ),
+        (
+            RelayLimits(max_reservations_per_site=2, max_circuits_per_site=2),
+            "2001:db8:1:{:x}::1",
+            "2001:db8:1::/48",
+            "IPv6 site",
+        ),
+    ],
+    ids=["a host's /64", "a site's /48"],
+)
+def test_an_ipv6_host_or_site_cannot_dodge_its_bounds_with_new_addresses(
+    limits: RelayLimits, address: str, place: str, what: str
+) -> None:
+    """A machine usually has a whole IPv6 /64 to pick source addresses from, and a home or a
+    campus a whole /48 of /64s: the bounds per host count the /64, and those per site the /48,
+    so new addresses in them buy no more reservations or circuits.  Another site is served."""
+    addresses = {handle: (address.format(handle), 4000) for handle in range(1, 8)}
     addresses[8] = ("2001:db8:9:9::1", 4000)
     table = RelayTable(limits, addresses.get)
     peers = [Identity.generate().peer_id for _ in range(8)]
     table.reserve(peers[0], 1)
     table.reserve(peers[1], 2)
-    with pytest.raises(RelayRefused, match=r"2001:db8:1:2::/64 holds 2 reservations here"):
+    with pytest.raises(RelayRefused, match=f"{place} holds 2 reservations here.* one {what} "):
         table.reserve(peers[2], 3)
     table.reserve(peers[7], 8)
     table.open_circuit(peers[3], 4, peers[7], now=0.0)
     table.open_circuit(peers[4], 5, peers[7], now=0.0)
-    with pytest.raises(RelayRefused, match=r"2001:db8:1:2::/64 has 2 circuits open here"):
+    with pytest.raises(RelayRefused, match=f"{place} has 2 circuits open here.* one {what} "):
         table.open_circuit(peers[5], 6, peers[7], now=0.0)
+    table.open_circuit(peers[7], 8, peers[0], now=0.0)  # another site dials on
+    assert table.statistics().circuits == 3 and table.statistics().reservations == 3
 
 
 def test_one_host_cannot_take_the_relays_whole_byte_budget() -> None:
