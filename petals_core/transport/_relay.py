@@ -34,7 +34,7 @@ import contextlib
 import logging
 import secrets
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Any, Final, TypeGuard
 
 import attrs
 import trio
@@ -580,11 +580,16 @@ async def hold_reservation(
         raise _refused(exc, relay) from None
 
 
+def _is_channel(value: object) -> TypeGuard[int]:
+    """Whether a relay's ``value`` is a circuit's channel (a 32-bit number, never 0)."""
+    return isinstance(value, int) and not isinstance(value, bool) and 0 < value < 1 << 32
+
+
 def _record_circuit_untrusted(node: Node, relay: Address, notice: dict[str, Any]) -> None:
     """Keep what a relay said of a new circuit to us; a notice that makes no sense is dropped
     (the circuit then gets no punched hole)."""
     channel, dialer, observed = (notice.get(k) for k in ("circuit", "dialer", "observed"))
-    if not isinstance(channel, int) or isinstance(channel, bool) or not 0 < channel < 1 << 32:
+    if not _is_channel(channel):
         return
     try:
         peer_id = PeerID.from_string(dialer) if isinstance(dialer, str) else None
@@ -612,7 +617,7 @@ async def open_relayed_channel(
             raise
         raise PeerUnreachable(f"relay {relay} opened no circuit ({exc})") from exc
     channel = reply.get("channel")
-    if not isinstance(channel, int) or isinstance(channel, bool) or not 0 < channel < 1 << 32:
+    if not _is_channel(channel):
         raise PeerUnreachable(f"relay {relay} answered no channel: {reply!r:.200}")
     virtual = virtual_address(connection.current_address, channel)
     return connection, virtual, _observed_untrusted(reply)
@@ -665,7 +670,7 @@ async def _ask_for_circuit(node: Node, relay: Connection, request: dict[str, Any
 
 async def _close_granted(relay: Connection, reply: Any, timeout_s: float) -> None:
     channel = reply.get("channel") if isinstance(reply, dict) else None
-    if isinstance(channel, int) and not isinstance(channel, bool) and 0 < channel < 1 << 32:
+    if _is_channel(channel):
         await close_circuit(relay, channel, timeout_s)
 
 

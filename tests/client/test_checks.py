@@ -491,38 +491,32 @@ async def test_a_check_replaying_a_long_history_gives_each_piece_its_time(
     assert not checked.state.caught
 
 
+@pytest.mark.parametrize(
+    ("request_timeout_s", "manager_fields", "delay"),
+    [(2.0, {}, math.inf), (60.0, {"min_step_timeout_s": 2.0}, 8.0)],
+    ids=["no answer within request_timeout_s", "far slower than it claims"],
+)
 async def test_a_checker_that_fails_a_check_is_banned_as_a_failing_server_is(
-    model: Model, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    model: Model,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    request_timeout_s: float,
+    manager_fields: dict[str, Any],
+    delay: float,
 ) -> None:
-    """A server checking a span that does not answer a step within ``request_timeout_s``: the
-    check gives up (the answer stands unchecked), and that server is banned for a while, as one
-    failing a step of the session is, so that the next checks go elsewhere."""
+    """A server checking a span that does not answer a step within ``request_timeout_s``, or
+    answers well within it but far slower than its announced speed allows: the check gives each
+    step the time a step of the session that size would have (``answer_timeout``), then gives
+    up (the answer stands unchecked), and that server is banned for a while, as one failing a
+    step of the session is, so that the next checks go elsewhere; the user's step is not held
+    for ``request_timeout_s`` per piece."""
     torch.manual_seed(29)
-    async with _checked_by_two(model, tmp_path, monkeypatch, 2.0) as checked:
-        await checked.session.step(torch.randn(2, 2, HIDDEN))
-        assert checked.state.verified[checked.whole] == 1
-        checked.delay = math.inf
-        await checked.session.step(torch.randn(2, 1, HIDDEN))
-        assert [span.peer_id for span in checked.session.route] == [checked.whole]
-    assert checked.state.verified[checked.whole] == 1
-    assert checked.checker in checked.state.bans
-    assert not checked.state.caught
-
-
-async def test_a_checker_slower_than_it_claims_is_given_up_on_as_a_slow_server_is(
-    model: Model, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A server checking a span answers each step well within ``request_timeout_s`` but far
-    slower than its announced speed allows: the check gives each step the time a step of the
-    session that size would have (``step_timeout``), then gives up, and the checker is banned;
-    the user's step is not held for ``request_timeout_s`` per piece."""
-    torch.manual_seed(31)
     async with _checked_by_two(
-        model, tmp_path, monkeypatch, 60.0, min_step_timeout_s=2.0
+        model, tmp_path, monkeypatch, request_timeout_s, **manager_fields
     ) as checked:
         await checked.session.step(torch.randn(2, 2, HIDDEN))
         assert checked.state.verified[checked.whole] == 1
-        checked.delay = 8.0
+        checked.delay = delay
         await checked.session.step(torch.randn(2, 1, HIDDEN))
         assert [span.peer_id for span in checked.session.route] == [checked.whole]
     assert checked.state.verified[checked.whole] == 1
