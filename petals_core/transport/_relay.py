@@ -18,9 +18,9 @@ its handshake, or given up for a punched hole), the dialer asks the relay to clo
 (``relay.close``), freeing its place under the bounds at once.
 
 Bounds (:class:`RelayLimits`): reservations, circuits (in all, per dialer, per host and per IPv6
-site) and bytes per second (per circuit, per dialing host and in all).  A host is an IPv4 address
-or an IPv6 /64 (one machine usually has a whole /64 to pick addresses from); a site is an IPv6
-/48 (a home or a campus picks its /64s in it).  A reservation or circuit beyond
+site) and bytes per second (per circuit, per dialing host and IPv6 site, and in all).  A host is
+an IPv4 address or an IPv6 /64 (one machine usually has a whole /64 to pick addresses from); a
+site is an IPv6 /48 (a home or a campus picks its /64s in it).  A reservation or circuit beyond
 them is refused with :class:`RelayRefused`; datagrams beyond the byte rates are dropped, as a
 congested link would, and QUIC's congestion control slows down.  A circuit ends when either end
 asks, with either side's connection to the relay, or after ``circuit_idle_s`` without a
@@ -103,9 +103,11 @@ class RelayLimits:
     max_circuits_per_host: int = attrs.field(default=32, validator=positive)
     max_circuits_per_site: int = attrs.field(default=64, validator=positive)
     #: Bytes forwarded per second on one circuit (both ways together), on all the circuits one
-    #: host dialled together (so that one host cannot take the whole budget), and in all.
+    #: host dialled together (so that one host cannot take the whole budget), on all those of
+    #: one IPv6 site (however many /64s it dials from), and in all.
     circuit_bytes_per_s: float | None = attrs.field(default=32 << 20, validator=positive_or_none)
     host_bytes_per_s: float | None = attrs.field(default=32 << 20, validator=positive_or_none)
+    site_bytes_per_s: float | None = attrs.field(default=64 << 20, validator=positive_or_none)
     total_bytes_per_s: float | None = attrs.field(default=128 << 20, validator=positive_or_none)
     #: A circuit with no datagram for this long is closed.
     circuit_idle_s: float = attrs.field(default=120.0, validator=positive)
@@ -168,7 +170,7 @@ class _Circuit:
     last_used: float
     #: The dialing host, and for IPv6 its site (when the circuit opened).
     places: tuple[str, ...]
-    #: The byte rates its datagrams take from: its own, its host's, the relay's.
+    #: The byte rates its datagrams take from: its own, its host's (and site's), the relay's.
     buckets: tuple[_Bucket, ...]
 
 
@@ -187,9 +189,9 @@ class RelayTable:
         #: Reservations: peer -> its connection's handle, and the host (and IPv6 site) it was
         #: made from.
         self._reservations: dict[PeerID, tuple[int, tuple[str, ...]]] = {}
-        #: The byte buckets of dialing hosts: kept after their last circuit closes until they
-        #: refill, so that closing and reopening circuits does not refill them.
-        self._host_buckets: dict[str, _Bucket] = {}
+        #: The byte buckets of dialing hosts and IPv6 sites: kept after their last circuit
+        #: closes until they refill, so that closing and reopening circuits does not refill them.
+        self._place_buckets: dict[str, _Bucket] = {}
         self._circuits: dict[int, _Circuit] = {}
         self._total = (
             None
@@ -268,21 +270,17 @@ class RelayTable:
                 raise RelayRefused(
                     f"{place} has {opened} circuits open here, the most one {what} may have"
                 )
-        host = places[0] if places else None
         channel = 0
         while channel == 0 or channel in self._circuits:
             channel = secrets.randbits(32)
         buckets = []
         if limits.circuit_bytes_per_s is not None:
             buckets.append(_Bucket.full(limits.circuit_bytes_per_s, now))
-        if host is not None and limits.host_bytes_per_s is not None:
-            in_use = {c.places[0] for c in self._circuits.values() if c.places}
-            for other in [h for h in self._host_buckets if h not in in_use]:
-                if self._host_buckets[other].full_at(now):
-                    del self._host_buckets[other]
-            buckets.append(
-                self._host_buckets.setdefault(host, _Bucket.full(limits.host_bytes_per_s, now))
-            )
+        self._forget_full_buckets(now)
+        rates = (limits.host_bytes_per_s, limits.site_bytes_per_s)
+        for place, rate in zip(places, rates, strict=False):
+            if rate is not None:
+                buckets.append(self._place_buckets.setdefault(place, _Bucket.full(rate, now)))
         if self._total is not None:
             buckets.append(self._total)
         self._circuits[channel] = _Circuit(
@@ -335,6 +333,14 @@ class RelayTable:
         self._relayed += 1
         self._relayed_bytes += size
         return destination
+
+    def _forget_full_buckets(self, now: float) -> None:
+        """Drop the buckets of places with no circuit open that have refilled (a new circuit
+        from there would start with a full one anyway)."""
+        in_use = {place for c in self._circuits.values() for place in c.places}
+        for place in [p for p in self._place_buckets if p not in in_use]:
+            if self._place_buckets[place].full_at(now):
+                del self._place_buckets[place]
 
     def _places_of(self, handle: int) -> tuple[str, ...]:
         address = self._address_of(handle)

@@ -571,13 +571,37 @@ def test_an_ipv6_host_or_site_cannot_dodge_its_bounds_with_new_addresses(
     assert table.statistics().circuits == 3 and table.statistics().reservations == 3
 
 
-def test_one_host_cannot_take_the_relays_whole_byte_budget() -> None:
-    """The circuits one host dialled share one byte rate: many circuits from one host forward no
-    more than one, and another host's circuit still gets its own rate."""
-    rate = 1 << 20
-    limits = RelayLimits(circuit_bytes_per_s=rate, host_bytes_per_s=rate, total_bytes_per_s=None)
-    addresses = {handle: ("198.51.100.2", 4000 + handle) for handle in range(1, 5)}
-    addresses[5] = ("203.0.113.5", 4000)
+_RATE = 1 << 20
+
+
+@pytest.mark.parametrize(
+    ("limits", "hosts", "other"),
+    [
+        (  # four circuits from one IPv4 host
+            RelayLimits(circuit_bytes_per_s=_RATE, host_bytes_per_s=_RATE, total_bytes_per_s=None),
+            ["198.51.100.2"] * 4,
+            "203.0.113.5",
+        ),
+        (  # four /64s of one /48, each within its own host's rate
+            RelayLimits(
+                circuit_bytes_per_s=_RATE,
+                host_bytes_per_s=None,
+                site_bytes_per_s=_RATE,
+                total_bytes_per_s=None,
+            ),
+            [f"2001:db8:7:{n}::2" for n in range(4)],
+            "2001:db8:8::2",
+        ),
+    ],
+    ids=["host", "ipv6-site"],
+)
+def test_one_host_cannot_take_the_relays_whole_byte_budget(
+    limits: RelayLimits, hosts: list[str], other: str
+) -> None:
+    """The circuits one host (or IPv6 site) dialled share one byte rate: many circuits from it
+    forward no more than one, and another's circuit still gets its own rate."""
+    addresses = {handle: (host, 4000 + handle) for handle, host in enumerate(hosts, start=1)}
+    addresses[5] = (other, 4000)
     addresses[6] = ("192.0.2.7", 4000)
     table = RelayTable(limits, addresses.get)
     target, other = Identity.generate().peer_id, Identity.generate().peer_id
