@@ -10,16 +10,28 @@ write any source address on an Initial.  Beyond ``max_unproven_handshakes`` of t
 a new one is answered with a QUIC Retry (RFC 9000, 8.1.2) instead: its token, bound to the
 client's address and sealed with a key of this run, must come back on the client's next
 Initial, which only a client receiving at that address can send.  A forged address thus holds
-no slot beyond those, and is sent nothing larger than a Retry.
+no slot beyond those, and is sent nothing larger than a Retry.  A token that does not validate
+(too old, from another address, or sealed before this node restarted) is answered with a
+connection close (INVALID_TOKEN, RFC 9000, 8.1.3): a client would not take a second Retry, and
+would otherwise wait out its connect timeout.
 """
 
 from __future__ import annotations
 
 import os
 from collections import Counter
+from typing import Final
 
 import attrs
-from aioquic.quic.packet import QuicHeader, encode_quic_retry
+from aioquic.quic.crypto import CryptoPair
+from aioquic.quic.packet import (
+    QuicErrorCode,
+    QuicFrameType,
+    QuicHeader,
+    QuicPacketType,
+    encode_quic_retry,
+)
+from aioquic.quic.packet_builder import QuicPacketBuilder
 from aioquic.quic.retry import QuicRetryTokenHandler
 
 from .._ip import places_of
@@ -28,6 +40,9 @@ from ._endpoint_conn import Conn, is_loopback
 from ._relay_wire import Address, is_virtual
 
 __all__ = ["Admission", "Admitted"]
+
+#: The reason an Initial whose token does not validate is refused with.
+_INVALID_TOKEN_REASON: Final = b"address token not valid here"
 
 
 @attrs.frozen
@@ -73,7 +88,7 @@ class Admission:
                     now=now,
                 )
             except ValueError:
-                return None  # not our token, for another address, or too old
+                return _invalid_token(header)  # not ours, for another address, or too old
             return Admitted(original_dcid, header.destination_cid, counted)
         ceiling = self.config.max_unproven_handshakes
         if ceiling is not None and self._unproven >= ceiling:
@@ -120,6 +135,32 @@ class Admission:
             original_destination_cid=header.destination_cid,
             retry_token=token,
         )
+
+
+def _invalid_token(header: QuicHeader) -> bytes:
+    """A server Initial closing the connection the Initial ``header`` opens, with INVALID_TOKEN:
+    a single packet far smaller than that Initial, protected with the Initial keys its
+    destination connection ID gives."""
+    version = header.version
+    assert version is not None  # an Initial's long header has one
+    crypto = CryptoPair()
+    crypto.setup_initial(cid=header.destination_cid, is_client=False, version=version)
+    builder = QuicPacketBuilder(
+        host_cid=header.destination_cid,
+        peer_cid=header.source_cid,
+        version=version,
+        is_client=False,
+        max_datagram_size=1200,
+    )
+    builder.start_packet(QuicPacketType.INITIAL, crypto)
+    reason = _INVALID_TOKEN_REASON
+    frame = builder.start_frame(QuicFrameType.TRANSPORT_CLOSE, capacity=16 + len(reason))
+    frame.push_uint_var(QuicErrorCode.INVALID_TOKEN)
+    frame.push_uint_var(QuicFrameType.PADDING)  # no frame of the peer's caused it
+    frame.push_uint_var(len(reason))
+    frame.push_bytes(reason)
+    (datagram,), _ = builder.flush()
+    return datagram
 
 
 def _counted_as(address: Address) -> tuple[str, ...]:

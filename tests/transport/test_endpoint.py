@@ -535,7 +535,9 @@ def test_forged_handshakes_hold_only_their_share_and_real_clients_prove_their_ad
     for data, _ in with_token:
         server.endpoint.receive_datagram(data, ("198.51.100.9", 1000), net.now)
     assert server.endpoint.connection_count() == 2
-    assert server.endpoint.datagrams_to_send(net.now) == []
+    ((refusal, to),) = server.endpoint.datagrams_to_send(net.now)
+    assert to == ("198.51.100.9", 1000) and len(refusal) < len(initial) / 4
+    assert not _is_retry(refusal)
 
     client = Recorder(config)
     net.attach(FAR_CLIENT, client)
@@ -562,3 +564,29 @@ def test_loopback_handshakes_are_never_asked_to_prove_their_address() -> None:
         net, client, server = make_pair(config, pipe=Pipe(drop=_tap(seen)), far=far)
         handshake(net, client, server, FAR_SERVER if far else SERVER)
         assert sum(map(_is_retry, seen)) == (1 if far else 0)
+
+
+def test_a_token_sealed_before_a_restart_is_refused_at_once() -> None:
+    """A client whose Retry token the node cannot validate (it restarted in between, with a new
+    key) is told so at once (INVALID_TOKEN), instead of waiting out its connect timeout; its
+    next dial gets in."""
+    config = TransportConfig(
+        keepalive_interval_s=None, max_unproven_handshakes=0, connect_timeout_s=5.0
+    )
+    net = MemoryNetwork(random.Random(0), default=Pipe())
+    client, server = Recorder(config), Recorder(config)
+    net.attach(FAR_CLIENT, client)
+    handle = client.endpoint.connect(FAR_SERVER, server.identity.peer_id, net.now)
+    ((initial, _),) = client.endpoint.datagrams_to_send(net.now)
+    before = Endpoint(server.identity, config)  # the node before it restarted
+    before.receive_datagram(initial, FAR_CLIENT, net.now)
+    ((retry, _),) = before.datagrams_to_send(net.now)
+    assert _is_retry(retry)
+    client.receive_datagram(retry, FAR_SERVER, net.now)
+    net.attach(FAR_SERVER, server)
+    assert net.run_until(lambda: handle in client.lost, max_time_s=30)
+    assert net.now < 1.0
+    error = client.lost[handle].error
+    assert isinstance(error, ConnectionClosed) and "token" in str(error)
+    again = client.endpoint.connect(FAR_SERVER, server.identity.peer_id, net.now)
+    assert net.run_until(lambda: again in client.ready, max_time_s=30)
