@@ -13,8 +13,9 @@ rebuild their caches, and carries on from the same step.  Rolling back (setting 
 lower) cuts every history; reordering rows for beam search (``hypo_ids``) reorders them.  Deep
 prompts given at position 0 are kept, and replayed.
 
-What can fail is retried with exponential backoff up to ``max_retries``; after that the error
-names the last cause.  Steps are checked here before anything is sent, so that a server is never
+What can fail is retried with exponential backoff up to ``max_retries`` failures per step of
+the caller's (the pieces of a long prefill share them); after that the error names the last
+cause.  Steps are checked here before anything is sent, so that a server is never
 banned for the client's own mistake.
 """
 
@@ -98,6 +99,8 @@ class InferenceSession:
         self._check_failure: BaseException | None = None
         self._closed = False
         self.retries = 0
+        #: Failures so far of the caller's step under way (its pieces share one retry budget).
+        self._attempt = 0
         #: Where the first step spent its time (None until it is done).
         self.first_step: FirstStepTimes | None = None
         # Seconds the first step spent so far on planning routes, opening spans, connecting.
@@ -174,6 +177,8 @@ class InferenceSession:
             raise PetalsError("the inference session is closed")
         pieces = self._core.step_pieces(hidden, prompts=prompts)
         started = trio.current_time()
+        # The failures of every piece count against one retry budget: the caller's step's.
+        self._attempt = 0
         try:
             if len(pieces) == 1:
                 return await self._step(hidden, prompts, hypo_ids, padding, started=started)
@@ -237,7 +242,7 @@ class InferenceSession:
             length=length,
         ):
             await self._close_calls()
-        attempt = 0
+        attempt = self._attempt
         if not core.spans:
             attempt = await self._retrying(attempt, self._open_route)
         # Server-to-server: a plain step goes to the first server, which pushes its output on
@@ -290,6 +295,7 @@ class InferenceSession:
             self.manager.on_request_success(state.peer)
             x = output
             index += 1
+        self._attempt = attempt
         core.finish(more=more)
         if self.first_step is None and not more:
             setup = self._setup

@@ -346,6 +346,40 @@ async def test_a_long_prefill_that_fails_for_good_midway_leaves_the_session_as_i
                 await _sent_again_once_3_6_is_held(swarm, session, reference, x, hypo_ids)
 
 
+@pytest.mark.parametrize("max_retries", [1, 2])
+async def test_the_pieces_of_a_long_prefill_share_one_retry_budget(
+    model: Model, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, max_retries: int
+) -> None:
+    """A prefill of six positions goes in three pieces; a server fails the second piece and
+    another the third: two failures of one caller's step, beyond ``max_retries=1`` (the step
+    fails) and within ``max_retries=2`` (it equals the local blocks')."""
+    monkeypatch.setattr(_session_core, "MAX_STEP_BYTES", 2 * 2 * HIDDEN * 4)
+    torch.manual_seed(9)
+    reference = Reference(model)
+    async with in_process_swarm(model, tmp_path, [(0, 6)] * 3) as swarm:
+        failed_at: set[int] = set()
+        for server in swarm.servers.values():
+            inference = server.block_server._inference
+            original = inference._step
+
+            async def failing(plan: Any, *args: Any, original: Any = original) -> Any:
+                if plan.position in (2, 4) and plan.position not in failed_at:
+                    failed_at.add(plan.position)
+                    raise ServerError(f"this server fails the piece at {plan.position}")
+                return await original(plan, *args)
+
+            inference._step = failing
+        with trio.fail_after(DEADLINE_S):
+            async with _session_over(swarm, verify="none", max_retries=max_retries) as session:
+                if max_retries == 1:
+                    with pytest.raises(PetalsError, match="failed after 2 attempt"):
+                        await session.step(torch.randn(2, 6, HIDDEN))
+                    assert session.position == 0
+                else:
+                    await reference.check_step(session, 2, 6)
+                assert failed_at == {2, 4} and session.retries == 2
+
+
 async def test_closing_a_session_during_its_step_blames_no_server_and_leaves_no_session(
     model: Model, tmp_path: Path
 ) -> None:
