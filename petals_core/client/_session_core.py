@@ -26,13 +26,22 @@ with ``more`` to come, and abandoning any of them takes back the whole step.
 from __future__ import annotations
 
 import itertools
+import secrets
 import uuid
 
 import attrs
 import torch
 
 from .._errors import ServerError
-from ..protocol import OpenSession, PushTarget, Step, StepResult, prompts_fit
+from ..protocol import (
+    PUSH_KEY_BYTES,
+    OpenSession,
+    PushTarget,
+    Step,
+    StepResult,
+    prompts_fit,
+    push_grant,
+)
 from ..routing import RouteSpan
 from ._placement import describe
 
@@ -50,6 +59,8 @@ class SpanState:
 
     span: RouteSpan
     session_id: str = attrs.field(factory=lambda: uuid.uuid4().hex)
+    #: The secret its pushed steps are granted with (see ``protocol._inference``).
+    push_key: bytes = attrs.field(factory=lambda: secrets.token_bytes(PUSH_KEY_BYTES), repr=False)
     gone: bool = False
     #: Its session may hold a reorder the client took back (a failed step's): it is replaced
     #: and replayed before its next step, its server not blamed.
@@ -193,6 +204,7 @@ class SessionCore:
             active_adapter=active_adapter,
             points=0.0,
             left_padding=state.padding,
+            push_key=state.push_key,
         )
 
     def start_chain(self, *, server_to_server: bool) -> None:
@@ -217,8 +229,19 @@ class SessionCore:
         step_id = next(self._step_ids)
         push: tuple[PushTarget, ...] = ()
         if self._push and index + 1 < len(self.spans):
+            batch, tokens = x.shape[0], x.shape[1]
             push = tuple(
-                PushTarget(peer=later.peer, session_id=later.session_id)
+                PushTarget(
+                    peer=later.peer,
+                    session_id=later.session_id,
+                    grant=push_grant(
+                        later.push_key,
+                        step_id=step_id,
+                        position=self.position,
+                        tokens=tokens,
+                        batch=batch,
+                    ),
+                )
                 for later in self.spans[index + 1 :]
             )
         self._expected[id(state)] = step_id

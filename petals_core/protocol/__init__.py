@@ -32,12 +32,15 @@ from ._inference import (
     INFERENCE as INFERENCE,
     MAX_PUSH_CHAIN as MAX_PUSH_CHAIN,
     PUSH as PUSH,
+    PUSH_KEY_BYTES as PUSH_KEY_BYTES,
     OpenPush as OpenPush,
     OpenSession as OpenSession,
     PushTarget as PushTarget,
     SessionReady as SessionReady,
     Step as Step,
     StepResult as StepResult,
+    push_grant as push_grant,
+    push_granted as push_granted,
 )
 from ._info import INFO as INFO, InfoReply as InfoReply, InfoRequest as InfoRequest
 from ._receipts import (

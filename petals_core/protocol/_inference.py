@@ -12,10 +12,20 @@ session, which the receiving server takes beside the client's own and answers to
 A step asks for its output to be pushed on by naming the next servers' sessions
 (:class:`PushTarget`) in its ``push``.  A pushed step is the output of such a step, so it never
 carries ``prompts`` nor ``hypo_ids``; a server refuses a push stream's step that does.
+
+**Push grants.**  The servers before a session on the route learn its id, so the id alone must
+not let them steer it (roll it back, or run a step the client never sent).  A client opens each
+session with a secret ``push_key``, and gives each push target a ``grant``: a MAC under that
+session's key of the one pushed step it allows (its step id, start position, positions and
+rows; :func:`push_grant`).  The pushing server passes the grant on with the step, and a server
+takes a pushed step into a session opened with a key only if the grant checks.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
+import struct
 from collections.abc import Mapping
 from typing import Any, ClassVar, Final
 
@@ -33,6 +43,7 @@ from ._wire import (
     check_hidden,
     check_integer,
     check_number,
+    check_optional_bytes,
     check_optional_integer,
     check_prompts,
     check_text,
@@ -48,12 +59,15 @@ __all__ = [
     "INFERENCE",
     "MAX_PUSH_CHAIN",
     "PUSH",
+    "PUSH_KEY_BYTES",
     "OpenPush",
     "OpenSession",
     "PushTarget",
     "SessionReady",
     "Step",
     "StepResult",
+    "push_grant",
+    "push_granted",
 ]
 
 INFERENCE: Final = "petals.inference"
@@ -61,6 +75,36 @@ PUSH: Final = "petals.push"
 
 #: The most servers after the receiving one that a step may name to push on to.
 MAX_PUSH_CHAIN: Final = 64
+
+#: Sizes of a session's push key and of a grant (a truncated HMAC-SHA256).
+PUSH_KEY_BYTES: Final = 32
+_GRANT_BYTES: Final = 16
+_GRANTED: Final = struct.Struct(">QQQQ")
+
+
+def push_grant(key: bytes, *, step_id: int, position: int, tokens: int, batch: int) -> bytes:
+    """The grant, under a session's ``key``, of the pushed step ``step_id`` of ``tokens`` new
+    positions from ``position`` on, for ``batch`` rows."""
+    message = b"petals.push-grant\0" + _GRANTED.pack(step_id, position, tokens, batch)
+    return hmac.new(key, message, hashlib.sha256).digest()[:_GRANT_BYTES]
+
+
+def push_granted(key: bytes, step: Step) -> bool:
+    """Whether ``step`` (as pushed into a session of ``key``) carries that session's grant of
+    exactly this step."""
+    hidden = step.hidden_states
+    if step.grant is None or step.step_id is None or step.start_from_position is None:
+        return False
+    if max(step.step_id, step.start_from_position) >= 2**64:
+        return False
+    expected = push_grant(
+        key,
+        step_id=step.step_id,
+        position=step.start_from_position,
+        tokens=hidden.shape[1],
+        batch=hidden.shape[0],
+    )
+    return hmac.compare_digest(expected, step.grant)
 
 
 @attrs.frozen(kw_only=True)
@@ -86,9 +130,12 @@ class OpenSession(WireMessage):
     points: float = attrs.field(default=0.0, converter=to_float)
     #: Per row, how many leading positions are padding, hidden from the row's real tokens.
     left_padding: tuple[int, ...] | None = attrs.field(default=None, converter=as_tuple)
+    #: The key of the session's push grants (see the module); None: pushes need none.
+    push_key: bytes | None = attrs.field(default=None, repr=False)
 
     def __attrs_post_init__(self) -> None:
         check_text("session_id", self.session_id)
+        check_optional_bytes("push_key", self.push_key, low=16, high=64)
         check_blocks(self.blocks)
         check_integer("max_length", self.max_length, 1)
         check_integer("batch_size", self.batch_size, 1)
@@ -115,7 +162,7 @@ class OpenSession(WireMessage):
             "alloc_timeout": self.alloc_timeout,
             "active_adapter": self.active_adapter,
             "points": self.points,
-            **present(left_padding=padding),
+            **present(left_padding=padding, push_key=self.push_key),
         }
 
 
@@ -151,13 +198,16 @@ class PushTarget:
 
     peer: str
     session_id: str
+    #: The client's grant of the step pushed there (see the module).
+    grant: bytes | None = None
 
     def __attrs_post_init__(self) -> None:
         check_text("peer", self.peer)
         check_text("session_id", self.session_id)
+        check_optional_bytes("grant", self.grant, low=1, high=64)
 
-    def to_wire(self) -> dict[str, str]:
-        return {"peer": self.peer, "session_id": self.session_id}
+    def to_wire(self) -> dict[str, Any]:
+        return {"peer": self.peer, "session_id": self.session_id, **present(grant=self.grant)}
 
 
 def _push_targets(value: object) -> Any:
@@ -171,7 +221,11 @@ def _push_targets(value: object) -> Any:
         raise _push_error()
     try:
         return tuple(
-            PushTarget(peer=entry.get("peer"), session_id=entry.get("session_id"))
+            PushTarget(
+                peer=entry.get("peer"),
+                session_id=entry.get("session_id"),
+                grant=entry.get("grant"),
+            )
             for entry in value
         )
     except LocalProtocolError:
@@ -180,7 +234,7 @@ def _push_targets(value: object) -> Any:
 
 def _push_error() -> LocalProtocolError:
     return LocalProtocolError(
-        f"push must be a list of 1..{MAX_PUSH_CHAIN} {{'peer', 'session_id'}} entries"
+        f"push must be a list of 1..{MAX_PUSH_CHAIN} {{'peer', 'session_id'[, 'grant']}} entries"
     )
 
 
@@ -193,7 +247,8 @@ class Step(WireMessage):
     prompts added to the step's first positions.  ``step_id`` (the client increases it from
     step to step) is repeated in the answer.  ``push`` names the sessions of the next servers
     of the client's route: the server pushes its output on to the first of them, as that
-    session's next step (a step with prompts or ``hypo_ids`` cannot be pushed on)."""
+    session's next step (a step with prompts or ``hypo_ids`` cannot be pushed on), with the
+    ``grant`` the client gave that target."""
 
     what: ClassVar[str] = "step"
 
@@ -203,9 +258,11 @@ class Step(WireMessage):
     hypo_ids: torch.Tensor | None = attrs.field(default=None, eq=TENSOR_EQ, hash=False)
     prompts: torch.Tensor | None = attrs.field(default=None, eq=TENSOR_EQ, hash=False)
     push: tuple[PushTarget, ...] = attrs.field(default=(), converter=_push_targets)
+    grant: bytes | None = None
 
     def __attrs_post_init__(self) -> None:
         check_hidden("hidden_states", self.hidden_states)
+        check_optional_bytes("grant", self.grant, low=1, high=64)
         check_optional_integer("start_from_position", self.start_from_position, 0)
         check_optional_integer("step_id", self.step_id, 0)
         _check_hypo_ids(self.hypo_ids, self.hidden_states.shape[0])
@@ -232,6 +289,7 @@ class Step(WireMessage):
                 prompts=self.prompts,
                 hypo_ids=self.hypo_ids,
                 push=push,
+                grant=self.grant,
             ),
         }
 

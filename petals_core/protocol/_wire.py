@@ -181,6 +181,11 @@ def check_text(name: str, value: object, *, max_chars: int = MAX_ID_CHARS) -> No
         raise LocalProtocolError(f"{name} must be a string of 1..{max_chars} chars")
 
 
+def check_optional_bytes(name: str, value: object, *, low: int, high: int) -> None:
+    if value is not None and (not isinstance(value, bytes) or not low <= len(value) <= high):
+        raise LocalProtocolError(f"{name} must be {low}..{high} bytes")
+
+
 def check_blocks(value: object) -> None:
     """``(start, end)``: two integers (whether the receiver holds them is its own check)."""
     if not isinstance(value, tuple) or len(value) != 2 or not all(map(is_integer, value)):

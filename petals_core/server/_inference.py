@@ -254,7 +254,7 @@ class InferenceHandlers:
                 opening=opening,
                 caches=caches,
                 scope=trio.CancelScope(),
-                state=SessionState(batch=batch, max_length=max_length),
+                state=SessionState(batch=batch, max_length=max_length, push_key=opening.push_key),
             )
             inbox, steps = trio.open_memory_channel[_InboxItem](_INBOX_SIZE)
             session.inbox = inbox
@@ -368,7 +368,13 @@ class InferenceHandlers:
                 raise item  # the client's stream failed
             message, pushed = item
             try:
-                plan = session.state.plan(Step.from_wire_untrusted(message), pushed=pushed)
+                step = Step.from_wire_untrusted(message)
+                if pushed and not session.state.granted(step):
+                    # Another server naming this session without the client's grant: dropped,
+                    # as it leaves the session as it was.
+                    self._serving.count("refused_pushes")
+                    continue
+                plan = session.state.plan(step, pushed=pushed)
                 if plan is None:
                     self._serving.count("stale_pushes")
                     continue

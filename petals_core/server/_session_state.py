@@ -13,7 +13,7 @@ from __future__ import annotations
 import attrs
 import torch
 
-from ..protocol import PushTarget, Step, StepResult
+from ..protocol import PushTarget, Step, StepResult, push_granted
 
 __all__ = ["SessionState", "StepPlan"]
 
@@ -39,13 +39,21 @@ class SessionState:
     """Positions and step ids of one session of ``batch`` rows and at most ``max_length``
     positions."""
 
-    def __init__(self, *, batch: int, max_length: int) -> None:
+    def __init__(self, *, batch: int, max_length: int, push_key: bytes | None = None) -> None:
         self.batch = batch
         self.max_length = max_length
+        #: The key of the client's push grants (None: the client opened it without one, and
+        #: pushes need no grant).
+        self._push_key = push_key
         #: Positions the session's caches hold.
         self.position = 0
         #: The highest step id seen (pushed steps at or below it are stale).
         self.last_step_id = -1
+
+    def granted(self, step: Step) -> bool:
+        """Whether the pushed ``step`` may run in this session: it carries the client's grant
+        of exactly this step (when the session was opened with a push key)."""
+        return self._push_key is None or push_granted(self._push_key, step)
 
     def plan(self, step: Step, *, pushed: bool) -> StepPlan | None:
         """What to do with ``step``: None for a stale push (drop it), a plan otherwise.
@@ -111,4 +119,5 @@ class SessionState:
             start_from_position=plan.position,
             step_id=plan.step_id,
             push=plan.push[1:],
+            grant=plan.push[0].grant,
         )

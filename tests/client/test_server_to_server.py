@@ -22,7 +22,7 @@ from petals_core import RemoteError
 from petals_core._errors import PeerUnreachable
 from petals_core.client import InferenceSession, RemoteSequential
 from petals_core.dht import NodeID
-from petals_core.protocol import INFERENCE, PUSH
+from petals_core.protocol import INFERENCE, PUSH, PUSH_KEY_BYTES, push_grant
 from petals_core.server import Server, ServingLimits
 from petals_core.testing import DelayRelay, Pipe
 from petals_core.transport import (
@@ -324,11 +324,12 @@ async def test_a_server_that_cannot_push_lets_the_client_send(model: Model, tmp_
 
 @asynccontextmanager
 async def _session_at_step_5(
-    connection: Connection, session_id: str, prefix: torch.Tensor
+    connection: Connection, session_id: str, prefix: torch.Tensor, **opening: Any
 ) -> AsyncIterator[Call]:
-    """A raw session over blocks 0:6 that took ``prefix`` as its step 5."""
+    """A raw session over blocks 0:6 (``opening``: more fields of its opening) that took
+    ``prefix`` as its step 5."""
     async with open_call(connection, INFERENCE) as call:
-        await call.send({"session_id": session_id, "blocks": [0, 6], "max_length": 8})
+        await call.send({"session_id": session_id, "blocks": [0, 6], "max_length": 8, **opening})
         assert (await call.receive())["ready"] is True
         await call.send({"hidden_states": prefix, "step_id": 5})
         assert (await call.receive())["step_id"] == 5
@@ -521,6 +522,46 @@ async def test_a_pushed_step_with_prompts_or_hypo_ids_is_refused_and_the_session
             await call.send_eof()
         statistics = server.block_server.statistics()
         assert (statistics.refused_pushes, statistics.pushed_steps) == (2, 0)
+
+
+async def test_a_push_without_the_clients_grant_of_exactly_that_step_changes_nothing(
+    model: Model, tmp_path: Path
+) -> None:
+    """A session opened with a push key takes a pushed step only with the client's grant of
+    that very step: a peer that learned the session's id cannot roll it back or run a step of
+    its own in it, with no grant, with another session's, or with the grant of another position,
+    step id or size.  Such pushes are dropped (the push stream and the session go on), and the
+    granted step is computed as if they had never come."""
+    torch.manual_seed(8)
+    session_id, key = os.urandom(8).hex(), os.urandom(PUSH_KEY_BYTES)
+    prefix, x, expected = _prefix_and_next(model)
+
+    def grant(step_id: int = 6, position: int = 2, tokens: int = 1, **kwargs: Any) -> bytes:
+        at = {"key": key, "step_id": step_id, "position": position, "tokens": tokens, "batch": 1}
+        return push_grant(**{**at, **kwargs})  # type: ignore[arg-type]
+
+    step = {"hidden_states": x, "step_id": 6, "start_from_position": 2}
+    forged = [
+        step,
+        {**step, "grant": grant(key=os.urandom(PUSH_KEY_BYTES))},
+        {**step, "start_from_position": 0, "grant": grant()},  # a rollback
+        {**step, "start_from_position": 0, "grant": grant(position=0, tokens=2)},
+        {**step, "step_id": 9, "grant": grant()},
+        {**step, "hidden_states": torch.randn(1, 2, HIDDEN), "grant": grant()},
+    ]
+    async with _one_server(model, tmp_path) as (server, connection):
+        async with _session_at_step_5(connection, session_id, prefix, push_key=key) as call:
+            async with open_call(connection, PUSH) as push:
+                await push.send({"session_id": session_id})
+                for message in forged:
+                    await push.send(message)
+                await server.block_server.wait_statistics(lambda s: s.refused_pushes == len(forged))
+                await push.send({**step, "grant": grant()})
+                answer = await call.receive()
+            assert (answer["step_id"], answer["position"]) == (6, 3)
+            assert_close(answer["hidden_states"], expected)
+            await call.send_eof()
+        assert server.block_server.statistics().pushed_steps == 1
 
 
 async def test_a_push_stream_ends_with_its_session(model: Model, tmp_path: Path) -> None:

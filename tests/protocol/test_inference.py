@@ -53,10 +53,12 @@ def openings(draw: st.DrawFn) -> OpenSession:
         active_adapter=draw(st.one_of(st.none(), ids)),
         points=draw(st.floats(allow_nan=False, allow_infinity=False)),
         left_padding=draw(st.one_of(st.none(), padding)),
+        push_key=draw(st.one_of(st.none(), st.binary(min_size=16, max_size=64))),
     )
 
 
-push_targets = st.builds(PushTarget, peer=ids, session_id=ids)
+grants = st.one_of(st.none(), st.binary(min_size=1, max_size=64))
+push_targets = st.builds(PushTarget, peer=ids, session_id=ids, grant=grants)
 
 
 @st.composite
@@ -75,6 +77,7 @@ def steps(draw: st.DrawFn) -> Step:
         push=tuple(draw(st.lists(push_targets, min_size=1, max_size=4)))
         if extras == "push"
         else (),
+        grant=draw(grants) if extras in ("none", "push") else None,
     )
 
 
@@ -196,6 +199,8 @@ _OPENING: dict[str, Any] = {"session_id": "s", "blocks": [0, 2], "max_length": 8
         ({"left_padding": [1, 2]}, "left_padding must be 1 integers in [0, 8]"),
         ({"left_padding": [9]}, "left_padding must be 1 integers in [0, 8]"),
         ({"left_padding": 1}, "left_padding must be 1 integers"),
+        ({"push_key": b"short"}, "push_key must be 16..64 bytes"),
+        ({"push_key": "k" * 32}, "push_key must be 16..64 bytes"),
     ],
 )
 def test_malformed_openings_are_refused_naming_the_field(change: dict[str, Any], says: str) -> None:
@@ -225,6 +230,10 @@ def test_malformed_openings_are_refused_naming_the_field(change: dict[str, Any],
         ({"push": [{"peer": "p", "session_id": 5}]}, "push must be a list"),
         ({"push": [_target := {"peer": "p", "session_id": "s"}] * 65}, "push must be a list"),
         ({"push": [_target]}, "a step to push on needs a step_id"),
+        ({"push": [{**_target, "grant": "g"}], "step_id": 1}, "push must be a list"),
+        ({"push": [{**_target, "grant": b"g" * 65}], "step_id": 1}, "push must be a list"),
+        ({"grant": b""}, "grant must be 1..64 bytes"),
+        ({"grant": 5}, "grant must be 1..64 bytes"),
         (
             {"push": [_target], "step_id": 1, "hypo_ids": torch.tensor([0, 1])},
             "a step with prompts or hypo_ids cannot be pushed on",

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import re
 
+import attrs
 import pytest
 import torch
 
-from petals_core.protocol import PushTarget, Step
+from petals_core.protocol import PushTarget, Step, push_grant
 from petals_core.server._session_state import SessionState
 
 
@@ -82,7 +83,10 @@ def test_hypo_ids_become_row_indices() -> None:
 
 
 def test_push_step_hands_the_output_down_the_chain() -> None:
-    chain = (PushTarget(peer="b", session_id="s-b"), PushTarget(peer="c", session_id="s-c"))
+    chain = (
+        PushTarget(peer="b", session_id="s-b", grant=b"grant of b"),
+        PushTarget(peer="c", session_id="s-c", grant=b"grant of c"),
+    )
     state = SessionState(batch=1, max_length=16)
     _run(state, _step(3))
     plan = state.plan(_step(2, step_id=7, start_from_position=1, push=chain), pushed=False)
@@ -92,5 +96,29 @@ def test_push_step_hands_the_output_down_the_chain() -> None:
     assert pushed is not None
     assert pushed.hidden_states is output
     assert (pushed.start_from_position, pushed.step_id, pushed.push) == (1, 7, chain[1:])
+    assert pushed.grant == chain[0].grant
     last = state.plan(_step(1, push=()), pushed=False)
     assert last is not None and SessionState.push_step(last, output) is None
+
+
+def test_a_session_with_a_push_key_takes_only_pushes_granted_for_exactly_them() -> None:
+    """A grant is of one step: its id, start position, positions and rows, under the session's
+    key.  A session opened without a key takes any push (as before grants)."""
+    key = bytes(range(32))
+    state = SessionState(batch=2, max_length=16, push_key=key)
+    at = {"step_id": 4, "position": 3, "tokens": 2, "batch": 2}
+    granted = push_grant(key, **at)
+    step = _step(2, batch=2, step_id=4, start_from_position=3, grant=granted)
+    assert state.granted(step)
+    assert SessionState(batch=2, max_length=16).granted(attrs.evolve(step, grant=None))
+    for other in (
+        attrs.evolve(step, grant=None),
+        attrs.evolve(step, step_id=5),
+        attrs.evolve(step, start_from_position=0),
+        attrs.evolve(step, start_from_position=None),
+        attrs.evolve(step, hidden_states=torch.zeros(2, 3, 4)),
+        attrs.evolve(step, hidden_states=torch.zeros(1, 2, 4)),
+        attrs.evolve(step, grant=push_grant(bytes(32), **at)),
+        attrs.evolve(step, step_id=2**64),
+    ):
+        assert not state.granted(other)
