@@ -543,16 +543,33 @@ class RemoteSequenceManager:
             timeout = self.step_timeout(span, tokens=tokens, nbytes=hidden.nbytes)
         return timeout + (config.request_timeout_s if unconfirmed else 0.0)
 
+    def _announcement(self, span: RouteSpan) -> ServerInfo | None:
+        """What ``span``'s server announces in the peer table routes were last planned from
+        (under any block: a table still filling may lack some of its blocks), if anything."""
+        snapshot = self.state.snapshot
+        if snapshot is None:
+            return None
+        info = snapshot.servers_for(span.start).get(span.peer_id)
+        if info is None:
+            found = (servers.get(span.peer_id) for servers in snapshot.blocks.values())
+            info = next((info for info in found if info is not None), None)
+        return info
+
     def announced_rate(self, span: RouteSpan, *, tokens: int) -> float | None:
         """The blocks per second ``span``'s server announces for steps of ``tokens`` (rows x
         positions), 0.0 where it announces none; None where the peer table lacks the server."""
-        snapshot = self.state.snapshot
-        info = None if snapshot is None else snapshot.servers_for(span.start).get(span.peer_id)
+        info = self._announcement(span)
         if info is None:
             return None
         rate = info.inference_rps if tokens == 1 else info.forward_rps
         rate = rate if rate else info.throughput
         return max(rate, 0.0)
+
+    def passes_push_grants(self, span: RouteSpan) -> bool:
+        """Whether ``span``'s server announces that it passes its clients' push grants on
+        (servers from before grants drop them, and the next servers then refuse their pushes)."""
+        info = self._announcement(span)
+        return info is not None and info.push_grants is True
 
     # -- what servers deliver --------------------------------------------------------------------
 

@@ -20,15 +20,17 @@ those whose sends failed included; not those that could not be dialled) and trie
 all (:data:`_MAX_PUSH_TRIES`); a step naming another is not pushed. A push not sent within
 :func:`_push_timeout` (a fixed wait plus its bytes over a slow link) is answered
 ``pushed: false`` and ends the session's pushes to that next session. The receiving server takes
-pushed steps in its session's order beside the client's own: the session id, known to the
-client and the servers it chose only, is the capability. A pushed step whose ``step_id`` is not
+pushed steps in its session's order beside the client's own. A session opened with a push key
+takes a pushed step only with its client's grant of exactly that step (see
+``protocol._inference``): the previous servers of a route learn the session's id, but cannot
+steer it.  A pushed step that does not parse, carries deep prompts or ``hypo_ids`` (no honest
+push does: the previous server makes it of a step that could be pushed on), or lacks its grant
+is refused: the push stream ends with the fault named, the session is untouched.  One that is
+granted but does not fit the session (its rows, its size) is dropped, the session untouched.
+Its ``start_from_position`` is honoured, as every push carries the previous server's start (a
+client's rollback reaches the later servers that way).  A pushed step whose ``step_id`` is not
 above every id the session has seen is stale (its client has resent that step itself since) and
-is dropped. A push stream ends (cleanly) when the session it feeds does. A pushed step carrying
-deep prompts or ``hypo_ids`` is refused (the push stream ends with the fault named, the session
-is untouched): the previous server makes it of a step that could be pushed on, which carries
-neither. Its ``start_from_position`` is honoured, as every push carries the previous server's
-start (a client's rollback reaches the later servers that way), so whoever holds a session's id
-can roll it back.
+is dropped. A push stream ends (cleanly) when the session it feeds does.
 
 **Scheduling.**  Single-step work of different sessions over the same blocks and adapter is
 batched (:meth:`BlockBackend.inference_steps`), up to ``max_batch_tokens`` tokens (rows x
@@ -124,9 +126,10 @@ class _Dialling:
     done: trio.Event = attrs.field(factory=trio.Event)
 
 
-#: What a session's inbox holds: a step as it came and whether it was pushed, None when the
-#: client ended its side, or the exception the client's stream failed with.
-_InboxItem = tuple[dict[str, Any], bool] | None | Exception
+#: What a session's inbox holds: a step of the client's as it came, or a pushed one (parsed and
+#: granted), and whether it was pushed; None when the client ended its side, or the exception
+#: the client's stream failed with.
+_InboxItem = tuple[dict[str, Any] | Step, bool] | None | Exception
 
 
 @attrs.define(eq=False)
@@ -368,12 +371,7 @@ class InferenceHandlers:
                 raise item  # the client's stream failed
             message, pushed = item
             try:
-                step = Step.from_wire_untrusted(message)
-                if pushed and not session.state.granted(step):
-                    # Another server naming this session without the client's grant: dropped,
-                    # as it leaves the session as it was.
-                    self._serving.count("refused_pushes")
-                    continue
+                step = message if isinstance(message, Step) else Step.from_wire_untrusted(message)
                 plan = session.state.plan(step, pushed=pushed)
                 if plan is None:
                     self._serving.count("stale_pushes")
@@ -383,6 +381,12 @@ class InferenceHandlers:
                     self._start_dial(session, (plan.push[0].peer, plan.push[0].session_id))
                 output = await self._step(plan, session, backend, pool)
             except (ValueError, CodecError) as exc:
+                if pushed:
+                    # Granted, so sent on by the server before this one, but not fitting: the
+                    # client's next step finds the session as it was.
+                    logger.info("dropped a pushed step that does not fit its session: %s", exc)
+                    self._serving.count("refused_pushes")
+                    continue
                 self._serving.count("failures")
                 raise ServerError(f"step refused: {exc}") from None
             pushed_on = None
@@ -603,26 +607,34 @@ class InferenceHandlers:
             # Ends (as the stream's clean end) when the session does.
             session.feeds.add(feed)
             try:
-                await self._feed(call, inbox)
+                await self._feed(call, inbox, session.state)
             finally:
                 session.feeds.discard(feed)
 
-    async def _feed(self, call: ServerCall, inbox: trio.MemorySendChannel[_InboxItem]) -> None:
+    async def _feed(
+        self, call: ServerCall, inbox: trio.MemorySendChannel[_InboxItem], state: SessionState
+    ) -> None:
         """A push stream's steps into its session's inbox, until either ends."""
         while True:
             try:
-                step = await call.receive()
+                message = await call.receive()
             except CallEnded:
                 return
-            carried = [name for name in _NEVER_PUSHED if step.get(name) is not None]
-            if carried:
-                # Left to the session, it would reorder or redo the client's rows.
-                logger.info("refused a push from %s: its step carried %s", call.peer_id, carried)
+            carried = [name for name in _NEVER_PUSHED if message.get(name) is not None]
+            try:
+                if carried:
+                    # Left to the session, it would reorder or redo the client's rows.
+                    raise ValueError(
+                        f"a pushed step carries no {' and no '.join(carried)} (only a step "
+                        "without them is pushed on)"
+                    )
+                step = Step.from_wire_untrusted(message)
+                if not state.granted(step):
+                    raise ValueError("its client did not grant this step")
+            except (ValueError, CodecError) as exc:
+                logger.info("refused a push from %s: %s", call.peer_id, exc)
                 self._serving.count("refused_pushes")
-                raise ServerError(
-                    f"push refused: a pushed step carries no {' and no '.join(carried)} (only a "
-                    f"step without them is pushed on)"
-                )
+                raise ServerError(f"push refused: {exc}") from None
             try:
                 await inbox.send((step, True))
             except (trio.ClosedResourceError, trio.BrokenResourceError):

@@ -266,6 +266,7 @@ class Server:
             addresses=tuple(str(address) for address in self.multiaddrs[:8]),
             reachability=None if self.reach is None else self.reach.reachability.value,
             relay=None if self.reach is None else self.reach.relays_for_others,
+            push_grants=True,
             **rps,
         )
 

@@ -14,6 +14,7 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
+import attrs
 import pytest
 import torch
 import trio
@@ -21,7 +22,7 @@ import trio
 from petals_core import RemoteError
 from petals_core._errors import PeerUnreachable
 from petals_core.client import InferenceSession, RemoteSequential
-from petals_core.dht import NodeID
+from petals_core.dht import NodeID, ServerInfo
 from petals_core.protocol import INFERENCE, PUSH, PUSH_KEY_BYTES, push_grant
 from petals_core.server import Server, ServingLimits
 from petals_core.testing import DelayRelay, Pipe
@@ -124,6 +125,45 @@ async def test_steps_go_server_to_server_and_equal_local(model: Model, tmp_path:
                 statistics = [server.block_server.statistics() for server in servers]
                 assert [s.push_streams for s in statistics] == [1, 1, 0]
                 assert [s.push_dial_failures for s in statistics] == [0, 0, 0]
+
+
+@pytest.mark.parametrize("older", [0, 1])
+async def test_steps_go_server_to_server_only_through_servers_that_pass_grants_on(
+    model: Model, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, older: int
+) -> None:
+    """A server from before push grants (its announcement says nothing of them) would drop the
+    grants of the servers after it, and those would refuse its pushes: a route through one
+    sends each step to every server itself.  Where it is the last of the route (it pushes to
+    nobody), steps still go from server to server."""
+    torch.manual_seed(12)
+    steps = [torch.randn(1, 3, HIDDEN)] + [torch.randn(1, 1, HIDDEN) for _ in range(4)]
+    announce = Server.info
+
+    def info(server: Server) -> ServerInfo:
+        announced = announce(server)
+        is_older = server.blocks is not None and server.blocks.start == 3 * older
+        return attrs.evolve(announced, push_grants=None) if is_older else announced
+
+    monkeypatch.setattr(Server, "info", info)
+    async with in_process_swarm(model, tmp_path, [(0, 3), (3, 6)]) as swarm:
+        first, second = swarm.servers.values()
+        with trio.fail_after(DEADLINE_S):
+            async with (
+                RemoteSequential(manager_for([first, second])) as seq,
+                seq.open_inference_session(max_length=16) as session,
+            ):
+                await run_session(session, model, steps[:1])
+                if older:
+                    await push_streams_reach([first], [1])
+                await run_session(session, model, steps[1:], done=steps[:1])
+                assert session.retries == 0
+        statistics = second.block_server.statistics()
+        if older:
+            assert statistics.pushed_steps >= len(steps) - 1
+        else:
+            assert first.block_server.statistics().push_streams == 0
+            assert statistics.pushed_steps == 0
+        assert statistics.refused_pushes == 0
 
 
 def _free_udp_port() -> int:
@@ -530,8 +570,9 @@ async def test_a_push_without_the_clients_grant_of_exactly_that_step_changes_not
     """A session opened with a push key takes a pushed step only with the client's grant of
     that very step: a peer that learned the session's id cannot roll it back or run a step of
     its own in it, with no grant, with another session's, or with the grant of another position,
-    step id or size.  Such pushes are dropped (the push stream and the session go on), and the
-    granted step is computed as if they had never come."""
+    step id or size, nor end it with a malformed push.  Each such push ends its push stream with
+    the fault named; a granted step that does not fit the session is dropped.  The granted step
+    is then computed as if none of them had come."""
     torch.manual_seed(8)
     session_id, key = os.urandom(8).hex(), os.urandom(PUSH_KEY_BYTES)
     prefix, x, expected = _prefix_and_next(model)
@@ -541,24 +582,34 @@ async def test_a_push_without_the_clients_grant_of_exactly_that_step_changes_not
         return push_grant(**{**at, **kwargs})  # type: ignore[arg-type]
 
     step = {"hidden_states": x, "step_id": 6, "start_from_position": 2}
-    forged = [
-        step,
-        {**step, "grant": grant(key=os.urandom(PUSH_KEY_BYTES))},
-        {**step, "start_from_position": 0, "grant": grant()},  # a rollback
-        {**step, "start_from_position": 0, "grant": grant(position=0, tokens=2)},
-        {**step, "step_id": 9, "grant": grant()},
-        {**step, "hidden_states": torch.randn(1, 2, HIDDEN), "grant": grant()},
+    refused = [
+        (step, "its client did not grant this step"),
+        ({**step, "grant": grant(key=os.urandom(PUSH_KEY_BYTES))}, "did not grant"),
+        ({**step, "start_from_position": 0, "grant": grant()}, "did not grant"),  # a rollback
+        ({**step, "start_from_position": 0, "grant": grant(position=0, tokens=2)}, "not grant"),
+        ({**step, "step_id": 9, "grant": grant()}, "did not grant"),
+        ({**step, "hidden_states": torch.randn(1, 2, HIDDEN), "grant": grant()}, "not grant"),
+        ({**step, "grant": 5}, "grant must be 1..64 bytes"),
+        ({**step, "step_id": -1, "grant": grant()}, "step_id must be an integer >= 0"),
     ]
+    misfit = {**step, "hidden_states": torch.randn(1, 1, HIDDEN + 1), "grant": grant()}
     async with _one_server(model, tmp_path) as (server, connection):
         async with _session_at_step_5(connection, session_id, prefix, push_key=key) as call:
+            for message, says in refused:
+                async with open_call(connection, PUSH) as push:
+                    await push.send({"session_id": session_id})
+                    await push.send(message)
+                    with pytest.raises(RemoteError, match=f"push refused: .*{says}"):
+                        await push.receive()
             async with open_call(connection, PUSH) as push:
                 await push.send({"session_id": session_id})
-                for message in forged:
-                    await push.send(message)
-                await server.block_server.wait_statistics(lambda s: s.refused_pushes == len(forged))
-                await push.send({**step, "grant": grant()})
+                await push.send(misfit)
+                await server.block_server.wait_statistics(
+                    lambda s: s.refused_pushes == len(refused) + 1
+                )
+                await push.send({**step, "step_id": 7, "grant": grant(step_id=7)})
                 answer = await call.receive()
-            assert (answer["step_id"], answer["position"]) == (6, 3)
+            assert (answer["step_id"], answer["position"]) == (7, 3)
             assert_close(answer["hidden_states"], expected)
             await call.send_eof()
         assert server.block_server.statistics().pushed_steps == 1
@@ -584,18 +635,25 @@ async def test_a_push_stream_ends_with_its_session(model: Model, tmp_path: Path)
             await push.receive()
 
 
-async def test_a_malformed_pushed_step_ends_the_session(model: Model, tmp_path: Path) -> None:
-    """A pushed step is read as the client's own are: a malformed one ends the session with the
-    fault named, whatever its step id."""
+async def test_a_malformed_pushed_step_ends_its_push_stream_and_not_the_session(
+    model: Model, tmp_path: Path
+) -> None:
+    """A malformed pushed step ends its push stream with the fault named, whatever its step id;
+    the session goes on as if it had never come (a peer that learned its id cannot end it)."""
+    torch.manual_seed(11)
     session_id = os.urandom(8).hex()
-    prefix = torch.randn(1, 2, HIDDEN)
+    prefix, x, expected = _prefix_and_next(model)
     async with _one_server(model, tmp_path) as (server, connection):
-        async with (
-            _session_at_step_5(connection, session_id, prefix) as call,
-            open_call(connection, PUSH) as push,
-        ):
-            await push.send({"session_id": session_id})
-            await push.send({"hidden_states": torch.ones(1, 1, HIDDEN).long()})
-            with pytest.raises(RemoteError, match="step refused: hidden_states must"):
-                await call.receive()
-        assert server.block_server.open_sessions == 0
+        async with _session_at_step_5(connection, session_id, prefix) as call:
+            async with open_call(connection, PUSH) as push:
+                await push.send({"session_id": session_id})
+                await push.send({"hidden_states": torch.ones(1, 1, HIDDEN).long()})
+                with pytest.raises(RemoteError, match="push refused: hidden_states must"):
+                    await push.receive()
+            await call.send({"hidden_states": x, "step_id": 6})
+            answer = await call.receive()
+            assert (answer["step_id"], answer["position"]) == (6, 3)
+            assert_close(answer["hidden_states"], expected)
+            assert server.block_server.open_sessions == 1
+            await call.send_eof()
+        assert server.block_server.statistics().refused_pushes == 1
