@@ -236,13 +236,14 @@ class SessionCore:
                     session_id=later.session_id,
                     grant=push_grant(
                         later.push_key,
+                        pusher=before.peer,
                         step_id=step_id,
                         position=self.position,
                         tokens=tokens,
                         batch=batch,
                     ),
                 )
-                for later in self.spans[index + 1 :]
+                for before, later in itertools.pairwise(self.spans[index:])
             )
         self._expected[id(state)] = step_id
         # The position is always explicit: after a pushed step that failed half-way, what the

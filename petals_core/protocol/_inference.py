@@ -17,8 +17,9 @@ carries ``prompts`` nor ``hypo_ids``; a server refuses a push stream's step that
 not let them steer it (roll it back, or run a step the client never sent).  A client opens each
 session with a secret ``push_key``, and gives each push target a ``grant``: a MAC under that
 session's key of the one pushed step it allows (its step id, start position, positions and
-rows; :func:`push_grant`).  The pushing server passes the grant on with the step, and a server
-takes a pushed step into a session opened with a key only if the grant checks.
+rows, and the server to push it: the one before on the route; :func:`push_grant`).  The pushing
+server passes the grant on with the step, and a server takes a pushed step into a session
+opened with a key only if the grant checks.
 """
 
 from __future__ import annotations
@@ -82,16 +83,21 @@ _GRANT_BYTES: Final = 16
 _GRANTED: Final = struct.Struct(">QQQQ")
 
 
-def push_grant(key: bytes, *, step_id: int, position: int, tokens: int, batch: int) -> bytes:
+def push_grant(
+    key: bytes, *, pusher: str, step_id: int, position: int, tokens: int, batch: int
+) -> bytes:
     """The grant, under a session's ``key``, of the pushed step ``step_id`` of ``tokens`` new
-    positions from ``position`` on, for ``batch`` rows."""
-    message = b"petals.push-grant\0" + _GRANTED.pack(step_id, position, tokens, batch)
+    positions from ``position`` on, for ``batch`` rows, pushed by the server ``pusher`` (its
+    PeerID: the server before that session on the route)."""
+    sender = pusher.encode()
+    message = b"petals.push-grant\0%d:%b" % (len(sender), sender)
+    message += _GRANTED.pack(step_id, position, tokens, batch)
     return hmac.new(key, message, hashlib.sha256).digest()[:_GRANT_BYTES]
 
 
-def push_granted(key: bytes, step: Step) -> bool:
-    """Whether ``step`` (as pushed into a session of ``key``) carries that session's grant of
-    exactly this step."""
+def push_granted(key: bytes, step: Step, *, pusher: str) -> bool:
+    """Whether ``step``, pushed by ``pusher`` into a session of ``key``, carries that session's
+    grant of exactly this step from exactly that server."""
     hidden = step.hidden_states
     if step.grant is None or step.step_id is None or step.start_from_position is None:
         return False
@@ -99,6 +105,7 @@ def push_granted(key: bytes, step: Step) -> bool:
         return False
     expected = push_grant(
         key,
+        pusher=pusher,
         step_id=step.step_id,
         position=step.start_from_position,
         tokens=hidden.shape[1],
@@ -115,7 +122,8 @@ class OpenSession(WireMessage):
 
     what: ClassVar[str] = "session opening"
 
-    #: Names the session; also the capability the next servers' pushes name it by.
+    #: Names the session, also in the previous servers' pushes (which need grants, see the
+    #: module, when ``push_key`` is given).
     session_id: str
     blocks: tuple[int, int] = attrs.field(converter=as_tuple)
     #: Positions the session holds at most.

@@ -629,7 +629,7 @@ class InferenceHandlers:
                         "without them is pushed on)"
                     )
                 step = Step.from_wire_untrusted(message)
-                if not state.granted(step):
+                if not state.granted(step, pusher=str(call.peer_id)):
                     raise ValueError("its client did not grant this step")
             except (ValueError, CodecError) as exc:
                 logger.info("refused a push from %s: %s", call.peer_id, exc)

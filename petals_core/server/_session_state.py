@@ -50,10 +50,11 @@ class SessionState:
         #: The highest step id seen (pushed steps at or below it are stale).
         self.last_step_id = -1
 
-    def granted(self, step: Step) -> bool:
-        """Whether the pushed ``step`` may run in this session: it carries the client's grant
-        of exactly this step (when the session was opened with a push key)."""
-        return self._push_key is None or push_granted(self._push_key, step)
+    def granted(self, step: Step, *, pusher: str) -> bool:
+        """Whether ``step``, pushed by the server ``pusher``, may run in this session: it
+        carries the client's grant of exactly this step from that server (when the session was
+        opened with a push key)."""
+        return self._push_key is None or push_granted(self._push_key, step, pusher=pusher)
 
     def plan(self, step: Step, *, pushed: bool) -> StepPlan | None:
         """What to do with ``step``: None for a stale push (drop it), a plan otherwise.

@@ -13,7 +13,9 @@ Initial, which only a client receiving at that address can send.  A forged addre
 no slot beyond those, and is sent nothing larger than a Retry.  A token that does not validate
 (too old, from another address, or sealed before this node restarted) is answered with a
 connection close (INVALID_TOKEN, RFC 9000, 8.1.3): a client would not take a second Retry, and
-would otherwise wait out its connect timeout.
+would otherwise wait out its connect timeout.  Such closes cost some work each (the Initial keys,
+a sealed packet), so at most :data:`_MAX_TOKEN_REFUSALS` are sent a second; beyond, the Initial
+is ignored, as it was before such closes.
 """
 
 from __future__ import annotations
@@ -43,6 +45,8 @@ __all__ = ["Admission", "Admitted"]
 
 #: The reason an Initial whose token does not validate is refused with.
 _INVALID_TOKEN_REASON: Final = b"address token not valid here"
+#: Closes for tokens that do not validate sent in one second at most.
+_MAX_TOKEN_REFUSALS: Final = 64
 
 
 @attrs.frozen
@@ -66,6 +70,9 @@ class Admission:
         self._tokens = QuicRetryTokenHandler()
         #: Retries sent (handshakes asked to prove their address first).
         self.retries_sent = 0
+        #: The second the token refusals sent are counted in, and how many.
+        self._refusals_at = -1
+        self._refusals = 0
 
     def admit(self, header: QuicHeader, address: Address, now: float) -> Admitted | bytes | None:
         """Whether the Initial ``header`` from ``address`` may open a connection: how
@@ -87,8 +94,8 @@ class Admission:
                     token=header.token,
                     now=now,
                 )
-            except ValueError:
-                return _invalid_token(header)  # not ours, for another address, or too old
+            except ValueError:  # not ours, for another address, or too old
+                return self._refuse_token(header, now)
             return Admitted(original_dcid, header.destination_cid, counted)
         ceiling = self.config.max_unproven_handshakes
         if ceiling is not None and self._unproven >= ceiling:
@@ -118,6 +125,15 @@ class Admission:
             if not self._accepted_from[key]:
                 del self._accepted_from[key]
         conn.accepted_from = ()
+
+    def _refuse_token(self, header: QuicHeader, now: float) -> bytes | None:
+        second = int(now)
+        if second != self._refusals_at:
+            self._refusals_at, self._refusals = second, 0
+        if self._refusals >= _MAX_TOKEN_REFUSALS:
+            return None
+        self._refusals += 1
+        return _invalid_token(header)
 
     def _retry(self, header: QuicHeader, address: Address, now: float) -> bytes:
         source_cid = os.urandom(self._cid_bytes)

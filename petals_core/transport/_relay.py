@@ -104,7 +104,7 @@ class RelayLimits:
     max_circuits_per_site: int = attrs.field(default=64, validator=positive)
     #: Bytes forwarded per second on one circuit (both ways together), on all the circuits one
     #: host dialled together (so that one host cannot take the whole budget), on all those of
-    #: one IPv6 site (however many /64s it dials from), and in all.
+    #: one IPv6 site (however many /64s it dials from; an IPv4 host is only a host), and in all.
     circuit_bytes_per_s: float | None = attrs.field(default=32 << 20, validator=positive_or_none)
     host_bytes_per_s: float | None = attrs.field(default=32 << 20, validator=positive_or_none)
     site_bytes_per_s: float | None = attrs.field(default=64 << 20, validator=positive_or_none)

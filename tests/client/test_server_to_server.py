@@ -31,6 +31,7 @@ from petals_core.transport import (
     CallEnded,
     Connection,
     Handlers,
+    Identity,
     Multiaddr,
     ServerCall,
     TransportConfig,
@@ -378,14 +379,14 @@ async def _session_at_step_5(
 
 @asynccontextmanager
 async def _one_server(
-    model: Model, tmp_path: Path, **swarm: Any
+    model: Model, tmp_path: Path, identity: Identity | None = None, **swarm: Any
 ) -> AsyncIterator[tuple[Server, Connection]]:
     """A server of all the blocks (``swarm``: options of :func:`in_process_swarm`) and a raw
-    client's connection to it, under the tests' deadline."""
+    client's connection to it (from ``identity``, if given), under the tests' deadline."""
     async with in_process_swarm(model, tmp_path, [(0, 6)], **swarm) as served:
         (server,) = served.servers.values()
         with trio.fail_after(DEADLINE_S):
-            async with open_node(host="127.0.0.1") as node:
+            async with open_node(identity, host="127.0.0.1") as node:
                 yield server, await node.connect(server.multiaddrs[0])
 
 
@@ -568,17 +569,19 @@ async def test_a_push_without_the_clients_grant_of_exactly_that_step_changes_not
     model: Model, tmp_path: Path
 ) -> None:
     """A session opened with a push key takes a pushed step only with the client's grant of
-    that very step: a peer that learned the session's id cannot roll it back or run a step of
-    its own in it, with no grant, with another session's, or with the grant of another position,
-    step id or size, nor end it with a malformed push.  Each such push ends its push stream with
-    the fault named; a granted step that does not fit the session is dropped.  The granted step
-    is then computed as if none of them had come."""
+    that very step from the server meant to push it: a peer that learned the session's id cannot
+    roll it back or run a step of its own in it, with no grant, with another session's, or with
+    the grant of another position, step id, size or pusher, nor end it with a malformed push.
+    Each such push ends its push stream with the fault named; a granted step that does not fit
+    the session is dropped.  The granted step is then computed as if none of them had come."""
     torch.manual_seed(8)
     session_id, key = os.urandom(8).hex(), os.urandom(PUSH_KEY_BYTES)
     prefix, x, expected = _prefix_and_next(model)
+    pusher = Identity.generate()
 
     def grant(step_id: int = 6, position: int = 2, tokens: int = 1, **kwargs: Any) -> bytes:
         at = {"key": key, "step_id": step_id, "position": position, "tokens": tokens, "batch": 1}
+        at["pusher"] = str(pusher.peer_id)
         return push_grant(**{**at, **kwargs})  # type: ignore[arg-type]
 
     step = {"hidden_states": x, "step_id": 6, "start_from_position": 2}
@@ -588,12 +591,13 @@ async def test_a_push_without_the_clients_grant_of_exactly_that_step_changes_not
         ({**step, "start_from_position": 0, "grant": grant()}, "did not grant"),  # a rollback
         ({**step, "start_from_position": 0, "grant": grant(position=0, tokens=2)}, "not grant"),
         ({**step, "step_id": 9, "grant": grant()}, "did not grant"),
+        ({**step, "grant": grant(pusher=str(Identity.generate().peer_id))}, "did not grant"),
         ({**step, "hidden_states": torch.randn(1, 2, HIDDEN), "grant": grant()}, "not grant"),
         ({**step, "grant": 5}, "grant must be 1..64 bytes"),
         ({**step, "step_id": -1, "grant": grant()}, "step_id must be an integer >= 0"),
     ]
     misfit = {**step, "hidden_states": torch.randn(1, 1, HIDDEN + 1), "grant": grant()}
-    async with _one_server(model, tmp_path) as (server, connection):
+    async with _one_server(model, tmp_path, pusher) as (server, connection):
         async with _session_at_step_5(connection, session_id, prefix, push_key=key) as call:
             for message, says in refused:
                 async with open_call(connection, PUSH) as push:

@@ -102,15 +102,18 @@ def test_push_step_hands_the_output_down_the_chain() -> None:
 
 
 def test_a_session_with_a_push_key_takes_only_pushes_granted_for_exactly_them() -> None:
-    """A grant is of one step: its id, start position, positions and rows, under the session's
-    key.  A session opened without a key takes any push (as before grants)."""
+    """A grant is of one step: its id, start position, positions, rows and the server pushing
+    it, under the session's key.  A session opened without a key takes any push (as before
+    grants)."""
     key = bytes(range(32))
     state = SessionState(batch=2, max_length=16, push_key=key)
-    at = {"step_id": 4, "position": 3, "tokens": 2, "batch": 2}
-    granted = push_grant(key, **at)
+    at = {"pusher": "server-a", "step_id": 4, "position": 3, "tokens": 2, "batch": 2}
+    granted = push_grant(key, **at)  # type: ignore[arg-type]
     step = _step(2, batch=2, step_id=4, start_from_position=3, grant=granted)
-    assert state.granted(step)
-    assert SessionState(batch=2, max_length=16).granted(attrs.evolve(step, grant=None))
+    assert state.granted(step, pusher="server-a")
+    assert not state.granted(step, pusher="server-b")
+    anyone = SessionState(batch=2, max_length=16)
+    assert anyone.granted(attrs.evolve(step, grant=None), pusher="server-b")
     for other in (
         attrs.evolve(step, grant=None),
         attrs.evolve(step, step_id=5),
@@ -118,7 +121,7 @@ def test_a_session_with_a_push_key_takes_only_pushes_granted_for_exactly_them() 
         attrs.evolve(step, start_from_position=None),
         attrs.evolve(step, hidden_states=torch.zeros(2, 3, 4)),
         attrs.evolve(step, hidden_states=torch.zeros(1, 2, 4)),
-        attrs.evolve(step, grant=push_grant(bytes(32), **at)),
+        attrs.evolve(step, grant=push_grant(bytes(32), **at)),  # type: ignore[arg-type]
         attrs.evolve(step, step_id=2**64),
     ):
-        assert not state.granted(other)
+        assert not state.granted(other, pusher="server-a")

@@ -590,3 +590,27 @@ def test_a_token_sealed_before_a_restart_is_refused_at_once() -> None:
     assert isinstance(error, ConnectionClosed) and "token" in str(error)
     again = client.endpoint.connect(FAR_SERVER, server.identity.peer_id, net.now)
     assert net.run_until(lambda: again in client.ready, max_time_s=30)
+
+
+def test_closes_for_tokens_that_do_not_validate_are_at_most_64_a_second() -> None:
+    """Each close for a token that does not validate costs the node some work (Initial keys, a
+    sealed packet): a flood of such Initials gets 64 a second, the rest are ignored."""
+    config = TransportConfig(keepalive_interval_s=None, max_unproven_handshakes=0)
+    server = Endpoint(Identity.generate(), config)
+    client = Endpoint(Identity.generate(), config)
+    client.connect(FAR_SERVER, server.identity.peer_id, 0.0)
+    ((initial, _),) = client.datagrams_to_send(0.0)
+    server.receive_datagram(initial, FAR_CLIENT, 0.0)
+    ((retry, _),) = server.datagrams_to_send(0.0)
+    client.receive_datagram(retry, FAR_SERVER, 0.0)
+    ((with_token, _),) = client.datagrams_to_send(0.0)
+
+    def refusals(now: float) -> int:
+        for index in range(100):  # the token is FAR_CLIENT's: from elsewhere it does not validate
+            server.receive_datagram(with_token, (f"198.51.100.{index + 1}", 1000), now)
+        return len(server.datagrams_to_send(now))
+
+    assert refusals(0.5) == 64
+    assert refusals(0.9) == 0
+    assert refusals(1.0) == 64
+    assert server.connection_count() == 0

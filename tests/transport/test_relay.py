@@ -582,7 +582,7 @@ _RATE = 1 << 20
             ["198.51.100.2"] * 4,
             "203.0.113.5",
         ),
-        (  # four /64s of one /48, each within its own host's rate
+        (  # four /64s of one /48 (the hosts' rates off)
             RelayLimits(
                 circuit_bytes_per_s=_RATE,
                 host_bytes_per_s=None,
