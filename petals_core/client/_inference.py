@@ -248,10 +248,9 @@ class InferenceSession:
         # Server-to-server: a plain step goes to the first server, which pushes its output on
         # to the next, and so on; each answers us too (we keep every span's inputs for replay).
         # A server that could not push says so, and we send the step on ourselves.
-        spans = core.spans[:-1]  # (the last pushes to nobody)
         core.start_chain(
             server_to_server=self.manager.config.use_server_to_server
-            and all(self.manager.passes_push_grants(state.span) for state in spans)
+            and all(self.manager.knows_push_grants(state.span) for state in core.spans)
         )
         x = hidden
         index = 0

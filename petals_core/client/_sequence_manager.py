@@ -35,6 +35,7 @@ import trio
 from .._errors import ConfigError, PeerUnreachable, TransportError
 from .._validators import compression_scheme, positive
 from ..dht import DHTNode, PeerTableSnapshot, ServerInfo, ServerState, Topic, open_dht_node
+from ..protocol import PUSH_GRANTS
 from ..routing import (
     MissingBlocksError,
     RouteSpan,
@@ -565,11 +566,12 @@ class RemoteSequenceManager:
         rate = rate if rate else info.throughput
         return max(rate, 0.0)
 
-    def passes_push_grants(self, span: RouteSpan) -> bool:
-        """Whether ``span``'s server announces that it passes its clients' push grants on
-        (servers from before grants drop them, and the next servers then refuse their pushes)."""
+    def knows_push_grants(self, span: RouteSpan) -> bool:
+        """Whether ``span``'s server announces that it passes on and checks push grants of the
+        form this client makes (one from before grants drops them, and the next servers then
+        refuse its pushes; one of another form refuses ours)."""
         info = self._announcement(span)
-        return info is not None and info.push_grants is True
+        return info is not None and info.push_grants == PUSH_GRANTS
 
     # -- what servers deliver --------------------------------------------------------------------
 

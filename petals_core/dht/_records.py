@@ -469,8 +469,7 @@ def _check_server_info(info: ServerInfo) -> None:
     _check_name("reachability", info.reachability, optional=True)
     if info.relay is not None and not isinstance(info.relay, bool):
         raise LocalProtocolError(f"relay is true or false, not {info.relay!r}")
-    if info.push_grants is not None and not isinstance(info.push_grants, bool):
-        raise LocalProtocolError(f"push_grants is true or false, not {info.push_grants!r}")
+    _check_count("push_grants", info.push_grants, 1, 2**16, optional=True)
     _check_rate("inference_rps", info.inference_rps, optional=True)
     _check_rate("forward_rps", info.forward_rps, optional=True)
     if not isinstance(info.adapters, tuple) or len(info.adapters) > _MAX_ADAPTERS:
@@ -529,9 +528,9 @@ class ServerInfo:
     reachability: str | None = None
     #: Whether it relays for servers that cannot be dialled.
     relay: bool | None = None
-    #: Whether it passes its clients' push grants on (see ``protocol._inference``); None: a
-    #: server from before them, which drops them.
-    push_grants: bool | None = None
+    #: The form of its clients' push grants it passes on and checks (see
+    #: ``protocol._inference``); None: a server from before them, which drops them.
+    push_grants: int | None = None
 
     def __attrs_post_init__(self) -> None:
         _check_server_info(self)

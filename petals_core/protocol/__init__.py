@@ -32,6 +32,7 @@ from ._inference import (
     INFERENCE as INFERENCE,
     MAX_PUSH_CHAIN as MAX_PUSH_CHAIN,
     PUSH as PUSH,
+    PUSH_GRANTS as PUSH_GRANTS,
     PUSH_KEY_BYTES as PUSH_KEY_BYTES,
     OpenPush as OpenPush,
     OpenSession as OpenSession,

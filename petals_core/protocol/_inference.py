@@ -60,6 +60,7 @@ __all__ = [
     "INFERENCE",
     "MAX_PUSH_CHAIN",
     "PUSH",
+    "PUSH_GRANTS",
     "PUSH_KEY_BYTES",
     "OpenPush",
     "OpenSession",
@@ -77,6 +78,9 @@ PUSH: Final = "petals.push"
 #: The most servers after the receiving one that a step may name to push on to.
 MAX_PUSH_CHAIN: Final = 64
 
+#: The form of push grants this version makes and checks (servers announce it, see
+#: ``dht.ServerInfo.push_grants``).
+PUSH_GRANTS: Final = 1
 #: Sizes of a session's push key and of a grant (a truncated HMAC-SHA256).
 PUSH_KEY_BYTES: Final = 32
 _GRANT_BYTES: Final = 16
@@ -90,7 +94,7 @@ def push_grant(
     positions from ``position`` on, for ``batch`` rows, pushed by the server ``pusher`` (its
     PeerID: the server before that session on the route)."""
     sender = pusher.encode()
-    message = b"petals.push-grant\0%d:%b" % (len(sender), sender)
+    message = b"petals.push-grant.%d\0%d:%b" % (PUSH_GRANTS, len(sender), sender)
     message += _GRANTED.pack(step_id, position, tokens, batch)
     return hmac.new(key, message, hashlib.sha256).digest()[:_GRANT_BYTES]
 

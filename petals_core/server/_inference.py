@@ -4,8 +4,9 @@ The messages are :mod:`petals_core.protocol`'s.  A session's opening reserves it
 (waiting up to its ``alloc_timeout``, capped by ``--max_alloc_timeout``; refusing at once what
 can never fit); the cache is freed when the client ends its side.  A session counts against its
 peer's ``max_sessions_per_peer`` from its opening on, while it waits for cache too.  Any error
-ends the session with a message naming the cause: a step is checked fully before the cache is
-touched, so nothing of another session, nor of this one before the failed step, is changed.
+of a client's step ends the session with a message naming the cause: a step is checked fully
+before the cache is touched, so nothing of another session, nor of this one before the failed
+step, is changed.  (Pushed steps that fail are refused or dropped instead, below.)
 
 **Pushes.** After computing a step that names the next servers' sessions (``push``), this
 server sends its output, as the next step of the first of them (same ``step_id``,
@@ -26,7 +27,8 @@ takes a pushed step only with its client's grant of exactly that step (see
 steer it.  A pushed step that does not parse, carries deep prompts or ``hypo_ids`` (no honest
 push does: the previous server makes it of a step that could be pushed on), or lacks its grant
 is refused: the push stream ends with the fault named, the session is untouched.  One that is
-granted but does not fit the session (its rows, its size) is dropped, the session untouched.
+granted but fails (its hidden size is not the blocks') is dropped, its step id counted as seen:
+the client's next step, which always names its start, goes on from there.
 Its ``start_from_position`` is honoured, as every push carries the previous server's start (a
 client's rollback reaches the later servers that way).  A pushed step whose ``step_id`` is not
 above every id the session has seen is stale (its client has resent that step itself since) and

@@ -62,6 +62,7 @@ from ..models import (
     new_block,
     quantize_block,
 )
+from ..protocol import PUSH_GRANTS
 from ..routing import choose_best_blocks, should_choose_other_blocks, spans_from_snapshot
 from ..transport import (
     Connection,
@@ -266,7 +267,7 @@ class Server:
             addresses=tuple(str(address) for address in self.multiaddrs[:8]),
             reachability=None if self.reach is None else self.reach.reachability.value,
             relay=None if self.reach is None else self.reach.relays_for_others,
-            push_grants=True,
+            push_grants=PUSH_GRANTS,
             **rps,
         )
 

@@ -23,6 +23,7 @@ from petals_core.client import (
     remote_forward,
 )
 from petals_core.dht import PeerTableSnapshot
+from petals_core.protocol import PUSH_GRANTS
 from petals_core.routing import MissingBlocksError, RouteSpan
 
 from ..dht._swarm import wait_until
@@ -248,3 +249,22 @@ def test_the_step_timeout_scales_with_the_expected_compute(
             prefix="model", now=0.0, version=1, blocks=blocks
         )
     assert manager.step_timeout(span, tokens=tokens, nbytes=nbytes) == pytest.approx(expected)
+
+
+def test_a_servers_announcement_is_found_under_any_block_of_a_table_still_filling() -> None:
+    """Routes are planned from a peer table that may hold a server under some of its blocks
+    only (the table fills as the DHT answers): what the server announces is still found for a
+    span that starts at a block the table lacks."""
+    manager = manager_for(dht_prefix="model")
+    span = RouteSpan(peer_id="peer", start=0, end=3)
+    announced = attrs.evolve(server(0, 3, inference_rps=40.0), push_grants=PUSH_GRANTS)
+    assert manager.announced_rate(span, tokens=1) is None
+    assert not manager.knows_push_grants(span)
+    manager.state.snapshot = PeerTableSnapshot(
+        prefix="model", now=0.0, version=1, blocks={2: {"peer": announced}}
+    )
+    assert manager.announced_rate(span, tokens=1) == 40.0
+    assert manager.knows_push_grants(span)
+    other = attrs.evolve(announced, push_grants=PUSH_GRANTS + 1)
+    manager.state.snapshot = attrs.evolve(manager.state.snapshot, blocks={1: {"peer": other}})
+    assert not manager.knows_push_grants(span)

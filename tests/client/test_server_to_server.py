@@ -23,7 +23,7 @@ from petals_core import RemoteError
 from petals_core._errors import PeerUnreachable
 from petals_core.client import InferenceSession, RemoteSequential
 from petals_core.dht import NodeID, ServerInfo
-from petals_core.protocol import INFERENCE, PUSH, PUSH_KEY_BYTES, push_grant
+from petals_core.protocol import INFERENCE, PUSH, PUSH_GRANTS, PUSH_KEY_BYTES, push_grant
 from petals_core.server import Server, ServingLimits
 from petals_core.testing import DelayRelay, Pipe
 from petals_core.transport import (
@@ -128,22 +128,32 @@ async def test_steps_go_server_to_server_and_equal_local(model: Model, tmp_path:
                 assert [s.push_dial_failures for s in statistics] == [0, 0, 0]
 
 
-@pytest.mark.parametrize("older", [0, 1])
-async def test_steps_go_server_to_server_only_through_servers_that_pass_grants_on(
-    model: Model, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, older: int
+@pytest.mark.parametrize(
+    ("altered", "form"),
+    [(None, None), (0, None), (1, None), (1, PUSH_GRANTS + 1)],
+    ids=["all-current", "first-older", "last-older", "last-other-form"],
+)
+async def test_steps_go_server_to_server_only_where_every_server_knows_the_grants(
+    model: Model,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    altered: int | None,
+    form: int | None,
 ) -> None:
     """A server from before push grants (its announcement says nothing of them) would drop the
-    grants of the servers after it, and those would refuse its pushes: a route through one
-    sends each step to every server itself.  Where it is the last of the route (it pushes to
-    nobody), steps still go from server to server."""
+    grants of the servers after it, and those would refuse its pushes; one of another form of
+    grants would refuse ours.  A route through either sends each step to every server itself;
+    a route of servers that all announce this client's form goes server to server."""
     torch.manual_seed(12)
     steps = [torch.randn(1, 3, HIDDEN)] + [torch.randn(1, 1, HIDDEN) for _ in range(4)]
     announce = Server.info
 
     def info(server: Server) -> ServerInfo:
         announced = announce(server)
-        is_older = server.blocks is not None and server.blocks.start == 3 * older
-        return attrs.evolve(announced, push_grants=None) if is_older else announced
+        is_altered = altered is not None and server.blocks is not None
+        if is_altered and server.blocks.start == 3 * altered:  # type: ignore[union-attr]
+            return attrs.evolve(announced, push_grants=form)
+        return announced
 
     monkeypatch.setattr(Server, "info", info)
     async with in_process_swarm(model, tmp_path, [(0, 3), (3, 6)]) as swarm:
@@ -154,12 +164,12 @@ async def test_steps_go_server_to_server_only_through_servers_that_pass_grants_o
                 seq.open_inference_session(max_length=16) as session,
             ):
                 await run_session(session, model, steps[:1])
-                if older:
+                if altered is None:
                     await push_streams_reach([first], [1])
                 await run_session(session, model, steps[1:], done=steps[:1])
                 assert session.retries == 0
         statistics = second.block_server.statistics()
-        if older:
+        if altered is None:
             assert statistics.pushed_steps >= len(steps) - 1
         else:
             assert first.block_server.statistics().push_streams == 0
@@ -379,14 +389,14 @@ async def _session_at_step_5(
 
 @asynccontextmanager
 async def _one_server(
-    model: Model, tmp_path: Path, identity: Identity | None = None, **swarm: Any
+    model: Model, tmp_path: Path, **swarm: Any
 ) -> AsyncIterator[tuple[Server, Connection]]:
     """A server of all the blocks (``swarm``: options of :func:`in_process_swarm`) and a raw
-    client's connection to it (from ``identity``, if given), under the tests' deadline."""
+    client's connection to it, under the tests' deadline."""
     async with in_process_swarm(model, tmp_path, [(0, 6)], **swarm) as served:
         (server,) = served.servers.values()
         with trio.fail_after(DEADLINE_S):
-            async with open_node(identity, host="127.0.0.1") as node:
+            async with open_node(host="127.0.0.1") as node:
                 yield server, await node.connect(server.multiaddrs[0])
 
 
@@ -597,15 +607,22 @@ async def test_a_push_without_the_clients_grant_of_exactly_that_step_changes_not
         ({**step, "step_id": -1, "grant": grant()}, "step_id must be an integer >= 0"),
     ]
     misfit = {**step, "hidden_states": torch.randn(1, 1, HIDDEN + 1), "grant": grant()}
-    async with _one_server(model, tmp_path, pusher) as (server, connection):
+    async with (
+        _one_server(model, tmp_path) as (server, connection),
+        open_node(pusher, host="127.0.0.1") as node,
+    ):
+        pushing = await node.connect(server.multiaddrs[0])
         async with _session_at_step_5(connection, session_id, prefix, push_key=key) as call:
-            for message, says in refused:
-                async with open_call(connection, PUSH) as push:
+            # From the client's own connection, the grant meant for the pusher does not check.
+            refused.append(({**step, "grant": grant()}, "did not grant"))
+            for index, (message, says) in enumerate(refused):
+                sender = connection if index == len(refused) - 1 else pushing
+                async with open_call(sender, PUSH) as push:
                     await push.send({"session_id": session_id})
                     await push.send(message)
                     with pytest.raises(RemoteError, match=f"push refused: .*{says}"):
                         await push.receive()
-            async with open_call(connection, PUSH) as push:
+            async with open_call(pushing, PUSH) as push:
                 await push.send({"session_id": session_id})
                 await push.send(misfit)
                 await server.block_server.wait_statistics(

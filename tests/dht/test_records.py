@@ -595,7 +595,7 @@ INFO = ServerInfo(
     adapters=["lora-a", "lora-b"],
     cache_tokens_left=2**40,
     next_pings={str(BOB.peer_id): 0.01, str(CAROL.peer_id): 0.25},
-    push_grants=True,
+    push_grants=1,
 )
 
 
@@ -658,8 +658,9 @@ def test_server_info_readers_ignore_unknown_fields() -> None:
         {"next_pings": {str(BOB.peer_id): -0.1}},
         {"next_pings": {str(BOB.peer_id): math.nan}},
         {"forward_rps": [1.0]},
-        {"push_grants": 1},
-        {"push_grants": "yes"},
+        {"push_grants": True},
+        {"push_grants": 0},
+        {"push_grants": "1"},
     ],
 )
 def test_malformed_server_info_is_refused(change: dict[str, Any]) -> None:
