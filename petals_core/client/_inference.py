@@ -99,8 +99,6 @@ class InferenceSession:
         self._check_failure: BaseException | None = None
         self._closed = False
         self.retries = 0
-        #: Failures so far of the caller's step under way (its pieces share one retry budget).
-        self._attempt = 0
         #: Where the first step spent its time (None until it is done).
         self.first_step: FirstStepTimes | None = None
         # Seconds the first step spent so far on planning routes, opening spans, connecting.
@@ -177,27 +175,27 @@ class InferenceSession:
             raise PetalsError("the inference session is closed")
         pieces = self._core.step_pieces(hidden, prompts=prompts)
         started = trio.current_time()
-        # The failures of every piece count against one retry budget: the caller's step's.
-        self._attempt = 0
         try:
             if len(pieces) == 1:
-                return await self._step(hidden, prompts, hypo_ids, padding, started=started)
-            # A long prefill goes in several steps, none beyond what servers take.
-            outputs = []
+                output, _ = await self._step(hidden, prompts, hypo_ids, padding, started=started)
+                return output
+            # A long prefill goes in several steps, none beyond what servers take; their
+            # failures count against one retry budget, the caller's step's.
+            outputs, attempt = [], 0
             for start, end in pieces:
                 first = start == 0
-                outputs.append(
-                    await self._step(
-                        hidden[:, start:end],
-                        prompts if first else None,
-                        hypo_ids if first else None,
-                        padding if first else None,
-                        started=started,
-                        continued=not first,
-                        length=hidden.shape[1],
-                        more=end < hidden.shape[1],
-                    )
+                output, attempt = await self._step(
+                    hidden[:, start:end],
+                    prompts if first else None,
+                    hypo_ids if first else None,
+                    padding if first else None,
+                    started=started,
+                    attempt=attempt,
+                    continued=not first,
+                    length=hidden.shape[1],
+                    more=end < hidden.shape[1],
                 )
+                outputs.append(output)
             return torch.cat(outputs, dim=1)
         except BaseException as exc:
             # A step refused as the caller's mistake sent nothing.  Any other that did not finish
@@ -222,12 +220,14 @@ class InferenceSession:
         padding: torch.Tensor | None,
         *,
         started: float,
+        attempt: int = 0,
         continued: bool = False,
         length: int | None = None,
         more: bool = False,
-    ) -> torch.Tensor:
-        """One step message through the chain (``started`` then: its caller's step); the
-        others, see :meth:`SessionCore.begin` and :meth:`SessionCore.finish`."""
+    ) -> tuple[torch.Tensor, int]:
+        """One step message through the chain (``started`` then: its caller's step, which
+        failed ``attempt`` times so far); its output, and the failures so far.  The others, see
+        :meth:`SessionCore.begin` and :meth:`SessionCore.finish`."""
         home = hidden
         hidden = to_wire(hidden, "hidden states")
         if prompts is not None:
@@ -242,7 +242,6 @@ class InferenceSession:
             length=length,
         ):
             await self._close_calls()
-        attempt = self._attempt
         if not core.spans:
             attempt = await self._retrying(attempt, self._open_route)
         # Server-to-server: a plain step goes to the first server, which pushes its output on
@@ -298,7 +297,6 @@ class InferenceSession:
             self.manager.on_request_success(state.peer)
             x = output
             index += 1
-        self._attempt = attempt
         core.finish(more=more)
         if self.first_step is None and not more:
             setup = self._setup
@@ -308,7 +306,7 @@ class InferenceSession:
                 connect_s=setup["connect"],
                 total_s=trio.current_time() - started,
             )
-        return like(x, home)
+        return like(x, home), attempt
 
     # -- internals -------------------------------------------------------------------------------
 

@@ -23,6 +23,7 @@ server is banned for ``ban_timeout_s``, twice as long after each further failure
 
 from __future__ import annotations
 
+import itertools
 import logging
 import random
 import time
@@ -550,11 +551,11 @@ class RemoteSequenceManager:
         snapshot = self.state.snapshot
         if snapshot is None:
             return None
-        info = snapshot.servers_for(span.start).get(span.peer_id)
-        if info is None:
-            found = (servers.get(span.peer_id) for servers in snapshot.blocks.values())
-            info = next((info for info in found if info is not None), None)
-        return info
+        first = (snapshot.servers_for(span.start),)  # (where it is once the table is full)
+        for servers in itertools.chain(first, snapshot.blocks.values()):
+            if (info := servers.get(span.peer_id)) is not None:
+                return info
+        return None
 
     def announced_rate(self, span: RouteSpan, *, tokens: int) -> float | None:
         """The blocks per second ``span``'s server announces for steps of ``tokens`` (rows x
